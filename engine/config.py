@@ -1,0 +1,27 @@
+"""Validated engine configuration, built once in main() and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from engine.model_loader import ModelConfig
+
+# The best known tree per device kind (see README "Benchmarks"; `trserve bench --tree` to compare).
+DEFAULT_TREES = {"cpu": "cpu-default", "cuda": "paper"}
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tree: str = "auto"  # builtin tree name, template file path, or auto = best known for the device
+    k: int = 8  # successors kept per token in the adjacency matrix
+    max_context: int | None = None  # default: the model's max_position_embeddings
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k <= 64:
+            raise ValueError(f"k must be in [1, 64], got {self.k}")
+        if self.max_context is not None and self.max_context < 16:
+            raise ValueError(f"max_context must be >= 16, got {self.max_context}")
+
+    def tree_for(self, device_type: str) -> str:
+        return DEFAULT_TREES.get(device_type, "paper") if self.tree == "auto" else self.tree
