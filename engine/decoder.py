@@ -20,6 +20,7 @@ from engine.recycle import recycle_rows
 from engine.stats import GenerationResult, GenerationStats, StepChunk
 from engine.text import StopChecker, TextStream
 from engine.tree import CompiledTree, get_compiled, load_template
+from engine.verify import forward_one, verify_tree
 
 MODES = ("tr", "ar")
 
@@ -164,8 +165,8 @@ class Decoder:
                     new = self._ar_step(cache, root)
                 else:
                     new, recycled = self._tr_step(cache, session, recycled, root, tree)
-                run.accepted_per_step.append(len(new))
                 new = self._commit(run, new, stops)
+                run.accepted_per_step.append(len(new))
                 root = new[-1] if new else root
                 if new:
                     yield StepChunk(tokens=new, text=text.delta(run.generated, cut=stops.cut_text))
@@ -192,28 +193,14 @@ class Decoder:
         return kept
 
     def _ar_step(self, cache: KVCache, root: int) -> list[int]:
-        past = len(cache)
-        x = torch.tensor([[root]], device=self.device)
-        pos = torch.tensor([[past]], device=self.device)
-        logits = self.model(input_ids=x, position_ids=pos, past_key_values=cache.cache, use_cache=True).logits
-        return [int(logits[0, -1].argmax())]
+        return [int(forward_one(self.model, cache, root).argmax())]
 
     def _tr_step(self, cache: KVCache, session, recycled, root: int, tree: CompiledTree):
         tokens = session.step(recycled, root)  # [n]
         past = len(cache)
-        logits = self._verify(cache, tokens, tree, past)  # [n, V]
+        logits = verify_tree(self.model, cache, tokens, tree)  # [n, V]
         greedy = logits.argmax(dim=-1)  # [n]
         acc = accept_greedy(tokens, greedy, tree)
         cache.compact(past, acc.path)
         rows = recycle_rows(tokens, logits, self.config.k, acc.path)
         return acc.tokens, rows
-
-    def _verify(self, cache: KVCache, tokens: torch.Tensor, tree: CompiledTree, past: int) -> torch.Tensor:
-        """One forward over the whole tree: each node attends to the context and its ancestors."""
-        n = tree.n
-        context = torch.zeros(n, past, dtype=tree.mask.dtype, device=self.device)
-        mask = torch.cat([context, tree.mask], dim=1)[None, None]  # [1, 1, n, past + n]
-        pos = (tree.depth + past)[None]  # [1, n]
-        out = self.model(input_ids=tokens[None], attention_mask=mask, position_ids=pos,
-                         past_key_values=cache.cache, use_cache=True)
-        return out.logits[0]

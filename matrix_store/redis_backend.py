@@ -1,0 +1,160 @@
+"""Redis persistence of matrix snapshots, behind a small circuit breaker.
+
+Key layout (P = StoreConfig.key_prefix, FP = model fingerprint, T = tenant id, N = version):
+
+    P:fingerprints          set    every fingerprint that has at least one stored tenant
+    P:tenants:FP            set    tenant ids stored for FP
+    P:meta:FP:T             hash   fingerprint, vocab_size, k, domain ("" = none), latest (version of
+                                   the newest kept snapshot), updated (unix seconds)
+    P:versions:FP:T         zset   kept snapshot versions (member "N", score N)
+    P:snap:FP:T:N           string one snapshot blob (see snapshot.py)
+
+Tenant ids exclude ':' and N is decimal, so a key names exactly one (FP, T, N) even when FP holds
+':'. Each snapshot is written in one MULTI/EXEC (blob, version set, meta, indexes), so a reader
+never sees a version without its blob; older versions beyond `keep` are trimmed afterwards.
+
+Every call raises engine.errors.Unavailable on any Redis failure. After a failure the breaker
+stays open for a short, growing backoff (0.25 s .. 4 s): calls fail fast instead of each waiting
+for a socket timeout, and the first call after the backoff probes Redis again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from engine.errors import Unavailable
+
+_T = TypeVar("_T")
+_MIN_BACKOFF_S = 0.25
+_MAX_BACKOFF_S = 4.0
+
+
+class RedisBackend:
+    def __init__(self, url: str, prefix: str, timeout_s: float) -> None:
+        self._prefix = prefix
+        # No client-side retries: the breaker and the store's background thread own retrying.
+        self._r = redis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+        )
+        self._lock = threading.Lock()
+        self.last_error: str | None = None  # None while the last call succeeded
+        self._backoff_s = 0.0
+        self._retry_at = 0.0  # monotonic time before which calls fail fast
+
+    # -- breaker -----------------------------------------------------------------------------
+    @property
+    def healthy(self) -> bool:
+        return self.last_error is None
+
+    def _call(self, fn: Callable[[], _T]) -> _T:
+        with self._lock:
+            if self.last_error is not None and time.monotonic() < self._retry_at:
+                raise Unavailable(f"Redis is unreachable ({self.last_error}); retrying shortly")
+        try:
+            result = fn()
+        except redis.RedisError as exc:
+            with self._lock:
+                self.last_error = f"{type(exc).__name__}: {exc}"
+                self._backoff_s = min(max(2 * self._backoff_s, _MIN_BACKOFF_S), _MAX_BACKOFF_S)
+                self._retry_at = time.monotonic() + self._backoff_s
+            raise Unavailable(f"Redis call failed ({self.last_error}); the store keeps serving from memory") from exc
+        with self._lock:
+            self.last_error, self._backoff_s = None, 0.0
+        return result
+
+    # -- keys --------------------------------------------------------------------------------
+    def _key(self, *parts: object) -> str:
+        return ":".join([self._prefix, *map(str, parts)])
+
+    # -- reads -------------------------------------------------------------------------------
+    def ping(self) -> None:
+        self._call(self._r.ping)
+
+    def read_meta(self, fp: str, tenant: str) -> dict[str, str] | None:
+        raw = self._call(lambda: self._r.hgetall(self._key("meta", fp, tenant)))
+        return {k.decode(): v.decode() for k, v in raw.items()} or None
+
+    def list_versions(self, fp: str, tenant: str) -> list[int]:
+        raw = self._call(lambda: self._r.zrange(self._key("versions", fp, tenant), 0, -1))
+        return sorted(int(v) for v in raw)
+
+    def read_blob(self, fp: str, tenant: str, version: int) -> bytes | None:
+        return self._call(lambda: self._r.get(self._key("snap", fp, tenant, version)))
+
+    def tenants(self, fp: str | None) -> set[tuple[str, str]]:
+        """(fingerprint, tenant) pairs stored, for one fingerprint or all."""
+
+        def run() -> set[tuple[str, str]]:
+            fps = [fp] if fp is not None else [f.decode() for f in self._r.smembers(self._key("fingerprints"))]
+            return {(f, t.decode()) for f in fps for t in self._r.smembers(self._key("tenants", f))}
+
+        return self._call(run)
+
+    # -- writes ------------------------------------------------------------------------------
+    def write_snapshot(
+        self, fp: str, tenant: str, meta: dict[str, str], version: int, blob: bytes, keep: int
+    ) -> None:
+        """Store one snapshot atomically, then trim to the newest `keep` versions."""
+        versions_key = self._key("versions", fp, tenant)
+
+        def run() -> None:
+            pipe = self._r.pipeline(transaction=True)
+            pipe.set(self._key("snap", fp, tenant, version), blob)
+            pipe.zadd(versions_key, {str(version): version})
+            # A new snapshot is always the newest: versions only grow, and a rollback drops the
+            # ones above its target first.
+            fields = {**meta, "latest": str(version), "updated": str(time.time())}
+            pipe.hset(self._key("meta", fp, tenant), mapping=fields)
+            pipe.sadd(self._key("tenants", fp), tenant)
+            pipe.sadd(self._key("fingerprints"), fp)
+            pipe.execute()
+            old = self._r.zrange(versions_key, 0, -(keep + 1))  # all but the newest `keep`
+            if old:
+                self._drop(fp, tenant, [int(v) for v in old])
+
+        self._call(run)
+
+    def drop_versions_above(self, fp: str, tenant: str, version: int) -> None:
+        """Delete snapshots newer than `version` and make it the latest (rollback)."""
+
+        def run() -> None:
+            newer = self._r.zrangebyscore(self._key("versions", fp, tenant), f"({version}", "+inf")
+            if newer:
+                self._drop(fp, tenant, [int(v) for v in newer])
+            if self._r.exists(self._key("meta", fp, tenant)):  # never leave a partial meta hash
+                self._r.hset(self._key("meta", fp, tenant), "latest", str(version))
+
+        self._call(run)
+
+    def delete_tenant(self, fp: str, tenant: str) -> None:
+        def run() -> None:
+            versions = [int(v) for v in self._r.zrange(self._key("versions", fp, tenant), 0, -1)]
+            pipe = self._r.pipeline(transaction=True)
+            for v in versions:
+                pipe.delete(self._key("snap", fp, tenant, v))
+            pipe.delete(self._key("versions", fp, tenant), self._key("meta", fp, tenant))
+            pipe.srem(self._key("tenants", fp), tenant)
+            pipe.execute()
+            if not self._r.scard(self._key("tenants", fp)):
+                self._r.srem(self._key("fingerprints"), fp)
+
+        self._call(run)
+
+    def _drop(self, fp: str, tenant: str, versions: list[int]) -> None:
+        pipe = self._r.pipeline(transaction=True)
+        pipe.zrem(self._key("versions", fp, tenant), *[str(v) for v in versions])
+        pipe.delete(*[self._key("snap", fp, tenant, v) for v in versions])
+        pipe.execute()
+
+    def close(self) -> None:
+        self._r.close()

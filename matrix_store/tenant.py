@@ -1,0 +1,105 @@
+"""Per-tenant in-memory state and the pure row-batch functions the store applies to it."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from engine.errors import InvalidArgument
+
+from matrix_store.config import ModelSpec
+
+# Where the matrix handed out by a checkout came from (see MatrixStore.checkout).
+SOURCES = ("tenant", "domain", "global", "zeros", "redis")
+
+
+@dataclass(frozen=True)
+class Checkout:
+    """A tenant's matrix at one version, copied out for a replica drafter."""
+
+    version: int  # the tenant's version the rows belong to
+    rows: np.ndarray  # [V, K] int32, a private copy
+    source: str  # one of SOURCES: "tenant" once it was already loaded, else where it was loaded from
+
+    def __repr__(self) -> str:
+        return f"Checkout(version={self.version}, rows=int32{list(self.rows.shape)}, source={self.source!r})"
+
+
+@dataclass(eq=False)
+class TenantState:
+    """One tenant's live matrix. `lock` guards every mutable field; `io_lock` serialises its Redis
+    writes (snapshot, rollback, delete) so they land in order without holding `lock` during I/O."""
+
+    spec: ModelSpec
+    name: str
+    domain: str | None
+    rows: np.ndarray  # [V, K] int32; the same array for the entry's life (view() hands it out)
+    version: int  # advances by 1 per applied batch
+    source: str  # where the rows came from when the entry was created
+    snap_version: int | None = None  # version of the newest snapshot written/read in Redis
+    dirty_since: float | None = None  # monotonic time of the first change not yet snapshotted
+    # Created while Redis was unreachable, so its stored snapshot (if any) is not merged in yet;
+    # `written` [V] bool and `batches` record what memory added since, to replay on top later.
+    pending_restore: bool = False
+    written: np.ndarray | None = None
+    batches: int = 0
+    conflict: str | None = None  # a delayed restore found another model's matrix: never snapshot
+    gone: bool = False  # evicted or deleted: holders must look the tenant up again
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    io_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    @property
+    def clean(self) -> bool:
+        """Nothing only memory holds: safe to evict."""
+        return self.dirty_since is None and not self.pending_restore and self.conflict is None
+
+
+def validate_batch(
+    spec: ModelSpec, tokens: object, topk: object, max_rows: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Check a row batch against the model; return (tokens int64 [n], topk int32 [n, K]).
+
+    Raises InvalidArgument saying what was wrong and what is allowed.
+    """
+    tokens_arr, topk_arr = np.asarray(tokens), np.asarray(topk)
+    for name, arr in (("tokens", tokens_arr), ("topk", topk_arr)):
+        if arr.size and not np.issubdtype(arr.dtype, np.integer):
+            raise InvalidArgument(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+    if tokens_arr.ndim != 1:
+        raise InvalidArgument(f"tokens must be 1-D [n], got shape {tokens_arr.shape}")
+    n = tokens_arr.shape[0]
+    if not 1 <= n <= max_rows:
+        raise InvalidArgument(f"a batch must hold 1..{max_rows} rows, got {n}; split larger batches")
+    if topk_arr.ndim != 2 or topk_arr.shape[1] != spec.k:
+        raise InvalidArgument(f"topk must be [n, K={spec.k}] for this model, got shape {topk_arr.shape}")
+    if topk_arr.shape[0] != n:
+        raise InvalidArgument(f"tokens has {n} rows but topk has {topk_arr.shape[0]}; they must match")
+    for name, arr in (("tokens", tokens_arr), ("topk", topk_arr)):
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < 0 or hi >= spec.vocab_size:
+            raise InvalidArgument(
+                f"{name} holds ids in [{lo}, {hi}]; ids must lie in [0, {spec.vocab_size}) for this model"
+            )
+    return tokens_arr.astype(np.int64), topk_arr.astype(np.int32)
+
+
+def apply_rows(rows: np.ndarray, tokens: np.ndarray, topk: np.ndarray) -> np.ndarray:
+    """Write `rows[tokens[i]] = topk[i]` in place; for a token repeated in the batch the LAST
+    occurrence wins (it is the most recent verification). Returns the distinct tokens written.
+
+    rows: [V, K] int32, tokens: [n], topk: [n, K].
+
+    Example:
+        >>> rows = np.zeros((4, 2), np.int32)
+        >>> apply_rows(rows, np.array([1, 3, 1]), np.array([[1, 1], [3, 3], [2, 2]])).tolist()
+        [1, 3]
+        >>> rows.tolist()
+        [[0, 0], [2, 2], [0, 0], [3, 3]]
+    """
+    # numpy leaves the winner of duplicate fancy-index assignment unspecified: pick it explicitly.
+    uniq, first_in_reversed = np.unique(tokens[::-1], return_index=True)  # [u], [u]
+    last = tokens.shape[0] - 1 - first_in_reversed  # [u] index of each token's last occurrence
+    rows[uniq] = topk[last]
+    return uniq

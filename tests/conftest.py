@@ -1,0 +1,60 @@
+"""Shared fixtures: the real SmolLM2 model (converted once), tiny random llamas, and data prompts."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+SHARED_DATA = Path(os.environ.get("TRSERVE_SHARED_DATA", REPO.parent / "shared" / "data"))
+
+
+def load_prompts(name: str) -> list[dict]:
+    path = SHARED_DATA / name / "dev.jsonl"
+    if not path.exists():
+        pytest.fail(f"benchmark prompts not found at {path}; set TRSERVE_SHARED_DATA to the shared/data folder")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _threads():
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def loaded_smollm2():
+    """The real default model with this installation's kernels (packed on CPU)."""
+    from engine.model_loader import ModelConfig, load_model
+
+    return load_model(ModelConfig())
+
+
+@pytest.fixture(scope="session")
+def decoder(loaded_smollm2):
+    from engine import Decoder, DecoderConfig
+
+    return Decoder(DecoderConfig(), loaded=loaded_smollm2)
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    """SmolLM2 with stock kernels: the reference for plain greedy `generate`."""
+    from engine.model_loader import ModelConfig, load_model
+
+    return load_model(ModelConfig(kernels="stock"))
+
+
+def tiny_llama(vocab_size: int = 128, attn: str = "sdpa", seed: int = 0):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+        attn_implementation=attn,
+    )
+    return LlamaForCausalLM(config).eval()

@@ -1,0 +1,53 @@
+"""Tree verification through the unmodified transformers model equals per-path causal decoding."""
+
+import pytest
+import torch
+
+from engine.kernels import pack_linears
+from engine.kv import KVCache
+from engine.tree import compile_tree, load_template
+from engine.verify import forward_one, verify_tree
+from tests.conftest import tiny_llama
+
+
+def causal_last_logits(model, ids: list[int]) -> torch.Tensor:
+    return model(input_ids=torch.tensor([ids])).logits[0, -1]
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("packed", [False, True])
+@torch.inference_mode()
+def test_tree_logits_equal_per_path_causal_logits(attn, packed):
+    model = tiny_llama(attn=attn)
+    if packed:
+        pack_linears(model)
+    tree = compile_tree(load_template("paper"))
+    g = torch.Generator().manual_seed(1)
+    context = torch.randint(0, 128, (9,), generator=g).tolist()
+    tokens = torch.randint(0, 128, (tree.n,), generator=g)
+    cache = KVCache(model.config)
+    model(input_ids=torch.tensor([context]), past_key_values=cache.cache, use_cache=True)
+    logits = verify_tree(model, cache, tokens, tree)
+    assert logits.shape == (tree.n, 128) and len(cache) == 9 + tree.n
+    for node in [0, 1, 7, 8, 30, 60, tree.n - 1]:
+        path = tokens[tree.path_to(node)].tolist()
+        torch.testing.assert_close(logits[node], causal_last_logits(model, context + path), atol=2e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_compaction_keeps_exactly_the_accepted_path():
+    model = tiny_llama()
+    tree = compile_tree(load_template("paper"))
+    g = torch.Generator().manual_seed(2)
+    context = torch.randint(0, 128, (6,), generator=g).tolist()
+    tokens = torch.randint(0, 128, (tree.n,), generator=g)
+    cache = KVCache(model.config)
+    model(input_ids=torch.tensor([context]), past_key_values=cache.cache, use_cache=True)
+    verify_tree(model, cache, tokens, tree)
+    path = tree.path_to(tree.n - 2)  # a deep, non-contiguous path
+    assert path != list(range(len(path)))
+    cache.compact(len(context), path)
+    assert len(cache) == len(context) + len(path)
+    nxt = 17
+    expected = causal_last_logits(model, context + tokens[path].tolist() + [nxt])
+    torch.testing.assert_close(forward_one(model, cache, nxt), expected, atol=2e-4, rtol=1e-4)

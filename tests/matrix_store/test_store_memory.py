@@ -1,0 +1,146 @@
+"""MatrixStore without Redis: validation, inheritance, versions under concurrency, isolation."""
+
+import threading
+
+import numpy as np
+import pytest
+
+from engine.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, NotFound, Unavailable
+from matrix_store import GLOBAL_TENANT, MatrixStore, ModelSpec, StoreConfig
+
+V, K = 1000, 8
+
+
+@pytest.fixture
+def store():
+    s = MatrixStore(StoreConfig(max_batch_rows=64, max_tenants_in_memory=2))
+    yield s
+    s.close()
+
+
+def _batch(tokens: list[int], value: int) -> tuple[np.ndarray, np.ndarray]:
+    return np.array(tokens), np.full((len(tokens), K), value)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "topk", "match"),
+    [
+        (np.array([1]), np.zeros((1, K - 1), int), "K=8"),
+        (np.array([V]), np.zeros((1, K), int), r"\[0, 1000\)"),
+        (np.array([-1]), np.zeros((1, K), int), r"\[0, 1000\)"),
+        (np.array([1]), np.full((1, K), V), r"\[0, 1000\)"),
+        (np.array([1, 2]), np.zeros((3, K), int), "must match"),
+        (np.array([], int), np.zeros((0, K), int), "1..64"),
+        (np.arange(65), np.zeros((65, K), int), "1..64"),
+        (np.array([[1]]), np.zeros((1, K), int), "1-D"),
+        (np.array([1.5]), np.zeros((1, K), int), "integer"),
+    ],
+)
+def test_bad_batches_are_refused_and_change_nothing(store, spec, tokens, topk, match) -> None:
+    with pytest.raises(InvalidArgument, match=match):
+        store.apply(spec, "t", tokens, topk)
+    assert store.checkout(spec, "t").version == 0
+
+
+@pytest.mark.parametrize("tenant", ["", "a:b", "x" * 65])
+def test_bad_tenant_and_domain_ids_are_refused(store, spec, tenant) -> None:
+    with pytest.raises(InvalidArgument):
+        store.checkout(spec, tenant)
+    with pytest.raises(InvalidArgument):
+        store.apply(spec, "ok", *_batch([1], 1), domain=tenant)
+
+
+def test_duplicate_tokens_last_occurrence_wins(store, spec) -> None:
+    tokens = np.array([5, 9, 5, 5])
+    topk = np.stack([np.full(K, v) for v in (1, 2, 3, 4)])  # [4, K]
+    assert store.apply(spec, "t", tokens, topk) == 1
+    rows = store.checkout(spec, "t").rows
+    assert rows[5].tolist() == [4] * K and rows[9].tolist() == [2] * K
+
+
+def test_inheritance_tenant_domain_global_zeros_with_copies(store, spec) -> None:
+    assert store.checkout(spec, "fresh").source == "zeros"
+    store.apply(spec, "legal", *_batch([2], 22))  # before _global has rows: legal starts from zeros
+    store.apply(spec, GLOBAL_TENANT, *_batch([1], 11))
+    from_global = store.checkout(spec, "a")
+    assert from_global.source == "global" and from_global.rows[1, 0] == 11 and from_global.version == 0
+    from_domain = store.checkout(spec, "b", domain="legal")
+    assert from_domain.source == "domain" and from_domain.rows[2, 0] == 22 and from_domain.rows[1, 0] == 0
+    # a tenant's writes stay its own: neither the domain nor the global matrix sees them
+    assert store.apply(spec, "b", *_batch([2, 3], 99)) == 1
+    assert store.checkout(spec, "legal").rows[2, 0] == 22 and not store.checkout(spec, "legal").rows[3].any()
+    assert not store.checkout(spec, GLOBAL_TENANT).rows[3].any()
+    # and later domain writes do not reach a tenant that already exists
+    store.apply(spec, "legal", *_batch([7], 77))
+    again = store.checkout(spec, "b", domain="legal")
+    assert again.source == "tenant" and again.rows[7, 0] == 0 and again.rows[2, 0] == 99
+
+
+def test_checkout_is_a_copy_and_view_is_live(store, spec) -> None:
+    copy = store.checkout(spec, "t").rows
+    version, live = store.view(spec, "t")
+    copy[3] = 1
+    store.apply(spec, "t", *_batch([4], 5))
+    assert version == 0 and live[4, 0] == 5 and not store.checkout(spec, "t").rows[3].any()
+
+
+@pytest.mark.parametrize("tenants", [["solo"], ["a", "b", "c"]])
+def test_concurrent_applies_lose_nothing_and_tenants_stay_apart(store, spec, tenants) -> None:
+    threads_per_tenant, batches = 8 // len(tenants) + 1, 50
+
+    def worker(tenant: str, slot: int) -> None:
+        value = tenants.index(tenant) + 1
+        for i in range(batches):
+            token = tenants.index(tenant) * 300 + slot * batches + i  # disjoint rows per tenant
+            store.apply(spec, tenant, np.array([token]), np.full((1, K), value))
+
+    threads = [threading.Thread(target=worker, args=(t, s)) for t in tenants for s in range(threads_per_tenant)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    for index, tenant in enumerate(tenants):
+        out = store.checkout(spec, tenant)
+        assert out.version == threads_per_tenant * batches
+        written = np.flatnonzero(out.rows.any(axis=1))
+        assert len(written) == threads_per_tenant * batches
+        assert set(np.unique(out.rows[written])) == {index + 1}  # only its own values
+
+
+def test_shape_mismatch_on_a_loaded_tenant_is_refused(store, spec) -> None:
+    store.apply(spec, "t", *_batch([1], 1))
+    with pytest.raises(FingerprintMismatch):
+        store.checkout(ModelSpec(spec.fingerprint, V, 4), "t")
+    # the same tenant id under another fingerprint is a different matrix
+    assert store.checkout(ModelSpec("other", V, 4), "t").version == 0
+
+
+def test_describe_fork_delete_without_redis(store, spec) -> None:
+    with pytest.raises(NotFound):
+        store.describe(spec.fingerprint, "t")
+    store.apply(spec, "t", *_batch([1, 2], 3), domain="d")
+    info = store.describe(spec.fingerprint, "t")
+    assert info == {
+        "tenant": "t", "domain": "d", "fingerprint": spec.fingerprint, "version": 1,
+        "nonzero_rows": 2, "last_snapshot_version": None, "in_memory": True,
+    }
+    assert store.fork(spec.fingerprint, "t", "t2") == 1
+    with pytest.raises(FailedPrecondition):
+        store.fork(spec.fingerprint, "t", "t2")
+    store.apply(spec, "t2", *_batch([9], 9))
+    assert not store.checkout(spec, "t").rows[9].any()
+    store.delete(spec.fingerprint, "t")
+    assert store.tenants(spec.fingerprint) == ["t2"]
+    with pytest.raises(NotFound):
+        store.delete(spec.fingerprint, "t")
+
+
+def test_without_redis_snapshots_are_unavailable_and_nothing_is_evicted(store, spec) -> None:
+    for tenant in "abcde":
+        store.checkout(spec, tenant)
+    with pytest.raises(Unavailable, match="redis_url"):
+        store.snapshot_now(spec.fingerprint, "a")
+    with pytest.raises(Unavailable):
+        store.rollback(spec.fingerprint, "a", 0)
+    assert store.versions(spec.fingerprint, "a") == []
+    assert store.health()["redis"] == "disabled" and store.health()["tenants_in_memory"] == 5
