@@ -1,0 +1,65 @@
+"""What every trserve gRPC server gets: health, reflection, bounded messages, graceful stop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger("trserve.services")
+
+MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def new_server(max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+    options = [
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+    ]
+    return grpc.aio.server(options=options)
+
+
+def add_standard_services(server: grpc.aio.Server, service_names: list[str]) -> health_aio.HealthServicer:
+    """Health (every service NOT_SERVING until `set_serving`) and reflection for `service_names`."""
+    health = health_aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health, server)
+    reflection.enable_server_reflection([*service_names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                                         reflection.SERVICE_NAME], server)
+    return health
+
+
+async def set_status(health: health_aio.HealthServicer, service_names: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        await health.set(name, status)
+
+
+def bind(server: grpc.aio.Server, host: str, port: int) -> int:
+    """Bind insecure host:port (port 0 = any free port); returns the bound port."""
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot listen on {host}:{port} (in use or not allowed); pick another --port or 0")
+    return bound
+
+
+async def serve_until_signal(server: grpc.aio.Server, health: health_aio.HealthServicer, grace_s: float,
+                             on_stop=None) -> None:
+    """Run until SIGTERM/SIGINT, then: NOT_SERVING, drain in-flight calls for `grace_s`, run `on_stop`."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining for up to %.1f s", grace_s)
+    await health.enter_graceful_shutdown()
+    await server.stop(grace_s)
+    if on_stop is not None:
+        result = on_stop()
+        if asyncio.iscoroutine(result):
+            await result
+    log.info("stopped")
