@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from engine.model_loader import ModelConfig
 
 # The best known tree per device kind (see README "Benchmarks"; `trserve bench --tree` to compare).
-DEFAULT_TREES = {"cpu": "cpu-default", "cuda": "paper"}
+DEFAULT_TREES = {"cpu": "cpu-12", "cuda": "paper"}
 
 
 @dataclass(frozen=True)
@@ -16,10 +16,15 @@ class DecoderConfig:
     tree: str = "auto"  # builtin tree name, template file path, or auto = best known for the device
     k: int = 8  # successors kept per token in the adjacency matrix
     max_context: int | None = None  # default: the model's max_position_embeddings
+    # Seed the matrix with the model's own next-token top-K at the last N prompt positions
+    # (one wider lm_head in the prefill); 0 = off. Catches what the request itself repeats.
+    seed_from_prompt: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 64:
             raise ValueError(f"k must be in [1, 64], got {self.k}")
+        if self.seed_from_prompt < 0:
+            raise ValueError(f"seed_from_prompt must be >= 0, got {self.seed_from_prompt}")
         if self.max_context is not None and self.max_context < 16:
             raise ValueError(f"max_context must be >= 16, got {self.max_context}")
 

@@ -88,6 +88,7 @@ class Decoder:
         max_new_tokens: int = 128,
         stop_token_ids: list[int] | None = None,
         stop_strings: tuple[str, ...] | list[str] = (),
+        ignore_eos: bool = False,
         mode: str = "tr",
         matrix: AdjacencyMatrix | DraftSource | None = None,
         tree: str | CompiledTree | None = None,
@@ -99,7 +100,7 @@ class Decoder:
         Exactly one of `prompt` (raw text, no chat template), `messages` (chat template applied)
         or `input_ids`. `matrix` is the hot-start state (an AdjacencyMatrix carried across calls,
         or a DraftSource such as the matrix service); None = a fresh zero matrix. `stop_token_ids`
-        adds to the model's EOS ids. `cancelled` is polled each step; `deadline` is a
+        adds to the model's EOS ids (`ignore_eos` drops those, e.g. for fixed-length benchmarks). `cancelled` is polled each step; `deadline` is a
         time.monotonic() instant after which decoding stops with finish_reason "time_limit".
         """
         if mode not in MODES:
@@ -107,7 +108,8 @@ class Decoder:
         ids = self.prompts.build(prompt, messages, input_ids)
         compiled = tree if isinstance(tree, CompiledTree) else (self.compile(tree) if tree else self.default_tree)
         self._check_budget(len(ids), max_new_tokens, compiled)
-        stops = StopChecker(self.tokenizer, self.eos_ids | set(self._check_ids(stop_token_ids or [])), tuple(stop_strings))
+        stop_ids = (set() if ignore_eos else self.eos_ids) | set(self._check_ids(stop_token_ids or []))
+        stops = StopChecker(self.tokenizer, stop_ids, tuple(stop_strings))
         source = self._draft_source(matrix) if mode == "tr" else None
         with self._lock, torch.inference_mode():
             yield from self._decode(ids, max_new_tokens, stops, source, compiled, cancelled, deadline)
@@ -145,12 +147,15 @@ class Decoder:
         run = _Run(prompt_len=len(ids), max_new_tokens=max_new_tokens)
         cache = KVCache(self.model.config)
         prompt = torch.tensor([ids], device=self.device)
-        logits = self.model(input_ids=prompt, past_key_values=cache.cache, use_cache=True, logits_to_keep=1).logits
-        root = int(logits[0, -1].argmax())
+        seed = min(len(ids), self.config.seed_from_prompt) if source else 0
+        logits = self.model(input_ids=prompt, past_key_values=cache.cache, use_cache=True,
+                            logits_to_keep=max(seed, 1)).logits[0]  # [max(seed, 1), V]
+        root = int(logits[-1].argmax())
+        # Prompt seeding: the model's predictions inside this prompt are rows like any recycled ones.
+        recycled = recycle_rows(prompt[0, -seed:], logits, self.config.k, list(range(seed))) if seed else None
         text = TextStream(self.tokenizer)
         prefill_s = time.perf_counter() - t0
         session = source.open(tree, self.fingerprint, self.vocab_size, self.config.k) if source else None
-        recycled = None
         try:
             self._commit(run, [root], stops)
             yield StepChunk(tokens=[root], text=text.delta(run.generated, cut=stops.cut_text))

@@ -33,7 +33,7 @@ def test_paper_template_shape():
 
 def test_builtin_trees_all_compile():
     names = builtin_trees()
-    assert {"paper", "cpu-default"} <= set(names)
+    assert {"paper", "cpu-8", "cpu-16"} <= set(names)
     for name in names:
         assert compile_tree(load_template(name)).n > 1
 

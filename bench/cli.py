@@ -1,0 +1,36 @@
+"""`trserve bench`: TR vs plain greedy generate vs prompt lookup, side by side in one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DEFAULT_PROMPTS = str(Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "spec_bench" / "dev.jsonl")
+DECODERS = ("hf", "pld", "ar", "tr", "tr-paper")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("bench", help="benchmark TR against HF generate and prompt lookup decoding")
+    p.add_argument("--prompts", default=DEFAULT_PROMPTS, help="Spec-Bench style jsonl (question_id, category, turns)")
+    p.add_argument("--per-category", type=int, default=1, help="questions per category (the first N in file order)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--decoders", default=",".join(DECODERS), help=f"comma list from {','.join(DECODERS)}")
+    p.add_argument("--tree", default=None, help="tree for the 'tr' decoder (default: this installation's default)")
+    p.add_argument("--first-turn-only", action="store_true", help="skip the second turn of multi-turn questions")
+    p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for the 'pld' decoder")
+    p.add_argument("--model", default=None, help="model source (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--json", default="bench-results/bench.json", help="where to write the JSON report")
+    p.set_defaults(func=_run)
+
+
+def _run(args) -> int:
+    from bench.runner import BenchConfig, run_bench
+
+    config = BenchConfig(
+        prompts=args.prompts, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
+        decoders=tuple(d.strip() for d in args.decoders.split(",") if d.strip()), tree=args.tree,
+        first_turn_only=args.first_turn_only, pld_tokens=args.pld_tokens, model=args.model,
+        threads=args.threads, json_path=args.json,
+    )
+    run_bench(config)
+    return 0

@@ -1,0 +1,144 @@
+"""Benchmark runner: the same prompts through every decoder, interleaved, in one process.
+
+Decoders: `hf` = transformers `generate` greedy (stock kernels), `pld` = transformers prompt
+lookup decoding, `ar` = trserve's own plain decoding (same kernels as TR), `tr` = Token
+Recycling with this installation's default tree, `tr-paper` = TR with the paper's 80-node tree.
+Each TR decoder keeps one matrix hot across all prompts (after an untimed warm-up), as a served
+deployment would. Multi-turn questions ask turn 2 after each decoder's own answer to turn 1.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from bench.report import summarise, write_outputs
+
+log = logging.getLogger("trserve.bench")
+WARMUP = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    prompts: str
+    per_category: int = 1
+    max_new_tokens: int = 128
+    decoders: tuple[str, ...] = ("hf", "pld", "ar", "tr", "tr-paper")
+    tree: str | None = None
+    first_turn_only: bool = False
+    pld_tokens: int = 10
+    model: str | None = None
+    threads: int | None = None
+    json_path: str = "bench-results/bench.json"
+
+    def __post_init__(self) -> None:
+        known = {"hf", "pld", "ar", "tr", "tr-paper"}
+        if not self.decoders or set(self.decoders) - known:
+            raise ValueError(f"decoders must be a non-empty subset of {sorted(known)}, got {list(self.decoders)}")
+        if self.per_category < 1 or self.max_new_tokens < 1:
+            raise ValueError("per_category and max_new_tokens must be >= 1")
+        if not Path(self.prompts).exists():
+            raise ValueError(f"prompts file {self.prompts!r} not found")
+
+
+def select_questions(path: str, per_category: int) -> list[dict]:
+    by_cat: dict[str, list[dict]] = defaultdict(list)
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            q = json.loads(line)
+            by_cat[q["category"]].append(q)
+    return [q for cat in by_cat for q in by_cat[cat][:per_category]]
+
+
+class _HF:
+    """transformers `generate`: greedy, or prompt lookup decoding."""
+
+    def __init__(self, loaded, pld_tokens: int | None) -> None:
+        self.loaded, self.pld_tokens = loaded, pld_tokens
+
+    def __call__(self, messages, max_new_tokens):
+        tok, model = self.loaded.tokenizer, self.loaded.model
+        ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        x = torch.tensor([ids], device=self.loaded.device)
+        extra = {"prompt_lookup_num_tokens": self.pld_tokens} if self.pld_tokens else {}
+        with torch.inference_mode():
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.eos_token_id, **extra)
+        return out[0, len(ids):].tolist(), None
+
+
+class _TR:
+    def __init__(self, decoder, mode: str, tree: str | None) -> None:
+        self.decoder, self.mode, self.tree = decoder, mode, tree
+        self.matrix = decoder.new_matrix() if mode == "tr" else None
+
+    def __call__(self, messages, max_new_tokens):
+        r = self.decoder.generate(messages=messages, max_new_tokens=max_new_tokens, mode=self.mode,
+                                  matrix=self.matrix, tree=self.tree)
+        return r.ids, r.stats
+
+
+def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
+    from engine import Decoder, DecoderConfig, ModelConfig, load_model
+
+    model_cfg = ModelConfig(**({"source": config.model} if config.model else {}), threads=config.threads)
+    runners, meta = {}, {}
+    if {"hf", "pld"} & set(config.decoders):
+        stock = load_model(ModelConfig(source=model_cfg.source, kernels="stock", threads=config.threads))
+        runners.update({"hf": _HF(stock, None), "pld": _HF(stock, config.pld_tokens)})
+    if {"ar", "tr", "tr-paper"} & set(config.decoders):
+        decoder = Decoder(DecoderConfig(model=model_cfg))
+        tr_tree = config.tree or decoder.default_tree.template.name
+        runners.update({"ar": _TR(decoder, "ar", None), "tr": _TR(decoder, "tr", tr_tree),
+                        "tr-paper": _TR(decoder, "tr", "paper")})
+        meta.update(fingerprint=decoder.fingerprint, packed_kernels=decoder.loaded.packed_kernels,
+                    device=str(decoder.device), trees={"tr": tr_tree, "tr-paper": "paper"})
+    return {name: runners[name] for name in config.decoders}, meta
+
+
+def run_bench(config: BenchConfig) -> dict:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    questions = select_questions(config.prompts, config.per_category)
+    runners, meta = build_decoders(config)
+    for name, run in runners.items():  # untimed warm-up (also warms the TR matrices)
+        run(WARMUP, 32)
+    records = []  # one per (decoder, question, turn)
+    for qi, q in enumerate(questions):
+        turns = q["turns"][:1] if config.first_turn_only else q["turns"]
+        for name, run in runners.items():
+            messages = []
+            for t, turn in enumerate(turns):
+                messages.append({"role": "user", "content": turn})
+                start = time.perf_counter()
+                ids, stats = run(messages, config.max_new_tokens)
+                elapsed = time.perf_counter() - start
+                text = _tokenizer(runners).decode(ids, skip_special_tokens=True)
+                messages.append({"role": "assistant", "content": text})
+                records.append({"decoder": name, "question_id": q["question_id"], "category": q["category"],
+                                "turn": t, "ids": ids, "seconds": elapsed, "tokens": len(ids),
+                                "steps": stats.steps if stats else None,
+                                "step_tokens": sum(stats.accepted_per_step) if stats else None})
+        log.info("question %d/%d (%s) done", qi + 1, len(questions), q["category"])
+    report = summarise(records, list(runners))
+    report["config"] = asdict(config)
+    report["environment"] = {
+        "model": config.model or "smollm2-135m-instruct", "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__, "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **meta,
+    }
+    write_outputs(report, records, config.json_path)
+    return report
+
+
+def _tokenizer(runners):
+    first = next(iter(runners.values()))
+    return first.loaded.tokenizer if isinstance(first, _HF) else first.decoder.tokenizer

@@ -1,0 +1,68 @@
+"""Proto <-> domain conversion at the edge of the matrix service (both server and client side).
+
+Row batches travel as little-endian int32 bytes: `tokens` [m] and `topk` [m, K] row-major.
+Everything read from a request is validated here or by the store, and a bad value raises
+InvalidArgument saying what is allowed.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from engine.errors import InvalidArgument
+from matrix_store import ModelSpec
+from matrix_store.config import validate_tenant_id
+from trserve.v1 import matrix_pb2 as pb
+
+WIRE_DTYPE = np.dtype("<i4")
+
+
+def spec_from_pb(model: pb.ModelSpec) -> ModelSpec:
+    if not model.fingerprint:
+        raise InvalidArgument("model.fingerprint is empty: send the fingerprint of the model the matrix is for")
+    return ModelSpec(model.fingerprint, int(model.vocab_size), int(model.k))
+
+
+def spec_to_pb(spec: ModelSpec) -> pb.ModelSpec:
+    return pb.ModelSpec(fingerprint=spec.fingerprint, vocab_size=spec.vocab_size, k=spec.k)
+
+
+def tenant_from_pb(tenant: str, domain: str = "") -> tuple[str, str | None]:
+    """(tenant, domain or None), both validated ([A-Za-z0-9._-]{1,64})."""
+    validate_tenant_id(tenant)
+    if domain:
+        validate_tenant_id(domain, "domain")
+    return tenant, domain or None
+
+
+def rows_from_pb(rows: pb.RowBatch, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [m] int32, topk [m, K] int32) from a RowBatch; m may be 0. Id ranges are checked
+    by the store (or by `check_ids`)."""
+    if len(rows.tokens) % 4:
+        raise InvalidArgument(f"rows.tokens has {len(rows.tokens)} bytes; it must be int32 little-endian, 4 bytes per id")
+    tokens = np.frombuffer(rows.tokens, WIRE_DTYPE)  # [m]
+    m = tokens.shape[0]
+    if len(rows.topk) % 4:
+        raise InvalidArgument(f"rows.topk has {len(rows.topk)} bytes; it must be int32 little-endian, 4 bytes per id")
+    values = len(rows.topk) // 4
+    if values != m * k:
+        if m and values % m == 0:
+            raise InvalidArgument(f"rows.topk rows are {values // m} ids wide but this model uses K={k}")
+        raise InvalidArgument(
+            f"rows.tokens has {m} ids but rows.topk has {values} ids; they must match: topk is [m, K={k}], "
+            f"i.e. {m * k} ids"
+        )
+    topk = np.frombuffer(rows.topk, WIRE_DTYPE).reshape(m, k)  # [m, K]
+    return tokens, topk
+
+
+def rows_to_pb(tokens: np.ndarray, topk: np.ndarray) -> pb.RowBatch:
+    """tokens [m], topk [m, K] (any integer dtype) -> RowBatch."""
+    return pb.RowBatch(tokens=np.ascontiguousarray(tokens, WIRE_DTYPE).tobytes(),
+                       topk=np.ascontiguousarray(topk, WIRE_DTYPE).tobytes())
+
+
+def check_root(root: int, vocab_size: int) -> int:
+    if not 0 <= root < vocab_size:
+        raise InvalidArgument(f"root token {root} is outside the vocabulary [0, {vocab_size})")
+    return root

@@ -1,0 +1,86 @@
+"""The matrix service process: a grpc.aio server around one MatrixStore.
+
+`create_server(config)` builds and binds (port 0 = any free port) without serving, so tests and
+embedding callers control the lifecycle; `serve(config)` runs until SIGTERM/SIGINT, then drains
+in-flight calls and writes the final snapshots (`MatrixStore.close`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1.health import aio as health_aio
+
+from matrix_store import MatrixStore, StoreConfig
+from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
+from services.matrix.servicer import SERVICE_NAME, MatrixServicer, ServicerLimits, add_to_server
+
+log = logging.getLogger("trserve.matrix")
+
+
+@dataclass(frozen=True)
+class MatrixServiceConfig:
+    host: str = "0.0.0.0"
+    port: int = 50052  # 0 = any free port (printed at start)
+    store: StoreConfig = field(default_factory=StoreConfig)
+    limits: ServicerLimits = field(default_factory=ServicerLimits)
+    grace_s: float = 5.0  # in-flight calls get this long to finish on shutdown
+    # Largest request/reply: a full PushRows batch (4096 rows at K=64) is ~1.1 MB; a Checkout
+    # chunk of 65536 rows at K=8 is ~2.4 MB. Bigger messages are refused by gRPC itself.
+    max_message_bytes: int = 4 * 1024 * 1024
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535 (0 = any free port), got {self.port}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
+        if self.max_message_bytes < 64 * 1024:
+            raise ValueError(f"max_message_bytes must be >= 65536, got {self.max_message_bytes}")
+
+
+@dataclass
+class MatrixServer:
+    """A bound, not yet started matrix service. `start()` serves; `stop()` drains and snapshots."""
+
+    server: grpc.aio.Server
+    port: int
+    health: health_aio.HealthServicer
+    store: MatrixStore
+    owns_store: bool  # stop() closes (final snapshots) only a store it created
+
+    async def start(self) -> None:
+        await set_status(self.health, [SERVICE_NAME], serving=False)  # health answers before the store is up
+        await self.server.start()
+        self.store.start()
+        await set_status(self.health, [SERVICE_NAME], serving=True)
+        log.info("matrix service serving on port %d (redis: %s)", self.port, self.store.health()["redis"])
+
+    async def stop(self, grace_s: float | None = 0, final_snapshot: bool = True) -> None:
+        """NOT_SERVING, stop (grace_s: let in-flight calls finish; 0 = cancel them), close the store."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        if self.owns_store:
+            await asyncio.to_thread(self.store.close, final_snapshot)
+
+
+def create_server(config: MatrixServiceConfig, store: MatrixStore | None = None) -> MatrixServer:
+    """Build the server (health NOT_SERVING, reflection, bounded messages) and bind it. Must be
+    called with an event loop running (grpc.aio)."""
+    owns = store is None
+    store = store if store is not None else MatrixStore(config.store)
+    server = new_server(config.max_message_bytes)
+    add_to_server(MatrixServicer(store, config.limits), server)
+    health = add_standard_services(server, [SERVICE_NAME])
+    port = bind(server, config.host, config.port)
+    return MatrixServer(server, port, health, store, owns)
+
+
+async def serve(config: MatrixServiceConfig) -> None:
+    running = create_server(config)
+    await running.start()
+    print(f"matrix service listening on {config.host}:{running.port}", flush=True)
+    await serve_until_signal(running.server, running.health, config.grace_s,
+                             on_stop=lambda: asyncio.to_thread(running.store.close, True))

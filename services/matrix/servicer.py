@@ -1,0 +1,143 @@
+"""MatrixService servicer: every RPC is `from_pb -> store call -> to_pb`.
+
+Store calls that may read or write Redis (first use of a tenant, admin calls) run in a worker
+thread (asyncio.to_thread); draft steps on a loaded tenant run on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+import numpy as np
+
+from engine.errors import InvalidArgument
+from matrix_store import MatrixStore
+from services.common.errors import grpc_errors
+from services.matrix.convert import rows_from_pb, rows_to_pb, spec_from_pb, tenant_from_pb
+from services.matrix.drafting import RemoteDraft, plan_for, resolve_tree
+from trserve.v1 import matrix_pb2 as pb
+from trserve.v1 import matrix_pb2_grpc as pb_grpc
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MatrixService"].full_name
+
+
+@dataclass(frozen=True)
+class ServicerLimits:
+    max_tree_nodes: int = 1024  # largest draft tree a session may open
+    checkout_chunk_rows: int = 16384  # default rows per Checkout chunk (~590 KB at K=8)
+    max_checkout_chunk_rows: int = 65536  # a client may ask for smaller chunks, never larger
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.checkout_chunk_rows <= self.max_checkout_chunk_rows:
+            raise ValueError(f"checkout_chunk_rows must be in 1..{self.max_checkout_chunk_rows}")
+        if self.max_tree_nodes < 2:
+            raise ValueError("max_tree_nodes must be >= 2")
+
+
+class MatrixServicer(pb_grpc.MatrixServiceServicer):
+    def __init__(self, store: MatrixStore, limits: ServicerLimits = ServicerLimits()) -> None:
+        self._store = store
+        self._limits = limits
+
+    # -- remote drafting ---------------------------------------------------------------------
+    @grpc_errors
+    async def DraftSession(self, requests: AsyncIterator[pb.DraftRequest], context) -> AsyncIterator[pb.DraftReply]:
+        stream = requests.__aiter__()
+        try:
+            first = await stream.__anext__()
+        except StopAsyncIteration:
+            return
+        if first.WhichOneof("kind") != "open":
+            raise InvalidArgument("the first DraftRequest must carry `open` (tenant, model, tree)")
+        session = self._open_session(first.open)
+        version = await asyncio.to_thread(session.open)
+        yield pb.DraftReply(version=version, tree_nodes=session.plan.n)
+        k = session.spec.k
+        async for request in stream:
+            if request.WhichOneof("kind") != "step":
+                raise InvalidArgument("only the first DraftRequest may carry `open`; later ones carry `step`")
+            step = request.step
+            tokens, topk = rows_from_pb(step.rows, k)
+            if step.final:
+                applied = session.apply(tokens, topk)
+                yield pb.DraftReply(version=applied if applied is not None else session.open())
+                continue
+            version, tree_tokens = session.step(tokens, topk, step.root)
+            yield pb.DraftReply(version=version, tokens=tree_tokens.tolist())
+
+    def _open_session(self, msg: pb.DraftOpen) -> RemoteDraft:
+        tenant, domain = tenant_from_pb(msg.tenant, msg.domain)
+        spec = spec_from_pb(msg.model)
+        template = resolve_tree(msg.tree, [list(p.ranks) for p in msg.tree_paths], self._limits.max_tree_nodes)
+        return RemoteDraft(self._store, spec, tenant, domain, plan_for(template))
+
+    # -- replica drafting --------------------------------------------------------------------
+    @grpc_errors
+    async def Checkout(self, request: pb.CheckoutRequest, context) -> AsyncIterator[pb.CheckoutChunk]:
+        tenant, domain = tenant_from_pb(request.tenant, request.domain)
+        spec = spec_from_pb(request.model)
+        chunk = request.max_rows_per_chunk or self._limits.checkout_chunk_rows
+        if not 1 <= chunk <= self._limits.max_checkout_chunk_rows:
+            raise InvalidArgument(f"max_rows_per_chunk must be in 0..{self._limits.max_checkout_chunk_rows} (0 = default)")
+        out = await asyncio.to_thread(self._store.checkout, spec, tenant, domain)
+        nonzero = np.flatnonzero(out.rows.any(axis=1))  # [z]
+        total = int(nonzero.shape[0])
+        for start in range(0, max(total, 1), chunk):
+            ids = nonzero[start:start + chunk]
+            yield pb.CheckoutChunk(version=out.version, source=out.source, total_rows=total,
+                                   rows=rows_to_pb(ids, out.rows[ids]))
+
+    @grpc_errors
+    async def PushRows(self, request: pb.PushRowsRequest, context) -> pb.PushRowsReply:
+        tenant, domain = tenant_from_pb(request.tenant, request.domain)
+        spec = spec_from_pb(request.model)
+        tokens, topk = rows_from_pb(request.rows, spec.k)
+        version = await asyncio.to_thread(self._store.apply, spec, tenant, tokens, topk, domain)
+        return pb.PushRowsReply(version=version)
+
+    # -- administration ----------------------------------------------------------------------
+    @grpc_errors
+    async def Describe(self, request: pb.TenantRef, context) -> pb.DescribeReply:
+        info = await asyncio.to_thread(self._store.describe, request.fingerprint, request.tenant)
+        health = await asyncio.to_thread(self._store.health)
+        last = info["last_snapshot_version"]
+        return pb.DescribeReply(
+            tenant=info["tenant"], domain=info["domain"] or "", fingerprint=info["fingerprint"],
+            version=info["version"], nonzero_rows=info["nonzero_rows"],
+            last_snapshot_version=-1 if last is None else last, in_memory=info["in_memory"],
+            redis=health["redis"], last_snapshot_error=health["last_snapshot_error"] or "",
+        )
+
+    @grpc_errors
+    async def ListVersions(self, request: pb.TenantRef, context) -> pb.ListVersionsReply:
+        versions = await asyncio.to_thread(self._store.versions, request.fingerprint, request.tenant)
+        return pb.ListVersionsReply(versions=versions)
+
+    @grpc_errors
+    async def Snapshot(self, request: pb.TenantRef, context) -> pb.VersionReply:
+        version = await asyncio.to_thread(self._store.snapshot_now, request.fingerprint, request.tenant)
+        return pb.VersionReply(version=version)
+
+    @grpc_errors
+    async def Rollback(self, request: pb.RollbackRequest, context) -> pb.VersionReply:
+        ref = request.ref
+        version = await asyncio.to_thread(self._store.rollback, ref.fingerprint, ref.tenant, int(request.version))
+        return pb.VersionReply(version=version)
+
+    @grpc_errors
+    async def Fork(self, request: pb.ForkRequest, context) -> pb.VersionReply:
+        ref = request.ref
+        version = await asyncio.to_thread(self._store.fork, ref.fingerprint, ref.tenant, request.to)
+        return pb.VersionReply(version=version)
+
+    @grpc_errors
+    async def Delete(self, request: pb.TenantRef, context) -> pb.DeleteReply:
+        await asyncio.to_thread(self._store.delete, request.fingerprint, request.tenant)
+        return pb.DeleteReply()
+
+
+def add_to_server(servicer: MatrixServicer, server: grpc.aio.Server) -> None:
+    pb_grpc.add_MatrixServiceServicer_to_server(servicer, server)
