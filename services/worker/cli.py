@@ -1,0 +1,56 @@
+"""`trserve serve`: the embedded all-in-one worker (model + in-process matrix store)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the Generate API (embedded: worker + in-process matrix store)",
+                       description="Serve the Generate API with an in-process matrix store (Redis only with --redis-url).")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = pick a free one and print it)")
+    p.add_argument("--metrics-port", type=int, default=9464,
+                   help="Prometheus /metrics HTTP port (default 9464; 0 = pick a free one; -1 = off)")
+    p.add_argument("--redis-url", default=None, help="snapshot tenant matrices to this Redis (redis://host:6379/0)")
+    p.add_argument("--model", default=None, help="builtin model name, local transformers directory or hub id "
+                   "(default: the bundled smollm2-135m-instruct)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--tree", default="auto", help="draft tree template name or file (default: best known for the device)")
+    p.add_argument("--max-queue", type=int, default=8, help="requests waiting for the decoder before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-new-tokens-cap", type=int, default=2048, help="largest max_new_tokens a request may ask")
+    p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted, in tokens")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests may finish on SIGTERM")
+    p.set_defaults(func=run_serve)
+
+
+def build_configs(args: argparse.Namespace):
+    """(WorkerConfig, DecoderConfig) from the parsed flags; raises ValueError on bad values."""
+    from engine import DecoderConfig, ModelConfig
+    from services.worker.config import Limits, WorkerConfig
+
+    model = ModelConfig(device=args.device) if args.model is None else ModelConfig(source=args.model, device=args.device)
+    limits = Limits(max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
+                    default_max_new_tokens=min(128, args.max_new_tokens_cap))
+    worker = WorkerConfig(
+        host=args.host, port=args.port, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        max_queue=args.max_queue, limits=limits, grace_s=args.grace, redis_url=args.redis_url,
+    )
+    return worker, DecoderConfig(model=model, tree=args.tree)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    import sys
+
+    try:
+        worker_config, decoder_config = build_configs(args)
+    except ValueError as e:
+        print(f"trserve serve: {e}", file=sys.stderr)
+        return 2
+    from services.worker.server import serve
+
+    try:
+        return serve(worker_config, decoder_config)
+    except OSError as e:  # a port in use: say which and how to pick another
+        print(f"trserve serve: {e}", file=sys.stderr)
+        return 1

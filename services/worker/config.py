@@ -1,0 +1,64 @@
+"""Worker configuration: frozen, validated once in main() (or a test) and passed down."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask for; larger requests are refused with INVALID_ARGUMENT."""
+
+    max_new_tokens_cap: int = 2048  # largest max_new_tokens accepted
+    default_max_new_tokens: int = 128  # used when a request leaves max_new_tokens unset
+    max_prompt_tokens: int = 4096  # longest prompt (after the chat template)
+    max_stop_sequences: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_new_tokens_cap", "default_max_new_tokens", "max_prompt_tokens", "max_stop_sequences"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if self.default_max_new_tokens > self.max_new_tokens_cap:
+            raise ValueError(
+                f"default_max_new_tokens ({self.default_max_new_tokens}) must be <= max_new_tokens_cap "
+                f"({self.max_new_tokens_cap})"
+            )
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Raw text longer than this is refused before tokenizing (no real token is 32 characters on average)."""
+        return 32 * self.max_prompt_tokens
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    host: str = "127.0.0.1"
+    port: int = 50051  # 0 = any free port (the bound one is reported)
+    metrics_port: int | None = 9464  # Prometheus /metrics over HTTP; 0 = any free port, None = off
+    max_active: int = 1  # requests decoding at once (decoding is serial per model)
+    max_queue: int = 8  # requests waiting for the decoder; beyond -> RESOURCE_EXHAUSTED
+    limits: Limits = Limits()
+    # A gRPC deadline stops decoding this long (or two recent steps, if longer) before it, so the
+    # partial result (TIME_LIMIT) reaches the caller in time.
+    deadline_margin_s: float = 0.25
+    grace_s: float = 10.0  # on SIGTERM: how long in-flight requests may finish
+    warmup: bool = True  # one short generation before reporting SERVING
+    redis_url: str | None = None  # embedded matrix store snapshots; None = memory only
+    default_tenant: str = "default"
+
+    def __post_init__(self) -> None:
+        if not self.host:
+            raise ValueError("host must be a hostname or address, e.g. 127.0.0.1 or 0.0.0.0")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535] or None (off), got {self.metrics_port}")
+        if self.max_active < 1:
+            raise ValueError(f"max_active must be >= 1, got {self.max_active}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if not 0 <= self.deadline_margin_s < 10:
+            raise ValueError(f"deadline_margin_s must be in [0, 10) seconds, got {self.deadline_margin_s}")
+        if self.grace_s < 0:
+            raise ValueError(f"grace_s must be >= 0 seconds, got {self.grace_s}")

@@ -1,0 +1,156 @@
+"""Protobuf <-> engine conversions for the Generate API, with up-front request validation.
+
+Everything checkable without the model is checked here, so a bad request is refused before it
+takes a place in the decoding queue. Errors are InvalidArgument / NotImplementedError with a
+message that says how to fix the request.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from engine.errors import InvalidArgument, NotFound
+from engine.stats import GenerationResult, GenerationStats, StepChunk
+from engine.tree import builtin_trees
+from matrix_store.config import validate_tenant_id
+from services.worker.config import Limits
+from trserve.v1 import generate_pb2 as pb
+
+FINISH_REASONS = {
+    "length": pb.FINISH_REASON_LENGTH,
+    "eos": pb.FINISH_REASON_EOS,
+    "stop": pb.FINISH_REASON_STOP_SEQUENCE,
+    "cancelled": pb.FINISH_REASON_CANCELLED,
+    "time_limit": pb.FINISH_REASON_TIME_LIMIT,
+}
+MODES = {pb.DECODING_MODE_UNSPECIFIED: "tr", pb.DECODING_MODE_TR: "tr", pb.DECODING_MODE_AR: "ar"}
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    """A validated GenerateRequest in engine terms; exactly one of text / messages / token_ids is set."""
+
+    tenant: str
+    domain: str | None
+    text: str | None
+    messages: list[dict] | None
+    token_ids: list[int] | None
+    max_new_tokens: int
+    stop_sequences: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    mode: str  # "tr" or "ar"
+    tree: str | None  # None = the decoder's default
+    return_token_ids: bool
+
+
+def generate_args_from_pb(req: pb.GenerateRequest, limits: Limits, default_tenant: str) -> GenerateArgs:
+    tenant = validate_tenant_id(req.tenant or default_tenant)
+    domain = validate_tenant_id(req.domain, "domain") if req.HasField("domain") else None
+    text, messages, token_ids = _input_from_pb(req, limits)
+    _check_sampling(req.sampling)
+    if req.mode not in MODES:
+        raise InvalidArgument(f"mode {req.mode} is unknown; use DECODING_MODE_TR (default) or DECODING_MODE_AR")
+    if len(req.stop_sequences) > limits.max_stop_sequences:
+        raise InvalidArgument(f"{len(req.stop_sequences)} stop sequences given; at most {limits.max_stop_sequences}")
+    if any(not s for s in req.stop_sequences):
+        raise InvalidArgument("stop_sequences contains an empty string; remove it")
+    return GenerateArgs(
+        tenant=tenant, domain=domain, text=text, messages=messages, token_ids=token_ids,
+        max_new_tokens=_max_new_tokens(req, limits),
+        stop_sequences=tuple(req.stop_sequences), stop_token_ids=tuple(req.stop_token_ids),
+        mode=MODES[req.mode], tree=_tree_name(req.tree), return_token_ids=req.return_token_ids,
+    )
+
+
+def _tree_name(name: str) -> str | None:
+    """Requests may only name builtin trees (never a server-side file path)."""
+    if not name:
+        return None
+    if name not in builtin_trees():
+        raise NotFound(f"unknown tree {name!r}: use one of {builtin_trees()} or leave it empty for the server default")
+    return name
+
+
+def _input_from_pb(req, limits: Limits) -> tuple[str | None, list[dict] | None, list[int] | None]:
+    """(text, messages, token_ids) of a GenerateRequest or TokenizeRequest; exactly one is not None."""
+    kind = req.WhichOneof("input")
+    if kind is None:
+        raise InvalidArgument("no prompt: set one of text, messages or token_ids")
+    if kind == "text":
+        if len(req.text) > limits.max_prompt_chars:
+            raise InvalidArgument(f"prompt text has {len(req.text)} characters; the limit is {limits.max_prompt_chars} "
+                                  f"(and {limits.max_prompt_tokens} tokens): shorten it")
+        return req.text, None, None
+    if kind == "messages":
+        msgs = [{"role": m.role, "content": m.content} for m in req.messages.messages]
+        size = sum(len(m["content"]) for m in msgs)
+        if size > limits.max_prompt_chars:
+            raise InvalidArgument(f"messages have {size} characters; the limit is {limits.max_prompt_chars} "
+                                  f"(and {limits.max_prompt_tokens} tokens): shorten them")
+        return None, msgs, None
+    ids = list(req.token_ids.ids)
+    check_prompt_length(len(ids), limits)
+    return None, None, ids
+
+
+def check_prompt_length(n_tokens: int, limits: Limits) -> None:
+    if n_tokens > limits.max_prompt_tokens:
+        raise InvalidArgument(f"prompt has {n_tokens} tokens; this server accepts at most {limits.max_prompt_tokens}: "
+                              "shorten it")
+
+
+def _max_new_tokens(req: pb.GenerateRequest, limits: Limits) -> int:
+    if not req.HasField("max_new_tokens"):
+        return limits.default_max_new_tokens
+    n = req.max_new_tokens
+    if not 1 <= n <= limits.max_new_tokens_cap:
+        raise InvalidArgument(f"max_new_tokens must be in [1, {limits.max_new_tokens_cap}], got {n} "
+                              f"(leave it unset for the default, {limits.default_max_new_tokens})")
+    return n
+
+
+def _check_sampling(s: pb.SamplingParams) -> None:
+    if math.isnan(s.temperature) or s.temperature < 0:
+        raise InvalidArgument(f"temperature must be >= 0 (0 = greedy), got {s.temperature}")
+    if not (0 <= s.top_p <= 1):  # NaN fails this too
+        raise InvalidArgument(f"top_p must be in (0, 1] (0 = off), got {s.top_p}")
+    if s.top_k < 0:
+        raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {s.top_k}")
+    if s.temperature > 0:
+        raise NotImplementedError("lossless sampling is not implemented yet; use temperature 0 (greedy)")
+
+
+def tokenize_input_from_pb(req: pb.TokenizeRequest, limits: Limits) -> tuple[str | None, list[dict] | None]:
+    text, messages, _ = _input_from_pb(req, limits)
+    return text, messages
+
+
+def stats_to_pb(stats: GenerationStats, queue_s: float) -> pb.GenerationStats:
+    out = pb.GenerationStats(
+        prompt_tokens=stats.prompt_tokens, generated_tokens=stats.generated_tokens, steps=stats.steps,
+        mean_accepted_tokens=stats.mat, tokens_per_second=stats.tokens_per_s,
+        prefill_ms=stats.prefill_s * 1e3, decode_ms=stats.decode_s * 1e3, queue_ms=queue_s * 1e3,
+        draft_mode=stats.draft_mode, tree=stats.tree,
+    )
+    if stats.matrix_version is not None:
+        out.matrix_version = stats.matrix_version
+    return out
+
+
+def result_to_pb(result: GenerationResult, args: GenerateArgs, queue_s: float) -> pb.GenerateResponse:
+    return pb.GenerateResponse(
+        text=result.text, token_ids=result.ids if args.return_token_ids else [],
+        finish_reason=FINISH_REASONS[result.finish_reason], stats=stats_to_pb(result.stats, queue_s),
+    )
+
+
+def chunk_to_pb(chunk: StepChunk) -> pb.GenerateStreamResponse:
+    return pb.GenerateStreamResponse(token_ids=chunk.tokens, text=chunk.text)
+
+
+def final_chunk_to_pb(result: GenerationResult, text_sent: str, queue_s: float) -> pb.GenerateStreamResponse:
+    """The last stream message: finish reason, stats, and any text the step deltas held back."""
+    rest = result.text[len(text_sent):] if result.text.startswith(text_sent) else ""
+    return pb.GenerateStreamResponse(text=rest, finish_reason=FINISH_REASONS[result.finish_reason],
+                                     stats=stats_to_pb(result.stats, queue_s))

@@ -1,0 +1,50 @@
+"""Prometheus metrics of one worker, in a registry of its own (several workers may share a process in tests)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+MAT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+
+
+class WorkerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("trserve_requests", "Finished RPCs by method and gRPC status code",
+                                ["method", "code"], registry=r)
+        self.finished = Counter("trserve_finish", "Generations by finish reason", ["reason"], registry=r)
+        self.prompt_tokens = Counter("trserve_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.generated_tokens = Counter("trserve_generated_tokens", "Tokens generated", registry=r)
+        self.mat = Histogram("trserve_mean_accepted_tokens", "Mean accepted tokens per step, per TR request",
+                             buckets=MAT_BUCKETS, registry=r)
+        self.step_seconds = Histogram("trserve_step_seconds", "Wall time of one decoding step",
+                                      buckets=STEP_BUCKETS, registry=r)
+        self.decode_seconds = Histogram("trserve_decode_seconds", "Prefill + decode wall time per request", registry=r)
+        self.queue_seconds = Histogram("trserve_queue_seconds", "Time waiting for admission", registry=r)
+        self.queue_depth = Gauge("trserve_queue_depth", "Requests waiting for the decoder", registry=r)
+        self.active = Gauge("trserve_active_requests", "Requests decoding now", registry=r)
+        self.draft_fallbacks = Counter(
+            "trserve_draft_fallbacks",
+            "Requests that drafted from a local matrix because the matrix store/service failed", registry=r)
+        self._http = None
+
+    def serve_http(self, host: str, port: int) -> int:
+        """Expose /metrics on host:port (0 = any free port); returns the bound port."""
+        try:
+            self._http, _ = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as e:
+            raise OSError(f"cannot serve metrics on {host}:{port} ({e.strerror or e}); "
+                          "pick another --metrics-port, 0 (any free port) or -1 (off)") from None
+        return int(self._http.server_port)
+
+    def stop_http(self) -> None:
+        if self._http is not None:
+            self._http.shutdown()
+            self._http.server_close()
+            self._http = None
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """Current value of a sample (0 when absent), for tests and logs."""
+        return self.registry.get_sample_value(name, labels or {}) or 0.0

@@ -1,0 +1,107 @@
+"""Building and running a worker: `create_server` (tests bind port 0) and `serve` (the CLI's blocking main)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1.health import aio as health_aio
+
+from engine import Decoder, DecoderConfig
+from matrix_store import MatrixStore, ModelSpec, StoreConfig
+from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
+from services.worker.config import WorkerConfig
+from services.worker.drafting import DraftSourceFactory, embedded_factory
+from services.worker.metrics import WorkerMetrics
+from services.worker.servicer import GenerateServicer
+from trserve.v1 import generate_pb2, generate_pb2_grpc
+
+log = logging.getLogger("trserve.worker")
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name  # "trserve.v1.Generate"
+
+
+@dataclass
+class Worker:
+    """A started worker. `ready` completes once warm-up is done and health says SERVING."""
+
+    server: grpc.aio.Server
+    port: int
+    metrics_port: int | None  # None when metrics are off
+    health: health_aio.HealthServicer
+    servicer: GenerateServicer
+    metrics: WorkerMetrics
+    store: MatrixStore | None  # the embedded store; None when a draft_source_factory was given
+    ready: asyncio.Task
+    executor: ThreadPoolExecutor
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING, drain in-flight calls for `grace_s`, then release everything."""
+        await self.health.enter_graceful_shutdown()
+        await self.server.stop(grace_s)
+        await self.close()
+
+    async def close(self) -> None:
+        """After the server stopped: end warm-up, snapshot the store (if Redis), stop /metrics."""
+        if not self.ready.done():
+            self.ready.cancel()
+        await asyncio.to_thread(self.executor.shutdown, wait=True)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)
+        self.metrics.stop_http()
+
+
+async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
+                        decoder_config: DecoderConfig | None = None,
+                        draft_source_factory: DraftSourceFactory | None = None) -> Worker:
+    """Start a worker on config.host:config.port (0 = any free port), NOT_SERVING until warm.
+
+    `decoder`: a loaded Decoder to serve (else one is loaded from `decoder_config`).
+    `draft_source_factory(tenant, domain)`: where TR drafts come from; default = an embedded
+    MatrixStore (Redis snapshots when config.redis_url is set).
+    """
+    if decoder is None:
+        decoder = await asyncio.to_thread(Decoder, decoder_config or DecoderConfig())
+    store = None
+    if draft_source_factory is None:
+        store = MatrixStore(StoreConfig(redis_url=config.redis_url))
+        store.start()
+        spec = ModelSpec(decoder.fingerprint, decoder.vocab_size, decoder.config.k)
+        draft_source_factory = embedded_factory(store, spec, decoder.device)
+    metrics = WorkerMetrics()
+    executor = ThreadPoolExecutor(max_workers=config.max_active, thread_name_prefix="trserve-decode")
+    servicer = GenerateServicer(decoder, config, draft_source_factory, metrics, executor)
+
+    server = new_server()
+    generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
+    health = add_standard_services(server, [SERVICE_NAME])
+    port = bind(server, config.host, config.port)
+    metrics_port = metrics.serve_http(config.host, config.metrics_port) if config.metrics_port is not None else None
+    await set_status(health, [SERVICE_NAME], serving=False)
+    await server.start()
+    ready = asyncio.create_task(_warm_up(servicer, health, config.warmup), name="trserve-warmup")
+    return Worker(server, port, metrics_port, health, servicer, metrics, store, ready, executor)
+
+
+async def _warm_up(servicer: GenerateServicer, health: health_aio.HealthServicer, enabled: bool) -> None:
+    if enabled:
+        await servicer.warm_up()
+    await set_status(health, [SERVICE_NAME], serving=True)
+
+
+async def run(config: WorkerConfig, decoder_config: DecoderConfig) -> None:
+    worker = await create_server(config, decoder_config=decoder_config)
+    await worker.ready
+    print(f"trserve listening on {config.host}:{worker.port}", flush=True)
+    if worker.metrics_port is not None:
+        log.info("metrics on http://%s:%d/metrics", config.host, worker.metrics_port)
+    await serve_until_signal(worker.server, worker.health, config.grace_s, on_stop=worker.close)
+
+
+def serve(config: WorkerConfig, decoder_config: DecoderConfig) -> int:
+    """Blocking: serve until SIGTERM/SIGINT, then drain gracefully."""
+    asyncio.run(run(config, decoder_config))
+    return 0
