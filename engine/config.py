@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from engine.model_loader import ModelConfig
 
 # The best known tree per device kind (see README "Benchmarks"; `trserve bench --tree` to compare).
-DEFAULT_TREES = {"cpu": "cpu-12", "cuda": "paper"}
+DEFAULT_TREES = {"cpu": "cpu-8", "cuda": "paper"}
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class DecoderConfig:
     max_context: int | None = None  # default: the model's max_position_embeddings
     # Seed the matrix with the model's own next-token top-K at the last N prompt positions
     # (one wider lm_head in the prefill); 0 = off. Catches what the request itself repeats.
-    seed_from_prompt: int = 0
+    seed_from_prompt: int = 512
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 64:

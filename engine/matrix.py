@@ -82,7 +82,7 @@ class DraftInfo:
     """What a draft session reports for stats: which matrix version drafted, and how."""
 
     matrix_version: int
-    mode: str  # "local", "remote", "replica", "local-fallback"
+    mode: str  # "local", "embedded", "remote", "replica", "local-fallback"
 
 
 class DraftSession(Protocol):

@@ -24,7 +24,7 @@ class GenerationStats:
     decode_s: float
     tokens_per_s: float  # generated tokens / (prefill + decode) wall time
     matrix_version: int | None  # version of the matrix that drafted the last step
-    draft_mode: str  # local, remote, replica, local-fallback, or none (plain decoding)
+    draft_mode: str  # local, embedded, remote, replica, local-fallback, or none (plain decoding)
     tree: str
 
     @classmethod

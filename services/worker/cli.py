@@ -1,18 +1,35 @@
-"""`trserve serve`: the embedded all-in-one worker (model + in-process matrix store)."""
+"""`trserve serve` (embedded all-in-one: worker + in-process matrix store) and `trserve worker`
+(a stateless worker of a split deployment, drafting through `trserve matrix`)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the Generate API (embedded: worker + in-process matrix store)",
                        description="Serve the Generate API with an in-process matrix store (Redis only with --redis-url).")
+    _add_worker_flags(p)
+    p.add_argument("--redis-url", default=None, help="snapshot tenant matrices to this Redis (redis://host:6379/0)")
+    p.set_defaults(func=run_serve)
+
+    w = sub.add_parser("worker", help="serve the Generate API, drafting through a matrix service (split deployment)",
+                       description="A stateless worker: tenant matrices live in the matrix service (`trserve matrix`). "
+                                   "If it is unreachable, requests still complete, drafting locally (counted in metrics).")
+    w.add_argument("--matrix-addr", required=True, help="HOST:PORT of the matrix service")
+    w.add_argument("--draft-mode", choices=("remote", "replica"), default="remote",
+                   help="remote: the service drafts each step (one round trip per step); replica: check the "
+                        "tenant's matrix out, draft locally, push recycled rows back (default remote)")
+    _add_worker_flags(w)
+    w.set_defaults(func=run_worker, redis_url=None)  # stateless: matrices live in the matrix service
+
+
+def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = pick a free one and print it)")
     p.add_argument("--metrics-port", type=int, default=9464,
-                   help="Prometheus /metrics HTTP port (default 9464; 0 = pick a free one; -1 = off)")
-    p.add_argument("--redis-url", default=None, help="snapshot tenant matrices to this Redis (redis://host:6379/0)")
+                   help="Prometheus /metrics HTTP port (default 9464; 0 = pick a free one and print it; -1 = off)")
     p.add_argument("--model", default=None, help="builtin model name, local transformers directory or hub id "
                    "(default: the bundled smollm2-135m-instruct)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
@@ -21,7 +38,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens-cap", type=int, default=2048, help="largest max_new_tokens a request may ask")
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted, in tokens")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests may finish on SIGTERM")
-    p.set_defaults(func=run_serve)
 
 
 def build_configs(args: argparse.Namespace):
@@ -39,18 +55,37 @@ def build_configs(args: argparse.Namespace):
     return worker, DecoderConfig(model=model, tree=args.tree)
 
 
-def run_serve(args: argparse.Namespace) -> int:
-    import sys
+def build_split_config(args: argparse.Namespace, max_active: int):
+    """The worker's SplitConfig; raises ValueError on a bad address."""
+    from services.worker.drafting import SplitConfig
 
+    split = SplitConfig(matrix_addr=args.matrix_addr, draft_mode=args.draft_mode)
+    if split.max_sources <= max_active:  # see SplitConfig.max_sources
+        raise ValueError(f"max_sources ({split.max_sources}) must exceed max_active ({max_active})")
+    return split
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    return _run("serve", args, split=False)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    return _run("worker", args, split=True)
+
+
+def _run(command: str, args: argparse.Namespace, split: bool) -> int:
     try:
         worker_config, decoder_config = build_configs(args)
+        split_config = build_split_config(args, worker_config.max_active) if split else None
     except ValueError as e:
-        print(f"trserve serve: {e}", file=sys.stderr)
+        print(f"trserve {command}: {e}", file=sys.stderr)
         return 2
+    from services.worker.drafting import MatrixServiceSources
     from services.worker.server import serve
 
+    sources = MatrixServiceSources(split_config) if split_config is not None else None
     try:
-        return serve(worker_config, decoder_config)
+        return serve(worker_config, decoder_config, sources)
     except OSError as e:  # a port in use: say which and how to pick another
-        print(f"trserve serve: {e}", file=sys.stderr)
+        print(f"trserve {command}: {e}", file=sys.stderr)
         return 1

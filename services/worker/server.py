@@ -14,7 +14,7 @@ from engine import Decoder, DecoderConfig
 from matrix_store import MatrixStore, ModelSpec, StoreConfig
 from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
 from services.worker.config import WorkerConfig
-from services.worker.drafting import DraftSourceFactory, embedded_factory
+from services.worker.drafting import DraftSourceFactory, MatrixServiceSources, embedded_factory
 from services.worker.metrics import WorkerMetrics
 from services.worker.servicer import GenerateServicer
 from trserve.v1 import generate_pb2, generate_pb2_grpc
@@ -92,16 +92,26 @@ async def _warm_up(servicer: GenerateServicer, health: health_aio.HealthServicer
     await set_status(health, [SERVICE_NAME], serving=True)
 
 
-async def run(config: WorkerConfig, decoder_config: DecoderConfig) -> None:
-    worker = await create_server(config, decoder_config=decoder_config)
+async def run(config: WorkerConfig, decoder_config: DecoderConfig, sources: MatrixServiceSources | None = None) -> None:
+    """Serve until a signal; `sources` = a split worker's drafts from the matrix service (else embedded)."""
+    worker = await create_server(config, decoder_config=decoder_config, draft_source_factory=sources)
     await worker.ready
+    if sources is not None:
+        log.info("drafting through the matrix service at %s (%s mode)", sources.config.matrix_addr,
+                 sources.config.draft_mode)
     print(f"trserve listening on {config.host}:{worker.port}", flush=True)
     if worker.metrics_port is not None:
-        log.info("metrics on http://%s:%d/metrics", config.host, worker.metrics_port)
-    await serve_until_signal(worker.server, worker.health, config.grace_s, on_stop=worker.close)
+        print(f"trserve metrics on http://{config.host}:{worker.metrics_port}/metrics", flush=True)
+
+    async def stop() -> None:
+        await worker.close()
+        if sources is not None:
+            await asyncio.to_thread(sources.close)
+
+    await serve_until_signal(worker.server, worker.health, config.grace_s, on_stop=stop)
 
 
-def serve(config: WorkerConfig, decoder_config: DecoderConfig) -> int:
+def serve(config: WorkerConfig, decoder_config: DecoderConfig, sources: MatrixServiceSources | None = None) -> int:
     """Blocking: serve until SIGTERM/SIGINT, then drain gracefully."""
-    asyncio.run(run(config, decoder_config))
+    asyncio.run(run(config, decoder_config, sources))
     return 0

@@ -112,3 +112,18 @@ def test_fingerprint_is_stable_and_model_specific(decoder, loaded_smollm2):
 
     assert decoder.fingerprint == model_fingerprint(decoder.tokenizer, decoder.model.config)
     assert model_fingerprint(decoder.tokenizer, tiny_llama(vocab_size=49152).config) != decoder.fingerprint
+
+
+def test_prompt_seeding_writes_the_prompts_rows(decoder):
+    from engine import Decoder, DecoderConfig
+
+    ids = decoder.prompts.chat_ids(CHAT)
+    seeded = decoder.new_matrix()
+    decoder.generate(input_ids=ids, max_new_tokens=1, matrix=seeded)
+    # one prefill, one batch of rows: every distinct prompt token (within the seed window) got a row
+    assert seeded.version == 1
+    assert set(torch.nonzero(seeded.rows.any(dim=1)).flatten().tolist()) == set(ids)
+    plain = Decoder(DecoderConfig(seed_from_prompt=0), loaded=decoder.loaded)
+    unseeded = plain.new_matrix()
+    plain.generate(input_ids=ids, max_new_tokens=1, matrix=unseeded)
+    assert unseeded.version == 0 and unseeded.nonzero_rows() == 0
