@@ -28,11 +28,20 @@ def _prompts() -> list[dict]:
 
 
 def _reference(loaded, ids: list[int]):
+    """Plain greedy `generate` for exactly NEW_TOKENS tokens, decoding on through EOS.
+
+    EOS is switched off in the model's generation config rather than with `min_new_tokens`, which
+    would ban EOS from the argmax and so no longer be the model's own greedy choice.
+    """
     x = torch.tensor([ids])
-    with torch.inference_mode():
-        out = loaded.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                    min_new_tokens=NEW_TOKENS, output_logits=True, return_dict_in_generate=True,
-                                    pad_token_id=loaded.tokenizer.eos_token_id)
+    config = loaded.model.generation_config
+    saved, config.eos_token_id = config.eos_token_id, None
+    try:
+        with torch.inference_mode():
+            out = loaded.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
+                                        output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    finally:
+        config.eos_token_id = saved
     return out.sequences[0, len(ids):].tolist(), [lg[0] for lg in out.logits]
 
 
@@ -44,7 +53,7 @@ def test_tr_matches_hf_greedy_on_30_real_prompts(decoder, hf_reference):
         messages = [{"role": "user", "content": q["turns"][0]}]
         ids = decoder.prompts.chat_ids(messages)
         ref_ids, ref_logits = _reference(hf_reference, ids)
-        # min_new_tokens keeps the reference going past EOS; TR must not stop there either
+        # the reference decodes on through EOS; TR must not stop there either
         tr = decoder.generate(input_ids=ids, max_new_tokens=NEW_TOKENS, matrix=matrix, ignore_eos=True)
         tr_ids = tr.ids
         total_mat.append(tr.stats.mat)
