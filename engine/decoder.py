@@ -100,8 +100,9 @@ class Decoder:
         Exactly one of `prompt` (raw text, no chat template), `messages` (chat template applied)
         or `input_ids`. `matrix` is the hot-start state (an AdjacencyMatrix carried across calls,
         or a DraftSource such as the matrix service); None = a fresh zero matrix. `stop_token_ids`
-        adds to the model's EOS ids (`ignore_eos` drops those, e.g. for fixed-length benchmarks). `cancelled` is polled each step; `deadline` is a
-        time.monotonic() instant after which decoding stops with finish_reason "time_limit".
+        adds to the model's EOS ids (`ignore_eos` drops those, e.g. for fixed-length benchmarks).
+        `cancelled` is polled each step; `deadline` is a time.monotonic() instant after which
+        decoding stops with finish_reason "time_limit".
         """
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")

@@ -10,6 +10,17 @@ from engine.verify import forward_one, verify_tree
 from tests.conftest import tiny_llama
 
 
+def _prefilled(model, seed: int, context_len: int):
+    """The paper tree, a random context already in a fresh KV cache, and random node tokens."""
+    tree = compile_tree(load_template("paper"))
+    g = torch.Generator().manual_seed(seed)
+    context = torch.randint(0, 128, (context_len,), generator=g).tolist()
+    tokens = torch.randint(0, 128, (tree.n,), generator=g)
+    cache = KVCache(model.config)
+    model(input_ids=torch.tensor([context]), past_key_values=cache.cache, use_cache=True)
+    return tree, context, tokens, cache
+
+
 def causal_last_logits(model, ids: list[int]) -> torch.Tensor:
     return model(input_ids=torch.tensor([ids])).logits[0, -1]
 
@@ -21,12 +32,7 @@ def test_tree_logits_equal_per_path_causal_logits(attn, packed):
     model = tiny_llama(attn=attn)
     if packed:
         pack_linears(model)
-    tree = compile_tree(load_template("paper"))
-    g = torch.Generator().manual_seed(1)
-    context = torch.randint(0, 128, (9,), generator=g).tolist()
-    tokens = torch.randint(0, 128, (tree.n,), generator=g)
-    cache = KVCache(model.config)
-    model(input_ids=torch.tensor([context]), past_key_values=cache.cache, use_cache=True)
+    tree, context, tokens, cache = _prefilled(model, seed=1, context_len=9)
     logits = verify_tree(model, cache, tokens, tree)
     assert logits.shape == (tree.n, 128) and len(cache) == 9 + tree.n
     for node in [0, 1, 7, 8, 30, 60, tree.n - 1]:
@@ -37,12 +43,7 @@ def test_tree_logits_equal_per_path_causal_logits(attn, packed):
 @torch.inference_mode()
 def test_compaction_keeps_exactly_the_accepted_path():
     model = tiny_llama()
-    tree = compile_tree(load_template("paper"))
-    g = torch.Generator().manual_seed(2)
-    context = torch.randint(0, 128, (6,), generator=g).tolist()
-    tokens = torch.randint(0, 128, (tree.n,), generator=g)
-    cache = KVCache(model.config)
-    model(input_ids=torch.tensor([context]), past_key_values=cache.cache, use_cache=True)
+    tree, context, tokens, cache = _prefilled(model, seed=2, context_len=6)
     verify_tree(model, cache, tokens, tree)
     path = tree.path_to(tree.n - 2)  # a deep, non-contiguous path
     assert path != list(range(len(path)))
