@@ -32,9 +32,12 @@ def accept_greedy(tokens: torch.Tensor, greedy: torch.Tensor, tree: CompiledTree
     """
     ok = tokens == greedy[tree.parent]  # [n]
     ok[0] = True
-    for start, end in tree.levels[1:]:
-        ok[start:end] &= ok[tree.parent[start:end]]
-    score = torch.where(ok, tree.depth, -1)  # [n]
+    # A node is accepted when every node on its root path matches: gather along path_nodes
+    # (padded with -1 -> an always-true slot), so node order does not matter (lookup chains are
+    # appended after the breadth-first nodes).
+    ok_pad = torch.cat([ok, ok.new_ones(1)])  # [n + 1]
+    accepted = ok_pad[tree.path_nodes].all(dim=1)  # [n]
+    score = torch.where(accepted, tree.depth, -1)  # [n]
     winner = int(torch.argmax(score))  # first maximum -> lowest index at the deepest level
     path = tree.path_to(winner)
     committed = tokens[path[1:]].tolist() + [int(greedy[winner])]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from engine.autotune import AutoTuneConfig
 from engine.model_loader import ModelConfig
 
 # The best known tree per device kind (see README "Benchmarks"; `trserve bench --tree` to compare).
@@ -13,12 +14,16 @@ DEFAULT_TREES = {"cpu": "cpu-8", "cuda": "paper"}
 @dataclass(frozen=True)
 class DecoderConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
-    tree: str = "auto"  # builtin tree name, template file path, or auto = best known for the device
+    # builtin tree name, template file path, auto = best known for the device, or adaptive = start
+    # from auto and keep re-tuning online (engine/autotune.py, settings in `autotune`)
+    tree: str = "auto"
     k: int = 8  # successors kept per token in the adjacency matrix
     max_context: int | None = None  # default: the model's max_position_embeddings
     # Seed the matrix with the model's own next-token top-K at the last N prompt positions
     # (one wider lm_head in the prefill); 0 = off. Catches what the request itself repeats.
     seed_from_prompt: int = 512
+    autotune: AutoTuneConfig = field(default_factory=AutoTuneConfig)
+    cache_dir: str | None = None  # calibration cache for adaptive trees; default ~/.cache/trserve
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 64:
@@ -29,4 +34,4 @@ class DecoderConfig:
             raise ValueError(f"max_context must be >= 16, got {self.max_context}")
 
     def tree_for(self, device_type: str) -> str:
-        return DEFAULT_TREES.get(device_type, "paper") if self.tree == "auto" else self.tree
+        return DEFAULT_TREES.get(device_type, "paper") if self.tree in ("auto", "adaptive") else self.tree

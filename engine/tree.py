@@ -29,6 +29,8 @@ from engine.errors import InvalidArgument, NotFound
 
 BUILTIN_DIR = Path(__file__).parent / "trees"
 MAX_RANK = 64
+MAX_NGRAM = 8
+MAX_CHAIN = 32
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,9 @@ class TreeTemplate:
     name: str
     paths: tuple[tuple[int, ...], ...]
     description: str = ""
+    # Hybrid drafting: lookup[n-1] = most prompt-lookup chain nodes grafted when the longest
+    # suffix match has n tokens (0 = ignore such matches); () = matrix drafting only.
+    lookup: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -51,6 +56,11 @@ class TreeTemplate:
             if p in seen:
                 raise InvalidArgument(f"tree {self.name!r}: path {list(p)} appears twice")
             seen.add(p)
+        if len(self.lookup) > MAX_NGRAM or any(not isinstance(c, int) or not 0 <= c <= MAX_CHAIN for c in self.lookup):
+            raise InvalidArgument(
+                f"tree {self.name!r}: lookup must list at most {MAX_NGRAM} chain lengths in [0, {MAX_CHAIN}] "
+                f"(one per suffix-match size 1, 2, ...), got {list(self.lookup)}"
+            )
         for p in self.paths:
             if len(p) > 1 and p[:-1] not in seen:
                 raise InvalidArgument(
@@ -58,7 +68,7 @@ class TreeTemplate:
                 )
 
     @classmethod
-    def from_paths(cls, name: str, paths, description: str = "") -> TreeTemplate:
+    def from_paths(cls, name: str, paths, description: str = "", lookup=()) -> TreeTemplate:
         try:
             tuples = [tuple(int(r) if not isinstance(r, bool) else None for r in p) for p in paths]
         except (TypeError, ValueError) as e:
@@ -66,7 +76,11 @@ class TreeTemplate:
         if any(None in t for t in tuples):
             raise InvalidArgument(f"tree {name!r}: ranks must be integers, not booleans")
         ordered = sorted(tuples, key=lambda p: (len(p), p))
-        return cls(name=name, paths=tuple(ordered), description=description)
+        try:
+            chains = tuple(int(c) if not isinstance(c, bool) else -1 for c in lookup)
+        except (TypeError, ValueError) as e:
+            raise InvalidArgument(f"tree {name!r}: lookup must be a list of integer chain lengths ({e})") from None
+        return cls(name=name, paths=tuple(ordered), description=description, lookup=chains)
 
     @property
     def size(self) -> int:
@@ -81,8 +95,20 @@ class TreeTemplate:
     def max_rank(self) -> int:
         return max(max(p) for p in self.paths)
 
+    @property
+    def max_chain(self) -> int:
+        return max(self.lookup, default=0)
+
+    @property
+    def max_width(self) -> int:
+        """Widest verification forward: root + nodes + the longest lookup chain."""
+        return self.size + 1 + self.max_chain
+
     def to_json(self) -> str:
-        return json.dumps({"name": self.name, "description": self.description, "paths": [list(p) for p in self.paths]})
+        doc = {"name": self.name, "description": self.description, "paths": [list(p) for p in self.paths]}
+        if self.lookup:
+            doc["lookup"] = list(self.lookup)
+        return json.dumps(doc)
 
 
 def builtin_trees() -> list[str]:
@@ -108,7 +134,11 @@ def load_template(name_or_path: str) -> TreeTemplate:
         raise InvalidArgument(f'tree file {str(path)!r} must be an object with a "paths" list of rank lists')
     if not all(isinstance(p, list) for p in doc["paths"]):
         raise InvalidArgument(f"tree file {str(path)!r}: every entry of \"paths\" must be a list of ranks")
-    return TreeTemplate.from_paths(str(doc.get("name") or path.stem), doc["paths"], str(doc.get("description", "")))
+    lookup = doc.get("lookup", [])
+    if not isinstance(lookup, list):
+        raise InvalidArgument(f'tree file {str(path)!r}: "lookup" must be a list of chain lengths, e.g. [0, 4, 8]')
+    return TreeTemplate.from_paths(str(doc.get("name") or path.stem), doc["paths"], str(doc.get("description", "")),
+                                   lookup)
 
 
 @dataclass(frozen=True, repr=False)

@@ -52,3 +52,19 @@ def test_compaction_keeps_exactly_the_accepted_path():
     nxt = 17
     expected = causal_last_logits(model, context + tokens[path].tolist() + [nxt])
     torch.testing.assert_close(forward_one(model, cache, nxt), expected, atol=2e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_grafted_lookup_chain_sees_its_stem_and_chain_only():
+    from engine.hybrid import attach_chain
+
+    model = tiny_llama()
+    base, context, tokens, cache = _prefilled(model, seed=3, context_len=7)
+    at = base.path_to(base.n - 1)[-2]  # a node at depth >= 2, not on the first-ranked spine
+    tree = attach_chain(base, at, 5)
+    chain = torch.randint(0, 128, (5,), generator=torch.Generator().manual_seed(4))
+    logits = verify_tree(model, cache, torch.cat([tokens, chain]), tree)
+    all_tokens = torch.cat([tokens, chain])
+    for node in [1, base.n - 1, base.n, base.n + 2, base.n + 4]:
+        path = all_tokens[tree.path_to(node)].tolist()
+        torch.testing.assert_close(logits[node], causal_last_logits(model, context + path), atol=2e-4, rtol=1e-4)
