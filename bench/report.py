@@ -18,7 +18,8 @@ def _aggregate(rows: list[dict], baseline_tps: float | None) -> dict:
     return out
 
 
-def summarise(records: list[dict], decoders: list[str]) -> dict:
+def summarise(records: list[dict], decoders: list[str], sampled: bool = False) -> dict:
+    """Per decoder and per category; `identical_to_hf` is n/a when sampling (outputs are random)."""
     by_dec: dict[str, list[dict]] = defaultdict(list)
     by_cat: dict[str, dict[str, list[dict]]] = defaultdict(lambda: defaultdict(list))
     for r in records:
@@ -29,7 +30,9 @@ def summarise(records: list[dict], decoders: list[str]) -> dict:
     hf_ids = {(r["question_id"], r["turn"]): r["ids"] for r in by_dec.get("hf", [])}
     for name in decoders:
         agg = _aggregate(by_dec[name], hf)
-        if hf_ids:
+        if sampled:
+            agg["identical_to_hf"] = "n/a"
+        elif hf_ids:
             # later turns depend on the decoder's own earlier answer, so compare first turns only
             firsts = [r for r in by_dec[name] if r["turn"] == 0]
             agg["identical_to_hf"] = f"{sum(r['ids'] == hf_ids[(r['question_id'], 0)] for r in firsts)}/{len(firsts)}"

@@ -9,6 +9,7 @@ deployment would. Multi-turn questions ask turn 2 after each decoder's own answe
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import platform
@@ -37,6 +38,7 @@ class BenchConfig:
     model: str | None = None
     threads: int | None = None
     json_path: str = "bench-results/bench.json"
+    temperature: float = 0.0  # 0 = greedy; > 0 = sampling (top-k/top-p off), the n-th call of every decoder seeded n
 
     def __post_init__(self) -> None:
         known = {"hf", "pld", "ar", "tr", "tr-paper"}
@@ -44,6 +46,8 @@ class BenchConfig:
             raise ValueError(f"decoders must be a non-empty subset of {sorted(known)}, got {list(self.decoders)}")
         if self.per_category < 1 or self.max_new_tokens < 1:
             raise ValueError("per_category and max_new_tokens must be >= 1")
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
         if not Path(self.prompts).exists():
             raise ValueError(f"prompts file {self.prompts!r} not found")
 
@@ -58,30 +62,38 @@ def select_questions(path: str, per_category: int) -> list[dict]:
 
 
 class _HF:
-    """transformers `generate`: greedy, or prompt lookup decoding."""
+    """transformers `generate`: greedy or sampling, plain or with prompt lookup decoding."""
 
-    def __init__(self, loaded, pld_tokens: int | None) -> None:
-        self.loaded, self.pld_tokens = loaded, pld_tokens
+    def __init__(self, loaded, pld_tokens: int | None, temperature: float) -> None:
+        self.loaded, self.pld_tokens, self.temperature = loaded, pld_tokens, temperature
+        self.calls = itertools.count()
 
     def __call__(self, messages, max_new_tokens):
         tok, model = self.loaded.tokenizer, self.loaded.model
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
         x = torch.tensor([ids], device=self.loaded.device)
         extra = {"prompt_lookup_num_tokens": self.pld_tokens} if self.pld_tokens else {}
+        # explicit top_k/top_p: the model's generation_config may carry others (trserve's are off)
+        sample = dict(do_sample=True, temperature=self.temperature, top_k=0, top_p=1.0) if self.temperature else {}
+        torch.manual_seed(next(self.calls))
         with torch.inference_mode():
-            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False,
-                                 pad_token_id=tok.eos_token_id, **extra)
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens,
+                                 pad_token_id=tok.eos_token_id, **(sample or {"do_sample": False}), **extra)
         return out[0, len(ids):].tolist(), None
 
 
 class _TR:
-    def __init__(self, decoder, mode: str, tree: str | None) -> None:
-        self.decoder, self.mode, self.tree = decoder, mode, tree
+    def __init__(self, decoder, mode: str, tree: str | None, temperature: float) -> None:
+        self.decoder, self.mode, self.tree, self.temperature = decoder, mode, tree, temperature
         self.matrix = decoder.new_matrix() if mode == "tr" else None
+        self.calls = itertools.count()
 
     def __call__(self, messages, max_new_tokens):
+        from engine import SamplingParams
+
+        sampling = SamplingParams(temperature=self.temperature, seed=next(self.calls))
         r = self.decoder.generate(messages=messages, max_new_tokens=max_new_tokens, mode=self.mode,
-                                  matrix=self.matrix, tree=self.tree)
+                                  matrix=self.matrix, tree=self.tree, sampling=sampling)
         return r.ids, r.stats
 
 
@@ -92,12 +104,14 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
     runners, meta = {}, {}
     if {"hf", "pld"} & set(config.decoders):
         stock = load_model(ModelConfig(source=model_cfg.source, kernels="stock", threads=config.threads))
-        runners.update({"hf": _HF(stock, None), "pld": _HF(stock, config.pld_tokens)})
+        runners.update({"hf": _HF(stock, None, config.temperature),
+                        "pld": _HF(stock, config.pld_tokens, config.temperature)})
     if {"ar", "tr", "tr-paper"} & set(config.decoders):
         decoder = Decoder(DecoderConfig(model=model_cfg))
         tr_tree = config.tree or decoder.default_tree.template.name
-        runners.update({"ar": _TR(decoder, "ar", None), "tr": _TR(decoder, "tr", tr_tree),
-                        "tr-paper": _TR(decoder, "tr", "paper")})
+        t = config.temperature
+        runners.update({"ar": _TR(decoder, "ar", None, t), "tr": _TR(decoder, "tr", tr_tree, t),
+                        "tr-paper": _TR(decoder, "tr", "paper", t)})
         meta.update(fingerprint=decoder.fingerprint, packed_kernels=decoder.loaded.packed_kernels,
                     device=str(decoder.device), trees={"tr": tr_tree, "tr-paper": "paper"})
     return {name: runners[name] for name in config.decoders}, meta
@@ -127,7 +141,7 @@ def run_bench(config: BenchConfig) -> dict:
                                 "steps": stats.steps if stats else None,
                                 "step_tokens": sum(stats.accepted_per_step) if stats else None})
         log.info("question %d/%d (%s) done", qi + 1, len(questions), q["category"])
-    report = summarise(records, list(runners))
+    report = summarise(records, list(runners), sampled=config.temperature > 0)
     report["config"] = asdict(config)
     report["environment"] = {
         "model": config.model or "smollm2-135m-instruct", "torch": torch.__version__,

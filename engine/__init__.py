@@ -16,6 +16,7 @@ _EXPORTS = {
     "InvalidArgument": "engine.errors",
     "LocalDraftSource": "engine.matrix",
     "ModelConfig": "engine.model_loader",
+    "SamplingParams": "engine.sampling",
     "StepChunk": "engine.stats",
     "load_model": "engine.model_loader",
 }

@@ -5,21 +5,27 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from dataclasses import dataclass, field
 
 import torch
 
 from engine.accept import accept_greedy
+from engine.acceptance import AcceptanceLog
 from engine.config import DecoderConfig
 from engine.errors import InvalidArgument
+from engine.hybrid import graft, matched_run
+from engine.autotune import OnlineTuner, StepPlan
 from engine.kv import KVCache
+from engine.lookup import ContextLookup
 from engine.matrix import AdjacencyMatrix, DraftSource, LocalDraftSource
 from engine.model_loader import LoadedModel, load_model
 from engine.prompt import PromptBuilder
 from engine.recycle import recycle_rows
+from engine.sampling import Sampler, SamplingParams, choose, choose_in_tree, new_sampler
 from engine.stats import GenerationResult, GenerationStats, StepChunk
 from engine.text import StopChecker, TextStream
-from engine.tree import CompiledTree, get_compiled, load_template
+from engine.tree import CompiledTree, TreeTemplate, get_compiled, load_template
 from engine.verify import forward_one, verify_tree
 
 MODES = ("tr", "ar")
@@ -49,13 +55,29 @@ class Decoder:
         self.vocab_size = int(self.model.config.vocab_size)
         self.max_context = config.max_context or int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.prompts = PromptBuilder(self.tokenizer, self.vocab_size)
-        self.default_tree = self.compile(config.tree_for(self.device.type))
+        self.autotuner = self._new_autotuner() if config.tree == "adaptive" else None
+        self.default_tree = self.autotuner.universe if self.autotuner else self.compile(config.tree_for(self.device.type))
         self.eos_ids = self._eos_ids()
         self._lock = threading.Lock()  # one forward stream per Decoder (one model, one device)
 
     # ---- setup helpers -------------------------------------------------------------------
-    def compile(self, tree: str) -> CompiledTree:
-        return get_compiled(load_template(tree), self.device, self.loaded.dtype)
+    def compile(self, tree: str | TreeTemplate) -> CompiledTree:
+        """A builtin tree name, a JSON file path, or a TreeTemplate, compiled once for this device."""
+        template = tree if isinstance(tree, TreeTemplate) else load_template(tree)
+        return get_compiled(template, self.device, self.loaded.dtype)
+
+    def _new_autotuner(self) -> OnlineTuner:
+        from engine.calibrate import load_or_measure
+        from engine.model_loader import default_cache_dir
+
+        cost = load_or_measure(self.loaded, Path(self.config.cache_dir) if self.config.cache_dir else default_cache_dir())
+        return OnlineTuner(self.config.autotune, load_template(self.config.autotune.universe),
+                           load_template(self.config.tree_for(self.device.type)), cost, self.device, self.loaded.dtype)
+
+    def tree_name(self, tree: CompiledTree) -> str:
+        if self.autotuner is not None and tree is self.autotuner.universe:
+            return f"adaptive:{self.autotuner.current.size}"
+        return tree.template.name
 
     def new_matrix(self) -> AdjacencyMatrix:
         return AdjacencyMatrix(self.vocab_size, self.config.k, self.fingerprint, self.device)
@@ -94,6 +116,8 @@ class Decoder:
         tree: str | CompiledTree | None = None,
         cancelled: Callable[[], bool] | None = None,
         deadline: float | None = None,
+        acceptance: AcceptanceLog | None = None,
+        sampling: SamplingParams | None = None,
     ) -> Iterator[StepChunk | GenerationResult]:
         """Yield a StepChunk per decoding step, then the GenerationResult.
 
@@ -102,7 +126,10 @@ class Decoder:
         or a DraftSource such as the matrix service); None = a fresh zero matrix. `stop_token_ids`
         adds to the model's EOS ids (`ignore_eos` drops those, e.g. for fixed-length benchmarks).
         `cancelled` is polled each step; `deadline` is a time.monotonic() instant after which
-        decoding stops with finish_reason "time_limit".
+        decoding stops with finish_reason "time_limit". `acceptance` collects one record per TR
+        step (it must belong to the tree used) for the tree optimiser. `sampling` = None or
+        temperature 0 decodes greedily; otherwise tokens are sampled losslessly (engine/sampling.py):
+        the same seed gives the same tokens in TR and AR mode, whatever the matrix.
         """
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
@@ -112,8 +139,13 @@ class Decoder:
         stop_ids = (set() if ignore_eos else self.eos_ids) | set(self._check_ids(stop_token_ids or []))
         stops = StopChecker(self.tokenizer, stop_ids, tuple(stop_strings))
         source = self._draft_source(matrix) if mode == "tr" else None
+        if acceptance is not None and acceptance.template != compiled.template:
+            raise InvalidArgument(f"acceptance log is for tree {acceptance.template.name!r}, "
+                                  f"but this request uses {compiled.template.name!r}")
+        sampler = new_sampler(sampling, max_new_tokens, self.device)
         with self._lock, torch.inference_mode():
-            yield from self._decode(ids, max_new_tokens, stops, source, compiled, cancelled, deadline)
+            yield from self._decode(ids, max_new_tokens, stops, source, compiled, cancelled, deadline, acceptance,
+                                    sampler)
 
     # ---- validation ----------------------------------------------------------------------
     def _check_ids(self, ids: list[int]) -> list[int]:
@@ -125,11 +157,11 @@ class Decoder:
     def _check_budget(self, prompt_len: int, max_new_tokens: int, tree: CompiledTree) -> None:
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
             raise InvalidArgument(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        room = self.max_context - prompt_len - tree.n
+        room = self.max_context - prompt_len - tree.template.max_width
         if max_new_tokens > room:
             raise InvalidArgument(
                 f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model context "
-                f"({self.max_context} tokens, {tree.n} reserved for the draft tree); use max_new_tokens <= {max(room, 0)}"
+                f"({self.max_context} tokens, {tree.template.max_width} reserved for the draft tree); use max_new_tokens <= {max(room, 0)}"
                 + (" or a shorter prompt" if room <= 0 else "")
             )
 
@@ -143,7 +175,7 @@ class Decoder:
         raise InvalidArgument(f"matrix must be an AdjacencyMatrix or a DraftSource, got {type(matrix).__name__}")
 
     # ---- the loop --------------------------------------------------------------------------
-    def _decode(self, ids, max_new_tokens, stops, source, tree, cancelled, deadline):
+    def _decode(self, ids, max_new_tokens, stops, source, tree, cancelled, deadline, log=None, sampler=None):
         t0 = time.perf_counter()
         run = _Run(prompt_len=len(ids), max_new_tokens=max_new_tokens)
         cache = KVCache(self.model.config)
@@ -151,14 +183,15 @@ class Decoder:
         seed = min(len(ids), self.config.seed_from_prompt) if source else 0
         logits = self.model(input_ids=prompt, past_key_values=cache.cache, use_cache=True,
                             logits_to_keep=max(seed, 1)).logits[0]  # [max(seed, 1), V]
-        root = int(logits[-1].argmax())
+        root = int(choose(logits[-1:], sampler, 0)[0])  # output position 0
         # Prompt seeding: the model's predictions inside this prompt are rows like any recycled ones.
         recycled = recycle_rows(prompt[0, -seed:], logits, self.config.k, list(range(seed))) if seed else None
         text = TextStream(self.tokenizer)
         prefill_s = time.perf_counter() - t0
         session = source.open(tree, self.fingerprint, self.vocab_size, self.config.k) if source else None
+        lookup = ContextLookup(ids, len(ids) + max_new_tokens) if session is not None else None
         try:
-            self._commit(run, [root], stops)
+            self._commit(run, [root], stops, lookup)
             yield StepChunk(tokens=[root], text=text.delta(run.generated, cut=stops.cut_text))
             while run.finish_reason is None:
                 if cancelled is not None and cancelled():
@@ -168,10 +201,11 @@ class Decoder:
                     run.finish_reason = "time_limit"
                     break
                 if session is None:
-                    new = self._ar_step(cache, root)
+                    new = self._ar_step(cache, root, sampler, len(run.generated))
                 else:
-                    new, recycled = self._tr_step(cache, session, recycled, root, tree)
-                new = self._commit(run, new, stops)
+                    new, recycled = self._tr_step(cache, session, recycled, root, tree, lookup, log,
+                                                   sampler, len(run.generated))
+                new = self._commit(run, new, stops, lookup)
                 run.accepted_per_step.append(len(new))
                 root = new[-1] if new else root
                 if new:
@@ -182,10 +216,10 @@ class Decoder:
         decode_s = time.perf_counter() - t0 - prefill_s
         final_text = stops.cut_text(self.tokenizer.decode(run.generated, skip_special_tokens=True))
         info = session.info() if session is not None else None
-        stats = GenerationStats.build(run, prefill_s, decode_s, info, tree.template.name if session else "none")
+        stats = GenerationStats.build(run, prefill_s, decode_s, info, self.tree_name(tree) if session else "none")
         yield GenerationResult(ids=run.generated, text=final_text, finish_reason=run.finish_reason, stats=stats)
 
-    def _commit(self, run: _Run, new: list[int], stops: StopChecker) -> list[int]:
+    def _commit(self, run: _Run, new: list[int], stops: StopChecker, lookup: ContextLookup | None = None) -> list[int]:
         """Append what fits (stops, length) and set the finish reason; returns the kept tokens."""
         verdict = stops.check(run.generated, new)
         kept = new[: verdict.keep]
@@ -196,17 +230,46 @@ class Decoder:
         elif verdict.reason:
             run.finish_reason = verdict.reason
         run.generated.extend(kept)
+        if lookup is not None:
+            lookup.extend(kept)
         return kept
 
-    def _ar_step(self, cache: KVCache, root: int) -> list[int]:
-        return [int(forward_one(self.model, cache, root).argmax())]
+    def _ar_step(self, cache: KVCache, root: int, sampler: Sampler | None, at: int) -> list[int]:
+        return [int(choose(forward_one(self.model, cache, root)[None], sampler, at)[0])]
 
-    def _tr_step(self, cache: KVCache, session, recycled, root: int, tree: CompiledTree):
-        tokens = session.step(recycled, root)  # [n]
+    def _tr_step(self, cache: KVCache, session, recycled, root: int, tree: CompiledTree,
+                 lookup: ContextLookup | None, log: AcceptanceLog | None, sampler: Sampler | None, at: int):
+        drafted = session.step(recycled, root)  # [n_draft] the matrix-drafted tree
+        plan = self._plan(tree)
+        base = plan.tree
+        tokens = drafted if plan.select is None else drafted[plan.select]  # [n] the tree verified this step
+        verify, grafted = base, None
+        proposal = lookup.propose(base.template.lookup) if lookup is not None else None
+        if proposal is not None:
+            tokens, verify, grafted = graft(tokens, base, proposal.tokens, proposal.ngram)  # [n + chain]
         past = len(cache)
-        logits = verify_tree(self.model, cache, tokens, tree)  # [n, V]
-        greedy = logits.argmax(dim=-1)  # [n]
-        acc = accept_greedy(tokens, greedy, tree)
+        logits = verify_tree(self.model, cache, tokens, verify)  # [n + chain, V]
+        greedy = choose_in_tree(logits, tokens, verify, sampler, at)  # [n + chain] argmax, or samples
+        acc = accept_greedy(tokens, greedy, verify)
         cache.compact(past, acc.path)
         rows = recycle_rows(tokens, logits, self.config.k, acc.path)
+        if plan.explore:
+            self._record(self.autotuner.log, acc, base.n, grafted, past)
+            self.autotuner.recorded()
+        elif log is not None:
+            self._record(log, acc, base.n, grafted, past)
         return acc.tokens, rows
+
+    def _plan(self, tree: CompiledTree) -> StepPlan:
+        if self.autotuner is not None and tree is self.autotuner.universe:
+            return self.autotuner.plan()
+        return StepPlan(tree, None, explore=False)
+
+    @staticmethod
+    def _record(log: AcceptanceLog, acc, n_base: int, grafted, past: int) -> None:
+        deepest = [i for i in acc.path if i < n_base][-1]  # deepest accepted node of the base tree
+        if grafted is None:
+            log.record(deepest, past)
+        else:
+            log.record(deepest, past, grafted.ngram, len(grafted.proposal),
+                       matched_run(grafted.proposal, acc.tokens), grafted.at)

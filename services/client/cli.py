@@ -19,9 +19,14 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="print the full response as JSON (with --stream: one JSON object per message)")
     p.add_argument("--max-new-tokens", type=int, default=None, help="most tokens to generate (default: the server's)")
     p.add_argument("--raw", action="store_true", help="send the prompt as raw text, without the chat template")
-    p.add_argument("--mode", choices=("tr", "ar"), default=None, help="tr (Token Recycling, default) or ar (plain greedy)")
+    p.add_argument("--mode", choices=("tr", "ar"), default=None,
+                   help="tr (Token Recycling, default) or ar (plain, one token per step)")
     p.add_argument("--tree", default="", help="draft tree template (default: the server's)")
     p.add_argument("--stop", action="append", default=[], help="stop sequence (repeatable)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); > 0 = lossless sampling")
+    p.add_argument("--top-p", type=float, default=0.0, help="nucleus mass in (0, 1] when sampling (default: off)")
+    p.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens when sampling (default: off)")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed: same seed, same text (default: random)")
     p.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
     p.set_defaults(func=run_generate)
 
@@ -36,7 +41,8 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         kwargs = {"messages": [{"role": "user", "content": args.prompt}]}
     kwargs.update(tenant=args.tenant, domain=args.domain, max_new_tokens=args.max_new_tokens, stop=args.stop,
-                  mode=args.mode, tree=args.tree, return_token_ids=args.json)
+                  mode=args.mode, tree=args.tree, return_token_ids=args.json, temperature=args.temperature,
+                  top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     with TRServeClient(args.addr, timeout=args.timeout) as client:
         try:
             return _stream(client, kwargs, args.json) if args.stream else _unary(client, kwargs, args.json)

@@ -33,16 +33,24 @@ def build_request(
     stop: Sequence[str] = (),
     stop_token_ids: Sequence[int] = (),
     temperature: float = 0.0,
+    top_p: float = 0.0,
+    top_k: int = 0,
+    seed: int | None = None,
     mode: str | None = None,
     tree: str = "",
     return_token_ids: bool = False,
 ) -> pb.GenerateRequest:
-    """A GenerateRequest from Python values; give exactly one of prompt (raw text), messages, token_ids."""
+    """A GenerateRequest from Python values; give exactly one of prompt (raw text), messages, token_ids.
+
+    temperature 0 = greedy; top_p / top_k 0 = off; seed None = a fresh random seed per request.
+    """
     if mode not in _MODES:
         raise ValueError(f"mode must be 'tr', 'ar' or None, got {mode!r}")
     req = pb.GenerateRequest(tenant=tenant, stop_sequences=list(stop), stop_token_ids=list(stop_token_ids),
-                             sampling=pb.SamplingParams(temperature=temperature), mode=_MODES[mode], tree=tree,
-                             return_token_ids=return_token_ids)
+                             sampling=pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
+                             mode=_MODES[mode], tree=tree, return_token_ids=return_token_ids)
+    if seed is not None:
+        req.sampling.seed = seed
     if domain is not None:
         req.domain = domain
     if max_new_tokens is not None:

@@ -1,8 +1,8 @@
 """Protobuf <-> engine conversions for the Generate API, with up-front request validation.
 
 Everything checkable without the model is checked here, so a bad request is refused before it
-takes a place in the decoding queue. Errors are InvalidArgument / NotImplementedError with a
-message that says how to fix the request.
+takes a place in the decoding queue. Errors are InvalidArgument / NotFound with a message that
+says how to fix the request.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass
 
 from engine.errors import InvalidArgument, NotFound
+from engine.sampling import SamplingParams
 from engine.stats import GenerationResult, GenerationStats, StepChunk
 from engine.tree import builtin_trees
 from matrix_store.config import validate_tenant_id
@@ -42,13 +43,14 @@ class GenerateArgs:
     mode: str  # "tr" or "ar"
     tree: str | None  # None = the decoder's default
     return_token_ids: bool
+    sampling: SamplingParams | None = None  # None = greedy
 
 
 def generate_args_from_pb(req: pb.GenerateRequest, limits: Limits, default_tenant: str) -> GenerateArgs:
     tenant = validate_tenant_id(req.tenant or default_tenant)
     domain = validate_tenant_id(req.domain, "domain") if req.HasField("domain") else None
     text, messages, token_ids = _input_from_pb(req, limits)
-    _check_sampling(req.sampling)
+    sampling = _sampling_from_pb(req.sampling)
     if req.mode not in MODES:
         raise InvalidArgument(f"mode {req.mode} is unknown; use DECODING_MODE_TR (default) or DECODING_MODE_AR")
     if len(req.stop_sequences) > limits.max_stop_sequences:
@@ -59,7 +61,7 @@ def generate_args_from_pb(req: pb.GenerateRequest, limits: Limits, default_tenan
         tenant=tenant, domain=domain, text=text, messages=messages, token_ids=token_ids,
         max_new_tokens=_max_new_tokens(req, limits),
         stop_sequences=tuple(req.stop_sequences), stop_token_ids=tuple(req.stop_token_ids),
-        mode=MODES[req.mode], tree=_tree_name(req.tree), return_token_ids=req.return_token_ids,
+        mode=MODES[req.mode], tree=_tree_name(req.tree), return_token_ids=req.return_token_ids, sampling=sampling,
     )
 
 
@@ -110,15 +112,21 @@ def _max_new_tokens(req: pb.GenerateRequest, limits: Limits) -> int:
     return n
 
 
-def _check_sampling(s: pb.SamplingParams) -> None:
-    if math.isnan(s.temperature) or s.temperature < 0:
-        raise InvalidArgument(f"temperature must be >= 0 (0 = greedy), got {s.temperature}")
+def _sampling_from_pb(s: pb.SamplingParams) -> SamplingParams | None:
+    """Engine sampling params, or None for greedy (temperature 0: top_p / top_k / seed are only range-checked).
+
+    The API's 0 means "off" for top_p and top_k (proto3 defaults); the engine's "off" top_p is 1.
+    """
+    if not math.isfinite(s.temperature) or s.temperature < 0:
+        raise InvalidArgument(f"temperature must be >= 0 and finite (0 = greedy), got {s.temperature}")
     if not (0 <= s.top_p <= 1):  # NaN fails this too
         raise InvalidArgument(f"top_p must be in (0, 1] (0 = off), got {s.top_p}")
     if s.top_k < 0:
         raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {s.top_k}")
-    if s.temperature > 0:
-        raise NotImplementedError("lossless sampling is not implemented yet; use temperature 0 (greedy)")
+    if s.temperature == 0:
+        return None
+    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
+                          seed=s.seed if s.HasField("seed") else None)
 
 
 def tokenize_input_from_pb(req: pb.TokenizeRequest, limits: Limits) -> tuple[str | None, list[dict] | None]:

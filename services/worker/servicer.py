@@ -181,7 +181,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         stream = self.decoder.stream(
             input_ids=ids, max_new_tokens=a.max_new_tokens, stop_token_ids=list(a.stop_token_ids),
             stop_strings=a.stop_sequences, mode=a.mode, matrix=source, tree=a.tree,
-            cancelled=call.cancelled.is_set, deadline=deadline,
+            cancelled=call.cancelled.is_set, deadline=deadline, sampling=a.sampling,
         )
         last = None
         for item in stream:

@@ -45,8 +45,6 @@ BAD_REQUESTS = {
     "ids out of vocab": (build_request(token_ids=[1, 49152]), INVALID, "outside the vocabulary"),
     "negative id": (build_request(token_ids=[-3]), INVALID, "outside the vocabulary"),
     "stop id out of vocab": (build_request("Hi", stop_token_ids=[10**7]), INVALID, "outside the vocabulary"),
-    "temperature > 0": (build_request("Hi", temperature=0.7), grpc.StatusCode.UNIMPLEMENTED,
-                        "lossless sampling is not implemented yet; use temperature 0"),
     "negative temperature": (build_request("Hi", temperature=-1.0), INVALID, "temperature must be >= 0"),
     "unknown role": (build_request(messages=[{"role": "wizard", "content": "hi"}]), INVALID, "role"),
     "no messages": (pb.GenerateRequest(messages=pb.ChatMessages()), INVALID, "non-empty list"),

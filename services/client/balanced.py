@@ -1,0 +1,143 @@
+"""A client that spreads Generate calls over several workers (round robin) and retries a call on
+another worker when one is down.
+
+    with BalancedClient(["127.0.0.1:50051", "127.0.0.1:50061"], timeout=60) as client:
+        reply = client.generate(messages=[{"role": "user", "content": "Hi"}], tenant="acme", max_new_tokens=32)
+
+A call that fails with UNAVAILABLE (worker dead, restarting or unreachable) or RESOURCE_EXHAUSTED
+(its queue is full) is retried on the next worker, each worker at most once per call, within the
+call's one overall deadline; the failing worker is skipped by later calls for `down_for_s`. Generate
+is safe to repeat: its output is the model's greedy output, and a repeat only recycles the model's
+own top-k rows into the tenant's matrix once more. A stream is retried only before its first chunk.
+Any other status is the caller's to handle and is raised at once.
+
+In Kubernetes, the headless worker Service gives the same spread from plain gRPC:
+`grpc.insecure_channel("dns:///trserve-worker:50051", options=[("grpc.lb_policy_name", "round_robin")])`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from services.client.client import build_request
+from services.common.security import bearer_metadata, client_channel
+from trserve.v1 import generate_pb2 as pb
+from trserve.v1 import generate_pb2_grpc
+
+RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+
+
+@dataclass(frozen=True)
+class Served:
+    """A reply and how it was obtained."""
+
+    reply: pb.GenerateResponse
+    addr: str  # the worker that answered
+    retried_after: tuple[str, ...] = ()  # status codes of the workers tried before it, in order
+
+    @property
+    def attempts(self) -> int:
+        return 1 + len(self.retried_after)
+
+
+class BalancedClient:
+    """Round robin over `addrs` with retry on another worker (see the module docstring). Thread-safe.
+
+    `tokens`: tenant -> bearer token, for workers started with --tenant-tokens. `tls_ca_file`: PEM
+    CA to trust, for workers serving TLS. `timeout`: the default deadline of a call, retries included.
+    """
+
+    def __init__(self, addrs: Sequence[str], *, timeout: float | None = None, tokens: Mapping[str, str] | None = None,
+                 tls_ca_file: str | None = None, down_for_s: float = 2.0,
+                 retry_codes: frozenset[grpc.StatusCode] = RETRY_CODES) -> None:
+        if not addrs:
+            raise ValueError("give at least one worker address (HOST:PORT)")
+        self.addrs = list(addrs)
+        self.timeout, self.down_for_s, self.retry_codes = timeout, down_for_s, retry_codes
+        self._tokens = dict(tokens or {})
+        self._channels = [client_channel(addr, tls_ca_file) for addr in self.addrs]
+        self._stubs = [generate_pb2_grpc.GenerateStub(c) for c in self._channels]
+        self._next = itertools.count()
+        self._down_until = [0.0] * len(self.addrs)
+        self._lock = threading.Lock()
+
+    # -- calls -------------------------------------------------------------------------------
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> pb.GenerateResponse:
+        """Decode to the end on one of the workers; keyword arguments as `client.build_request`."""
+        return self.generate_served(prompt, timeout=timeout, **kwargs).reply
+
+    def generate_served(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Served:
+        """As `generate`, also saying which worker answered after how many attempts."""
+        request = build_request(prompt, **kwargs)
+        metadata = self._metadata(request.tenant)
+        reply, addr, failed = self._with_retries(
+            timeout, lambda stub, left: stub.Generate(request, timeout=left, metadata=metadata))
+        return Served(reply, addr, failed)
+
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None,
+               **kwargs) -> Iterator[pb.GenerateStreamResponse]:
+        """Per-step chunks from one worker; moves to another only while no chunk has arrived yet."""
+        request = build_request(prompt, **kwargs)
+        metadata = self._metadata(request.tenant)
+
+        def first(stub: generate_pb2_grpc.GenerateStub, left: float | None):
+            call = stub.GenerateStream(request, timeout=left, metadata=metadata)
+            return call, next(call, None)
+
+        (call, head), _, _ = self._with_retries(timeout, first)
+        if head is not None:
+            yield head
+            yield from call
+
+    # -- round robin and retries -------------------------------------------------------------
+    def _metadata(self, tenant: str) -> tuple[tuple[str, str], ...]:
+        return bearer_metadata(self._tokens.get(tenant or "default"))
+
+    def _order(self) -> list[int]:
+        """Every worker once, from the next in turn; those marked down go last."""
+        n = len(self.addrs)
+        start = next(self._next) % n
+        order = [(start + i) % n for i in range(n)]
+        now = time.monotonic()
+        with self._lock:
+            return sorted(order, key=lambda i: self._down_until[i] > now)  # stable: round robin among the up
+
+    def _with_retries(self, timeout: float | None, call: Callable) -> tuple[object, str, tuple[str, ...]]:
+        """(call(stub, seconds left), the worker's address, codes of the failed tries before it),
+        trying each worker at most once."""
+        timeout = timeout if timeout is not None else self.timeout
+        deadline = None if timeout is None else time.monotonic() + timeout
+        error: grpc.RpcError | None = None
+        failed: list[str] = []
+        for i in self._order():
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                break
+            try:
+                return call(self._stubs[i], left), self.addrs[i], tuple(failed)
+            except grpc.RpcError as exc:
+                if exc.code() not in self.retry_codes:
+                    raise
+                error = exc
+                failed.append(exc.code().name)
+                with self._lock:
+                    self._down_until[i] = time.monotonic() + self.down_for_s
+        if error is None:  # the deadline passed before any attempt
+            raise TimeoutError(f"no attempt fitted in the deadline of {timeout} s")
+        raise error
+
+    def close(self) -> None:
+        for channel in self._channels:
+            channel.close()
+
+    def __enter__(self) -> BalancedClient:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
