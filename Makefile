@@ -49,3 +49,13 @@ bench: proto
 
 clean:
 	rm -rf $(VENV) trserve .pytest_cache
+
+# The split deployment as local processes (Redis, matrix service, N workers) on loopback:
+#   make cluster CLUSTER_ARGS="--workers 2 --threads 1"; then trserve cluster status|down
+CLUSTER_ARGS ?=
+.PHONY: cluster cluster-down
+cluster: proto
+	$(VENV)/bin/trserve cluster up $(CLUSTER_ARGS)
+
+cluster-down:
+	$(VENV)/bin/trserve cluster down

@@ -16,7 +16,10 @@ COMMAND_MODULES = (
     "services.worker.cli",  # serve, worker
     "services.client.cli",  # generate
     "services.matrix.cli",  # matrix, matrix-admin
+    "services.cluster.cli",  # cluster up|down|status, health
+    "services.load.cli",  # load
     "bench.cli",  # bench
+    "bench.tune",  # tune
 )
 
 

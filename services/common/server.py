@@ -1,27 +1,32 @@
-"""What every trserve gRPC server gets: health, reflection, bounded messages, graceful stop."""
+"""What every trserve gRPC server gets: health, reflection, bounded messages, optional TLS and auth
+interceptors (services/common/security.py), graceful stop."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import signal
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
+from services.common.security import ServerTLS
+
 log = logging.getLogger("trserve.services")
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
-def new_server(max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Server:
+def new_server(max_message_bytes: int = MAX_MESSAGE_BYTES,
+               interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
     options = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
     ]
-    return grpc.aio.server(options=options)
+    return grpc.aio.server(options=options, interceptors=list(interceptors))
 
 
 def add_standard_services(server: grpc.aio.Server, service_names: list[str]) -> health_aio.HealthServicer:
@@ -39,9 +44,10 @@ async def set_status(health: health_aio.HealthServicer, service_names: list[str]
         await health.set(name, status)
 
 
-def bind(server: grpc.aio.Server, host: str, port: int) -> int:
-    """Bind insecure host:port (port 0 = any free port); returns the bound port."""
-    bound = server.add_insecure_port(f"{host}:{port}")
+def bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | None = None) -> int:
+    """Bind host:port (port 0 = any free port), with TLS when `tls` is given; returns the bound port."""
+    addr = f"{host}:{port}"
+    bound = server.add_insecure_port(addr) if tls is None else server.add_secure_port(addr, tls.credentials())
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (in use or not allowed); pick another --port or 0")
     return bound

@@ -19,6 +19,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--snapshot-every-s", type=float, default=10.0)
     run.add_argument("--max-tenants", type=int, default=256, help="tenants kept in memory (LRU, default 256)")
     run.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM (default 5)")
+    run.add_argument("--secret-file", default=None, help="file holding a shared secret every worker must send")
+    run.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
+    run.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     run.set_defaults(func=run_service)
 
     admin = sub.add_parser("matrix-admin", help="admin calls on a matrix service; prints JSON")
@@ -29,6 +32,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     admin.add_argument("--version", type=int, help="rollback: the kept snapshot version to restore")
     admin.add_argument("--to", help="fork: the new tenant id")
     admin.add_argument("--timeout-s", type=float, default=10.0)
+    admin.add_argument("--secret-file", default=None, help="the service's shared secret, when it requires one")
+    admin.add_argument("--tls-ca", default=None, help="PEM CA file: reach the service over TLS")
     admin.set_defaults(func=run_admin)
 
 
@@ -36,13 +41,16 @@ def run_service(args: argparse.Namespace) -> int:
     import asyncio
 
     from matrix_store import StoreConfig
+    from services.common.security import SharedSecret, server_tls
     from services.matrix.server import MatrixServiceConfig, serve
 
     try:
         store = StoreConfig(redis_url=args.redis_url, key_prefix=args.key_prefix,
                             snapshot_every_versions=args.snapshot_every_versions,
                             snapshot_every_s=args.snapshot_every_s, max_tenants_in_memory=args.max_tenants)
-        config = MatrixServiceConfig(host=args.host, port=args.port, store=store, grace_s=args.grace_s)
+        secret = SharedSecret.from_file(args.secret_file) if args.secret_file else None
+        config = MatrixServiceConfig(host=args.host, port=args.port, store=store, grace_s=args.grace_s,
+                                     tls=server_tls(args.tls_cert, args.tls_key), secret=secret)
     except ValueError as exc:
         print(f"trserve matrix: {exc}", file=sys.stderr)
         return 2
@@ -53,6 +61,7 @@ def run_service(args: argparse.Namespace) -> int:
 def run_admin(args: argparse.Namespace) -> int:
     import grpc
 
+    from services.common.security import SharedSecret, client_channel
     from trserve.v1 import matrix_pb2 as pb
     from trserve.v1 import matrix_pb2_grpc as pb_grpc
 
@@ -62,8 +71,13 @@ def run_admin(args: argparse.Namespace) -> int:
     if args.action == "fork" and not args.to:
         print("trserve matrix-admin fork: --to NEW_TENANT is required", file=sys.stderr)
         return 2
+    try:
+        secret = SharedSecret.from_file(args.secret_file) if args.secret_file else None
+    except ValueError as exc:
+        print(f"trserve matrix-admin: {exc}", file=sys.stderr)
+        return 2
     ref = pb.TenantRef(tenant=args.tenant, fingerprint=args.fingerprint)
-    with grpc.insecure_channel(args.addr) as channel:
+    with client_channel(args.addr, args.tls_ca, secret) as channel:
         stub = pb_grpc.MatrixServiceStub(channel)
         try:
             out = _admin_call(stub, pb, args, ref)

@@ -7,11 +7,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from engine.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, NotFound
 from engine.recycle import RecycledRows
+from services.common.security import SharedSecret, client_channel
 from services.matrix.convert import rows_to_pb
 from trserve.v1 import matrix_pb2 as pb
 from trserve.v1 import matrix_pb2_grpc as pb_grpc
@@ -34,8 +36,12 @@ class DraftClientConfig:
     push_interval_s: float = 0.05  # replica: rows wait at most this long before a push
     push_timeout_s: float = 2.0  # replica: one PushRows call
     push_max_rows: int = 4096  # replica: rows per PushRows (the service's max_batch_rows)
+    tls_ca_file: str | None = None  # PEM CA to trust: reach the service over TLS; None = plaintext
+    secret: SharedSecret | None = None  # sent on every call when the service requires it
 
     def __post_init__(self) -> None:
+        if self.tls_ca_file is not None and not Path(self.tls_ca_file).is_file():
+            raise ValueError(f"TLS CA file {self.tls_ca_file!r} does not exist")
         for name in ("open_timeout_s", "step_timeout_s", "retry_after_s", "push_interval_s", "push_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
@@ -104,8 +110,9 @@ class Link:
 
     def __init__(self, addr: str, config: DraftClientConfig) -> None:
         self.addr, self.config = addr, config
-        self.channel = grpc.insecure_channel(addr, options=[("grpc.max_receive_message_length", 8 << 20),
-                                                            ("grpc.max_send_message_length", 8 << 20)])
+        self.channel = client_channel(addr, config.tls_ca_file, config.secret,
+                                      options=[("grpc.max_receive_message_length", 8 << 20),
+                                               ("grpc.max_send_message_length", 8 << 20)])
         self.stub = pb_grpc.MatrixServiceStub(self.channel)
         self.watchdog = Watchdog(min(0.05, config.step_timeout_s / 4))
         self.fallbacks = 0

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1.health import aio as health_aio
 
 from matrix_store import MatrixStore, StoreConfig
+from services.common.security import ServerTLS, SharedSecret, SharedSecretAuth
 from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
 from services.matrix.servicer import SERVICE_NAME, MatrixServicer, ServicerLimits, add_to_server
 
@@ -31,6 +32,8 @@ class MatrixServiceConfig:
     # Largest request/reply: a full PushRows batch (4096 rows at K=64) is ~1.1 MB; a Checkout
     # chunk of 65536 rows at K=8 is ~2.4 MB. Bigger messages are refused by gRPC itself.
     max_message_bytes: int = 4 * 1024 * 1024
+    tls: ServerTLS | None = None  # serve TLS with this certificate; None = plaintext
+    secret: SharedSecret | None = None  # require it from every caller (health/reflection excepted); None = open
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -71,10 +74,11 @@ def create_server(config: MatrixServiceConfig, store: MatrixStore | None = None)
     called with an event loop running (grpc.aio)."""
     owns = store is None
     store = store if store is not None else MatrixStore(config.store)
-    server = new_server(config.max_message_bytes)
+    auth = [SharedSecretAuth(config.secret)] if config.secret is not None else []
+    server = new_server(config.max_message_bytes, interceptors=auth)
     add_to_server(MatrixServicer(store, config.limits), server)
     health = add_standard_services(server, [SERVICE_NAME])
-    port = bind(server, config.host, config.port)
+    port = bind(server, config.host, config.port, config.tls)
     return MatrixServer(server, port, health, store, owns)
 
 

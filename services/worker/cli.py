@@ -21,6 +21,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--draft-mode", choices=("remote", "replica"), default="remote",
                    help="remote: the service drafts each step (one round trip per step); replica: check the "
                         "tenant's matrix out, draft locally, push recycled rows back (default remote)")
+    w.add_argument("--matrix-secret-file", default=None,
+                   help="file holding the matrix service's shared secret (when it requires one)")
+    w.add_argument("--matrix-tls-ca", default=None, help="PEM CA file: reach the matrix service over TLS")
     _add_worker_flags(w)
     w.set_defaults(func=run_worker, redis_url=None)  # stateless: matrices live in the matrix service
 
@@ -38,28 +41,41 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens-cap", type=int, default=2048, help="largest max_new_tokens a request may ask")
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted, in tokens")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests may finish on SIGTERM")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tenant-tokens", default=None, help='JSON file {"tenant": "token" or ["token", ...]}: require '
+                   "'authorization: Bearer <token>' and serve each token its own tenant only")
 
 
 def build_configs(args: argparse.Namespace):
     """(WorkerConfig, DecoderConfig) from the parsed flags; raises ValueError on bad values."""
     from engine import DecoderConfig, ModelConfig
+    from services.common.security import TenantTokens, server_tls
     from services.worker.config import Limits, WorkerConfig
 
-    model = ModelConfig(device=args.device) if args.model is None else ModelConfig(source=args.model, device=args.device)
+    source = {} if args.model is None else {"source": args.model}
+    model = ModelConfig(**source, device=args.device, threads=args.threads)
     limits = Limits(max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
                     default_max_new_tokens=min(128, args.max_new_tokens_cap))
+    tokens = TenantTokens.from_file(args.tenant_tokens) if args.tenant_tokens else None
     worker = WorkerConfig(
         host=args.host, port=args.port, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         max_queue=args.max_queue, limits=limits, grace_s=args.grace, redis_url=args.redis_url,
+        tls=server_tls(args.tls_cert, args.tls_key), tenant_tokens=tokens,
     )
     return worker, DecoderConfig(model=model, tree=args.tree)
 
 
 def build_split_config(args: argparse.Namespace, max_active: int):
-    """The worker's SplitConfig; raises ValueError on a bad address."""
+    """The worker's SplitConfig; raises ValueError on a bad address or secret."""
+    from services.common.security import SharedSecret
+    from services.matrix.client import DraftClientConfig
     from services.worker.drafting import SplitConfig
 
-    split = SplitConfig(matrix_addr=args.matrix_addr, draft_mode=args.draft_mode)
+    secret = SharedSecret.from_file(args.matrix_secret_file) if args.matrix_secret_file else None
+    client = DraftClientConfig(tls_ca_file=args.matrix_tls_ca, secret=secret)
+    split = SplitConfig(matrix_addr=args.matrix_addr, draft_mode=args.draft_mode, client=client)
     if split.max_sources <= max_active:  # see SplitConfig.max_sources
         raise ValueError(f"max_sources ({split.max_sources}) must exceed max_active ({max_active})")
     return split

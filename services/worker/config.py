@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.common.security import ServerTLS, TenantTokens
+
 
 @dataclass(frozen=True)
 class Limits:
@@ -46,6 +48,8 @@ class WorkerConfig:
     warmup: bool = True  # one short generation before reporting SERVING
     redis_url: str | None = None  # embedded matrix store snapshots; None = memory only
     default_tenant: str = "default"
+    tls: ServerTLS | None = None  # serve TLS with this certificate; None = plaintext
+    tenant_tokens: TenantTokens | None = None  # require a per-tenant bearer token; None = open
 
     def __post_init__(self) -> None:
         if not self.host:

@@ -12,6 +12,7 @@ from grpc_health.v1.health import aio as health_aio
 
 from engine import Decoder, DecoderConfig
 from matrix_store import MatrixStore, ModelSpec, StoreConfig
+from services.common.security import TenantAuth
 from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
 from services.worker.config import WorkerConfig
 from services.worker.drafting import DraftSourceFactory, MatrixServiceSources, embedded_factory
@@ -78,10 +79,11 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     metrics = WorkerMetrics()
     servicer = GenerateServicer(decoder, config, draft_source_factory, metrics, executor)
 
-    server = new_server()
+    auth = [TenantAuth(config.tenant_tokens, config.default_tenant)] if config.tenant_tokens is not None else []
+    server = new_server(interceptors=auth)
     generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
     health = add_standard_services(server, [SERVICE_NAME])
-    port = bind(server, config.host, config.port)
+    port = bind(server, config.host, config.port, config.tls)
     metrics_port = metrics.serve_http(config.host, config.metrics_port) if config.metrics_port is not None else None
     await set_status(health, [SERVICE_NAME], serving=False)
     await server.start()

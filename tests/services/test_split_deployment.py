@@ -9,10 +9,8 @@ restarted on the same Redis comes back at the last snapshot.
 
 from __future__ import annotations
 
-import queue
 import subprocess
 import sys
-import threading
 import time
 import urllib.request
 import uuid
@@ -22,9 +20,9 @@ from pathlib import Path
 import grpc
 import pytest
 import redis
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.client.client import TRServeClient
+from services.cluster.procs import Proc, wait_serving
 from services.matrix.client import RemoteDraftSource, ReplicaDraftSource
 from services.worker.drafting import MatrixServiceSources, SplitConfig
 from trserve.v1 import generate_pb2, matrix_pb2, matrix_pb2_grpc
@@ -40,61 +38,6 @@ MODES = {"A": "remote", "B": "replica"}
 def processes(test):
     """The marks of a test that runs the deployment (model processes, Redis)."""
     return pytest.mark.slow(pytest.mark.redis(pytest.mark.timeout(300)(test)))
-
-
-class Proc:
-    """A `trserve` subcommand as a child process; stdout lines are read by a thread, stderr goes to a log."""
-
-    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
-        self.name, self.log_path = name, log_dir / f"{name}-{time.monotonic_ns()}.log"
-        self._log = self.log_path.open("w")
-        self.popen = subprocess.Popen([sys.executable, "-m", "services.cli", *args], cwd=REPO,
-                                      stdout=subprocess.PIPE, stderr=self._log, text=True)
-        self._lines: queue.SimpleQueue[str] = queue.SimpleQueue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        for line in self.popen.stdout:
-            self._lines.put(line.strip())
-
-    def expect(self, prefix: str, timeout: float = 120.0) -> str:
-        """The last word of the first stdout line starting with `prefix` (an address or URL)."""
-        end = time.monotonic() + timeout
-        while time.monotonic() < end:
-            try:
-                line = self._lines.get(timeout=0.2)
-            except queue.Empty:
-                if self.popen.poll() is not None:
-                    break
-                continue
-            if line.startswith(prefix):
-                return line.split()[-1]
-        pytest.fail(f"{self.name} never printed {prefix!r}; its log:\n{self.log_path.read_text()[-3000:]}")
-
-    @property
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def kill(self) -> None:
-        """kill -9, as a crash would."""
-        if self.alive:
-            self.popen.kill()
-        self.popen.wait(timeout=30)
-        self._log.close()
-
-
-def wait_serving(addr: str, timeout: float = 120.0) -> None:
-    serving = health_pb2.HealthCheckResponse.SERVING
-    with grpc.insecure_channel(addr) as channel:
-        stub, end = health_pb2_grpc.HealthStub(channel), time.monotonic() + timeout
-        while time.monotonic() < end:
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status == serving:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.1)
-    pytest.fail(f"{addr} did not report SERVING within {timeout} s")
 
 
 class Cluster:
@@ -120,14 +63,14 @@ class Cluster:
             self.fingerprint = client.model_info().fingerprint
 
     def _start(self, name: str, args: list[str]) -> Proc:
-        proc = Proc(name, args, self.log_dir)
+        proc = Proc.trserve(name, args, self.log_dir)
         self.procs.append(proc)
         return proc
 
     def start_matrix(self) -> Proc:
         proc = self._start("matrix", ["matrix", "--host", "127.0.0.1", "--port", str(self.matrix_port),
                                       "--redis-url", REDIS_URL, "--key-prefix", self.prefix])
-        addr = proc.expect("matrix service listening on", timeout=60)
+        addr = proc.wait_line("matrix service listening on", timeout=60)
         self.matrix_port = int(addr.rsplit(":", 1)[1])
         wait_serving(addr)
         return proc
@@ -139,8 +82,8 @@ class Cluster:
 
     def _await_worker(self, name: str) -> None:
         proc = self.workers[name][0]
-        addr = proc.expect("trserve listening on")
-        metrics = proc.expect("trserve metrics on", timeout=10)
+        addr = proc.wait_line("trserve listening on")
+        metrics = proc.wait_line("trserve metrics on", timeout=10)
         wait_serving(addr)
         self.workers[name] = (proc, addr, metrics)
 

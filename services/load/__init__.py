@@ -1,0 +1,1 @@
+"""`trserve load`: a bounded, loopback-only load generator for Generate workers (see runner.py)."""
