@@ -6,6 +6,7 @@ from pathlib import Path
 
 DEFAULT_PROMPTS = str(Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "spec_bench" / "dev.jsonl")
 DECODERS = ("hf", "pld", "ar", "tr", "tr-paper")
+OPTIONAL = ("tr-matrix", "tr-adaptive")
 
 
 def register(sub) -> None:
@@ -13,7 +14,7 @@ def register(sub) -> None:
     p.add_argument("--prompts", default=DEFAULT_PROMPTS, help="Spec-Bench style jsonl (question_id, category, turns)")
     p.add_argument("--per-category", type=int, default=1, help="questions per category (the first N in file order)")
     p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--decoders", default=",".join(DECODERS), help=f"comma list from {','.join(DECODERS)}")
+    p.add_argument("--decoders", default=",".join(DECODERS), help=f"comma list from {','.join(DECODERS + OPTIONAL)}")
     p.add_argument("--tree", default=None, help="tree for the 'tr' decoder (default: this installation's default)")
     p.add_argument("--first-turn-only", action="store_true", help="skip the second turn of multi-turn questions")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for the 'pld' decoder")

@@ -2,7 +2,9 @@
 
 Decoders: `hf` = transformers `generate` greedy (stock kernels), `pld` = transformers prompt
 lookup decoding, `ar` = trserve's own plain decoding (same kernels as TR), `tr` = Token
-Recycling with this installation's default tree, `tr-paper` = TR with the paper's 80-node tree.
+Recycling with this installation's default tree (tuned, hybrid drafting on CPU), `tr-paper` = TR
+with the paper's 80-node tree; optional: `tr-matrix` = TR with the matrix-only `cpu-8` tree (no
+prompt lookup), `tr-adaptive` = TR re-tuning its tree online (`DecoderConfig(tree="adaptive")`).
 Each TR decoder keeps one matrix hot across all prompts (after an untimed warm-up), as a served
 deployment would. Multi-turn questions ask turn 2 after each decoder's own answer to turn 1.
 """
@@ -41,7 +43,7 @@ class BenchConfig:
     temperature: float = 0.0  # 0 = greedy; > 0 = sampling (top-k/top-p off), the n-th call of every decoder seeded n
 
     def __post_init__(self) -> None:
-        known = {"hf", "pld", "ar", "tr", "tr-paper"}
+        known = {"hf", "pld", "ar", "tr", "tr-paper", "tr-matrix", "tr-adaptive"}
         if not self.decoders or set(self.decoders) - known:
             raise ValueError(f"decoders must be a non-empty subset of {sorted(known)}, got {list(self.decoders)}")
         if self.per_category < 1 or self.max_new_tokens < 1:
@@ -106,14 +108,18 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
         stock = load_model(ModelConfig(source=model_cfg.source, kernels="stock", threads=config.threads))
         runners.update({"hf": _HF(stock, None, config.temperature),
                         "pld": _HF(stock, config.pld_tokens, config.temperature)})
-    if {"ar", "tr", "tr-paper"} & set(config.decoders):
+    if {"ar", "tr", "tr-paper", "tr-matrix", "tr-adaptive"} & set(config.decoders):
         decoder = Decoder(DecoderConfig(model=model_cfg))
         tr_tree = config.tree or decoder.default_tree.template.name
         t = config.temperature
         runners.update({"ar": _TR(decoder, "ar", None, t), "tr": _TR(decoder, "tr", tr_tree, t),
-                        "tr-paper": _TR(decoder, "tr", "paper", t)})
+                        "tr-paper": _TR(decoder, "tr", "paper", t), "tr-matrix": _TR(decoder, "tr", "cpu-8", t)})
+        if "tr-adaptive" in config.decoders:
+            adaptive = Decoder(DecoderConfig(model=model_cfg, tree="adaptive"), loaded=decoder.loaded)
+            runners["tr-adaptive"] = _TR(adaptive, "tr", None, t)
         meta.update(fingerprint=decoder.fingerprint, packed_kernels=decoder.loaded.packed_kernels,
-                    device=str(decoder.device), trees={"tr": tr_tree, "tr-paper": "paper"})
+                    device=str(decoder.device),
+                    trees={"tr": tr_tree, "tr-paper": "paper", "tr-matrix": "cpu-8", "tr-adaptive": "adaptive"})
     return {name: runners[name] for name in config.decoders}, meta
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,8 @@ class TuneConfig:
     max_chain: int = 16
     max_nodes: int = 64
     recalibrate: bool = False
+    records: str | None = None  # .npz of step records: loaded if it exists (no decoding), else written
+    confirm: int = 4  # finalists (best per size band) decoded with their own tree (0 = trust the universe replay)
     threads: int | None = None
     model: str | None = None
     name: str | None = None
@@ -41,6 +42,8 @@ class TuneConfig:
             raise ValueError(f"prompts files must exist, got {list(self.prompts)}")
         if self.per_category < 1 or self.max_new_tokens < 1 or self.max_nodes < 1:
             raise ValueError("per_category, max_new_tokens and max_nodes must be >= 1")
+        if self.confirm < 0:
+            raise ValueError(f"confirm must be >= 0, got {self.confirm}")
         if not 0 <= self.max_ngram <= 8 or not 1 <= self.max_chain <= 32:
             raise ValueError("max_ngram must be in [0, 8] (0 = no lookup) and max_chain in [1, 32]")
 
@@ -57,11 +60,9 @@ def tuning_prompts(paths: tuple[str, ...], per_category: int) -> list[str]:
 
 
 def run_tune(config: TuneConfig) -> dict:
-    import numpy as np
     import torch
 
     from engine import Decoder, DecoderConfig, ModelConfig
-    from engine.acceptance import AcceptanceLog
     from engine.calibrate import load_or_measure
     from engine.model_loader import default_cache_dir
     from engine.tree import TreeTemplate, load_template
@@ -75,49 +76,90 @@ def run_tune(config: TuneConfig) -> dict:
     universe = TreeTemplate.from_paths(f"{base.name}+lookup", base.paths,
                                        lookup=[config.max_chain] * config.max_ngram)
     compiled = decoder.compile(universe)
-    acceptance = AcceptanceLog(universe)
-    matrix = decoder.new_matrix()
-    decoder.generate(messages=[{"role": "user", "content": "Explain why the sky is blue."}], max_new_tokens=32,
-                     matrix=matrix, tree=compiled)
     prompts = tuning_prompts(config.prompts, config.per_category)
-    t0 = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        r = decoder.generate(messages=[{"role": "user", "content": prompt}], max_new_tokens=config.max_new_tokens,
-                             matrix=matrix, tree=compiled, acceptance=acceptance)
-        log.info("prompt %d/%d: %d tokens, MAT %.2f", i + 1, len(prompts), r.stats.generated_tokens, r.stats.mat)
-    rec = acceptance.arrays()
-    path_nodes = compiled.path_nodes.cpu().numpy()
-    baselines = {name: load_template(name) for name in ("cpu-8", "paper")}
-    result = tune(rec, universe, path_nodes, cost, name=config.name or Path(config.out).stem,
-                  max_nodes=config.max_nodes, max_ngram=config.max_ngram, baselines=baselines)
+    rec = _universe_records(decoder, compiled, prompts, config)
+    result = tune(rec, universe, compiled.path_nodes.cpu().numpy(), cost, name=config.name or Path(config.out).stem,
+                  max_nodes=config.max_nodes, max_ngram=config.max_ngram,
+                  baselines={name: load_template(name) for name in ("cpu-8", "paper")})
+    print(_size_table(result.by_size))
+    # Stage 2: small trees recycle fewer rows than the universe did, so their real acceptance is
+    # lower than replayed; decode with each finalist and score it on its own records.
+    finalists = result.finalists()[: config.confirm] + [load_template("cpu-8")] if config.confirm else [result.template]
+    confirmed = [_confirm(decoder, cost, t, prompts, config.max_new_tokens) for t in finalists]
+    best = max(confirmed, key=lambda row: row["tokens_per_s"])
     summary = {
         "device": str(decoder.device), "threads": torch.get_num_threads(), "calibration": cost.key,
-        "prompts": len(prompts), "steps": int(rec["node"].size), "record_s": round(time.perf_counter() - t0, 1),
-        "predicted_tokens_per_s": round(result.tokens_per_s, 2), "predicted_mat": round(result.mat, 3),
-        "baselines_tokens_per_s": {k: round(v, 2) for k, v in result.baseline.items()},
-        "nodes": result.template.size, "lookup": list(result.template.lookup),
-        "steps_with_proposal": int((rec["ngram"] > 0).sum()), "mean_run": float(np.mean(rec["run"][rec["ngram"] > 0]))
-        if (rec["ngram"] > 0).any() else 0.0,
+        "prompts": len(prompts), "universe_steps": int(rec["node"].size),
+        "predicted_from_universe": {"tokens_per_s": round(result.tokens_per_s, 2), "mat": round(result.mat, 3),
+                                    "baselines_tokens_per_s": {k: round(v, 2) for k, v in result.baseline.items()}},
+        "confirmed": [{k: v for k, v in row.items() if k != "template"} for row in confirmed],
+        "chosen": {"nodes": best["template"].size, "lookup": list(best["template"].lookup),
+                   "tokens_per_s": best["tokens_per_s"], "mat": best["mat"]},
     }
-    template = TreeTemplate.from_paths(result.template.name, result.template.paths, _describe(summary),
-                                       result.template.lookup)
+    chosen = best["template"]
+    template = TreeTemplate.from_paths(config.name or Path(config.out).stem, chosen.paths, _describe(summary),
+                                       chosen.lookup)
     Path(config.out).parent.mkdir(parents=True, exist_ok=True)
     Path(config.out).write_text(template.to_json() + "\n")
-    print(_size_table(result.by_size))
     print(json.dumps(summary, indent=2))
     print(f"wrote {config.out}: {template.size} nodes, lookup chains {list(template.lookup)}")
     return summary
 
 
+def _universe_records(decoder, compiled, prompts: list[str], config: TuneConfig) -> dict:
+    import numpy as np
+
+    if config.records and Path(config.records).exists():
+        rec = dict(np.load(config.records))
+        log.info("loaded %d step records from %s (no decoding)", rec["node"].size, config.records)
+        return rec
+    rec = _record(decoder, compiled, prompts, config.max_new_tokens)
+    if config.records:
+        np.savez(config.records, **rec)
+    return rec
+
+
+def _confirm(decoder, cost, template, prompts: list[str], max_new_tokens: int) -> dict:
+    """Decode with `template` itself and replay its own records: tokens/s under the cost model."""
+    import numpy as np
+
+    from engine.tune import evaluate
+
+    compiled = decoder.compile(template)
+    rec = _record(decoder, compiled, prompts, max_new_tokens)
+    tps, mat = evaluate(rec, compiled.path_nodes.cpu().numpy(), np.ones(compiled.n, dtype=bool), template.lookup, cost)
+    row = {"template": template, "nodes": template.size, "lookup": list(template.lookup),
+           "tokens_per_s": round(tps, 2), "mat": round(mat, 3)}
+    log.info("confirmed %s", {k: v for k, v in row.items() if k != "template"})
+    return row
+
+
+def _record(decoder, compiled, prompts: list[str], max_new_tokens: int) -> dict:
+    """Decode the prompts with the universe tree, one hot matrix, recording every step."""
+    from engine.acceptance import AcceptanceLog
+
+    acceptance = AcceptanceLog(compiled.template)
+    matrix = decoder.new_matrix()
+    decoder.generate(messages=[{"role": "user", "content": "Explain why the sky is blue."}], max_new_tokens=32,
+                     matrix=matrix, tree=compiled)
+    for i, prompt in enumerate(prompts):
+        r = decoder.generate(messages=[{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens,
+                             matrix=matrix, tree=compiled, acceptance=acceptance)
+        log.info("prompt %d/%d: %d tokens, MAT %.2f", i + 1, len(prompts), r.stats.generated_tokens, r.stats.mat)
+    return acceptance.arrays()
+
+
 def _describe(s: dict) -> str:
-    return (f"tuned by `trserve tune` on {s['device']} ({s['threads']} threads) from {s['steps']} steps over "
-            f"{s['prompts']} prompts: predicted {s['predicted_tokens_per_s']} tok/s of verification, MAT "
-            f"{s['predicted_mat']} (same steps: {s['baselines_tokens_per_s']})")
+    c = s["chosen"]
+    others = ", ".join(f"{r['nodes']} nodes {r['lookup']}: {r['tokens_per_s']}" for r in s["confirmed"])
+    return (f"tuned by `trserve tune` on {s['device']} ({s['threads']} threads), {s['prompts']} prompts: "
+            f"{c['tokens_per_s']} tok/s of verification under the calibrated cost, MAT {c['mat']} "
+            f"(finalists, own records: {others})")
 
 
-def _size_table(by_size: list[tuple[int, float, float]]) -> str:
-    lines = ["nodes  pred tok/s   MAT"]
-    lines += [f"{n:>5}  {tps:10.2f}  {mat:5.2f}" for n, tps, mat in by_size]
+def _size_table(by_size) -> str:
+    lines = ["nodes  pred tok/s   MAT  lookup"]
+    lines += [f"{t.size:>5}  {tps:10.2f}  {mat:5.2f}  {list(t.lookup)}" for t, tps, mat in by_size]
     return "\n".join(lines)
 
 
@@ -134,6 +176,10 @@ def register(sub) -> None:
     p.add_argument("--max-chain", type=int, default=16, help="longest lookup chain recorded")
     p.add_argument("--max-nodes", type=int, default=64, help="largest tree considered")
     p.add_argument("--recalibrate", action="store_true", help="measure the forward cost again")
+    p.add_argument("--records", default=None, help="universe step records .npz: reused if it exists, else written")
+    p.add_argument("--confirm", type=int, default=4,
+                   help="finalists (the best of sizes 1-4, 5-8, 9-16, 17-32) decoded with their own tree, "
+                        "and cpu-8 for reference; 0 = skip")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--model", default=None)
     p.add_argument("--name", default=None, help="tree name (default: the output file's stem)")
@@ -145,7 +191,7 @@ def _run(args) -> int:
         prompts=tuple(s.strip() for s in args.prompts.split(",") if s.strip()), out=args.out,
         per_category=args.per_category, max_new_tokens=args.max_new_tokens, universe=args.universe,
         max_ngram=args.max_ngram, max_chain=args.max_chain, max_nodes=args.max_nodes,
-        recalibrate=args.recalibrate, threads=args.threads, model=args.model, name=args.name,
+        recalibrate=args.recalibrate, records=args.records, confirm=args.confirm, threads=args.threads, model=args.model, name=args.name,
     )
     run_tune(config)
     return 0

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -114,3 +115,27 @@ class OnlineTuner:
                  time.perf_counter() - t0, len(self.log), result.template.size, list(result.template.lookup),
                  result.tokens_per_s, result.mat)
         return result.template
+
+
+class TunerBook:
+    """One OnlineTuner per key (e.g. per tenant: acceptance differs by workload), least recently
+    used dropped beyond `capacity`. The records live with the worker process, not in the matrix store."""
+
+    def __init__(self, factory, capacity: int = 256) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {capacity}")
+        self._factory = factory
+        self._capacity = capacity
+        self._tuners: OrderedDict[str, OnlineTuner] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: str) -> OnlineTuner:
+        with self._lock:
+            tuner = self._tuners.pop(key, None) or self._factory()
+            self._tuners[key] = tuner
+            while len(self._tuners) > self._capacity:
+                self._tuners.popitem(last=False)
+            return tuner
+
+    def __len__(self) -> int:
+        return len(self._tuners)

@@ -33,10 +33,15 @@ MODES = ("tr", "ar")
 
 @dataclass
 class _Run:
-    """Mutable state of one generation."""
+    """One generation: its settings and its mutable state."""
 
     prompt_len: int
     max_new_tokens: int
+    stops: StopChecker
+    sampler: Sampler | None = None
+    log: AcceptanceLog | None = None  # per-step records for the caller's tree optimiser
+    tuner: OnlineTuner | None = None  # adaptive tree: plans each step, records exploration steps
+    lookup: ContextLookup | None = None  # prompt + output so far, for hybrid drafting
     generated: list[int] = field(default_factory=list)
     accepted_per_step: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -74,10 +79,17 @@ class Decoder:
         return OnlineTuner(self.config.autotune, load_template(self.config.autotune.universe),
                            load_template(self.config.tree_for(self.device.type)), cost, self.device, self.loaded.dtype)
 
-    def tree_name(self, tree: CompiledTree) -> str:
-        if self.autotuner is not None and tree is self.autotuner.universe:
-            return f"adaptive:{self.autotuner.current.size}"
-        return tree.template.name
+    def new_tuner(self) -> OnlineTuner:
+        """A fresh online tuner like the Decoder's own (tree "adaptive" only), e.g. one per tenant."""
+        if self.autotuner is None:
+            raise InvalidArgument('online tuning needs DecoderConfig(tree="adaptive")')
+        a = self.autotuner
+        return OnlineTuner(a.config, load_template(a.config.universe), load_template(self.config.tree_for(self.device.type)),
+                           a.cost, self.device, self.loaded.dtype)
+
+    @staticmethod
+    def tree_name(tree: CompiledTree, tuner: OnlineTuner | None) -> str:
+        return f"adaptive:{tuner.current.size}" if tuner is not None else tree.template.name
 
     def new_matrix(self) -> AdjacencyMatrix:
         return AdjacencyMatrix(self.vocab_size, self.config.k, self.fingerprint, self.device)
@@ -118,6 +130,7 @@ class Decoder:
         deadline: float | None = None,
         acceptance: AcceptanceLog | None = None,
         sampling: SamplingParams | None = None,
+        tuner: OnlineTuner | None = None,
     ) -> Iterator[StepChunk | GenerationResult]:
         """Yield a StepChunk per decoding step, then the GenerationResult.
 
@@ -129,12 +142,18 @@ class Decoder:
         decoding stops with finish_reason "time_limit". `acceptance` collects one record per TR
         step (it must belong to the tree used) for the tree optimiser. `sampling` = None or
         temperature 0 decodes greedily; otherwise tokens are sampled losslessly (engine/sampling.py):
-        the same seed gives the same tokens in TR and AR mode, whatever the matrix.
+        the same seed gives the same tokens in TR and AR mode, whatever the matrix. `tuner` = an
+        online tree tuner of the caller's (e.g. one per tenant, `new_tuner()`) for a request that
+        names no tree; default: the Decoder's own when its tree is "adaptive".
         """
         if mode not in MODES:
             raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
         ids = self.prompts.build(prompt, messages, input_ids)
-        compiled = tree if isinstance(tree, CompiledTree) else (self.compile(tree) if tree else self.default_tree)
+        tuner = None if tree else (tuner or self.autotuner)
+        if tuner is not None:
+            compiled = tuner.universe
+        else:
+            compiled = tree if isinstance(tree, CompiledTree) else (self.compile(tree) if tree else self.default_tree)
         self._check_budget(len(ids), max_new_tokens, compiled)
         stop_ids = (set() if ignore_eos else self.eos_ids) | set(self._check_ids(stop_token_ids or []))
         stops = StopChecker(self.tokenizer, stop_ids, tuple(stop_strings))
@@ -142,10 +161,10 @@ class Decoder:
         if acceptance is not None and acceptance.template != compiled.template:
             raise InvalidArgument(f"acceptance log is for tree {acceptance.template.name!r}, "
                                   f"but this request uses {compiled.template.name!r}")
-        sampler = new_sampler(sampling, max_new_tokens, self.device)
+        run = _Run(prompt_len=len(ids), max_new_tokens=max_new_tokens, stops=stops, log=acceptance, tuner=tuner,
+                   sampler=new_sampler(sampling, max_new_tokens, self.device))
         with self._lock, torch.inference_mode():
-            yield from self._decode(ids, max_new_tokens, stops, source, compiled, cancelled, deadline, acceptance,
-                                    sampler)
+            yield from self._decode(run, ids, source, compiled, cancelled, deadline)
 
     # ---- validation ----------------------------------------------------------------------
     def _check_ids(self, ids: list[int]) -> list[int]:
@@ -175,9 +194,9 @@ class Decoder:
         raise InvalidArgument(f"matrix must be an AdjacencyMatrix or a DraftSource, got {type(matrix).__name__}")
 
     # ---- the loop --------------------------------------------------------------------------
-    def _decode(self, ids, max_new_tokens, stops, source, tree, cancelled, deadline, log=None, sampler=None):
+    def _decode(self, run: _Run, ids: list[int], source, tree: CompiledTree, cancelled, deadline):
         t0 = time.perf_counter()
-        run = _Run(prompt_len=len(ids), max_new_tokens=max_new_tokens)
+        stops, sampler = run.stops, run.sampler
         cache = KVCache(self.model.config)
         prompt = torch.tensor([ids], device=self.device)
         seed = min(len(ids), self.config.seed_from_prompt) if source else 0
@@ -189,9 +208,9 @@ class Decoder:
         text = TextStream(self.tokenizer)
         prefill_s = time.perf_counter() - t0
         session = source.open(tree, self.fingerprint, self.vocab_size, self.config.k) if source else None
-        lookup = ContextLookup(ids, len(ids) + max_new_tokens) if session is not None else None
+        run.lookup = ContextLookup(ids, len(ids) + run.max_new_tokens) if session is not None else None
         try:
-            self._commit(run, [root], stops, lookup)
+            self._commit(run, [root])
             yield StepChunk(tokens=[root], text=text.delta(run.generated, cut=stops.cut_text))
             while run.finish_reason is None:
                 if cancelled is not None and cancelled():
@@ -203,9 +222,8 @@ class Decoder:
                 if session is None:
                     new = self._ar_step(cache, root, sampler, len(run.generated))
                 else:
-                    new, recycled = self._tr_step(cache, session, recycled, root, tree, lookup, log,
-                                                   sampler, len(run.generated))
-                new = self._commit(run, new, stops, lookup)
+                    new, recycled = self._tr_step(cache, session, recycled, root, tree, run)
+                new = self._commit(run, new)
                 run.accepted_per_step.append(len(new))
                 root = new[-1] if new else root
                 if new:
@@ -216,12 +234,12 @@ class Decoder:
         decode_s = time.perf_counter() - t0 - prefill_s
         final_text = stops.cut_text(self.tokenizer.decode(run.generated, skip_special_tokens=True))
         info = session.info() if session is not None else None
-        stats = GenerationStats.build(run, prefill_s, decode_s, info, self.tree_name(tree) if session else "none")
+        stats = GenerationStats.build(run, prefill_s, decode_s, info, self.tree_name(tree, run.tuner) if session else "none")
         yield GenerationResult(ids=run.generated, text=final_text, finish_reason=run.finish_reason, stats=stats)
 
-    def _commit(self, run: _Run, new: list[int], stops: StopChecker, lookup: ContextLookup | None = None) -> list[int]:
+    def _commit(self, run: _Run, new: list[int]) -> list[int]:
         """Append what fits (stops, length) and set the finish reason; returns the kept tokens."""
-        verdict = stops.check(run.generated, new)
+        verdict = run.stops.check(run.generated, new)
         kept = new[: verdict.keep]
         room = run.max_new_tokens - len(run.generated)
         if len(kept) >= room:
@@ -230,40 +248,34 @@ class Decoder:
         elif verdict.reason:
             run.finish_reason = verdict.reason
         run.generated.extend(kept)
-        if lookup is not None:
-            lookup.extend(kept)
+        if run.lookup is not None:
+            run.lookup.extend(kept)
         return kept
 
     def _ar_step(self, cache: KVCache, root: int, sampler: Sampler | None, at: int) -> list[int]:
         return [int(choose(forward_one(self.model, cache, root)[None], sampler, at)[0])]
 
-    def _tr_step(self, cache: KVCache, session, recycled, root: int, tree: CompiledTree,
-                 lookup: ContextLookup | None, log: AcceptanceLog | None, sampler: Sampler | None, at: int):
+    def _tr_step(self, cache: KVCache, session, recycled, root: int, tree: CompiledTree, run: _Run):
         drafted = session.step(recycled, root)  # [n_draft] the matrix-drafted tree
-        plan = self._plan(tree)
+        plan = run.tuner.plan() if run.tuner is not None else StepPlan(tree, None, explore=False)
         base = plan.tree
         tokens = drafted if plan.select is None else drafted[plan.select]  # [n] the tree verified this step
         verify, grafted = base, None
-        proposal = lookup.propose(base.template.lookup) if lookup is not None else None
+        proposal = run.lookup.propose(base.template.lookup)
         if proposal is not None:
             tokens, verify, grafted = graft(tokens, base, proposal.tokens, proposal.ngram)  # [n + chain]
         past = len(cache)
         logits = verify_tree(self.model, cache, tokens, verify)  # [n + chain, V]
-        greedy = choose_in_tree(logits, tokens, verify, sampler, at)  # [n + chain] argmax, or samples
+        greedy = choose_in_tree(logits, tokens, verify, run.sampler, len(run.generated))  # argmax, or samples
         acc = accept_greedy(tokens, greedy, verify)
         cache.compact(past, acc.path)
         rows = recycle_rows(tokens, logits, self.config.k, acc.path)
         if plan.explore:
-            self._record(self.autotuner.log, acc, base.n, grafted, past)
-            self.autotuner.recorded()
-        elif log is not None:
-            self._record(log, acc, base.n, grafted, past)
+            self._record(run.tuner.log, acc, base.n, grafted, past)
+            run.tuner.recorded()
+        elif run.log is not None:
+            self._record(run.log, acc, base.n, grafted, past)
         return acc.tokens, rows
-
-    def _plan(self, tree: CompiledTree) -> StepPlan:
-        if self.autotuner is not None and tree is self.autotuner.universe:
-            return self.autotuner.plan()
-        return StepPlan(tree, None, explore=False)
 
     @staticmethod
     def _record(log: AcceptanceLog, acc, n_base: int, grafted, past: int) -> None:

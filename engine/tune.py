@@ -36,7 +36,22 @@ class TuneResult:
     tokens_per_s: float  # predicted verification throughput on the recorded steps
     mat: float  # predicted mean tokens per step
     baseline: dict[str, float] = field(default_factory=dict)  # predicted tok/s of reference trees
-    by_size: list[tuple[int, float, float]] = field(default_factory=list)  # (nodes, tok/s, MAT) per size
+    by_size: list[tuple[TreeTemplate, float, float]] = field(default_factory=list)  # best (tree, tok/s, MAT) per size
+
+    def top(self, k: int) -> list[TreeTemplate]:
+        """The k best trees of different sizes by predicted tokens/s."""
+        return [t for t, _, _ in sorted(self.by_size, key=lambda row: -row[1])[:k]]
+
+    def finalists(self, bands: tuple[int, ...] = (4, 8, 16, 32)) -> list[TreeTemplate]:
+        """The best predicted tree in each size band (1..4, 5..8, ...): replay from the universe's
+        records flatters small trees (they recycle fewer rows), so larger ones get a hearing too."""
+        out, low = [], 1
+        for high in bands:
+            band = [row for row in self.by_size if low <= row[0].size <= high]
+            if band:
+                out.append(max(band, key=lambda row: row[1])[0])
+            low = high + 1
+        return out
 
 
 def _inside(path_nodes: np.ndarray, member: np.ndarray, node: np.ndarray) -> np.ndarray:
@@ -103,7 +118,7 @@ def tune(rec: dict[str, np.ndarray], universe: TreeTemplate, path_nodes: np.ndar
         member = _membership(sub, index, path_nodes.shape[0])
         chains = best_chains(rec, path_nodes, member, cost, max_ngram) if max_ngram else ()
         tps, mat = evaluate(rec, path_nodes, member, chains, cost)
-        by_size.append((size, tps, mat))
+        by_size.append((TreeTemplate.from_paths(name, sub.paths, lookup=chains), tps, mat))
         if best is None or tps > best[0]:
             best = (tps, mat, sub, chains)
     tps, mat, sub, chains = best

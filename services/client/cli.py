@@ -11,7 +11,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="Send a prompt (as one user chat message unless --raw) and print the answer; "
                                    "a one-line stats summary goes to stderr.")
     p.add_argument("prompt", help="the prompt text")
-    p.add_argument("--addr", default="127.0.0.1:50051", help="worker address HOST:PORT (default 127.0.0.1:50051)")
+    p.add_argument("--addr", default="127.0.0.1:50051",
+                   help="worker address HOST:PORT, or a comma list spread round robin with retry (default 127.0.0.1:50051)")
+    p.add_argument("--token-file", default=None, help="file holding this tenant's bearer token (workers with --tenant-tokens)")
+    p.add_argument("--tls-ca", default=None, help="CA certificate to trust, for workers serving TLS")
     p.add_argument("--tenant", default="", help="tenant whose matrix drafts (default: the server's, 'default')")
     p.add_argument("--domain", default=None, help="domain a new tenant's matrix starts from")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
@@ -34,7 +37,6 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     import grpc
 
-    from services.client.client import TRServeClient
 
     if args.raw:
         kwargs = {"prompt": args.prompt}
@@ -43,12 +45,30 @@ def run_generate(args: argparse.Namespace) -> int:
     kwargs.update(tenant=args.tenant, domain=args.domain, max_new_tokens=args.max_new_tokens, stop=args.stop,
                   mode=args.mode, tree=args.tree, return_token_ids=args.json, temperature=args.temperature,
                   top_p=args.top_p, top_k=args.top_k, seed=args.seed)
-    with TRServeClient(args.addr, timeout=args.timeout) as client:
+    with _client(args) as client:
         try:
             return _stream(client, kwargs, args.json) if args.stream else _unary(client, kwargs, args.json)
         except grpc.RpcError as e:
             print(_error_line(e, args.addr), file=sys.stderr)
             return 1
+
+
+def _client(args):
+    """One plain channel, or the balanced client when several workers, a token or TLS are given."""
+    from services.client.client import TRServeClient
+
+    addrs = [a.strip() for a in args.addr.split(",") if a.strip()]
+    if len(addrs) == 1 and not args.token_file and not args.tls_ca:
+        return TRServeClient(addrs[0], timeout=args.timeout)
+    from pathlib import Path
+
+    from services.client.balanced import BalancedClient
+
+    try:
+        tokens = {args.tenant or "default": Path(args.token_file).read_text().strip()} if args.token_file else None
+    except OSError as e:
+        raise SystemExit(f"error: cannot read the token file {args.token_file!r}: {e.strerror}") from None
+    return BalancedClient(addrs, timeout=args.timeout, tokens=tokens, tls_ca_file=args.tls_ca)
 
 
 def _unary(client, kwargs: dict, as_json: bool) -> int:

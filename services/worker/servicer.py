@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from engine import Decoder
+from engine.autotune import TunerBook
 from engine.errors import TRServeError
 from engine.stats import GenerationResult, StepChunk
 from services.common.errors import grpc_errors, status_for
@@ -103,6 +104,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         metrics.active.set_function(lambda: self.admission.active)
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to encode concurrently
         self._step_s = 0.1  # moving average of one decoding step, for deadline margins
+        # tree "adaptive": each tenant's tree is re-tuned online from its own acceptance
+        self.tuners = TunerBook(decoder.new_tuner) if decoder.autotuner is not None else None
 
     # ---- RPCs ------------------------------------------------------------------------------
     @grpc_errors
@@ -182,6 +185,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             input_ids=ids, max_new_tokens=a.max_new_tokens, stop_token_ids=list(a.stop_token_ids),
             stop_strings=a.stop_sequences, mode=a.mode, matrix=source, tree=a.tree,
             cancelled=call.cancelled.is_set, deadline=deadline, sampling=a.sampling,
+            tuner=self.tuners.get(a.tenant) if self.tuners is not None and a.mode == "tr" and not a.tree else None,
         )
         last = None
         for item in stream:

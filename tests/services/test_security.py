@@ -87,6 +87,18 @@ def test_balanced_client_sends_each_tenants_token_over_tls(worker, tls) -> None:
         assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+def test_generate_cli_with_token_file_and_tls(worker, tls, tmp_path, capsys) -> None:
+    from services.cli import main
+
+    token = tmp_path / "acme.token"
+    token.write_text(TOKENS["acme"] + "\n")
+    args = ["generate", "--addr", worker.addr, "--tls-ca", tls.cert_file, "--max-new-tokens", "4", "Hi"]
+    assert main([*args, "--tenant", "acme", "--token-file", str(token)]) == 0
+    assert "tokens in" in capsys.readouterr().err
+    assert main([*args, "--tenant", "globex", "--token-file", str(token)]) == 1
+    assert "PERMISSION_DENIED" in capsys.readouterr().err
+
+
 def test_plaintext_client_cannot_talk_to_a_tls_worker(worker) -> None:
     with grpc.insecure_channel(worker.addr) as channel:
         stub = generate_pb2_grpc.GenerateStub(channel)
