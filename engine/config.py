@@ -8,7 +8,7 @@ from engine.autotune import AutoTuneConfig
 from engine.model_loader import ModelConfig
 
 # The best known tree per device kind (see README "Benchmarks"; `trserve bench --tree` to compare).
-DEFAULT_TREES = {"cpu": "cpu-8", "cuda": "paper"}
+DEFAULT_TREES = {"cpu": "cpu-hybrid", "cuda": "paper"}
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,9 @@ class Decoder:
         from engine.model_loader import default_cache_dir
 
         cost = load_or_measure(self.loaded, Path(self.config.cache_dir) if self.config.cache_dir else default_cache_dir())
+        return self._tuner(cost)
+
+    def _tuner(self, cost) -> OnlineTuner:
         return OnlineTuner(self.config.autotune, load_template(self.config.autotune.universe),
                            load_template(self.config.tree_for(self.device.type)), cost, self.device, self.loaded.dtype)
 
@@ -83,9 +86,7 @@ class Decoder:
         """A fresh online tuner like the Decoder's own (tree "adaptive" only), e.g. one per tenant."""
         if self.autotuner is None:
             raise InvalidArgument('online tuning needs DecoderConfig(tree="adaptive")')
-        a = self.autotuner
-        return OnlineTuner(a.config, load_template(a.config.universe), load_template(self.config.tree_for(self.device.type)),
-                           a.cost, self.device, self.loaded.dtype)
+        return self._tuner(self.autotuner.cost)
 
     @staticmethod
     def tree_name(tree: CompiledTree, tuner: OnlineTuner | None) -> str:
