@@ -47,11 +47,3 @@ class AcceptanceLog:
         with self._lock:
             table = np.array(self._records, dtype=np.int64).reshape(-1, len(FIELDS))  # [steps, 6]
         return {name: table[:, i] for i, name in enumerate(FIELDS)}
-
-    def merge(self, other: AcceptanceLog) -> None:
-        if other.template != self.template:
-            raise ValueError("acceptance logs of different trees cannot be merged")
-        rows = list(other._records)
-        with self._lock:
-            self._records.extend(rows)
-            self.total_steps += len(rows)

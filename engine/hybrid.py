@@ -28,20 +28,6 @@ class Graft:
     chain: int  # chain nodes appended after the base nodes
 
 
-def children_of(tree: CompiledTree) -> tuple[tuple[int, ...], ...]:
-    """children[u] = node indices whose parent is u, in rank order."""
-    return _children(tree.template, str(tree.parent.device), tree.mask.dtype)
-
-
-@lru_cache(maxsize=32)
-def _children(template: TreeTemplate, device: str, dtype: torch.dtype) -> tuple[tuple[int, ...], ...]:
-    tree = get_compiled(template, device, dtype)
-    kids: list[list[int]] = [[] for _ in range(tree.n)]
-    for i, p in enumerate(tree.parent.tolist()[1:], start=1):
-        kids[p].append(i)
-    return tuple(tuple(k) for k in kids)
-
-
 def graft_point(tokens: list[int], children: tuple[tuple[int, ...], ...], proposal: list[int]) -> tuple[int, int]:
     """Deepest drafted node whose root path spells a prefix of the proposal.
 
@@ -86,15 +72,17 @@ def _chained(template: TreeTemplate, device: str, dtype: torch.dtype, at: int, l
         cols = path_nodes[n0 + j][path_nodes[n0 + j] >= 0]
         mask[rows[j], cols] = 0.0
     leaves = tuple(i for i in base.leaves if i != at) + (n - 1,)
+    children = base.children[:at] + (base.children[at] + (n0,),) + base.children[at + 1:] \
+        + tuple((i + 1,) for i in range(n0, n - 1)) + ((),)
     return CompiledTree(template=template, parent=parent, rank=torch.cat([base.rank, new * 0]), depth=depth,
                         levels=base.levels, mask=mask, path_nodes=path_nodes, leaves=leaves,
-                        level_index=base.level_index)
+                        level_index=base.level_index, children=children)
 
 
 def graft(tokens: torch.Tensor, base: CompiledTree, proposal: list[int], ngram: int
           ) -> tuple[torch.Tensor, CompiledTree, Graft]:
     """tokens: [n0] drafted base tokens -> ([n0 + chain] tokens, the tree to verify, what was grafted)."""
-    at, matched = graft_point(tokens.tolist(), children_of(base), proposal)
+    at, matched = graft_point(tokens.tolist(), base.children, proposal)
     rest = proposal[matched:]
     info = Graft(ngram=ngram, proposal=proposal, at=at, chain=len(rest))
     if not rest:

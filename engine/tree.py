@@ -153,6 +153,7 @@ class CompiledTree:
     mask: torch.Tensor  # [n, n] float, 0 where column is an ancestor-or-self of row, else dtype min
     path_nodes: torch.Tensor  # [n, D+1] int64, root..node indices, padded with -1
     leaves: tuple[int, ...]  # nodes without children
+    children: tuple[tuple[int, ...], ...] = ()  # children[u] = nodes whose parent is u, in rank order
     level_index: tuple[tuple[torch.Tensor, torch.Tensor], ...] = field(default=())  # per level: (parent, rank) slices
 
     @property
@@ -200,8 +201,10 @@ def compile_tree(template: TreeTemplate, device: torch.device | str = "cpu", dty
         allowed[i, chain] = True
     mask = torch.full((n, n), torch.finfo(dtype).min, dtype=dtype)
     mask[allowed] = 0.0
-    has_child = set(parent[1:])
-    leaves = tuple(i for i in range(1, n) if i not in has_child)
+    kids: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        kids[parent[i]].append(i)
+    leaves = tuple(i for i in range(1, n) if not kids[i])
     dev = torch.device(device)
     parent_t = torch.tensor(parent, device=dev)
     rank_t = torch.tensor(rank, device=dev)
@@ -216,6 +219,7 @@ def compile_tree(template: TreeTemplate, device: torch.device | str = "cpu", dty
         path_nodes=path_nodes.to(dev),
         leaves=leaves,
         level_index=level_tensors,
+        children=tuple(tuple(k) for k in kids),
     )
 
 

@@ -38,10 +38,6 @@ class TuneResult:
     baseline: dict[str, float] = field(default_factory=dict)  # predicted tok/s of reference trees
     by_size: list[tuple[TreeTemplate, float, float]] = field(default_factory=list)  # best (tree, tok/s, MAT) per size
 
-    def top(self, k: int) -> list[TreeTemplate]:
-        """The k best trees of different sizes by predicted tokens/s."""
-        return [t for t, _, _ in sorted(self.by_size, key=lambda row: -row[1])[:k]]
-
     def finalists(self, bands: tuple[int, ...] = (4, 8, 16, 32)) -> list[TreeTemplate]:
         """The best predicted tree in each size band (1..4, 5..8, ...): replay from the universe's
         records flatters small trees (they recycle fewer rows), so larger ones get a hearing too."""

@@ -114,13 +114,20 @@ def _live(state: dict | None) -> bool:
     return state is not None and any(pid and pid_runs(pid, marker) for _, pid, _, marker in _members(state))
 
 
-def run_status(args: argparse.Namespace) -> int:
-    from services.cluster.procs import health_status, pid_runs
-
+def _existing(args: argparse.Namespace) -> tuple[str, dict | None]:
+    """The run dir and its cluster state; None (said on stderr) when no cluster was started there."""
     run_dir = args.run_dir or default_run_dir()
     state = _load_state(run_dir)
     if state is None:
         print(f"trserve cluster: no cluster in {run_dir}", file=sys.stderr)
+    return run_dir, state
+
+
+def run_status(args: argparse.Namespace) -> int:
+    from services.cluster.procs import health_status, pid_runs
+
+    run_dir, state = _existing(args)
+    if state is None:
         return 1
     rows = []
     for name, pid, addr, marker in _members(state):
@@ -143,10 +150,8 @@ def run_down(args: argparse.Namespace) -> int:
     from services.cluster.procs import stop_pid
     from services.cluster.runner import STATE_FILE
 
-    run_dir = args.run_dir or default_run_dir()
-    state = _load_state(run_dir)
+    run_dir, state = _existing(args)
     if state is None:
-        print(f"trserve cluster: no cluster in {run_dir}", file=sys.stderr)
         return 1
     stopped = []
     for name, pid, _, marker in reversed(_members(state)):  # workers first, Redis last

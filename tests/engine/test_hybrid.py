@@ -49,6 +49,7 @@ def test_attach_chain_structure():
     assert t.parent.tolist() == [0, 0, 0, 1, 1, 4]
     assert t.depth.tolist() == [0, 1, 1, 2, 2, 3]
     assert t.path_to(5) == [0, 1, 4, 5]
+    assert t.children == ((1, 2), (3, 4), (), (), (5,), ())
     visible = (t.mask == 0).int().tolist()
     assert visible[5] == [1, 1, 0, 0, 1, 1] and visible[4] == [1, 1, 0, 0, 1, 0] and visible[3] == [1, 1, 0, 1, 0, 0]
     assert attach_chain(TREE, 1, 2) is t  # compiled once

@@ -17,7 +17,7 @@ def test_compile_worked_example():
     assert visible == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]]
     assert t.mask[0, 1] == torch.finfo(torch.float32).min
     assert t.path_to(3) == [0, 1, 3]
-    assert t.leaves == (2, 3)
+    assert t.leaves == (2, 3) and t.children == ((1, 2), (3,), (), ())
 
 
 def test_paper_template_shape():

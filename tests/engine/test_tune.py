@@ -39,7 +39,7 @@ def test_expensive_width_takes_a_small_tree():
     # 2 s per node: size 1 -> 1.6 tok / 5 s beats size 2 -> 2.2 / 7 s and size 3 -> 2.4 / 9 s
     r = tune(REC, UNIVERSE, PATHS, _cost(2.0))
     assert r.template.paths == ((0,),) and abs(r.mat - 1.6) < 1e-9
-    assert [t.size for t, _, _ in r.by_size] == [1, 2, 3] and r.top(1)[0].paths == ((0,),)
+    assert [t.size for t, _, _ in r.by_size] == [1, 2, 3]
     assert [round(t, 4) for _, t, _ in r.by_size] == [round(1.6 / 5, 4), round(2.2 / 7, 4), round(2.4 / 9, 4)]
 
 
@@ -117,4 +117,3 @@ def test_finalists_one_per_size_band():
             for n, tps in [(1, 5), (2, 9), (5, 8), (6, 7), (12, 1)]]
     result = TuneResult(rows[1][0], 9.0, 1.0, by_size=rows)
     assert [t.size for t in result.finalists()] == [2, 5, 12]
-    assert [t.size for t in result.top(2)] == [2, 5]

@@ -20,7 +20,7 @@ from services.cluster.procs import free_port, pid_runs
 from services.load.runner import LoadConfig
 from services.worker.config import WorkerConfig
 from tests.services.cluster_helpers import N, self_signed
-from tests.services.worker_harness import BackgroundWorker
+from tests.services.worker_harness import serving
 
 REPO = Path(__file__).resolve().parents[2]
 HI = [{"role": "user", "content": "Say hello."}]
@@ -49,10 +49,7 @@ def secured(directory: Path) -> tuple[list[str], list[str]]:
 
 @pytest.fixture(scope="module")
 def worker(decoder):
-    w = BackgroundWorker(WorkerConfig(port=0, metrics_port=None), decoder)
-    w.wait_ready()
-    yield w
-    w.stop()
+    yield from serving(WorkerConfig(port=0, metrics_port=None), decoder)
 
 
 def test_balanced_client_round_robins_and_retries_unavailable_elsewhere(worker) -> None:

@@ -21,7 +21,7 @@ from services.worker.cli import build_configs
 from services.worker.config import Limits, WorkerConfig
 from tests.services.cluster_helpers import self_signed
 from tests.services.matrix_helpers import ServerThread, model, random_rows
-from tests.services.worker_harness import BackgroundWorker
+from tests.services.worker_harness import serving
 from trserve.v1 import generate_pb2 as gpb
 from trserve.v1 import generate_pb2_grpc, matrix_pb2_grpc
 from trserve.v1 import matrix_pb2 as mpb
@@ -39,10 +39,7 @@ def tls(tmp_path_factory) -> ServerTLS:
 def worker(decoder, tls):
     config = WorkerConfig(port=0, metrics_port=None, limits=Limits(default_max_new_tokens=8), tls=tls,
                           tenant_tokens=TenantTokens.from_mapping(TOKENS))
-    w = BackgroundWorker(config, decoder)
-    w.wait_ready()
-    yield w
-    w.stop()
+    yield from serving(config, decoder)
 
 
 def call_code(stub_call, *args, **kwargs) -> grpc.StatusCode:

@@ -9,7 +9,7 @@ from engine.autotune import AutoTuneConfig
 from engine.calibrate import CostModel, cost_model_path, save_cost_model
 from services.client.client import TRServeClient
 from services.worker.config import WorkerConfig
-from tests.services.worker_harness import BackgroundWorker
+from tests.services.worker_harness import serving
 
 PROMPT = [{"role": "user", "content": "Name three colours of the rainbow and one fruit of each colour."}]
 
@@ -21,10 +21,7 @@ def adaptive_worker(loaded_smollm2, tmp_path_factory):
     save_cost_model(CostModel("t", (1, 128), (128,), ((0.04, 0.30),)), cost_model_path(loaded_smollm2, cache))
     config = DecoderConfig(tree="adaptive", cache_dir=str(cache),
                            autotune=AutoTuneConfig(explore_every=2, retune_every=4, min_records=4))
-    w = BackgroundWorker(WorkerConfig(port=0, metrics_port=None), Decoder(config, loaded=loaded_smollm2))
-    w.wait_ready()
-    yield w
-    w.stop()
+    yield from serving(WorkerConfig(port=0, metrics_port=None), Decoder(config, loaded=loaded_smollm2))
 
 
 def test_each_tenant_gets_its_own_online_tuner(adaptive_worker, decoder):

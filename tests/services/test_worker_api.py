@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from matrix_store import ModelSpec
 from services.client.client import TRServeClient
 from services.worker.config import Limits, WorkerConfig
-from tests.services.worker_harness import BackgroundWorker
+from tests.services.worker_harness import BackgroundWorker, serving
 from trserve.v1 import generate_pb2 as pb
 
 LIMITS = Limits(max_new_tokens_cap=256, default_max_new_tokens=16, max_prompt_tokens=256)
@@ -23,10 +23,7 @@ REPEATING = "The quick brown fox jumps over the lazy dog. The quick brown fox ju
 
 @pytest.fixture(scope="module")
 def worker(decoder):
-    w = BackgroundWorker(WorkerConfig(port=0, metrics_port=0, limits=LIMITS), decoder)
-    w.wait_ready()
-    yield w
-    w.stop()
+    yield from serving(WorkerConfig(port=0, metrics_port=0, limits=LIMITS), decoder)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from services.client.client import TRServeClient, build_request
 from services.worker.config import Limits, WorkerConfig
-from tests.services.worker_harness import BackgroundWorker, rpc_error, wait_for
+from tests.services.worker_harness import rpc_error, serving, wait_for
 from trserve.v1 import generate_pb2 as pb
 
 LIMITS = Limits(max_new_tokens_cap=256, default_max_new_tokens=8, max_prompt_tokens=64)
@@ -20,10 +20,7 @@ STORY = [{"role": "user", "content": "Write a long story about a dragon who lear
 
 @pytest.fixture(scope="module")
 def worker(decoder):
-    w = BackgroundWorker(WorkerConfig(port=0, metrics_port=None, limits=LIMITS, max_queue=1), decoder)
-    w.wait_ready()
-    yield w
-    w.stop()
+    yield from serving(WorkerConfig(port=0, metrics_port=None, limits=LIMITS, max_queue=1), decoder)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 from engine import SamplingParams
 from services.client.client import TRServeClient, build_request
 from services.worker.config import Limits, WorkerConfig
-from tests.services.worker_harness import BackgroundWorker, rpc_error
+from tests.services.worker_harness import rpc_error, serving
 
 LIMITS = Limits(max_new_tokens_cap=64, default_max_new_tokens=8, max_prompt_tokens=128)
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
@@ -21,10 +21,7 @@ SAMPLING = dict(temperature=0.75, top_p=0.875, top_k=40)
 
 @pytest.fixture(scope="module")
 def worker(decoder):
-    w = BackgroundWorker(WorkerConfig(port=0, metrics_port=None, limits=LIMITS), decoder)
-    w.wait_ready()
-    yield w
-    w.stop()
+    yield from serving(WorkerConfig(port=0, metrics_port=None, limits=LIMITS), decoder)
 
 
 @pytest.fixture(scope="module")

@@ -55,3 +55,11 @@ def rpc_error(fn, *args, **kwargs) -> grpc.RpcError:
     except grpc.RpcError as e:
         return e
     raise AssertionError("expected the call to fail")
+
+
+def serving(config: WorkerConfig, decoder, **kwargs):
+    """A ready worker for the length of a fixture: `yield from serving(config, decoder)`."""
+    w = BackgroundWorker(config, decoder, **kwargs)
+    w.wait_ready()
+    yield w
+    w.stop()
