@@ -20,6 +20,8 @@ def register(sub) -> None:
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for the 'pld' decoder")
     p.add_argument("--model", default=None, help="model source (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--kernels", default="auto", choices=("auto", "stock", "packed", "compressed"),
+                   help="kernels of trserve's decoders (ar, tr*); hf and pld always use stock transformers")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 = every decoder samples at this temperature (no top-k/top-p), "
                         "seeded per prompt")
@@ -34,7 +36,7 @@ def _run(args) -> int:
         prompts=args.prompts, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         decoders=tuple(d.strip() for d in args.decoders.split(",") if d.strip()), tree=args.tree,
         first_turn_only=args.first_turn_only, pld_tokens=args.pld_tokens, model=args.model,
-        threads=args.threads, json_path=args.json, temperature=args.temperature,
+        threads=args.threads, kernels=args.kernels, json_path=args.json, temperature=args.temperature,
     )
     run_bench(config)
     return 0

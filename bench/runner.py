@@ -39,6 +39,7 @@ class BenchConfig:
     pld_tokens: int = 10
     model: str | None = None
     threads: int | None = None
+    kernels: str = "auto"  # trserve's decoders; hf and pld always run stock transformers
     json_path: str = "bench-results/bench.json"
     temperature: float = 0.0  # 0 = greedy; > 0 = sampling (top-k/top-p off), the n-th call of every decoder seeded n
 
@@ -102,7 +103,8 @@ class _TR:
 def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
     from engine import Decoder, DecoderConfig, ModelConfig, load_model
 
-    model_cfg = ModelConfig(**({"source": config.model} if config.model else {}), threads=config.threads)
+    model_cfg = ModelConfig(**({"source": config.model} if config.model else {}), threads=config.threads,
+                            kernels=config.kernels)
     runners, meta = {}, {}
     if {"hf", "pld"} & set(config.decoders):
         stock = load_model(ModelConfig(source=model_cfg.source, kernels="stock", threads=config.threads))
@@ -117,7 +119,7 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
         if "tr-adaptive" in config.decoders:
             adaptive = Decoder(DecoderConfig(model=model_cfg, tree="adaptive"), loaded=decoder.loaded)
             runners["tr-adaptive"] = _TR(adaptive, "tr", None, t)
-        meta.update(fingerprint=decoder.fingerprint, packed_kernels=decoder.loaded.packed_kernels,
+        meta.update(fingerprint=decoder.fingerprint, kernels=decoder.loaded.kernels,
                     device=str(decoder.device),
                     trees={"tr": tr_tree, "tr-paper": "paper", "tr-matrix": "cpu-8", "tr-adaptive": "adaptive"})
     return {name: runners[name] for name in config.decoders}, meta

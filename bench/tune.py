@@ -34,6 +34,7 @@ class TuneConfig:
     records: str | None = None  # .npz of step records: loaded if it exists (no decoding), else written
     confirm: int = 4  # finalists (best per size band) decoded with their own tree (0 = trust the universe replay)
     threads: int | None = None
+    kernels: str = "auto"
     model: str | None = None
     name: str | None = None
 
@@ -68,7 +69,8 @@ def run_tune(config: TuneConfig) -> dict:
     from engine.tree import TreeTemplate, load_template
     from engine.tune import tune
 
-    model_cfg = ModelConfig(**({"source": config.model} if config.model else {}), threads=config.threads)
+    model_cfg = ModelConfig(**({"source": config.model} if config.model else {}), threads=config.threads,
+                            kernels=config.kernels)
     decoder = Decoder(DecoderConfig(model=model_cfg))
     cost = load_or_measure(decoder.loaded, default_cache_dir(), force=config.recalibrate)
     print(cost.table())
@@ -181,6 +183,7 @@ def register(sub) -> None:
                    help="finalists (the best of sizes 1-4, 5-8, 9-16, 17-32) decoded with their own tree, "
                         "and cpu-8 for reference; 0 = skip")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--kernels", default="auto", choices=("auto", "stock", "packed", "compressed"))
     p.add_argument("--model", default=None)
     p.add_argument("--name", default=None, help="tree name (default: the output file's stem)")
     p.set_defaults(func=_run)
@@ -191,7 +194,7 @@ def _run(args) -> int:
         prompts=tuple(s.strip() for s in args.prompts.split(",") if s.strip()), out=args.out,
         per_category=args.per_category, max_new_tokens=args.max_new_tokens, universe=args.universe,
         max_ngram=args.max_ngram, max_chain=args.max_chain, max_nodes=args.max_nodes,
-        recalibrate=args.recalibrate, records=args.records, confirm=args.confirm, threads=args.threads, model=args.model, name=args.name,
+        recalibrate=args.recalibrate, records=args.records, confirm=args.confirm, threads=args.threads, kernels=args.kernels, model=args.model, name=args.name,
     )
     run_tune(config)
     return 0

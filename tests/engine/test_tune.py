@@ -66,7 +66,7 @@ def test_measure_and_cache(tmp_path):
     cm = measure(model, widths=(1, 4, 8), kv_lens=(8, 16), reps=1, key="k")
     assert len(cm.seconds) == 2 and all(len(r) == 3 for r in cm.seconds)
     assert all(list(r) == sorted(r) for r in cm.seconds)  # a wider forward never costs less
-    loaded = SimpleNamespace(model=model, fingerprint="fp", device=torch.device("cpu"), packed_kernels=False)
+    loaded = SimpleNamespace(model=model, fingerprint="fp", device=torch.device("cpu"), kernels="stock")
     first = load_or_measure(loaded, tmp_path, reps=1)
     assert list(tmp_path.glob("calibration/*.json"))
     assert load_or_measure(loaded, tmp_path) == first  # read back, not measured again
