@@ -7,8 +7,11 @@ from dataclasses import dataclass, field
 from engine.autotune import AutoTuneConfig
 from engine.model_loader import ModelConfig
 
-# The best known tree per device kind (see README "Benchmarks"; `trserve bench --tree` to compare).
-DEFAULT_TREES = {"cpu": "cpu-hybrid", "cuda": "paper"}
+# The best known tree per device kind and linear kernels (see README "Benchmarks"; `trserve tune`
+# makes one for another machine, `trserve bench --tree` compares). A forward's cost per width
+# decides the tree: the compressed kernels make one token much cheaper than the packed ones do.
+DEFAULT_TREES = {("cpu", "compressed"): "cpu-hybrid", ("cpu", "packed"): "cpu-hybrid-packed",
+                 ("cpu", "stock"): "cpu-hybrid-packed", ("cuda", "stock"): "paper"}
 
 
 @dataclass(frozen=True)
@@ -33,5 +36,9 @@ class DecoderConfig:
         if self.max_context is not None and self.max_context < 16:
             raise ValueError(f"max_context must be >= 16, got {self.max_context}")
 
-    def tree_for(self, device_type: str) -> str:
-        return DEFAULT_TREES.get(device_type, "paper") if self.tree in ("auto", "adaptive") else self.tree
+    def tree_for(self, device_type: str, kernels: str = "stock") -> str:
+        """The configured tree, or for auto/adaptive the best known one for this device and kernels."""
+        if self.tree not in ("auto", "adaptive"):
+            return self.tree
+        main = kernels.split("+")[0]  # compressed+packed: most layers are compressed
+        return DEFAULT_TREES.get((device_type, main), "cpu-hybrid-packed" if device_type == "cpu" else "paper")

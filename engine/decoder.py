@@ -61,7 +61,8 @@ class Decoder:
         self.max_context = config.max_context or int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.prompts = PromptBuilder(self.tokenizer, self.vocab_size)
         self.autotuner = self._new_autotuner() if config.tree == "adaptive" else None
-        self.default_tree = self.autotuner.universe if self.autotuner else self.compile(config.tree_for(self.device.type))
+        best_known = config.tree_for(self.device.type, self.loaded.kernels)
+        self.default_tree = self.autotuner.universe if self.autotuner else self.compile(best_known)
         self.eos_ids = self._eos_ids()
         self._lock = threading.Lock()  # one forward stream per Decoder (one model, one device)
 
@@ -79,8 +80,9 @@ class Decoder:
         return self._tuner(cost)
 
     def _tuner(self, cost) -> OnlineTuner:
-        return OnlineTuner(self.config.autotune, load_template(self.config.autotune.universe),
-                           load_template(self.config.tree_for(self.device.type)), cost, self.device, self.loaded.dtype)
+        start = load_template(self.config.tree_for(self.device.type, self.loaded.kernels))
+        return OnlineTuner(self.config.autotune, load_template(self.config.autotune.universe), start, cost,
+                           self.device, self.loaded.dtype)
 
     def new_tuner(self) -> OnlineTuner:
         """A fresh online tuner like the Decoder's own (tree "adaptive" only), e.g. one per tenant."""

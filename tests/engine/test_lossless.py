@@ -1,7 +1,8 @@
 """Losslessness on real prompts: TR output == transformers' own greedy `generate`, token for token.
 
-TR verifies a whole tree in one wide forward, with oneDNN pre-packed kernels on CPU, while the
-reference is stock one-token decoding, so logits differ in the last bits (observed <= ~3e-4).
+TR verifies a whole tree in one wide forward with this installation's CPU kernels (exact compressed
+block kernels, or oneDNN pre-packed), while the reference is stock one-token decoding, so logits
+differ in the last bits (observed <= ~3e-4).
 Where the outputs diverge, the reference's top-2 logit margin at the first divergent position
 must be a numerical near-tie: below NEAR_TIE_EPS. Any other divergence is a bug.
 """
