@@ -114,12 +114,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def calibration_key(fingerprint: str, device: torch.device, kernels: str) -> str:
-    return f"{fingerprint}-{device.type}-{torch.get_num_threads()}t-{kernels}-torch{torch.__version__}"
+def calibration_key(fingerprint: str, device: torch.device, kernels: str, attention: str = "sdpa") -> str:
+    return f"{fingerprint}-{device.type}-{torch.get_num_threads()}t-{kernels}-{attention}-torch{torch.__version__}"
 
 
 def cost_model_path(loaded, cache_dir: Path) -> Path:
-    key = calibration_key(loaded.fingerprint, loaded.device, loaded.kernels)
+    attention = getattr(loaded.model.config, "_attn_implementation", None) or "eager"
+    key = calibration_key(loaded.fingerprint, loaded.device, loaded.kernels, attention)
     return Path(cache_dir) / "calibration" / f"{key.replace('/', '_')}.json"
 
 

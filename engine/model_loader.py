@@ -156,7 +156,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
 
 
 def _apply_kernels(model, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> str:
-    """Swap the linear layers' kernels as configured; returns what is in use."""
+    """Swap the linear layers' kernels as configured; returns what is in use. "stock" leaves the model
+    exactly as transformers loads it (attention included): the reference for plain `generate`."""
+    from engine.attention import use_grouped_sdpa
     from engine.kernels import pack_linears, packed_kernels_available
     from engine.qlinear import qlinear_supported, quantize_linears
 
@@ -183,4 +185,5 @@ def _apply_kernels(model, config: ModelConfig, device: torch.device, dtype: torc
                 raise InvalidArgument("compressed kernels: no linear layer of this model holds exact 4/8-bit blocks")
     if pack_linears(model):  # whatever is still a plain nn.Linear
         used.append("packed")
+    use_grouped_sdpa(model)  # tree attention without repeating the KV cache (engine/attention.py)
     return "+".join(used) or "stock"

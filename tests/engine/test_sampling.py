@@ -143,7 +143,7 @@ def tiny():
     model = tiny_llama(vocab_size=V, seed=0)
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)  # peaked next-token laws, so drafts are often accepted
-    loaded = LoadedModel(model, _Digits(), "tiny-v16", "tiny", torch.device("cpu"), torch.float32, False)
+    loaded = LoadedModel(model, _Digits(), "tiny-v16", "tiny", torch.device("cpu"), torch.float32, "stock")
     yield Decoder(DecoderConfig(k=8, seed_from_prompt=4), loaded=loaded)
     torch.set_num_threads(threads)
 

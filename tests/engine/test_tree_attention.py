@@ -76,3 +76,23 @@ def test_grafted_lookup_chain_sees_its_stem_and_chain_only():
     for node in [1, base.n - 1, base.n, base.n + 2, base.n + 4]:
         path = all_tokens[tree.path_to(node)].tolist()
         torch.testing.assert_close(logits[node], causal_last_logits(model, context + path), atol=2e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_grouped_sdpa_gives_the_stock_tree_logits_without_repeating_kv(monkeypatch):
+    """engine/attention.py: query heads folded per KV head == transformers' repeat_kv path (float rounding)."""
+    import transformers.integrations.sdpa_attention as hf_sdpa
+
+    from engine.attention import NAME, use_grouped_sdpa
+
+    model = tiny_llama()  # 4 query heads over 2 KV heads
+    tree, context, tokens, cache = _prefilled(model, seed=4, context_len=11)
+    stock = verify_tree(model, cache, tokens, tree)
+    assert use_grouped_sdpa(model) and model.config._attn_implementation == NAME
+    repeats = []
+    monkeypatch.setattr(hf_sdpa, "repeat_kv", lambda *a: repeats.append(1) or pytest.fail("KV repeated"))
+    _, _, _, cache2 = _prefilled(model, seed=4, context_len=11)
+    grouped = verify_tree(model, cache2, tokens, tree)
+    assert not repeats
+    torch.testing.assert_close(grouped, stock, atol=1e-5, rtol=1e-5)  # rows batched differently: float rounding
+    torch.testing.assert_close(forward_one(model, cache2, 3), forward_one(model, cache, 3), atol=1e-5, rtol=1e-5)
