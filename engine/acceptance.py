@@ -42,6 +42,16 @@ class AcceptanceLog:
     def __len__(self) -> int:
         return len(self._records)
 
+    def load(self, columns: dict[str, np.ndarray], total_steps: int) -> None:
+        """Replace the window with saved columns (as from `arrays`), keeping the newest that fit."""
+        if set(columns) != set(FIELDS) or len({len(v) for v in columns.values()}) > 1:
+            raise ValueError(f"saved acceptance records need the columns {FIELDS} of equal length")
+        rows = np.stack([np.asarray(columns[f], dtype=np.int64) for f in FIELDS], axis=1)  # [steps, 6]
+        with self._lock:
+            self._records.clear()
+            self._records.extend(tuple(int(x) for x in r) for r in rows)
+            self.total_steps = max(int(total_steps), len(rows))
+
     def arrays(self) -> dict[str, np.ndarray]:
         """Column arrays, each [steps] int64."""
         with self._lock:

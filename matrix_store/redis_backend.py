@@ -36,6 +36,9 @@ _MIN_BACKOFF_S = 0.25
 _MAX_BACKOFF_S = 4.0
 
 
+SIDE_STATES = ("tuner",)  # per-tenant side blobs, deleted with the tenant
+
+
 class RedisBackend:
     def __init__(self, url: str, prefix: str, timeout_s: float) -> None:
         self._prefix = prefix
@@ -91,6 +94,13 @@ class RedisBackend:
     def read_blob(self, fp: str, tenant: str, version: int) -> bytes | None:
         return self._call(lambda: self._r.get(self._key("snap", fp, tenant, version)))
 
+    def read_side(self, fp: str, tenant: str, name: str) -> bytes | None:
+        """A tenant's side state kept next to its matrix (e.g. the online tree tuner's records)."""
+        return self._call(lambda: self._r.get(self._key("side", name, fp, tenant)))
+
+    def write_side(self, fp: str, tenant: str, name: str, blob: bytes) -> None:
+        self._call(lambda: self._r.set(self._key("side", name, fp, tenant), blob))
+
     def tenants(self, fp: str | None) -> set[tuple[str, str]]:
         """(fingerprint, tenant) pairs stored, for one fingerprint or all."""
 
@@ -143,6 +153,7 @@ class RedisBackend:
             for v in versions:
                 pipe.delete(self._key("snap", fp, tenant, v))
             pipe.delete(self._key("versions", fp, tenant), self._key("meta", fp, tenant))
+            pipe.delete(*[self._key("side", name, fp, tenant) for name in SIDE_STATES])
             pipe.srem(self._key("tenants", fp), tenant)
             pipe.execute()
             if not self._r.scard(self._key("tenants", fp)):

@@ -51,6 +51,8 @@ class MatrixStore:
         self._thread: threading.Thread | None = None
         self._last_snapshot_error: str | None = None
         self._last_snapshot_ok_at: float | None = None  # unix seconds
+        self._side: dict[tuple[str, str, str], bytes] = {}  # (name, fingerprint, tenant) -> blob
+        self._side_lock = threading.Lock()
 
     # -- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -72,6 +74,31 @@ class MatrixStore:
         if final_snapshot:
             self._maintain(force=True)
         self._backend.close()
+
+    # -- per-tenant side state (the online tree tuner's acceptance records) --------------------
+    def side_state(self, name: str, fingerprint: str, tenant: str) -> bytes | None:
+        """The last blob saved for this tenant (memory, else its Redis copy); None when there is none
+        or Redis cannot be read (the caller starts fresh: side state is an optimisation)."""
+        key = (name, validate_fingerprint(fingerprint), validate_tenant_id(tenant))
+        with self._side_lock:
+            blob = self._side.get(key)
+        if blob is None and self._backend is not None:
+            try:
+                blob = self._backend.read_side(fingerprint, tenant, name)
+            except Unavailable as e:
+                log.warning("side state %s of tenant %s not read: %s", name, tenant, e)
+        return blob
+
+    def save_side_state(self, name: str, fingerprint: str, tenant: str, blob: bytes) -> None:
+        """Keep `blob` for this tenant and write it through to Redis (best effort, never raises for Redis)."""
+        key = (name, validate_fingerprint(fingerprint), validate_tenant_id(tenant))
+        with self._side_lock:
+            self._side[key] = blob
+        if self._backend is not None:
+            try:
+                self._backend.write_side(fingerprint, tenant, name, blob)
+            except Unavailable as e:
+                log.warning("side state %s of tenant %s kept in memory only: %s", name, tenant, e)
 
     # -- reads and writes on the hot path ----------------------------------------------------
     def checkout(self, spec: ModelSpec, tenant: str, domain: str | None = None) -> Checkout:
@@ -199,6 +226,9 @@ class MatrixStore:
                 raise NotFound(f"tenant {tenant!r} does not exist for fingerprint {fingerprint!r}")
             if entry is not None:
                 self._table.remove(entry)
+            with self._side_lock:
+                for key in [k for k in self._side if k[1:] == (fingerprint, tenant)]:
+                    del self._side[key]
 
     def tenants(self, fingerprint: str | None = None) -> list[str]:
         """Tenant ids in memory or in Redis (memory only while Redis is unreachable)."""

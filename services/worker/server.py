@@ -46,10 +46,12 @@ class Worker:
         await self.close()
 
     async def close(self) -> None:
-        """After the server stopped: end warm-up, snapshot the store (if Redis), stop /metrics."""
+        """After the server stopped: end warm-up, save the tuners, snapshot the store (if Redis), stop /metrics."""
         if not self.ready.done():
             self.ready.cancel()
         await asyncio.to_thread(self.executor.shutdown, wait=True)
+        if self.servicer.tuners is not None:
+            await asyncio.to_thread(self.servicer.tuners.save_all)
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
         self.metrics.stop_http()
@@ -70,14 +72,15 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     if decoder is None:
         loop = asyncio.get_running_loop()
         decoder = await loop.run_in_executor(executor, Decoder, decoder_config or DecoderConfig())
-    store = None
+    store = tuner_states = None
     if draft_source_factory is None:
         store = MatrixStore(StoreConfig(redis_url=config.redis_url))
         store.start()
         spec = ModelSpec(decoder.fingerprint, decoder.vocab_size, decoder.config.k)
         draft_source_factory = embedded_factory(store, spec, decoder.device)
+        tuner_states = StoreTunerStates(store, decoder.fingerprint)
     metrics = WorkerMetrics()
-    servicer = GenerateServicer(decoder, config, draft_source_factory, metrics, executor)
+    servicer = GenerateServicer(decoder, config, draft_source_factory, metrics, executor, tuner_states)
 
     auth = [TenantAuth(config.tenant_tokens, config.default_tenant)] if config.tenant_tokens is not None else []
     server = new_server(interceptors=auth)
@@ -89,6 +92,20 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     await server.start()
     ready = asyncio.create_task(_warm_up(servicer, health, config.warmup), name="trserve-warmup")
     return Worker(server, port, metrics_port, health, servicer, metrics, store, ready, executor)
+
+
+class StoreTunerStates:
+    """Online tuners' records per tenant, kept by the embedded matrix store next to the tenant's
+    matrix (and in Redis with it when the store has Redis)."""
+
+    def __init__(self, store: MatrixStore, fingerprint: str) -> None:
+        self.store, self.fingerprint = store, fingerprint
+
+    def load(self, tenant: str) -> bytes | None:
+        return self.store.side_state("tuner", self.fingerprint, tenant)
+
+    def save(self, tenant: str, blob: bytes) -> None:
+        self.store.save_side_state("tuner", self.fingerprint, tenant, blob)
 
 
 async def _warm_up(servicer: GenerateServicer, health: health_aio.HealthServicer, enabled: bool) -> None:

@@ -92,7 +92,7 @@ def observed(method):
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def __init__(self, decoder: Decoder, config: WorkerConfig, draft_sources: DraftSourceFactory,
-                 metrics: WorkerMetrics, executor: Executor) -> None:
+                 metrics: WorkerMetrics, executor: Executor, tuner_states=None) -> None:
         self.decoder = decoder
         self.config = config
         self.limits = config.limits
@@ -104,8 +104,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         metrics.active.set_function(lambda: self.admission.active)
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to encode concurrently
         self._step_s = 0.1  # moving average of one decoding step, for deadline margins
-        # tree "adaptive": each tenant's tree is re-tuned online from its own acceptance
-        self.tuners = TunerBook(decoder.new_tuner) if decoder.autotuner is not None else None
+        # tree "adaptive": each tenant's tree is re-tuned online from its own acceptance; with
+        # `tuner_states` (load/save by tenant) the records are kept with the tenant's matrix
+        self.tuners = TunerBook(decoder.new_tuner, states=tuner_states) if decoder.autotuner is not None else None
 
     # ---- RPCs ------------------------------------------------------------------------------
     @grpc_errors

@@ -82,7 +82,7 @@ def test_online_tuner_explores_then_retunes():
     from engine.autotune import AutoTuneConfig, OnlineTuner
 
     universe = TreeTemplate.from_paths("u", [[0], [1], [0, 0]])
-    tuner = OnlineTuner(AutoTuneConfig(explore_every=2, retune_every=4, min_records=4, max_ngram=0),
+    tuner = OnlineTuner(AutoTuneConfig(explore_every=2, explore_budget=None, retune_every=4, min_records=4, max_ngram=0),
                         universe, TreeTemplate.from_paths("s", [[0]]), _cost(0.0), torch.device("cpu"), torch.float32)
     plans = [tuner.plan() for _ in range(4)]
     assert [p.explore for p in plans] == [False, True, False, True]
@@ -94,6 +94,21 @@ def test_online_tuner_explores_then_retunes():
     assert tuner.plan().select.tolist() == [0, 1, 3]
 
 
+def test_exploration_stays_within_its_share_of_verification_time():
+    from engine.autotune import AutoTuneConfig, OnlineTuner
+
+    # a forward of w tokens costs w ms: universe 4 nodes + 16 chain = 20 ms, current 2 nodes = 2 ms
+    cost = CostModel("k", (1, 128), (100, 1000), ((0.001, 0.128), (0.001, 0.128)))
+    universe = TreeTemplate.from_paths("u", [[0], [1], [0, 0]])
+    tuner = OnlineTuner(AutoTuneConfig(explore_every=4, explore_budget=0.25, max_chain=16), universe,
+                        TreeTemplate.from_paths("s", [[0]]), cost, torch.device("cpu"), torch.float32)
+    assert tuner.explore_every == 40  # 20 ms / (0.25 * 2 ms)
+    assert [tuner.plan().explore for _ in range(80)].count(True) == 2
+    loose = OnlineTuner(AutoTuneConfig(explore_every=4, explore_budget=1.0, max_chain=16), universe,
+                        TreeTemplate.from_paths("s", [[0]]), cost, torch.device("cpu"), torch.float32)
+    assert loose.explore_every == 10
+
+
 def test_adaptive_decoder_is_lossless_and_retunes(loaded_smollm2, decoder, tmp_path):
     from engine import Decoder, DecoderConfig
     from engine.autotune import AutoTuneConfig
@@ -102,7 +117,7 @@ def test_adaptive_decoder_is_lossless_and_retunes(loaded_smollm2, decoder, tmp_p
     widths = (1, 128)  # a made-up, cheap-to-write cost curve: the test checks mechanics, not speed
     save_cost_model(CostModel("t", widths, (128,), ((0.04, 0.30),)), cost_model_path(loaded_smollm2, tmp_path))
     config = DecoderConfig(tree="adaptive", cache_dir=str(tmp_path),
-                           autotune=AutoTuneConfig(explore_every=2, retune_every=6, min_records=6))
+                           autotune=AutoTuneConfig(explore_every=2, explore_budget=None, retune_every=6, min_records=6))
     adaptive = Decoder(config, loaded=loaded_smollm2)
     msgs = [{"role": "user", "content": "List the planets of the solar system in order, one per line."}]
     r = adaptive.generate(messages=msgs, max_new_tokens=48)

@@ -20,7 +20,7 @@ def adaptive_worker(loaded_smollm2, tmp_path_factory):
     # a stand-in cost curve (calibrating takes a minute); this test checks mechanics, not speed
     save_cost_model(CostModel("t", (1, 128), (128,), ((0.04, 0.30),)), cost_model_path(loaded_smollm2, cache))
     config = DecoderConfig(tree="adaptive", cache_dir=str(cache),
-                           autotune=AutoTuneConfig(explore_every=2, retune_every=4, min_records=4))
+                           autotune=AutoTuneConfig(explore_every=2, explore_budget=None, retune_every=4, min_records=4))
     yield from serving(WorkerConfig(port=0, metrics_port=None), Decoder(config, loaded=loaded_smollm2))
 
 
@@ -36,3 +36,41 @@ def test_each_tenant_gets_its_own_online_tuner(adaptive_worker, decoder):
     tuners = adaptive_worker.worker.servicer.tuners
     assert len(tuners) == 2
     assert tuners.get("acme").retunes >= 1 and tuners.get("acme").log.total_steps > tuners.get("globex").log.total_steps
+
+
+@pytest.mark.redis
+def test_tuner_records_are_kept_with_the_tenant_matrix_across_restarts(loaded_smollm2, tmp_path):
+    """A restarted worker (same Redis) resumes a tenant's tuner from its saved records and tree."""
+    import uuid
+
+    import redis
+
+    from matrix_store import MatrixStore, StoreConfig
+    from tests.services.matrix_helpers import REDIS_URL
+
+    cache = tmp_path / "cache"
+    save_cost_model(CostModel("t", (1, 128), (128,), ((0.04, 0.30),)), cost_model_path(loaded_smollm2, cache))
+    config = DecoderConfig(tree="adaptive", cache_dir=str(cache),
+                           autotune=AutoTuneConfig(explore_every=2, explore_budget=None, retune_every=4, min_records=4))
+    tenant = f"tuned-{uuid.uuid4().hex[:12]}"  # its keys are this test's alone
+    saved = None
+    try:
+        for run in range(2):
+            for w in serving(WorkerConfig(port=0, metrics_port=None, redis_url=REDIS_URL),
+                             Decoder(config, loaded=loaded_smollm2)):
+                if run == 0:
+                    with TRServeClient(w.addr, timeout=120) as client:
+                        client.generate(messages=PROMPT, tenant=tenant, max_new_tokens=40)
+                tuner = w.worker.servicer.tuners.get(tenant)
+                if run == 0:
+                    assert tuner.retunes >= 1
+                    saved = (len(tuner.log), tuner.current.paths, tuner.current.lookup, tuner.retunes)
+                else:  # nothing decoded in this worker: records and tree came back from Redis
+                    assert (len(tuner.log), tuner.current.paths, tuner.current.lookup, tuner.retunes) == saved
+        fresh = MatrixStore(StoreConfig(redis_url=REDIS_URL))
+        assert fresh.side_state("tuner", loaded_smollm2.fingerprint, tenant) is not None
+    finally:
+        client = redis.Redis.from_url(REDIS_URL)
+        keys = list(client.scan_iter(match=f"trserve:*{tenant}*"))
+        if keys:
+            client.delete(*keys)
