@@ -77,6 +77,7 @@ def build_kernels(cache_dir: Path | None = None) -> Path:
         if res.returncode != 0:
             os.unlink(tmp)
             raise RuntimeError(f"compiling {_SOURCE.name} failed: {res.stderr.strip()[:500]}")
+        os.chmod(tmp, 0o755)  # mkstemp makes it private; other users (a container's) must load it
         os.replace(tmp, out)  # atomic: concurrent loaders see a whole library or none
     return out
 

@@ -11,56 +11,42 @@
  * numbers for identical inputs. Rows are tiled by 8 so a tile's accumulators stay in registers.
  */
 #include <immintrin.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #define TILE 8
 
+/* The exact weights of block b of one output row, as two vectors of 16 (kind a constant after inlining). */
+static inline __attribute__((always_inline)) void block_weights(
+    const int kind, const uint8_t *c, const float *d, const float *m, int64_t b, __m512 *lo, __m512 *hi)
+{
+    const __m512 vd = _mm512_set1_ps(d[b]);
+    if (kind == 4) {
+        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + 16 * b)));
+        const __m512 vm = _mm512_set1_ps(m[b]);
+        *lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xF))), vd, vm);
+        *hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), vd, vm);
+    } else {
+        const __m128i *s = (const __m128i *)(c + 32 * b);
+        *lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(s))), vd);
+        *hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(s + 1))), vd);
+    }
+}
+
 /* One tile: R rows (R a constant after inlining) x 2 outputs (o, o + 1), so every x load feeds two
  * FMAs. For each (row, output) the sequence is: acc = 0; per block b: acc = fma(w_lo, x_lo, acc),
  * acc = fma(w_hi, x_hi, acc); out = reduce_add(acc): the same for every R and every tile position. */
-static inline __attribute__((always_inline)) void q4_tile(
-    const int R, const float *x, int64_t I, const uint8_t *c0, const uint8_t *c1, const float *d0,
-    const float *d1, const float *m0, const float *m1, int64_t nb, float *out0, float *out1)
-{
-    __m512 a0[TILE], a1[TILE];
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); }
-    const __m512i low = _mm512_set1_epi32(0xF);
-    for (int64_t b = 0; b < nb; b++) {
-        __m512i q0 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c0 + 16 * b)));
-        __m512i q1 = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c1 + 16 * b)));
-        __m512 vd0 = _mm512_set1_ps(d0[b]), vm0 = _mm512_set1_ps(m0[b]);
-        __m512 vd1 = _mm512_set1_ps(d1[b]), vm1 = _mm512_set1_ps(m1[b]);
-        __m512 w0lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q0, low)), vd0, vm0);
-        __m512 w0hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q0, 4)), vd0, vm0);
-        __m512 w1lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q1, low)), vd1, vm1);
-        __m512 w1hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q1, 4)), vd1, vm1);
-        const float *xb = x + 32 * b;
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            __m512 xlo = _mm512_loadu_ps(xb + r * I), xhi = _mm512_loadu_ps(xb + r * I + 16);
-            a0[r] = _mm512_fmadd_ps(w0lo, xlo, a0[r]);
-            a0[r] = _mm512_fmadd_ps(w0hi, xhi, a0[r]);
-            a1[r] = _mm512_fmadd_ps(w1lo, xlo, a1[r]);
-            a1[r] = _mm512_fmadd_ps(w1hi, xhi, a1[r]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int r = 0; r < R; r++) { out0[r] = _mm512_reduce_add_ps(a0[r]); out1[r] = _mm512_reduce_add_ps(a1[r]); }
-}
-
-static inline __attribute__((always_inline)) void q8_tile(
-    const int R, const float *x, int64_t I, const int8_t *c0, const int8_t *c1, const float *d0,
-    const float *d1, int64_t nb, float *out0, float *out1)
+static inline __attribute__((always_inline)) void tile(
+    const int kind, const int R, const float *x, int64_t I, const uint8_t *c0, const uint8_t *c1,
+    const float *d0, const float *d1, const float *m0, const float *m1, int64_t nb, float *out0, float *out1)
 {
     __m512 a0[TILE], a1[TILE];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) { a0[r] = _mm512_setzero_ps(); a1[r] = _mm512_setzero_ps(); }
     for (int64_t b = 0; b < nb; b++) {
-        __m512 vd0 = _mm512_set1_ps(d0[b]), vd1 = _mm512_set1_ps(d1[b]);
-#define Q8W(c, off, vd) _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((c) + 32 * b + (off))))), vd)
-        __m512 w0lo = Q8W(c0, 0, vd0), w0hi = Q8W(c0, 16, vd0), w1lo = Q8W(c1, 0, vd1), w1hi = Q8W(c1, 16, vd1);
-#undef Q8W
+        __m512 w0lo, w0hi, w1lo, w1hi;
+        block_weights(kind, c0, d0, m0, b, &w0lo, &w0hi);
+        block_weights(kind, c1, d1, m1, b, &w1lo, &w1hi);
         const float *xb = x + 32 * b;
 #pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
@@ -95,13 +81,13 @@ void trserve_qlinear(int kind, const float *x, int64_t n, int64_t I, int64_t O, 
         for (int64_t r0 = 0; r0 < n; r0 += TILE) {
             const int rows = n - r0 < TILE ? (int)(n - r0) : TILE;
             const float *xr = x + r0 * I;
+            const float *m0 = kind == 4 ? m + o * nb : NULL, *m1 = kind == 4 ? m0 + nb : NULL;
             if (kind == 4) {
-                const float *m0 = m + o * nb, *m1 = m0 + nb;
-#define CALL4(R) q4_tile(R, xr, I, c0, c1, d0, d1, m0, m1, nb, out0, out1)
+#define CALL4(R) tile(4, R, xr, I, c0, c1, d0, d1, m0, m1, nb, out0, out1)
                 DISPATCH(CALL4)
 #undef CALL4
             } else {
-#define CALL8(R) q8_tile(R, xr, I, (const int8_t *)c0, (const int8_t *)c1, d0, d1, nb, out0, out1)
+#define CALL8(R) tile(8, R, xr, I, c0, c1, d0, d1, NULL, NULL, nb, out0, out1)
                 DISPATCH(CALL8)
 #undef CALL8
             }

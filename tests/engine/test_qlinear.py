@@ -94,3 +94,13 @@ def test_builtin_model_runs_entirely_on_compressed_kernels(loaded_smollm2, hf_re
         b = hf_reference.model(input_ids=ids).logits
     assert (a - b).abs().max() < 1e-3
     assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@needs_kernel
+def test_kernel_library_is_built_once_and_loadable_by_other_users(tmp_path):
+    from engine.qlinear import build_kernels
+
+    lib = build_kernels(tmp_path)
+    assert lib.parent == tmp_path / "kernels" and lib.stat().st_mode & 0o055 == 0o055  # group/others: r-x
+    mtime = lib.stat().st_mtime_ns
+    assert build_kernels(tmp_path) == lib and lib.stat().st_mtime_ns == mtime  # cached, not rebuilt
