@@ -9,8 +9,9 @@ length of 1024 that is ~10 ms per forward of SmolLM2 on these CPUs, a third of a
 query [B, Hq, n, D] -> [B, Hkv, groups * n, D] (head j * groups + r, token i -> row r * n + i), the
 [.., n, L] mask repeated per group, one SDPA call on the unrepeated KV, then back. Every query row
 attends to the same keys with the same mask; only the batching of rows changes, as in transformers'
-own single-token path (results agree to float rounding; bit for bit on SmolLM2 here). It is registered with transformers' attention
-interface (the modeling code is untouched) and delegates everything else to the stock SDPA path.
+own single-token path (results agree to float rounding; bit for bit on SmolLM2 here). It is
+registered with transformers' attention interface (the modeling code is untouched) and delegates
+everything else to the stock SDPA path.
 """
 
 from __future__ import annotations

@@ -2,12 +2,13 @@
 
 Drafting is nearly free (one gather per level), verification is what costs. So every step drafts
 the whole *universe* tree (e.g. the paper's 80 nodes) but verifies only the current subtree, cut
-out by index; one step in `explore_every` (stretched so exploring stays within `explore_budget` of the
-verification time) verifies the whole universe with full lookup chains and is recorded. Those exploration records are unbiased samples of what any subtree would have
-accepted (engine/acceptance.py), so every `retune_every` new records the optimiser
-(engine/tune.py) picks the subtree and chain caps that maximise tokens/s under the calibrated
-cost curve. Because the matrix session always drafts the universe, remote drafting (matrix
-service) needs no change when the subtree changes.
+out by index; one step in `explore_every` (stretched so exploring stays within `explore_budget` of
+the verification time) verifies the whole universe with full lookup chains and is recorded. Those
+exploration records are unbiased samples of what any subtree would have accepted
+(engine/acceptance.py), so every `retune_every` new records the optimiser (engine/tune.py) picks
+the subtree and chain caps that maximise tokens/s under the calibrated cost curve. Because the
+matrix session always drafts the universe, remote drafting (matrix service) needs no change when
+the subtree changes.
 """
 
 from __future__ import annotations
@@ -172,9 +173,9 @@ class OnlineTuner:
 class TunerBook:
     """One OnlineTuner per key (e.g. per tenant: acceptance differs by workload), least recently
     used dropped beyond `capacity`. With `states` (load(key) -> bytes | None, save(key, bytes)), a
-    new tuner starts from the key's saved records and tree, and saves them after every re-tune (and on
-    `save_all`, at worker shutdown): the
-    worker keeps them next to the tenant's matrix (in Redis with it when configured)."""
+    new tuner starts from the key's saved records and tree, and saves them after every re-tune and
+    on `save_all` (worker shutdown): the worker keeps them next to the tenant's matrix (in Redis
+    with it when configured)."""
 
     def __init__(self, factory, capacity: int = 256, states=None) -> None:
         if capacity < 1:
@@ -201,7 +202,12 @@ class TunerBook:
 
     def get(self, key: str) -> OnlineTuner:
         with self._lock:
-            tuner = self._tuners.pop(key, None) or self._new(key)
+            tuner = self._tuners.pop(key, None)
+        if tuner is None:
+            new = self._new(key)  # may read the state store: not under the lock other tenants wait on
+        with self._lock:
+            if tuner is None:  # unless a concurrent first request of this key got there first
+                tuner = self._tuners.pop(key, None) or new
             self._tuners[key] = tuner
             while len(self._tuners) > self._capacity:
                 self._tuners.popitem(last=False)

@@ -10,8 +10,8 @@ from engine.model_loader import ModelConfig
 # The best known tree per device kind and linear kernels (see README "Benchmarks"; `trserve tune`
 # makes one for another machine, `trserve bench --tree` compares). A forward's cost per width
 # decides the tree: the compressed kernels make one token much cheaper than the packed ones do.
-DEFAULT_TREES = {("cpu", "compressed"): "cpu-hybrid", ("cpu", "packed"): "cpu-hybrid-packed",
-                 ("cpu", "stock"): "cpu-hybrid-packed", ("cuda", "stock"): "paper"}
+DEFAULT_TREES = {"cpu": "cpu-hybrid-packed", "cuda": "paper"}
+KERNEL_TREES = {("cpu", "compressed"): "cpu-hybrid"}  # where the kernels change the best tree
 
 
 @dataclass(frozen=True)
@@ -41,4 +41,4 @@ class DecoderConfig:
         if self.tree not in ("auto", "adaptive"):
             return self.tree
         main = kernels.split("+")[0]  # compressed+packed: most layers are compressed
-        return DEFAULT_TREES.get((device_type, main), "cpu-hybrid-packed" if device_type == "cpu" else "paper")
+        return KERNEL_TREES.get((device_type, main)) or DEFAULT_TREES.get(device_type, "paper")

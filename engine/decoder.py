@@ -237,7 +237,8 @@ class Decoder:
         decode_s = time.perf_counter() - t0 - prefill_s
         final_text = stops.cut_text(self.tokenizer.decode(run.generated, skip_special_tokens=True))
         info = session.info() if session is not None else None
-        stats = GenerationStats.build(run, prefill_s, decode_s, info, self.tree_name(tree, run.tuner) if session else "none")
+        tree_name = self.tree_name(tree, run.tuner) if session else "none"
+        stats = GenerationStats.build(run, prefill_s, decode_s, info, tree_name)
         yield GenerationResult(ids=run.generated, text=final_text, finish_reason=run.finish_reason, stats=stats)
 
     def _commit(self, run: _Run, new: list[int]) -> list[int]:

@@ -160,30 +160,32 @@ def _apply_kernels(model, config: ModelConfig, device: torch.device, dtype: torc
     exactly as transformers loads it (attention included): the reference for plain `generate`."""
     from engine.attention import use_grouped_sdpa
     from engine.kernels import pack_linears, packed_kernels_available
-    from engine.qlinear import qlinear_supported, quantize_linears
 
     if config.kernels == "stock" or (config.kernels == "auto" and not packed_kernels_available(device, dtype)):
         return "stock"
     if not packed_kernels_available(device, dtype):
         raise InvalidArgument(f"{config.kernels} kernels need a CPU float32 model; got {device} {dtype}")
-    used = []
-    if config.kernels in ("auto", "compressed"):
-        if not qlinear_supported():
-            if config.kernels == "compressed":
-                raise InvalidArgument("compressed kernels need an x86-64 CPU with AVX-512 and a C compiler")
-        else:
-            try:
-                swapped, _ = quantize_linears(model, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
-            except (OSError, RuntimeError) as e:
-                if config.kernels == "compressed":
-                    raise InvalidArgument(f"compressed kernels unavailable: {e}") from None
-                log.warning("compressed kernels unavailable (%s); using packed kernels", e)
-                swapped = 0
-            if swapped:
-                used.append("compressed")
-            elif config.kernels == "compressed":
-                raise InvalidArgument("compressed kernels: no linear layer of this model holds exact 4/8-bit blocks")
+    used = ["compressed"] if config.kernels in ("auto", "compressed") and _compress(model, config) else []
     if pack_linears(model):  # whatever is still a plain nn.Linear
         used.append("packed")
     use_grouped_sdpa(model)  # tree attention without repeating the KV cache (engine/attention.py)
     return "+".join(used) or "stock"
+
+
+def _compress(model, config: ModelConfig) -> bool:
+    """Exact compressed kernels for the layers they fit; where none do: False under auto (packed
+    kernels take over), InvalidArgument when they were asked for."""
+    from engine.qlinear import qlinear_supported, quantize_linears
+
+    try:
+        if not qlinear_supported():
+            raise RuntimeError("they need an x86-64 CPU with AVX-512")
+        swapped, _ = quantize_linears(model, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+        if not swapped:
+            raise RuntimeError("no linear layer of this model holds exact 4/8-bit blocks")
+        return True
+    except (OSError, RuntimeError) as e:
+        if config.kernels == "compressed":
+            raise InvalidArgument(f"compressed kernels unavailable: {e}") from None
+        log.info("compressed kernels not used (%s); packed kernels instead", e)
+        return False

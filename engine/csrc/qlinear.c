@@ -78,16 +78,16 @@ void trserve_qlinear(int kind, const float *x, int64_t n, int64_t I, int64_t O, 
         float out0[TILE], out1[TILE];
         const uint8_t *c0 = codes + o * row_bytes, *c1 = c0 + row_bytes;
         const float *d0 = d + o * nb, *d1 = d0 + nb;
+        const float *m0 = kind == 4 ? m + o * nb : NULL, *m1 = kind == 4 ? m0 + nb : NULL;
         for (int64_t r0 = 0; r0 < n; r0 += TILE) {
             const int rows = n - r0 < TILE ? (int)(n - r0) : TILE;
             const float *xr = x + r0 * I;
-            const float *m0 = kind == 4 ? m + o * nb : NULL, *m1 = kind == 4 ? m0 + nb : NULL;
             if (kind == 4) {
 #define CALL4(R) tile(4, R, xr, I, c0, c1, d0, d1, m0, m1, nb, out0, out1)
                 DISPATCH(CALL4)
 #undef CALL4
             } else {
-#define CALL8(R) tile(8, R, xr, I, c0, c1, d0, d1, NULL, NULL, nb, out0, out1)
+#define CALL8(R) tile(8, R, xr, I, c0, c1, d0, d1, m0, m1, nb, out0, out1)
                 DISPATCH(CALL8)
 #undef CALL8
             }

@@ -103,7 +103,8 @@ def test_stop_sequence_and_stop_token(client):
 
 
 def test_deadline_returns_partial_result(client):
-    reply = client.generate(REPEATING, max_new_tokens=256, tenant="deadline", timeout=0.8)  # 256 tokens take ~1.5 s even on the fast kernels
+    # 256 tokens take ~1.5 s even on the fast kernels
+    reply = client.generate(REPEATING, max_new_tokens=256, tenant="deadline", timeout=0.8)
     assert reply.finish_reason == pb.FINISH_REASON_TIME_LIMIT
     assert 0 < reply.stats.generated_tokens < 256
     with pytest.raises(grpc.RpcError) as e:
