@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+from core.datasets import prompt_file
 
-DEFAULT_PROMPTS = str(Path(__file__).resolve().parent.parent.parent / "shared" / "data" / "spec_bench" / "dev.jsonl")
+DEFAULT_PROMPTS = str(prompt_file("spec_bench"))  # bundled with the repository (core/data/)
 DECODERS = ("hf", "pld", "ar", "tr", "tr-paper")
 OPTIONAL = ("tr-matrix", "tr-adaptive")
 

@@ -1,24 +1,33 @@
 """Token Recycling decoding engine (no grpc, no redis).
 
-Public names are imported lazily so that light modules (e.g. `engine.errors`, used by
-matrix_store) do not pull in torch and transformers.
+    decoder.py    the decode loop (Decoder: prepare -> stream)     results.py  what it returns
+    sequence.py   one request in flight                             config.py   DecoderConfig
+    tr/           the algorithm: trees, drafting, acceptance, recycling, sampling, lookup chains,
+                  the adjacency matrix and the draft-source boundary
+    model/        the target model: loading, kernels, attention, KV cache, the verification forward
+    tuning/       acceptance records, calibration, the tree optimiser, online re-tuning, `trserve tune`
+    request/      the request type, prompt building, stop conditions, streamed text
+
+Public names are imported lazily so that `import engine` stays cheap (no torch until used).
 """
 
 from importlib import import_module
 
 _EXPORTS = {
-    "AdjacencyMatrix": "engine.matrix",
+    "AdjacencyMatrix": "engine.tr.matrix",
     "Decoder": "engine.decoder",
     "DecoderConfig": "engine.config",
-    "DraftSource": "engine.matrix",
-    "GenerationResult": "engine.stats",
-    "GenerationStats": "engine.stats",
-    "InvalidArgument": "engine.errors",
-    "LocalDraftSource": "engine.matrix",
-    "ModelConfig": "engine.model_loader",
-    "SamplingParams": "engine.sampling",
-    "StepChunk": "engine.stats",
-    "load_model": "engine.model_loader",
+    "DraftSource": "engine.tr.source",
+    "GenerationRequest": "engine.request.request",
+    "GenerationResult": "engine.results",
+    "GenerationStats": "engine.results",
+    "InvalidArgument": "core.errors",
+    "LocalDraftSource": "engine.tr.source",
+    "ModelConfig": "engine.model.loader",
+    "ModelSpec": "core.model_spec",
+    "SamplingParams": "engine.tr.sampling",
+    "StepChunk": "engine.results",
+    "load_model": "engine.model.loader",
 }
 __all__ = sorted(_EXPORTS)
 

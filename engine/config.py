@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from engine.autotune import AutoTuneConfig
-from engine.model_loader import ModelConfig
+from engine.model.loader import ModelConfig
+from engine.tuning.online import AutoTuneConfig
 
 # The best known tree per device kind and linear kernels (see README "Benchmarks"; `trserve tune`
 # makes one for another machine, `trserve bench --tree` compares). A forward's cost per width
@@ -18,7 +18,7 @@ KERNEL_TREES = {("cpu", "compressed"): "cpu-hybrid"}  # where the kernels change
 class DecoderConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     # builtin tree name, template file path, auto = best known for the device, or adaptive = start
-    # from auto and keep re-tuning online (engine/autotune.py, settings in `autotune`)
+    # from auto and keep re-tuning online (engine/tuning/online.py, settings in `autotune`)
     tree: str = "auto"
     k: int = 8  # successors kept per token in the adjacency matrix
     max_context: int | None = None  # default: the model's max_position_embeddings

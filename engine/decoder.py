@@ -1,4 +1,8 @@
-"""The decode loop: Token Recycling (draft -> verify -> accept -> recycle) and plain autoregressive."""
+"""The decode loop: Token Recycling (draft -> verify -> accept -> recycle) and plain autoregressive.
+
+One `Generate` is `Decoder.prepare` (validate against the model, once) then `Decoder.stream`
+(prefill, then one step per iteration until a finish reason is set).
+"""
 
 from __future__ import annotations
 
@@ -6,49 +10,36 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from dataclasses import dataclass, field
 
 import torch
 
-from engine.accept import accept_greedy
-from engine.acceptance import AcceptanceLog
+from core.errors import InvalidArgument
+from core.model_spec import ModelSpec
 from engine.config import DecoderConfig
-from engine.errors import InvalidArgument
-from engine.hybrid import graft, matched_run
-from engine.autotune import OnlineTuner, StepPlan
-from engine.kv import KVCache
-from engine.lookup import ContextLookup
-from engine.matrix import AdjacencyMatrix, DraftSource, LocalDraftSource
-from engine.model_loader import LoadedModel, load_model
-from engine.prompt import PromptBuilder
-from engine.recycle import recycle_rows
-from engine.sampling import Sampler, SamplingParams, choose, choose_in_tree, new_sampler
-from engine.stats import GenerationResult, GenerationStats, StepChunk
-from engine.text import StopChecker, TextStream
-from engine.tree import CompiledTree, TreeTemplate, get_compiled, load_template
-from engine.verify import forward_one, verify_tree
-
-MODES = ("tr", "ar")
-
-
-@dataclass
-class _Run:
-    """One generation: its settings and its mutable state."""
-
-    prompt_len: int
-    max_new_tokens: int
-    stops: StopChecker
-    sampler: Sampler | None = None
-    log: AcceptanceLog | None = None  # per-step records for the caller's tree optimiser
-    tuner: OnlineTuner | None = None  # adaptive tree: plans each step, records exploration steps
-    lookup: ContextLookup | None = None  # prompt + output so far, for hybrid drafting
-    generated: list[int] = field(default_factory=list)
-    accepted_per_step: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
+from engine.model.forward import forward_one, verify_tree
+from engine.model.kv import KVCache
+from engine.model.loader import LoadedModel, load_model
+from engine.request.prompt import PromptBuilder, check_token_ids
+from engine.request.request import GenerationRequest, PreparedRequest
+from engine.request.stops import StopChecker
+from engine.request.text import TextStream
+from engine.results import GenerationResult, GenerationStats, StepChunk
+from engine.sequence import Sequence
+from engine.tr.accept import accept_greedy
+from engine.tr.hybrid import graft, matched_run
+from engine.tr.lookup import ContextLookup
+from engine.tr.matrix import AdjacencyMatrix
+from engine.tr.recycle import recycle_rows
+from engine.tr.sampling import choose, choose_in_tree, new_sampler
+from engine.tr.source import DraftSource, LocalDraftSource
+from engine.tr.tree import CompiledTree, TreeTemplate, get_compiled, load_template
+from engine.tuning.online import OnlineTuner, StepPlan
+from engine.tuning.records import AcceptanceLog
 
 
 class Decoder:
-    """Owns model + tokenizer; `generate`/`stream` decode one request at a time per thread-safe lock."""
+    """Owns model + tokenizer; `generate`/`stream` decode one request at a time (a lock: one model,
+    one forward stream)."""
 
     def __init__(self, config: DecoderConfig, loaded: LoadedModel | None = None) -> None:
         self.config = config
@@ -58,31 +49,40 @@ class Decoder:
         self.fingerprint = self.loaded.fingerprint
         self.device = self.loaded.device
         self.vocab_size = int(self.model.config.vocab_size)
+        self.spec = ModelSpec(self.fingerprint, self.vocab_size, config.k)
         self.max_context = config.max_context or int(getattr(self.model.config, "max_position_embeddings", 2048))
         self.prompts = PromptBuilder(self.tokenizer, self.vocab_size)
         self.autotuner = self._new_autotuner() if config.tree == "adaptive" else None
         best_known = config.tree_for(self.device.type, self.loaded.kernels)
         self.default_tree = self.autotuner.universe if self.autotuner else self.compile(best_known)
         self.eos_ids = self._eos_ids()
-        self._lock = threading.Lock()  # one forward stream per Decoder (one model, one device)
+        self._lock = threading.Lock()
 
     # ---- setup helpers -------------------------------------------------------------------
     def compile(self, tree: str | TreeTemplate) -> CompiledTree:
         """A builtin tree name, a JSON file path, or a TreeTemplate, compiled once for this device."""
         template = tree if isinstance(tree, TreeTemplate) else load_template(tree)
+        self._check_ranks(template)
         return get_compiled(template, self.device, self.loaded.dtype)
 
+    def _check_ranks(self, template: TreeTemplate) -> None:
+        """A node of rank r reads successor r of its parent's row: r must be < K."""
+        if template.max_rank >= self.config.k:
+            raise InvalidArgument(f"tree {template.name!r} uses successor rank {template.max_rank} but the matrix "
+                                  f"keeps K={self.config.k} per token; use a tree with ranks < {self.config.k}")
+
     def _new_autotuner(self) -> OnlineTuner:
-        from engine.calibrate import load_or_measure
-        from engine.model_loader import default_cache_dir
+        from engine.model.paths import default_cache_dir
+        from engine.tuning.calibrate import load_or_measure
 
         cost = load_or_measure(self.loaded, Path(self.config.cache_dir) if self.config.cache_dir else default_cache_dir())
         return self._tuner(cost)
 
     def _tuner(self, cost) -> OnlineTuner:
         start = load_template(self.config.tree_for(self.device.type, self.loaded.kernels))
-        return OnlineTuner(self.config.autotune, load_template(self.config.autotune.universe), start, cost,
-                           self.device, self.loaded.dtype)
+        universe = load_template(self.config.autotune.universe)
+        self._check_ranks(universe)
+        return OnlineTuner(self.config.autotune, universe, start, cost, self.device, self.loaded.dtype)
 
     def new_tuner(self) -> OnlineTuner:
         """A fresh online tuner like the Decoder's own (tree "adaptive" only), e.g. one per tenant."""
@@ -95,97 +95,90 @@ class Decoder:
         return f"adaptive:{tuner.current.size}" if tuner is not None else tree.template.name
 
     def new_matrix(self) -> AdjacencyMatrix:
-        return AdjacencyMatrix(self.vocab_size, self.config.k, self.fingerprint, self.device)
+        return AdjacencyMatrix(self.spec, self.device)
 
-    def _eos_ids(self) -> set[int]:
+    def _eos_ids(self) -> frozenset[int]:
         ids = set()
         for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
             if isinstance(source, int):
                 ids.add(source)
             elif source:
                 ids.update(int(i) for i in source)
-        return ids
+        return frozenset(ids)
+
+    # ---- validation: once per request --------------------------------------------------------
+    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Check a request against this model: prompt ids, tree (ranks < K), context budget, stop ids."""
+        ids = self.prompts.build(request.prompt, request.messages, request.input_ids)
+        tree = None
+        if request.mode == "tr":
+            tree = self._resolve_tree(request.tree) if request.tree is not None else self.default_tree
+        self._check_budget(len(ids), request.max_new_tokens, tree)
+        stop_ids = frozenset(check_token_ids(request.stop_token_ids, self.vocab_size, "stop token ids"))
+        return PreparedRequest(request, tuple(ids), tree, stop_ids | (frozenset() if request.ignore_eos else self.eos_ids))
+
+    def _resolve_tree(self, tree: str | TreeTemplate | CompiledTree) -> CompiledTree:
+        if isinstance(tree, CompiledTree):
+            self._check_ranks(tree.template)
+            return tree
+        return self.compile(tree)
+
+    def _check_budget(self, prompt_len: int, max_new_tokens: int, tree: CompiledTree | None) -> None:
+        reserved = tree.template.max_width if tree is not None else self.default_tree.template.max_width
+        room = self.max_context - prompt_len - reserved
+        if max_new_tokens > room:
+            raise InvalidArgument(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model context "
+                f"({self.max_context} tokens, {reserved} reserved for the draft tree); use max_new_tokens <= {max(room, 0)}"
+                + (" or a shorter prompt" if room <= 0 else "")
+            )
 
     # ---- public API ----------------------------------------------------------------------
-    def generate(self, prompt: str | None = None, **kwargs) -> GenerationResult:
-        """Decode to the end; see `stream` for the arguments."""
+    def generate(self, request: GenerationRequest | str | None = None, /, *,
+                 matrix: AdjacencyMatrix | DraftSource | None = None, cancelled: Callable[[], bool] | None = None,
+                 deadline: float | None = None, acceptance: AcceptanceLog | None = None,
+                 tuner: OnlineTuner | None = None, **fields) -> GenerationResult:
+        """Decode to the end. `request` is a GenerationRequest, or built from `fields` (its field
+        names; a positional str is the raw `prompt`). See `stream` for the rest."""
+        if not isinstance(request, GenerationRequest):
+            request = GenerationRequest(prompt=request, **fields) if request is not None else GenerationRequest(**fields)
+        elif fields:
+            raise InvalidArgument(f"give a GenerationRequest or its fields, not both (got {sorted(fields)})")
         result = None
-        for item in self.stream(prompt, **kwargs):
+        for item in self.stream(request, matrix=matrix, cancelled=cancelled, deadline=deadline,
+                                acceptance=acceptance, tuner=tuner):
             if isinstance(item, GenerationResult):
                 result = item
         assert result is not None
         return result
 
-    def stream(
-        self,
-        prompt: str | None = None,
-        *,
-        messages: list[dict] | None = None,
-        input_ids: list[int] | None = None,
-        max_new_tokens: int = 128,
-        stop_token_ids: list[int] | None = None,
-        stop_strings: tuple[str, ...] | list[str] = (),
-        ignore_eos: bool = False,
-        mode: str = "tr",
-        matrix: AdjacencyMatrix | DraftSource | None = None,
-        tree: str | CompiledTree | None = None,
-        cancelled: Callable[[], bool] | None = None,
-        deadline: float | None = None,
-        acceptance: AcceptanceLog | None = None,
-        sampling: SamplingParams | None = None,
-        tuner: OnlineTuner | None = None,
-    ) -> Iterator[StepChunk | GenerationResult]:
+    def stream(self, request: GenerationRequest | PreparedRequest, *,
+               matrix: AdjacencyMatrix | DraftSource | None = None, cancelled: Callable[[], bool] | None = None,
+               deadline: float | None = None, acceptance: AcceptanceLog | None = None,
+               tuner: OnlineTuner | None = None) -> Iterator[StepChunk | GenerationResult]:
         """Yield a StepChunk per decoding step, then the GenerationResult.
 
-        Exactly one of `prompt` (raw text, no chat template), `messages` (chat template applied)
-        or `input_ids`. `matrix` is the hot-start state (an AdjacencyMatrix carried across calls,
-        or a DraftSource such as the matrix service); None = a fresh zero matrix. `stop_token_ids`
-        adds to the model's EOS ids (`ignore_eos` drops those, e.g. for fixed-length benchmarks).
-        `cancelled` is polled each step; `deadline` is a time.monotonic() instant after which
-        decoding stops with finish_reason "time_limit". `acceptance` collects one record per TR
-        step (it must belong to the tree used) for the tree optimiser. `sampling` = None or
-        temperature 0 decodes greedily; otherwise tokens are sampled losslessly (engine/sampling.py):
-        the same seed gives the same tokens in TR and AR mode, whatever the matrix. `tuner` = an
-        online tree tuner of the caller's (e.g. one per tenant, `new_tuner()`) for a request that
-        names no tree; default: the Decoder's own when its tree is "adaptive".
+        `request` as from `prepare` (a GenerationRequest is prepared here). `matrix` is the hot-start
+        state (an AdjacencyMatrix carried across calls, or a DraftSource such as the matrix
+        service); None = a fresh zero matrix. `cancelled` is polled each step; `deadline` is a
+        time.monotonic() instant after which decoding stops with finish_reason "time_limit".
+        `acceptance` collects one record per TR step (it must belong to the tree used) for the tree
+        optimiser. `tuner` = an online tree tuner of the caller's (e.g. one per tenant,
+        `new_tuner()`) for a request that names no tree; default: the Decoder's own when its tree
+        is "adaptive".
         """
-        if mode not in MODES:
-            raise InvalidArgument(f"mode must be one of {MODES}, got {mode!r}")
-        ids = self.prompts.build(prompt, messages, input_ids)
-        tuner = None if tree else (tuner or self.autotuner)
-        if tuner is not None:
-            compiled = tuner.universe
-        else:
-            compiled = tree if isinstance(tree, CompiledTree) else (self.compile(tree) if tree else self.default_tree)
-        self._check_budget(len(ids), max_new_tokens, compiled)
-        stop_ids = (set() if ignore_eos else self.eos_ids) | set(self._check_ids(stop_token_ids or []))
-        stops = StopChecker(self.tokenizer, stop_ids, tuple(stop_strings))
-        source = self._draft_source(matrix) if mode == "tr" else None
-        if acceptance is not None and acceptance.template != compiled.template:
+        prepared = request if isinstance(request, PreparedRequest) else self.prepare(request)
+        req = prepared.request
+        tuner = (tuner or self.autotuner) if req.uses_default_tree else None
+        tree = tuner.universe if tuner is not None else prepared.tree
+        if acceptance is not None and tree is not None and acceptance.template != tree.template:
             raise InvalidArgument(f"acceptance log is for tree {acceptance.template.name!r}, "
-                                  f"but this request uses {compiled.template.name!r}")
-        run = _Run(prompt_len=len(ids), max_new_tokens=max_new_tokens, stops=stops, log=acceptance, tuner=tuner,
-                   sampler=new_sampler(sampling, max_new_tokens, self.device))
+                                  f"but this request uses {tree.template.name!r}")
+        source = self._draft_source(matrix) if req.mode == "tr" else None
+        seq = Sequence(prepared, StopChecker(self.tokenizer, set(prepared.stop_ids), req.stop_strings),
+                       new_sampler(req.sampling, req.max_new_tokens, self.device), acceptance, tuner)
         with self._lock, torch.inference_mode():
-            yield from self._decode(run, ids, source, compiled, cancelled, deadline)
-
-    # ---- validation ----------------------------------------------------------------------
-    def _check_ids(self, ids: list[int]) -> list[int]:
-        bad = [i for i in ids if not 0 <= int(i) < self.vocab_size]
-        if bad:
-            raise InvalidArgument(f"stop token ids {bad[:5]} are outside the vocabulary [0, {self.vocab_size})")
-        return [int(i) for i in ids]
-
-    def _check_budget(self, prompt_len: int, max_new_tokens: int, tree: CompiledTree) -> None:
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise InvalidArgument(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-        room = self.max_context - prompt_len - tree.template.max_width
-        if max_new_tokens > room:
-            raise InvalidArgument(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model context "
-                f"({self.max_context} tokens, {tree.template.max_width} reserved for the draft tree); use max_new_tokens <= {max(room, 0)}"
-                + (" or a shorter prompt" if room <= 0 else "")
-            )
+            yield from self._decode(seq, source, tree, cancelled, deadline)
 
     def _draft_source(self, matrix: AdjacencyMatrix | DraftSource | None) -> DraftSource:
         if matrix is None:
@@ -197,88 +190,74 @@ class Decoder:
         raise InvalidArgument(f"matrix must be an AdjacencyMatrix or a DraftSource, got {type(matrix).__name__}")
 
     # ---- the loop --------------------------------------------------------------------------
-    def _decode(self, run: _Run, ids: list[int], source, tree: CompiledTree, cancelled, deadline):
+    def _decode(self, seq: Sequence, source: DraftSource | None, tree: CompiledTree | None, cancelled, deadline):
         t0 = time.perf_counter()
-        stops, sampler = run.stops, run.sampler
+        ids = list(seq.prepared.ids)
         cache = KVCache(self.model.config)
         prompt = torch.tensor([ids], device=self.device)
         seed = min(len(ids), self.config.seed_from_prompt) if source else 0
         logits = self.model(input_ids=prompt, past_key_values=cache.cache, use_cache=True,
                             logits_to_keep=max(seed, 1)).logits[0]  # [max(seed, 1), V]
-        root = int(choose(logits[-1:], sampler, 0)[0])  # output position 0
+        root = int(choose(logits[-1:], seq.sampler, 0)[0])  # output position 0
         # Prompt seeding: the model's predictions inside this prompt are rows like any recycled ones.
         recycled = recycle_rows(prompt[0, -seed:], logits, self.config.k, list(range(seed))) if seed else None
         text = TextStream(self.tokenizer)
         prefill_s = time.perf_counter() - t0
-        session = source.open(tree, self.fingerprint, self.vocab_size, self.config.k) if source else None
-        run.lookup = ContextLookup(ids, len(ids) + run.max_new_tokens) if session is not None else None
+        session = source.open(tree, self.spec) if source else None
+        if session is not None:
+            seq.lookup = ContextLookup(ids, len(ids) + seq.max_new_tokens)
         try:
-            self._commit(run, [root])
-            yield StepChunk(tokens=[root], text=text.delta(run.generated, cut=stops.cut_text))
-            while run.finish_reason is None:
+            seq.commit([root])
+            yield StepChunk(tokens=[root], text=text.delta(seq.generated, cut=seq.stops.cut_text))
+            while seq.finish_reason is None:
                 if cancelled is not None and cancelled():
-                    run.finish_reason = "cancelled"
+                    seq.finish_reason = "cancelled"
                     break
                 if deadline is not None and time.monotonic() > deadline:
-                    run.finish_reason = "time_limit"
+                    seq.finish_reason = "time_limit"
                     break
                 if session is None:
-                    new = self._ar_step(cache, root, sampler, len(run.generated))
+                    new = self._ar_step(cache, root, seq)
                 else:
-                    new, recycled = self._tr_step(cache, session, recycled, root, tree, run)
-                new = self._commit(run, new)
-                run.accepted_per_step.append(len(new))
+                    new, recycled = self._tr_step(cache, session, recycled, root, tree, seq)
+                new = seq.commit(new)
+                seq.accepted_per_step.append(len(new))
                 root = new[-1] if new else root
                 if new:
-                    yield StepChunk(tokens=new, text=text.delta(run.generated, cut=stops.cut_text))
+                    yield StepChunk(tokens=new, text=text.delta(seq.generated, cut=seq.stops.cut_text))
         finally:
             if session is not None:
                 session.close(recycled)
         decode_s = time.perf_counter() - t0 - prefill_s
-        final_text = stops.cut_text(self.tokenizer.decode(run.generated, skip_special_tokens=True))
+        final_text = seq.stops.cut_text(self.tokenizer.decode(seq.generated, skip_special_tokens=True))
         info = session.info() if session is not None else None
-        tree_name = self.tree_name(tree, run.tuner) if session else "none"
-        stats = GenerationStats.build(run, prefill_s, decode_s, info, tree_name)
-        yield GenerationResult(ids=run.generated, text=final_text, finish_reason=run.finish_reason, stats=stats)
+        tree_name = self.tree_name(tree, seq.tuner) if session else "none"
+        stats = GenerationStats.build(seq, prefill_s, decode_s, info, tree_name)
+        yield GenerationResult(ids=seq.generated, text=final_text, finish_reason=seq.finish_reason, stats=stats)
 
-    def _commit(self, run: _Run, new: list[int]) -> list[int]:
-        """Append what fits (stops, length) and set the finish reason; returns the kept tokens."""
-        verdict = run.stops.check(run.generated, new)
-        kept = new[: verdict.keep]
-        room = run.max_new_tokens - len(run.generated)
-        if len(kept) >= room:
-            kept = kept[:room]
-            run.finish_reason = verdict.reason if verdict.keep <= room and verdict.reason else "length"
-        elif verdict.reason:
-            run.finish_reason = verdict.reason
-        run.generated.extend(kept)
-        if run.lookup is not None:
-            run.lookup.extend(kept)
-        return kept
+    def _ar_step(self, cache: KVCache, root: int, seq: Sequence) -> list[int]:
+        return [int(choose(forward_one(self.model, cache, root)[None], seq.sampler, len(seq.generated))[0])]
 
-    def _ar_step(self, cache: KVCache, root: int, sampler: Sampler | None, at: int) -> list[int]:
-        return [int(choose(forward_one(self.model, cache, root)[None], sampler, at)[0])]
-
-    def _tr_step(self, cache: KVCache, session, recycled, root: int, tree: CompiledTree, run: _Run):
+    def _tr_step(self, cache: KVCache, session, recycled, root: int, tree: CompiledTree, seq: Sequence):
         drafted = session.step(recycled, root)  # [n_draft] the matrix-drafted tree
-        plan = run.tuner.plan() if run.tuner is not None else StepPlan(tree, None, explore=False)
+        plan = seq.tuner.plan() if seq.tuner is not None else StepPlan(tree, None, explore=False)
         base = plan.tree
         tokens = drafted if plan.select is None else drafted[plan.select]  # [n] the tree verified this step
         verify, grafted = base, None
-        proposal = run.lookup.propose(base.template.lookup)
+        proposal = seq.lookup.propose(base.template.lookup)
         if proposal is not None:
             tokens, verify, grafted = graft(tokens, base, proposal.tokens, proposal.ngram)  # [n + chain]
         past = len(cache)
         logits = verify_tree(self.model, cache, tokens, verify)  # [n + chain, V]
-        greedy = choose_in_tree(logits, tokens, verify, run.sampler, len(run.generated))  # argmax, or samples
+        greedy = choose_in_tree(logits, tokens, verify, seq.sampler, len(seq.generated))  # argmax, or samples
         acc = accept_greedy(tokens, greedy, verify)
         cache.compact(past, acc.path)
         rows = recycle_rows(tokens, logits, self.config.k, acc.path)
         if plan.explore:
-            self._record(run.tuner.log, acc, base.n, grafted, past)
-            run.tuner.recorded()
-        elif run.log is not None:
-            self._record(run.log, acc, base.n, grafted, past)
+            self._record(seq.tuner.log, acc, base.n, grafted, past)
+            seq.tuner.recorded()
+        elif seq.log is not None:
+            self._record(seq.log, acc, base.n, grafted, past)
         return acc.tokens, rows
 
     @staticmethod

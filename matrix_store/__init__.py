@@ -4,7 +4,8 @@ inheritance (tenant <- domain <- _global <- zeros), Redis snapshots, rollback an
 No grpc, protobuf or torch here; services/ converts at the edge.
 """
 
-from matrix_store.config import GLOBAL_TENANT, ModelSpec, StoreConfig
+from core.model_spec import ModelSpec
+from matrix_store.config import GLOBAL_TENANT, StoreConfig
 from matrix_store.store import MatrixStore
 from matrix_store.tenant import Checkout
 

@@ -1,11 +1,12 @@
-"""Configuration and identity types of the matrix store (validated once, passed down)."""
+"""Configuration of the matrix store and tenant ids (validated once, passed down); the model
+identity `ModelSpec` lives in core/model_spec.py (the engine uses it too)."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
 
-from engine.errors import InvalidArgument
+from core.errors import InvalidArgument
 
 # Reserved tenant whose matrix every tenant without its own (or a domain's) starts from.
 GLOBAL_TENANT = "_global"
@@ -62,30 +63,6 @@ class StoreConfig:
             raise ValueError(f"snapshot_every_s must be > 0 seconds, got {self.snapshot_every_s}")
         if not 0 < self.redis_timeout_s <= 30:
             raise ValueError(f"redis_timeout_s must be in (0, 30] seconds, got {self.redis_timeout_s}")
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Which model (tokenizer/vocabulary) a matrix belongs to; a matrix is only valid for one.
-
-    Built from request data, so a bad value raises InvalidArgument (a ValueError).
-    """
-
-    fingerprint: str  # model/vocab fingerprint; matrices of different fingerprints never mix
-    vocab_size: int  # V: rows of the matrix
-    k: int  # K: successors kept per row
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.fingerprint, str) or not self.fingerprint:
-            raise InvalidArgument(f"ModelSpec.fingerprint must be a non-empty string, got {self.fingerprint!r}")
-        if not _is_int(self.vocab_size) or self.vocab_size <= 0:
-            raise InvalidArgument(f"ModelSpec.vocab_size must be an int > 0, got {self.vocab_size!r}")
-        if not _is_int(self.k) or not 1 <= self.k <= 64:
-            raise InvalidArgument(f"ModelSpec.k must be an int in 1..64, got {self.k!r}")
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.vocab_size, self.k)
 
 
 def _is_int(value: object) -> bool:

@@ -13,7 +13,7 @@ Tenant ids exclude ':' and N is decimal, so a key names exactly one (FP, T, N) e
 ':'. Each snapshot is written in one MULTI/EXEC (blob, version set, meta, indexes), so a reader
 never sees a version without its blob; older versions beyond `keep` are trimmed afterwards.
 
-Every call raises engine.errors.Unavailable on any Redis failure. After a failure the breaker
+Every call raises core.errors.Unavailable on any Redis failure. After a failure the breaker
 stays open for a short, growing backoff (0.25 s .. 4 s): calls fail fast instead of each waiting
 for a socket timeout, and the first call after the backoff probes Redis again.
 """
@@ -29,7 +29,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from engine.errors import Unavailable
+from core.errors import Unavailable
 
 _T = TypeVar("_T")
 _MIN_BACKOFF_S = 0.25

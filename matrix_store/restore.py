@@ -5,8 +5,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from engine.errors import FingerprintMismatch
-from matrix_store.config import ModelSpec
+from core.errors import FingerprintMismatch
+from core.model_spec import ModelSpec
 from matrix_store.redis_backend import RedisBackend
 from matrix_store.snapshot import Snapshot, SnapshotError, decode_snapshot
 

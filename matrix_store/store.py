@@ -27,8 +27,9 @@ import time
 
 import numpy as np
 
-from engine.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, NotFound, Unavailable
-from matrix_store.config import ModelSpec, StoreConfig, validate_fingerprint, validate_tenant_id
+from core.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, NotFound, Unavailable
+from core.model_spec import ModelSpec
+from matrix_store.config import StoreConfig, validate_fingerprint, validate_tenant_id
 from matrix_store.redis_backend import RedisBackend
 from matrix_store.restore import read_stored
 from matrix_store.snapshot import encode_snapshot

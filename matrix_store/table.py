@@ -7,8 +7,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from engine.errors import FingerprintMismatch, NotFound, Unavailable
-from matrix_store.config import GLOBAL_TENANT, ModelSpec, validate_fingerprint, validate_tenant_id
+from core.errors import FingerprintMismatch, NotFound, Unavailable
+from core.model_spec import ModelSpec
+from matrix_store.config import GLOBAL_TENANT, validate_fingerprint, validate_tenant_id
 from matrix_store.redis_backend import RedisBackend
 from matrix_store.restore import Stored, read_stored, spec_from_meta
 from matrix_store.snapshot import Snapshot

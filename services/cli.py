@@ -19,7 +19,7 @@ COMMAND_MODULES = (
     "services.cluster.cli",  # cluster up|down|status, health
     "services.load.cli",  # load
     "bench.cli",  # bench
-    "bench.tune",  # tune
+    "engine.tuning.cli",  # tune
 )
 
 

@@ -9,15 +9,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from core.datasets import prompt_file
+
 REPO = Path(__file__).resolve().parent.parent
-SHARED_DATA = Path(os.environ.get("TRSERVE_SHARED_DATA", REPO.parent / "shared" / "data"))
 
 
 def load_prompts(name: str) -> list[dict]:
-    path = SHARED_DATA / name / "dev.jsonl"
-    if not path.exists():
-        pytest.fail(f"benchmark prompts not found at {path}; set TRSERVE_SHARED_DATA to the shared/data folder")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A bundled prompt set (core/data/), as question dicts."""
+    return [json.loads(line) for line in prompt_file(name).read_text().splitlines() if line.strip()]
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -28,7 +27,7 @@ def _threads():
 @pytest.fixture(scope="session")
 def loaded_smollm2():
     """The real default model with this installation's kernels (packed on CPU)."""
-    from engine.model_loader import ModelConfig, load_model
+    from engine.model.loader import ModelConfig, load_model
 
     return load_model(ModelConfig())
 
@@ -43,7 +42,7 @@ def decoder(loaded_smollm2):
 @pytest.fixture(scope="session")
 def hf_reference():
     """SmolLM2 with stock kernels: the reference for plain greedy `generate`."""
-    from engine.model_loader import ModelConfig, load_model
+    from engine.model.loader import ModelConfig, load_model
 
     return load_model(ModelConfig(kernels="stock"))
 

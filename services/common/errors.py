@@ -1,6 +1,6 @@
 """One place that maps domain errors to gRPC status codes (used by every servicer).
 
-Domain errors carry the status name they map to (engine/errors.py); builtin ValueErrors are
+Domain errors carry the status name they map to (core/errors.py); builtin ValueErrors are
 INVALID_ARGUMENT; anything else is logged with its traceback and returned as INTERNAL without
 leaking internals to the caller.
 """
@@ -13,9 +13,14 @@ import logging
 
 import grpc
 
-from engine.errors import TRServeError
+from core import errors as domain
+from core.errors import TRServeError
 
 log = logging.getLogger("trserve.services")
+
+# Trailing metadata key naming the domain error a status came from, so a Python client (the
+# worker's draft sources) re-raises the same type instead of guessing from the message.
+ERROR_TYPE_KEY = "trserve-error-type"
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
@@ -34,13 +39,21 @@ def _details(exc: BaseException, code: grpc.StatusCode) -> str:
     return str(exc) or type(exc).__name__
 
 
+def domain_error_from(metadata, default: type[TRServeError]) -> type[TRServeError]:
+    """The domain error class named in a status's trailing metadata, else `default`."""
+    name = dict(metadata or ()).get(ERROR_TYPE_KEY)
+    error = getattr(domain, name, None) if name else None
+    return error if isinstance(error, type) and issubclass(error, TRServeError) else default
+
+
 async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method, exc_info=exc)
     else:
         log.info("%s -> %s: %s", method, code.name, exc)
-    await context.abort(code, _details(exc, code))
+    typed = ((ERROR_TYPE_KEY, type(exc).__name__),) if isinstance(exc, TRServeError) else ()
+    await context.abort(code, _details(exc, code), trailing_metadata=typed)
 
 
 def grpc_errors(method):

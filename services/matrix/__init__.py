@@ -1,3 +1,4 @@
 """The matrix service: a grpc.aio server around matrix_store.MatrixStore (server.py, servicer.py),
-its CLI (cli.py), and the worker-side draft sources that use it (client.py: remote and replica).
+server-side remote draft sessions (sessions.py), proto conversion shared with its clients
+(convert.py) and its CLI (cli.py). The worker-side clients live in services/worker/drafting/.
 Generated protobuf code comes from `make proto` (trserve/v1/matrix_pb2*.py)."""

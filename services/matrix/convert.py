@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from engine.errors import InvalidArgument
-from matrix_store import ModelSpec
+from core.errors import InvalidArgument
+from core.model_spec import ModelSpec
 from matrix_store.config import validate_tenant_id
 from trserve.v1 import matrix_pb2 as pb
 

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from engine.errors import InvalidArgument
+from core.errors import InvalidArgument
 from matrix_store import MatrixStore
 from services.common.errors import grpc_errors
 from services.matrix.convert import rows_from_pb, rows_to_pb, spec_from_pb, tenant_from_pb
-from services.matrix.drafting import RemoteDraft, plan_for, resolve_tree
+from services.matrix.sessions import RemoteDraft, plan_for, resolve_tree
 from trserve.v1 import matrix_pb2 as pb
 from trserve.v1 import matrix_pb2_grpc as pb_grpc
 

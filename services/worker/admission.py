@@ -11,7 +11,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from engine.errors import ResourceExhausted
+from core.errors import ResourceExhausted
 
 
 class QueueFull(ResourceExhausted):

@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    from engine.model_loader import KERNELS
+    from engine.model.loader import KERNELS
 
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = pick a free one and print it)")
@@ -75,8 +75,8 @@ def build_configs(args: argparse.Namespace):
 def build_split_config(args: argparse.Namespace, max_active: int):
     """The worker's SplitConfig; raises ValueError on a bad address or secret."""
     from services.common.security import SharedSecret
-    from services.matrix.client import DraftClientConfig
-    from services.worker.drafting import SplitConfig
+    from services.worker.drafting.link import DraftClientConfig
+    from services.worker.drafting.split import SplitConfig
 
     secret = SharedSecret.from_file(args.matrix_secret_file) if args.matrix_secret_file else None
     client = DraftClientConfig(tls_ca_file=args.matrix_tls_ca, secret=secret)
@@ -101,7 +101,7 @@ def _run(command: str, args: argparse.Namespace, split: bool) -> int:
     except ValueError as e:
         print(f"trserve {command}: {e}", file=sys.stderr)
         return 2
-    from services.worker.drafting import MatrixServiceSources
+    from services.worker.drafting.split import MatrixServiceSources
     from services.worker.server import serve
 
     sources = MatrixServiceSources(split_config) if split_config is not None else None

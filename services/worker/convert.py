@@ -1,19 +1,20 @@
 """Protobuf <-> engine conversions for the Generate API, with up-front request validation.
 
-Everything checkable without the model is checked here, so a bad request is refused before it
-takes a place in the decoding queue. Errors are InvalidArgument / NotFound with a message that
-says how to fix the request.
+The server's limits (sizes, caps, builtin trees only) are checked here and the request's own rules
+by the engine's GenerationRequest as it is built, so a bad request is refused before it takes a
+place in the decoding queue. Errors are InvalidArgument / NotFound with a message that says how to
+fix the request.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from engine.errors import InvalidArgument, NotFound
-from engine.sampling import SamplingParams
-from engine.stats import GenerationResult, GenerationStats, StepChunk
-from engine.tree import builtin_trees
+from core.errors import InvalidArgument, NotFound
+from engine.request.request import GenerationRequest
+from engine.results import GenerationResult, GenerationStats, StepChunk
+from engine.tr.sampling import SamplingParams
+from engine.tr.tree import builtin_trees
 from matrix_store.config import validate_tenant_id
 from services.worker.config import Limits
 from trserve.v1 import generate_pb2 as pb
@@ -29,40 +30,29 @@ MODES = {pb.DECODING_MODE_UNSPECIFIED: "tr", pb.DECODING_MODE_TR: "tr", pb.DECOD
 
 
 @dataclass(frozen=True)
-class GenerateArgs:
-    """A validated GenerateRequest in engine terms; exactly one of text / messages / token_ids is set."""
+class GenerateCall:
+    """A validated GenerateRequest: who asks (tenant, domain), what the engine runs, what to return."""
 
     tenant: str
     domain: str | None
-    text: str | None
-    messages: list[dict] | None
-    token_ids: list[int] | None
-    max_new_tokens: int
-    stop_sequences: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
-    mode: str  # "tr" or "ar"
-    tree: str | None  # None = the decoder's default
+    request: GenerationRequest  # validated by the engine type itself
     return_token_ids: bool
-    sampling: SamplingParams | None = None  # None = greedy
 
 
-def generate_args_from_pb(req: pb.GenerateRequest, limits: Limits, default_tenant: str) -> GenerateArgs:
+def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, default_tenant: str) -> GenerateCall:
     tenant = validate_tenant_id(req.tenant or default_tenant)
     domain = validate_tenant_id(req.domain, "domain") if req.HasField("domain") else None
     text, messages, token_ids = _input_from_pb(req, limits)
-    sampling = _sampling_from_pb(req.sampling)
     if req.mode not in MODES:
         raise InvalidArgument(f"mode {req.mode} is unknown; use DECODING_MODE_TR (default) or DECODING_MODE_AR")
     if len(req.stop_sequences) > limits.max_stop_sequences:
         raise InvalidArgument(f"{len(req.stop_sequences)} stop sequences given; at most {limits.max_stop_sequences}")
-    if any(not s for s in req.stop_sequences):
-        raise InvalidArgument("stop_sequences contains an empty string; remove it")
-    return GenerateArgs(
-        tenant=tenant, domain=domain, text=text, messages=messages, token_ids=token_ids,
-        max_new_tokens=_max_new_tokens(req, limits),
-        stop_sequences=tuple(req.stop_sequences), stop_token_ids=tuple(req.stop_token_ids),
-        mode=MODES[req.mode], tree=_tree_name(req.tree), return_token_ids=req.return_token_ids, sampling=sampling,
+    request = GenerationRequest(
+        prompt=text, messages=messages, input_ids=token_ids, max_new_tokens=_max_new_tokens(req, limits),
+        stop_strings=tuple(req.stop_sequences), stop_token_ids=tuple(req.stop_token_ids), mode=MODES[req.mode],
+        tree=_tree_name(req.tree), sampling=_sampling_from_pb(req.sampling),
     )
+    return GenerateCall(tenant=tenant, domain=domain, request=request, return_token_ids=req.return_token_ids)
 
 
 def _tree_name(name: str) -> str | None:
@@ -113,20 +103,13 @@ def _max_new_tokens(req: pb.GenerateRequest, limits: Limits) -> int:
 
 
 def _sampling_from_pb(s: pb.SamplingParams) -> SamplingParams | None:
-    """Engine sampling params, or None for greedy (temperature 0: top_p / top_k / seed are only range-checked).
+    """Engine sampling params (validated there), or None for greedy (temperature 0).
 
     The API's 0 means "off" for top_p and top_k (proto3 defaults); the engine's "off" top_p is 1.
     """
-    if not math.isfinite(s.temperature) or s.temperature < 0:
-        raise InvalidArgument(f"temperature must be >= 0 and finite (0 = greedy), got {s.temperature}")
-    if not (0 <= s.top_p <= 1):  # NaN fails this too
-        raise InvalidArgument(f"top_p must be in (0, 1] (0 = off), got {s.top_p}")
-    if s.top_k < 0:
-        raise InvalidArgument(f"top_k must be >= 0 (0 = off), got {s.top_k}")
-    if s.temperature == 0:
-        return None
-    return SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
-                          seed=s.seed if s.HasField("seed") else None)
+    params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
+                            seed=s.seed if s.HasField("seed") else None)
+    return None if params.greedy else params
 
 
 def tokenize_input_from_pb(req: pb.TokenizeRequest, limits: Limits) -> tuple[str | None, list[dict] | None]:
@@ -146,9 +129,9 @@ def stats_to_pb(stats: GenerationStats, queue_s: float) -> pb.GenerationStats:
     return out
 
 
-def result_to_pb(result: GenerationResult, args: GenerateArgs, queue_s: float) -> pb.GenerateResponse:
+def result_to_pb(result: GenerationResult, call: GenerateCall, queue_s: float) -> pb.GenerateResponse:
     return pb.GenerateResponse(
-        text=result.text, token_ids=result.ids if args.return_token_ids else [],
+        text=result.text, token_ids=result.ids if call.return_token_ids else [],
         finish_reason=FINISH_REASONS[result.finish_reason], stats=stats_to_pb(result.stats, queue_s),
     )
 

@@ -10,12 +10,14 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1.health import aio as health_aio
 
+from core.model_spec import ModelSpec
 from engine import Decoder, DecoderConfig
-from matrix_store import MatrixStore, ModelSpec, StoreConfig
+from matrix_store import MatrixStore, StoreConfig
 from services.common.security import TenantAuth
 from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
 from services.worker.config import WorkerConfig
-from services.worker.drafting import DraftSourceFactory, MatrixServiceSources, embedded_factory
+from services.worker.drafting.embedded import DraftSourceFactory, embedded_factory
+from services.worker.drafting.split import MatrixServiceSources
 from services.worker.metrics import WorkerMetrics
 from services.worker.servicer import GenerateServicer
 from trserve.v1 import generate_pb2, generate_pb2_grpc

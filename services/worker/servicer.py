@@ -20,16 +20,17 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from core.errors import TRServeError
 from engine import Decoder
-from engine.autotune import TunerBook
-from engine.errors import TRServeError
-from engine.stats import GenerationResult, StepChunk
+from engine.request.request import GenerationRequest, PreparedRequest
+from engine.results import GenerationResult, StepChunk
+from engine.tuning.online import TunerBook
 from services.common.errors import grpc_errors, status_for
 from services.worker import convert
 from services.worker.admission import Admission, QueueFull
 from services.worker.bridge import iterate_in_thread
 from services.worker.config import WorkerConfig
-from services.worker.drafting import DraftSourceFactory
+from services.worker.drafting.embedded import DraftSourceFactory
 from services.worker.metrics import WorkerMetrics
 from trserve.v1 import generate_pb2 as pb
 from trserve.v1 import generate_pb2_grpc
@@ -45,7 +46,7 @@ class DeadlineTooShort(TRServeError):
 class _Call:
     """One admitted Generate call."""
 
-    args: convert.GenerateArgs
+    call: convert.GenerateCall
     cancelled: threading.Event = field(default_factory=threading.Event)
     queue_s: float = 0.0
 
@@ -112,20 +113,20 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     @grpc_errors
     @observed
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        call = _Call(convert.generate_args_from_pb(request, self.limits, self.config.default_tenant))
+        call = _Call(convert.generate_call_from_pb(request, self.limits, self.config.default_tenant))
         result = None
         async for item in self._decode(call, context):  # consumed to the end: the decode slot is freed on exit
             if isinstance(item, GenerationResult):
                 result = item
         if result is None:
             raise RuntimeError("the engine ended without a result")
-        return convert.result_to_pb(result, call.args, call.queue_s)
+        return convert.result_to_pb(result, call.call, call.queue_s)
 
     @grpc_errors
     @observed
     async def GenerateStream(self, request: pb.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateStreamResponse]:
-        call = _Call(convert.generate_args_from_pb(request, self.limits, self.config.default_tenant))
+        call = _Call(convert.generate_call_from_pb(request, self.limits, self.config.default_tenant))
         sent: list[str] = []
         async for item in self._decode(call, context):
             if isinstance(item, StepChunk):
@@ -141,7 +142,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     @observed
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
         text, messages = convert.tokenize_input_from_pb(request, self.limits)
-        ids = await asyncio.to_thread(self._prompt_ids, text, messages, None)
+        ids = await asyncio.to_thread(self._prompt_ids, text, messages)
         tokens = self.decoder.tokenizer.convert_ids_to_tokens(ids)
         return pb.TokenizeResponse(token_ids=ids, tokens=[str(t) for t in tokens])
 
@@ -168,25 +169,22 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
     # ---- the decode path -----------------------------------------------------------------------
     async def _decode(self, call: _Call, context: grpc.aio.ServicerContext) -> AsyncIterator[StepChunk | GenerationResult]:
-        a = call.args
-        ids = await asyncio.to_thread(self._prompt_ids, a.text, a.messages, a.token_ids)
+        prepared = await asyncio.to_thread(self._prepare, call.call.request)
         async with self.admission.slot() as queue_s:
             call.queue_s = queue_s
             self.metrics.queue_seconds.observe(queue_s)
             deadline = self._engine_deadline(context)
-            async for item in iterate_in_thread(self.executor, functools.partial(self._run, call, ids, deadline),
+            async for item in iterate_in_thread(self.executor, functools.partial(self._run, call, prepared, deadline),
                                                 call.cancelled):
                 yield item
 
-    def _run(self, call: _Call, ids: list[int], deadline: float | None):
+    def _run(self, call: _Call, prepared: PreparedRequest, deadline: float | None):
         """In the decode thread: the engine's stream, with step timing and result metrics."""
-        a = call.args
-        source = self.draft_sources(a.tenant, a.domain) if a.mode == "tr" else None
+        c, req = call.call, prepared.request
+        tr = req.mode == "tr"
         stream = self.decoder.stream(
-            input_ids=ids, max_new_tokens=a.max_new_tokens, stop_token_ids=list(a.stop_token_ids),
-            stop_strings=a.stop_sequences, mode=a.mode, matrix=source, tree=a.tree,
-            cancelled=call.cancelled.is_set, deadline=deadline, sampling=a.sampling,
-            tuner=self.tuners.get(a.tenant) if self.tuners is not None and a.mode == "tr" and not a.tree else None,
+            prepared, matrix=self.draft_sources(c.tenant, c.domain) if tr else None, cancelled=call.cancelled.is_set,
+            deadline=deadline, tuner=self.tuners.get(c.tenant) if self.tuners is not None and req.uses_default_tree else None,
         )
         last = None
         for item in stream:
@@ -211,9 +209,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             m.draft_fallbacks.inc()
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _prompt_ids(self, text: str | None, messages: list[dict] | None, token_ids: list[int] | None) -> list[int]:
+    def _prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Tokenize and check against the model (once), then against this server's prompt limit."""
         with self._tokenizer_lock:
-            ids = self.decoder.prompts.build(text, messages, token_ids)
+            prepared = self.decoder.prepare(request)
+        convert.check_prompt_length(len(prepared.ids), self.limits)
+        return prepared
+
+    def _prompt_ids(self, text: str | None, messages: list[dict] | None) -> list[int]:
+        with self._tokenizer_lock:
+            ids = self.decoder.prompts.build(text, messages, None)
         convert.check_prompt_length(len(ids), self.limits)
         return ids
 

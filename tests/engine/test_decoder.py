@@ -3,9 +3,10 @@
 import pytest
 import torch
 
-from engine import AdjacencyMatrix, InvalidArgument
-from engine.errors import FingerprintMismatch, NotFound
-from engine.stats import GenerationResult, StepChunk
+from core.errors import FingerprintMismatch, NotFound
+from core.model_spec import ModelSpec
+from engine import AdjacencyMatrix, GenerationRequest, InvalidArgument
+from engine.results import GenerationResult, StepChunk
 
 CHAT = [{"role": "user", "content": "List the planets of the solar system in order, one per line."}]
 
@@ -22,7 +23,7 @@ def test_tr_equals_own_autoregressive_mode(decoder):
 
 
 def test_stream_chunks_add_up_to_the_result(decoder):
-    items = list(decoder.stream(messages=CHAT, max_new_tokens=40))
+    items = list(decoder.stream(GenerationRequest(messages=CHAT, max_new_tokens=40)))
     chunks = [i for i in items if isinstance(i, StepChunk)]
     result = items[-1]
     assert isinstance(result, GenerationResult)
@@ -96,18 +97,18 @@ def test_bad_input_is_a_clear_value_error(decoder, kwargs, match):
 def test_unknown_tree_and_bad_matrix(decoder):
     with pytest.raises(NotFound, match="unknown tree"):
         decoder.generate(prompt="hi", tree="no-such-tree")
-    other = AdjacencyMatrix(decoder.vocab_size, 8, "another-model")
+    other = AdjacencyMatrix(ModelSpec("another-model", decoder.vocab_size, 8))
     with pytest.raises(FingerprintMismatch, match="fingerprint"):
         decoder.generate(prompt="hi", matrix=other)
     with pytest.raises(ValueError, match="shape"):
-        AdjacencyMatrix(decoder.vocab_size, 8, decoder.fingerprint, rows=torch.zeros(10, 8, dtype=torch.int32))
-    small_k = AdjacencyMatrix(decoder.vocab_size, 4, decoder.fingerprint)
+        AdjacencyMatrix(decoder.spec, rows=torch.zeros(10, 8, dtype=torch.int32))
+    small_k = AdjacencyMatrix(ModelSpec(decoder.fingerprint, decoder.vocab_size, 4))
     with pytest.raises(ValueError, match="K=4"):
         decoder.generate(prompt="hi", matrix=small_k)
 
 
 def test_fingerprint_is_stable_and_model_specific(decoder, loaded_smollm2):
-    from engine.model_loader import model_fingerprint
+    from engine.model.loader import model_fingerprint
     from tests.conftest import tiny_llama
 
     assert decoder.fingerprint == model_fingerprint(decoder.tokenizer, decoder.model.config)
@@ -127,3 +128,15 @@ def test_prompt_seeding_writes_the_prompts_rows(decoder):
     unseeded = plain.new_matrix()
     plain.generate(input_ids=ids, max_new_tokens=1, matrix=unseeded)
     assert unseeded.version == 0 and unseeded.nonzero_rows() == 0
+
+
+def test_tree_ranks_must_fit_the_matrix(decoder):
+    """A node of rank r reads successor r of its parent's row: with K=4 the paper tree (ranks up to
+    7) is refused up front instead of failing inside a step."""
+    from engine import Decoder, DecoderConfig
+
+    with pytest.raises(InvalidArgument, match="rank 7 but the matrix keeps K=4"):
+        Decoder(DecoderConfig(k=4, tree="paper"), loaded=decoder.loaded)
+    small = Decoder(DecoderConfig(k=4, tree="cpu-4"), loaded=decoder.loaded)
+    with pytest.raises(InvalidArgument, match="K=4"):
+        small.generate(prompt="hi", tree="paper", max_new_tokens=2)

@@ -1,7 +1,8 @@
 import pytest
 
-from engine.errors import InvalidArgument
-from matrix_store import ModelSpec, StoreConfig
+from core.errors import InvalidArgument
+from core.model_spec import ModelSpec
+from matrix_store import StoreConfig
 from matrix_store.config import validate_tenant_id
 
 

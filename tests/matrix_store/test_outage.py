@@ -6,7 +6,8 @@ import time
 import numpy as np
 import pytest
 
-from engine.errors import Unavailable
+from core.errors import Unavailable
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.redis
 V, K = 1000, 8
@@ -14,13 +15,6 @@ V, K = 1000, 8
 
 def _row(store, spec, tenant: str, token: int, value: int) -> int:
     return store.apply(spec, tenant, np.array([token]), np.full((1, K), value))
-
-
-def _wait_for(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def test_unreachable_redis_serves_from_memory_without_stalling(make_store, spec) -> None:
@@ -46,13 +40,13 @@ def test_dropped_redis_resumes_snapshots_and_loses_nothing(make_store, spec, pro
     store = make_store(redis_url=proxy.url, snapshot_every_s=0.05)
     store.start()
     _row(store, spec, "t", 1, 10)
-    _wait_for(lambda: store.versions(spec.fingerprint, "t") == [1])
+    wait_for(lambda: store.versions(spec.fingerprint, "t") == [1])
     proxy.cut()
     for token in range(2, 6):
         _row(store, spec, "t", token, 10 * token)  # never raises
-    _wait_for(lambda: store.health()["redis"] == "failing")
+    wait_for(lambda: store.health()["redis"] == "failing")
     proxy.restore()
-    _wait_for(lambda: store.health()["dirty_tenants"] == 0)
+    wait_for(lambda: store.health()["dirty_tenants"] == 0)
     restarted = make_store().checkout(spec, "t")  # straight to Redis, not via the proxy
     assert restarted.version == 5 and restarted.rows[5, 0] == 50 and restarted.rows[1, 0] == 10
     assert store.health()["redis"] == "ok" and store.health()["last_snapshot_error"] is None
@@ -72,7 +66,7 @@ def test_delayed_restore_merges_memory_writes_over_the_stored_matrix(make_store,
     time.sleep(0.2)
     assert writer.versions(spec.fingerprint, "t") == [3]  # the zero-started matrix was never written
     proxy.restore()
-    _wait_for(lambda: late.health()["dirty_tenants"] == 0)
+    wait_for(lambda: late.health()["dirty_tenants"] == 0)
     out = late.checkout(spec, "t")
     assert out.version == 3 + 2
     assert [out.rows[t, 0] for t in (1, 2, 3, 4)] == [10, 99, 30, 44]  # stored rows + newer memory rows

@@ -5,8 +5,9 @@ import threading
 import numpy as np
 import pytest
 
-from engine.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, NotFound, Unavailable
-from matrix_store import GLOBAL_TENANT, MatrixStore, ModelSpec, StoreConfig
+from core.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, NotFound, Unavailable
+from core.model_spec import ModelSpec
+from matrix_store import GLOBAL_TENANT, MatrixStore, StoreConfig
 
 V, K = 1000, 8
 

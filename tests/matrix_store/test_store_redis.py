@@ -8,9 +8,10 @@ import time
 import numpy as np
 import pytest
 
-from engine.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, NotFound
-from matrix_store import ModelSpec
+from core.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, NotFound
+from core.model_spec import ModelSpec
 from matrix_store.snapshot import encode_snapshot
+from tests.helpers import wait_for
 
 pytestmark = pytest.mark.redis
 V, K = 1000, 8
@@ -21,13 +22,6 @@ def _fill(store, spec, tenant: str, batches: int, seed: int = 0) -> None:
     for _ in range(batches):
         tokens = rng.integers(0, V, 16)
         store.apply(spec, tenant, tokens, rng.integers(0, V, (16, K)))
-
-
-def _wait_for(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.02)
 
 
 def test_new_store_hot_starts_with_identical_rows_and_version(make_store, spec) -> None:
@@ -150,11 +144,11 @@ def test_background_snapshots_by_versions_by_time_and_on_close(make_store, spec)
     by_versions.start()
     by_versions.start()  # idempotent
     _fill(by_versions, spec, "v", 3)
-    _wait_for(lambda: by_versions.versions(spec.fingerprint, "v") == [3])
+    wait_for(lambda: by_versions.versions(spec.fingerprint, "v") == [3], timeout=5.0)
     by_time = make_store(snapshot_every_versions=1000, snapshot_every_s=0.1)
     by_time.start()
     _fill(by_time, spec, "s", 1)
-    _wait_for(lambda: by_time.versions(spec.fingerprint, "s") == [1])
+    wait_for(lambda: by_time.versions(spec.fingerprint, "s") == [1], timeout=5.0)
     assert by_time.health()["last_snapshot_ok_at"] is not None
     on_close = make_store(snapshot_every_s=60)
     on_close.start()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import grpc
 
@@ -38,14 +37,6 @@ class BackgroundWorker:
     @property
     def metrics(self):
         return self.worker.metrics
-
-
-def wait_for(predicate, timeout: float = 30.0, every: float = 0.02) -> None:
-    end = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > end:
-            raise AssertionError("condition not met in time")
-        time.sleep(every)
 
 
 def rpc_error(fn, *args, **kwargs) -> grpc.RpcError:

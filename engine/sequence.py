@@ -1,0 +1,53 @@
+"""One request in flight: its prepared request and everything about it that changes per step."""
+
+from __future__ import annotations
+
+from engine.request.request import PreparedRequest
+from engine.request.stops import StopChecker
+from engine.tr.lookup import ContextLookup
+from engine.tr.sampling import Sampler
+from engine.tuning.online import OnlineTuner
+from engine.tuning.records import AcceptanceLog
+
+
+class Sequence:
+    """Committed tokens, stop/length bookkeeping and the per-request drafting helpers."""
+
+    def __init__(self, prepared: PreparedRequest, stops: StopChecker, sampler: Sampler | None,
+                 log: AcceptanceLog | None = None, tuner: OnlineTuner | None = None) -> None:
+        self.prepared = prepared
+        self.stops = stops
+        self.sampler = sampler
+        self.log = log  # per-step records for the caller's tree optimiser
+        self.tuner = tuner  # adaptive tree: plans each step, records exploration steps
+        self.lookup: ContextLookup | None = None  # prompt + output so far, for hybrid drafting (TR only)
+        self.generated: list[int] = []
+        self.accepted_per_step: list[int] = []
+        self.finish_reason: str | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prepared.ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.prepared.request.max_new_tokens
+
+    def commit(self, new: list[int]) -> list[int]:
+        """Append what fits (stops, length) and set the finish reason; returns the kept tokens."""
+        verdict = self.stops.check(self.generated, new)
+        kept = new[: verdict.keep]
+        room = self.max_new_tokens - len(self.generated)
+        if len(kept) >= room:
+            kept = kept[:room]
+            self.finish_reason = verdict.reason if verdict.keep <= room and verdict.reason else "length"
+        elif verdict.reason:
+            self.finish_reason = verdict.reason
+        self.generated.extend(kept)
+        if self.lookup is not None:
+            self.lookup.extend(kept)
+        return kept
+
+    def __repr__(self) -> str:
+        return (f"Sequence(prompt={self.prompt_len}, generated={len(self.generated)}/{self.max_new_tokens}, "
+                f"finish={self.finish_reason!r})")

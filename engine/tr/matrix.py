@@ -1,0 +1,62 @@
+"""The adjacency matrix: for every token, the top-K successors the model last predicted for it."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from core.errors import InvalidArgument
+from core.model_spec import ModelSpec
+from engine.tr.draft import draft_tokens
+from engine.tr.recycle import RecycledRows
+from engine.tr.tree import CompiledTree
+
+
+class AdjacencyMatrix:
+    """`rows[v]` = top-K successor ids of token v as last predicted by the model (int32 [V, K]).
+
+    Carries the fingerprint of the model/tokenizer it was built with; using it with another
+    model is refused. `version` counts applied row batches. Thread-safe for concurrent requests.
+    """
+
+    def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu", rows: torch.Tensor | None = None,
+                 version: int = 0) -> None:
+        if rows is None:
+            rows = torch.zeros(spec.shape, dtype=torch.int32)
+        if tuple(rows.shape) != spec.shape:
+            raise InvalidArgument(f"matrix rows have shape {tuple(rows.shape)}, expected {spec.shape}")
+        self.spec = spec
+        self.rows = rows.to(device=device, dtype=torch.int32).contiguous()  # [V, K]
+        self.version = version
+        self._lock = threading.Lock()
+
+    @property
+    def fingerprint(self) -> str:
+        return self.spec.fingerprint
+
+    @property
+    def vocab_size(self) -> int:
+        return self.spec.vocab_size
+
+    @property
+    def k(self) -> int:
+        return self.spec.k
+
+    def apply(self, rows: RecycledRows) -> int:
+        """Write `rows[tokens[i]] = topk[i]` (tokens are unique, so the write is deterministic);
+        returns the new version."""
+        with self._lock:
+            self.rows[rows.tokens.to(self.rows.device)] = rows.topk.to(self.rows.device)
+            self.version += 1
+            return self.version
+
+    def draft(self, root: int, tree: CompiledTree) -> torch.Tensor:
+        return draft_tokens(self.rows, root, tree)
+
+    def nonzero_rows(self) -> int:
+        return int(self.rows.any(dim=1).sum())
+
+    def __repr__(self) -> str:
+        return (f"AdjacencyMatrix(shape={tuple(self.rows.shape)}, fingerprint={self.fingerprint!r}, "
+                f"version={self.version}, device={self.rows.device})")

@@ -1,0 +1,47 @@
+"""Recycling: every verified node's top-K becomes its token's row of the adjacency matrix."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, repr=False)
+class RecycledRows:
+    """Rows to write into a matrix: `matrix[tokens[i]] = topk[i]`, tokens unique."""
+
+    tokens: torch.Tensor  # [m] int64, unique
+    topk: torch.Tensor  # [m, K] int32
+
+    def __repr__(self) -> str:
+        return f"RecycledRows(tokens={tuple(self.tokens.shape)}, topk={tuple(self.topk.shape)})"
+
+
+def select_rows(tokens: torch.Tensor, accepted_path: list[int]) -> torch.Tensor:
+    """Index of the one node per distinct token whose row is recycled.
+
+    tokens: [n] node tokens; returns winners: [m] node indices, one per distinct token.
+    Rule for a token present at several nodes: a node on the accepted path wins (its context is
+    the real one), the deeper one if the path holds the token twice; otherwise the node verified
+    first in breadth-first order (shallowest, then highest-ranked), whose context is closest to
+    the real one. Example: tokens [5, 7, 7, 5], path [0, 2] -> winners for 5: node 0, for 7: node 2.
+    """
+    n = tokens.shape[0]
+    priority = n - torch.arange(n, device=tokens.device)  # earlier nodes first: n..1
+    on_path = torch.tensor(accepted_path, device=tokens.device)
+    priority[on_path] = 2 * n + torch.arange(1, len(accepted_path) + 1, device=tokens.device)
+    key = tokens * (4 * n) + priority  # sort by token, then priority ascending
+    order = torch.argsort(key)
+    sorted_tokens = tokens[order]
+    last_of_group = torch.ones(n, dtype=torch.bool, device=tokens.device)
+    last_of_group[:-1] = sorted_tokens[:-1] != sorted_tokens[1:]
+    return order[last_of_group]
+
+
+def recycle_rows(tokens: torch.Tensor, logits: torch.Tensor, k: int, accepted_path: list[int]) -> RecycledRows:
+    """tokens: [n], logits: [n, V] -> the deduplicated top-k rows of this verification."""
+    winners = select_rows(tokens, accepted_path)
+    topk = torch.topk(logits[winners], k, dim=-1).indices.to(torch.int32)  # [m, K]
+    return RecycledRows(tokens=tokens[winners], topk=topk)
+

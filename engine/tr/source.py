@@ -1,0 +1,98 @@
+"""The drafting boundary: where a request's trees come from and where its recycled rows go.
+
+`DraftSource.open` starts one request's `DraftSession`; a session has the shape of one remote
+round trip per step: hand over the rows recycled by the last verification plus the new root, get
+back the next tree's tokens. Every session keeps a private `AdjacencyMatrix` copy that each
+step's rows are applied to first (so the request drafts better at once, and keeps drafting from
+what it learned if a remote store fails); `MatrixSession` implements that once, and subclasses
+only say where the rows go next (`_step` / `_close`): nowhere (`LocalDraftSource`: the copy *is*
+the caller's matrix), an in-process MatrixStore, or the matrix service (services/worker/drafting/).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from core.model_spec import ModelSpec
+from engine.tr.matrix import AdjacencyMatrix
+from engine.tr.recycle import RecycledRows
+from engine.tr.tree import CompiledTree
+
+
+@dataclass(frozen=True)
+class DraftInfo:
+    """What a draft session reports for stats: which matrix version drafted, and how."""
+
+    matrix_version: int
+    mode: str  # "local", "embedded", "remote", "replica", "local-fallback"
+
+
+class DraftSession(Protocol):
+    def step(self, recycled: RecycledRows | None, root: int) -> torch.Tensor:
+        """Apply the last verification's rows, then return the next tree's tokens [n] (root first)."""
+        ...
+
+    def close(self, recycled: RecycledRows | None) -> None:
+        """Flush the final rows; the session is unusable afterwards."""
+        ...
+
+    def info(self) -> DraftInfo: ...
+
+
+class DraftSource(Protocol):
+    def open(self, tree: CompiledTree, spec: ModelSpec) -> DraftSession: ...
+
+
+class MatrixSession:
+    """A DraftSession over a private matrix copy (see the module docstring). Subclasses override
+    `_step` (rows onwards, then the next tree; default: draft from the copy) and `_close`."""
+
+    mode = "local"
+
+    def __init__(self, matrix: AdjacencyMatrix, tree: CompiledTree) -> None:
+        self.matrix = matrix
+        self.tree = tree
+
+    @property
+    def version(self) -> int:
+        """The matrix version reported in stats: the copy's here; a store's where rows go to one."""
+        return self.matrix.version
+
+    def step(self, recycled: RecycledRows | None, root: int) -> torch.Tensor:
+        if recycled is not None:
+            self.matrix.apply(recycled)
+        return self._step(recycled, root)  # [n]
+
+    def close(self, recycled: RecycledRows | None) -> None:
+        if recycled is not None:
+            self.matrix.apply(recycled)
+        self._close(recycled)
+
+    def info(self) -> DraftInfo:
+        return DraftInfo(matrix_version=self.version, mode=self.mode)
+
+    def fall_back(self) -> bool:
+        """Draft from the copy only from now on; True the first time (the caller logs and counts it)."""
+        first = self.mode != "local-fallback"
+        self.mode = "local-fallback"
+        return first
+
+    def _step(self, recycled: RecycledRows | None, root: int) -> torch.Tensor:
+        return self.matrix.draft(root, self.tree)
+
+    def _close(self, recycled: RecycledRows | None) -> None:
+        pass
+
+
+class LocalDraftSource:
+    """Drafting from an in-process matrix; the same matrix object carries over between requests."""
+
+    def __init__(self, matrix: AdjacencyMatrix) -> None:
+        self.matrix = matrix
+
+    def open(self, tree: CompiledTree, spec: ModelSpec) -> MatrixSession:
+        self.matrix.spec.require(spec)
+        return MatrixSession(self.matrix, tree)

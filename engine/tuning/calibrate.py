@@ -1,0 +1,147 @@
+"""Calibration: what one verification forward of width w costs on this device, at KV length s.
+
+The tree optimiser trades accepted tokens against forward cost, and the cost curve is a property
+of (model, device, threads, kernels): on a 2-core CPU a 32-token forward costs ~2x a one-token
+forward, on a GPU it is nearly flat. Measured once and cached as JSON under
+~/.cache/trserve/calibration/ (`trserve tune --recalibrate` measures again).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.model.kv import KVCache
+
+log = logging.getLogger("trserve.engine")
+
+WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+KV_LENS = (128, 512, 1024)
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """seconds[i][j] = fastest forward time at kv_lens[i] cached tokens and widths[j] new tokens."""
+
+    key: str
+    widths: tuple[int, ...]
+    kv_lens: tuple[int, ...]
+    seconds: tuple[tuple[float, ...], ...]
+
+    def __post_init__(self) -> None:
+        if len(self.seconds) != len(self.kv_lens) or any(len(r) != len(self.widths) for r in self.seconds):
+            raise ValueError("seconds must be a kv_lens x widths table")
+        if list(self.widths) != sorted(self.widths) or list(self.kv_lens) != sorted(self.kv_lens):
+            raise ValueError("widths and kv_lens must be ascending")
+
+    def costs(self, width: np.ndarray, kv: np.ndarray) -> np.ndarray:
+        """Seconds per forward, bilinear in (width, kv); both [N] (kv broadcasts), clamped to the table."""
+        width = np.atleast_1d(np.asarray(width, dtype=float))  # [N]
+        kv = np.broadcast_to(np.clip(np.asarray(kv, dtype=float), self.kv_lens[0], self.kv_lens[-1]), width.shape)
+        per_kv = np.stack([np.interp(width, self.widths, row) for row in self.seconds])  # [K, N]
+        if len(self.kv_lens) == 1:
+            return per_kv[0]
+        lens = np.asarray(self.kv_lens, dtype=float)
+        i = np.clip(np.searchsorted(lens, kv, side="right") - 1, 0, len(lens) - 2)  # [N]
+        cols = np.arange(width.shape[0])
+        frac = (kv - lens[i]) / (lens[i + 1] - lens[i])
+        return per_kv[i, cols] + frac * (per_kv[i + 1, cols] - per_kv[i, cols])
+
+    def cost(self, width: int, kv: int) -> float:
+        return float(self.costs(np.array([width]), np.array([kv]))[0])
+
+    def table(self) -> str:
+        head = "kv \\ width " + " ".join(f"{w:>6}" for w in self.widths)
+        rows = [f"{kv:>10} " + " ".join(f"{1000 * s:6.1f}" for s in r) for kv, r in zip(self.kv_lens, self.seconds)]
+        return "\n".join([head, *rows]) + "\n(ms per verification forward)"
+
+
+def measure(model, widths=WIDTHS, kv_lens=KV_LENS, reps: int = 2, passes: int = 4, key: str = "") -> CostModel:
+    """Time forwards of `w` new tokens over `s` cached ones (random ids; cost does not depend on them).
+
+    Each cell keeps its fastest time over `passes` sweeps of the whole grid with `reps` runs each:
+    other load only ever adds time, and sweeping the grid repeatedly spreads slow spells (shared
+    or throttled cores) over all cells instead of skewing a few.
+    """
+    device = model.device
+    dtype = next(model.parameters()).dtype
+    vocab = int(model.config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    best = np.full((len(kv_lens), len(widths)), np.inf)
+    with torch.inference_mode():
+        caches = []
+        for kv in kv_lens:
+            cache = KVCache(model.config)
+            model(input_ids=torch.randint(0, vocab, (1, kv), generator=g).to(device), past_key_values=cache.cache,
+                  use_cache=True, logits_to_keep=1)
+            caches.append(cache)
+        for _ in range(passes):
+            for i, (kv, cache) in enumerate(zip(kv_lens, caches)):
+                for j, w in enumerate(widths):
+                    best[i, j] = min(best[i, j], _time_forward(model, cache, kv, w, reps, vocab, dtype, g))
+    # A wider forward never costs less; enforcing that removes what noise is left.
+    table = tuple(tuple(float(x) for x in np.maximum.accumulate(row)) for row in best)
+    for kv, row in zip(kv_lens, table):
+        log.info("calibrated kv=%d: %s", kv, " ".join(f"{w}:{1000 * s:.1f}ms" for w, s in zip(widths, row)))
+    return CostModel(key=key, widths=tuple(widths), kv_lens=tuple(kv_lens), seconds=table)
+
+
+def _time_forward(model, cache: KVCache, kv: int, w: int, reps: int, vocab: int, dtype, g) -> float:
+    """Fastest of `reps` timed forwards (after one untimed) of w tokens over the kv cached ones."""
+    device = model.device
+    mask = torch.zeros(1, 1, w, kv + w, dtype=dtype, device=device)
+    pos = torch.arange(kv, kv + w, device=device)[None]
+    ids = torch.randint(0, vocab, (1, w), generator=g).to(device)
+    times = []
+    for _ in range(reps + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache.cache, use_cache=True)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+        cache.compact(kv, [])
+    return min(times[1:])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def calibration_key(fingerprint: str, device: torch.device, kernels: str, attention: str = "sdpa") -> str:
+    return f"{fingerprint}-{device.type}-{torch.get_num_threads()}t-{kernels}-{attention}-torch{torch.__version__}"
+
+
+def cost_model_path(loaded, cache_dir: Path) -> Path:
+    attention = getattr(loaded.model.config, "_attn_implementation", None) or "eager"
+    key = calibration_key(loaded.fingerprint, loaded.device, loaded.kernels, attention)
+    return Path(cache_dir) / "calibration" / f"{key.replace('/', '_')}.json"
+
+
+def save_cost_model(model: CostModel, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(asdict(model)))
+    tmp.replace(path)
+
+
+def load_or_measure(loaded, cache_dir: Path, force: bool = False, reps: int = 2) -> CostModel:
+    """The cached cost model for this (model, device, threads, kernels), measuring it when missing."""
+    path = cost_model_path(loaded, cache_dir)
+    if path.exists() and not force:
+        try:
+            doc = json.loads(path.read_text())
+            return CostModel(key=doc["key"], widths=tuple(doc["widths"]), kv_lens=tuple(doc["kv_lens"]),
+                             seconds=tuple(tuple(r) for r in doc["seconds"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring unreadable calibration %s (%s); measuring again", path, e)
+    log.info("calibrating the forward cost per tree width (once per model, device, threads; ~1 min)")
+    model = measure(loaded.model, reps=reps, key=path.stem)
+    save_cost_model(model, path)
+    return model

@@ -1,0 +1,89 @@
+"""Embedded drafting (`trserve serve`): every tenant's matrix lives in an in-process MatrixStore.
+
+A session checks out the tenant's matrix when a request starts, drafts from that private copy, and
+writes every step's recycled rows both to the copy (this request drafts better at once) and to the
+store (the tenant's next request starts warm). Tenants never share rows: each request reads and
+writes only its own tenant's matrix. If the store fails mid-request, the request goes on drafting
+from its copy and reports draft mode "local-fallback" (output is unaffected: drafts are verified).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from core.errors import InvalidArgument
+from core.model_spec import ModelSpec
+from engine.tr.matrix import AdjacencyMatrix
+from engine.tr.recycle import RecycledRows
+from engine.tr.source import DraftSource, MatrixSession
+from engine.tr.tree import CompiledTree
+from matrix_store import MatrixStore
+
+log = logging.getLogger("trserve.worker")
+
+# (tenant, domain) -> the DraftSource for one request of that tenant.
+DraftSourceFactory = Callable[[str, str | None], DraftSource]
+
+
+class StoreDraftSource:
+    """A DraftSource for one tenant backed by `store`."""
+
+    def __init__(self, store: MatrixStore, spec: ModelSpec, tenant: str, domain: str | None,
+                 device: torch.device | str = "cpu") -> None:
+        self.store, self.spec, self.tenant, self.domain, self.device = store, spec, tenant, domain, device
+
+    def open(self, tree: CompiledTree, spec: ModelSpec) -> StoreDraftSession:
+        self.spec.require(spec, "draft source")
+        try:
+            checkout = self.store.checkout(self.spec, self.tenant, self.domain)
+            rows, version, healthy = torch.from_numpy(checkout.rows), checkout.version, True  # [V, K] int32
+        except InvalidArgument:
+            raise
+        except Exception:  # noqa: BLE001 - a failing store must not fail the request
+            log.exception("matrix checkout failed for tenant %s; drafting from a cold matrix", self.tenant)
+            rows, version, healthy = None, 0, False
+        session = StoreDraftSession(self, AdjacencyMatrix(spec, self.device, rows, version), tree)
+        if not healthy:
+            session.fall_back()
+        return session
+
+
+class StoreDraftSession(MatrixSession):
+    mode = "embedded"
+
+    def __init__(self, source: StoreDraftSource, matrix: AdjacencyMatrix, tree: CompiledTree) -> None:
+        super().__init__(matrix, tree)
+        self.source = source
+        self.store_version = matrix.version  # the checkout's, then each apply's
+
+    @property
+    def version(self) -> int:
+        """The store's version; after a store failure the private copy's (where the rows went)."""
+        return self.matrix.version if self.mode == "local-fallback" else self.store_version
+
+    def _step(self, recycled: RecycledRows | None, root: int) -> torch.Tensor:
+        self._close(recycled)
+        return super()._step(recycled, root)
+
+    def _close(self, recycled: RecycledRows | None) -> None:
+        if recycled is None or self.mode == "local-fallback":
+            return  # after a store failure the rows stay in the private copy (its version is reported)
+        s = self.source
+        try:
+            self.store_version = s.store.apply(s.spec, s.tenant, recycled.tokens.cpu().numpy(), recycled.topk.cpu().numpy(),
+                                         s.domain)
+        except Exception:  # noqa: BLE001
+            log.exception("matrix store apply failed for tenant %s; continuing with the local copy", s.tenant)
+            self.fall_back()
+
+
+def embedded_factory(store: MatrixStore, spec: ModelSpec, device: torch.device | str = "cpu") -> DraftSourceFactory:
+    """The worker's default factory: every tenant's matrix lives in `store`."""
+
+    def factory(tenant: str, domain: str | None) -> DraftSource:
+        return StoreDraftSource(store, spec, tenant, domain, device)
+
+    return factory

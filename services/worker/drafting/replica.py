@@ -1,0 +1,156 @@
+"""Replica drafting: check the tenant's matrix out at open, draft locally, push the recycled rows
+back in batches from a background thread; close() flushes what is left. Failures degrade the
+session to local drafting, as in remote.py."""
+
+from __future__ import annotations
+
+import threading
+
+import grpc
+import numpy as np
+import torch
+
+from core.model_spec import ModelSpec
+from engine.tr.matrix import AdjacencyMatrix
+from engine.tr.recycle import RecycledRows
+from engine.tr.tree import CompiledTree
+from services.matrix.convert import rows_from_pb, rows_to_pb, spec_to_pb, tenant_from_pb
+from services.worker.drafting.link import DraftClientConfig, Link, ServiceSession, raise_caller_error
+from trserve.v1 import matrix_pb2 as pb
+
+
+class _Pusher:
+    """A background thread that flushes every open replica session each `interval_s`."""
+
+    def __init__(self, interval_s: float) -> None:
+        self._interval = interval_s
+        self._sessions: set[ReplicaDraftSession] = set()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="matrix-row-pusher", daemon=True)
+        self._thread.start()
+
+    def add(self, session: ReplicaDraftSession) -> None:
+        with self._lock:
+            self._sessions.add(session)
+
+    def remove(self, session: ReplicaDraftSession) -> None:
+        with self._lock:
+            self._sessions.discard(session)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._interval):
+            with self._lock:
+                sessions = list(self._sessions)
+            for session in sessions:
+                session.flush()
+
+
+class ReplicaDraftSource:
+    """Checkout at open, local drafting, asynchronous row pushes (see the module docstring)."""
+
+    def __init__(self, addr: str, tenant: str, domain: str | None = None,
+                 config: DraftClientConfig = DraftClientConfig()) -> None:
+        self.tenant, self.domain = tenant_from_pb(tenant, domain or "")
+        self._link = Link(addr, config)
+        self._pusher = _Pusher(config.push_interval_s)
+
+    @property
+    def fallbacks(self) -> int:
+        return self._link.fallbacks
+
+    def open(self, tree: CompiledTree, spec: ModelSpec) -> ReplicaDraftSession:
+        failure: BaseException | None = None
+        version, rows = 0, None
+        if self._link.available():
+            try:
+                version, rows = self._checkout(spec)
+            except grpc.RpcError as exc:
+                raise_caller_error(exc)
+                failure = exc
+        matrix = AdjacencyMatrix(spec, tree.parent.device, None if rows is None else torch.from_numpy(rows), version)
+        session = ReplicaDraftSession(self._link, self._pusher, self.tenant, self.domain, spec, tree, matrix)
+        if rows is None:
+            session.fail("checkout", failure)
+        else:
+            self._pusher.add(session)
+        return session
+
+    def _checkout(self, spec: ModelSpec) -> tuple[int, np.ndarray]:
+        """(version, rows [V, K] int32) of the tenant, assembled from the nonzero-row chunks."""
+        rows = np.zeros(spec.shape, np.int32)  # [V, K]
+        version = 0
+        request = pb.CheckoutRequest(tenant=self.tenant, domain=self.domain or "", model=spec_to_pb(spec))
+        for chunk in self._link.stub.Checkout(request, timeout=self._link.config.open_timeout_s):
+            tokens, topk = rows_from_pb(chunk.rows, spec.k)  # [m], [m, K]
+            rows[tokens] = topk
+            version = chunk.version
+        return version, rows
+
+    def close(self) -> None:
+        self._pusher.close()
+        self._link.close()
+
+
+class ReplicaDraftSession(ServiceSession):
+    mode = "replica"
+
+    def __init__(self, link: Link, pusher: _Pusher, tenant: str, domain: str | None, spec: ModelSpec,
+                 tree: CompiledTree, matrix: AdjacencyMatrix) -> None:
+        super().__init__(link, tenant, matrix, tree, version=matrix.version)  # checkout, then each push's ack
+        self._pusher, self._domain, self._spec = pusher, domain, spec
+        self._pending: list[tuple[np.ndarray, np.ndarray]] = []  # (tokens [m], topk [m, K]), oldest first
+        self._lock = threading.Lock()  # guards _pending
+        self._push_lock = threading.Lock()  # one push at a time, in order
+
+    def _detach(self) -> None:
+        with self._lock:
+            self._pending.clear()
+        self._pusher.remove(self)
+
+    def _step(self, recycled: RecycledRows | None, root: int) -> torch.Tensor:
+        self._queue(recycled)
+        return super()._step(recycled, root)
+
+    def _close(self, recycled: RecycledRows | None) -> None:
+        self._queue(recycled)
+        self._pusher.remove(self)
+        self.flush()
+
+    def _queue(self, recycled: RecycledRows | None) -> None:
+        if recycled is None or self.mode == "local-fallback":
+            return
+        with self._lock:
+            self._pending.append((recycled.tokens.cpu().numpy(), recycled.topk.cpu().numpy()))
+
+    def flush(self) -> None:
+        """Push the pending rows, oldest first, concatenated into batches of <= push_max_rows
+        (a token in several steps: the later row wins, as it does locally)."""
+        with self._push_lock:
+            while True:
+                batch = self._take()
+                if batch is None:
+                    return
+                request = pb.PushRowsRequest(tenant=self.tenant, domain=self._domain or "",
+                                             model=spec_to_pb(self._spec), rows=rows_to_pb(*batch))
+                try:
+                    self.service_version = self.link.stub.PushRows(request, timeout=self.link.config.push_timeout_s).version
+                except grpc.RpcError as exc:
+                    self.fail("row push", exc)
+                    return
+
+    def _take(self) -> tuple[np.ndarray, np.ndarray] | None:
+        with self._lock:
+            taken, rows = 0, 0
+            limit = self.link.config.push_max_rows
+            while taken < len(self._pending) and (taken == 0 or rows + len(self._pending[taken][0]) <= limit):
+                rows += len(self._pending[taken][0])
+                taken += 1
+            items, self._pending = self._pending[:taken], self._pending[taken:]
+        if not items:
+            return None
+        return np.concatenate([t for t, _ in items]), np.concatenate([r for _, r in items])

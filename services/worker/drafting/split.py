@@ -1,0 +1,69 @@
+"""A split-deployment worker's drafts (`trserve worker`): per tenant a remote or replica source on
+the matrix service, which fall back to local drafting when the service is down."""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.tr.source import DraftSource
+from services.worker.drafting.link import DraftClientConfig
+from services.worker.drafting.remote import RemoteDraftSource
+from services.worker.drafting.replica import ReplicaDraftSource
+
+DRAFT_MODES = ("remote", "replica")
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """Where a split-deployment worker (`trserve worker`) gets its drafts."""
+
+    matrix_addr: str  # host:port of `trserve matrix`
+    draft_mode: str = "remote"  # "remote": one round trip per step; "replica": checkout, draft locally, push rows
+    client: DraftClientConfig = DraftClientConfig()  # timeouts, breaker and push batching of each tenant's link
+    # Tenants whose source (a channel + watchdog thread, and a pusher thread for replica) stays open,
+    # LRU. Must exceed the worker's max_active so a source in use is never the one evicted.
+    max_sources: int = 64
+
+    def __post_init__(self) -> None:
+        host, sep, port = self.matrix_addr.rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
+            raise ValueError(f"matrix address must be HOST:PORT, e.g. 127.0.0.1:50052, got {self.matrix_addr!r}")
+        if self.draft_mode not in DRAFT_MODES:
+            raise ValueError(f"draft mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
+        if self.max_sources < 2:
+            raise ValueError(f"max_sources must be >= 2, got {self.max_sources}")
+
+
+class MatrixServiceSources:
+    """The split worker's DraftSourceFactory: per tenant a Remote/ReplicaDraftSource on the matrix
+    service. Sources are kept (LRU, `max_sources`) because each owns a channel, threads and a
+    failure breaker that should outlive one request; evicted ones are closed. Falling back to local
+    drafting is the sources' job; it shows in each request's stats (draft_mode "local-fallback")
+    and in the worker's trserve_draft_fallbacks metric."""
+
+    def __init__(self, config: SplitConfig) -> None:
+        self.config = config
+        self._cls = RemoteDraftSource if config.draft_mode == "remote" else ReplicaDraftSource
+        self._sources: OrderedDict[tuple[str, str | None], RemoteDraftSource | ReplicaDraftSource] = OrderedDict()
+        self._lock = threading.Lock()  # called from every decode thread
+
+    def __call__(self, tenant: str, domain: str | None) -> DraftSource:
+        key = (tenant, domain)
+        with self._lock:
+            source = self._sources.get(key)
+            if source is not None:
+                self._sources.move_to_end(key)
+                return source
+            source = self._sources[key] = self._cls(self.config.matrix_addr, tenant, domain, self.config.client)
+            evicted = self._sources.popitem(last=False)[1] if len(self._sources) > self.config.max_sources else None
+        if evicted is not None:
+            evicted.close()
+        return source
+
+    def close(self) -> None:
+        with self._lock:
+            sources, self._sources = list(self._sources.values()), OrderedDict()
+        for source in sources:
+            source.close()

@@ -1,0 +1,61 @@
+"""The drafting boundary on tiny tensors: a session applies rows to its copy before drafting, and
+subclasses only add where the rows go next."""
+
+import numpy as np
+import pytest
+import torch
+
+from core.errors import FingerprintMismatch
+from core.model_spec import ModelSpec
+from engine.tr.draft import draft_tokens, fill_levels
+from engine.tr.matrix import AdjacencyMatrix
+from engine.tr.recycle import RecycledRows
+from engine.tr.source import LocalDraftSource, MatrixSession
+from engine.tr.tree import TreeTemplate, compile_tree
+
+SPEC = ModelSpec("fp", 10, 2)
+TREE = compile_tree(TreeTemplate.from_paths("ex", [[0], [1], [0, 0]]))
+ROWS = RecycledRows(torch.tensor([5, 7]), torch.tensor([[7, 9], [3, 4]], dtype=torch.int32))
+
+
+def test_local_session_drafts_from_the_rows_it_was_just_given():
+    matrix = AdjacencyMatrix(SPEC)
+    session = LocalDraftSource(matrix).open(TREE, SPEC)
+    assert session.step(None, 5).tolist() == [5, 0, 0, 0]  # cold
+    assert session.step(ROWS, 5).tolist() == [5, 7, 9, 3]  # rows first, then the draft
+    session.close(RecycledRows(torch.tensor([3]), torch.tensor([[1, 1]], dtype=torch.int32)))
+    assert matrix.version == 2 and session.info().matrix_version == 2 and session.info().mode == "local"
+    with pytest.raises(FingerprintMismatch):
+        LocalDraftSource(matrix).open(TREE, ModelSpec("other", 10, 2))
+
+
+def test_subclass_hooks_see_each_batch_once_and_fall_back_once():
+    class Forwarding(MatrixSession):
+        mode = "embedded"
+
+        def __init__(self, *args):
+            super().__init__(*args)
+            self.sent = []
+
+        def _step(self, recycled, root):
+            self.sent.append(recycled)
+            return super()._step(recycled, root)
+
+        def _close(self, recycled):
+            self.sent.append(recycled)
+
+    session = Forwarding(AdjacencyMatrix(SPEC), TREE)
+    assert session.step(ROWS, 5).tolist() == [5, 7, 9, 3]
+    session.close(None)
+    assert session.sent == [ROWS, None]
+    assert session.fall_back() and not session.fall_back() and session.info().mode == "local-fallback"
+
+
+def test_numpy_and_torch_drafting_share_one_gather():
+    matrix = torch.zeros(10, 2, dtype=torch.int32)
+    matrix[5], matrix[7] = torch.tensor([7, 9]), torch.tensor([3, 4])
+    levels = [(s, e, p.numpy(), r.numpy()) for s, e, p, r in TREE.level_index]
+    tokens = np.empty(TREE.n, np.int64)
+    tokens[0] = 5
+    fill_levels(tokens, matrix.numpy(), levels)
+    assert tokens.tolist() == draft_tokens(matrix, 5, TREE).tolist() == [5, 7, 9, 3]

@@ -1,0 +1,114 @@
+"""`trserve cluster up|status|down` and `trserve load` as a user runs them: a local cluster of
+Redis, the matrix service and 2 workers (1 torch thread each), secured (TLS everywhere, tenant
+tokens on the workers, a shared secret on the matrix service); the same load through 1 worker and
+through both (4 concurrent clients, 3 tenants), no failed request, and the scaling ratio. Also the
+balanced client on an in-process worker, and the load generator's bounds."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import subprocess
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+
+from services.client.balanced import BalancedClient
+from services.cluster.procs import free_port, pid_runs
+from services.load.runner import LoadConfig
+from services.worker.config import WorkerConfig
+from tests.services.cluster_helpers import N, self_signed
+from tests.services.worker_harness import serving
+
+REPO = Path(__file__).resolve().parents[3]
+HI = [{"role": "user", "content": "Say hello."}]
+
+
+def trserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def load(addrs: list[str], prefix: str, *security: str, requests: int = 12) -> subprocess.CompletedProcess:
+    return trserve("load", "--addrs", ",".join(addrs), "--concurrency", "4", "--requests", str(requests),
+                   "--tenants", "3", "--tenant-prefix", prefix, "--max-new-tokens", str(N), "--json", *security)
+
+
+def secured(directory: Path) -> tuple[list[str], list[str]]:
+    """(`cluster up` flags, `load` flags) for TLS, tenant tokens and a matrix secret."""
+    tls = self_signed(directory)
+    tokens, secret = directory / "tokens.json", directory / "matrix-secret"
+    tokens.write_text(json.dumps({f"{p}-{i}": secrets.token_urlsafe(24) for p in ("one", "two") for i in range(3)}))
+    secret.write_text(secrets.token_urlsafe(24) + "\n")
+    up = ["--tls-cert", tls.cert_file, "--tls-key", tls.key_file, "--tenant-tokens", str(tokens),
+          "--matrix-secret-file", str(secret)]
+    return up, ["--tls-ca", tls.cert_file, "--tokens", str(tokens)]
+
+
+@pytest.fixture(scope="module")
+def worker(decoder):
+    yield from serving(WorkerConfig(port=0, metrics_port=None), decoder)
+
+
+def test_balanced_client_round_robins_and_retries_unavailable_elsewhere(worker) -> None:
+    dead = f"127.0.0.1:{free_port()}"
+    with BalancedClient([dead, worker.addr, worker.addr], timeout=60, down_for_s=60) as client:
+        served = [client.generate_served(messages=HI, max_new_tokens=2) for _ in range(3)]
+        assert served[0].retried_after == ("UNAVAILABLE",) and served[0].addr == worker.addr
+        assert [s.retried_after for s in served[1:]] == [(), ()]  # the dead one is skipped while marked down
+        with pytest.raises(grpc.RpcError) as refused:  # not retryable: raised at once
+            client.generate(messages=HI, max_new_tokens=10**6)
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        chunks = list(client.stream(messages=HI, max_new_tokens=4))
+        assert chunks[-1].stats.generated_tokens == sum(len(c.token_ids) for c in chunks)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_workers_serve_more_than_one_with_no_failed_request(tmp_path) -> None:
+    run_dir = str(tmp_path / "cluster")
+    up_flags, client_flags = secured(tmp_path)
+    up = trserve("cluster", "up", "--workers", "2", "--threads", "1", "--run-dir", run_dir, *up_flags)
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        status = trserve("cluster", "status", "--run-dir", run_dir, "--json")
+        assert status.returncode == 0, status.stdout + status.stderr
+        state = json.loads(status.stdout)
+        assert [p["state"] for p in state["processes"]] == ["up", "SERVING", "SERVING", "SERVING"]
+        workers = state["workers"]
+
+        no_token = load(workers, "one", client_flags[0], client_flags[1], requests=2)  # TLS, but no tokens
+        assert no_token.returncode == 1
+        assert json.loads(no_token.stdout)["errors_by_code"] == {"UNAUTHENTICATED": 2}
+        runs = [load(workers[:1], "one", *client_flags), load(workers, "two", *client_flags)]
+        assert all(run.returncode == 0 for run in runs), [run.stdout + run.stderr for run in runs]
+        one, two = (json.loads(run.stdout) for run in runs)
+    finally:
+        down = trserve("cluster", "down", "--run-dir", run_dir)
+    assert down.returncode == 0 and "stopped: worker-1, worker-0, matrix, redis" in down.stdout, down.stdout
+    assert not any(pid_runs(p["pid"], "") for p in state["processes"])
+
+    for prefix, report in (("one", one), ("two", two)):
+        assert report["failed"] == 0 and report["ok"] == 12 and report["errors_by_code"] == {}, report
+        assert set(report["mat_by_tenant"]) == {f"{prefix}-{i}" for i in range(3)}
+        assert all(mat >= 1.0 for mat in report["mat_by_tenant"].values())
+        assert report["draft_modes"] == {"remote": 12}  # workers reached the matrix service: TLS + secret
+    assert set(two["by_worker"]) == set(workers)
+    ratio = two["requests_per_s"] / one["requests_per_s"]
+    for name, r in (("1 worker ", one), ("2 workers", two)):
+        lat = r["latency_s"]
+        print(f"\n{name}: {r['requests_per_s']:.2f} req/s, {r['tokens_per_s']:.1f} tok/s, "
+              f"p50 {lat['p50']} s, p99 {lat['p99']} s, MAT by tenant {r['mat_by_tenant']}", end="")
+    print(f"\nscaling ratio {ratio:.2f}x")
+    assert ratio > 1.2, f"2 workers gave {ratio:.2f}x the throughput of 1"
+
+
+def test_load_refuses_non_loopback_addresses_and_unbounded_runs() -> None:
+    with pytest.raises(ValueError, match="loopback only"):
+        LoadConfig(addrs=("127.0.0.1:50051", "10.0.0.7:50051"))
+    with pytest.raises(ValueError, match="requests must be in"):
+        LoadConfig(addrs=("localhost:50051",), requests=10**6)
+    out = trserve("load", "--addrs", "192.168.1.2:50051", timeout=60)
+    assert out.returncode == 2 and "loopback only" in out.stderr

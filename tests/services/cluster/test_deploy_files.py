@@ -1,0 +1,62 @@
+"""docker/ and deploy/k8s/ stay consistent with the code: every command line they run parses with
+the trserve CLI, every server has a health check wired to gRPC health and a restart policy, workers
+ask for a GPU and sit behind a headless Service that the autoscaler's Deployment feeds. (No Docker
+engine or cluster runs here; schema checks were done with `docker-compose config`,
+check-jsonschema's compose-spec and kubernetes-validate, see README "Deployment".)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from services.cli import build_parser
+
+yaml = pytest.importorskip("yaml")
+REPO = Path(__file__).resolve().parents[3]
+
+
+def parses(argv: list[str]) -> None:
+    build_parser().parse_args(argv)  # argparse exits (SystemExit) on an unknown flag
+
+
+def k8s_objects() -> dict[tuple[str, str], dict]:
+    objects = {}
+    for path in (REPO / "deploy" / "k8s").glob("*.yaml"):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc and doc.get("kind") != "Kustomization":
+                objects[(doc["kind"], doc["metadata"]["name"])] = doc
+    return objects
+
+
+def test_compose_services_are_health_checked_restarted_and_parse() -> None:
+    compose = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())
+    services = compose["services"]
+    assert set(services) == {"redis", "matrix", "worker"}
+    assert "--appendonly" in services["redis"]["command"]
+    for name, service in services.items():
+        assert service["restart"] == "unless-stopped" and service["healthcheck"]["test"], name
+    for name in ("matrix", "worker"):
+        parses(services[name]["command"])
+        probe = services[name]["healthcheck"]["test"]
+        assert probe[:4] == ["CMD", "python", "-m", "services.cli"]
+        parses(probe[4:])
+    gpu = yaml.safe_load((REPO / "docker" / "compose.gpu.yaml").read_text())["services"]["worker"]
+    parses(gpu["command"])
+    assert gpu["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
+
+
+def test_kubernetes_workers_probe_grpc_health_request_a_gpu_and_scale() -> None:
+    objects = k8s_objects()
+    worker = objects[("Deployment", "trserve-worker")]["spec"]["template"]["spec"]["containers"][0]
+    matrix = objects[("Deployment", "trserve-matrix")]["spec"]["template"]["spec"]["containers"][0]
+    for container in (worker, matrix):
+        parses(container["args"])
+        for probe in ("readinessProbe", "livenessProbe"):
+            assert "grpc" in container[probe], (container["name"], probe)
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert objects[("Service", "trserve-worker")]["spec"]["clusterIP"] == "None"  # headless: per-call balancing
+    hpa = objects[("HorizontalPodAutoscaler", "trserve-worker")]["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "trserve-worker"}
+    assert objects[("StatefulSet", "redis")]["spec"]["template"]["spec"]["containers"][0]["args"][:2] == \
+        ["--appendonly", "yes"]

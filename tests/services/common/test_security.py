@@ -1,0 +1,161 @@
+"""Security: per-tenant bearer tokens on a worker, a shared secret on the matrix service, TLS on
+both, with a self-signed certificate made here by the openssl CLI. Real servers on port 0."""
+
+from __future__ import annotations
+
+import json
+import secrets
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from matrix_store import StoreConfig
+from services.cli import build_parser
+from services.client.balanced import BalancedClient
+from services.common.security import ServerTLS, SharedSecret, TenantTokens, client_channel
+from services.matrix.server import MatrixServiceConfig
+from services.worker.cli import build_configs
+from services.worker.config import Limits, WorkerConfig
+from services.worker.drafting.link import DraftClientConfig
+from services.worker.drafting.remote import RemoteDraftSource
+from tests.services.cluster_helpers import self_signed
+from tests.services.matrix_helpers import ServerThread, model, random_rows
+from tests.services.worker_harness import serving
+from trserve.v1 import generate_pb2 as gpb
+from trserve.v1 import generate_pb2_grpc, matrix_pb2_grpc
+from trserve.v1 import matrix_pb2 as mpb
+
+HI = [{"role": "user", "content": "Say hello."}]
+TOKENS = {"acme": secrets.token_urlsafe(24), "globex": [secrets.token_urlsafe(24), secrets.token_urlsafe(24)]}
+
+
+@pytest.fixture(scope="module")
+def tls(tmp_path_factory) -> ServerTLS:
+    return self_signed(tmp_path_factory.mktemp("tls"))
+
+
+@pytest.fixture(scope="module")
+def worker(decoder, tls):
+    config = WorkerConfig(port=0, metrics_port=None, limits=Limits(default_max_new_tokens=8), tls=tls,
+                          tenant_tokens=TenantTokens.from_mapping(TOKENS))
+    yield from serving(config, decoder)
+
+
+def call_code(stub_call, *args, **kwargs) -> grpc.StatusCode:
+    try:
+        result = stub_call(*args, **kwargs)
+        if not isinstance(result, gpb.GenerateResponse | gpb.ModelInfoResponse):
+            list(result)  # a stream: the status comes with its end
+    except grpc.RpcError as exc:
+        return exc.code()
+    return grpc.StatusCode.OK
+
+
+# -- tenant tokens on a TLS worker ---------------------------------------------------------------------
+def test_worker_refuses_missing_wrong_and_foreign_tokens(worker, tls) -> None:
+    with client_channel(worker.addr, tls.cert_file) as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        acme = gpb.GenerateRequest(tenant="acme", text="Hi", max_new_tokens=2)
+        bearer = lambda token: (("authorization", f"Bearer {token}"),)  # noqa: E731
+        for rpc in (stub.Generate, stub.GenerateStream):
+            assert call_code(rpc, acme, timeout=30) == grpc.StatusCode.UNAUTHENTICATED
+            assert call_code(rpc, acme, timeout=30, metadata=bearer("not-a-token")) == grpc.StatusCode.UNAUTHENTICATED
+            foreign = bearer(TOKENS["globex"][1])
+            assert call_code(rpc, acme, timeout=30, metadata=foreign) == grpc.StatusCode.PERMISSION_DENIED
+            default_tenant = gpb.GenerateRequest(text="Hi", max_new_tokens=2)  # no tenant = "default"
+            assert call_code(rpc, default_tenant, timeout=30, metadata=bearer(TOKENS["acme"])) == \
+                grpc.StatusCode.PERMISSION_DENIED
+            assert call_code(rpc, acme, timeout=30, metadata=bearer(TOKENS["acme"])) == grpc.StatusCode.OK
+        info = gpb.ModelInfoRequest()
+        assert call_code(stub.ModelInfo, info, timeout=30) == grpc.StatusCode.UNAUTHENTICATED
+        assert call_code(stub.ModelInfo, info, timeout=30, metadata=bearer(TOKENS["globex"][0])) == grpc.StatusCode.OK
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+
+
+def test_balanced_client_sends_each_tenants_token_over_tls(worker, tls) -> None:
+    tokens = {"acme": TOKENS["acme"], "globex": TOKENS["globex"][1]}
+    with BalancedClient([worker.addr], timeout=60, tokens=tokens, tls_ca_file=tls.cert_file) as client:
+        for tenant in tokens:
+            assert client.generate(messages=HI, tenant=tenant, max_new_tokens=4).stats.generated_tokens > 0
+        with pytest.raises(grpc.RpcError) as denied:
+            client.generate(messages=HI, tenant="initech", max_new_tokens=4)  # no token for it
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_generate_cli_with_token_file_and_tls(worker, tls, tmp_path, capsys) -> None:
+    from services.cli import main
+
+    token = tmp_path / "acme.token"
+    token.write_text(TOKENS["acme"] + "\n")
+    args = ["generate", "--addr", worker.addr, "--tls-ca", tls.cert_file, "--max-new-tokens", "4", "Hi"]
+    assert main([*args, "--tenant", "acme", "--token-file", str(token)]) == 0
+    assert "tokens in" in capsys.readouterr().err
+    assert main([*args, "--tenant", "globex", "--token-file", str(token)]) == 1
+    assert "PERMISSION_DENIED" in capsys.readouterr().err
+
+
+def test_plaintext_client_cannot_talk_to_a_tls_worker(worker) -> None:
+    with grpc.insecure_channel(worker.addr) as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        assert call_code(stub.ModelInfo, gpb.ModelInfoRequest(), timeout=5) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_token_file_and_flags_say_what_is_wrong(tmp_path) -> None:
+    for mapping, message in (({"acme": "short"}, "at least 16"), ({"a:b": "x" * 20}, "invalid"),
+                             ({"a": "x" * 20, "b": ["x" * 20]}, "share a token"), ([], "JSON object")):
+        path = tmp_path / "tokens.json"
+        path.write_text(json.dumps(mapping))
+        with pytest.raises(ValueError, match=message):
+            TenantTokens.from_file(path)
+    with pytest.raises(ValueError, match="at least 16"):
+        SharedSecret("too-short")
+    assert "s3cret" not in repr(SharedSecret("s3cret" * 4))
+    args = build_parser().parse_args(["serve", "--tls-cert", str(tmp_path / "cert.pem")])
+    with pytest.raises(ValueError, match="go together"):
+        build_configs(args)
+
+
+# -- the matrix service's shared secret, over TLS ------------------------------------------------------
+@pytest.fixture(scope="module")
+def secret() -> SharedSecret:
+    return SharedSecret(secrets.token_urlsafe(24))
+
+
+@pytest.fixture(scope="module")
+def matrix(tls, secret):
+    config = MatrixServiceConfig(host="127.0.0.1", port=0, store=StoreConfig(), tls=tls, secret=secret)
+    server = ServerThread(config)
+    yield server
+    server.stop(0, final_snapshot=False)
+
+
+def test_matrix_service_requires_the_shared_secret(matrix, tls, secret) -> None:
+    rows = random_rows(np.random.default_rng(0))
+    push = mpb.PushRowsRequest(tenant="t", model=model(), rows=rows)
+    for given in (None, SharedSecret("x" * 20)):
+        with client_channel(matrix.addr, tls.cert_file, given) as channel:
+            with pytest.raises(grpc.RpcError) as refused:
+                matrix_pb2_grpc.MatrixServiceStub(channel).PushRows(push, timeout=10)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert health.status == health_pb2.HealthCheckResponse.SERVING
+    with client_channel(matrix.addr, tls.cert_file, secret) as channel:
+        assert matrix_pb2_grpc.MatrixServiceStub(channel).PushRows(push, timeout=10).version == 1
+
+
+def test_worker_drafts_through_a_secured_matrix_service(decoder, matrix, tls, secret) -> None:
+    reference = decoder.generate(messages=HI, max_new_tokens=16)
+    good = RemoteDraftSource(matrix.addr, "secured", config=DraftClientConfig(tls_ca_file=tls.cert_file, secret=secret))
+    wrong = RemoteDraftSource(matrix.addr, "secured",
+                              config=DraftClientConfig(tls_ca_file=tls.cert_file, secret=SharedSecret("y" * 20)))
+    try:
+        served = decoder.generate(messages=HI, max_new_tokens=16, matrix=good)
+        refused = decoder.generate(messages=HI, max_new_tokens=16, matrix=wrong)
+    finally:
+        good.close()
+        wrong.close()
+    assert served.stats.draft_mode == "remote" and served.ids == reference.ids
+    assert refused.stats.draft_mode == "local-fallback" and refused.ids == reference.ids  # refused: drafts locally

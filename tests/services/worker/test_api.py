@@ -1,0 +1,131 @@
+"""End-to-end Generate API on a real worker (port 0) around the real SmolLM2 model."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import grpc
+import numpy as np
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from core.model_spec import ModelSpec
+from services.client.client import TRServeClient
+from services.worker.config import Limits, WorkerConfig
+from tests.services.worker_harness import BackgroundWorker, serving
+from trserve.v1 import generate_pb2 as pb
+
+LIMITS = Limits(max_new_tokens_cap=256, default_max_new_tokens=16, max_prompt_tokens=256)
+CHAT = [{"role": "user", "content": "Write one sentence about the ocean."}]
+REPEATING = "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick"
+
+
+@pytest.fixture(scope="module")
+def worker(decoder):
+    yield from serving(WorkerConfig(port=0, metrics_port=0, limits=LIMITS), decoder)
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    with TRServeClient(worker.addr, timeout=60) as c:
+        yield c
+
+
+def test_health_not_serving_until_warm(decoder):
+    decoder._lock.acquire()  # hold the model so that warm-up cannot finish yet
+    held, w = True, None
+    try:
+        w = BackgroundWorker(WorkerConfig(port=0, metrics_port=None), decoder)
+        with grpc.insecure_channel(w.addr) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            status = health.Check(health_pb2.HealthCheckRequest(service="trserve.v1.Generate"), timeout=5).status
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+            decoder._lock.release()
+            held = False
+            w.wait_ready()
+            for service in ("", "trserve.v1.Generate"):
+                status = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+                assert status == health_pb2.HealthCheckResponse.SERVING
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            reply = next(reflection.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
+            assert "trserve.v1.Generate" in {s.name for s in reply.list_services_response.service}
+    finally:
+        if held:
+            decoder._lock.release()
+        if w is not None:
+            w.stop()
+
+
+def test_service_matches_in_process_decoding(client, decoder):
+    """Fresh tenant = zero matrix, as in-process: identical ids; AR through the service = plain greedy."""
+    tr = client.generate(messages=CHAT, max_new_tokens=24, tenant="agree", return_token_ids=True)
+    local = decoder.generate(messages=CHAT, max_new_tokens=24)
+    assert list(tr.token_ids) == local.ids and tr.text == local.text
+    assert tr.stats.generated_tokens == len(local.ids) and tr.stats.draft_mode == "embedded"
+
+    ar = client.generate(messages=CHAT, max_new_tokens=24, mode="ar", return_token_ids=True)
+    local_ar = decoder.generate(messages=CHAT, max_new_tokens=24, mode="ar")
+    assert list(ar.token_ids) == local_ar.ids and ar.stats.draft_mode == "none"
+    assert ar.text == tr.text  # lossless (this prompt has no near-tie within 24 tokens)
+
+    chunks = list(client.stream(messages=CHAT, max_new_tokens=24, tenant="agree"))
+    assert "".join(c.text for c in chunks) == tr.text
+    assert [t for c in chunks for t in c.token_ids] == list(tr.token_ids)
+    last = chunks[-1]
+    assert last.finish_reason == tr.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    assert last.stats.generated_tokens == tr.stats.generated_tokens
+    assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+
+
+def test_hot_start_per_tenant(client, worker, decoder):
+    first = client.generate(REPEATING, max_new_tokens=24, tenant="hot-a")
+    second = client.generate(REPEATING, max_new_tokens=24, tenant="hot-a")
+    assert second.text == first.text
+    assert first.stats.matrix_version > 0
+    assert second.stats.matrix_version > first.stats.matrix_version
+    assert second.stats.mean_accepted_tokens > first.stats.mean_accepted_tokens
+    spec = ModelSpec(decoder.fingerprint, decoder.vocab_size, decoder.config.k)
+    store = worker.worker.store
+    assert store.checkout(spec, "hot-a").version == second.stats.matrix_version
+    other = store.checkout(spec, "hot-b")
+    assert other.version == 0 and not np.any(other.rows)
+
+
+def test_stop_sequence_and_stop_token(client):
+    full = client.generate(REPEATING, max_new_tokens=16, tenant="stops", return_token_ids=True)
+    cut = client.generate(REPEATING, max_new_tokens=16, tenant="stops", stop=["example"])
+    assert cut.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
+    assert "example" in full.text and "example" not in cut.text and full.text.startswith(cut.text)
+    stop_id = full.token_ids[2]
+    by_id = client.generate(REPEATING, max_new_tokens=16, tenant="stops", stop_token_ids=[stop_id], return_token_ids=True)
+    assert by_id.finish_reason == pb.FINISH_REASON_EOS and by_id.token_ids[-1] == stop_id
+
+
+def test_deadline_returns_partial_result(client):
+    # 256 tokens take ~1.5 s even on the fast kernels
+    reply = client.generate(REPEATING, max_new_tokens=256, tenant="deadline", timeout=0.8)
+    assert reply.finish_reason == pb.FINISH_REASON_TIME_LIMIT
+    assert 0 < reply.stats.generated_tokens < 256
+    with pytest.raises(grpc.RpcError) as e:
+        client.generate(REPEATING, max_new_tokens=8, timeout=0.05)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_tokenize_and_model_info(client, decoder):
+    assert client.tokenize(messages=CHAT) == decoder.prompts.build(None, CHAT, None)
+    assert client.tokenize("Hello world") == decoder.tokenizer("Hello world", add_special_tokens=False)["input_ids"]
+    info = client.model_info()
+    assert (info.fingerprint, info.vocab_size, info.k) == (decoder.fingerprint, decoder.vocab_size, decoder.config.k)
+    assert info.default_tree == decoder.default_tree.template.name and info.default_tree_nodes == decoder.default_tree.n
+    assert info.max_new_tokens_cap == 256 and info.max_prompt_tokens == 256 and info.max_context == decoder.max_context
+
+
+def test_metrics_endpoint(client, worker):
+    client.generate(REPEATING, max_new_tokens=8, tenant="metrics")
+    body = urllib.request.urlopen(f"http://127.0.0.1:{worker.worker.metrics_port}/metrics", timeout=5).read().decode()
+    for name in ('trserve_requests_total{code="OK",method="Generate"}', "trserve_generated_tokens_total",
+                 "trserve_mean_accepted_tokens_bucket", "trserve_step_seconds_bucket", "trserve_queue_depth",
+                 "trserve_active_requests", "trserve_draft_fallbacks_total", 'trserve_finish_total{reason="length"}'):
+        assert name in body, name
+    assert worker.metrics.value("trserve_generated_tokens_total") >= 8

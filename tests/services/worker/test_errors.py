@@ -1,0 +1,93 @@
+"""Bad input, a full queue and cancellation: the right status code, an actionable message, and the
+server keeps serving."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from services.client.client import TRServeClient, build_request
+from services.worker.config import Limits, WorkerConfig
+from tests.helpers import wait_for
+from tests.services.worker_harness import rpc_error, serving
+from trserve.v1 import generate_pb2 as pb
+
+LIMITS = Limits(max_new_tokens_cap=256, default_max_new_tokens=8, max_prompt_tokens=64)
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+STORY = [{"role": "user", "content": "Write a long story about a dragon who learns to read."}]
+
+
+@pytest.fixture(scope="module")
+def worker(decoder):
+    yield from serving(WorkerConfig(port=0, metrics_port=None, limits=LIMITS, max_queue=1), decoder)
+
+
+@pytest.fixture(scope="module")
+def client(worker):
+    with TRServeClient(worker.addr, timeout=60) as c:
+        yield c
+
+
+BAD_REQUESTS = {
+    "empty prompt": (build_request(""), INVALID, "empty"),
+    "blank prompt": (build_request("   "), INVALID, "empty"),
+    "no input": (pb.GenerateRequest(), INVALID, "set one of text, messages or token_ids"),
+    "oversized prompt (tokens)": (build_request(token_ids=[42] * 65), INVALID, "at most 64"),
+    "oversized prompt (text)": (build_request("word " * 2000), INVALID, "characters; the limit is"),
+    "max_new_tokens 0": (build_request("Hi", max_new_tokens=0), INVALID, "max_new_tokens must be in [1, 256]"),
+    "max_new_tokens huge": (build_request("Hi", max_new_tokens=10**6), INVALID, "max_new_tokens must be in [1, 256]"),
+    "bad tenant id": (build_request("Hi", tenant="acme corp/1"), INVALID, "tenant id 'acme corp/1' is invalid"),
+    "bad domain id": (build_request("Hi", domain="a:b"), INVALID, "domain id"),
+    "ids out of vocab": (build_request(token_ids=[1, 49152]), INVALID, "outside the vocabulary"),
+    "negative id": (build_request(token_ids=[-3]), INVALID, "outside the vocabulary"),
+    "stop id out of vocab": (build_request("Hi", stop_token_ids=[10**7]), INVALID, "outside the vocabulary"),
+    "negative temperature": (build_request("Hi", temperature=-1.0), INVALID, "temperature must be >= 0"),
+    "unknown role": (build_request(messages=[{"role": "wizard", "content": "hi"}]), INVALID, "role"),
+    "no messages": (pb.GenerateRequest(messages=pb.ChatMessages()), INVALID, "non-empty list"),
+    "empty messages": (build_request(messages=[{"role": "user", "content": " "}]), INVALID, "empty"),
+    "unknown tree": (build_request("Hi", tree="../../etc/passwd"), grpc.StatusCode.NOT_FOUND, "unknown tree"),
+    "empty stop sequence": (build_request("Hi", stop=[""]), INVALID, "empty string"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_input_is_refused_with_an_actionable_message(client, case):
+    request, code, message = BAD_REQUESTS[case]
+    for call in (client.stub.Generate, lambda r, **kw: list(client.stub.GenerateStream(r, **kw))):
+        e = rpc_error(call, request, timeout=30)
+        assert e.code() == code, (case, e.details())
+        assert message in e.details(), (case, e.details())
+
+
+def test_server_keeps_serving_after_bad_input(client, worker):
+    rpc_error(client.generate, "", max_new_tokens=4)
+    reply = client.generate("Hello, my name is", max_new_tokens=4)
+    assert reply.stats.generated_tokens == 4 and reply.finish_reason == pb.FINISH_REASON_LENGTH
+    assert worker.metrics.value("trserve_requests_total", {"method": "Generate", "code": "INVALID_ARGUMENT"}) >= 1
+    e = rpc_error(client.tokenize, "")
+    assert e.code() == INVALID
+
+
+def test_queue_full_then_cancel_stops_decoding(client, worker):
+    metrics, admission = worker.metrics, worker.worker.servicer.admission
+    cancelled_before = metrics.value("trserve_finish_total", {"reason": "cancelled"})
+    running = client.stream(messages=STORY, max_new_tokens=256, tenant="busy")
+    next(running)  # decoding has started: the one decode slot is taken
+    queued = client.stub.Generate.future(build_request("Hello", max_new_tokens=4), timeout=60)
+    wait_for(lambda: admission.waiting == 1, timeout=30)
+
+    e = rpc_error(client.generate, "Hello", max_new_tokens=4)
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "retry after" in e.details() and "max_queue=1" in e.details()
+    trailers = dict(e.trailing_metadata())
+    assert int(trailers["retry-after-ms"]) > 0
+
+    t0 = time.monotonic()
+    running.cancel()
+    wait_for(lambda: metrics.value("trserve_finish_total", {"reason": "cancelled"}) == cancelled_before + 1, timeout=10)
+    assert time.monotonic() - t0 < 20  # stopped at the next step, not after 256 tokens (~10+ s)
+    assert queued.result().stats.generated_tokens == 4  # the queued request got the freed slot
+    wait_for(lambda: metrics.value("trserve_requests_total", {"method": "GenerateStream", "code": "CANCELLED"}) >= 1, timeout=30)
+    assert admission.active == 0 and admission.waiting == 0
