@@ -25,12 +25,11 @@ from engine.request.stops import StopChecker
 from engine.request.text import TextStream
 from engine.results import GenerationResult, GenerationStats, StepChunk
 from engine.sequence import Sequence
-from engine.tr.accept import accept_greedy
-from engine.tr.hybrid import graft, matched_run
+from engine.step import accept_step, draft_step
 from engine.tr.lookup import ContextLookup
 from engine.tr.matrix import AdjacencyMatrix
 from engine.tr.recycle import recycle_rows
-from engine.tr.sampling import choose, choose_in_tree, new_sampler
+from engine.tr.sampling import choose, new_sampler
 from engine.tr.source import DraftSource, LocalDraftSource
 from engine.tr.tree import CompiledTree, TreeTemplate, get_compiled, load_template
 from engine.tuning.online import OnlineTuner, StepPlan
@@ -174,13 +173,13 @@ class Decoder:
         if acceptance is not None and tree is not None and acceptance.template != tree.template:
             raise InvalidArgument(f"acceptance log is for tree {acceptance.template.name!r}, "
                                   f"but this request uses {tree.template.name!r}")
-        source = self._draft_source(matrix) if req.mode == "tr" else None
+        source = self.draft_source(matrix) if req.mode == "tr" else None
         seq = Sequence(prepared, StopChecker(self.tokenizer, set(prepared.stop_ids), req.stop_strings),
                        new_sampler(req.sampling, req.max_new_tokens, self.device), acceptance, tuner)
         with self._lock, torch.inference_mode():
             yield from self._decode(seq, source, tree, cancelled, deadline)
 
-    def _draft_source(self, matrix: AdjacencyMatrix | DraftSource | None) -> DraftSource:
+    def draft_source(self, matrix: AdjacencyMatrix | DraftSource | None) -> DraftSource:
         if matrix is None:
             return LocalDraftSource(self.new_matrix())
         if isinstance(matrix, AdjacencyMatrix):
@@ -241,30 +240,9 @@ class Decoder:
     def _tr_step(self, cache: KVCache, session, recycled, root: int, tree: CompiledTree, seq: Sequence):
         drafted = session.step(recycled, root)  # [n_draft] the matrix-drafted tree
         plan = seq.tuner.plan() if seq.tuner is not None else StepPlan(tree, None, explore=False)
-        base = plan.tree
-        tokens = drafted if plan.select is None else drafted[plan.select]  # [n] the tree verified this step
-        verify, grafted = base, None
-        proposal = seq.lookup.propose(base.template.lookup)
-        if proposal is not None:
-            tokens, verify, grafted = graft(tokens, base, proposal.tokens, proposal.ngram)  # [n + chain]
+        draft = draft_step(seq, drafted, plan)
         past = len(cache)
-        logits = verify_tree(self.model, cache, tokens, verify)  # [n + chain, V]
-        greedy = choose_in_tree(logits, tokens, verify, seq.sampler, len(seq.generated))  # argmax, or samples
-        acc = accept_greedy(tokens, greedy, verify)
+        logits = verify_tree(self.model, cache, draft.tokens, draft.tree)  # [n + chain, V]
+        acc, rows = accept_step(seq, draft, logits, self.config.k, past)
         cache.compact(past, acc.path)
-        rows = recycle_rows(tokens, logits, self.config.k, acc.path)
-        if plan.explore:
-            self._record(seq.tuner.log, acc, base.n, grafted, past)
-            seq.tuner.recorded()
-        elif seq.log is not None:
-            self._record(seq.log, acc, base.n, grafted, past)
         return acc.tokens, rows
-
-    @staticmethod
-    def _record(log: AcceptanceLog, acc, n_base: int, grafted, past: int) -> None:
-        deepest = [i for i in acc.path if i < n_base][-1]  # deepest accepted node of the base tree
-        if grafted is None:
-            log.record(deepest, past)
-        else:
-            log.record(deepest, past, grafted.ngram, len(grafted.proposal),
-                       matched_run(grafted.proposal, acc.tokens), grafted.at)

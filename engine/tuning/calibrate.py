@@ -131,16 +131,26 @@ def save_cost_model(model: CostModel, path: Path) -> None:
     tmp.replace(path)
 
 
+def cached_cost_model(loaded, cache_dir: Path) -> CostModel | None:
+    """The cached cost model for this (model, device, threads, kernels), or None (not measured yet)."""
+    path = cost_model_path(loaded, cache_dir)
+    if not path.exists():
+        return None
+    try:
+        doc = json.loads(path.read_text())
+        return CostModel(key=doc["key"], widths=tuple(doc["widths"]), kv_lens=tuple(doc["kv_lens"]),
+                         seconds=tuple(tuple(r) for r in doc["seconds"]))
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("ignoring unreadable calibration %s (%s)", path, e)
+        return None
+
+
 def load_or_measure(loaded, cache_dir: Path, force: bool = False, reps: int = 2) -> CostModel:
     """The cached cost model for this (model, device, threads, kernels), measuring it when missing."""
     path = cost_model_path(loaded, cache_dir)
-    if path.exists() and not force:
-        try:
-            doc = json.loads(path.read_text())
-            return CostModel(key=doc["key"], widths=tuple(doc["widths"]), kv_lens=tuple(doc["kv_lens"]),
-                             seconds=tuple(tuple(r) for r in doc["seconds"]))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("ignoring unreadable calibration %s (%s); measuring again", path, e)
+    cached = None if force else cached_cost_model(loaded, cache_dir)
+    if cached is not None:
+        return cached
     log.info("calibrating the forward cost per tree width (once per model, device, threads; ~1 min)")
     model = measure(loaded.model, reps=reps, key=path.stem)
     save_cost_model(model, path)

@@ -1,55 +1,63 @@
-"""Running the engine's blocking generator in a decode thread and consuming it from asyncio.
+"""From the engine thread to the event loop: one request's StepChunks and GenerationResult.
 
-The Decoder is synchronous and serial (one forward stream per model), so each request's
-`Decoder.stream` runs in the worker's decode executor; its items are handed to the event loop
-through an asyncio.Queue. If the consumer goes away (client cancel, deadline, error), the
-`cancelled` event tells the engine to stop at its next step, and the consumer waits for the
-thread to finish so the next request never overlaps a half-finished one.
+The batching engine (engine/engine.py) calls `emit` on its own thread; items reach the request's
+coroutine through an asyncio.Queue. A reader that falls more than `limit` chunks behind (a stream
+whose client stopped reading) gets its request cancelled: the engine drops it at the next step
+and goes on with the others. `finish` waits for the engine's final result, so a caller releases
+its admission place only once the engine has freed the request's KV row.
 """
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
-from concurrent.futures import Executor
-from typing import Any
+from collections.abc import AsyncIterator
 
-_DONE = object()
+from engine.results import GenerationResult, StepChunk
 
 
-class _Failed:
-    def __init__(self, exc: BaseException) -> None:
-        self.exc = exc
+class EngineStream:
+    def __init__(self, loop: asyncio.AbstractEventLoop, cancelled: threading.Event, limit: int) -> None:
+        self._loop, self.cancelled, self._limit = loop, cancelled, limit
+        self._queue: asyncio.Queue[StepChunk | GenerationResult | Exception] = asyncio.Queue()
+        self._result: asyncio.Future[GenerationResult] = loop.create_future()
 
-
-async def iterate_in_thread(executor: Executor, make_iter: Callable[[], Iterator[Any]],
-                            cancelled: threading.Event) -> AsyncIterator[Any]:
-    """Yield the items of `make_iter()` (called and iterated in `executor`) on the event loop."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue = asyncio.Queue()
-
-    def put(item: object) -> None:
+    def emit(self, item: StepChunk | GenerationResult | Exception) -> None:
+        """Engine thread: hand an item to the event loop."""
         try:
-            loop.call_soon_threadsafe(queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._put, item)
         except RuntimeError:  # the loop is closed (server gone): nobody is listening any more
-            cancelled.set()
+            self.cancelled.set()
 
-    def pump() -> None:
-        try:
-            for item in make_iter():
-                put(item)
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, who maps it
-            put(_Failed(exc))
-        finally:
-            put(_DONE)
+    def _put(self, item: StepChunk | GenerationResult | Exception) -> None:
+        if isinstance(item, Exception):  # the engine failed this request's step
+            if not self._result.done():
+                self._result.set_exception(item)
+                self._result.exception()  # retrieved: no "never retrieved" warning when nobody waits
+        elif isinstance(item, GenerationResult):
+            if not self._result.done():
+                self._result.set_result(item)
+        elif self._queue.qsize() >= self._limit:
+            self.cancelled.set()  # the reader stopped reading: free the engine's place
+            return
+        self._queue.put_nowait(item)
 
-    future = loop.run_in_executor(executor, pump)
-    try:
-        while (item := await queue.get()) is not _DONE:
-            if isinstance(item, _Failed):
-                raise item.exc
+    async def items(self) -> AsyncIterator[StepChunk | GenerationResult]:
+        """The request's chunks, then its result."""
+        while True:
+            item = await self._queue.get()
+            if isinstance(item, Exception):
+                raise item
             yield item
-    finally:
-        cancelled.set()  # a no-op once the engine has finished; otherwise it stops at the next step
-        await asyncio.shield(future)
+            if isinstance(item, GenerationResult):
+                return
+
+    async def finish(self) -> GenerationResult | None:
+        """Stop the request if it is still running; its result once the engine has let it go (None
+        if the engine failed it)."""
+        if not self._result.done():
+            self.cancelled.set()
+        try:
+            return await asyncio.shield(self._result)
+        except Exception:  # noqa: BLE001 - raised to the caller by items()
+            return None

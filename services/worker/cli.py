@@ -18,9 +18,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                        description="A stateless worker: tenant matrices live in the matrix service (`trserve matrix`). "
                                    "If it is unreachable, requests still complete, drafting locally (counted in metrics).")
     w.add_argument("--matrix-addr", required=True, help="HOST:PORT of the matrix service")
-    w.add_argument("--draft-mode", choices=("remote", "replica"), default="remote",
-                   help="remote: the service drafts each step (one round trip per step); replica: check the "
-                        "tenant's matrix out, draft locally, push recycled rows back (default remote)")
+    w.add_argument("--draft-mode", choices=("remote", "replica"), default="replica",
+                   help="replica (default): check the tenant's matrix out, draft locally, push recycled rows back; "
+                        "remote: the service drafts each step (one round trip per request per step, in series "
+                        "within a batch: slower under load)")
     w.add_argument("--matrix-secret-file", default=None,
                    help="file holding the matrix service's shared secret (when it requires one)")
     w.add_argument("--matrix-tls-ca", default=None, help="PEM CA file: reach the matrix service over TLS")
@@ -39,7 +40,12 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    "(default: the bundled smollm2-135m-instruct)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--tree", default="auto", help="draft tree template name or file (default: best known for the device)")
-    p.add_argument("--max-queue", type=int, default=8, help="requests waiting for the decoder before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoding together, one forward per step (default 16)")
+    p.add_argument("--max-batch-tokens", type=int, default=65536,
+                   help="KV tokens the requests of a batch may reserve, prompt + max_new_tokens + tree each (default 65536)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens prefilled per step: a long prompt delays the others by one chunk per step")
+    p.add_argument("--max-queue", type=int, default=16, help="requests waiting for a batch place before RESOURCE_EXHAUSTED")
     p.add_argument("--max-new-tokens-cap", type=int, default=2048, help="largest max_new_tokens a request may ask")
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted, in tokens")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests may finish on SIGTERM")
@@ -66,13 +72,14 @@ def build_configs(args: argparse.Namespace):
     tokens = TenantTokens.from_file(args.tenant_tokens) if args.tenant_tokens else None
     worker = WorkerConfig(
         host=args.host, port=args.port, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue, limits=limits, grace_s=args.grace, redis_url=args.redis_url,
         tls=server_tls(args.tls_cert, args.tls_key), tenant_tokens=tokens,
     )
     return worker, DecoderConfig(model=model, tree=args.tree)
 
 
-def build_split_config(args: argparse.Namespace, max_active: int):
+def build_split_config(args: argparse.Namespace, max_batch: int):
     """The worker's SplitConfig; raises ValueError on a bad address or secret."""
     from services.common.security import SharedSecret
     from services.worker.drafting.link import DraftClientConfig
@@ -81,8 +88,8 @@ def build_split_config(args: argparse.Namespace, max_active: int):
     secret = SharedSecret.from_file(args.matrix_secret_file) if args.matrix_secret_file else None
     client = DraftClientConfig(tls_ca_file=args.matrix_tls_ca, secret=secret)
     split = SplitConfig(matrix_addr=args.matrix_addr, draft_mode=args.draft_mode, client=client)
-    if split.max_sources <= max_active:  # see SplitConfig.max_sources
-        raise ValueError(f"max_sources ({split.max_sources}) must exceed max_active ({max_active})")
+    if split.max_sources <= max_batch:  # see SplitConfig.max_sources
+        raise ValueError(f"max_sources ({split.max_sources}) must exceed max_batch ({max_batch})")
     return split
 
 
@@ -97,7 +104,7 @@ def run_worker(args: argparse.Namespace) -> int:
 def _run(command: str, args: argparse.Namespace, split: bool) -> int:
     try:
         worker_config, decoder_config = build_configs(args)
-        split_config = build_split_config(args, worker_config.max_active) if split else None
+        split_config = build_split_config(args, worker_config.max_batch) if split else None
     except ValueError as e:
         print(f"trserve {command}: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from engine.engine import EngineConfig
 from services.common.security import ServerTLS, TenantTokens
 
 
@@ -38,8 +39,13 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = any free port (the bound one is reported)
     metrics_port: int | None = 9464  # Prometheus /metrics over HTTP; 0 = any free port, None = off
-    max_active: int = 1  # requests decoding at once (decoding is serial per model)
-    max_queue: int = 8  # requests waiting for the decoder; beyond -> RESOURCE_EXHAUSTED
+    # The batching engine (engine/engine.py): requests decoding together in one forward per step, the
+    # KV tokens they may reserve (prompt + max_new_tokens + tree each), prompt tokens prefilled per step
+    max_batch: int = 16
+    max_batch_tokens: int = 65536
+    prefill_chunk: int = 256
+    max_queue: int = 16  # requests waiting for a batch place; beyond -> RESOURCE_EXHAUSTED
+    stream_buffer: int = 256  # chunks a stream's reader may fall behind before its request is cancelled
     limits: Limits = Limits()
     # A gRPC deadline stops decoding this long (or two recent steps, if longer) before it, so the
     # partial result (TIME_LIMIT) reaches the caller in time.
@@ -58,11 +64,16 @@ class WorkerConfig:
             raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535] or None (off), got {self.metrics_port}")
-        if self.max_active < 1:
-            raise ValueError(f"max_active must be >= 1, got {self.max_active}")
+        if self.max_batch < 1 or self.max_batch_tokens < 64 or self.prefill_chunk < 1 or self.stream_buffer < 1:
+            raise ValueError("max_batch, prefill_chunk and stream_buffer must be >= 1, max_batch_tokens >= 64")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if not 0 <= self.deadline_margin_s < 10:
             raise ValueError(f"deadline_margin_s must be in [0, 10) seconds, got {self.deadline_margin_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0 seconds, got {self.grace_s}")
+
+    def engine_config(self) -> EngineConfig:
+        # admission (services/worker/admission.py) lets at most max_batch + max_queue reach the engine
+        return EngineConfig(max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens,
+                            max_waiting=self.max_batch + self.max_queue, prefill_chunk=self.prefill_chunk)

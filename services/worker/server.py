@@ -6,12 +6,14 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 from grpc_health.v1.health import aio as health_aio
 
 from core.model_spec import ModelSpec
 from engine import Decoder, DecoderConfig
+from engine.engine import BatchEngine
 from matrix_store import MatrixStore, StoreConfig
 from services.common.security import TenantAuth
 from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
@@ -40,6 +42,8 @@ class Worker:
     store: MatrixStore | None  # the embedded store; None when a draft_source_factory was given
     ready: asyncio.Task
     executor: ThreadPoolExecutor
+    engine: BatchEngine
+    engine_loop: asyncio.Future  # the engine thread's run(), on `executor`
 
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, drain in-flight calls for `grace_s`, then release everything."""
@@ -51,6 +55,8 @@ class Worker:
         """After the server stopped: end warm-up, save the tuners, snapshot the store (if Redis), stop /metrics."""
         if not self.ready.done():
             self.ready.cancel()
+        self.engine.stop()  # anything still in it ends as cancelled
+        await self.engine_loop
         await asyncio.to_thread(self.executor.shutdown, wait=True)
         if self.servicer.tuners is not None:
             await asyncio.to_thread(self.servicer.tuners.save_all)
@@ -68,12 +74,14 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     `draft_source_factory(tenant, domain)`: where TR drafts come from; default = an embedded
     MatrixStore (Redis snapshots when config.redis_url is set).
     """
-    # Every torch call runs on this executor's thread(s), model loading included: torch work from
+    # Every torch call runs on this executor's one thread, model loading included: torch work from
     # two threads gives two OpenMP thread teams fighting over the cores (measured: ~30% slower decoding).
-    executor = ThreadPoolExecutor(max_workers=config.max_active, thread_name_prefix="trserve-decode")
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trserve-engine")
+    loop = asyncio.get_running_loop()
     if decoder is None:
-        loop = asyncio.get_running_loop()
         decoder = await loop.run_in_executor(executor, Decoder, decoder_config or DecoderConfig())
+    engine = BatchEngine(decoder, config.engine_config(), _cost_model(decoder))
+    engine_loop = loop.run_in_executor(executor, engine.run)
     store = tuner_states = None
     if draft_source_factory is None:
         store = MatrixStore(StoreConfig(redis_url=config.redis_url))
@@ -82,7 +90,7 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
         draft_source_factory = embedded_factory(store, spec, decoder.device)
         tuner_states = StoreTunerStates(store, decoder.fingerprint)
     metrics = WorkerMetrics()
-    servicer = GenerateServicer(decoder, config, draft_source_factory, metrics, executor, tuner_states)
+    servicer = GenerateServicer(decoder, engine, config, draft_source_factory, metrics, tuner_states)
 
     auth = [TenantAuth(config.tenant_tokens, config.default_tenant)] if config.tenant_tokens is not None else []
     server = new_server(interceptors=auth)
@@ -93,7 +101,24 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     await set_status(health, [SERVICE_NAME], serving=False)
     await server.start()
     ready = asyncio.create_task(_warm_up(servicer, health, config.warmup), name="trserve-warmup")
-    return Worker(server, port, metrics_port, health, servicer, metrics, store, ready, executor)
+    return Worker(server, port, metrics_port, health, servicer, metrics, store, ready, executor, engine, engine_loop)
+
+
+def _cost_model(decoder: Decoder):
+    """The forward cost the engine sizes trees by: the adaptive tuner's calibration, a cached one
+    (`trserve tune` or an adaptive worker measured it), else the engine's proxy (logged)."""
+    from engine.model.paths import default_cache_dir
+    from engine.tuning.calibrate import cached_cost_model
+
+    cost = decoder.autotuner.cost if decoder.autotuner is not None else None
+    if cost is None:
+        cache = Path(decoder.config.cache_dir) if decoder.config.cache_dir else default_cache_dir()
+        cost = cached_cost_model(decoder.loaded, cache)
+    if cost is None:
+        log.info("no calibration of this model and device is cached: batch tree budgets use a default cost "
+                 "curve (run `trserve tune` once to measure this machine)")
+        return None
+    return cost.cost
 
 
 class StoreTunerStates:

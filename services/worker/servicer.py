@@ -1,4 +1,5 @@
-"""The Generate servicer: validate (from_pb) -> admission -> engine in the decode thread -> to_pb.
+"""The Generate servicer: validate (from_pb) -> prepare (a thread) -> admission -> the batching
+engine (engine/engine.py, its own thread) -> to_pb.
 
 Deadlines: a call's gRPC deadline becomes the engine's `deadline`, early by `deadline_margin_s` or
 two recent decoding steps (whichever is longer), so decoding stops in time to return the partial result with finish_reason TIME_LIMIT (status OK).
@@ -15,20 +16,20 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import Executor
 from dataclasses import dataclass, field
 
 import grpc
 
 from core.errors import TRServeError
 from engine import Decoder
+from engine.engine import BatchEngine
 from engine.request.request import GenerationRequest, PreparedRequest
 from engine.results import GenerationResult, StepChunk
-from engine.tuning.online import TunerBook
+from engine.tuning.online import OnlineTuner, TunerBook
 from services.common.errors import grpc_errors, status_for
 from services.worker import convert
 from services.worker.admission import Admission, QueueFull
-from services.worker.bridge import iterate_in_thread
+from services.worker.bridge import EngineStream
 from services.worker.config import WorkerConfig
 from services.worker.drafting.embedded import DraftSourceFactory
 from services.worker.metrics import WorkerMetrics
@@ -92,15 +93,15 @@ def observed(method):
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
-    def __init__(self, decoder: Decoder, config: WorkerConfig, draft_sources: DraftSourceFactory,
-                 metrics: WorkerMetrics, executor: Executor, tuner_states=None) -> None:
+    def __init__(self, decoder: Decoder, engine: BatchEngine, config: WorkerConfig, draft_sources: DraftSourceFactory,
+                 metrics: WorkerMetrics, tuner_states=None) -> None:
         self.decoder = decoder
+        self.engine = engine
         self.config = config
         self.limits = config.limits
         self.draft_sources = draft_sources
         self.metrics = metrics
-        self.executor = executor
-        self.admission = Admission(config.max_active, config.max_queue)
+        self.admission = Admission(config.max_batch, config.max_queue)
         metrics.queue_depth.set_function(lambda: self.admission.waiting)  # read at scrape time
         metrics.active.set_function(lambda: self.admission.active)
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to encode concurrently
@@ -160,42 +161,40 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
     # ---- warm-up -----------------------------------------------------------------------------
     async def warm_up(self) -> None:
-        """One short generation (kernels, caches, first-call costs) on a throwaway matrix."""
+        """One short generation through the engine (kernels, caches, first-call costs), throwaway matrix."""
         t0 = time.perf_counter()
+        prepared = await asyncio.to_thread(self.decoder.prepare, GenerationRequest(prompt="Hello", max_new_tokens=4))
         async with self.admission.slot():
-            await asyncio.get_running_loop().run_in_executor(
-                self.executor, functools.partial(self.decoder.generate, "Hello", max_new_tokens=4))
+            stream = EngineStream(asyncio.get_running_loop(), threading.Event(), self.config.stream_buffer)
+            await asyncio.to_thread(self.engine.submit, prepared, stream.emit)
+            await stream.finish()
         log.info("warm-up done in %.1f s", time.perf_counter() - t0)
 
     # ---- the decode path -----------------------------------------------------------------------
     async def _decode(self, call: _Call, context: grpc.aio.ServicerContext) -> AsyncIterator[StepChunk | GenerationResult]:
-        prepared = await asyncio.to_thread(self._prepare, call.call.request)
+        prepared, tuner = await asyncio.to_thread(self._prepare, call.call)
         async with self.admission.slot() as queue_s:
             call.queue_s = queue_s
             self.metrics.queue_seconds.observe(queue_s)
             deadline = self._engine_deadline(context)
-            async for item in iterate_in_thread(self.executor, functools.partial(self._run, call, prepared, deadline),
-                                                call.cancelled):
-                yield item
-
-    def _run(self, call: _Call, prepared: PreparedRequest, deadline: float | None):
-        """In the decode thread: the engine's stream, with step timing and result metrics."""
-        c, req = call.call, prepared.request
-        tr = req.mode == "tr"
-        stream = self.decoder.stream(
-            prepared, matrix=self.draft_sources(c.tenant, c.domain) if tr else None, cancelled=call.cancelled.is_set,
-            deadline=deadline, tuner=self.tuners.get(c.tenant) if self.tuners is not None and req.uses_default_tree else None,
-        )
-        last = None
-        for item in stream:
-            now = time.perf_counter()
-            if isinstance(item, StepChunk) and last is not None:  # the first chunk comes from the prefill
-                self.metrics.step_seconds.observe(now - last)
-                self._step_s = 0.9 * self._step_s + 0.1 * (now - last)
-            last = now
-            if isinstance(item, GenerationResult):
-                self._observe_result(item)
-            yield item
+            stream = EngineStream(asyncio.get_running_loop(), call.cancelled, self.config.stream_buffer)
+            c = call.call
+            source = self.draft_sources(c.tenant, c.domain) if prepared.request.mode == "tr" else None
+            await asyncio.to_thread(self.engine.submit, prepared, stream.emit, matrix=source,
+                                    cancelled=call.cancelled.is_set, deadline=deadline, tuner=tuner, tenant=c.tenant)
+            try:
+                last = None
+                async for item in stream.items():
+                    now = time.perf_counter()
+                    if isinstance(item, StepChunk) and last is not None:  # the first chunk comes from the prefill
+                        self.metrics.step_seconds.observe(now - last)
+                        self._step_s = 0.9 * self._step_s + 0.1 * (now - last)
+                    last = now
+                    yield item
+            finally:  # also when the caller went away: the engine frees the request's place first
+                result = await stream.finish()
+                if result is not None:
+                    self._observe_result(result)
 
     def _observe_result(self, result: GenerationResult) -> None:
         m, s = self.metrics, result.stats
@@ -209,12 +208,14 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             m.draft_fallbacks.inc()
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _prepare(self, request: GenerationRequest) -> PreparedRequest:
-        """Tokenize and check against the model (once), then against this server's prompt limit."""
+    def _prepare(self, call: convert.GenerateCall) -> tuple[PreparedRequest, OnlineTuner | None]:
+        """Tokenize and check against the model (once), then against this server's prompt limit; the
+        tenant's online tuner (which may load its saved state) when the request uses the default tree."""
         with self._tokenizer_lock:
-            prepared = self.decoder.prepare(request)
+            prepared = self.decoder.prepare(call.request)
         convert.check_prompt_length(len(prepared.ids), self.limits)
-        return prepared
+        tuner = self.tuners.get(call.tenant) if self.tuners is not None and call.request.uses_default_tree else None
+        return prepared, tuner
 
     def _prompt_ids(self, text: str | None, messages: list[dict] | None) -> list[int]:
         with self._tokenizer_lock:

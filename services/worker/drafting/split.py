@@ -20,10 +20,12 @@ class SplitConfig:
     """Where a split-deployment worker (`trserve worker`) gets its drafts."""
 
     matrix_addr: str  # host:port of `trserve matrix`
-    draft_mode: str = "remote"  # "remote": one round trip per step; "replica": checkout, draft locally, push rows
+    # "replica" (default): checkout, draft locally, push rows; "remote": one round trip per request per step,
+    # which a batch of requests would make in series
+    draft_mode: str = "replica"
     client: DraftClientConfig = DraftClientConfig()  # timeouts, breaker and push batching of each tenant's link
     # Tenants whose source (a channel + watchdog thread, and a pusher thread for replica) stays open,
-    # LRU. Must exceed the worker's max_active so a source in use is never the one evicted.
+    # LRU. Must exceed the worker's max_batch so a source in use is never the one evicted.
     max_sources: int = 64
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ STORY = [{"role": "user", "content": "Write a long story about a dragon who lear
 
 @pytest.fixture(scope="module")
 def worker(decoder):
-    yield from serving(WorkerConfig(port=0, metrics_port=None, limits=LIMITS, max_queue=1), decoder)
+    yield from serving(WorkerConfig(port=0, metrics_port=None, limits=LIMITS, max_batch=1, max_queue=1), decoder)
 
 
 @pytest.fixture(scope="module")

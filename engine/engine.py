@@ -1,0 +1,382 @@
+"""The batching engine: one loop per worker verifies the trees of every running request in one
+forward (continuous batching). The scheduler part decides (admission by KV budget and batch size,
+one prefill chunk per step, each sequence's tree size from engine/tuning/budget.py); the runner
+(engine/model/runner.py) owns the model and the batch KV; per sequence the TR step is the same as
+the serial decoder's (engine/step.py), so outputs equal decoding alone (up to float ties).
+
+Per step: retire finished / cancelled / timed-out sequences (their KV row is freed at once); admit
+waiting ones within the budgets; run one prefill chunk (<= `prefill_chunk` tokens) of the sequence
+being prefilled, so a long prompt delays the running ones by at most one chunk per step; then one
+batch forward over all running sequences. Host syncs per step: the accept decision of each
+sequence (its greedy tokens, `.tolist()`), nothing per tree node.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from core.errors import ResourceExhausted
+from engine.decoder import Decoder
+from engine.model.runner import ModelRunner, RowInput
+from engine.request.request import PreparedRequest
+from engine.request.stops import StopChecker
+from engine.request.text import TextStream
+from engine.results import GenerationResult, GenerationStats, StepChunk
+from engine.sequence import Sequence
+from engine.step import accept_step, draft_step
+from engine.tr.lookup import ContextLookup
+from engine.tr.recycle import RecycledRows, recycle_rows, select_rows
+from engine.tr.sampling import choose, new_sampler
+from engine.tr.source import DraftSession
+from engine.tr.tree import CompiledTree, TreeTemplate
+from engine.tuning.budget import NodeRates, choose_options
+from engine.tuning.online import OnlineTuner, StepPlan
+
+log = logging.getLogger("trserve.engine")
+SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # subtree sizes (root included) a step may pick
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch: int = 16  # sequences decoding at once (running + the one prefilling)
+    max_batch_tokens: int = 32768  # KV tokens the admitted sequences may reserve (prompt + max_new + tree)
+    max_waiting: int = 64  # admitted beyond the budgets: wait; beyond this: ResourceExhausted
+    prefill_chunk: int = 512  # prompt tokens prefilled per step
+    batch_aware: bool = True  # trees sized per step for the batch; False = every sequence its full tree
+    explore_every: int = 8  # batch-aware: a sequence verifies its whole tree at least every N steps
+
+    def __post_init__(self) -> None:
+        if self.max_batch < 1 or self.max_batch_tokens < 64 or self.max_waiting < 0 or self.prefill_chunk < 1:
+            raise ValueError("max_batch >= 1, max_batch_tokens >= 64, max_waiting >= 0, prefill_chunk >= 1")
+        if self.explore_every < 1:
+            raise ValueError(f"explore_every must be >= 1, got {self.explore_every}")
+
+
+def proxy_cost(width: int, kv: int) -> float:
+    """A forward's cost when no calibration is at hand (the AVX-512 calibration's shape: 1 token
+    16 ms, 4 tokens 20 ms, 16 tokens 42 ms, plus attention over the context)."""
+    return 0.0145 + 0.0017 * width + 2e-6 * kv * width
+
+
+@dataclass(eq=False)
+class _Live:
+    """One request in the engine."""
+
+    seq: Sequence
+    emit: Callable[[StepChunk | GenerationResult | Exception], None]
+    tree: CompiledTree | None
+    cancelled: Callable[[], bool] | None
+    deadline: float | None
+    rates_key: tuple
+    t0: float = field(default_factory=time.perf_counter)
+    prefill_s: float = 0.0
+    done: int = 0  # prompt tokens prefilled
+    row: int = -1
+    session: DraftSession | None = None  # None for plain decoding
+    recycled: RecycledRows | None = None
+    root: int = 0
+    text: TextStream | None = None
+    seed: list = field(default_factory=list)  # (tokens [c], topk [c, K]) of prompt seeding, per chunk
+
+    @property
+    def reserved(self) -> int:
+        width = self.tree.template.max_width if self.tree is not None else 1
+        return self.seq.prompt_len + self.seq.max_new_tokens + width
+
+
+class BatchEngine:
+    """Continuous batching over one Decoder's model (see the module docstring)."""
+
+    def __init__(self, decoder: Decoder, config: EngineConfig = EngineConfig(),
+                 cost: Callable[[int, int], float] | None = None) -> None:
+        self.decoder, self.config = decoder, config
+        self.runner = ModelRunner(decoder.model, config.max_batch + 1, decoder.loaded.dtype)
+        self.cost = cost or proxy_cost
+        self.waiting: deque[_Live] = deque()
+        self.prefilling: _Live | None = None
+        self.running: list[_Live] = []  # running[i].row == i
+        self.reserved = 0
+        self._rates: dict[tuple, NodeRates] = {}
+        self._subtrees: dict[tuple[TreeTemplate, int], CompiledTree] = {}
+        self._lock = threading.Condition()
+        self._stop = False
+        self.steps = 0
+
+    # ---- the caller's side (any thread) ---------------------------------------------------------
+    def submit(self, prepared: PreparedRequest, emit: Callable[[StepChunk | GenerationResult | Exception], None], *,
+               matrix=None, cancelled: Callable[[], bool] | None = None, deadline: float | None = None,
+               tuner: OnlineTuner | None = None, tenant: str = "") -> None:
+        """Queue a request; `emit` gets its StepChunks then its GenerationResult (on the engine thread),
+        or the exception of a failed step.
+        Opens the request's draft session here, in the caller's thread (it may read a store), so the
+        engine loop never waits on one. Raises ResourceExhausted when the request can never fit or
+        the waiting queue is full."""
+        d, req = self.decoder, prepared.request
+        tuner = (tuner or d.autotuner) if req.uses_default_tree else None
+        tree = tuner.universe if tuner is not None else prepared.tree
+        seq = Sequence(prepared, StopChecker(d.tokenizer, set(prepared.stop_ids), req.stop_strings),
+                       new_sampler(req.sampling, req.max_new_tokens, d.device), None, tuner)
+        live = _Live(seq, emit, tree, cancelled, deadline, (tenant, tree.template if tree else None))
+        if live.reserved > self.config.max_batch_tokens:
+            raise ResourceExhausted(f"the request needs {live.reserved} KV tokens; this engine holds at most "
+                                    f"{self.config.max_batch_tokens}: shorten the prompt or max_new_tokens")
+        with self._lock:
+            if len(self.waiting) >= self.config.max_waiting:
+                raise ResourceExhausted(f"engine full: {len(self.running)} decoding, {len(self.waiting)} waiting "
+                                        f"(max_waiting={self.config.max_waiting}); retry later or use another worker")
+        if req.mode == "tr":
+            live.session = d.draft_source(matrix).open(tree, d.spec)
+            seq.lookup = ContextLookup(list(prepared.ids), seq.prompt_len + seq.max_new_tokens)
+        with self._lock:
+            self.waiting.append(live)
+            self._lock.notify()
+
+    def load(self) -> tuple[int, int]:
+        """(running + prefilling, waiting), for metrics and admission."""
+        return len(self.running) + (self.prefilling is not None), len(self.waiting)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stop = True
+            self._lock.notify()
+
+    def run(self) -> None:
+        """The engine loop (one thread owns the model): step while there is work, else wait."""
+        with torch.inference_mode():
+            while True:
+                with self._lock:
+                    while not self._stop and not (self.waiting or self.running or self.prefilling):
+                        self._lock.wait()
+                    if self._stop:
+                        break
+                try:
+                    self.step()
+                except Exception as exc:  # noqa: BLE001 - one bad step must not stop serving
+                    log.exception("engine step failed; failing the %d requests in it", len(self._all()))
+                    self._fail_all(exc)
+        for live in self._all():
+            live.seq.finish_reason = live.seq.finish_reason or "cancelled"
+            self._finish(live)
+
+    def _all(self) -> list[_Live]:
+        with self._lock:
+            return [*self.running, *([self.prefilling] if self.prefilling else []), *self.waiting]
+
+    def _fail_all(self, exc: Exception) -> None:
+        """After a failed step: every request in the engine gets `exc` (its caller maps it to a status)
+        instead of a result, and the engine starts again empty."""
+        lives = self._all()
+        with self._lock:
+            self.running, self.prefilling, self.waiting = [], None, deque()
+        self.runner.kv.reset()
+        self.reserved = 0
+        for live in lives:
+            if live.session is not None:
+                try:
+                    live.session.close(None)
+                except Exception:  # noqa: BLE001
+                    log.exception("closing a draft session after a failed step")
+            live.emit(exc)
+
+    # ---- one step --------------------------------------------------------------------------------
+    def step(self) -> None:
+        self.steps += 1
+        self._retire([x for x in self.running if self._stopping(x)])
+        if self.prefilling is not None and self._stopping(self.prefilling):
+            live, self.prefilling = self.prefilling, None
+            self._finish(live)
+        self._admit()
+        if self.prefilling is not None:
+            self._prefill_chunk(self.prefilling)
+        if self.running:
+            self._decode()
+        self._retire([x for x in self.running if x.seq.finish_reason is not None])
+
+    def _stopping(self, live: _Live) -> bool:
+        if live.seq.finish_reason is not None:
+            return True
+        if live.cancelled is not None and live.cancelled():
+            live.seq.finish_reason = "cancelled"
+        elif live.deadline is not None and time.monotonic() > live.deadline:
+            live.seq.finish_reason = "time_limit"
+        return live.seq.finish_reason is not None
+
+    def _admit(self) -> None:
+        with self._lock:
+            while self.waiting and self._stopping(self.waiting[0]):
+                self._finish(self.waiting.popleft())
+            if self.prefilling is not None or not self.waiting:
+                return
+            head = self.waiting[0]
+            if len(self.running) + 1 > self.config.max_batch or self.reserved + head.reserved > self.config.max_batch_tokens:
+                return
+            self.waiting.popleft()
+        self.reserved += head.reserved
+        head.row = self.runner.kv.open_row()
+        self.prefilling = head
+
+    def _prefill_chunk(self, live: _Live) -> None:
+        ids, d = live.seq.prepared.ids, self.decoder
+        p = len(ids)
+        c = min(self.config.prefill_chunk, p - live.done)
+        chunk = torch.tensor(ids[live.done : live.done + c], device=d.device)
+        seed = min(p, d.config.seed_from_prompt) if live.session is not None else 0
+        first_seed = max(live.done, p - seed)  # prompt positions whose predictions seed the matrix
+        need = list(range(first_seed - live.done, c))
+        if live.done + c == p and (not need or need[-1] != c - 1):
+            need.append(c - 1)
+        logits = self.runner.prefill(live.row, chunk, torch.tensor(need, dtype=torch.long, device=d.device))  # [m, V]
+        seeded = [i for i in need if live.done + i >= p - seed] if seed else []
+        if seeded:
+            live.seed.append((chunk[seeded], torch.topk(logits[: len(seeded)], d.config.k, dim=-1).indices.int()))
+        live.done += c
+        if live.done == p:
+            self._start(live, logits[-1:])
+
+    def _start(self, live: _Live, last: torch.Tensor) -> None:
+        """The prompt is in: first token, draft session, and the sequence joins the batch."""
+        seq, d = live.seq, self.decoder
+        self.runner.kv.activate(live.row)
+        self.prefilling = None
+        self.running.append(live)
+        live.root = int(choose(last, seq.sampler, 0)[0])
+        if live.seed:
+            tokens = torch.cat([t for t, _ in live.seed])
+            topk = torch.cat([k for _, k in live.seed])
+            winners = select_rows(tokens, list(range(tokens.shape[0])))  # a repeated token: its last position
+            live.recycled, live.seed = RecycledRows(tokens[winners], topk[winners]), []
+        live.text = TextStream(d.tokenizer)
+        live.prefill_s = time.perf_counter() - live.t0
+        self._emit(live, seq.commit([live.root]))
+
+    def _decode(self) -> None:
+        drafts, inputs = self._drafts()
+        logits = self.runner.step(inputs)  # per row [w_b, V]
+        keep, k = [], self.decoder.config.k
+        for live, draft, lg, row in zip(self.running, drafts, logits, inputs):
+            seq = live.seq
+            if draft is None:  # plain decoding this step
+                new, path = [int(choose(lg, seq.sampler, len(seq.generated))[0])], [0]
+                if live.session is not None:
+                    live.recycled = recycle_rows(row.tokens, lg, k, path)
+            else:
+                acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row))
+                new, path = acc.tokens, acc.path
+                self._learn(live, draft, acc)
+            keep.append(path)
+            new = seq.commit(new)
+            seq.accepted_per_step.append(len(new))
+            live.root = new[-1] if new else live.root
+            self._emit(live, new)
+        self.runner.keep(keep)
+
+    def _drafts(self) -> tuple[list, list[RowInput]]:
+        """Each running sequence's draft (None = plain decoding this step) and its row input, with
+        tree sizes chosen for the whole batch (engine/tuning/budget.py)."""
+        staged, options = [], []
+        for live in self.running:
+            if live.session is None:  # an AR-mode request
+                staged.append(None)
+                options.append([(1, 1.0, 1)])
+                continue
+            drafted = live.session.step(live.recycled, live.root)  # [n_draft]; the rows are now in the matrix
+            live.recycled = None
+            plan = live.seq.tuner.plan() if live.seq.tuner is not None else StepPlan(live.tree, None, explore=False)
+            proposal = live.seq.lookup.propose(plan.tree.template.lookup)
+            staged.append((plan, drafted, proposal))
+            options.append(self._options(live, plan, proposal))
+        chosen = self._choose(options)
+        drafts, inputs = [], []
+        dev = self.decoder.device
+        for live, stage, opts, j in zip(self.running, staged, options, chosen):
+            size = opts[j][2]
+            if stage is None or size == 1:
+                drafts.append(None)
+                inputs.append(RowInput(torch.tensor([live.root], device=dev), torch.zeros(1, dtype=torch.long, device=dev),
+                                       torch.zeros(1, 1, dtype=self.runner.dtype, device=dev)))
+                continue
+            plan, drafted, proposal = stage
+            if size is not None and size < plan.tree.n:
+                sub = self._subtree(plan.tree, size)
+                plan = StepPlan(sub, torch.arange(sub.n, device=dev), explore=False)
+            draft = draft_step(live.seq, drafted, plan, proposal)
+            drafts.append(draft)
+            inputs.append(RowInput(draft.tokens, draft.tree.depth, draft.tree.mask))
+        return drafts, inputs
+
+    def _options(self, live: _Live, plan: StepPlan, proposal) -> list[tuple[int, float, int | None]]:
+        """(width, expected tokens, base nodes or None = the plan as it is) per option; first = plain decoding."""
+        chain = len(proposal.tokens) if proposal is not None else 0
+        full = [(plan.tree.n + chain, 1.0, None)]
+        if live.seq.tuner is not None or not self.config.batch_aware:  # the tuner's (or the full) plan, always
+            return full
+        if (len(live.seq.accepted_per_step) + 1) % self.config.explore_every == 0:
+            return full  # now and then the whole tree, so that every node's rate stays measured
+        rates = self._rates.setdefault(live.rates_key, NodeRates(plan.tree.n))
+        sizes = [s for s in SIZES if s < plan.tree.n] + [plan.tree.n]
+        return [(w, t, s) for (w, t), s in zip(rates.options(sizes, chain), [1, *sizes])]
+
+    def _choose(self, options: list[list[tuple[int, float, int | None]]]) -> list[int]:
+        kv = sum(self.runner.kv.rows.lens[: len(self.running)]) // max(len(self.running), 1)
+        return choose_options([[(w, t) for w, t, _ in o] for o in options], lambda w: self.cost(w, kv))
+
+    def _subtree(self, tree: CompiledTree, size: int) -> CompiledTree:
+        key = (tree.template, size)
+        if key not in self._subtrees:
+            t = tree.template
+            sub = TreeTemplate.from_paths(f"{t.name}/{size}", t.paths[: size - 1], t.description, t.lookup)
+            self._subtrees[key] = self.decoder.compile(sub)
+        return self._subtrees[key]
+
+    def _learn(self, live: _Live, draft, acc) -> None:
+        if live.seq.tuner is not None:
+            return
+        rates = self._rates.setdefault(live.rates_key, NodeRates(live.tree.n))
+        n_base = draft.plan.tree.n
+        base_path = [i for i in acc.path if i < n_base]
+        chain = draft.tokens.shape[0] - n_base
+        rates.record(n_base, base_path, chain, max(0, len(acc.tokens) - len(base_path)) if chain else 0)
+
+    # ---- output and retirement ------------------------------------------------------------------
+    def _emit(self, live: _Live, new: list[int]) -> None:
+        if new:
+            seq = live.seq
+            live.emit(StepChunk(tokens=new, text=live.text.delta(seq.generated, cut=seq.stops.cut_text)))
+
+    def _retire(self, done: list[_Live]) -> None:
+        for live in done:
+            row = self.running.index(live)
+            moved = self.runner.kv.close_row(row)
+            if moved is not None:
+                self.running[row] = self.running[moved]
+                self.running[row].row = row
+            self.running.pop()
+            self._finish(live)
+        if done and self.prefilling is not None and self.prefilling.row != self.runner.kv.active:
+            self.runner.kv.move_row(self.prefilling.row, self.runner.kv.active)
+            self.prefilling.row = self.runner.kv.active
+
+    def _finish(self, live: _Live) -> None:
+        seq, d = live.seq, self.decoder
+        if live.reserved and live.row >= 0:
+            self.reserved -= live.reserved
+            live.row = -1
+        info = None
+        if live.session is not None:
+            try:
+                live.session.close(live.recycled)
+            finally:
+                info = live.session.info()
+        decode_s = time.perf_counter() - live.t0 - live.prefill_s
+        text = seq.stops.cut_text(d.tokenizer.decode(seq.generated, skip_special_tokens=True))
+        tree = d.tree_name(live.tree, seq.tuner) if live.session is not None else "none"
+        stats = GenerationStats.build(seq, live.prefill_s, decode_s, info, tree)
+        live.emit(GenerationResult(ids=seq.generated, text=text, finish_reason=seq.finish_reason or "cancelled",
+                                   stats=stats))

@@ -1,0 +1,95 @@
+"""The model runner: owns the model's forward and the batch KV; the only code that runs the model
+for the batching engine. One step = one forward over every running sequence's new tokens.
+
+Each sequence contributes a `RowInput`: its new tokens (a draft tree, root first, or one token for
+plain decoding), their depths (positions = the row's length + depth) and their additive float mask
+among themselves ([w, w]: the tree's ancestor mask). The runner pads the rows to a common width,
+builds one 4D mask [B, 1, W, L + W] (a row sees its own context [0, lens[b]) and its own tree; holes
+and pads are hidden), runs the unmodified model's decoder once, and applies the LM head only to
+the positions whose logits are needed. A prefill chunk is a single-row forward of the same kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.model.batch_kv import BatchKV
+
+
+@dataclass(frozen=True, repr=False)
+class RowInput:
+    """One running sequence's part of a batch step."""
+
+    tokens: torch.Tensor  # [w] int64, root first
+    depth: torch.Tensor  # [w] int64: position offset from the row's current length
+    mask: torch.Tensor  # [w, w] additive float among the new tokens (0 visible, dtype-min hidden)
+
+    def __repr__(self) -> str:
+        return f"RowInput(w={self.tokens.shape[0]})"
+
+
+class ModelRunner:
+    """The model, its device and the batch KV cache (rows = sequences)."""
+
+    def __init__(self, model, max_rows: int, dtype: torch.dtype) -> None:
+        self.model = model
+        self.device = model.device
+        self.dtype = dtype
+        self.kv = BatchKV(model.config, max_rows, dtype, self.device)
+        self._body = model.get_decoder()
+        self._head = model.get_output_embeddings()
+        # The split decoder + LM head is the model's own forward for these architectures; others
+        # (e.g. logit soft-capping) compute full logits through the whole model.
+        self._split = self._head is not None and not getattr(model.config, "final_logit_softcapping", None)
+        self.hidden = torch.finfo(dtype).min
+
+    def _logits(self, cache, input_ids, mask, positions, keep: torch.Tensor) -> torch.Tensor:
+        """keep: [m] flat indices into [B * W] -> logits [m, V]."""
+        if self._split:
+            h = self._body(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                           use_cache=True).last_hidden_state  # [B, W, hidden]
+            return self._head(h.reshape(-1, h.shape[-1])[keep])
+        out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
+                         use_cache=True).logits  # [B, W, V]
+        return out.reshape(-1, out.shape[-1])[keep]
+
+    def prefill(self, row: int, tokens: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
+        """A chunk of a prompt into `row`: tokens [c] -> logits [m, V] at chunk offsets `need` [m]."""
+        c = tokens.shape[0]
+        start = self.kv.length(row)
+        cache = self.kv.for_row(row, c)
+        causal = torch.full((c, c), self.hidden, dtype=self.dtype, device=self.device).triu(1)  # [c, c]
+        mask = torch.cat([torch.zeros(c, start, dtype=self.dtype, device=self.device), causal], 1)[None, None]
+        positions = torch.arange(start, start + c, device=self.device)[None]  # [1, c]
+        logits = self._logits(cache, tokens[None], mask, positions, need)
+        self.kv.grow(row, c)
+        return logits
+
+    def step(self, rows: list[RowInput]) -> list[torch.Tensor]:
+        """One forward over the active rows (rows[b] is KV row b) -> per row logits [w_b, V]."""
+        b = len(rows)
+        assert b == self.kv.active, "a batch step takes every active row"
+        widths = [r.tokens.shape[0] for r in rows]
+        w = max(widths)
+        cache = self.kv.for_batch(w)
+        past = self.kv.rows.offset
+        lens = torch.tensor(self.kv.rows.lens[:b], device=self.device)  # [B]
+        ids = torch.zeros(b, w, dtype=torch.long, device=self.device)  # [B, W], pads = token 0
+        depth = torch.zeros(b, w, dtype=torch.long, device=self.device)  # [B, W]
+        mask = torch.full((b, 1, w, past + w), self.hidden, dtype=self.dtype, device=self.device)
+        mask[:, 0, :, :past].masked_fill_((torch.arange(past, device=self.device) < lens[:, None])[:, None, :], 0.0)
+        for i, r in enumerate(rows):
+            n = widths[i]
+            ids[i, :n], depth[i, :n] = r.tokens, r.depth
+            mask[i, 0, :n, past : past + n] = r.mask
+            mask[i, 0, n:, past + n :] = 0.0  # pads see only pads: no row is fully hidden
+        positions = lens[:, None] + depth  # [B, W]
+        keep = torch.cat([torch.arange(n, device=self.device) + i * w for i, n in enumerate(widths)])
+        logits = self._logits(cache, ids, mask, positions, keep)  # [sum w_b, V]
+        return list(torch.split(logits, widths))
+
+    def keep(self, offsets: list[list[int]]) -> None:
+        """After `step`: row b keeps its new entries at offsets[b] (root + accepted path)."""
+        self.kv.keep(offsets)

@@ -1,0 +1,69 @@
+"""One TR step of one sequence, split around the forward so that a batch can share it:
+`draft_step` (what to verify) -> the forward (serial: engine/model/forward.py; batched:
+engine/model/runner.py) -> `accept_step` (what to commit, recycle and record)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from engine.sequence import Sequence
+from engine.tr.accept import Acceptance, accept_greedy
+from engine.tr.hybrid import Graft, graft, matched_run
+from engine.tr.lookup import Proposal
+from engine.tr.recycle import RecycledRows, recycle_rows
+from engine.tr.sampling import choose_in_tree
+from engine.tr.tree import CompiledTree
+from engine.tuning.online import StepPlan
+from engine.tuning.records import AcceptanceLog
+
+
+@dataclass(frozen=True, repr=False)
+class Draft:
+    """What one sequence verifies this step."""
+
+    tokens: torch.Tensor  # [n (+ chain)] root first
+    tree: CompiledTree  # the tree verified (base + any lookup chain)
+    plan: StepPlan  # the base tree (and, tuned, its cut from the drafted universe)
+    grafted: Graft | None
+
+    def __repr__(self) -> str:
+        return f"Draft(n={self.tokens.shape[0]}, base={self.plan.tree.n}, chain={self.grafted is not None})"
+
+
+def draft_step(seq: Sequence, drafted: torch.Tensor, plan: StepPlan, proposal: Proposal | None = None) -> Draft:
+    """drafted: [n_draft] the session's tree tokens -> the tokens and tree to verify. `proposal`: the
+    lookup chain if the caller already looked it up (else looked up here for the plan's tree)."""
+    base = plan.tree
+    tokens = drafted if plan.select is None else drafted[plan.select]  # [n] the tree verified this step
+    if proposal is None:
+        proposal = seq.lookup.propose(base.template.lookup)
+    if proposal is None:
+        return Draft(tokens, base, plan, None)
+    tokens, verify, grafted = graft(tokens, base, proposal.tokens, proposal.ngram)  # [n + chain]
+    return Draft(tokens, verify, plan, grafted)
+
+
+def accept_step(seq: Sequence, draft: Draft, logits: torch.Tensor, k: int, past: int
+                ) -> tuple[Acceptance, RecycledRows]:
+    """logits: [n, V] of the draft's nodes -> (accepted path and tokens, rows to recycle); records
+    the step for the tuner (exploration steps) or the caller's acceptance log."""
+    greedy = choose_in_tree(logits, draft.tokens, draft.tree, seq.sampler, len(seq.generated))  # argmax or samples
+    acc = accept_greedy(draft.tokens, greedy, draft.tree)
+    rows = recycle_rows(draft.tokens, logits, k, acc.path)
+    if draft.plan.explore:
+        _record(seq.tuner.log, acc, draft.plan.tree.n, draft.grafted, past)
+        seq.tuner.recorded()
+    elif seq.log is not None:
+        _record(seq.log, acc, draft.plan.tree.n, draft.grafted, past)
+    return acc, rows
+
+
+def _record(log: AcceptanceLog, acc: Acceptance, n_base: int, grafted: Graft | None, past: int) -> None:
+    deepest = [i for i in acc.path if i < n_base][-1]  # deepest accepted node of the base tree
+    if grafted is None:
+        log.record(deepest, past)
+    else:
+        log.record(deepest, past, grafted.ngram, len(grafted.proposal), matched_run(grafted.proposal, acc.tokens),
+                   grafted.at)
