@@ -17,6 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.progress import Progress
+
 log = logging.getLogger("trserve.tune")
 
 
@@ -144,10 +146,13 @@ def _record(decoder, compiled, prompts: list[str], max_new_tokens: int) -> dict:
     matrix = decoder.new_matrix()
     decoder.generate(messages=[{"role": "user", "content": "Explain why the sky is blue."}], max_new_tokens=32,
                      matrix=matrix, tree=compiled)
-    for i, prompt in enumerate(prompts):
-        r = decoder.generate(messages=[{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens,
-                             matrix=matrix, tree=compiled, acceptance=acceptance)
-        log.info("prompt %d/%d: %d tokens, MAT %.2f", i + 1, len(prompts), r.stats.generated_tokens, r.stats.mat)
+    name = compiled.template.name
+    with Progress(f"tune {name}", total=len(prompts), unit="prompts", every_s=0.0, logger=log) as progress:
+        for prompt in prompts:
+            r = decoder.generate(messages=[{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens,
+                                 matrix=matrix, tree=compiled, acceptance=acceptance)
+            progress.add(name, r.stats.generated_tokens, r.stats.prefill_s + r.stats.decode_s)
+            progress.step(note=f"MAT {r.stats.mat:.2f}")
     return acceptance.arrays()
 
 
