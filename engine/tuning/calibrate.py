@@ -83,7 +83,7 @@ def measure(model, widths=WIDTHS, kv_lens=KV_LENS, reps: int = 2, passes: int = 
                   use_cache=True, logits_to_keep=1)
             caches.append(cache)
         cells = passes * len(kv_lens) * len(widths)
-        with Progress("calibrating", total=cells, unit="timings (width x kv length)", logger=log) as progress:
+        with Progress("calibrating", total=cells, unit="timings", logger=log) as progress:
             for _ in range(passes):
                 for i, (kv, cache) in enumerate(zip(kv_lens, caches)):
                     for j, w in enumerate(widths):
