@@ -15,8 +15,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--port", type=int, default=50052, help="listen port; 0 = any free port, printed (default 50052)")
     run.add_argument("--redis-url", default=None, help="e.g. redis://127.0.0.1:6379/0; omitted = memory only")
     run.add_argument("--key-prefix", default="trserve", help="prefix of every Redis key (default trserve)")
-    run.add_argument("--snapshot-every-versions", type=int, default=64)
-    run.add_argument("--snapshot-every-s", type=float, default=10.0)
+    run.add_argument("--snapshot-every-versions", type=int, default=64,
+                     help="snapshot a tenant once it is this many versions past its last snapshot (default 64)...")
+    run.add_argument("--snapshot-every-s", type=float, default=10.0,
+                     help="...or this many seconds after its first unsnapshotted change (default 10)")
     run.add_argument("--max-tenants", type=int, default=256, help="tenants kept in memory (LRU, default 256)")
     run.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM (default 5)")
     run.add_argument("--secret-file", default=None, help="file holding a shared secret every worker must send")
@@ -34,7 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     admin.add_argument("--version", type=int, help="rollback: the kept snapshot version to restore")
     admin.add_argument("--to", help="fork: the new tenant id")
     admin.add_argument("--table", action="store_true", help="list: a text table instead of JSON")
-    admin.add_argument("--timeout-s", type=float, default=10.0)
+    admin.add_argument("--timeout-s", type=float, default=10.0, help="deadline of each call (default 10)")
     admin.add_argument("--secret-file", default=None, help="the service's shared secret, when it requires one")
     admin.add_argument("--tls-ca", default=None, help="PEM CA file: reach the service over TLS")
     admin.set_defaults(func=run_admin)
