@@ -17,7 +17,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from typing import TextIO
+from typing import Self, TextIO
 
 log = logging.getLogger("trserve.progress")
 
@@ -101,7 +101,7 @@ class Progress:
             self._stream.flush()
             self._width = 0
 
-    def __enter__(self) -> Progress:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -28,7 +28,7 @@ def _pins() -> list[Requirement]:
     """requirements.txt's runtime lines, plus the torch pin the Makefile installs first."""
     lines = [ln.split("#")[0].strip() for ln in (REPO / "requirements.txt").read_text().splitlines()]
     pins = [Requirement(ln) for ln in lines if ln]
-    torch = re.search(r"^TORCH_SPEC\s*\?=\s*(\S+)", (REPO / "Makefile").read_text(), re.M)
+    torch = re.search(r"^TORCH_SPEC\s*\?=\s*(\S+)", (REPO / "Makefile").read_text(), re.MULTILINE)
     pins.append(Requirement(torch.group(1)))
     return [r for r in pins if not r.name.startswith("pytest") and r.name not in BUILD_ONLY]
 
@@ -93,6 +93,7 @@ def test_the_source_distribution_carries_the_protos(tmp_path: Path) -> None:
     code = "from setuptools import build_meta; print(build_meta.build_sdist('sdist'))"
     out = subprocess.run([sys.executable, "-c", code], cwd=src, capture_output=True, text=True, check=True)
     sdist = src / "sdist" / out.stdout.strip().splitlines()[-1]
-    names = tarfile.open(sdist).getnames()
+    with tarfile.open(sdist) as archive:
+        names = archive.getnames()
     assert any(n.endswith("protos/trserve/v1/generate.proto") for n in names)
     assert any(n.endswith("protos/trserve/v1/matrix.proto") for n in names)

@@ -16,7 +16,7 @@ def readme_commands() -> list[str]:
     """Inline code spans starting with `trserve `, and command lines in code blocks."""
     text = (REPO / "README.md").read_text()
     spans = re.findall(r"`(?:\.venv/bin/)?(trserve [^`]+)`", text)
-    spans += [m.group(1) for m in re.finditer(r"^\s*(?:\.venv/bin/)?(trserve .*)$", text, re.M)]
+    spans += [m.group(1) for m in re.finditer(r"^\s*(?:\.venv/bin/)?(trserve .*)$", text, re.MULTILINE)]
     return spans
 
 

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING
 
 from core.errors import InvalidArgument, NotFound
 from engine.request.request import GenerationRequest
-from engine.runtime import RuntimeInfo
 from engine.results import GenerationResult, GenerationStats, StepChunk
+from engine.runtime import RuntimeInfo
 from engine.tr.sampling import SamplingParams
 from engine.tr.tree import builtin_trees
 from matrix_store.config import validate_tenant_id
