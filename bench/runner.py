@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from bench.report import summarise, write_outputs
+from core.progress import Progress
 
 log = logging.getLogger("trserve.bench")
 WARMUP = [{"role": "user", "content": "Explain in two sentences why the sky is blue."}]
@@ -133,22 +134,11 @@ def run_bench(config: BenchConfig) -> dict:
     for name, run in runners.items():  # untimed warm-up (also warms the TR matrices)
         run(WARMUP, 32)
     records = []  # one per (decoder, question, turn)
-    for qi, q in enumerate(questions):
-        turns = q["turns"][:1] if config.first_turn_only else q["turns"]
-        for name, run in runners.items():
-            messages = []
-            for t, turn in enumerate(turns):
-                messages.append({"role": "user", "content": turn})
-                start = time.perf_counter()
-                ids, stats = run(messages, config.max_new_tokens)
-                elapsed = time.perf_counter() - start
-                text = _tokenizer(runners).decode(ids, skip_special_tokens=True)
-                messages.append({"role": "assistant", "content": text})
-                records.append({"decoder": name, "question_id": q["question_id"], "category": q["category"],
-                                "turn": t, "ids": ids, "seconds": elapsed, "tokens": len(ids),
-                                "steps": stats.steps if stats else None,
-                                "step_tokens": sum(stats.accepted_per_step) if stats else None})
-        log.info("question %d/%d (%s) done", qi + 1, len(questions), q["category"])
+    with Progress("bench", total=len(questions), unit="prompts", every_s=0.0, logger=log) as progress:
+        for q in questions:
+            for name, run in runners.items():
+                records += _ask(name, run, q, runners, config, progress)
+            progress.step(note=q["category"])
     report = summarise(records, list(runners), sampled=config.temperature > 0)
     report["config"] = asdict(config)
     report["environment"] = {
@@ -159,6 +149,25 @@ def run_bench(config: BenchConfig) -> dict:
     }
     write_outputs(report, records, config.json_path)
     return report
+
+
+def _ask(name: str, run, q: dict, runners: dict, config: BenchConfig, progress: Progress) -> list[dict]:
+    """Every turn of question `q` through one decoder (turn 2 follows its own answer to turn 1)."""
+    turns = q["turns"][:1] if config.first_turn_only else q["turns"]
+    messages, records = [], []
+    for t, turn in enumerate(turns):
+        messages.append({"role": "user", "content": turn})
+        start = time.perf_counter()
+        ids, stats = run(messages, config.max_new_tokens)
+        elapsed = time.perf_counter() - start
+        progress.add(name, len(ids), elapsed)
+        text = _tokenizer(runners).decode(ids, skip_special_tokens=True)
+        messages.append({"role": "assistant", "content": text})
+        records.append({"decoder": name, "question_id": q["question_id"], "category": q["category"],
+                        "turn": t, "ids": ids, "seconds": elapsed, "tokens": len(ids),
+                        "steps": stats.steps if stats else None,
+                        "step_tokens": sum(stats.accepted_per_step) if stats else None})
+    return records
 
 
 def _tokenizer(runners):

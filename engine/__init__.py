@@ -2,6 +2,7 @@
 
     decoder.py    the decode loop (Decoder: prepare -> stream)     results.py  what it returns
     sequence.py   one request in flight                             config.py   DecoderConfig
+    runtime.py    what a decoder runs on (device, kernels, attention, tree, threads)
     tr/           the algorithm: trees, drafting, acceptance, recycling, sampling, lookup chains,
                   the adjacency matrix and the draft-source boundary
     model/        the target model: loading, kernels, attention, KV cache, the verification forward
@@ -25,6 +26,7 @@ _EXPORTS = {
     "LocalDraftSource": "engine.tr.source",
     "ModelConfig": "engine.model.loader",
     "ModelSpec": "core.model_spec",
+    "RuntimeInfo": "engine.runtime",
     "SamplingParams": "engine.tr.sampling",
     "StepChunk": "engine.results",
     "load_model": "engine.model.loader",

@@ -5,7 +5,8 @@ Key layout (P = StoreConfig.key_prefix, FP = model fingerprint, T = tenant id, N
     P:fingerprints          set    every fingerprint that has at least one stored tenant
     P:tenants:FP            set    tenant ids stored for FP
     P:meta:FP:T             hash   fingerprint, vocab_size, k, domain ("" = none), latest (version of
-                                   the newest kept snapshot), updated (unix seconds)
+                                   the newest kept snapshot), updated (unix seconds of the last
+                                   snapshot written or rollback)
     P:versions:FP:T         zset   kept snapshot versions (member "N", score N)
     P:snap:FP:T:N           string one snapshot blob (see snapshot.py)
 
@@ -110,6 +111,20 @@ class RedisBackend:
 
         return self._call(run)
 
+    def read_metas(self, keys: set[tuple[str, str]]) -> dict[tuple[str, str], dict[str, str]]:
+        """The meta hashes of many (fingerprint, tenant) pairs in one round trip; absent ones left out."""
+        ordered = sorted(keys)
+
+        def run() -> list:
+            pipe = self._r.pipeline(transaction=False)
+            for fp, tenant in ordered:
+                pipe.hgetall(self._key("meta", fp, tenant))
+            return pipe.execute()
+
+        raw = self._call(run) if ordered else []
+        metas = {key: {k.decode(): v.decode() for k, v in m.items()} for key, m in zip(ordered, raw)}
+        return {key: meta for key, meta in metas.items() if meta}
+
     # -- writes ------------------------------------------------------------------------------
     def write_snapshot(
         self, fp: str, tenant: str, meta: dict[str, str], version: int, blob: bytes, keep: int
@@ -142,7 +157,8 @@ class RedisBackend:
             if newer:
                 self._drop(fp, tenant, [int(v) for v in newer])
             if self._r.exists(self._key("meta", fp, tenant)):  # never leave a partial meta hash
-                self._r.hset(self._key("meta", fp, tenant), "latest", str(version))
+                fields = {"latest": str(version), "updated": str(time.time())}
+                self._r.hset(self._key("meta", fp, tenant), mapping=fields)
 
         self._call(run)
 

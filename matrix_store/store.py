@@ -34,7 +34,7 @@ from matrix_store.redis_backend import RedisBackend
 from matrix_store.restore import read_stored
 from matrix_store.snapshot import encode_snapshot
 from matrix_store.table import TenantTable
-from matrix_store.tenant import Checkout, TenantState, apply_rows, validate_batch
+from matrix_store.tenant import Checkout, TenantState, TenantSummary, apply_rows, validate_batch
 
 log = logging.getLogger("trserve.matrix_store")
 
@@ -240,6 +240,24 @@ class MatrixStore:
             except Unavailable as exc:
                 log.warning("listing tenants from memory only: %s", exc)
         return sorted(names)
+
+    def list_tenants(self, fingerprint: str | None = None) -> list[TenantSummary]:
+        """Every tenant in memory or in Redis (of one model, or all), by (fingerprint, tenant);
+        loads none of them. While Redis is unreachable: the tenants in memory only."""
+        if fingerprint is not None:
+            validate_fingerprint(fingerprint)
+        stored: dict[tuple[str, str], dict[str, str]] = {}
+        if self._backend is not None:
+            try:
+                stored = self._backend.read_metas(self._backend.tenants(fingerprint))
+            except Unavailable as exc:
+                log.warning("listing tenants from memory only: %s", exc)
+        now = time.time()
+        loaded = {(e.spec.fingerprint, e.name): e for e in self._table.entries()
+                  if fingerprint is None or e.spec.fingerprint == fingerprint}
+        out = [TenantSummary.loaded(e, stored.get(key), now) for key, e in loaded.items()]
+        out += [TenantSummary.stored(fp, t, meta, now) for (fp, t), meta in stored.items() if (fp, t) not in loaded]
+        return sorted(out, key=lambda s: (s.fingerprint, s.tenant))
 
     def health(self) -> dict:
         if self._backend is None:

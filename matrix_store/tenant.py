@@ -55,6 +55,43 @@ class TenantState:
         return self.dirty_since is None and not self.pending_restore and self.conflict is None
 
 
+@dataclass(frozen=True)
+class TenantSummary:
+    """One tenant as MatrixStore.list_tenants reports it: from memory when loaded, else from its
+    Redis meta hash (listing never loads a tenant)."""
+
+    fingerprint: str
+    tenant: str
+    domain: str | None
+    version: int  # in memory: the current version; only in Redis: its newest snapshot's
+    in_memory: bool
+    nonzero_rows: int | None  # None when only in Redis: counting would mean loading it
+    memory_bytes: int  # of its rows in memory; 0 when only in Redis
+    last_snapshot_version: int | None  # None = never snapshotted
+    last_snapshot_age_s: float | None  # since its snapshots last changed in Redis; None = unknown
+
+    @classmethod
+    def loaded(cls, entry: TenantState, meta: dict[str, str] | None, now: float) -> TenantSummary:
+        """`meta`: the tenant's Redis meta hash (for the snapshot's age), None without one."""
+        with entry.lock:
+            nonzero = int(np.count_nonzero(entry.rows.any(axis=1)))
+            return cls(entry.spec.fingerprint, entry.name, entry.domain, entry.version, True, nonzero,
+                       int(entry.rows.nbytes), entry.snap_version, _age(meta, now))
+
+    @classmethod
+    def stored(cls, fingerprint: str, tenant: str, meta: dict[str, str], now: float) -> TenantSummary:
+        latest = int(meta["latest"]) if meta.get("latest", "").isdigit() else None
+        return cls(fingerprint, tenant, meta.get("domain") or None, latest or 0, False, None, 0, latest,
+                   _age(meta, now))
+
+
+def _age(meta: dict[str, str] | None, now: float) -> float | None:
+    try:
+        return max(now - float(meta["updated"]), 0.0) if meta else None
+    except (KeyError, ValueError):
+        return None
+
+
 def validate_batch(
     spec: ModelSpec, tokens: object, topk: object, max_rows: int
 ) -> tuple[np.ndarray, np.ndarray]:

@@ -68,3 +68,9 @@ def use_grouped_sdpa(model) -> bool:
     AttentionMaskInterface.register(NAME, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])
     model.set_attn_implementation(NAME)
     return True
+
+
+def attention_in_use(model) -> str:
+    """'grouped_sdpa' once `use_grouped_sdpa` switched the model, else transformers' implementation name."""
+    name = getattr(model.config, "_attn_implementation", None) or "eager"
+    return "grouped_sdpa" if name == NAME else name

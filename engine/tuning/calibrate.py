@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from core.progress import Progress
 from engine.model.kv import KVCache
 
 log = logging.getLogger("trserve.engine")
@@ -81,10 +82,13 @@ def measure(model, widths=WIDTHS, kv_lens=KV_LENS, reps: int = 2, passes: int = 
             model(input_ids=torch.randint(0, vocab, (1, kv), generator=g).to(device), past_key_values=cache.cache,
                   use_cache=True, logits_to_keep=1)
             caches.append(cache)
-        for _ in range(passes):
-            for i, (kv, cache) in enumerate(zip(kv_lens, caches)):
-                for j, w in enumerate(widths):
-                    best[i, j] = min(best[i, j], _time_forward(model, cache, kv, w, reps, vocab, dtype, g))
+        cells = passes * len(kv_lens) * len(widths)
+        with Progress("calibrating", total=cells, unit="timings", logger=log) as progress:
+            for _ in range(passes):
+                for i, (kv, cache) in enumerate(zip(kv_lens, caches)):
+                    for j, w in enumerate(widths):
+                        best[i, j] = min(best[i, j], _time_forward(model, cache, kv, w, reps, vocab, dtype, g))
+                        progress.step(note=f"kv {kv}, width {w}")
     # A wider forward never costs less; enforcing that removes what noise is left.
     table = tuple(tuple(float(x) for x in np.maximum.accumulate(row)) for row in best)
     for kv, row in zip(kv_lens, table):

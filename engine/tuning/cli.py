@@ -17,6 +17,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from core.progress import Progress
+
 log = logging.getLogger("trserve.tune")
 
 
@@ -144,10 +146,13 @@ def _record(decoder, compiled, prompts: list[str], max_new_tokens: int) -> dict:
     matrix = decoder.new_matrix()
     decoder.generate(messages=[{"role": "user", "content": "Explain why the sky is blue."}], max_new_tokens=32,
                      matrix=matrix, tree=compiled)
-    for i, prompt in enumerate(prompts):
-        r = decoder.generate(messages=[{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens,
-                             matrix=matrix, tree=compiled, acceptance=acceptance)
-        log.info("prompt %d/%d: %d tokens, MAT %.2f", i + 1, len(prompts), r.stats.generated_tokens, r.stats.mat)
+    name = compiled.template.name
+    with Progress(f"tune {name}", total=len(prompts), unit="prompts", every_s=0.0, logger=log) as progress:
+        for prompt in prompts:
+            r = decoder.generate(messages=[{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens,
+                                 matrix=matrix, tree=compiled, acceptance=acceptance)
+            progress.add(name, r.stats.generated_tokens, r.stats.prefill_s + r.stats.decode_s)
+            progress.step(note=f"MAT {r.stats.mat:.2f}")
     return acceptance.arrays()
 
 
@@ -172,7 +177,7 @@ def register(sub) -> None:
     p.add_argument("--prompts", default=str(prompt_file("spec_bench")), help="comma list of Spec-Bench style jsonl files")
     p.add_argument("--out", required=True, help="where to write the tree JSON (use it with --tree FILE)")
     p.add_argument("--per-category", type=int, default=2, help="tuning prompts: the LAST N of each category")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens decoded per tuning prompt (default 128)")
     p.add_argument("--universe", default="paper", help="the large tree whose subtrees are searched")
     p.add_argument("--max-ngram", type=int, default=4, help="longest prompt-lookup suffix match (0 = no lookup)")
     p.add_argument("--max-chain", type=int, default=16, help="longest lookup chain recorded")
@@ -182,9 +187,10 @@ def register(sub) -> None:
     p.add_argument("--confirm", type=int, default=4,
                    help="finalists (the best of sizes 1-4, 5-8, 9-16, 17-32) decoded with their own tree, "
                         "and cpu-8 for reference; 0 = skip")
-    p.add_argument("--threads", type=int, default=None)
-    p.add_argument("--kernels", default="auto", choices=("auto", "stock", "packed", "compressed"))
-    p.add_argument("--model", default=None)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--kernels", default="auto", choices=("auto", "stock", "packed", "compressed"),
+                   help="kernels to tune for (default auto, as `serve` picks them)")
+    p.add_argument("--model", default=None, help="model source (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--name", default=None, help="tree name (default: the output file's stem)")
     p.set_defaults(func=_run)
 

@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-ADMIN_ACTIONS = ("describe", "versions", "snapshot", "rollback", "fork", "delete")
+ADMIN_ACTIONS = ("list", "describe", "versions", "snapshot", "rollback", "fork", "delete")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -15,8 +15,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--port", type=int, default=50052, help="listen port; 0 = any free port, printed (default 50052)")
     run.add_argument("--redis-url", default=None, help="e.g. redis://127.0.0.1:6379/0; omitted = memory only")
     run.add_argument("--key-prefix", default="trserve", help="prefix of every Redis key (default trserve)")
-    run.add_argument("--snapshot-every-versions", type=int, default=64)
-    run.add_argument("--snapshot-every-s", type=float, default=10.0)
+    run.add_argument("--snapshot-every-versions", type=int, default=64,
+                     help="snapshot a tenant once it is this many versions past its last snapshot (default 64)...")
+    run.add_argument("--snapshot-every-s", type=float, default=10.0,
+                     help="...or this many seconds after its first unsnapshotted change (default 10)")
     run.add_argument("--max-tenants", type=int, default=256, help="tenants kept in memory (LRU, default 256)")
     run.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM (default 5)")
     run.add_argument("--secret-file", default=None, help="file holding a shared secret every worker must send")
@@ -25,13 +27,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.set_defaults(func=run_service)
 
     admin = sub.add_parser("matrix-admin", help="admin calls on a matrix service; prints JSON")
-    admin.add_argument("action", choices=ADMIN_ACTIONS)
+    admin.add_argument("action", choices=ADMIN_ACTIONS, help="list: every tenant; the others act on --tenant")
     admin.add_argument("--addr", default="127.0.0.1:50052", help="matrix service host:port")
-    admin.add_argument("--tenant", required=True)
-    admin.add_argument("--fingerprint", required=True, help="model fingerprint the tenant's matrix belongs to")
+    admin.add_argument("--tenant", default=None, help="the tenant (every action but list)")
+    admin.add_argument("--fingerprint", default=None,
+                       help="model fingerprint of the tenant's matrix (default: the one model the service holds "
+                            "tenants of); list: only that model's tenants")
     admin.add_argument("--version", type=int, help="rollback: the kept snapshot version to restore")
     admin.add_argument("--to", help="fork: the new tenant id")
-    admin.add_argument("--timeout-s", type=float, default=10.0)
+    admin.add_argument("--table", action="store_true", help="list: a text table instead of JSON")
+    admin.add_argument("--timeout-s", type=float, default=10.0, help="deadline of each call (default 10)")
     admin.add_argument("--secret-file", default=None, help="the service's shared secret, when it requires one")
     admin.add_argument("--tls-ca", default=None, help="PEM CA file: reach the service over TLS")
     admin.set_defaults(func=run_admin)
@@ -62,34 +67,101 @@ def run_admin(args: argparse.Namespace) -> int:
     import grpc
 
     from services.common.security import SharedSecret, client_channel
-    from trserve.v1 import matrix_pb2 as pb
     from trserve.v1 import matrix_pb2_grpc as pb_grpc
 
-    if args.action == "rollback" and args.version is None:
-        print("trserve matrix-admin rollback: --version is required (see `versions`)", file=sys.stderr)
-        return 2
-    if args.action == "fork" and not args.to:
-        print("trserve matrix-admin fork: --to NEW_TENANT is required", file=sys.stderr)
-        return 2
+    problem = _usage_problem(args)
     try:
         secret = SharedSecret.from_file(args.secret_file) if args.secret_file else None
     except ValueError as exc:
-        print(f"trserve matrix-admin: {exc}", file=sys.stderr)
+        problem = problem or str(exc)
+    if problem:
+        print(f"trserve matrix-admin {args.action}: {problem}", file=sys.stderr)
         return 2
-    ref = pb.TenantRef(tenant=args.tenant, fingerprint=args.fingerprint)
     with client_channel(args.addr, args.tls_ca, secret) as channel:
         stub = pb_grpc.MatrixServiceStub(channel)
         try:
-            out = _admin_call(stub, pb, args, ref)
+            if args.action == "list":
+                return _list(stub, args)
+            fingerprint = args.fingerprint or _only_fingerprint(stub, args.timeout_s)
+            out = _admin_call(stub, args, fingerprint)
         except grpc.RpcError as exc:
             print(json.dumps({"error": exc.code().name, "details": exc.details()}), file=sys.stderr)
             return 1
+        except LookupError as exc:
+            print(f"trserve matrix-admin {args.action}: {exc}", file=sys.stderr)
+            return 2
     print(json.dumps(out, indent=2))
     return 0
 
 
-def _admin_call(stub, pb, args: argparse.Namespace, ref) -> dict:
-    t = args.timeout_s
+def _usage_problem(args: argparse.Namespace) -> str | None:
+    if args.action != "list" and not args.tenant:
+        return "--tenant is required (see `trserve matrix-admin list`)"
+    if args.action == "rollback" and args.version is None:
+        return "--version is required (see `versions`)"
+    if args.action == "fork" and not args.to:
+        return "--to NEW_TENANT is required"
+    return None
+
+
+def _only_fingerprint(stub, timeout: float) -> str:
+    """The one model the service holds tenants of; LookupError naming them when there are several or none."""
+    from trserve.v1 import matrix_pb2 as pb
+
+    found = sorted({t.fingerprint for t in stub.ListTenants(pb.ListTenantsRequest(), timeout=timeout).tenants})
+    if len(found) != 1:
+        held = f"tenants of {len(found)} models: {', '.join(found)}" if found else "no tenants"
+        raise LookupError(f"the service holds {held}; pass --fingerprint")
+    return found[0]
+
+
+def _list(stub, args: argparse.Namespace) -> int:
+    from trserve.v1 import matrix_pb2 as pb
+
+    reply = stub.ListTenants(pb.ListTenantsRequest(fingerprint=args.fingerprint or ""), timeout=args.timeout_s)
+    rows = [_summary(t) for t in reply.tenants]
+    if args.table:
+        print(_tenant_table(rows))
+        if reply.redis == "failing":
+            print("(Redis unreachable: tenants only in Redis are missing)")
+    else:
+        print(json.dumps({"redis": reply.redis, "tenants": rows}, indent=2))
+    return 0
+
+
+def _summary(t) -> dict:
+    """A TenantSummary as JSON, the proto's -1 / "" sentinels as null."""
+    age = _known(t.last_snapshot_age_s)
+    return {"tenant": t.tenant, "fingerprint": t.fingerprint, "domain": t.domain or None, "version": t.version,
+            "in_memory": t.in_memory, "nonzero_rows": _known(t.nonzero_rows), "memory_bytes": t.memory_bytes,
+            "last_snapshot_version": _known(t.last_snapshot_version),
+            "last_snapshot_age_s": None if age is None else round(age, 1)}
+
+
+def _known(value):
+    return None if value < 0 else value
+
+
+def _tenant_table(rows: list[dict]) -> str:
+    from core.progress import format_duration
+
+    def show(value) -> str:
+        return "-" if value is None else str(value)
+
+    lines = [f"{'tenant':<20} {'fingerprint':<36} {'version':>8} {'rows':>7} {'memory':>9} {'snapshot':>8} {'age':>7}"]
+    for r in rows:
+        age = r["last_snapshot_age_s"]
+        memory = f"{r['memory_bytes'] / 2**20:.1f} MiB" if r["in_memory"] else "redis"
+        lines.append(f"{r['tenant']:<20} {r['fingerprint']:<36} {r['version']:>8} {show(r['nonzero_rows']):>7} "
+                     f"{memory:>9} {show(r['last_snapshot_version']):>8} "
+                     f"{'-' if age is None else format_duration(age):>7}")
+    return "\n".join(lines)
+
+
+def _admin_call(stub, args: argparse.Namespace, fingerprint: str) -> dict:
+    from trserve.v1 import matrix_pb2 as pb
+
+    t, ref = args.timeout_s, pb.TenantRef(tenant=args.tenant, fingerprint=fingerprint)
     if args.action == "describe":
         r = stub.Describe(ref, timeout=t)
         return {"tenant": r.tenant, "domain": r.domain or None, "fingerprint": r.fingerprint,

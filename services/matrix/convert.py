@@ -12,6 +12,7 @@ import numpy as np
 from core.errors import InvalidArgument
 from core.model_spec import ModelSpec
 from matrix_store.config import validate_tenant_id
+from matrix_store.tenant import TenantSummary
 from trserve.v1 import matrix_pb2 as pb
 
 WIRE_DTYPE = np.dtype("<i4")
@@ -66,3 +67,13 @@ def check_root(root: int, vocab_size: int) -> int:
     if not 0 <= root < vocab_size:
         raise InvalidArgument(f"root token {root} is outside the vocabulary [0, {vocab_size})")
     return root
+
+
+def summary_to_pb(s: TenantSummary) -> pb.TenantSummary:
+    """Unknowns become the proto's sentinels: -1 (rows, snapshot version and age), "" (domain)."""
+    return pb.TenantSummary(
+        tenant=s.tenant, fingerprint=s.fingerprint, domain=s.domain or "", version=s.version, in_memory=s.in_memory,
+        nonzero_rows=-1 if s.nonzero_rows is None else s.nonzero_rows, memory_bytes=s.memory_bytes,
+        last_snapshot_version=-1 if s.last_snapshot_version is None else s.last_snapshot_version,
+        last_snapshot_age_s=-1.0 if s.last_snapshot_age_s is None else s.last_snapshot_age_s,
+    )

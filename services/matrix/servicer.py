@@ -16,7 +16,7 @@ import numpy as np
 from core.errors import InvalidArgument
 from matrix_store import MatrixStore
 from services.common.errors import grpc_errors
-from services.matrix.convert import rows_from_pb, rows_to_pb, spec_from_pb, tenant_from_pb
+from services.matrix.convert import rows_from_pb, rows_to_pb, spec_from_pb, summary_to_pb, tenant_from_pb
 from services.matrix.sessions import RemoteDraft, plan_for, resolve_tree
 from trserve.v1 import matrix_pb2 as pb
 from trserve.v1 import matrix_pb2_grpc as pb_grpc
@@ -137,6 +137,12 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
     async def Delete(self, request: pb.TenantRef, context) -> pb.DeleteReply:
         await asyncio.to_thread(self._store.delete, request.fingerprint, request.tenant)
         return pb.DeleteReply()
+
+    @grpc_errors
+    async def ListTenants(self, request: pb.ListTenantsRequest, context) -> pb.ListTenantsReply:
+        summaries = await asyncio.to_thread(self._store.list_tenants, request.fingerprint or None)
+        health = await asyncio.to_thread(self._store.health)
+        return pb.ListTenantsReply(tenants=[summary_to_pb(s) for s in summaries], redis=health["redis"])
 
 
 def add_to_server(servicer: MatrixServicer, server: grpc.aio.Server) -> None:

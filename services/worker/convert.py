@@ -9,15 +9,20 @@ fix the request.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from core.errors import InvalidArgument, NotFound
 from engine.request.request import GenerationRequest
 from engine.results import GenerationResult, GenerationStats, StepChunk
+from engine.runtime import RuntimeInfo
 from engine.tr.sampling import SamplingParams
 from engine.tr.tree import builtin_trees
 from matrix_store.config import validate_tenant_id
 from services.worker.config import Limits
 from trserve.v1 import generate_pb2 as pb
+
+if TYPE_CHECKING:
+    from engine.decoder import Decoder
 
 FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
@@ -145,3 +150,14 @@ def final_chunk_to_pb(result: GenerationResult, text_sent: str, queue_s: float) 
     rest = result.text[len(text_sent):] if result.text.startswith(text_sent) else ""
     return pb.GenerateStreamResponse(text=rest, finish_reason=FINISH_REASONS[result.finish_reason],
                                      stats=stats_to_pb(result.stats, queue_s))
+
+
+def model_info_to_pb(decoder: Decoder, limits: Limits) -> pb.ModelInfoResponse:
+    d, info = decoder, RuntimeInfo.of(decoder)
+    return pb.ModelInfoResponse(
+        model=d.config.model.source, fingerprint=d.fingerprint, vocab_size=d.vocab_size,
+        max_context=d.max_context, default_tree=info.tree, default_tree_nodes=d.default_tree.n, k=d.config.k,
+        max_new_tokens_cap=limits.max_new_tokens_cap, default_max_new_tokens=limits.default_max_new_tokens,
+        max_prompt_tokens=limits.max_prompt_tokens, device=info.device, kernels=info.kernels,
+        attention=info.attention, threads=info.threads,
+    )

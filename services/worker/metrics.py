@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
 
 MAT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
@@ -28,6 +28,8 @@ class WorkerMetrics:
         self.draft_fallbacks = Counter(
             "trserve_draft_fallbacks",
             "Requests that drafted from a local matrix because the matrix store/service failed", registry=r)
+        # trserve_build_info{device, kernels, attention, tree, threads, model} 1: what this worker runs on
+        self.build = Info("trserve_build", "What this worker decodes with", registry=r)
         self._http = None
 
     def serve_http(self, host: str, port: int) -> int:

@@ -14,6 +14,7 @@ from grpc_health.v1.health import aio as health_aio
 from core.model_spec import ModelSpec
 from engine import Decoder, DecoderConfig
 from engine.engine import BatchEngine
+from engine.runtime import RuntimeInfo
 from matrix_store import MatrixStore, StoreConfig
 from services.common.security import TenantAuth
 from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
@@ -90,6 +91,9 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
         draft_source_factory = embedded_factory(store, spec, decoder.device)
         tuner_states = StoreTunerStates(store, decoder.fingerprint)
     metrics = WorkerMetrics()
+    runtime = RuntimeInfo.of(decoder)
+    metrics.build.info({"model": decoder.config.model.source, **runtime.labels()})
+    log.info("serving %s: %s, batches of up to %d", decoder.config.model.source, runtime, config.max_batch)
     servicer = GenerateServicer(decoder, engine, config, draft_source_factory, metrics, tuner_states)
 
     auth = [TenantAuth(config.tenant_tokens, config.default_tenant)] if config.tenant_tokens is not None else []

@@ -150,14 +150,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     @grpc_errors
     @observed
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
-        d, lim = self.decoder, self.limits
-        return pb.ModelInfoResponse(
-            model=d.config.model.source, fingerprint=d.fingerprint, vocab_size=d.vocab_size,
-            max_context=d.max_context, default_tree=d.default_tree.template.name,
-            default_tree_nodes=d.default_tree.n, k=d.config.k, max_new_tokens_cap=lim.max_new_tokens_cap,
-            default_max_new_tokens=lim.default_max_new_tokens, max_prompt_tokens=lim.max_prompt_tokens,
-            device=str(d.device),
-        )
+        return convert.model_info_to_pb(self.decoder, self.limits)
 
     # ---- warm-up -----------------------------------------------------------------------------
     async def warm_up(self) -> None:

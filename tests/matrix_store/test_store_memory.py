@@ -145,3 +145,16 @@ def test_without_redis_snapshots_are_unavailable_and_nothing_is_evicted(store, s
         store.rollback(spec.fingerprint, "a", 0)
     assert store.versions(spec.fingerprint, "a") == []
     assert store.health()["redis"] == "disabled" and store.health()["tenants_in_memory"] == 5
+
+
+def test_list_tenants_without_redis_reports_memory_figures(store, spec) -> None:
+    other = ModelSpec("other-fp", 10, 2)
+    store.apply(spec, "t", *_batch([1, 2], 3), domain="d")
+    store.apply(other, "x", np.array([4]), np.ones((1, 2), int))
+    listed = store.list_tenants()
+    assert [(s.fingerprint, s.tenant) for s in listed] == [("other-fp", "x"), (spec.fingerprint, "t")]
+    t = listed[1]
+    assert (t.domain, t.version, t.in_memory, t.nonzero_rows, t.memory_bytes) == ("d", 1, True, 2, V * K * 4)
+    assert t.last_snapshot_version is None and t.last_snapshot_age_s is None
+    assert [s.tenant for s in store.list_tenants("other-fp")] == ["x"]
+    assert store.list_tenants("no-such-fp") == []

@@ -222,3 +222,25 @@ def test_key_layout_matches_the_documented_one(make_store, spec, redis_client, p
     redis_client.hdel(f"{prefix}:meta:{fp}:t", "k")
     with pytest.raises(NotFound):
         make_store().describe(fp, "t")
+
+
+def test_list_tenants_from_memory_and_redis_without_loading(make_store, spec, redis_client, prefix) -> None:
+    first = make_store()
+    _fill(first, spec, "a", 3, seed=1)
+    first.snapshot_now(spec.fingerprint, "a")
+    _fill(first, spec, "a", 1, seed=2)  # one version past the snapshot
+    _fill(first, spec, "b", 2, seed=3)  # never snapshotted
+    listed = {s.tenant: s for s in first.list_tenants(spec.fingerprint)}
+    a, b = listed["a"], listed["b"]
+    assert (a.version, a.in_memory, a.last_snapshot_version, a.memory_bytes) == (4, True, 3, V * K * 4)
+    assert a.nonzero_rows == int(np.count_nonzero(first.checkout(spec, "a").rows.any(axis=1)))
+    assert 0 <= a.last_snapshot_age_s < 30
+    assert (b.version, b.last_snapshot_version, b.last_snapshot_age_s) == (2, None, None)
+
+    second = make_store()  # a new process: "a" is only in Redis, "b" nowhere
+    redis_client.hset(f"{prefix}:meta:{spec.fingerprint}:a", "updated", str(time.time() - 60))
+    (stored,) = second.list_tenants()
+    assert (stored.tenant, stored.version, stored.in_memory, stored.nonzero_rows, stored.memory_bytes) == \
+        ("a", 3, False, None, 0)
+    assert stored.last_snapshot_version == 3 and 60 <= stored.last_snapshot_age_s < 90
+    assert second.health()["tenants_in_memory"] == 0  # listing loaded nothing

@@ -96,3 +96,12 @@ def test_grouped_sdpa_gives_the_stock_tree_logits_without_repeating_kv(monkeypat
     assert not repeats
     torch.testing.assert_close(grouped, stock, atol=1e-5, rtol=1e-5)  # rows batched differently: float rounding
     torch.testing.assert_close(forward_one(model, cache2, 3), forward_one(model, cache, 3), atol=1e-5, rtol=1e-5)
+
+
+def test_attention_in_use_names_grouped_sdpa_once_it_is_registered():
+    from engine.model.attention import attention_in_use, use_grouped_sdpa
+
+    assert attention_in_use(tiny_llama(attn="eager")) == "eager"
+    model = tiny_llama()
+    assert attention_in_use(model) == "sdpa"
+    assert use_grouped_sdpa(model) and attention_in_use(model) == "grouped_sdpa"

@@ -6,6 +6,7 @@ check-jsonschema's compose-spec and kubernetes-validate, see README "Deployment"
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -60,3 +61,10 @@ def test_kubernetes_workers_probe_grpc_health_request_a_gpu_and_scale() -> None:
     assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "trserve-worker"}
     assert objects[("StatefulSet", "redis")]["spec"]["template"]["spec"]["containers"][0]["args"][:2] == \
         ["--appendonly", "yes"]
+
+
+def test_the_image_copies_every_package_of_the_project() -> None:
+    find = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    missing = [p.rstrip("*") for p in find["include"] if f"COPY {p.rstrip('*')} {p.rstrip('*')}" not in dockerfile]
+    assert missing == []

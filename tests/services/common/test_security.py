@@ -3,8 +3,11 @@ both, with a self-signed certificate made here by the openssl CLI. Real servers 
 
 from __future__ import annotations
 
+import functools
 import json
 import secrets
+import subprocess
+import sys
 
 import grpc
 import numpy as np
@@ -20,6 +23,7 @@ from services.worker.cli import build_configs
 from services.worker.config import Limits, WorkerConfig
 from services.worker.drafting.link import DraftClientConfig
 from services.worker.drafting.remote import RemoteDraftSource
+from tests.conftest import REPO
 from tests.services.cluster_helpers import self_signed
 from tests.services.matrix_helpers import ServerThread, model, random_rows
 from tests.services.worker_harness import serving
@@ -85,16 +89,17 @@ def test_balanced_client_sends_each_tenants_token_over_tls(worker, tls) -> None:
         assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
-def test_generate_cli_with_token_file_and_tls(worker, tls, tmp_path, capsys) -> None:
-    from services.cli import main
-
+def test_generate_cli_with_token_file_and_tls(worker, tls, tmp_path) -> None:
+    """`trserve generate --token-file F --tls-ca CA` as a process of its own, as a user runs it."""
     token = tmp_path / "acme.token"
     token.write_text(TOKENS["acme"] + "\n")
-    args = ["generate", "--addr", worker.addr, "--tls-ca", tls.cert_file, "--max-new-tokens", "4", "Hi"]
-    assert main([*args, "--tenant", "acme", "--token-file", str(token)]) == 0
-    assert "tokens in" in capsys.readouterr().err
-    assert main([*args, "--tenant", "globex", "--token-file", str(token)]) == 1
-    assert "PERMISSION_DENIED" in capsys.readouterr().err
+    args = [sys.executable, "-m", "services.cli", "generate", "--addr", worker.addr, "--tls-ca", tls.cert_file,
+            "--token-file", str(token), "--max-new-tokens", "4", "Hi"]
+    run = functools.partial(subprocess.run, cwd=REPO, capture_output=True, text=True, timeout=60)
+    ok = run([*args, "--tenant", "acme"])
+    assert ok.returncode == 0 and "tokens in" in ok.stderr and ok.stdout.strip(), ok.stderr
+    foreign = run([*args, "--tenant", "globex"])
+    assert foreign.returncode == 1 and "PERMISSION_DENIED" in foreign.stderr
 
 
 def test_plaintext_client_cannot_talk_to_a_tls_worker(worker) -> None:

@@ -4,6 +4,7 @@ subprocess where a separate process is the point)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import socket
@@ -136,8 +137,6 @@ def test_admin_rollback_fork_delete_and_cli(start_server, channel_to) -> None:
     assert _code(lambda: stub.Fork(pb.ForkRequest(ref=ref("t"), to="t2"), timeout=10))[0] == \
         grpc.StatusCode.FAILED_PRECONDITION
 
-    import json
-
     out = subprocess.run(
         [sys.executable, "-m", "services.cli", "matrix-admin", "describe", "--addr", server.addr,
          "--tenant", "t2", "--fingerprint", FP], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -148,6 +147,53 @@ def test_admin_rollback_fork_delete_and_cli(start_server, channel_to) -> None:
 
     stub.Delete(ref("t2"), timeout=10)
     assert _code(lambda: stub.Describe(ref("t2"), timeout=10))[0] == grpc.StatusCode.NOT_FOUND
+
+
+def _admin(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "services.cli", "matrix-admin", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_list_tenants_rpc_and_cli_and_the_default_fingerprint(start_server, channel_to) -> None:
+    server = start_server()
+    stub = channel_to(server)
+    empty = _admin("describe", "--addr", server.addr, "--tenant", "acme")
+    assert empty.returncode == 2 and "holds no tenants; pass --fingerprint" in empty.stderr
+    rng = np.random.default_rng(4)
+    push(stub, "acme", random_rows(rng))
+    push(stub, "acme", random_rows(rng))
+    stub.Snapshot(ref("acme"), timeout=10)
+    push(stub, "globex", random_rows(rng), domain="legal")
+
+    reply = stub.ListTenants(pb.ListTenantsRequest(), timeout=10)
+    assert reply.redis == "ok" and [t.tenant for t in reply.tenants] == ["acme", "globex"]
+    acme, globex = reply.tenants
+    assert (acme.version, acme.in_memory, acme.memory_bytes, acme.last_snapshot_version) == (2, True, V * K * 4, 2)
+    assert acme.nonzero_rows == int(checkout(stub, "acme")[1].any(axis=1).sum()) and 0 <= acme.last_snapshot_age_s < 30
+    assert (globex.domain, globex.last_snapshot_version, globex.last_snapshot_age_s) == ("legal", -1, -1)
+
+    out = _admin("list", "--addr", server.addr)
+    assert out.returncode == 0, out.stderr
+    listed = json.loads(out.stdout)
+    assert listed["redis"] == "ok" and [t["tenant"] for t in listed["tenants"]] == ["acme", "globex"]
+    assert listed["tenants"][1] | {"last_snapshot_age_s": None} == {
+        "tenant": "globex", "fingerprint": FP, "domain": "legal", "version": 1, "in_memory": True,
+        "nonzero_rows": listed["tenants"][1]["nonzero_rows"], "memory_bytes": V * K * 4,
+        "last_snapshot_version": None, "last_snapshot_age_s": None,
+    }
+    table = _admin("list", "--addr", server.addr, "--table").stdout.splitlines()
+    assert table[0].split() == ["tenant", "fingerprint", "version", "rows", "memory", "snapshot", "age"]
+    assert table[1].split()[:3] == ["acme", FP, "2"] and "MiB" in table[1]
+
+    described = _admin("describe", "--addr", server.addr, "--tenant", "acme")  # the one model held
+    assert described.returncode == 0, described.stderr
+    assert json.loads(described.stdout)["fingerprint"] == FP
+    push(stub, "initech", random_rows(rng, vocab_size=50), spec=model("other-fp", 50))
+    ambiguous = _admin("describe", "--addr", server.addr, "--tenant", "acme")
+    assert ambiguous.returncode == 2 and f"2 models: other-fp, {FP}; pass --fingerprint" in ambiguous.stderr
+    only_other = _admin("list", "--addr", server.addr, "--fingerprint", "other-fp")
+    assert [t["tenant"] for t in json.loads(only_other.stdout)["tenants"]] == ["initech"]
+    assert "--tenant is required" in _admin("describe", "--addr", server.addr).stderr
 
 
 def test_corrupt_snapshot_is_refused_and_previous_good_one_served(start_server, channel_to, redis_prefix) -> None:

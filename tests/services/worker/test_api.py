@@ -7,6 +7,7 @@ import urllib.request
 import grpc
 import numpy as np
 import pytest
+import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -119,6 +120,9 @@ def test_tokenize_and_model_info(client, decoder):
     assert (info.fingerprint, info.vocab_size, info.k) == (decoder.fingerprint, decoder.vocab_size, decoder.config.k)
     assert info.default_tree == decoder.default_tree.template.name and info.default_tree_nodes == decoder.default_tree.n
     assert info.max_new_tokens_cap == 256 and info.max_prompt_tokens == 256 and info.max_context == decoder.max_context
+    grouped = decoder.loaded.kernels != "stock"  # SmolLM2 is grouped-query: non-stock kernels swap its attention
+    assert (info.device, info.kernels) == (str(decoder.device), decoder.loaded.kernels) and info.kernels
+    assert info.attention == ("grouped_sdpa" if grouped else "sdpa") and info.threads == torch.get_num_threads()
 
 
 def test_metrics_endpoint(client, worker):
@@ -129,3 +133,9 @@ def test_metrics_endpoint(client, worker):
                  "trserve_active_requests", "trserve_draft_fallbacks_total", 'trserve_finish_total{reason="length"}'):
         assert name in body, name
     assert worker.metrics.value("trserve_generated_tokens_total") >= 8
+    (build,) = [line for line in body.splitlines() if line.startswith("trserve_build_info{")]
+    info = client.model_info()
+    for label in (f'kernels="{info.kernels}"', f'attention="{info.attention}"', f'tree="{info.default_tree}"',
+                  f'device="{info.device}"', f'threads="{info.threads}"'):
+        assert label in build, (label, build)
+    assert build.endswith(" 1.0")

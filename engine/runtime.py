@@ -1,0 +1,42 @@
+"""What a Decoder runs on, in words: for ModelInfo, the worker's startup log line and /metrics.
+
+The kernels and attention decide the speed far more than the algorithm does (compressed kernels
+need AVX-512; other CPUs run the slower oneDNN packed ones), so operators need to see them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.decoder import Decoder
+
+
+@dataclass(frozen=True)
+class RuntimeInfo:
+    device: str  # "cpu", "cuda:0", ...
+    kernels: str  # linear kernels: compressed, packed, compressed+packed (some layers each) or stock
+    attention: str  # grouped_sdpa (engine/model/attention.py) or transformers' implementation (sdpa, eager)
+    tree: str  # the default draft tree's name
+    threads: int  # torch intra-op CPU threads the decode threads use
+
+    @classmethod
+    def of(cls, decoder: Decoder) -> RuntimeInfo:
+        import torch
+
+        from engine.model.attention import attention_in_use
+
+        loaded = decoder.loaded
+        # torch.get_num_threads() answers for the calling OS thread (OpenMP), which need not be a
+        # decode thread; the configured count is what load_model set for them.
+        threads = decoder.config.model.threads or torch.get_num_threads()
+        return cls(device=str(decoder.device), kernels=loaded.kernels, attention=attention_in_use(loaded.model),
+                   tree=decoder.default_tree.template.name, threads=threads)
+
+    def labels(self) -> dict[str, str]:
+        return {"device": self.device, "kernels": self.kernels, "attention": self.attention, "tree": self.tree,
+                "threads": str(self.threads)}
+
+    def __str__(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.labels().items())
