@@ -25,18 +25,37 @@ def register(sub) -> None:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 = every decoder samples at this temperature (no top-k/top-p), "
                         "seeded per prompt")
-    p.add_argument("--json", default="bench-results/bench.json", help="where to write the JSON report")
+    p.add_argument("--json", default=None, help="where to write the JSON report (default bench-results/bench.json, "
+                   "or bench-results/concurrency.json with --concurrency)")
+    p.add_argument("--concurrency", default=None,
+                   help="e.g. 1,2,4,8,16: instead of the decoder comparison, closed-loop load on the batching engine "
+                        "(modes tr, ar, serial) with throughput, latency and TTFT per level (bench/concurrency.py)")
     p.set_defaults(func=_run)
 
 
 def _run(args) -> int:
+    if args.concurrency:
+        return _run_concurrency(args)
     from bench.runner import BenchConfig, run_bench
 
     config = BenchConfig(
         prompts=args.prompts, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         decoders=tuple(d.strip() for d in args.decoders.split(",") if d.strip()), tree=args.tree,
         first_turn_only=args.first_turn_only, pld_tokens=args.pld_tokens, model=args.model,
-        threads=args.threads, kernels=args.kernels, json_path=args.json, temperature=args.temperature,
+        threads=args.threads, kernels=args.kernels, json_path=args.json or "bench-results/bench.json",
+        temperature=args.temperature,
     )
     run_bench(config)
+    return 0
+
+
+def _run_concurrency(args) -> int:
+    from bench.concurrency import ConcurrencyConfig, run_concurrency
+
+    config = ConcurrencyConfig(
+        prompts=args.prompts, levels=tuple(int(x) for x in args.concurrency.split(",") if x.strip()),
+        max_new_tokens=args.max_new_tokens, kernels=args.kernels, threads=args.threads,
+        json_path=args.json or "bench-results/concurrency.json",
+    )
+    run_concurrency(config)
     return 0

@@ -55,7 +55,9 @@ class Decoder:
         best_known = config.tree_for(self.device.type, self.loaded.kernels)
         self.default_tree = self.autotuner.universe if self.autotuner else self.compile(best_known)
         self.eos_ids = self._eos_ids()
-        self._lock = threading.Lock()
+        # One forward at a time on this model, whoever runs it (this decoder's own loop or a
+        # BatchEngine's step): the attention function's per-forward mask cache is process state.
+        self.model_lock = threading.Lock()
 
     # ---- setup helpers -------------------------------------------------------------------
     def compile(self, tree: str | TreeTemplate) -> CompiledTree:
@@ -176,7 +178,7 @@ class Decoder:
         source = self.draft_source(matrix) if req.mode == "tr" else None
         seq = Sequence(prepared, StopChecker(self.tokenizer, set(prepared.stop_ids), req.stop_strings),
                        new_sampler(req.sampling, req.max_new_tokens, self.device), acceptance, tuner)
-        with self._lock, torch.inference_mode():
+        with self.model_lock, torch.inference_mode():
             yield from self._decode(seq, source, tree, cancelled, deadline)
 
     def draft_source(self, matrix: AdjacencyMatrix | DraftSource | None) -> DraftSource:

@@ -157,7 +157,8 @@ class BatchEngine:
                     if self._stop:
                         break
                 try:
-                    self.step()
+                    with self.decoder.model_lock:
+                        self.step()
                 except Exception as exc:  # noqa: BLE001 - one bad step must not stop serving
                     log.exception("engine step failed; failing the %d requests in it", len(self._all()))
                     self._fail_all(exc)

@@ -72,7 +72,7 @@ class ModelRunner:
         b = len(rows)
         assert b == self.kv.active, "a batch step takes every active row"
         widths = [r.tokens.shape[0] for r in rows]
-        w = max(widths)
+        w = _bucket(max(widths)) if self.device.type == "cuda" else max(widths)
         cache = self.kv.for_batch(w)
         past = self.kv.rows.offset
         lens = torch.tensor(self.kv.rows.lens[:b], device=self.device)  # [B]
@@ -93,3 +93,9 @@ class ModelRunner:
     def keep(self, offsets: list[list[int]]) -> None:
         """After `step`: row b keeps its new entries at offsets[b] (root + accepted path)."""
         self.kv.keep(offsets)
+
+
+def _bucket(width: int) -> int:
+    """Widths rounded up to a power of two on GPUs: a few fixed shapes (CUDA graphs can be captured
+    per bucket); on CPUs pads cost compute, so widths stay exact there."""
+    return 1 << (width - 1).bit_length()

@@ -34,7 +34,7 @@ def client(worker):
 
 
 def test_health_not_serving_until_warm(decoder):
-    decoder._lock.acquire()  # hold the model so that warm-up cannot finish yet
+    decoder.model_lock.acquire()  # hold the model so that warm-up cannot finish yet
     held, w = True, None
     try:
         w = BackgroundWorker(WorkerConfig(port=0, metrics_port=None), decoder)
@@ -42,7 +42,7 @@ def test_health_not_serving_until_warm(decoder):
             health = health_pb2_grpc.HealthStub(channel)
             status = health.Check(health_pb2.HealthCheckRequest(service="trserve.v1.Generate"), timeout=5).status
             assert status == health_pb2.HealthCheckResponse.NOT_SERVING
-            decoder._lock.release()
+            decoder.model_lock.release()
             held = False
             w.wait_ready()
             for service in ("", "trserve.v1.Generate"):
@@ -53,7 +53,7 @@ def test_health_not_serving_until_warm(decoder):
             assert "trserve.v1.Generate" in {s.name for s in reply.list_services_response.service}
     finally:
         if held:
-            decoder._lock.release()
+            decoder.model_lock.release()
         if w is not None:
             w.stop()
 

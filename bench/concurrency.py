@@ -1,0 +1,201 @@
+"""`trserve bench --concurrency 1,2,4,8,16`: throughput and latency of the batching engine under
+closed-loop load, in one process (no gRPC: the engine is what is measured).
+
+At concurrency c, c clients each send a request, and the next one as soon as theirs finishes,
+until `requests(c)` have run; 4 tenants in turn, each with its own hot matrix. Modes:
+`tr` (batched, batch-aware trees), `ar` (batched plain decoding, the same kernels), `serial`
+(today's one-request-at-a-time Decoder: a FIFO queue in front of `Decoder.generate`). Per level:
+aggregate tokens/s, requests/s, latency and time-to-first-token percentiles, mean accepted tokens.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from collections import deque
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+log = logging.getLogger("trserve.bench")
+MODES = ("tr", "ar", "serial")
+
+
+@dataclass(frozen=True)
+class ConcurrencyConfig:
+    prompts: str
+    levels: tuple[int, ...] = (1, 2, 4, 8, 16)
+    modes: tuple[str, ...] = MODES
+    max_new_tokens: int = 64
+    min_requests: int = 8  # per level: max(min_requests, 2 * concurrency) requests
+    prefill_chunk: int = 256
+    tenants: int = 4
+    kernels: str = "auto"
+    threads: int | None = None
+    json_path: str = "bench-results/concurrency.json"
+
+    def __post_init__(self) -> None:
+        if not self.levels or min(self.levels) < 1 or set(self.modes) - set(MODES) or not self.modes:
+            raise ValueError(f"levels must be >= 1 and modes a subset of {MODES}")
+        if not Path(self.prompts).exists():
+            raise ValueError(f"prompts file {self.prompts!r} not found")
+
+    def requests(self, c: int) -> int:
+        return max(self.min_requests, 2 * c)
+
+
+def _prompts(path: str) -> list[list[dict]]:
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [[{"role": "user", "content": r["turns"][0]}] for r in rows]
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else 0.0
+
+
+def _summary(mode: str, c: int, done: list[dict], wall: float) -> dict:
+    tokens = sum(r["tokens"] for r in done)
+    lat = [r["latency"] for r in done]
+    ttft = [r["ttft"] for r in done]
+    return {"mode": mode, "concurrency": c, "requests": len(done), "tokens": tokens, "seconds": round(wall, 3),
+            "tokens_per_s": round(tokens / wall, 2), "requests_per_s": round(len(done) / wall, 3),
+            "latency_p50_s": round(_percentile(lat, 50), 3), "latency_p99_s": round(_percentile(lat, 99), 3),
+            "ttft_p50_s": round(_percentile(ttft, 50), 3), "ttft_p99_s": round(_percentile(ttft, 99), 3),
+            "mat": round(float(np.mean([r["mat"] for r in done])), 3)}
+
+
+def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, prompts, matrices) -> dict:
+    from engine import GenerationRequest
+    from engine.engine import BatchEngine, EngineConfig
+    from engine.results import GenerationResult
+
+    engine = BatchEngine(decoder, EngineConfig(max_batch=max(config.levels), prefill_chunk=config.prefill_chunk),
+                         decoder_cost(decoder))
+    feed = itertools.cycle(enumerate(prompts))
+    total, started, done = config.requests(c), 0, []
+
+    def send() -> None:
+        nonlocal started
+        i, messages = next(feed)
+        t0, first = time.perf_counter(), []
+        request = GenerationRequest(messages=messages, max_new_tokens=config.max_new_tokens, mode=mode)
+
+        def emit(item) -> None:
+            now = time.perf_counter()
+            if not first:
+                first.append(now - t0)
+            if isinstance(item, GenerationResult):
+                done.append({"tokens": len(item.ids), "latency": now - t0, "ttft": first[0], "mat": item.stats.mat})
+                if started < total:
+                    send()
+
+        started += 1
+        engine.submit(decoder.prepare(request), emit, matrix=matrices[i % len(matrices)], tenant=str(i % len(matrices)))
+
+    t0 = time.perf_counter()
+    for _ in range(min(c, total)):
+        send()
+    with torch.inference_mode():
+        while engine.running or engine.waiting or engine.prefilling:
+            engine.step()
+    return _summary(mode, c, done, time.perf_counter() - t0)
+
+
+def _serial(decoder, c: int, config: ConcurrencyConfig, prompts, matrices) -> dict:
+    """c clients in front of a one-at-a-time server: each request waits for those ahead of it."""
+    feed = itertools.cycle(enumerate(prompts))
+    total, done = config.requests(c), []
+    queue: deque[tuple[float, int, list[dict]]] = deque()
+    t0 = time.perf_counter()
+    for _ in range(min(c, total)):
+        queue.append((time.perf_counter(), *next(feed)))
+    started = len(queue)
+    while queue:
+        sent, i, messages = queue.popleft()
+        begin = time.perf_counter()
+        r = decoder.generate(messages=messages, max_new_tokens=config.max_new_tokens, matrix=matrices[i % len(matrices)])
+        now = time.perf_counter()
+        done.append({"tokens": len(r.ids), "latency": now - sent, "ttft": begin - sent + r.stats.prefill_s,
+                     "mat": r.stats.mat})
+        if started < total:
+            queue.append((now, *next(feed)))
+            started += 1
+    return _summary("serial", c, done, time.perf_counter() - t0)
+
+
+def decoder_cost(decoder):
+    """The engine's cost curve: a cached calibration of this model and machine, else its proxy."""
+    from engine.model.paths import default_cache_dir
+    from engine.tuning.calibrate import cached_cost_model
+
+    cost = cached_cost_model(decoder.loaded, default_cache_dir())
+    return cost.cost if cost is not None else None
+
+
+def run_concurrency(config: ConcurrencyConfig) -> dict:
+    from engine import Decoder, DecoderConfig, ModelConfig
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    decoder = Decoder(DecoderConfig(model=ModelConfig(kernels=config.kernels, threads=config.threads)))
+    prompts = _prompts(config.prompts)
+    decoder.generate(messages=prompts[0], max_new_tokens=16)  # warm-up
+    rows = []
+    for mode in config.modes:
+        matrices = [decoder.new_matrix() for _ in range(config.tenants)]  # hot per tenant across levels
+        for c in config.levels:
+            row = (_serial(decoder, c, config, prompts, matrices) if mode == "serial"
+                   else _batched(decoder, mode, c, config, prompts, matrices))
+            log.info("%s", row)
+            rows.append(row)
+    report = {"config": asdict(config), "kernels": decoder.loaded.kernels, "rows": rows,
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = Path(config.json_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    table = format_table(rows)
+    path.with_suffix(".txt").write_text(table + "\n")
+    print(table)
+    plot(rows, path.with_suffix(".png"))
+    return report
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'mode':<8}{'conc':>5}{'reqs':>6}{'tok/s':>9}{'req/s':>8}{'p50 lat':>9}{'p99 lat':>9}{'p50 ttft':>10}{'p99 ttft':>10}{'MAT':>6}"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['mode']:<8}{r['concurrency']:>5}{r['requests']:>6}{r['tokens_per_s']:>9.1f}"
+                     f"{r['requests_per_s']:>8.2f}{r['latency_p50_s']:>8.2f}s{r['latency_p99_s']:>8.2f}s"
+                     f"{r['ttft_p50_s']:>9.2f}s{r['ttft_p99_s']:>9.2f}s{r['mat']:>6.2f}")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Throughput and p99 latency against concurrency, per mode (PNG; needs matplotlib, else skipped)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        xs = [r["concurrency"] for r in mine]
+        a.plot(xs, [r["tokens_per_s"] for r in mine], marker="o", label=mode)
+        b.plot(xs, [r["latency_p99_s"] for r in mine], marker="o", label=mode)
+    for ax, title in ((a, "aggregate tokens/s"), (b, "p99 request latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

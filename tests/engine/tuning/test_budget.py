@@ -1,0 +1,31 @@
+"""Batch-aware tree budgets on tiny numbers: the docstring's worked example, and node rates."""
+
+import numpy as np
+
+from engine.tuning.budget import NodeRates, choose_options
+
+TWO = [[(1, 1.0), (3, 2.0)], [(1, 1.0), (3, 2.0)]]
+
+
+def test_worked_example_memory_bound_takes_both_trees():
+    assert choose_options(TWO, lambda w: 10 + w) == [1, 1]
+
+
+def test_worked_example_compute_bound_keeps_plain_decoding():
+    assert choose_options(TWO, lambda w: 2 * w) == [0, 0]
+
+
+def test_the_best_upgrade_goes_first_and_plain_only_stays_plain():
+    options = [[(1, 1.0)], [(1, 1.0), (2, 1.1), (8, 3.0)], [(1, 1.0), (2, 1.9)]]
+    # cost 10 + w: sequence 2's cheap good upgrade, then sequence 1 jumps to its big tree
+    assert choose_options(options, lambda w: 10 + w) == [0, 2, 1]
+
+
+def test_node_rates_learn_from_verified_prefixes_only():
+    rates = NodeRates(4, prior=0.5, weight=2.0)
+    for _ in range(8):
+        rates.record(verified=2, path=[0, 1])  # node 1 always accepted; nodes 2, 3 never verified
+    r = rates.rates()
+    assert r[1] == (8 + 1) / (8 + 2) and r[2] == r[3] == 0.5
+    opts = rates.options([2, 4], chain=0)
+    assert opts[0] == (1, 1.0) and opts[1] == (2, 1.0 + r[1]) and np.isclose(opts[2][1], 1.0 + r[1:].sum())
