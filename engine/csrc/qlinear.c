@@ -51,30 +51,36 @@
 
 /* A tile = rows x outputs computed side by side, per ISA and block kind, sized so the accumulators
  * stay in registers and chosen by measurement on the bundled model's shapes (-D overrides exist
- * only to measure). ROWS_Qk x OUTS_Qk is the tile; for q4, batches of n <= NARROW_ROWS_Q4 rows use
- * a NARROW_ROWS_Q4 x NARROW_OUTS_Q4 tile instead (0: no narrow plan). The tile only changes which
- * independent dot products run side by side, never the arithmetic of one of them. */
+ * only to measure). Per kind k: batches of n <= NARROW_ROWS_Qk rows use a NARROW_ROWS_Qk x
+ * NARROW_OUTS_Qk tile (0 rows: no narrow plan), wider ones ROWS_Qk x OUTS_Qk tiles. The tile only
+ * changes which independent dot products run side by side, never the arithmetic of one of them. */
 #if defined(__AVX512F__)
 #define DEFAULT_ROWS_Q4 8 /* 8 x 2 outputs x 1 zmm = 16 of 32 zmm */
 #define DEFAULT_OUTS_Q4 2
-#define DEFAULT_ROWS_Q8 8 /* one output at a time is faster for q8 (n = 1: -25% against 2) */
-#define DEFAULT_OUTS_Q8 1
 #define DEFAULT_NARROW_ROWS_Q4 0
-#define DEFAULT_NARROW_OUTS_Q4 1
+#define DEFAULT_NARROW_OUTS_Q4 2
+#define DEFAULT_ROWS_Q8 8
+#define DEFAULT_OUTS_Q8 2
+#define DEFAULT_NARROW_ROWS_Q8 4 /* n <= 4: one output at a time is faster for q8 (n = 2, 4: -25%) */
+#define DEFAULT_NARROW_OUTS_Q8 1
 #elif defined(__AVX2__)
 #define DEFAULT_ROWS_Q4 4 /* 4 x 1 output x 2 ymm = 8 of 16 ymm: no spills (fastest for n >= 2) */
 #define DEFAULT_OUTS_Q4 1
-#define DEFAULT_ROWS_Q8 4
-#define DEFAULT_OUTS_Q8 1
 #define DEFAULT_NARROW_ROWS_Q4 1 /* n = 1: two outputs share each x load (-15% against one) */
 #define DEFAULT_NARROW_OUTS_Q4 2
+#define DEFAULT_ROWS_Q8 4
+#define DEFAULT_OUTS_Q8 1
+#define DEFAULT_NARROW_ROWS_Q8 0
+#define DEFAULT_NARROW_OUTS_Q8 1
 #else
 #define DEFAULT_ROWS_Q4 4
 #define DEFAULT_OUTS_Q4 1
-#define DEFAULT_ROWS_Q8 4
-#define DEFAULT_OUTS_Q8 1
 #define DEFAULT_NARROW_ROWS_Q4 0
 #define DEFAULT_NARROW_OUTS_Q4 1
+#define DEFAULT_ROWS_Q8 4
+#define DEFAULT_OUTS_Q8 1
+#define DEFAULT_NARROW_ROWS_Q8 0
+#define DEFAULT_NARROW_OUTS_Q8 1
 #endif
 #ifndef ROWS_Q4
 #define ROWS_Q4 DEFAULT_ROWS_Q4
@@ -82,26 +88,39 @@
 #ifndef OUTS_Q4
 #define OUTS_Q4 DEFAULT_OUTS_Q4
 #endif
-#ifndef ROWS_Q8
-#define ROWS_Q8 DEFAULT_ROWS_Q8
-#endif
-#ifndef OUTS_Q8
-#define OUTS_Q8 DEFAULT_OUTS_Q8
-#endif
 #ifndef NARROW_ROWS_Q4
 #define NARROW_ROWS_Q4 DEFAULT_NARROW_ROWS_Q4
 #endif
 #ifndef NARROW_OUTS_Q4
 #define NARROW_OUTS_Q4 DEFAULT_NARROW_OUTS_Q4
 #endif
+#ifndef ROWS_Q8
+#define ROWS_Q8 DEFAULT_ROWS_Q8
+#endif
+#ifndef OUTS_Q8
+#define OUTS_Q8 DEFAULT_OUTS_Q8
+#endif
+#ifndef NARROW_ROWS_Q8
+#define NARROW_ROWS_Q8 DEFAULT_NARROW_ROWS_Q8
+#endif
+#ifndef NARROW_OUTS_Q8
+#define NARROW_OUTS_Q8 DEFAULT_NARROW_OUTS_Q8
+#endif
 #define MAX_ROWS 8
 #define MAX_OUTS 2
-#if ROWS_Q4 < 1 || ROWS_Q4 > MAX_ROWS || ROWS_Q8 < 1 || ROWS_Q8 > MAX_ROWS || NARROW_ROWS_Q4 < 0 || NARROW_ROWS_Q4 > MAX_ROWS
+#if ROWS_Q4 < 1 || ROWS_Q4 > MAX_ROWS || ROWS_Q8 < 1 || ROWS_Q8 > MAX_ROWS
 #error "tile rows must be 1..8"
 #endif
-#if (OUTS_Q4 != 1 && OUTS_Q4 != 2) || (OUTS_Q8 != 1 && OUTS_Q8 != 2) || (NARROW_OUTS_Q4 != 1 && NARROW_OUTS_Q4 != 2)
+#if NARROW_ROWS_Q4 < 0 || NARROW_ROWS_Q4 > MAX_ROWS || NARROW_ROWS_Q8 < 0 || NARROW_ROWS_Q8 > MAX_ROWS
+#error "narrow tile rows must be 0..8"
+#endif
+#if (OUTS_Q4 != 1 && OUTS_Q4 != 2) || (OUTS_Q8 != 1 && OUTS_Q8 != 2) || (NARROW_OUTS_Q4 != 1 && NARROW_OUTS_Q4 != 2) \
+    || (NARROW_OUTS_Q8 != 1 && NARROW_OUTS_Q8 != 2)
 #error "tile outputs must be 1 or 2"
 #endif
+/* a narrow plan of 0 rows is never used; its tile then compiles with 1 row */
+#define NARROW_TILE_ROWS_Q4 (NARROW_ROWS_Q4 ? NARROW_ROWS_Q4 : 1)
+#define NARROW_TILE_ROWS_Q8 (NARROW_ROWS_Q8 ? NARROW_ROWS_Q8 : 1)
 
 #define INLINE static inline __attribute__((always_inline))
 
@@ -340,9 +359,10 @@ INLINE void group_scales(const int kind, const int T, const uint16_t *d, const u
     if (kind == 4) halves_to_floats(m + o * nb, buf + T * nb, T * nb);
 }
 
-/* All rows of output group p, its scales already in buf. */
-INLINE void group_rows(const int kind, const int RR, const int T, const float *x, int64_t n, int64_t I, int64_t O,
-                       const uint8_t *codes, const float *buf, const float *bias, float *y, int64_t p, int64_t nb)
+/* Row tile r0 (rows r0 .. r0 + RR - 1, fewer at the end) of output group p, its scales in buf. */
+INLINE void group_tile(const int kind, const int RR, const int T, const float *x, int64_t n, int64_t I, int64_t O,
+                       const uint8_t *codes, const float *buf, const float *bias, float *y, int64_t p, int64_t nb,
+                       int64_t r0)
 {
     const int64_t o = T * p, row_bytes = kind == 4 ? I / 2 : I;
     const uint8_t *c[MAX_OUTS];
@@ -352,33 +372,52 @@ INLINE void group_rows(const int kind, const int RR, const int T, const float *x
         dt[t] = buf + t * nb;
         mt[t] = buf + (T + t) * nb; /* not read for kind 8 */
     }
-    for (int64_t r0 = 0; r0 < n; r0 += RR) {
-        const int rows = n - r0 < RR ? (int)(n - r0) : RR;
+    const int rows = n - r0 < RR ? (int)(n - r0) : RR;
 #define CALL(R) tile(kind, R, T, x + r0 * I, I, c, dt, mt, nb, bias, y + r0 * O, O, o)
-        ROW_CASES(CALL)
+    ROW_CASES(CALL)
 #undef CALL
-    }
 }
 
-/* One thread's share: output groups [p0, p1). It converts the next group's scales to float32 before
- * computing the current one, so the block loop broadcasts each scale from memory written a group
- * earlier (converting per block cost ~5% more). buf: two slots of 2 T nb floats. */
+/* Output groups are taken CHUNK_GROUPS at a time, and within a chunk row tile by row tile: a row
+ * tile of x then stays in L1 across the chunk's outputs instead of all n rows streaming through L1
+ * for every output (wide batches of long rows: AVX2 down_proj at n = 16, -30%). */
+#ifndef CHUNK_GROUPS
+#define CHUNK_GROUPS 8
+#endif
+
+/* Scales of groups [pa, pb) as float32 into buf: `slot` floats per group, [d of each | m of each]. */
+INLINE void chunk_scales(const int kind, const int T, const uint16_t *d, const uint16_t *m, int64_t pa, int64_t pb,
+                         int64_t nb, float *buf, int64_t slot)
+{
+    for (int64_t p = pa; p < pb; p++) group_scales(kind, T, d, m, p, nb, buf + (p - pa) * slot);
+}
+
+/* One thread's share: output groups [p0, p1). It converts the next chunk's scales to float32 before
+ * computing the current chunk, so the block loop broadcasts each scale from memory written well
+ * before (converting per block cost ~5% more). buf: two chunk slots of CHUNK_GROUPS x 2 T nb floats. */
 INLINE void thread_part(const int kind, const int RR, const int T, const float *x, int64_t n, int64_t I, int64_t O,
                         const uint8_t *codes, const uint16_t *d, const uint16_t *m, const float *bias, float *y,
                         int64_t p0, int64_t p1, float *buf)
 {
-    const int64_t nb = I / 32, slot = 2 * (int64_t)T * nb;
-    group_scales(kind, T, d, m, p0, nb, buf);
-    for (int64_t p = p0; p < p1; p++) {
-        float *cur = buf + ((p - p0) & 1) * slot, *next = buf + ((p - p0 + 1) & 1) * slot;
-        if (p + 1 < p1) group_scales(kind, T, d, m, p + 1, nb, next);
-        group_rows(kind, RR, T, x, n, I, O, codes, cur, bias, y, p, nb);
+    const int64_t nb = I / 32, slot = 2 * (int64_t)T * nb, chunk = CHUNK_GROUPS;
+    float *bufs[2] = {buf, buf + chunk * slot};
+    chunk_scales(kind, T, d, m, p0, p0 + chunk < p1 ? p0 + chunk : p1, nb, bufs[0], slot);
+    for (int64_t pc = p0, i = 0; pc < p1; pc += chunk, i ^= 1) {
+        const int64_t pe = pc + chunk < p1 ? pc + chunk : p1;
+        if (pe < p1) chunk_scales(kind, T, d, m, pe, pe + chunk < p1 ? pe + chunk : p1, nb, bufs[i ^ 1], slot);
+        for (int64_t r0 = 0; r0 < n; r0 += RR)
+            for (int64_t p = pc; p < pe; p++)
+                group_tile(kind, RR, T, x, n, I, O, codes, bufs[i] + (p - pc) * slot, bias, y, p, nb, r0);
     }
 }
 
-/* The tile plan for (kind, n): 0 = ROWS_Qk x OUTS_Qk, 1 = q4's narrow plan. */
-static int plan(int kind, int64_t n) { return kind == 4 && n <= NARROW_ROWS_Q4 ? 1 : 0; }
-static int plan_outs(int kind, int64_t n) { return plan(kind, n) ? NARROW_OUTS_Q4 : kind == 4 ? OUTS_Q4 : OUTS_Q8; }
+/* Whether a batch of n rows takes kind's narrow plan, and the outputs per tile it then uses. */
+static int narrow(int kind, int64_t n) { return n <= (kind == 4 ? NARROW_ROWS_Q4 : NARROW_ROWS_Q8); }
+static int plan_outs(int kind, int64_t n)
+{
+    if (kind == 4) return narrow(4, n) ? NARROW_OUTS_Q4 : OUTS_Q4;
+    return narrow(8, n) ? NARROW_OUTS_Q8 : OUTS_Q8;
+}
 
 /* Which build this is ("avx512", "avx2", "scalar"): the loader checks it got the one it asked for. */
 const char *trserve_qlinear_isa(void) { return ISA_NAME; }
@@ -392,24 +431,26 @@ int trserve_qlinear_outs_multiple(void) { return MAX_OUTS; }
 int trserve_qlinear(int kind, const float *x, int64_t n, int64_t I, int64_t O, const uint8_t *codes,
                     const uint16_t *d, const uint16_t *m, const float *bias, float *y, int threads)
 {
-    const int narrow = plan(kind, n), T = plan_outs(kind, n);
-    const int64_t groups = O / T, slot = 2 * (int64_t)T * (I / 32);
+    const int nar = narrow(kind, n), T = plan_outs(kind, n);
+    const int64_t groups = O / T, chunk_floats = CHUNK_GROUPS * 2 * (int64_t)T * (I / 32);
     int failed = 0;
 #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
         const int64_t p0 = groups * id / nt, p1 = groups * (id + 1) / nt;
-        float *buf = p1 > p0 ? malloc(2 * slot * sizeof(float)) : NULL; /* two slots: current, next */
+        float *buf = p1 > p0 ? malloc(2 * chunk_floats * sizeof(float)) : NULL; /* two chunks: current, next */
         if (p1 > p0 && !buf) failed = 1;
         /* literal plans: the region is outlined before inlining, so this is what makes the kind and
          * the tile shape constants inside */
-        if (buf && kind == 4 && narrow)
-            thread_part(4, NARROW_ROWS_Q4 ? NARROW_ROWS_Q4 : 1, NARROW_OUTS_Q4, x, n, I, O, codes, d, m, bias, y, p0, p1, buf);
-        else if (buf && kind == 4)
-            thread_part(4, ROWS_Q4, OUTS_Q4, x, n, I, O, codes, d, m, bias, y, p0, p1, buf);
-        else if (buf)
-            thread_part(8, ROWS_Q8, OUTS_Q8, x, n, I, O, codes, d, m, bias, y, p0, p1, buf);
-        free(buf);
+#define PART(K, RR, TT) thread_part(K, RR, TT, x, n, I, O, codes, d, m, bias, y, p0, p1, buf)
+        if (buf) {
+            if (kind == 4 && nar) PART(4, NARROW_TILE_ROWS_Q4, NARROW_OUTS_Q4);
+            else if (kind == 4) PART(4, ROWS_Q4, OUTS_Q4);
+            else if (nar) PART(8, NARROW_TILE_ROWS_Q8, NARROW_OUTS_Q8);
+            else PART(8, ROWS_Q8, OUTS_Q8);
+            free(buf);
+        }
+#undef PART
     }
     return failed ? -1 : 0;
 }
