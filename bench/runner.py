@@ -120,7 +120,7 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
         if "tr-adaptive" in config.decoders:
             adaptive = Decoder(DecoderConfig(model=model_cfg, tree="adaptive"), loaded=decoder.loaded)
             runners["tr-adaptive"] = _TR(adaptive, "tr", None, t)
-        meta.update(fingerprint=decoder.fingerprint, kernels=decoder.loaded.kernels,
+        meta.update(fingerprint=decoder.fingerprint, kernels=decoder.loaded.kernels, isa=decoder.loaded.isa,
                     device=str(decoder.device),
                     trees={"tr": tr_tree, "tr-paper": "paper", "tr-matrix": "cpu-8", "tr-adaptive": "adaptive"})
     return {name: runners[name] for name in config.decoders}, meta

@@ -38,7 +38,8 @@ class ModelConfig:
     device: str = "auto"  # auto = cuda when present, else cpu
     cache_dir: str | None = None  # where the builtin model is converted; default ~/.cache/trserve
     # auto = on CPU float32: exact compressed kernels for block-quantised weights (engine/model/qlinear.py)
-    # where the CPU has AVX-512, oneDNN pre-packed linears for the rest; else stock
+    # where the CPU has AVX-512 or AVX2 (their portable scalar variant is slower than oneDNN, so
+    # only "compressed" uses it), oneDNN pre-packed linears for the rest; else stock
     kernels: str = "auto"
     threads: int | None = None  # torch intra-op threads; None = torch's default
 
@@ -129,6 +130,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     kernels: str  # linear kernels in use: stock, packed, compressed, or compressed+packed (some layers each)
+    isa: str | None = None  # the compressed kernels' variant (avx512, avx2, scalar); None without them
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
@@ -146,42 +148,51 @@ def load_model(config: ModelConfig) -> LoadedModel:
     except OSError as e:
         raise NotFound(f"cannot load model {config.source!r}: {e}") from None
     model.to(device).eval()
-    kernels = _apply_kernels(model, config, device, dtype)
+    kernels, isa = _apply_kernels(model, config, device, dtype)
     name = BUILTIN_MODEL if config.source == BUILTIN_MODEL else Path(config.source).name or config.source
-    return LoadedModel(model, tokenizer, model_fingerprint(tokenizer, model.config), name, device, dtype, kernels)
+    return LoadedModel(model, tokenizer, model_fingerprint(tokenizer, model.config), name, device, dtype, kernels,
+                       isa)
 
 
-def _apply_kernels(model, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> str:
-    """Swap the linear layers' kernels as configured; returns what is in use. "stock" leaves the model
-    exactly as transformers loads it (attention included): the reference for plain `generate`."""
+def _apply_kernels(model, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[str, str | None]:
+    """Swap the linear layers' kernels as configured; returns what is in use and the compressed
+    kernels' ISA variant (None without them). "stock" leaves the model exactly as transformers loads
+    it (attention included): the reference for plain `generate`."""
     from engine.model.attention import use_grouped_sdpa
     from engine.model.packed import pack_linears, packed_kernels_available
 
     if config.kernels == "stock" or (config.kernels == "auto" and not packed_kernels_available(device, dtype)):
-        return "stock"
+        return "stock", None
     if not packed_kernels_available(device, dtype):
         raise InvalidArgument(f"{config.kernels} kernels need a CPU float32 model; got {device} {dtype}")
-    used = ["compressed"] if config.kernels in ("auto", "compressed") and _compress(model, config) else []
+    isa = _compress(model, config) if config.kernels in ("auto", "compressed") else None
+    used = ["compressed"] if isa else []
     if pack_linears(model):  # whatever is still a plain nn.Linear
         used.append("packed")
     use_grouped_sdpa(model)  # tree attention without repeating the KV cache (engine/model/attention.py)
-    return "+".join(used) or "stock"
+    return "+".join(used) or "stock", isa
 
 
-def _compress(model, config: ModelConfig) -> bool:
-    """Exact compressed kernels for the layers they fit; where none do: False under auto (packed
-    kernels take over), InvalidArgument when they were asked for."""
-    from engine.model.qlinear import qlinear_supported, quantize_linears
+def _compress(model, config: ModelConfig) -> str | None:
+    """Exact compressed kernels for the layers they fit; returns their ISA variant. Where none fit,
+    or under auto where the CPU would only run the scalar variant (several times slower than oneDNN):
+    None (packed kernels take over), InvalidArgument when they were asked for."""
+    from engine.model.qlinear import kernel_isa, quantize_linears
 
     try:
-        if not qlinear_supported():
-            raise RuntimeError("they need an x86-64 CPU with AVX-512")
-        swapped, _ = quantize_linears(model, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+        isa = kernel_isa()
+        if isa == "scalar" and config.kernels == "auto":
+            log.info("compressed kernels not used: this CPU lacks AVX2/FMA/F16C and their scalar variant is "
+                     "slower than oneDNN; packed kernels instead")
+            return None
+        swapped, _ = quantize_linears(model, Path(config.cache_dir) if config.cache_dir else default_cache_dir(), isa)
         if not swapped:
             raise RuntimeError("no linear layer of this model holds exact 4/8-bit blocks")
-        return True
+        if isa == "scalar":
+            log.warning("compressed kernels on their portable scalar variant (no AVX2/FMA/F16C): slow")
+        return isa
     except (OSError, RuntimeError) as e:
         if config.kernels == "compressed":
             raise InvalidArgument(f"compressed kernels unavailable: {e}") from None
         log.info("compressed kernels not used (%s); packed kernels instead", e)
-        return False
+        return None

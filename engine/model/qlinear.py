@@ -5,16 +5,21 @@ that are exactly `q * d + m` per block of 32 (q 4-bit, d and m float16) or `q * 
 those as float32 moves 4 bytes per weight through memory on every forward; on a 2-core CPU that is
 most of a narrow forward. `recover_q4` / `recover_q8` find (q, d, m) and check that rebuilding them
 gives the stored float32 weight *bit for bit*; `quantize_linears` then swaps each such `nn.Linear`
-for a `QLinear` whose AVX-512 kernel (csrc/qlinear.c) rebuilds the same weights in registers
-(0.75 / 1.06 bytes per weight). Same weights, so the same model; like any kernel change, sums are
-taken in a different order than stock (logits differ by ~1e-5). Tree and plain decoding both use
-these kernels, and each output element is computed identically whatever the number of rows.
-Layers whose weights do not recover exactly keep their previous kernel.
+for a `QLinear` whose C kernel (csrc/qlinear.c) rebuilds the same weights in registers from 0.625
+(Q4) / 1.06 (Q8) bytes per weight (codes plus float16 scales). Same weights, so the same model; like
+any kernel change, sums are taken in a different order than stock (logits differ by ~1e-5). Tree
+and plain decoding both use these kernels, and each output element is computed identically whatever
+the number of rows. Layers whose weights do not recover exactly keep their previous kernel.
+
+The kernel comes in three variants, one library each, picked from /proc/cpuinfo at first use
+(`kernel_isa`): AVX-512, AVX2 (+FMA, F16C) and portable scalar C. All three compute every output
+element with the same written-out sequence of float32 operations, so they give the same bits.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import logging
 import os
@@ -29,24 +34,73 @@ from torch import nn
 log = logging.getLogger("trserve.engine")
 
 _SOURCE = Path(__file__).with_name("csrc") / "qlinear.c"
-_lib = None
+_libs: dict[str, object] = {}  # isa -> the loaded trserve_qlinear
+
+# Kernel variants, best first: the /proc/cpuinfo flags each needs, and its compile flags. The flags
+# are explicit ISA subsets over baseline x86-64 (never -march=native, nor the compiler's default
+# -march, which some distributions raise), so a library built on one host runs on any other host
+# with those flags, e.g. one built into an image. -ffp-contract=off: the compiler must not fuse or
+# split multiply-adds by itself; csrc/qlinear.c writes out every one, the same in all variants.
+_ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    "avx512": (frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma", "f16c"}),
+               ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c")),
+    "avx2": (frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
+    "scalar": (frozenset(), ()),
+}
+ISAS = tuple(_ISAS)
+_BASE_CFLAGS = ("-O3", "-march=x86-64", "-mtune=generic", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 
 
-def _cpu_flags() -> set[str]:
+@functools.lru_cache(maxsize=1)  # read once, at first use (not at import); flags do not change
+def _cpu_flags() -> frozenset[str]:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
+                return frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
-    return set()
+    return frozenset()
 
 
-def qlinear_supported() -> bool:
-    """Linux x86-64 with the AVX-512 subsets the kernel is built for (the library itself is built or
-    found by `build_kernels`)."""
-    return (platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
-            and {"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma"} <= _cpu_flags())
+def _x86_64_linux() -> bool:
+    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+
+
+def _check_isa(isa: str) -> None:
+    if isa != "auto" and isa not in _ISAS:
+        raise ValueError(f"isa must be auto or one of {', '.join(ISAS)}; got {isa!r}")
+
+
+def available_isas() -> list[str]:
+    """The kernel variants this host runs, best first ([] off x86-64 Linux; else at least scalar)."""
+    if not _x86_64_linux():
+        return []
+    flags = _cpu_flags()
+    return [isa for isa, (needs, _) in _ISAS.items() if needs <= flags]
+
+
+def kernel_isa(isa: str = "auto") -> str:
+    """The variant `isa` resolves to here: "avx512", "avx2" or "scalar" ("auto": the best this CPU
+    runs). ValueError for an unknown name, RuntimeError where this host cannot run it."""
+    _check_isa(isa)
+    runs = available_isas()
+    if not runs:
+        raise RuntimeError("the compressed kernels need Linux on x86-64")
+    if isa == "auto":
+        return runs[0]
+    if isa not in runs:
+        raise RuntimeError(f"this CPU lacks {', '.join(sorted(_ISAS[isa][0] - _cpu_flags()))} for the {isa} kernels")
+    return isa
+
+
+def qlinear_supported(isa: str = "auto") -> bool:
+    """Whether this host runs the `isa` kernels: for "auto", any x86-64 Linux host (scalar at worst).
+    The library itself is built (needs gcc) or found by `build_kernels`."""
+    try:
+        kernel_isa(isa)
+    except RuntimeError:
+        return False
+    return True
 
 
 def _compiler() -> str | None:
@@ -55,44 +109,54 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or which("gcc") or which("cc")
 
 
-# Portable across AVX-512 CPUs (an image built on one host runs on another), not -march=native.
-_CFLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-fopenmp", "-shared", "-fPIC"]
+def _cflags(isa: str) -> list[str]:
+    return [*_BASE_CFLAGS, *_ISAS[isa][1]]
 
 
-def build_kernels(cache_dir: Path | None = None) -> Path:
-    """Compile csrc/qlinear.c once per source version into `cache_dir`/kernels; returns the library."""
+def build_kernels(cache_dir: Path | None = None, isa: str = "auto") -> Path:
+    """Compile csrc/qlinear.c for `isa` ("auto": this CPU's best) once per source version into
+    `cache_dir`/kernels; returns the library. Any variant builds on any x86-64 host (an image can
+    hold all three); running it needs the CPU flags."""
     from engine.model.paths import default_cache_dir
 
+    _check_isa(isa)
+    isa = kernel_isa() if isa == "auto" else isa
     src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join(_CFLAGS).encode()).hexdigest()[:16]
-    out = Path(cache_dir or default_cache_dir()) / "kernels" / f"qlinear-{key}.so"
+    key = hashlib.sha256(src + " ".join(_cflags(isa)).encode()).hexdigest()[:16]
+    out = Path(cache_dir or default_cache_dir()) / "kernels" / f"qlinear-{isa}-{key}.so"
     if not out.exists():
         if _compiler() is None:
             raise RuntimeError("no C compiler (gcc) to build the compressed kernels")
         out.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
-        cmd = [_compiler(), *_CFLAGS, "-o", tmp, str(_SOURCE)]
+        cmd = [_compiler(), *_cflags(isa), "-o", tmp, str(_SOURCE), "-lm"]
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             os.unlink(tmp)
-            raise RuntimeError(f"compiling {_SOURCE.name} failed: {res.stderr.strip()[:500]}")
+            raise RuntimeError(f"compiling {_SOURCE.name} for {isa} failed: {res.stderr.strip()[:500]}")
         os.chmod(tmp, 0o755)  # mkstemp makes it private; other users (a container's) must load it
         os.replace(tmp, out)  # atomic: concurrent loaders see a whole library or none
     return out
 
 
-def _library(cache_dir: Path):
-    global _lib
-    if _lib is not None:
-        return _lib
-    lib = ctypes.CDLL(str(build_kernels(cache_dir)))
+def _library(cache_dir: Path, isa: str):
+    """The kernel entry point of variant `isa` (already resolved and runnable here), loaded once."""
+    if isa in _libs:
+        return _libs[isa]
+    lib = ctypes.CDLL(str(build_kernels(cache_dir, isa)))
+    lib.trserve_qlinear_isa.restype = ctypes.c_char_p
+    built = lib.trserve_qlinear_isa().decode()
+    if built != isa:  # the source picks its code path from the compile flags
+        raise RuntimeError(f"kernel library built for {isa} reports {built}")
+    if lib.trserve_qlinear_outs_multiple() != 2:  # QLinear takes even output counts
+        raise RuntimeError("kernel library tiles do not divide even output counts")
     fn = lib.trserve_qlinear
-    fn.restype = None
+    fn.restype = ctypes.c_int  # 0, or -1 when the kernel could not allocate its scale buffers
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int]
-    _lib = fn
+    _libs[isa] = fn
     return fn
 
 
@@ -154,36 +218,56 @@ def recover_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 
 # ---- the module -----------------------------------------------------------------------------
-class QLinear(nn.Module):
-    """`nn.Linear` replacement over exactly recovered 4-bit (kind 4) or 8-bit (kind 8) blocks."""
+def _half(v: torch.Tensor) -> torch.Tensor:
+    """v: float32 scales that are float16 values -> the same values as float16 (exact, checked)."""
+    h = v.to(torch.float16)
+    if not torch.equal(h.to(torch.float32), v):
+        raise ValueError("block scales must be float16 values (as recover_q4 / recover_q8 return them)")
+    return h.contiguous()
 
-    def __init__(self, kind: int, codes, d, m, bias, in_features: int, out_features: int, cache_dir: Path) -> None:
+
+class QLinear(nn.Module):
+    """`nn.Linear` replacement over exactly recovered 4-bit (kind 4) or 8-bit (kind 8) blocks.
+
+    codes: [O, I/2] (kind 4) or [O, I] (kind 8) uint8; d, m: [O, I/32] float32 holding float16 values
+    (m None for kind 8), kept as float16; isa: the kernel variant ("auto": this CPU's best)."""
+
+    def __init__(self, kind: int, codes, d, m, bias, in_features: int, out_features: int, cache_dir: Path,
+                 isa: str = "auto") -> None:
         super().__init__()
+        if kind not in (4, 8) or in_features % 32 or out_features % 2:
+            raise ValueError(f"QLinear takes q4/q8 blocks of 32 and an even output count; got q{kind} "
+                             f"{in_features} -> {out_features}")
         self.kind, self.in_features, self.out_features = kind, in_features, out_features
+        self.isa = kernel_isa(isa)
         self.register_buffer("codes", codes, persistent=False)
-        self.register_buffer("d", d, persistent=False)
-        self.register_buffer("m", m if m is not None else torch.zeros(0), persistent=False)
+        self.register_buffer("d", _half(d), persistent=False)  # [O, I/32] float16
+        self.register_buffer("m", _half(m) if m is not None else torch.zeros(0, dtype=torch.float16),
+                             persistent=False)
         self.register_buffer("bias", bias, persistent=False)
-        self._fn = _library(cache_dir)
+        self._fn = _library(cache_dir, self.isa)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, self.in_features).contiguous()  # [n, I]
         if x2.dtype != torch.float32:
             raise TypeError(f"QLinear takes float32 input, got {x2.dtype}")
-        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)  # [n, O]
         bias = self.bias.data_ptr() if self.bias is not None else None
         m = self.m.data_ptr() if self.kind == 4 else None
-        self._fn(self.kind, x2.data_ptr(), x2.shape[0], self.in_features, self.out_features, self.codes.data_ptr(),
-                 self.d.data_ptr(), m, bias, y.data_ptr(), torch.get_num_threads())
+        if self._fn(self.kind, x2.data_ptr(), x2.shape[0], self.in_features, self.out_features, self.codes.data_ptr(),
+                    self.d.data_ptr(), m, bias, y.data_ptr(), torch.get_num_threads()):
+            raise MemoryError("compressed kernel: no memory for its scale buffers")
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, exact q{self.kind} blocks"
+        return f"in_features={self.in_features}, out_features={self.out_features}, exact q{self.kind} blocks, {self.isa}"
 
 
-def quantize_linears(model: nn.Module, cache_dir: Path) -> tuple[int, int]:
-    """Swap every nn.Linear whose weight recovers exactly; returns (swapped, kept)."""
+def quantize_linears(model: nn.Module, cache_dir: Path, isa: str = "auto") -> tuple[int, int]:
+    """Swap every nn.Linear whose weight recovers exactly for a QLinear on kernel variant `isa`
+    ("auto": this CPU's best; others for tests and measurements); returns (swapped, kept)."""
+    isa = kernel_isa(isa)
     swapped = kept = 0
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
@@ -193,15 +277,15 @@ def quantize_linears(model: nn.Module, cache_dir: Path) -> tuple[int, int]:
             bias = child.bias.detach().contiguous() if child.bias is not None else None
             q4 = recover_q4(w)
             if q4 is not None:
-                new = QLinear(4, *q4, bias, child.in_features, child.out_features, cache_dir)
+                new = QLinear(4, *q4, bias, child.in_features, child.out_features, cache_dir, isa)
             else:
                 q8 = recover_q8(w)
                 if q8 is None:
                     kept += 1
                     continue
                 new = QLinear(8, q8[0].view(torch.uint8), q8[1], None, bias, child.in_features, child.out_features,
-                              cache_dir)
+                              cache_dir, isa)
             setattr(module, name, new)
             swapped += 1
-    log.info("exact compressed kernels: %d linear layers swapped, %d kept", swapped, kept)
+    log.info("exact compressed kernels (%s): %d linear layers swapped, %d kept", isa, swapped, kept)
     return swapped, kept

@@ -124,7 +124,9 @@ def calibration_key(fingerprint: str, device: torch.device, kernels: str, attent
 
 def cost_model_path(loaded, cache_dir: Path) -> Path:
     attention = getattr(loaded.model.config, "_attn_implementation", None) or "eager"
-    key = calibration_key(loaded.fingerprint, loaded.device, loaded.kernels, attention)
+    isa = getattr(loaded, "isa", None)  # the compressed kernels' speed depends on their ISA variant
+    kernels = f"{loaded.kernels}-{isa}" if isa else loaded.kernels
+    key = calibration_key(loaded.fingerprint, loaded.device, kernels, attention)
     return Path(cache_dir) / "calibration" / f"{key.replace('/', '_')}.json"
 
 

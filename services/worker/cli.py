@@ -51,8 +51,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests may finish on SIGTERM")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
     p.add_argument("--kernels", choices=KERNELS, default="auto",
-                   help="linear-layer kernels: auto (default: exact compressed on AVX-512 CPUs for block-quantised "
-                        "weights, else oneDNN pre-packed on CPU float32), stock, packed or compressed")
+                   help="linear-layer kernels: auto (default: exact compressed on AVX-512 / AVX2 CPUs for "
+                        "block-quantised weights, else oneDNN pre-packed on CPU float32), stock, packed or "
+                        "compressed (also on the slow portable scalar variant)")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tenant-tokens", default=None, help='JSON file {"tenant": "token" or ["token", ...]}: require '

@@ -1,12 +1,34 @@
-"""Exact compressed kernels: recovery of block-quantised weights, and the AVX-512 kernel itself."""
+"""Exact compressed kernels: recovery of block-quantised weights, and the C kernel in its three ISA
+variants (AVX-512, AVX2, scalar), which must give the same bits as each other and as an exact
+float32 reference of the written-out op order (csrc/qlinear.c)."""
 
 import pytest
 import torch
 from torch import nn
 
-from engine.model.qlinear import QLinear, qlinear_supported, quantize_linears, recover_q4, recover_q8
+from engine.model import qlinear
+from engine.model.qlinear import (
+    ISAS,
+    QLinear,
+    available_isas,
+    kernel_isa,
+    qlinear_supported,
+    quantize_linears,
+    recover_q4,
+    recover_q8,
+)
 
-needs_kernel = pytest.mark.skipif(not qlinear_supported(), reason="needs x86-64 AVX-512 and a C compiler")
+# Any x86-64 Linux host with gcc runs the kernels (scalar at least); a variant's own tests skip only
+# where the CPU lacks its instructions (avx512 on most, avx2 on pre-2013 CPUs).
+KERNELS_RUN = qlinear_supported() and qlinear._compiler() is not None
+needs_kernel = pytest.mark.skipif(not KERNELS_RUN, reason="needs x86-64 Linux and a C compiler")
+
+
+def isa_params():
+    """One pytest param per variant, skipped where this CPU cannot run it."""
+    runs = available_isas()
+    return [pytest.param(isa, marks=pytest.mark.skipif(isa not in runs, reason=f"CPU cannot run {isa}"))
+            for isa in ISAS]
 
 
 def q4_weights(out_f: int, in_f: int, seed: int = 0, scale: float = 0.02) -> torch.Tensor:
@@ -29,6 +51,82 @@ def q8_weights(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
     return (q * d[..., None]).reshape(out_f, in_f)
 
 
+def wide_range_q4_weights(out_f: int, in_f: int, seed: int) -> torch.Tensor:
+    """Q4_1 blocks whose fp16 scales span subnormal (< 6.1e-5) to large, so the half -> float
+    conversions of every variant (the portable one included) see all kinds of finite halves."""
+    g = torch.Generator().manual_seed(seed)
+    nb = in_f // 32
+    q = torch.randint(0, 16, (out_f, nb, 32), generator=g).float()
+    q[..., 0], q[..., 1] = 0, 15
+    d = (2.0 ** torch.randint(-22, 2, (out_f, nb), generator=g).float() * (1 + torch.rand(out_f, nb, generator=g)))
+    d = d.half().float()
+    m = (-7.5 * d * (0.5 + torch.rand(out_f, nb, generator=g))).half().float()
+    return (q * d[..., None] + m[..., None]).reshape(out_f, in_f)
+
+
+def wide_range_x(n: int, in_f: int, seed: int) -> torch.Tensor:
+    """[n, in_f] inputs with magnitudes over 2^-8 .. 2^8, so partial sums round often and a change of
+    op order would show in the bits."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, in_f, generator=g) * 2.0 ** torch.randint(-8, 9, (n, in_f), generator=g).float()
+
+
+# ---- an exact reference of the kernels' op order (pure torch) ---------------------------------------
+def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """Correctly rounded float32 fma(a, b, c), elementwise, float32 in and out.
+
+    float64(a) * float64(b) is exact (24 + 24 significant bits <= 53). Rounding a * b + c to float64
+    and then to float32 could round twice the wrong way, so instead: TwoSum gives s + e == a*b + c
+    exactly; rounding that to *odd* in float64 (s, or its neighbour towards e when inexact and s's
+    last bit is even) and then to nearest float32 is the correctly rounded result, since float64
+    carries more than 24 + 2 bits (Boldo & Melquiond, round-to-odd)."""
+    p, c64 = a.double() * b.double(), c.double()
+    s = p + c64
+    bb = s - p
+    e = (p - (s - bb)) + (c64 - bb)  # TwoSum: exact error of s
+    even = (s.view(torch.int64) & 1) == 0
+    toward = torch.where(e > 0, torch.full_like(s, float("inf")), torch.full_like(s, float("-inf")))
+    return torch.where((e != 0) & even, torch.nextafter(s, toward), s).float()
+
+
+def reference_linear(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, fma=fma32) -> torch.Tensor:
+    """w: [O, I], x: [n, I] float32 -> [n, O]: every output as csrc/qlinear.c computes it, op by op:
+    16 lane accumulators, per block two fmas per lane, then the pairwise 8/4/2/1 reduction, + bias."""
+    n, in_f = x.shape
+    wb = w.reshape(1, w.shape[0], in_f // 32, 32)  # [1, O, nb, 32]
+    xb = x.reshape(n, 1, in_f // 32, 32)  # [n, 1, nb, 32]
+    acc = torch.zeros(n, w.shape[0], 16)  # [n, O, 16]
+    for b in range(in_f // 32):
+        acc = fma(wb[:, :, b, :16].expand(n, -1, -1), xb[:, :, b, :16].expand_as(acc), acc)
+        acc = fma(wb[:, :, b, 16:].expand(n, -1, -1), xb[:, :, b, 16:].expand_as(acc), acc)
+    s8 = acc[..., :8] + acc[..., 8:]  # [n, O, 8]: lane i + lane i + 8
+    s4 = s8[..., :4] + s8[..., 4:]
+    s2 = s4[..., :2] + s4[..., 2:]
+    s = s2[..., 0] + s2[..., 1]  # [n, O]
+    return s + bias if bias is not None else s
+
+
+def test_fma32_rounds_once():
+    one_up, one_down = 1 + 2.0**-23, 1 - 2.0**-23
+    a, b = torch.tensor([one_up, 3.0, 1e-3]), torch.tensor([one_down, 1 / 3, 7.0])
+    c = torch.tensor([-1.0, -1.0, 0.0])
+    got = fma32(a, b, c)
+    assert got[0].item() == -(2.0**-46)  # unfused: a * b rounds to 1.0 and the sum to 0
+    assert (a * b + c)[0].item() == 0.0
+    assert got[1].item() == (torch.tensor(3.0).double() * torch.tensor(1 / 3).double() - 1).float().item()
+    assert got[2].item() == (a[2] * b[2]).item()  # + 0: a single rounding of the product
+
+
+def test_reference_bits_depend_on_the_op_order():
+    """The bit-for-bit tests below have teeth: unfused multiply-adds, or a stock matmul, differ."""
+    w, x = q4_weights(12, 576, seed=1), wide_range_x(19, 576, seed=2)
+    ref = reference_linear(w, x, None)
+    unfused = reference_linear(w, x, None, fma=lambda a, b, c: a * b + c)
+    assert not torch.equal(ref, unfused) and not torch.equal(ref, x @ w.T)
+    torch.testing.assert_close(ref, x @ w.T, atol=1e-3, rtol=1e-4)
+
+
+# ---- recovery -------------------------------------------------------------------------------
 def test_recover_q4_is_bit_exact_and_packs_nibbles():
     w = q4_weights(6, 64)
     codes, d, m = recover_q4(w)
@@ -54,39 +152,126 @@ def test_recover_q8_is_bit_exact():
     assert torch.equal(codes.float().reshape(4, 3, 32) * d[..., None], w.reshape(4, 3, 32))
 
 
-@needs_kernel
-@pytest.mark.parametrize("make, bias", [(q4_weights, True), (q4_weights, False), (q8_weights, False)])
-def test_kernel_matches_linear_and_is_row_invariant(make, bias, tmp_path):
-    lin = nn.Linear(96, 10, bias=bias)
+# ---- ISA selection -------------------------------------------------------------------------------
+def test_isa_names_and_resolution():
+    with pytest.raises(ValueError):
+        kernel_isa("sse9")
+    runs = available_isas()
+    if runs:  # x86-64 Linux: best first, scalar always there
+        assert runs[-1] == "scalar" and kernel_isa() == runs[0] and kernel_isa("scalar") == "scalar"
+        assert runs == [isa for isa in ISAS if isa in runs]
+    for isa in set(ISAS) - set(runs):
+        with pytest.raises(RuntimeError):
+            kernel_isa(isa)
+
+
+# ---- the kernels ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def kernel_dir(tmp_path_factory):
+    """One build directory for the module: each variant compiles once (~1-2 s)."""
+    return tmp_path_factory.mktemp("qlinear")
+
+
+CASES = {  # name: (weights, bias); I = 96 takes the scalar scale-conversion tails, 576 the vector ones
+    "q4-bias": (lambda: q4_weights(10, 96, seed=3), True),
+    "q4": (lambda: wide_range_q4_weights(6, 576, seed=4), False),
+    "q8": (lambda: q8_weights(10, 96, seed=5), False),
+    "q8-bias-576": (lambda: q8_weights(4, 576, seed=6), True),
+}
+
+
+def compressed(case: str, isa: str, kernel_dir) -> tuple[nn.Linear, QLinear]:
+    make, bias = CASES[case]
+    w = make()
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=bias)
     with torch.no_grad():
-        lin.weight.copy_(make(10, 96, seed=3))
-    x = torch.randn(19, 96)  # tiles of 8 + 8 + 3 rows
-    ref = lin(x)
+        lin.weight.copy_(w)
+        if bias:
+            lin.bias.copy_(torch.randn(w.shape[0], generator=torch.Generator().manual_seed(9)) * 0.1)
     holder = nn.Sequential(lin)
-    assert quantize_linears(holder, tmp_path) == (1, 0)
-    q = holder[0]
-    assert isinstance(q, QLinear)
-    y = q(x)
-    torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)
-    # the same row gives the same bits alone, in any tile position and batch width: tree == plain
-    for i in range(19):
-        assert torch.equal(q(x[i : i + 1]), y[i : i + 1])
-    assert torch.equal(q(x[5:16]), y[5:16])
-    assert torch.equal(q(x[None, 2:9])[0], y[2:9])  # leading dims kept
+    assert quantize_linears(holder, kernel_dir, isa) == (1, 0)
+    assert isinstance(holder[0], QLinear) and holder[0].isa == kernel_isa(isa)
+    return lin, holder[0]
 
 
 @needs_kernel
-def test_quantize_linears_keeps_layers_that_do_not_recover(tmp_path):
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("isa", isa_params())
+def test_kernel_equals_exact_reference_for_every_width(isa, case, kernel_dir):
+    """Every output bit equals the reference's, for n = 1..19 rows (tiles of 8 / 4 / 1 rows, full
+    and ragged), for single rows anywhere and for slices: so each variant is row-invariant (a row
+    gives the same bits alone or in a tree batch) and all variants are bit-identical."""
+    lin, q = compressed(case, isa, kernel_dir)
+    x = wide_range_x(19, lin.in_features, seed=7)
+    with torch.no_grad():
+        ref = reference_linear(lin.weight, x, lin.bias)
+        torch.testing.assert_close(ref, lin(x), atol=1e-3, rtol=1e-4)  # the reference is a linear layer
+    for n in range(1, 20):
+        assert torch.equal(q(x[:n]), ref[:n]), f"{isa} differs from the reference at n = {n}"
+    for i in range(19):
+        assert torch.equal(q(x[i : i + 1]), ref[i : i + 1])
+    assert torch.equal(q(x[5:16]), ref[5:16])
+    assert torch.equal(q(x[None, 2:9])[0], ref[2:9])  # leading dims kept
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", list(CASES))
+def test_all_variants_give_the_same_bits(case, kernel_dir):
+    """The runnable variants against each other directly (also where one of them is missing)."""
+    x = wide_range_x(19, compressed(case, "scalar", kernel_dir)[0].in_features, seed=8)
+    outs = {isa: compressed(case, isa, kernel_dir)[1](x) for isa in available_isas()}
+    assert {"avx2", "scalar"} <= set(outs) or outs.keys() == {"scalar"}
+    for isa, y in outs.items():
+        assert torch.equal(y, outs["scalar"]), f"{isa} != scalar"
+
+
+@needs_kernel
+def test_scales_are_stored_as_float16(kernel_dir):
+    _, q = compressed("q4-bias", kernel_isa(), kernel_dir)
+    assert q.d.dtype == q.m.dtype == torch.float16 and q.d.shape == q.m.shape == (10, 3)
+    stored = q.codes.numel() + 2 * (q.d.numel() + q.m.numel())
+    assert stored / (10 * 96) == 0.625  # Q4: bytes per weight
+    assert kernel_isa() in repr(q)
+
+
+@needs_kernel
+def test_qlinear_rejects_scales_that_are_not_float16(kernel_dir):
+    codes, d, m = recover_q4(q4_weights(2, 32))
+    with pytest.raises(ValueError):
+        QLinear(4, codes, d + 1e-6, m, None, 32, 2, kernel_dir)
+    with pytest.raises(ValueError):
+        QLinear(4, codes[:1], d[:1], m[:1], None, 32, 1, kernel_dir)  # odd output count
+
+
+@needs_kernel
+def test_quantize_linears_keeps_layers_that_do_not_recover(kernel_dir):
     net = nn.Sequential(nn.Linear(64, 8), nn.Linear(8, 64))  # random weights, and I = 8
-    assert quantize_linears(net, tmp_path) == (0, 2)
+    assert quantize_linears(net, kernel_dir) == (0, 2)
     assert all(isinstance(m, nn.Linear) for m in net)
+
+
+@needs_kernel
+def test_loader_prefers_packed_over_scalar_under_auto(monkeypatch, tmp_path):
+    """Under auto a CPU that only runs the scalar variant gets oneDNN kernels (faster); asking for
+    compressed kernels still gets them, on scalar."""
+    from engine.model.loader import ModelConfig, _compress
+
+    monkeypatch.setattr(qlinear, "available_isas", lambda: ["scalar"])
+    make = lambda: nn.Sequential(nn.Linear(64, 8))  # noqa: E731
+    net = make()
+    with torch.no_grad():
+        net[0].weight.copy_(q4_weights(8, 64))
+    assert _compress(net, ModelConfig(kernels="auto", cache_dir=str(tmp_path))) is None
+    assert isinstance(net[0], nn.Linear)
+    assert _compress(net, ModelConfig(kernels="compressed", cache_dir=str(tmp_path))) == "scalar"
+    assert isinstance(net[0], QLinear) and net[0].isa == "scalar"
 
 
 @needs_kernel
 @pytest.mark.slow
 def test_builtin_model_runs_entirely_on_compressed_kernels(loaded_smollm2, hf_reference):
     """Every linear layer of the builtin model recovers exactly; logits stay within float noise of stock."""
-    assert loaded_smollm2.kernels == "compressed"
+    assert loaded_smollm2.kernels == "compressed" and loaded_smollm2.isa == kernel_isa()
     assert not any(isinstance(m, nn.Linear) for m in loaded_smollm2.model.modules())
     ids = torch.tensor([loaded_smollm2.tokenizer.encode("The quick brown fox jumps over the lazy dog because")])
     with torch.inference_mode():
@@ -97,10 +282,14 @@ def test_builtin_model_runs_entirely_on_compressed_kernels(loaded_smollm2, hf_re
 
 
 @needs_kernel
-def test_kernel_library_is_built_once_and_loadable_by_other_users(tmp_path):
+def test_kernel_libraries_are_built_once_per_variant_and_loadable_by_other_users(kernel_dir):
     from engine.model.qlinear import build_kernels
 
-    lib = build_kernels(tmp_path)
-    assert lib.parent == tmp_path / "kernels" and lib.stat().st_mode & 0o055 == 0o055  # group/others: r-x
-    mtime = lib.stat().st_mtime_ns
-    assert build_kernels(tmp_path) == lib and lib.stat().st_mtime_ns == mtime  # cached, not rebuilt
+    libs = {isa: build_kernels(kernel_dir, isa) for isa in ISAS}  # any variant builds on any x86-64 host
+    assert len(set(libs.values())) == len(ISAS)
+    for isa, lib in libs.items():
+        assert lib.parent == kernel_dir / "kernels" and isa in lib.name
+        assert lib.stat().st_mode & 0o055 == 0o055  # group/others: r-x
+    mtime = libs["scalar"].stat().st_mtime_ns
+    assert build_kernels(kernel_dir, "scalar") == libs["scalar"] and libs["scalar"].stat().st_mtime_ns == mtime
+    assert build_kernels(kernel_dir) == libs[kernel_isa()]  # auto: this CPU's best
