@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 class RuntimeInfo:
     device: str  # "cpu", "cuda:0", ...
     kernels: str  # linear kernels: compressed, packed, compressed+packed (some layers each) or stock
+    isa: str  # the compressed kernels' variant (avx512, avx2, scalar), "none" without them
     attention: str  # grouped_sdpa (engine/model/attention.py) or transformers' implementation (sdpa, eager)
     tree: str  # the default draft tree's name
     threads: int  # torch intra-op CPU threads the decode threads use
@@ -31,11 +32,13 @@ class RuntimeInfo:
         # torch.get_num_threads() answers for the calling OS thread (OpenMP), which need not be a
         # decode thread; the configured count is what load_model set for them.
         threads = decoder.config.model.threads or torch.get_num_threads()
-        return cls(device=str(decoder.device), kernels=loaded.kernels, attention=attention_in_use(loaded.model),
+        return cls(device=str(decoder.device), kernels=loaded.kernels, isa=getattr(loaded, "isa", None) or "none",
+                   attention=attention_in_use(loaded.model),
                    tree=decoder.default_tree.template.name, threads=threads)
 
     def labels(self) -> dict[str, str]:
-        return {"device": self.device, "kernels": self.kernels, "attention": self.attention, "tree": self.tree,
+        return {"device": self.device, "kernels": self.kernels, "isa": self.isa, "attention": self.attention,
+                "tree": self.tree,
                 "threads": str(self.threads)}
 
     def __str__(self) -> str:

@@ -159,5 +159,5 @@ def model_info_to_pb(decoder: Decoder, limits: Limits) -> pb.ModelInfoResponse:
         max_context=d.max_context, default_tree=info.tree, default_tree_nodes=d.default_tree.n, k=d.config.k,
         max_new_tokens_cap=limits.max_new_tokens_cap, default_max_new_tokens=limits.default_max_new_tokens,
         max_prompt_tokens=limits.max_prompt_tokens, device=info.device, kernels=info.kernels,
-        attention=info.attention, threads=info.threads,
+        attention=info.attention, threads=info.threads, kernel_isa=info.isa,
     )

@@ -122,6 +122,7 @@ def test_tokenize_and_model_info(client, decoder):
     assert info.max_new_tokens_cap == 256 and info.max_prompt_tokens == 256 and info.max_context == decoder.max_context
     grouped = decoder.loaded.kernels != "stock"  # SmolLM2 is grouped-query: non-stock kernels swap its attention
     assert (info.device, info.kernels) == (str(decoder.device), decoder.loaded.kernels) and info.kernels
+    assert info.kernel_isa == (decoder.loaded.isa or "none")
     assert info.attention == ("grouped_sdpa" if grouped else "sdpa") and info.threads == torch.get_num_threads()
 
 
