@@ -127,6 +127,53 @@ def _serial(decoder, c: int, config: ConcurrencyConfig, prompts, matrices) -> di
     return _summary("serial", c, done, time.perf_counter() - t0)
 
 
+def fairness(decoder, config: ConcurrencyConfig, prompts, long_tokens: int = 2000) -> dict:
+    """While 4 requests decode, a request with a `long_tokens` prompt arrives: the running requests'
+    p99 inter-token gap before vs while it is prefilled, and the cost of one prefill chunk."""
+    from engine import GenerationRequest
+    from engine.engine import BatchEngine, EngineConfig
+    from engine.results import StepChunk
+
+    engine = BatchEngine(decoder, EngineConfig(max_batch=8, prefill_chunk=config.prefill_chunk), decoder_cost(decoder))
+    stamps: list[list[float]] = [[] for _ in range(4)]
+    for i in range(4):
+        def emit(item, mine=stamps[i]) -> None:
+            if isinstance(item, StepChunk):
+                mine.append(time.perf_counter())
+        request = GenerationRequest(messages=prompts[i], max_new_tokens=200, ignore_eos=True)
+        engine.submit(decoder.prepare(request), emit, matrix=decoder.new_matrix())
+    chunk_s: list[float] = []
+    prefill = engine.runner.prefill
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        out = prefill(*args, **kwargs)
+        chunk_s.append(time.perf_counter() - t)
+        return out
+
+    text = " ".join(m[0]["content"] for m in prompts)
+    ids = decoder.tokenizer(text, add_special_tokens=False)["input_ids"][:long_tokens]
+    with torch.inference_mode():
+        while min(map(len, stamps)) < 30:
+            engine.step()
+        engine.runner.prefill = timed
+        engine.submit(decoder.prepare(GenerationRequest(input_ids=ids, max_new_tokens=8)), lambda item: None,
+                      matrix=decoder.new_matrix())
+        start = time.perf_counter()
+        while engine.waiting or engine.prefilling:
+            engine.step()
+        end = time.perf_counter()
+        for _ in range(20):
+            engine.step()
+    engine.runner.prefill = prefill
+    before = [b - a for s in stamps for a, b in zip(s, s[1:]) if b < start]
+    during = [b - a for s in stamps for a, b in zip(s, s[1:]) if a >= start and b <= end]
+    return {"prompt_tokens": len(ids), "prefill_chunk": config.prefill_chunk, "chunks": len(chunk_s),
+            "chunk_s_mean": round(float(np.mean(chunk_s)), 4), "chunk_s_max": round(max(chunk_s), 4),
+            "gap_p99_before_s": round(_percentile(before, 99), 4), "gap_p99_during_s": round(_percentile(during, 99), 4),
+            "gap_p50_before_s": round(_percentile(before, 50), 4), "gap_p50_during_s": round(_percentile(during, 50), 4)}
+
+
 def decoder_cost(decoder):
     """The engine's cost curve: a cached calibration of this model and machine, else its proxy."""
     from engine.model.paths import default_cache_dir
@@ -152,12 +199,19 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
                    else _batched(decoder, mode, c, config, prompts, matrices))
             log.info("%s", row)
             rows.append(row)
-    report = {"config": asdict(config), "kernels": decoder.loaded.kernels, "rows": rows,
+    fair = fairness(decoder, config, prompts)
+    log.info("fairness: %s", fair)
+    report = {"config": asdict(config), "kernels": decoder.loaded.kernels, "isa": decoder.loaded.isa, "rows": rows,
+              "fairness": fair,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     path = Path(config.json_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
-    table = format_table(rows)
+    table = format_table(rows) + (
+        f"\nfairness: a {fair['prompt_tokens']}-token prompt arrives while 4 requests decode: their p99 "
+        f"inter-token gap {fair['gap_p99_before_s'] * 1e3:.0f} ms before, {fair['gap_p99_during_s'] * 1e3:.0f} ms "
+        f"during its prefill ({fair['chunks']} chunks of {fair['prefill_chunk']}, "
+        f"{fair['chunk_s_mean'] * 1e3:.0f} ms each, max {fair['chunk_s_max'] * 1e3:.0f} ms)")
     path.with_suffix(".txt").write_text(table + "\n")
     print(table)
     plot(rows, path.with_suffix(".png"))

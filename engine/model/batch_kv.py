@@ -99,8 +99,10 @@ class BatchKV:
             return
         cap = max(tokens, 2 * r.capacity, 256)
         for i in range(len(r.k)):
-            k = torch.empty(r.max_rows, self.heads, cap, self.head_dim, dtype=self.dtype, device=self.device)
-            v = torch.empty_like(k)
+            # zeros, not empty: a row's masked holes are still multiplied by the queries, and stale
+            # memory can hold inf/NaN, which a -inf-like additive mask does not cancel (NaN logits)
+            k = torch.zeros(r.max_rows, self.heads, cap, self.head_dim, dtype=self.dtype, device=self.device)
+            v = torch.zeros_like(k)
             if r.k[i] is not None:
                 used = max(r.lens)
                 k[:, :, :used], v[:, :, :used] = r.k[i][:, :, :used], r.v[i][:, :, :used]

@@ -47,3 +47,13 @@ def test_prefill_row_is_single_and_joins_in_order():
     kv.grow(row, 4)
     kv.activate(row)
     assert kv.active == 1 and kv.length(0) == 4
+
+
+def test_new_capacity_is_zeros_not_stale_memory():
+    """Masked holes are still multiplied by the queries: stale inf/NaN there would poison a row."""
+    kv = BatchKV(tiny_llama().config, 2, torch.float32, torch.device("cpu"))
+    kv.reserve(8)
+    kv.rows.k[0][:, :, :8] = float("nan")  # as if a previous tenant of this memory left NaNs
+    kv.rows.lens[0] = 8
+    kv.reserve(1000)  # grows: the valid 8 columns are copied, the rest is new
+    assert torch.isnan(kv.rows.k[0][0, :, :8]).all() and kv.rows.k[0][:, :, 8:].eq(0).all()

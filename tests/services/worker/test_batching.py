@@ -1,0 +1,74 @@
+"""A worker batches its callers: many concurrent requests, none refused while the budgets hold,
+each output what that request gets alone; a cancelled stream frees its KV row at once; a reader
+that stops reading is cut off without stalling the others."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from engine.results import GenerationResult, StepChunk
+from services.client.client import TRServeClient
+from services.worker.bridge import EngineStream
+from services.worker.config import Limits, WorkerConfig
+from tests.helpers import wait_for
+from tests.services.worker_harness import serving
+
+LIMITS = Limits(max_new_tokens_cap=256, default_max_new_tokens=8, max_prompt_tokens=512)
+TOPICS = ["the sea", "a mountain", "a city at night", "an old library", "the desert", "a forest", "winter", "a robot"]
+
+
+@pytest.fixture(scope="module")
+def worker(decoder):
+    yield from serving(WorkerConfig(port=0, metrics_port=None, limits=LIMITS, max_batch=16, max_queue=16), decoder)
+
+
+def test_32_concurrent_callers_all_finish_as_alone(worker, decoder):
+    prompts = [[{"role": "user", "content": f"Write one sentence about {TOPICS[i % 8]}."}] for i in range(32)]
+    alone = {i: decoder.generate(messages=prompts[i], max_new_tokens=8, mode="ar").ids for i in range(8)}
+    engine = worker.worker.engine
+    steps_before = engine.steps
+
+    def call(i: int):
+        with TRServeClient(worker.addr, timeout=300) as client:
+            return client.generate(messages=prompts[i], max_new_tokens=8, tenant=f"t{i % 4}", return_token_ids=True)
+
+    with ThreadPoolExecutor(32) as pool:
+        replies = list(pool.map(call, range(32)))
+    assert len(replies) == 32 and all(r.stats.generated_tokens > 0 for r in replies)  # none refused
+    for i, r in enumerate(replies):
+        assert list(r.token_ids) == alone[i % 8], i  # batched, drafted by its tenant: the same tokens
+    generated = sum(r.stats.generated_tokens for r in replies)
+    assert engine.steps - steps_before < generated / 2  # requests shared forwards (serially: >= one step a token)
+
+
+def test_cancelled_stream_frees_its_row_at_the_next_step(worker):
+    engine = worker.worker.engine
+    with TRServeClient(worker.addr, timeout=120) as client:
+        stream = client.stream(messages=[{"role": "user", "content": "Write a very long story."}], max_new_tokens=256)
+        next(stream)
+        assert engine.runner.kv.active == 1
+        stream.cancel()
+        wait_for(lambda: engine.runner.kv.active == 0 and engine.reserved == 0, timeout=10)
+
+
+def test_a_reader_that_falls_behind_is_cancelled_not_waited_for():
+    loop = asyncio.new_event_loop()
+    cancelled = threading.Event()
+    stream = EngineStream(loop, cancelled, limit=4)
+    for i in range(6):  # the engine thread keeps emitting; nobody reads
+        stream.emit(StepChunk(tokens=[i], text=str(i)))
+    loop.run_until_complete(asyncio.sleep(0))
+    assert cancelled.is_set()  # the engine drops the request at its next step
+    stream.emit(GenerationResult(ids=[0, 1, 2, 3], text="", finish_reason="cancelled", stats=None))
+
+    async def drain():
+        return [item async for item in stream.items()], await stream.finish()
+
+    items, result = loop.run_until_complete(drain())
+    assert [type(x).__name__ for x in items] == ["StepChunk"] * 4 + ["GenerationResult"]
+    assert result.finish_reason == "cancelled"
+    loop.close()
