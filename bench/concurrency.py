@@ -32,7 +32,7 @@ class ConcurrencyConfig:
     modes: tuple[str, ...] = MODES
     max_new_tokens: int = 64
     min_requests: int = 8  # per level: max(min_requests, 2 * concurrency) requests
-    prefill_chunk: int = 256
+    prefill_chunk: int = 128
     tenants: int = 4
     kernels: str = "auto"
     threads: int | None = None
@@ -49,8 +49,13 @@ class ConcurrencyConfig:
 
 
 def _prompts(path: str) -> list[list[dict]]:
+    """First turns, categories interleaved (the file is sorted by category): every level sees a mix."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [[{"role": "user", "content": r["turns"][0]}] for r in rows]
+    by_cat: dict[str, list[dict]] = {}
+    for r in rows:
+        by_cat.setdefault(r.get("category", ""), []).append(r)
+    mixed = [r for group in itertools.zip_longest(*by_cat.values()) for r in group if r is not None]
+    return [[{"role": "user", "content": r["turns"][0]}] for r in mixed]
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -175,12 +180,11 @@ def fairness(decoder, config: ConcurrencyConfig, prompts, long_tokens: int = 200
 
 
 def decoder_cost(decoder):
-    """The engine's cost curve: a cached calibration of this model and machine, else its proxy."""
+    """The engine's cost curve: this model and machine's calibration (measured once, ~1 min, cached)."""
     from engine.model.paths import default_cache_dir
-    from engine.tuning.calibrate import cached_cost_model
+    from engine.tuning.calibrate import load_or_measure
 
-    cost = cached_cost_model(decoder.loaded, default_cache_dir())
-    return cost.cost if cost is not None else None
+    return load_or_measure(decoder.loaded, default_cache_dir()).cost
 
 
 def run_concurrency(config: ConcurrencyConfig) -> dict:

@@ -32,7 +32,7 @@ from engine.results import GenerationResult, GenerationStats, StepChunk
 from engine.sequence import Sequence
 from engine.step import accept_step, draft_step
 from engine.tr.lookup import ContextLookup
-from engine.tr.recycle import RecycledRows, recycle_rows, select_rows
+from engine.tr.recycle import RecycledRows, select_rows
 from engine.tr.sampling import choose, new_sampler
 from engine.tr.source import DraftSession
 from engine.tr.tree import CompiledTree, TreeTemplate
@@ -48,9 +48,9 @@ class EngineConfig:
     max_batch: int = 16  # sequences decoding at once (running + the one prefilling)
     max_batch_tokens: int = 32768  # KV tokens the admitted sequences may reserve (prompt + max_new + tree)
     max_waiting: int = 64  # admitted beyond the budgets: wait; beyond this: ResourceExhausted
-    prefill_chunk: int = 512  # prompt tokens prefilled per step
+    prefill_chunk: int = 128  # prompt tokens prefilled per step
     batch_aware: bool = True  # trees sized per step for the batch; False = every sequence its full tree
-    explore_every: int = 8  # batch-aware: a sequence verifies its whole tree at least every N steps
+    explore_every: int = 4  # batch-aware: every N * B steps one sequence (in turn) verifies its whole tree
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_batch_tokens < 64 or self.max_waiting < 0 or self.prefill_chunk < 1:
@@ -108,6 +108,7 @@ class BatchEngine:
         self._lock = threading.Condition()
         self._stop = False
         self.steps = 0
+        self._explorer: _Live | None = None  # the sequence verifying its whole tree this step
 
     # ---- the caller's side (any thread) ---------------------------------------------------------
     def submit(self, prepared: PreparedRequest, emit: Callable[[StepChunk | GenerationResult | Exception], None], *,
@@ -261,12 +262,10 @@ class BatchEngine:
         drafts, inputs = self._drafts()
         logits = self.runner.step(inputs)  # per row [w_b, V]
         keep, k = [], self.decoder.config.k
-        for live, draft, lg, row in zip(self.running, drafts, logits, inputs):
+        for live, draft, lg in zip(self.running, drafts, logits):
             seq = live.seq
-            if draft is None:  # plain decoding this step
+            if draft is None:  # plain decoding this step (a TR request keeps its pending rows for later)
                 new, path = [int(choose(lg, seq.sampler, len(seq.generated))[0])], [0]
-                if live.session is not None:
-                    live.recycled = recycle_rows(row.tokens, lg, k, path)
             else:
                 acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row))
                 new, path = acc.tokens, acc.path
@@ -281,52 +280,63 @@ class BatchEngine:
     def _drafts(self) -> tuple[list, list[RowInput]]:
         """Each running sequence's draft (None = plain decoding this step) and its row input, with
         tree sizes chosen for the whole batch (engine/tuning/budget.py)."""
+        # One sequence in turn verifies its whole base tree, every explore_every * B steps: its width pads
+        # the whole batch, so a big batch explores less often (rates are shared per tenant and tree).
+        every = self.config.explore_every * len(self.running)
+        self._explorer = self.running[(self.steps // every) % len(self.running)] if self.steps % every == 0 else None
         staged, options = [], []
         for live in self.running:
             if live.session is None:  # an AR-mode request
                 staged.append(None)
-                options.append([(1, 1.0, 1)])
+                options.append([(1, 1.0, 1, False)])
                 continue
-            drafted = live.session.step(live.recycled, live.root)  # [n_draft]; the rows are now in the matrix
-            live.recycled = None
             plan = live.seq.tuner.plan() if live.seq.tuner is not None else StepPlan(live.tree, None, explore=False)
             proposal = live.seq.lookup.propose(plan.tree.template.lookup)
-            staged.append((plan, drafted, proposal))
+            staged.append((plan, proposal))
             options.append(self._options(live, plan, proposal))
         chosen = self._choose(options)
         drafts, inputs = [], []
         dev = self.decoder.device
         for live, stage, opts, j in zip(self.running, staged, options, chosen):
-            size = opts[j][2]
+            _, _, size, chain = opts[j]
             if stage is None or size == 1:
                 drafts.append(None)
                 inputs.append(RowInput(torch.tensor([live.root], device=dev), torch.zeros(1, dtype=torch.long, device=dev),
                                        torch.zeros(1, 1, dtype=self.runner.dtype, device=dev)))
                 continue
-            plan, drafted, proposal = stage
+            plan, proposal = stage
+            # Only a sequence that verifies a tree drafts (and hands over its pending rows) this step: a
+            # plain step costs a TR request no more than an AR one.
+            drafted = live.session.step(live.recycled, live.root)  # [n_draft]
+            live.recycled = None
             if size is not None and size < plan.tree.n:
                 sub = self._subtree(plan.tree, size)
                 plan = StepPlan(sub, torch.arange(sub.n, device=dev), explore=False)
-            draft = draft_step(live.seq, drafted, plan, proposal)
+            draft = draft_step(live.seq, drafted, plan, proposal, lookup=chain)
             drafts.append(draft)
             inputs.append(RowInput(draft.tokens, draft.tree.depth, draft.tree.mask))
         return drafts, inputs
 
-    def _options(self, live: _Live, plan: StepPlan, proposal) -> list[tuple[int, float, int | None]]:
-        """(width, expected tokens, base nodes or None = the plan as it is) per option; first = plain decoding."""
+    def _options(self, live: _Live, plan: StepPlan, proposal) -> list[tuple[int, float, int | None, bool]]:
+        """(width, expected tokens, base nodes or None = the plan as it is, with the lookup chain) per
+        option; the first is plain decoding."""
         chain = len(proposal.tokens) if proposal is not None else 0
-        full = [(plan.tree.n + chain, 1.0, None)]
         if live.seq.tuner is not None or not self.config.batch_aware:  # the tuner's (or the full) plan, always
-            return full
-        if (len(live.seq.accepted_per_step) + 1) % self.config.explore_every == 0:
-            return full  # now and then the whole tree, so that every node's rate stays measured
+            return [(plan.tree.n + chain, 1.0, None, True)]
+        if live is self._explorer:  # its whole base tree now and then, so every node's rate stays measured
+            return [(plan.tree.n, 1.0, None, False)]
         rates = self._rates.setdefault(live.rates_key, NodeRates(plan.tree.n))
         sizes = [s for s in SIZES if s < plan.tree.n] + [plan.tree.n]
-        return [(w, t, s) for (w, t), s in zip(rates.options(sizes, chain), [1, *sizes])]
+        out = [(1, 1.0, 1, False)]
+        for w, t in rates.options(sizes, 0)[1:]:
+            out.append((w, t, w, False))
+        if chain:  # each size again with the lookup chain grafted
+            out += [(w, t, w - chain, True) for w, t in rates.options(sizes, chain)[1:]]
+        return sorted(out)
 
-    def _choose(self, options: list[list[tuple[int, float, int | None]]]) -> list[int]:
+    def _choose(self, options: list[list[tuple[int, float, int | None, bool]]]) -> list[int]:
         kv = sum(self.runner.kv.rows.lens[: len(self.running)]) // max(len(self.running), 1)
-        return choose_options([[(w, t) for w, t, _ in o] for o in options], lambda w: self.cost(w, kv))
+        return choose_options([[(w, t) for w, t, _, _ in o] for o in options], lambda w: self.cost(w, kv))
 
     def _subtree(self, tree: CompiledTree, size: int) -> CompiledTree:
         key = (tree.template, size)

@@ -32,12 +32,16 @@ class Draft:
         return f"Draft(n={self.tokens.shape[0]}, base={self.plan.tree.n}, chain={self.grafted is not None})"
 
 
-def draft_step(seq: Sequence, drafted: torch.Tensor, plan: StepPlan, proposal: Proposal | None = None) -> Draft:
+def draft_step(seq: Sequence, drafted: torch.Tensor, plan: StepPlan, proposal: Proposal | None = None,
+               lookup: bool = True) -> Draft:
     """drafted: [n_draft] the session's tree tokens -> the tokens and tree to verify. `proposal`: the
-    lookup chain if the caller already looked it up (else looked up here for the plan's tree)."""
+    lookup chain if the caller already looked it up (else looked up here for the plan's tree);
+    `lookup=False`: no chain this step."""
     base = plan.tree
     tokens = drafted if plan.select is None else drafted[plan.select]  # [n] the tree verified this step
-    if proposal is None:
+    if not lookup:
+        proposal = None
+    elif proposal is None:
         proposal = seq.lookup.propose(base.template.lookup)
     if proposal is None:
         return Draft(tokens, base, plan, None)

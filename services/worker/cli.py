@@ -43,7 +43,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="requests decoding together, one forward per step (default 16)")
     p.add_argument("--max-batch-tokens", type=int, default=65536,
                    help="KV tokens the requests of a batch may reserve, prompt + max_new_tokens + tree each (default 65536)")
-    p.add_argument("--prefill-chunk", type=int, default=256,
+    p.add_argument("--prefill-chunk", type=int, default=128,
                    help="prompt tokens prefilled per step: a long prompt delays the others by one chunk per step")
     p.add_argument("--max-queue", type=int, default=16, help="requests waiting for a batch place before RESOURCE_EXHAUSTED")
     p.add_argument("--max-new-tokens-cap", type=int, default=2048, help="largest max_new_tokens a request may ask")

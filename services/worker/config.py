@@ -43,7 +43,7 @@ class WorkerConfig:
     # KV tokens they may reserve (prompt + max_new_tokens + tree each), prompt tokens prefilled per step
     max_batch: int = 16
     max_batch_tokens: int = 65536
-    prefill_chunk: int = 256
+    prefill_chunk: int = 128
     max_queue: int = 16  # requests waiting for a batch place; beyond -> RESOURCE_EXHAUSTED
     stream_buffer: int = 256  # chunks a stream's reader may fall behind before its request is cancelled
     limits: Limits = Limits()

@@ -15,10 +15,13 @@ def test_worked_example_compute_bound_keeps_plain_decoding():
     assert choose_options(TWO, lambda w: 2 * w) == [0, 0]
 
 
-def test_the_best_upgrade_goes_first_and_plain_only_stays_plain():
+def test_padding_decides_a_common_width_cap():
     options = [[(1, 1.0)], [(1, 1.0), (2, 1.1), (8, 3.0)], [(1, 1.0), (2, 1.9)]]
-    # cost 10 + w: sequence 2's cheap good upgrade, then sequence 1 jumps to its big tree
-    assert choose_options(options, lambda w: 10 + w) == [0, 2, 1]
+    # three rows, cost 10 + total: cap 1: 3 / 13; cap 2: 4.0 / 16; cap 8: 5.9 / 34 -> cap 2 for all
+    assert choose_options(options, lambda w: 10 + w) == [0, 1, 1]
+    # a forced wide option (a tuner's plan) pads every row anyway: the others widen for free
+    forced = [[(8, 2.0)], [(1, 1.0), (2, 1.1), (8, 3.0)], [(1, 1.0), (2, 1.9)]]
+    assert choose_options(forced, lambda w: 10 + w) == [0, 2, 1]
 
 
 def test_node_rates_learn_from_verified_prefixes_only():
