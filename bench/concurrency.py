@@ -31,7 +31,7 @@ class ConcurrencyConfig:
     levels: tuple[int, ...] = (1, 2, 4, 8, 16)
     modes: tuple[str, ...] = MODES
     max_new_tokens: int = 64
-    min_requests: int = 8  # per level: max(min_requests, 2 * concurrency) requests
+    min_requests: int = 32  # per level: max(min_requests, 2 * concurrency) requests, the same prompts every level
     prefill_chunk: int = 128
     tenants: int = 4
     kernels: str = "auto"
