@@ -57,3 +57,25 @@ def tiny_llama(vocab_size: int = 128, attn: str = "sdpa", seed: int = 0):
         attn_implementation=attn,
     )
     return LlamaForCausalLM(config).eval()
+
+
+class DigitsTokenizer:
+    """Stand-in tokenizer for tiny models: ids as text (a decoder only decodes)."""
+
+    eos_token_id = None
+
+    def decode(self, ids, skip_special_tokens=True):
+        return " ".join(map(str, ids))
+
+
+def tiny_decoder(vocab_size: int, seed: int, **config):
+    """A Decoder over a tiny random llama with peaked next-token laws (drafts get accepted)."""
+    from engine import Decoder, DecoderConfig
+    from engine.model.loader import LoadedModel
+
+    model = tiny_llama(vocab_size=vocab_size, seed=seed)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(20.0)
+    loaded = LoadedModel(model, DigitsTokenizer(), f"tiny-v{vocab_size}", "tiny", torch.device("cpu"), torch.float32,
+                         "stock")
+    return Decoder(DecoderConfig(k=8, **config), loaded=loaded)

@@ -11,34 +11,20 @@ import time
 import pytest
 import torch
 
-from engine import Decoder, DecoderConfig, GenerationRequest, SamplingParams
+from engine import Decoder, GenerationRequest, SamplingParams
 from engine.engine import BatchEngine, EngineConfig
-from engine.model.loader import LoadedModel
 from engine.results import GenerationResult, StepChunk
-from tests.conftest import load_prompts, tiny_llama
+from tests.conftest import load_prompts, tiny_decoder
 from tests.engine.test_lossless import NEAR_TIE_EPS, _reference
 
 V = 64
-
-
-class _Digits:
-    """Stand-in tokenizer: ids as text (the engine only decodes)."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
 
 
 @pytest.fixture(scope="module")
 def tiny():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    model = tiny_llama(vocab_size=V, seed=1)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)  # peaked laws: drafts get accepted
-    loaded = LoadedModel(model, _Digits(), "tiny-v64", "tiny", torch.device("cpu"), torch.float32, "stock")
-    yield Decoder(DecoderConfig(k=8, seed_from_prompt=4, tree="cpu-8"), loaded=loaded)
+    yield tiny_decoder(V, seed=1, seed_from_prompt=4, tree="cpu-8")
     torch.set_num_threads(threads)
 
 

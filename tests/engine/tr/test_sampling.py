@@ -8,12 +8,11 @@ import math
 import pytest
 import torch
 
-from engine import Decoder, DecoderConfig, InvalidArgument, SamplingParams
-from engine.model.loader import LoadedModel
+from engine import InvalidArgument, SamplingParams
 from engine.tr.accept import accept_greedy
 from engine.tr.sampling import Sampler, choose, choose_in_tree, inverse_cdf, processed_probs
 from engine.tr.tree import TreeTemplate, compile_tree
-from tests.conftest import tiny_llama
+from tests.conftest import tiny_decoder
 
 V = 16  # tiny vocabulary: exact distributions of 3 tokens are V**3 = 4096 cells
 PROMPT = [3, 7, 1, 12]
@@ -126,24 +125,11 @@ def test_uniforms_depend_on_seed_and_position_only():
 
 
 # ---- a tiny model where exact distributions are computable ------------------------------
-class _Digits:
-    """Stand-in tokenizer: ids as text (the decoder only decodes)."""
-
-    eos_token_id = None
-
-    def decode(self, ids, skip_special_tokens=True):
-        return " ".join(map(str, ids))
-
-
 @pytest.fixture(scope="module")
 def tiny():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tensors this small only lose to thread hand-offs (5-10x slower with 2)
-    model = tiny_llama(vocab_size=V, seed=0)
-    with torch.no_grad():
-        model.lm_head.weight.mul_(20.0)  # peaked next-token laws, so drafts are often accepted
-    loaded = LoadedModel(model, _Digits(), "tiny-v16", "tiny", torch.device("cpu"), torch.float32, "stock")
-    yield Decoder(DecoderConfig(k=8, seed_from_prompt=4), loaded=loaded)
+    yield tiny_decoder(V, seed=0, seed_from_prompt=4)
     torch.set_num_threads(threads)
 
 
