@@ -25,6 +25,7 @@ from services.cluster.runner import LocalCluster
 from services.load.prompts import PROMPTS
 from services.load.report import LoadReport, RequestRecord
 from services.load.runner import LoadConfig, run_load
+from tests.helpers import wait_for
 from tests.services.cluster_helpers import Admin, N, assert_same_text_per_prompt, fallbacks
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -106,9 +107,13 @@ def test_matrix_service_killed_mid_load(cluster, admin) -> None:
     fallbacks_before = fallbacks(cluster)
 
     def kill() -> None:
+        # Batched workers finish the first requests within one snapshot interval (1 s): wait until
+        # every tenant has a snapshot, so the drill measures the loss window after it, not before it.
+        wait_for(lambda: all((i := admin.describe(t)) is not None and i.last_snapshot_version >= 1 for t in tenants),
+                 timeout=10)
         for t in tenants:
             info = admin.describe(t)
-            at_kill[t] = (info.version, info.last_snapshot_version) if info else (0, -1)
+            at_kill[t] = (info.version, info.last_snapshot_version)
         cluster.kill_matrix()
 
     report = load(cluster, prefix, on_done=once(CONCURRENCY, kill))
