@@ -139,10 +139,6 @@ class BatchEngine:
             self.waiting.append(live)
             self._lock.notify()
 
-    def load(self) -> tuple[int, int]:
-        """(running + prefilling, waiting), for metrics and admission."""
-        return len(self.running) + (self.prefilling is not None), len(self.waiting)
-
     def stop(self) -> None:
         with self._lock:
             self._stop = True
@@ -326,13 +322,7 @@ class BatchEngine:
         if live is self._explorer:  # its whole base tree now and then, so every node's rate stays measured
             return [(plan.tree.n, 1.0, None, False)]
         rates = self._rates.setdefault(live.rates_key, NodeRates(plan.tree.n))
-        sizes = [s for s in SIZES if s < plan.tree.n] + [plan.tree.n]
-        out = [(1, 1.0, 1, False)]
-        for w, t in rates.options(sizes, 0)[1:]:
-            out.append((w, t, w, False))
-        if chain:  # each size again with the lookup chain grafted
-            out += [(w, t, w - chain, True) for w, t in rates.options(sizes, chain)[1:]]
-        return sorted(out)
+        return rates.options([s for s in SIZES if s < plan.tree.n] + [plan.tree.n], chain)
 
     def _choose(self, options: list[list[tuple[int, float, int | None, bool]]]) -> list[int]:
         kv = sum(self.runner.kv.rows.lens[: len(self.running)]) // max(len(self.running), 1)

@@ -73,12 +73,17 @@ class NodeRates:
         mean = (self.chain_hits + self.chain_prior * self.weight) / (self.chain_steps + self.weight)
         return min(float(chain), mean)
 
-    def options(self, sizes: Sequence[int], chain: int) -> list[Option]:
-        """(width, expected tokens) of plain decoding, then of the BFS prefixes of `sizes` nodes (root
-        included) plus a lookup chain of `chain` tokens where one is proposed."""
-        r = self.rates()
-        out: list[Option] = [(1, 1.0)]
+    def options(self, sizes: Sequence[int], chain: int) -> list[tuple[int, float, int, bool]]:
+        """(width, expected tokens, base nodes, with the chain) of plain decoding, then of the BFS
+        prefixes of `sizes` nodes (root included), each also with a lookup chain of `chain` tokens
+        where one is proposed (chain > 0); sorted by width."""
+        r = self.rates()  # [n]
+        worth = self.chain_worth(chain) if chain else 0.0
+        out = [(1, 1.0, 1, False)]
         for s in sizes:
             if s > 1:
-                out.append((s + chain, 1.0 + float(r[1:s].sum()) + (self.chain_worth(chain) if chain else 0.0)))
-        return out
+                tokens = 1.0 + float(r[1:s].sum())
+                out.append((s, tokens, s, False))
+                if chain:
+                    out.append((s + chain, tokens + worth, s, True))
+        return sorted(out)

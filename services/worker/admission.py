@@ -1,6 +1,7 @@
-"""Bounded admission: at most `max_active` requests decode, at most `max_queue` wait, the rest are refused.
+"""Bounded admission: at most `max_active` requests (the engine's batch) decode, at most `max_queue`
+wait, the rest are refused.
 
-Decoding is serial per model, so waiting requests would otherwise pile up without bound and all
+A worker decodes a bounded batch per model, so waiting requests would otherwise pile up without bound and all
 miss their deadlines; refusing early with a retry hint lets a caller go elsewhere or back off.
 """
 

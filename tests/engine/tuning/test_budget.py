@@ -31,4 +31,7 @@ def test_node_rates_learn_from_verified_prefixes_only():
     r = rates.rates()
     assert r[1] == (8 + 1) / (8 + 2) and r[2] == r[3] == 0.5
     opts = rates.options([2, 4], chain=0)
-    assert opts[0] == (1, 1.0) and opts[1] == (2, 1.0 + r[1]) and np.isclose(opts[2][1], 1.0 + r[1:].sum())
+    assert opts[0] == (1, 1.0, 1, False) and opts[1] == (2, 1.0 + r[1], 2, False)
+    assert np.isclose(opts[2][1], 1.0 + r[1:].sum()) and len(opts) == 3
+    chained = rates.options([2], chain=5)  # the chain's prior worth: one token, never more than its length
+    assert chained == [(1, 1.0, 1, False), (2, 1.0 + r[1], 2, False), (7, 2.0 + r[1], 2, True)]
