@@ -16,7 +16,7 @@ PYTEST_ARGS ?=
 BENCH_ARGS ?=
 RUN_ARGS ?=
 
-.PHONY: install proto run test test-fast bench clean
+.PHONY: install proto run test test-fast bench bench-peers clean
 
 install: $(STAMP)
 
@@ -46,6 +46,13 @@ test-fast: proto
 
 bench: proto
 	$(VENV)/bin/trserve bench $(BENCH_ARGS)
+
+# The peers' engine too: llama-cpp-python builds llama.cpp from source (~9 minutes once on 2 cores),
+# then the same prompts through llama.cpp beside trserve and transformers.
+LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
+bench-peers: proto
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install --no-deps "$(LLAMA_CPP_SPEC)" diskcache==5.6.3
+	$(VENV)/bin/trserve bench --decoders hf,pld,ar,tr,llamacpp --json bench-results/bench-peers.json $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) trserve .pytest_cache

@@ -6,7 +6,7 @@ from core.datasets import prompt_file
 
 DEFAULT_PROMPTS = str(prompt_file("spec_bench"))  # bundled with the repository (core/data/)
 DECODERS = ("hf", "pld", "ar", "tr", "tr-paper")
-OPTIONAL = ("tr-matrix", "tr-adaptive")
+OPTIONAL = ("tr-matrix", "tr-adaptive", "llamacpp")
 
 
 def register(sub) -> None:
@@ -22,11 +22,17 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--kernels", default="auto", choices=("auto", "stock", "packed", "compressed"),
                    help="kernels of trserve's decoders (ar, tr*); hf and pld always use stock transformers")
+    p.add_argument("--forward", default="auto", choices=("auto", "native", "transformers"),
+                   help="what runs trserve's forwards: the native one-call forward where it fits, or transformers")
+    p.add_argument("--gguf", default=None, help="GGUF for the llamacpp decoder (default: the bundled model's)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 = greedy (default); > 0 = every decoder samples at this temperature (no top-k/top-p), "
                         "seeded per prompt")
     p.add_argument("--json", default=None, help="where to write the JSON report (default bench-results/bench.json, "
                    "or bench-results/concurrency.json with --concurrency)")
+    p.add_argument("--profile", action="store_true",
+                   help="per-step profile instead: forward cost per width and the time outside the forward, "
+                        "for the transformers and the native forward (bench-results/profile.json)")
     p.add_argument("--concurrency", default=None,
                    help="e.g. 1,2,4,8,16: instead of the decoder comparison, closed-loop load on the batching engine "
                         "(modes tr, ar, serial) with throughput, latency and TTFT per level (bench/concurrency.py)")
@@ -34,6 +40,12 @@ def register(sub) -> None:
 
 
 def _run(args) -> int:
+    if args.profile:
+        from bench.profile import ProfileConfig, run_profile
+
+        run_profile(ProfileConfig(prompts=args.prompts, max_new_tokens=min(args.max_new_tokens, 64), kernels=args.kernels,
+                                  threads=args.threads, json_path=args.json or "bench-results/profile.json"))
+        return 0
     if args.concurrency:
         return _run_concurrency(args)
     from bench.runner import BenchConfig, run_bench
@@ -43,7 +55,7 @@ def _run(args) -> int:
         decoders=tuple(d.strip() for d in args.decoders.split(",") if d.strip()), tree=args.tree,
         first_turn_only=args.first_turn_only, pld_tokens=args.pld_tokens, model=args.model,
         threads=args.threads, kernels=args.kernels, json_path=args.json or "bench-results/bench.json",
-        temperature=args.temperature,
+        temperature=args.temperature, forward=args.forward, gguf=args.gguf,
     )
     run_bench(config)
     return 0

@@ -4,7 +4,9 @@ Decoders: `hf` = transformers `generate` greedy (stock kernels), `pld` = transfo
 lookup decoding, `ar` = trserve's own plain decoding (same kernels as TR), `tr` = Token
 Recycling with this installation's default tree (tuned, hybrid drafting on CPU), `tr-paper` = TR
 with the paper's 80-node tree; optional: `tr-matrix` = TR with the matrix-only `cpu-8` tree (no
-prompt lookup), `tr-adaptive` = TR re-tuning its tree online (`DecoderConfig(tree="adaptive")`).
+prompt lookup), `tr-adaptive` = TR re-tuning its tree online (`DecoderConfig(tree="adaptive")`),
+`llamacpp` = llama.cpp's plain greedy decoding of the same GGUF through llama-cpp-python (installed
+by `make bench-peers`), with the same threads, chat-templated prompt ids and token budget.
 Each TR decoder keeps one matrix hot across all prompts (after an untimed warm-up), as a served
 deployment would. Multi-turn questions ask turn 2 after each decoder's own answer to turn 1.
 """
@@ -41,11 +43,13 @@ class BenchConfig:
     model: str | None = None
     threads: int | None = None
     kernels: str = "auto"  # trserve's decoders; hf and pld always run stock transformers
+    forward: str = "auto"  # trserve's decoders: auto, native or transformers (engine/model/loader.py)
+    gguf: str | None = None  # the llamacpp decoder's weights (default: the bundled model's GGUF)
     json_path: str = "bench-results/bench.json"
     temperature: float = 0.0  # 0 = greedy; > 0 = sampling (top-k/top-p off), the n-th call of every decoder seeded n
 
     def __post_init__(self) -> None:
-        known = {"hf", "pld", "ar", "tr", "tr-paper", "tr-matrix", "tr-adaptive"}
+        known = {"hf", "pld", "ar", "tr", "tr-paper", "tr-matrix", "tr-adaptive", "llamacpp"}
         if not self.decoders or set(self.decoders) - known:
             raise ValueError(f"decoders must be a non-empty subset of {sorted(known)}, got {list(self.decoders)}")
         if self.per_category < 1 or self.max_new_tokens < 1:
@@ -101,11 +105,50 @@ class _TR:
         return r.ids, r.stats
 
 
+class _LlamaCpp:
+    """llama.cpp greedy decoding of a GGUF (llama-cpp-python): the CPU engine users compare with.
+
+    Prompts are the same token ids the other decoders get (the chat template applied by the
+    transformers tokenizer; the GGUF holds the same vocabulary). Generation stops at the token
+    budget or at EOS (kept in the output, as `generate` keeps it). llama.cpp's arithmetic differs
+    (8-bit activations), so its outputs are not expected to equal hf's."""
+
+    def __init__(self, gguf: str, tokenizer, threads: int) -> None:
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            raise SystemExit("the llamacpp decoder needs llama-cpp-python: run `make bench-peers` once") from None
+        self.tokenizer = tokenizer
+        self.llm = Llama(model_path=gguf, n_ctx=4096, n_batch=512, n_threads=threads, n_threads_batch=threads,
+                         verbose=False)
+        self.eos = self.llm.token_eos()
+
+    def __call__(self, messages, max_new_tokens):
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
+        out = []
+        for tok in self.llm.generate(ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            out.append(int(tok))
+            if tok == self.eos or len(out) >= max_new_tokens:
+                break
+        return out, None
+
+
+def _bundled_gguf() -> str:
+    import importlib.util
+
+    from engine.model.loader import _GGUF_FILE, _GGUF_PACKAGE
+
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit(f"the llamacpp decoder needs a GGUF: install {_GGUF_PACKAGE} or pass --gguf")
+    return str(Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE)
+
+
 def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
     from engine import Decoder, DecoderConfig, ModelConfig, load_model
 
     model_cfg = ModelConfig(**({"source": config.model} if config.model else {}), threads=config.threads,
-                            kernels=config.kernels)
+                            kernels=config.kernels, forward=config.forward)
     runners, meta = {}, {}
     if {"hf", "pld"} & set(config.decoders):
         stock = load_model(ModelConfig(source=model_cfg.source, kernels="stock", threads=config.threads))
@@ -121,8 +164,16 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
             adaptive = Decoder(DecoderConfig(model=model_cfg, tree="adaptive"), loaded=decoder.loaded)
             runners["tr-adaptive"] = _TR(adaptive, "tr", None, t)
         meta.update(fingerprint=decoder.fingerprint, kernels=decoder.loaded.kernels, isa=decoder.loaded.isa,
-                    device=str(decoder.device),
+                    forward=decoder.loaded.forward, device=str(decoder.device),
                     trees={"tr": tr_tree, "tr-paper": "paper", "tr-matrix": "cpu-8", "tr-adaptive": "adaptive"})
+    if "llamacpp" in config.decoders:
+        from transformers import AutoTokenizer
+
+        from engine.model.loader import resolve_source
+
+        tok = AutoTokenizer.from_pretrained(resolve_source(model_cfg))
+        runners["llamacpp"] = _LlamaCpp(config.gguf or _bundled_gguf(), tok, config.threads or torch.get_num_threads())
+        meta["llamacpp"] = __import__("llama_cpp").__version__
     return {name: runners[name] for name in config.decoders}, meta
 
 
@@ -145,6 +196,7 @@ def run_bench(config: BenchConfig) -> dict:
         "model": config.model or "smollm2-135m-instruct", "torch": torch.__version__,
         "transformers": __import__("transformers").__version__, "threads": torch.get_num_threads(),
         "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+        "avx512": _avx512(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **meta,
     }
     write_outputs(report, records, config.json_path)
@@ -172,4 +224,14 @@ def _ask(name: str, run, q: dict, runners: dict, config: BenchConfig, progress: 
 
 def _tokenizer(runners):
     first = next(iter(runners.values()))
-    return first.loaded.tokenizer if isinstance(first, _HF) else first.decoder.tokenizer
+    if isinstance(first, _HF):
+        return first.loaded.tokenizer
+    return first.tokenizer if isinstance(first, _LlamaCpp) else first.decoder.tokenizer
+
+
+def _avx512() -> bool:
+    """Whether this host has AVX-512 (`grep -c avx512f /proc/cpuinfo` > 0): speeds differ a lot with it."""
+    try:
+        return "avx512f" in Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False

@@ -16,9 +16,8 @@ import torch
 from core.errors import InvalidArgument
 from core.model_spec import ModelSpec
 from engine.config import DecoderConfig
-from engine.model.forward import forward_one, verify_tree
-from engine.model.kv import KVCache
 from engine.model.loader import LoadedModel, load_model
+from engine.model.runner import ModelRunner, RowInput
 from engine.request.prompt import PromptBuilder, check_token_ids
 from engine.request.request import GenerationRequest, PreparedRequest
 from engine.request.stops import StopChecker
@@ -58,6 +57,7 @@ class Decoder:
         # One forward at a time on this model, whoever runs it (this decoder's own loop or a
         # BatchEngine's step): the attention function's per-forward mask cache is process state.
         self.model_lock = threading.Lock()
+        self._runner: ModelRunner | None = None  # one KV row, reused by every serial generation
 
     # ---- setup helpers -------------------------------------------------------------------
     def compile(self, tree: str | TreeTemplate) -> CompiledTree:
@@ -191,17 +191,27 @@ class Decoder:
         raise InvalidArgument(f"matrix must be an AdjacencyMatrix or a DraftSource, got {type(matrix).__name__}")
 
     # ---- the loop --------------------------------------------------------------------------
+    def runner(self) -> ModelRunner:
+        """The serial loop's model runner (one KV row; the same forward as the batching engine's)."""
+        if self._runner is None:
+            self._runner = ModelRunner(self.model, 1, self.loaded.dtype, native=self.loaded.native)
+        return self._runner
+
     def _decode(self, seq: Sequence, source: DraftSource | None, tree: CompiledTree | None, cancelled, deadline):
         t0 = time.perf_counter()
         ids = list(seq.prepared.ids)
-        cache = KVCache(self.model.config)
-        prompt = torch.tensor([ids], device=self.device)
+        runner = self.runner()
+        runner.kv.reset()
+        row = runner.kv.open_row()
+        prompt = torch.tensor(ids, device=self.device)
         seed = min(len(ids), self.config.seed_from_prompt) if source else 0
-        logits = self.model(input_ids=prompt, past_key_values=cache.cache, use_cache=True,
-                            logits_to_keep=max(seed, 1)).logits[0]  # [max(seed, 1), V]
+        keep = max(seed, 1)
+        need = torch.arange(len(ids) - keep, len(ids), device=self.device)
+        logits = runner.prefill(row, prompt, need)  # [max(seed, 1), V]
+        runner.kv.activate(row)
         root = int(choose(logits[-1:], seq.sampler, 0)[0])  # output position 0
         # Prompt seeding: the model's predictions inside this prompt are rows like any recycled ones.
-        recycled = recycle_rows(prompt[0, -seed:], logits, self.config.k, list(range(seed))) if seed else None
+        recycled = recycle_rows(prompt[-seed:], logits, self.config.k, list(range(seed))) if seed else None
         text = TextStream(self.tokenizer)
         prefill_s = time.perf_counter() - t0
         session = source.open(tree, self.spec) if source else None
@@ -218,9 +228,9 @@ class Decoder:
                     seq.finish_reason = "time_limit"
                     break
                 if session is None:
-                    new = self._ar_step(cache, root, seq)
+                    new = self._ar_step(runner, root, seq)
                 else:
-                    new, recycled = self._tr_step(cache, session, recycled, root, tree, seq)
+                    new, recycled = self._tr_step(runner, session, recycled, root, tree, seq)
                 new = seq.commit(new)
                 seq.accepted_per_step.append(len(new))
                 root = new[-1] if new else root
@@ -236,15 +246,20 @@ class Decoder:
         stats = GenerationStats.build(seq, prefill_s, decode_s, info, tree_name)
         yield GenerationResult(ids=seq.generated, text=final_text, finish_reason=seq.finish_reason, stats=stats)
 
-    def _ar_step(self, cache: KVCache, root: int, seq: Sequence) -> list[int]:
-        return [int(choose(forward_one(self.model, cache, root)[None], seq.sampler, len(seq.generated))[0])]
+    def _ar_step(self, runner: ModelRunner, root: int, seq: Sequence) -> list[int]:
+        d = self.device
+        one = RowInput(torch.tensor([root], device=d), torch.zeros(1, dtype=torch.long, device=d),
+                       torch.zeros(1, 1, dtype=runner.dtype, device=d))
+        logits = runner.step([one])[0]  # [1, V]
+        runner.keep([[0]])
+        return [int(choose(logits, seq.sampler, len(seq.generated))[0])]
 
-    def _tr_step(self, cache: KVCache, session, recycled, root: int, tree: CompiledTree, seq: Sequence):
+    def _tr_step(self, runner: ModelRunner, session, recycled, root: int, tree: CompiledTree, seq: Sequence):
         drafted = session.step(recycled, root)  # [n_draft] the matrix-drafted tree
         plan = seq.tuner.plan() if seq.tuner is not None else StepPlan(tree, None, explore=False)
         draft = draft_step(seq, drafted, plan)
-        past = len(cache)
-        logits = verify_tree(self.model, cache, draft.tokens, draft.tree)  # [n + chain, V]
+        past = runner.kv.length(0)
+        logits = runner.step([RowInput(draft.tokens, draft.tree.depth, draft.tree.mask)])[0]  # [n + chain, V]
         acc, rows = accept_step(seq, draft, logits, self.config.k, past)
-        cache.compact(past, acc.path)
+        runner.keep([acc.path])
         return acc.tokens, rows

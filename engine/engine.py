@@ -36,7 +36,7 @@ from engine.tr.recycle import RecycledRows, select_rows
 from engine.tr.sampling import choose, new_sampler
 from engine.tr.source import DraftSession
 from engine.tr.tree import CompiledTree, TreeTemplate
-from engine.tuning.budget import NodeRates, choose_options
+from engine.tuning.budget import NodeRates, choose_options, choose_packed
 from engine.tuning.online import OnlineTuner, StepPlan
 
 log = logging.getLogger("trserve.engine")
@@ -97,7 +97,7 @@ class BatchEngine:
     def __init__(self, decoder: Decoder, config: EngineConfig = EngineConfig(),
                  cost: Callable[[int, int], float] | None = None) -> None:
         self.decoder, self.config = decoder, config
-        self.runner = ModelRunner(decoder.model, config.max_batch + 1, decoder.loaded.dtype)
+        self.runner = ModelRunner(decoder.model, config.max_batch + 1, decoder.loaded.dtype, native=decoder.loaded.native)
         self.cost = cost or proxy_cost
         self.waiting: deque[_Live] = deque()
         self.prefilling: _Live | None = None
@@ -326,7 +326,10 @@ class BatchEngine:
 
     def _choose(self, options: list[list[tuple[int, float, int | None, bool]]]) -> list[int]:
         kv = sum(self.runner.kv.rows.lens[: len(self.running)]) // max(len(self.running), 1)
-        return choose_options([[(w, t) for w, t, _, _ in o] for o in options], lambda w: self.cost(w, kv))
+        opts = [[(w, t) for w, t, _, _ in o] for o in options]
+        if self.runner.native is not None:  # rows packed without pads: a step costs its summed width
+            return choose_packed(opts, lambda n: self.cost(n, kv))
+        return choose_options(opts, lambda w: self.cost(w, kv))
 
     def _subtree(self, tree: CompiledTree, size: int) -> CompiledTree:
         key = (tree.template, size)

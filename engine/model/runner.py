@@ -7,15 +7,21 @@ among themselves ([w, w]: the tree's ancestor mask). The runner pads the rows to
 builds one 4D mask [B, 1, W, L + W] (a row sees its own context [0, lens[b]) and its own tree; holes
 and pads are hidden), runs the unmodified model's decoder once, and applies the LM head only to
 the positions whose logits are needed. A prefill chunk is a single-row forward of the same kind.
+
+Where the model fits it (engine/model/native.py), the whole forward is one C call over a packed
+batch instead: the rows' tokens back to back without pads, each row with its own tree mask, KV row,
+visible context and write column; the LM head runs on the needed positions only.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from engine.model.batch_kv import BatchKV
+from engine.model.native import NativeForward, native_unsupported
 
 
 @dataclass(frozen=True, repr=False)
@@ -33,7 +39,8 @@ class RowInput:
 class ModelRunner:
     """The model, its device and the batch KV cache (rows = sequences)."""
 
-    def __init__(self, model, max_rows: int, dtype: torch.dtype) -> None:
+    def __init__(self, model, max_rows: int, dtype: torch.dtype, native: bool | None = None) -> None:
+        """native: the native forward (None: where the model supports it; True: required)."""
         self.model = model
         self.device = model.device
         self.dtype = dtype
@@ -44,6 +51,16 @@ class ModelRunner:
         # (e.g. logit soft-capping) compute full logits through the whole model.
         self._split = self._head is not None and not getattr(model.config, "final_logit_softcapping", None)
         self.hidden = torch.finfo(dtype).min
+        why = native_unsupported(model) if native is not False else "not asked for"
+        if native and why:
+            raise ValueError(f"native forward unavailable: {why}")
+        self.native = NativeForward(model) if why is None else None
+        self._causal: dict[int, torch.Tensor] = {}
+        self.step_s, self.steps = 0.0, 0  # time inside `step` (the batch forwards), for profiles
+
+    @property
+    def forward_kind(self) -> str:
+        return "native" if self.native is not None else "transformers"
 
     def _logits(self, cache, input_ids, mask, positions, keep: torch.Tensor) -> torch.Tensor:
         """keep: [m] flat indices into [B * W] -> logits [m, V]."""
@@ -58,20 +75,53 @@ class ModelRunner:
     def prefill(self, row: int, tokens: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
         """A chunk of a prompt into `row`: tokens [c] -> logits [m, V] at chunk offsets `need` [m]."""
         c = tokens.shape[0]
-        start = self.kv.length(row)
-        cache = self.kv.for_row(row, c)
-        causal = torch.full((c, c), self.hidden, dtype=self.dtype, device=self.device).triu(1)  # [c, c]
-        mask = torch.cat([torch.zeros(c, start, dtype=self.dtype, device=self.device), causal], 1)[None, None]
-        positions = torch.arange(start, start + c, device=self.device)[None]  # [1, c]
-        logits = self._logits(cache, tokens[None], mask, positions, need)
+        logits = self._row_forward(row, tokens, torch.arange(c, device=self.device), None, need)
         self.kv.grow(row, c)
         return logits
 
+    def single_step(self, row: int, r: RowInput) -> torch.Tensor:
+        """A forward of `r` on KV row `row` alone -> logits [w, V]; the row keeps none of it (cost
+        calibration: one sequence's step)."""
+        return self._row_forward(row, r.tokens, r.depth, r.mask, None)
+
+    def _row_forward(self, row: int, tokens: torch.Tensor, depth: torch.Tensor, mask: torch.Tensor | None,
+                     need: torch.Tensor | None) -> torch.Tensor:
+        """tokens [c] at positions len(row) + depth, written from column len(row); mask [c, c] additive
+        among them (None: causal) -> logits [m, V] at `need` (None: all c)."""
+        c = tokens.shape[0]
+        start = self.kv.length(row)
+        cache = self.kv.for_row(row, c)
+        if self.native is not None:
+            if mask is None:
+                vis = self._causal.get(c)
+                if vis is None:
+                    vis = self._causal[c] = torch.ones(c, c, dtype=torch.uint8).tril()  # [c, c]
+            else:
+                vis = mask == 0
+            r = self.kv.rows
+            return self.native(r.k, r.v, [c], tokens, depth + start, [row], [start], [start], vis, need)
+        if mask is None:
+            mask = torch.full((c, c), self.hidden, dtype=self.dtype, device=self.device).triu(1)  # [c, c]
+        full = torch.cat([torch.zeros(c, start, dtype=self.dtype, device=self.device), mask], 1)[None, None]
+        positions = (depth + start)[None]  # [1, c]
+        keep = need if need is not None else torch.arange(c, device=self.device)
+        return self._logits(cache, tokens[None], full, positions, keep)
+
     def step(self, rows: list[RowInput]) -> list[torch.Tensor]:
         """One forward over the active rows (rows[b] is KV row b) -> per row logits [w_b, V]."""
+        assert len(rows) == self.kv.active, "a batch step takes every active row"
+        t0 = time.perf_counter()
+        try:
+            return self._step(rows)
+        finally:
+            self.step_s += time.perf_counter() - t0
+            self.steps += 1
+
+    def _step(self, rows: list[RowInput]) -> list[torch.Tensor]:
         b = len(rows)
-        assert b == self.kv.active, "a batch step takes every active row"
         widths = [r.tokens.shape[0] for r in rows]
+        if self.native is not None:
+            return self._native_step(rows, widths)
         w = _bucket(max(widths)) if self.device.type == "cuda" else max(widths)
         cache = self.kv.for_batch(w)
         past = self.kv.rows.offset
@@ -88,6 +138,18 @@ class ModelRunner:
         positions = lens[:, None] + depth  # [B, W]
         keep = torch.cat([torch.arange(n, device=self.device) + i * w for i, n in enumerate(widths)])
         logits = self._logits(cache, ids, mask, positions, keep)  # [sum w_b, V]
+        return list(torch.split(logits, widths))
+
+    def _native_step(self, rows: list[RowInput], widths: list[int]) -> list[torch.Tensor]:
+        b = len(rows)
+        self.kv.for_batch(max(widths))
+        r = self.kv.rows
+        lens = r.lens[:b]
+        ids = torch.cat([x.tokens for x in rows]) if b > 1 else rows[0].tokens  # [N]
+        depth = torch.cat([x.depth for x in rows]) if b > 1 else rows[0].depth  # [N]
+        pos = depth + torch.repeat_interleave(torch.tensor(lens), torch.tensor(widths)) if b > 1 else depth + lens[0]
+        vis = torch.cat([(x.mask == 0).reshape(-1) for x in rows])  # the rows' [w_b, w_b] concatenated
+        logits = self.native(r.k, r.v, widths, ids, pos, list(range(b)), lens, [r.offset] * b, vis, None)
         return list(torch.split(logits, widths))
 
     def keep(self, offsets: list[list[int]]) -> None:

@@ -16,6 +16,16 @@ Worked example, cost(w) = 10 + w ms, two sequences with options [(1, 1.0), (3, 2
   cap 1: 2 tokens / cost(2) = 2 / 12 = 0.167 tok/ms; cap 3: 4 / cost(6) = 4 / 16 = 0.25 -> trees.
 With cost(w) = 2 w ms (compute-bound): cap 1: 2 / 4 = 0.5; cap 3: 4 / 12 = 0.33 -> plain decoding.
 So under light load each request gets its tree, under heavy load trees shrink to one-token steps.
+
+The native forward (engine/model/native.py) packs the rows without pads: a step of total width
+N = sum_b w_b costs about cost(N). `choose_packed` then maximises sum_b E_b / cost(sum_b w_b): for a
+price mu (tokens per unit of width) each sequence independently takes the option maximising
+E_b[j] - mu * w_b[j]; mu is swept from 0 (every sequence its best tree) to effectively infinite
+(plain decoding for all), and the pick with the highest ratio wins. Worked example, cost(N) = 10 + N
+ms, sequence a with options [(1, 1.0), (5, 2.5)], sequence b with [(1, 1.0), (5, 1.2)]:
+  mu large: both plain, 2 / 12 = 0.167 tok/ms; mu = 0.1: a takes its tree (2.5 - 0.5 > 1 - 0.1),
+  b stays plain (1.2 - 0.5 < 0.9): 3.5 / 16 = 0.219; mu = 0: both trees, 3.7 / 20 = 0.185 -> a's
+  tree only. Under a padded forward, b would have paid for a's width anyway.
 """
 
 from __future__ import annotations
@@ -38,6 +48,32 @@ def choose_options(options: Sequence[Sequence[Option]], cost: Callable[[int], fl
         rate = sum(opts[j][1] for opts, j in zip(options, picks)) / cost(len(options) * width)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = picks, rate
+    return best
+
+
+_PRICES = (0.0, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.45, 0.65, 1.0, 1e9)
+
+
+def choose_packed(options: Sequence[Sequence[Option]], cost: Callable[[int], float]) -> list[int]:
+    """options[b]: ascending widths -> the chosen index per sequence, for a forward whose cost is
+    `cost(total)` of the summed widths (no pads). See the module docstring."""
+    b, j = len(options), max(len(o) for o in options)
+    e = np.full((b, j), -np.inf)  # [B, J] expected tokens (-inf: no such option)
+    w = np.zeros((b, j))  # [B, J] widths
+    for i, opts in enumerate(options):
+        e[i, : len(opts)] = [t for _, t in opts]
+        w[i, : len(opts)] = [x for x, _ in opts]
+    prices = np.asarray(_PRICES)[:, None, None]  # [M, 1, 1]
+    picks = np.argmax(e[None] - prices * w[None], axis=2)  # [M, B]
+    rows = np.arange(b)
+    best, best_key = None, None
+    for p in {tuple(x) for x in picks.tolist()}:
+        total = int(w[rows, p].sum())
+        rate = float(e[rows, p].sum()) / cost(total)
+        key = (rate, -total)
+        if best_key is None or key[0] > best_key[0] * (1 + 1e-9) or (
+                abs(key[0] - best_key[0]) <= best_key[0] * 1e-9 and key[1] > best_key[1]):
+            best, best_key = list(p), key
     return best
 
 

@@ -18,7 +18,6 @@ import numpy as np
 import torch
 
 from core.progress import Progress
-from engine.model.kv import KVCache
 
 log = logging.getLogger("trserve.engine")
 
@@ -63,31 +62,35 @@ class CostModel:
         return "\n".join([head, *rows]) + "\n(ms per verification forward)"
 
 
-def measure(model, widths=WIDTHS, kv_lens=KV_LENS, reps: int = 2, passes: int = 4, key: str = "") -> CostModel:
-    """Time forwards of `w` new tokens over `s` cached ones (random ids; cost does not depend on them).
+def measure(model, widths=WIDTHS, kv_lens=KV_LENS, reps: int = 2, passes: int = 4, key: str = "",
+            native: bool | None = None) -> CostModel:
+    """Time forwards of `w` new tokens over `s` cached ones (random ids; cost does not depend on them)
+    through the model runner the decoders use (`native`: as ModelRunner takes it).
 
     Each cell keeps its fastest time over `passes` sweeps of the whole grid with `reps` runs each:
     other load only ever adds time, and sweeping the grid repeatedly spreads slow spells (shared
     or throttled cores) over all cells instead of skewing a few.
     """
+    from engine.model.runner import ModelRunner
+
     device = model.device
     dtype = next(model.parameters()).dtype
     vocab = int(model.config.vocab_size)
     g = torch.Generator().manual_seed(0)
     best = np.full((len(kv_lens), len(widths)), np.inf)
     with torch.inference_mode():
-        caches = []
-        for kv in kv_lens:
-            cache = KVCache(model.config)
-            model(input_ids=torch.randint(0, vocab, (1, kv), generator=g).to(device), past_key_values=cache.cache,
-                  use_cache=True, logits_to_keep=1)
-            caches.append(cache)
+        runner = ModelRunner(model, len(kv_lens), dtype, native=native)
+        for kv in kv_lens:  # row i holds kv_lens[i] cached tokens
+            row = runner.kv.open_row()
+            runner.prefill(row, torch.randint(0, vocab, (kv,), generator=g).to(device),
+                           torch.tensor([kv - 1], device=device))
+            runner.kv.activate(row)
         cells = passes * len(kv_lens) * len(widths)
         with Progress("calibrating", total=cells, unit="timings", logger=log) as progress:
             for _ in range(passes):
-                for i, (kv, cache) in enumerate(zip(kv_lens, caches)):
+                for i, kv in enumerate(kv_lens):
                     for j, w in enumerate(widths):
-                        best[i, j] = min(best[i, j], _time_forward(model, cache, kv, w, reps, vocab, dtype, g))
+                        best[i, j] = min(best[i, j], _time_forward(runner, i, w, reps, vocab, g))
                         progress.step(note=f"kv {kv}, width {w}")
     # A wider forward never costs less; enforcing that removes what noise is left.
     table = tuple(tuple(float(x) for x in np.maximum.accumulate(row)) for row in best)
@@ -96,20 +99,21 @@ def measure(model, widths=WIDTHS, kv_lens=KV_LENS, reps: int = 2, passes: int = 
     return CostModel(key=key, widths=tuple(widths), kv_lens=tuple(kv_lens), seconds=table)
 
 
-def _time_forward(model, cache: KVCache, kv: int, w: int, reps: int, vocab: int, dtype, g) -> float:
-    """Fastest of `reps` timed forwards (after one untimed) of w tokens over the kv cached ones."""
-    device = model.device
-    mask = torch.zeros(1, 1, w, kv + w, dtype=dtype, device=device)
-    pos = torch.arange(kv, kv + w, device=device)[None]
-    ids = torch.randint(0, vocab, (1, w), generator=g).to(device)
+def _time_forward(runner, row: int, w: int, reps: int, vocab: int, g) -> float:
+    """Fastest of `reps` timed forwards (after one untimed) of w tokens on KV row `row` alone (the
+    other rows stay as they are: a single-row step of the runner, as one sequence decodes)."""
+    from engine.model.runner import RowInput
+
+    device = runner.device
+    ids = torch.randint(0, vocab, (w,), generator=g).to(device)
+    one = RowInput(ids, torch.arange(w, device=device), torch.zeros(w, w, dtype=runner.dtype, device=device))
     times = []
     for _ in range(reps + 1):
         _sync(device)
         t0 = time.perf_counter()
-        model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache.cache, use_cache=True)
+        runner.single_step(row, one)
         _sync(device)
         times.append(time.perf_counter() - t0)
-        cache.compact(kv, [])
     return min(times[1:])
 
 
@@ -126,6 +130,7 @@ def cost_model_path(loaded, cache_dir: Path) -> Path:
     attention = getattr(loaded.model.config, "_attn_implementation", None) or "eager"
     isa = getattr(loaded, "isa", None)  # the compressed kernels' speed depends on their ISA variant
     kernels = f"{loaded.kernels}-{isa}" if isa else loaded.kernels
+    kernels += f"-{getattr(loaded, 'forward', 'transformers')}"  # the native forward costs far less per step
     key = calibration_key(loaded.fingerprint, loaded.device, kernels, attention)
     return Path(cache_dir) / "calibration" / f"{key.replace('/', '_')}.json"
 
@@ -158,6 +163,6 @@ def load_or_measure(loaded, cache_dir: Path, force: bool = False, reps: int = 2)
     if cached is not None:
         return cached
     log.info("calibrating the forward cost per tree width (once per model, device, threads; ~1 min)")
-    model = measure(loaded.model, reps=reps, key=path.stem)
+    model = measure(loaded.model, reps=reps, key=path.stem, native=loaded.native)
     save_cost_model(model, path)
     return model

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from engine.tuning.budget import NodeRates, choose_options
+from engine.tuning.budget import NodeRates, choose_options, choose_packed
 
 TWO = [[(1, 1.0), (3, 2.0)], [(1, 1.0), (3, 2.0)]]
 
@@ -22,6 +22,30 @@ def test_padding_decides_a_common_width_cap():
     # a forced wide option (a tuner's plan) pads every row anyway: the others widen for free
     forced = [[(8, 2.0)], [(1, 1.0), (2, 1.1), (8, 3.0)], [(1, 1.0), (2, 1.9)]]
     assert choose_options(forced, lambda w: 10 + w) == [0, 2, 1]
+
+
+PACKED = [[(1, 1.0), (5, 2.5)], [(1, 1.0), (5, 1.2)]]
+
+
+def test_packed_worked_example_gives_the_tree_to_the_sequence_it_pays_for():
+    assert choose_packed(PACKED, lambda n: 10 + n) == [1, 0]  # 3.5 / 16 beats 2 / 12 and 3.7 / 20
+
+
+def test_packed_extremes_plain_when_compute_bound_all_trees_when_width_is_free():
+    assert choose_packed(PACKED, lambda n: 2 * n) == [0, 0]
+    assert choose_packed(PACKED, lambda n: 100 + n) == [1, 1]
+
+
+def test_packed_never_worse_than_plain_and_forced_options_are_kept():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        opts = [[(1, 1.0)] + sorted((int(w), 1.0 + float(rng.random()) * w / 4) for w in rng.integers(2, 30, 3))
+                for _ in range(rng.integers(1, 9))]
+        cost = (lambda a, b: (lambda n: a + b * n))(float(rng.random() * 20), float(rng.random() * 2))
+        picks = choose_packed(opts, cost)
+        rate = sum(o[j][1] for o, j in zip(opts, picks)) / cost(sum(o[j][0] for o, j in zip(opts, picks)))
+        assert rate >= len(opts) / cost(len(opts)) * (1 - 1e-9)  # batched plain decoding is a candidate
+    assert choose_packed([[(9, 1.0)], [(1, 1.0), (5, 1.2)]], lambda n: 2 * n) == [0, 0]
 
 
 def test_node_rates_learn_from_verified_prefixes_only():

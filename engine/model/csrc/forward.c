@@ -1,0 +1,356 @@
+/* The whole decoder stack of a llama-family model in one call (trserve, engine/model/native.py).
+ *
+ * A forward over N new tokens of B sequences (a packed batch: sequence b owns tokens
+ * tok0[b] .. tok0[b + 1] - 1, with no padding) on the exact compressed linear kernels of
+ * qlinear.c, with every other op written out here: RMSNorm, rotary embedding (cos/sin tables from
+ * the model's own rotary module), grouped-query attention over each sequence's KV row with its
+ * tree mask, SiLU-gated MLP, residuals, final norm, LM head on the kept tokens. One OpenMP region
+ * spans the whole forward (a barrier between phases), so a step costs one call instead of the
+ * ~2,000 small dispatched ops of the eager modules.
+ *
+ * What the engine relies on: every token's numbers depend only on its own input, position and the
+ * keys/values it sees, in a fixed order, never on N, B, or where the token sits in the batch:
+ *   - linear layers: qlinear.c's per-row guarantee;
+ *   - RMSNorm: sum of squares in the 16-lane order of qlinear.c (acc_block/acc_reduce);
+ *   - attention of a query: its visible keys in ascending KV column order (context columns, then
+ *     the step's new columns), dot products in the 16-lane order, max, exp, sum and the weighted sum
+ *     of values accumulated key by key in that order; masked keys are skipped, not added as zeros;
+ *   - exp is a written-out polynomial (exp_poly), the same op sequence in every build.
+ * So a tree node's logits equal those of the same token decoded alone on the same context (TR ==
+ * plain decoding bit for bit), and the AVX-512, AVX2 and scalar builds give the same bits.
+ *
+ * Conventions as transformers' Llama modules: q head h uses KV head h / (heads / kv_heads);
+ * rotate_half pairs lane i with i + D/2; RMSNorm y = w * (x * (1 / sqrt(mean(x^2) + eps))).
+ */
+#include "qlinear.c"
+#include <math.h>
+
+typedef struct {
+    int64_t kind, in, out; /* 4 or 8 (qlinear.c), in/out features */
+    const uint8_t *codes;
+    const uint16_t *d, *m; /* float16 bits; m only for kind 4 */
+    const float *bias;     /* [out] or NULL */
+} tr_qmat;
+
+typedef struct {
+    const float *in_norm, *post_norm; /* [H] */
+    tr_qmat q, k, v, o, gate, up, down;
+} tr_layer;
+
+typedef struct {
+    int64_t n_layers, hidden, heads, kv_heads, head_dim, inter, vocab;
+    float eps, scale; /* RMSNorm epsilon, attention scaling */
+    const float *embed;      /* [V, H] input embeddings */
+    const float *final_norm; /* [H] */
+    const tr_layer *layers;
+    tr_qmat head;                    /* LM head */
+    const float *cos, *sin;          /* [P, D] rotary tables by position */
+    int64_t positions;               /* P */
+} tr_model;
+
+/* ---- written-out helpers (the same op sequence in every build) -------------------------------- */
+#if defined(__AVX512F__)
+INLINE wblock_t float_block(const float *p) { wblock_t w = {_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)}; return w; }
+#elif defined(__AVX2__)
+INLINE wblock_t float_block(const float *p)
+{
+    wblock_t w = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
+    return w;
+}
+#else
+INLINE wblock_t float_block(const float *p) { wblock_t w; memcpy(w.v, p, sizeof w.v); return w; }
+#endif
+
+/* dot(a, b) over n (n % 32 == 0) in qlinear.c's order: lane l of block k takes a[32k + l] b[32k + l],
+ * then a[32k + 16 + l] b[32k + 16 + l]; the fixed 16 -> 1 reduction. */
+INLINE float dot32(const float *a, const float *b, int64_t n)
+{
+    acc_t acc = acc_zero();
+    for (int64_t i = 0; i < n; i += 32) {
+        const wblock_t w = float_block(a + i);
+        acc_block(&acc, &w, b + i);
+    }
+    return acc_reduce(acc);
+}
+
+/* exp(x) for x in [-87, 88] (clamped there) within ~2 ulp: 2^n * p(r), n = floor(x log2(e) + 1/2),
+ * r = x - n ln2 (in two fmas), Cephes coefficients. Written out once per build with the same IEEE
+ * operations per element (the clamps as max/min with the bound second, as maxps/minps take it). */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_C1 -0.693359375f
+#define EXP_C2 2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
+INLINE float exp1(float v)
+{
+    v = v > -87.0f ? v : -87.0f;
+    v = v < 88.0f ? v : 88.0f;
+    const float t = floorf(v * EXP_LOG2E + 0.5f);
+    float r = fmaf(t, EXP_C1, v);
+    r = fmaf(t, EXP_C2, r);
+    float p = EXP_P0;
+    p = fmaf(p, r, EXP_P1);
+    p = fmaf(p, r, EXP_P2);
+    p = fmaf(p, r, EXP_P3);
+    p = fmaf(p, r, EXP_P4);
+    p = fmaf(p, r, EXP_P5);
+    const float y = fmaf(p, r * r, r) + 1.0f;
+    union { int32_t i; float f; } s = {.i = ((int32_t)t + 127) << 23};
+    return y * s.f;
+}
+
+#if defined(__AVX512F__)
+INLINE __m512 exp16(__m512 v)
+{
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 t = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(EXP_LOG2E)), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(t, _mm512_set1_ps(EXP_C1), v);
+    r = _mm512_fmadd_ps(t, _mm512_set1_ps(EXP_C2), r);
+    __m512 p = _mm512_set1_ps(EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(t), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#define EXP_LANES 16
+INLINE void exp_lanes(float *x) { _mm512_storeu_ps(x, exp16(_mm512_loadu_ps(x))); }
+#elif defined(__AVX2__)
+INLINE __m256 exp8(__m256 v)
+{
+    v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 t = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(v, _mm256_set1_ps(EXP_LOG2E)), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fmadd_ps(t, _mm256_set1_ps(EXP_C1), v);
+    r = _mm256_fmadd_ps(t, _mm256_set1_ps(EXP_C2), r);
+    __m256 p = _mm256_set1_ps(EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(t), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#define EXP_LANES 8
+INLINE void exp_lanes(float *x) { _mm256_storeu_ps(x, exp8(_mm256_loadu_ps(x))); }
+#else
+#define EXP_LANES 1
+INLINE void exp_lanes(float *x) { *x = exp1(*x); }
+#endif
+
+/* x[i] = exp(x[i]), i < n: whole vectors, then the tail one by one (same bits either way) */
+static void exp_poly(float *x, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + EXP_LANES <= n; i += EXP_LANES) exp_lanes(x + i);
+    for (; i < n; i++) x[i] = exp1(x[i]);
+}
+
+/* y[r] = w * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))) for rows [r0, r1) */
+static void rms_rows(const float *x, const float *w, float *y, int64_t r0, int64_t r1, int64_t H, float eps)
+{
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xr = x + r * H;
+        const float inv = 1.0f / sqrtf(dot32(xr, xr, H) / (float)H + eps);
+        float *yr = y + r * H;
+        for (int64_t i = 0; i < H; i++) yr[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* This thread's share of y[n, O] = x[n, I] @ W^T (+ bias): outputs [*o0, *o1). */
+static void qmat_part(const tr_qmat *w, const float *x, int64_t n, float *y, int64_t id, int64_t nt, float *buf,
+                      int64_t *o0, int64_t *o1)
+{
+    const int kind = (int)w->kind, nar = narrow(kind, n), T = plan_outs(kind, n);
+    const int64_t groups = w->out / T, p0 = groups * id / nt, p1 = groups * (id + 1) / nt;
+    *o0 = T * p0, *o1 = T * p1;
+    if (p1 <= p0) return;
+#define PART(K, RR, TT) thread_part(K, RR, TT, x, n, w->in, w->out, w->codes, w->d, w->m, w->bias, y, p0, p1, buf)
+    if (kind == 4 && nar) PART(4, NARROW_TILE_ROWS_Q4, NARROW_OUTS_Q4);
+    else if (kind == 4) PART(4, ROWS_Q4, OUTS_Q4);
+    else if (nar) PART(8, NARROW_TILE_ROWS_Q8, NARROW_OUTS_Q8);
+    else PART(8, ROWS_Q8, OUTS_Q8);
+#undef PART
+}
+
+/* q[t, i] and q[t, i + D/2] rotated as transformers' apply_rotary_pos_emb (q * cos + rotate_half(q) * sin) */
+INLINE void rope(float *q, const float *c, const float *s, int64_t D)
+{
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const float a = q[i], b = q[i + h];
+        q[i] = a * c[i] + (-b) * s[i];
+        q[i + h] = b * c[i + h] + a * s[i + h];
+    }
+}
+
+/* Attention of sequence b's queries i0 .. i1 - 1 in head hd: out[t, hd*D ..] for those tokens t. */
+static void attend(const tr_model *M, int64_t b, int64_t hd, int64_t i0, int64_t i1, const int64_t *tok0, const int64_t *ctx,
+                   const int64_t *start, const int64_t *kv_row, const uint8_t *vis, const int64_t *vis0,
+                   const float *q, const float *kc, const float *vc, int64_t cap, float *out, float *sc)
+{
+    const int64_t D = M->head_dim, Hq = M->heads, Hkv = M->kv_heads, g = hd / (Hq / Hkv);
+    const int64_t w = tok0[b + 1] - tok0[b], L = ctx[b];
+    const float *K = kc + ((kv_row[b] * Hkv + g) * cap) * D, *V = vc + ((kv_row[b] * Hkv + g) * cap) * D;
+    const float *Kn = K + start[b] * D, *Vn = V + start[b] * D;
+    float acc[256];
+    for (int64_t i = i0; i < i1; i++) {
+        const int64_t t = tok0[b] + i;
+        const float *qt = q + (t * Hq + hd) * D;
+        const uint8_t *mask = vis + vis0[b] + i * w;
+        int64_t m = 0;
+        for (int64_t j = 0; j < L; j++) sc[m++] = dot32(qt, K + j * D, D) * M->scale;
+        for (int64_t j = 0; j < w; j++)
+            if (mask[j]) sc[m++] = dot32(qt, Kn + j * D, D) * M->scale;
+        float mx = sc[0];
+        for (int64_t j = 1; j < m; j++) mx = sc[j] > mx ? sc[j] : mx;
+        for (int64_t j = 0; j < m; j++) sc[j] -= mx;
+        exp_poly(sc, m);
+        float l = 0.0f;
+        for (int64_t j = 0; j < m; j++) l += sc[j];
+        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
+        int64_t k = 0;
+        for (int64_t j = 0; j < L; j++, k++) {
+            const float p = sc[k], *vj = V + j * D;
+            for (int64_t d = 0; d < D; d++) acc[d] = fmaf(p, vj[d], acc[d]);
+        }
+        for (int64_t j = 0; j < w; j++)
+            if (mask[j]) {
+                const float p = sc[k++], *vj = Vn + j * D;
+                for (int64_t d = 0; d < D; d++) acc[d] = fmaf(p, vj[d], acc[d]);
+            }
+        float *o = out + (t * Hq + hd) * D;
+        for (int64_t d = 0; d < D; d++) o[d] = acc[d] / l;
+    }
+}
+
+#define QBLOCK 16 /* queries per attention work item */
+
+/* Checks the model fits the fixed-size parts below; 0 ok. */
+int trserve_forward_check(const tr_model *M)
+{
+    if (M->head_dim % 32 || M->head_dim > 256 || M->hidden % 32 || M->inter % 32 || M->heads % M->kv_heads) return -1;
+    return 0;
+}
+
+/* One forward. B sequences, tok0: [B + 1] token offsets; ids, pos: [N]; per sequence b: kv_row[b]
+ * its KV row, ctx[b] its visible context columns [0, ctx[b]), start[b] the column its new tokens'
+ * keys/values are written from; vis: per sequence a [w_b, w_b] uint8 matrix (1 = token i sees new
+ * token j), concatenated. kc[l], vc[l]: layer l's buffers [R, Hkv, cap, D]. keep: [n_keep] token
+ * indices whose logits are wanted -> logits [n_keep, V]. Returns 0, -1 on a shape the check refuses,
+ * -2 without memory, -3 on a position beyond the rotary tables. */
+int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int64_t *ids, const int64_t *pos,
+                    const int64_t *kv_row, const int64_t *ctx, const int64_t *start, const uint8_t *vis,
+                    float *const *kc, float *const *vc, int64_t cap, const int64_t *keep, int64_t n_keep,
+                    float *logits, int threads)
+{
+    if (trserve_forward_check(M) || threads < 1) return -1;
+    const int64_t N = tok0[B], H = M->hidden, D = M->head_dim, Hq = M->heads, Hkv = M->kv_heads, F = M->inter;
+    int64_t max_ctx = 0, max_w = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t w = tok0[b + 1] - tok0[b];
+        max_w = w > max_w ? w : max_w;
+        max_ctx = ctx[b] > max_ctx ? ctx[b] : max_ctx;
+    }
+    for (int64_t t = 0; t < N; t++)
+        if (pos[t] < 0 || pos[t] >= M->positions) return -3;
+    const int64_t max_in = F > H ? F : H, buf_floats = 2 * CHUNK_GROUPS * 2 * MAX_OUTS * (max_in / 32);
+    const int64_t sc_floats = (max_ctx + max_w + 1) > F ? (max_ctx + max_w + 1) : F;
+    int64_t *vis0 = malloc((B + 1) * sizeof(int64_t)), *item0 = malloc((B + 1) * sizeof(int64_t));
+    /* h: each thread's own normed copy of x (every thread norms all rows: N x H work, which saves a
+     * barrier per norm) */
+    float *x = malloc(sizeof(float) * (N * H)), *hs = malloc(sizeof(float) * (N * H * threads)),
+          *tmp = malloc(sizeof(float) * (N * H)), *q = malloc(sizeof(float) * (N * Hq * D)),
+          *k = malloc(sizeof(float) * (N * Hkv * D)), *v = malloc(sizeof(float) * (N * Hkv * D)),
+          *att = malloc(sizeof(float) * (N * Hq * D)), *gt = malloc(sizeof(float) * (N * F)),
+          *up = malloc(sizeof(float) * (N * F)), *hk = malloc(sizeof(float) * (n_keep * H + 1)),
+          *bufs = malloc(sizeof(float) * (buf_floats * threads)), *scs = malloc(sizeof(float) * (sc_floats * threads));
+    int rc = 0;
+    if (!(vis0 && item0 && x && hs && tmp && q && k && v && att && gt && up && hk && bufs && scs)) {
+        rc = -2;
+        goto done;
+    }
+    vis0[0] = item0[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t w = tok0[b + 1] - tok0[b];
+        vis0[b + 1] = vis0[b] + w * w;
+        item0[b + 1] = item0[b] + Hq * ((w + QBLOCK - 1) / QBLOCK);
+    }
+    for (int64_t t = 0; t < N; t++) memcpy(x + t * H, M->embed + ids[t] * H, H * sizeof(float));
+#pragma omp parallel num_threads(threads)
+    {
+        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
+        float *buf = bufs + id * buf_floats, *sc = scs + id * sc_floats, *h = hs + id * N * H;
+        int64_t o0, o1;
+        for (int64_t l = 0; l < M->n_layers; l++) {
+            const tr_layer *L = M->layers + l;
+            rms_rows(x, L->in_norm, h, 0, N, H, M->eps);
+            qmat_part(&L->q, h, N, q, id, nt, buf, &o0, &o1);
+            qmat_part(&L->k, h, N, k, id, nt, buf, &o0, &o1);
+            qmat_part(&L->v, h, N, v, id, nt, buf, &o0, &o1);
+#pragma omp barrier
+            /* rotary on q and k; k, v into the KV rows (work item u = token t, head j of q then k) */
+            for (int64_t u = id; u < N * (Hq + Hkv); u += nt) {
+                const int64_t t = u / (Hq + Hkv), j = u % (Hq + Hkv);
+                const float *c = M->cos + pos[t] * D, *s = M->sin + pos[t] * D;
+                if (j < Hq) {
+                    rope(q + (t * Hq + j) * D, c, s, D);
+                    continue;
+                }
+                int64_t b = 0;
+                while (tok0[b + 1] <= t) b++;
+                const int64_t g = j - Hq, at = ((kv_row[b] * Hkv + g) * cap + start[b] + (t - tok0[b])) * D;
+                memcpy(kc[l] + at, k + (t * Hkv + g) * D, D * sizeof(float));
+                rope(kc[l] + at, c, s, D);
+                memcpy(vc[l] + at, v + (t * Hkv + g) * D, D * sizeof(float));
+            }
+#pragma omp barrier
+            /* work items: (sequence, head, block of QBLOCK queries); item0[b] = sequence b's first */
+            for (int64_t u = id, b = 0; u < item0[B]; u += nt) {
+                while (item0[b + 1] <= u) b++;
+                const int64_t r = u - item0[b], hd = r % Hq, i0 = (r / Hq) * QBLOCK, w = tok0[b + 1] - tok0[b];
+                attend(M, b, hd, i0, i0 + QBLOCK < w ? i0 + QBLOCK : w, tok0, ctx, start, kv_row, vis, vis0, q, kc[l],
+                       vc[l], cap, att, sc);
+            }
+#pragma omp barrier
+            qmat_part(&L->o, att, N, tmp, id, nt, buf, &o0, &o1);
+            for (int64_t t = 0; t < N; t++)
+                for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
+#pragma omp barrier
+            rms_rows(x, L->post_norm, h, 0, N, H, M->eps);
+            qmat_part(&L->gate, h, N, gt, id, nt, buf, &o0, &o1);
+            qmat_part(&L->up, h, N, up, id, nt, buf, &o0, &o1);
+            for (int64_t t = 0; t < N; t++) { /* silu(gate) * up on this thread's outputs, as torch: g / (1 + exp(-g)) */
+                float *g = gt + t * F + o0;
+                const float *u = up + t * F + o0;
+                const int64_t n = o1 - o0;
+                for (int64_t i = 0; i < n; i++) sc[i] = -g[i];
+                exp_poly(sc, n);
+                for (int64_t i = 0; i < n; i++) g[i] = (g[i] / (1.0f + sc[i])) * u[i];
+            }
+#pragma omp barrier
+            qmat_part(&L->down, gt, N, tmp, id, nt, buf, &o0, &o1);
+            for (int64_t t = 0; t < N; t++)
+                for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
+#pragma omp barrier
+        }
+        /* final norm of the kept tokens, then the LM head */
+        for (int64_t i = id; i < n_keep; i += nt) rms_rows(x + keep[i] * H, M->final_norm, hk + i * H, 0, 1, H, M->eps);
+#pragma omp barrier
+        if (n_keep) qmat_part(&M->head, hk, n_keep, logits, id, nt, buf, &o0, &o1);
+    }
+done:
+    free(vis0), free(item0), free(x), free(hs), free(tmp), free(q), free(k), free(v), free(att), free(gt), free(up), free(hk);
+    free(bufs), free(scs);
+    return rc;
+}

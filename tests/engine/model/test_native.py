@@ -1,0 +1,132 @@
+"""The native forward (engine/model/native.py, csrc/forward.c) on a tiny llama whose weights are
+exact Q4_1 / Q8_0 blocks: it computes transformers' function, each token's logits do not depend on
+the batch around it (tree == per-path, batch == alone), and its ISA builds give the same bits."""
+
+import pytest
+import torch
+
+from engine.model.native import native_unsupported
+from engine.model.qlinear import available_isas, quantize_linears
+from engine.model.runner import ModelRunner, RowInput
+from tests.engine.model.test_qlinear import isa_params, needs_kernel, q4_weights, q8_weights
+
+pytestmark = needs_kernel
+HIDE = torch.finfo(torch.float32).min
+
+
+def quantized_llama(tmp_path, isa: str = "auto", vocab: int = 256, seed: int = 0, bias: bool = False):
+    """A 2-layer llama (head_dim 32, grouped KV) with Q4_1 linears and a Q8_0 LM head, on `isa`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                         attention_bias=bias, attn_implementation="sdpa")
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for i, (name, mod) in enumerate(model.named_modules()):
+            if isinstance(mod, torch.nn.Linear):
+                o, n = mod.weight.shape
+                # a x16 LM head (exact: a power of two on the scales) peaks next-token laws, so drafts get accepted
+                w = q8_weights(o, n, seed + i) * 16 if name == "lm_head" else q4_weights(o, n, seed + i, scale=0.03)
+                mod.weight.copy_(w)
+                if mod.bias is not None:
+                    mod.bias.copy_(torch.randn(o) * 0.1)
+        for layer in model.model.layers:  # non-trivial norm weights
+            layer.input_layernorm.weight.copy_(1 + 0.2 * torch.randn(128))
+            layer.post_attention_layernorm.weight.copy_(1 + 0.2 * torch.randn(128))
+    swapped, kept = quantize_linears(model, tmp_path, isa)
+    assert kept == 0 and swapped == 15
+    return model
+
+
+def _row(tokens, depth=None, mask=None) -> RowInput:
+    w = len(tokens)
+    depth = torch.arange(w) if depth is None else torch.tensor(depth)
+    mask = torch.full((w, w), HIDE).triu(1) if mask is None else mask
+    return RowInput(torch.tensor(tokens), depth, mask)
+
+
+def _prefilled(model, native: bool, prompts: list[list[int]]) -> ModelRunner:
+    r = ModelRunner(model, len(prompts), torch.float32, native=native)
+    for p in prompts:
+        row = r.kv.open_row()
+        r.prefill(row, torch.tensor(p), torch.tensor([len(p) - 1]))
+        r.kv.activate(row)
+    return r
+
+
+def test_native_applies_and_matches_transformers(tmp_path):
+    model = quantized_llama(tmp_path, bias=True)
+    assert native_unsupported(model) is None
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (37, 5)]
+    with torch.inference_mode():
+        hf, nv = _prefilled(model, False, prompts), _prefilled(model, True, prompts)
+        assert nv.forward_kind == "native" and hf.forward_kind == "transformers"
+        # a 4-node tree (root, two children, a grandchild) on row 0 and one token on row 1
+        tree = torch.full((4, 4), HIDE)
+        for i, anc in enumerate([[0], [0, 1], [0, 2], [0, 1, 3]]):
+            tree[i, anc] = 0.0
+        rows = [_row([3, 9, 4, 7], [0, 1, 1, 2], tree), _row([11])]
+        for a, b in zip(hf.step(rows), nv.step(rows)):
+            torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+        hf.keep([[0, 1, 3], [0]]), nv.keep([[0, 1, 3], [0]])
+        nxt = [_row([5]), _row([6])]
+        for a, b in zip(hf.step(nxt), nv.step(nxt)):
+            torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+
+
+def test_tree_nodes_equal_tokens_decoded_alone(tmp_path):
+    """Bit for bit: a tree's nodes, in a batch next to another sequence, give the logits the same
+    tokens give decoded one at a time, alone (what makes TR == plain decoding exactly)."""
+    model = quantized_llama(tmp_path)
+    prompt = list(range(40, 90))
+    other = list(range(7, 30))
+    with torch.inference_mode():
+        alone = _prefilled(model, True, [prompt])
+        path = [3, 9, 7]
+        want = []
+        for t in path:
+            want.append(alone.step([_row([t])])[0][0])
+            alone.keep([[0]])
+        batch = _prefilled(model, True, [other, prompt])
+        tree = torch.full((5, 5), HIDE)
+        for i, anc in enumerate([[0], [0, 1], [0, 1, 2], [0, 3], [0, 1, 4]]):  # path 0-1-2, side nodes 3, 4
+            tree[i, anc] = 0.0
+        got = batch.step([_row([1, 2, 3, 4]), _row([3, 9, 7, 8, 8], [0, 1, 2, 1, 2], tree)])[1]
+    for i in range(3):
+        assert torch.equal(got[i], want[i]), f"node {i} differs from the token decoded alone"
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_isa_builds_give_the_same_bits(tmp_path, isa):
+    runs = available_isas()
+    ref_isa = "scalar" if isa != "scalar" else runs[0]
+    outs = {}
+    for which in (isa, ref_isa):
+        model = quantized_llama(tmp_path, which)
+        with torch.inference_mode():
+            r = _prefilled(model, True, [list(range(3, 60))])
+            outs[which] = r.step([_row([5, 6, 7, 8])])[0]
+    assert torch.equal(outs[isa], outs[ref_isa])
+
+
+def test_tr_equals_ar_on_the_native_forward(tmp_path):
+    from engine import Decoder, DecoderConfig, GenerationRequest
+    from engine.model.loader import LoadedModel
+    from tests.conftest import DigitsTokenizer
+
+    model = quantized_llama(tmp_path, vocab=256, seed=3)
+    loaded = LoadedModel(model, DigitsTokenizer(), "tiny-q", "tiny", torch.device("cpu"), torch.float32,
+                         "compressed", "avx2", "native")
+    dec = Decoder(DecoderConfig(k=8), loaded=loaded)
+    assert dec.runner().forward_kind == "native"
+    accepted = []
+    for seed in range(3):
+        ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ar = dec.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="ar", ignore_eos=True))
+        tr = dec.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="tr", ignore_eos=True))
+        assert tr.ids == ar.ids  # exactly: no near-tie allowance on the native forward
+        accepted.append(tr.stats.mat)
+    assert max(accepted) > 1.2, f"drafts were hardly accepted ({accepted}): the test would not test trees"
