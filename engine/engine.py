@@ -50,13 +50,18 @@ class EngineConfig:
     max_waiting: int = 64  # admitted beyond the budgets: wait; beyond this: ResourceExhausted
     prefill_chunk: int = 128  # prompt tokens prefilled per step
     batch_aware: bool = True  # trees sized per step for the batch; False = every sequence its full tree
-    explore_every: int = 4  # batch-aware: every N * B steps one sequence (in turn) verifies its whole tree
+    explore_every: int = 4  # batch-aware: at most every N * B steps one sequence (in turn) verifies its whole tree
+    # ... and at most this share of the step time goes to those explorations (their extra width under the
+    # calibrated costs: steep width costs, e.g. AVX2 CPUs, explore less often)
+    explore_budget: float = 0.04
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_batch_tokens < 64 or self.max_waiting < 0 or self.prefill_chunk < 1:
             raise ValueError("max_batch >= 1, max_batch_tokens >= 64, max_waiting >= 0, prefill_chunk >= 1")
         if self.explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {self.explore_every}")
+        if not 0 < self.explore_budget <= 1:
+            raise ValueError(f"explore_budget must be in (0, 1], got {self.explore_budget}")
 
 
 def proxy_cost(width: int, kv: int) -> float:
@@ -97,8 +102,10 @@ class BatchEngine:
     def __init__(self, decoder: Decoder, config: EngineConfig = EngineConfig(),
                  cost: Callable[[int, int], float] | None = None) -> None:
         self.decoder, self.config = decoder, config
-        self.runner = ModelRunner(decoder.model, config.max_batch + 1, decoder.loaded.dtype, native=decoder.loaded.native)
-        self.cost = cost or proxy_cost
+        self.runner = ModelRunner(decoder.model, config.max_batch + 1, decoder.loaded.dtype,
+                                  native=decoder.loaded.native)
+        self._cost_fn = cost or proxy_cost
+        self._costs: dict[tuple[int, int], float] = {}  # (width, kv // 32): the cost model, looked up once
         self.waiting: deque[_Live] = deque()
         self.prefilling: _Live | None = None
         self.running: list[_Live] = []  # running[i].row == i
@@ -109,6 +116,9 @@ class BatchEngine:
         self._stop = False
         self.steps = 0
         self._explorer: _Live | None = None  # the sequence verifying its whole tree this step
+        self._explore_credit = 0.0  # seconds of step time exploration may still spend
+        self._explored = 0  # explorations so far (whose turn is next)
+        self._last_width = 1  # the previous step's total (packed) or padded width
 
     # ---- the caller's side (any thread) ---------------------------------------------------------
     def submit(self, prepared: PreparedRequest, emit: Callable[[StepChunk | GenerationResult | Exception], None], *,
@@ -260,8 +270,11 @@ class BatchEngine:
         keep, k = [], self.decoder.config.k
         for live, draft, lg in zip(self.running, drafts, logits):
             seq = live.seq
-            if draft is None:  # plain decoding this step (a TR request keeps its pending rows for later)
+            if draft is None:  # plain decoding this step
                 new, path = [int(choose(lg, seq.sampler, len(seq.generated))[0])], [0]
+                if live.session is not None:  # the root's top-k is recycled like any verified node's
+                    live.recycled = _merge_rows(live.recycled, RecycledRows(
+                        torch.tensor([live.root], device=lg.device), torch.topk(lg[0], k).indices.to(torch.int32)[None]))
             else:
                 acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row))
                 new, path = acc.tokens, acc.path
@@ -276,10 +289,7 @@ class BatchEngine:
     def _drafts(self) -> tuple[list, list[RowInput]]:
         """Each running sequence's draft (None = plain decoding this step) and its row input, with
         tree sizes chosen for the whole batch (engine/tuning/budget.py)."""
-        # One sequence in turn verifies its whole base tree, every explore_every * B steps: its width pads
-        # the whole batch, so a big batch explores less often (rates are shared per tenant and tree).
-        every = self.config.explore_every * len(self.running)
-        self._explorer = self.running[(self.steps // every) % len(self.running)] if self.steps % every == 0 else None
+        self._explorer = self._next_explorer()
         staged, options = [], []
         for live in self.running:
             if live.session is None:  # an AR-mode request
@@ -311,7 +321,42 @@ class BatchEngine:
             draft = draft_step(live.seq, drafted, plan, proposal, lookup=chain)
             drafts.append(draft)
             inputs.append(RowInput(draft.tokens, draft.tree.depth, draft.tree.mask))
+        widths = [r.tokens.shape[0] for r in inputs]
+        self._last_width = sum(widths) if self.runner.native is not None else len(widths) * max(widths)
         return drafts, inputs
+
+    def cost(self, width: int, kv: int) -> float:
+        """Seconds of a forward of `width` tokens at KV length `kv` (to 32 tokens) under the cost model."""
+        key = (width, kv // 32)
+        c = self._costs.get(key)
+        if c is None:
+            if len(self._costs) > 65536:
+                self._costs.clear()
+            c = self._costs[key] = self._cost_fn(width, key[1] * 32)
+        return c
+
+    def _next_explorer(self) -> _Live | None:
+        """The sequence (in turn) that verifies its whole base tree this step, or None. Exploring keeps
+        every node's rate measured; it happens at most every explore_every * B steps and only while the
+        credit (explore_budget x the time of the steps so far) pays its extra width under the cost model."""
+        b = len(self.running)
+        kv = sum(self.runner.kv.rows.lens[:b]) // max(b, 1)
+        last = self.cost(self._last_width, kv)
+        self._explore_credit = min(self._explore_credit + self.config.explore_budget * last, 1.0)
+        if self.steps % (self.config.explore_every * b):
+            return None
+        live = self.running[self._explored % b]
+        if live.session is None or live.seq.tuner is not None:
+            self._explored += 1
+            return None
+        extra = live.tree.n - 1
+        wider = self._last_width + extra if self.runner.native is not None else b * max(self._last_width // b, live.tree.n)
+        price = max(self.cost(wider, kv) - last, 0.0)
+        if price > self._explore_credit:
+            return None
+        self._explore_credit -= price
+        self._explored += 1
+        return live
 
     def _options(self, live: _Live, plan: StepPlan, proposal) -> list[tuple[int, float, int | None, bool]]:
         """(width, expected tokens, base nodes or None = the plan as it is, with the lookup chain) per
@@ -384,3 +429,12 @@ class BatchEngine:
         stats = GenerationStats.build(seq, live.prefill_s, decode_s, info, tree)
         live.emit(GenerationResult(ids=seq.generated, text=text, finish_reason=seq.finish_reason or "cancelled",
                                    stats=stats))
+
+
+def _merge_rows(old: RecycledRows | None, new: RecycledRows) -> RecycledRows:
+    """Pending rows plus a later step's rows; for a token in both, the later row wins."""
+    if old is None:
+        return new
+    tokens = torch.cat([old.tokens, new.tokens])
+    winners = select_rows(tokens, list(range(tokens.shape[0])))  # a repeated token: its last position
+    return RecycledRows(tokens[winners], torch.cat([old.topk, new.topk])[winners])

@@ -57,6 +57,10 @@ _PRICES = (0.0, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.45
 def choose_packed(options: Sequence[Sequence[Option]], cost: Callable[[int], float]) -> list[int]:
     """options[b]: ascending widths -> the chosen index per sequence, for a forward whose cost is
     `cost(total)` of the summed widths (no pads). See the module docstring."""
+    if len(options) == 1:  # one sequence: its option with the most tokens per second (ties: narrower)
+        opts = options[0]
+        rates = [t / cost(w) for w, t in opts]
+        return [max(range(len(opts)), key=lambda i: (rates[i], -opts[i][0]))]
     b, j = len(options), max(len(o) for o in options)
     e = np.full((b, j), -np.inf)  # [B, J] expected tokens (-inf: no such option)
     w = np.zeros((b, j))  # [B, J] widths
