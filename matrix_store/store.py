@@ -235,6 +235,11 @@ class MatrixStore:
                     entry.dirty_since = time.monotonic()
                 return entry.version
 
+    def epoch(self, spec: ModelSpec, tenant: str) -> int:
+        """The loaded tenant's writer epoch (-1 when it is not in memory). Never loads."""
+        entry = self._table.entry(spec.fingerprint, tenant)
+        return entry.epoch if entry is not None else -1
+
     def _lookup(self, spec: ModelSpec, tenant: str, domain: str | None, create: bool, only_loaded: bool,
                 since_epoch: int | None = None) -> tuple[TenantState, bool]:
         """The entry for a caller's read or write (reserved ids refused, the model admitted)."""

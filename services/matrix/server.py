@@ -17,7 +17,7 @@ from grpc_health.v1.health import aio as health_aio
 from matrix_store import MatrixStore, StoreConfig
 from services.common.security import ServerTLS, SharedSecret, SharedSecretAuth
 from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
-from services.matrix.servicer import SERVICE_NAME, MatrixServicer, ServicerLimits, add_to_server
+from services.matrix.servicer import ADMIN_METHODS, SERVICE_NAME, MatrixServicer, ServicerLimits, add_to_server
 
 log = logging.getLogger("trserve.matrix")
 
@@ -33,7 +33,8 @@ class MatrixServiceConfig:
     # chunk of 65536 rows at K=8 is ~2.4 MB. Bigger messages are refused by gRPC itself.
     max_message_bytes: int = 4 * 1024 * 1024
     tls: ServerTLS | None = None  # serve TLS with this certificate; None = plaintext
-    secret: SharedSecret | None = None  # require it from every caller (health/reflection excepted); None = open
+    secret: SharedSecret | None = None  # workers' secret: DraftSession, Checkout, PushRows; None = open
+    admin_secret: SharedSecret | None = None  # admin RPCs need it (the worker secret does not suffice)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -42,6 +43,8 @@ class MatrixServiceConfig:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.max_message_bytes < 64 * 1024:
             raise ValueError(f"max_message_bytes must be >= 65536, got {self.max_message_bytes}")
+        if self.secret is not None and self.admin_secret is not None and self.admin_secret.value == self.secret.value:
+            raise ValueError("the admin secret must differ from the worker secret")
 
 
 @dataclass
@@ -74,9 +77,13 @@ def create_server(config: MatrixServiceConfig, store: MatrixStore | None = None)
     called with an event loop running (grpc.aio)."""
     owns = store is None
     store = store if store is not None else MatrixStore(config.store)
-    auth = [SharedSecretAuth(config.secret)] if config.secret is not None else []
+    secured = config.secret is not None or config.admin_secret is not None
+    auth = [SharedSecretAuth(config.secret, config.admin_secret, ADMIN_METHODS)] if secured else []
+    if config.admin_secret is None:
+        log.warning("no admin secret: admin RPCs are %s, and reserved tenants (_global, _domain.*) cannot be written",
+                    "refused" if config.secret is not None else "open to anyone who reaches this port")
     server = new_server(config.max_message_bytes, interceptors=auth)
-    add_to_server(MatrixServicer(store, config.limits), server)
+    add_to_server(MatrixServicer(store, config.limits, admin_secured=config.admin_secret is not None), server)
     health = add_standard_services(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port, config.tls)
     return MatrixServer(server, port, health, store, owns)
