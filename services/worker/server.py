@@ -20,7 +20,7 @@ from services.common.security import TenantAuth
 from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
 from services.worker.config import WorkerConfig
 from services.worker.drafting.embedded import DraftSourceFactory, embedded_factory
-from services.worker.drafting.split import MatrixServiceSources
+from services.worker.drafting.split import MatrixServiceSources, watch_matrix_auth
 from services.worker.metrics import WorkerMetrics
 from services.worker.servicer import GenerateServicer
 from trserve.v1 import generate_pb2, generate_pb2_grpc
@@ -156,7 +156,13 @@ async def run(config: WorkerConfig, decoder_config: DecoderConfig, sources: Matr
     if worker.metrics_port is not None:
         print(f"trserve metrics on http://{config.host}:{worker.metrics_port}/metrics", flush=True)
 
+    # A split worker whose matrix service refuses its secret says NOT_SERVING (not a silent fallback).
+    watcher = asyncio.create_task(watch_matrix_auth(sources, lambda ok: set_status(worker.health, [SERVICE_NAME], ok))
+                                  ) if sources is not None else None
+
     async def stop() -> None:
+        if watcher is not None:
+            watcher.cancel()
         await worker.close()
         if sources is not None:
             await asyncio.to_thread(sources.close)
