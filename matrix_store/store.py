@@ -379,12 +379,11 @@ class MatrixStore:
             ):
                 raise FailedPrecondition(f"tenant {dst_tenant!r} already exists; delete it first or pick another id")
             self._table.require_room(dst_tenant)
-            epoch = self._table.take_epoch(fingerprint, dst_tenant) if self._backend is not None else 0
+            epoch = self._table.take_epoch(fingerprint, dst_tenant)
             with src.lock:
                 dst = TenantState(
                     spec=src.spec, name=dst_tenant, domain=src.domain, rows=src.rows.copy(),
-                    version=src.version, source="tenant", dirty_since=time.monotonic(),
-                    epoch=epoch or self._table.take_epoch(fingerprint, dst_tenant),
+                    version=src.version, source="tenant", dirty_since=time.monotonic(), epoch=epoch,
                 )
             self._table.insert(dst)
         if self._backend is not None:

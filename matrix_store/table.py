@@ -57,10 +57,11 @@ class TenantTable:
 
     # -- lookups -----------------------------------------------------------------------------
     def get(self, spec: ModelSpec, tenant: str, domain: str | None, create: bool = True,
-            reserved_ok: bool = False) -> tuple[TenantState, bool]:
+            reserved_ok: bool = False, must_load: bool = False) -> tuple[TenantState, bool]:
         """The tenant's entry, loading it on first use; (entry, loaded now). A tenant neither in
         memory nor in Redis is created only when `create` (a write); a read gets a transient entry
-        (inherited rows, never inserted). ResourceExhausted when the table is full."""
+        (inherited rows, never inserted), and so does a read of a stored tenant while the table is
+        full. ResourceExhausted when a write (or `must_load`) finds the table full."""
         validate_tenant_id(tenant, reserved_ok=reserved_ok)
         if domain is not None:
             validate_tenant_id(domain, "domain")
@@ -71,9 +72,12 @@ class TenantTable:
             entry = self.loaded(spec, tenant)
             if entry is not None:
                 return entry, False
-            if create:
+            if create or must_load:
                 self.require_room(tenant)
-            entry = self._build(spec, tenant, domain, create)
+                room = True
+            else:
+                room = self.has_room()
+            entry = self._build(spec, tenant, domain, create, load=room)
             if not entry.transient:
                 self.insert(entry)
             return entry, True
@@ -98,7 +102,7 @@ class TenantTable:
                 entry = _from_snapshot(spec, tenant, stored.domain, stored.snapshot, 0)
                 entry.transient = True
                 return entry
-        entry = self.get(spec, tenant, None, create=False, reserved_ok=True)[0]
+        entry = self.get(spec, tenant, None, create=False, reserved_ok=True, must_load=True)[0]
         if entry.transient:
             raise NotFound(f"tenant {tenant!r} has no readable snapshot for fingerprint {fingerprint!r}")
         return entry
@@ -144,6 +148,12 @@ class TenantTable:
             return sum(int(e.rows.nbytes) for e in self._entries.values())
 
     # -- changes -----------------------------------------------------------------------------
+    def has_room(self) -> bool:
+        """Whether one more tenant fits (after evicting clean ones)."""
+        with self.lock:
+            self.evict_locked(keep=None, extra=1)
+            return len(self._entries) < self._max
+
     def require_room(self, tenant: str) -> None:
         """Make room for one more tenant (evicting clean ones), else raise ResourceExhausted."""
         with self.lock:
@@ -202,13 +212,17 @@ class TenantTable:
         except Unavailable:
             return None, False
 
-    def _build(self, spec: ModelSpec, tenant: str, domain: str | None, create: bool) -> TenantState:
+    def _build(self, spec: ModelSpec, tenant: str, domain: str | None, create: bool, load: bool = True) -> TenantState:
         """The tenant from its newest good snapshot, else inherited (see store.py: a tenant
         built while Redis could not be asked is pending, "Delayed restore"). A loaded or created
         tenant takes a new writer epoch *before* its snapshot is read, so a snapshot an older
         writer still manages to write is fenced, never silently missed."""
         stored, reachable = self._read(spec, tenant)
         exists = stored is not None and stored.snapshot is not None
+        if exists and not load:  # full: serve the stored rows without loading (no epoch taken)
+            entry = _from_snapshot(spec, tenant, stored.domain, stored.snapshot, 0)  # type: ignore[union-attr]
+            entry.transient = True
+            return entry
         epoch = 0
         if reachable and (create or exists):
             try:

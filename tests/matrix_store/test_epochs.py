@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from core.errors import FailedPrecondition, Unavailable
+from core.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.redis
@@ -100,7 +100,7 @@ class _Blackhole:
 def test_a_redis_that_hangs_times_out_and_the_store_serves_from_memory(make_store, spec) -> None:
     hole = _Blackhole()
     try:
-        store = make_store(redis_url=hole.url, redis_timeout_s=0.2, snapshot_every_s=0.05)
+        store = make_store(redis_url=hole.url, redis_timeout_s=0.2, snapshot_every_s=0.05, max_tenants_in_memory=2)
         store.start()
         started = time.monotonic()
         for i in range(20):
@@ -114,6 +114,9 @@ def test_a_redis_that_hangs_times_out_and_the_store_serves_from_memory(make_stor
         assert time.monotonic() - started < 5
         again = store.checkout(spec, "t")
         assert again.version == 20 and np.array_equal(again.rows, out.rows)  # nothing corrupted
+        assert _row(store, spec, "u", 1, 1) == 1
+        with pytest.raises(ResourceExhausted):  # full, and nothing can be snapshotted to make room
+            _row(store, spec, "v", 1, 1)
         store.close()  # the final snapshot times out quietly
         assert time.monotonic() - started < 8
     finally:

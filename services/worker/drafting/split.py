@@ -99,7 +99,7 @@ class MatrixServiceSources:
         return "ok"
 
 
-async def watch_matrix_auth(sources: MatrixServiceSources, set_serving, every_s: float = 2.0) -> None:
+async def watch_matrix_auth(sources: MatrixServiceSources, set_serving, every_s: float = 5.0) -> None:
     """Keep a split worker's health honest: NOT_SERVING (and an ERROR log line) while the matrix
     service answers UNAUTHENTICATED (a wrong secret would otherwise leave it drafting locally
     forever while saying SERVING); SERVING again once it authenticates. An unreachable service

@@ -154,3 +154,21 @@ def test_delete_during_an_open_draft_session_is_not_undone(start_server, channel
     stale = pb.PushRowsRequest(tenant="t", model=model(), rows=random_rows(RNG), since_epoch=opened.epoch)
     assert _code(lambda: stub.PushRows(stale, timeout=10))[0] == grpc.StatusCode.FAILED_PRECONDITION
     assert push(stub, "t", random_rows(RNG)) == 1  # a new session may create it again
+
+
+def test_a_step_on_a_tenant_evicted_mid_session_reloads_it_off_the_loop(start_server, channel_to) -> None:
+    server = start_server(max_tenants_in_memory=1)
+    stub = channel_to(server)
+    q: queue.SimpleQueue = queue.SimpleQueue()
+    q.put(pb.DraftRequest(open=pb.DraftOpen(tenant="a", model=model(), tree="paper")))
+    call = stub.DraftSession(iter(q.get, None), timeout=20)
+    assert next(call).version == 0  # opening creates nothing
+    rows = random_rows(RNG)
+    q.put(pb.DraftRequest(step=pb.DraftStep(rows=rows, root=1)))  # the first write creates "a" (in a thread)
+    assert next(call).version == 1
+    assert push(stub, "b", random_rows(RNG)) == 1  # "a" is snapshotted to Redis and evicted to make room
+    assert [t.tenant for t in stub.ListTenants(pb.ListTenantsRequest(), timeout=10).tenants if t.in_memory] == ["b"]
+    q.put(pb.DraftRequest(step=pb.DraftStep(rows=random_rows(RNG), root=1)))
+    assert next(call).version == 2  # NotLoaded on the loop -> reloaded from Redis in a thread
+    q.put(None)
+    assert stub.Describe(ref("a"), timeout=10).version == 2
