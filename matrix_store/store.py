@@ -353,6 +353,11 @@ class MatrixStore:
         backend = self._require_backend("rollback")
         entry = self._table.named(fingerprint, tenant)
         with entry.io_lock:
+            # Take the tenant (a new epoch) before reading and trimming: a store still writing it
+            # elsewhere is fenced from here on, so it cannot re-add versions above the target.
+            epoch = self._table.take_epoch(fingerprint, tenant)
+            with entry.lock:
+                entry.epoch = epoch
             stored = read_stored(backend, entry.spec, tenant, only_version=version)
             if stored is None or stored.snapshot is None:
                 kept = stored.versions if stored else []

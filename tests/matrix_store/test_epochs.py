@@ -121,3 +121,17 @@ def test_a_redis_that_hangs_times_out_and_the_store_serves_from_memory(make_stor
         assert time.monotonic() - started < 8
     finally:
         hole.close()
+
+
+def test_a_rollback_fences_the_other_writer(make_store, spec) -> None:
+    a, b = make_store(keep_snapshots=5), make_store(keep_snapshots=5)
+    for token in (1, 2):
+        _row(a, spec, "t", token, token)
+        a.snapshot_now(spec.fingerprint, "t")
+    b.checkout(spec, "t")  # b takes t at v2
+    _row(b, spec, "t", 3, 3)
+    assert a.rollback(spec.fingerprint, "t", 1) == 1  # a takes it back and rolls back
+    with pytest.raises(FailedPrecondition):
+        b.snapshot_now(spec.fingerprint, "t")  # b cannot re-add v3 above the rollback
+    assert a.versions(spec.fingerprint, "t") == [1]
+    assert make_store().checkout(spec, "t").version == 1
