@@ -450,7 +450,12 @@ class MatrixStore:
         out += [TenantSummary.stored(fp, t, meta, now) for (fp, t), meta in stored.items() if (fp, t) not in loaded]
         return sorted(out, key=lambda s: (s.fingerprint, s.tenant))
 
+    def memory(self) -> list[tuple[str, str, int]]:
+        """(fingerprint, tenant, bytes of its rows) of every tenant in memory; never reads Redis."""
+        return [(e.spec.fingerprint, e.name, int(e.rows.nbytes)) for e in self._table.entries()]
+
     def health(self) -> dict:
+        """health_in_memory() plus Redis' state (one PING)."""
         if self._backend is None:
             redis_state = "disabled"
         else:
@@ -459,9 +464,12 @@ class MatrixStore:
                 redis_state = "ok"
             except Unavailable:
                 redis_state = "failing"
+        return {"redis": redis_state, **self.health_in_memory()}
+
+    def health_in_memory(self) -> dict:
+        """The store's figures from memory alone (never waits on Redis)."""
         entries = self._table.entries()
         return {
-            "redis": redis_state,
             "last_snapshot_error": self._last_snapshot_error,
             "last_snapshot_ok_at": self._last_snapshot_ok_at,
             "tenants_in_memory": len(entries),

@@ -20,6 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--snapshot-every-s", type=float, default=10.0,
                      help="...or this many seconds after its first unsnapshotted change (default 10)")
     run.add_argument("--max-tenants", type=int, default=256, help="tenants kept in memory (LRU, default 256)")
+    run.add_argument("--metrics-port", type=int, default=-1,
+                     help="Prometheus /metrics (tenants and bytes in memory, per tenant) on this port; 0 = any free "
+                          "port; -1 = off (default)")
     run.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM (default 5)")
     run.add_argument("--secret-file", default=None,
                      help="file holding the workers' secret (DraftSession, Checkout, PushRows need it)")
@@ -68,7 +71,8 @@ def run_service(args: argparse.Namespace) -> int:
         secret = SharedSecret.from_file(args.secret_file) if args.secret_file else None
         admin = SharedSecret.from_file(args.admin_secret_file) if args.admin_secret_file else None
         config = MatrixServiceConfig(host=args.host, port=args.port, store=store, grace_s=args.grace_s,
-                                     tls=server_tls(args.tls_cert, args.tls_key), secret=secret, admin_secret=admin)
+                                     tls=server_tls(args.tls_cert, args.tls_key), secret=secret, admin_secret=admin,
+                                     metrics_port=None if args.metrics_port < 0 else args.metrics_port)
     except ValueError as exc:
         print(f"trserve matrix: {exc}", file=sys.stderr)
         return 2

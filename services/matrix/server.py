@@ -17,6 +17,7 @@ from grpc_health.v1.health import aio as health_aio
 from matrix_store import MatrixStore, StoreConfig
 from services.common.security import ServerTLS, SharedSecret, SharedSecretAuth
 from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
+from services.matrix.metrics import serve_metrics
 from services.matrix.servicer import ADMIN_METHODS, SERVICE_NAME, MatrixServicer, ServicerLimits, add_to_server
 
 log = logging.getLogger("trserve.matrix")
@@ -35,6 +36,7 @@ class MatrixServiceConfig:
     tls: ServerTLS | None = None  # serve TLS with this certificate; None = plaintext
     secret: SharedSecret | None = None  # workers' secret: DraftSession, Checkout, PushRows; None = open
     admin_secret: SharedSecret | None = None  # admin RPCs need it (the worker secret does not suffice)
+    metrics_port: int | None = None  # Prometheus /metrics of the store (memory per tenant); None = off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -56,6 +58,8 @@ class MatrixServer:
     health: health_aio.HealthServicer
     store: MatrixStore
     owns_store: bool  # stop() closes (final snapshots) only a store it created
+    metrics_http: object | None = None  # the /metrics HTTP server, when metrics_port is set
+    metrics_port: int | None = None
 
     async def start(self) -> None:
         await set_status(self.health, [SERVICE_NAME], serving=False)  # health answers before the store is up
@@ -68,6 +72,10 @@ class MatrixServer:
         """NOT_SERVING, stop (grace_s: let in-flight calls finish; 0 = cancel them), close the store."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+            self.metrics_http.server_close()
+            self.metrics_http = None
         if self.owns_store:
             await asyncio.to_thread(self.store.close, final_snapshot)
 
@@ -86,12 +94,17 @@ def create_server(config: MatrixServiceConfig, store: MatrixStore | None = None)
     add_to_server(MatrixServicer(store, config.limits, admin_secured=config.admin_secret is not None), server)
     health = add_standard_services(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port, config.tls)
-    return MatrixServer(server, port, health, store, owns)
+    running = MatrixServer(server, port, health, store, owns)
+    if config.metrics_port is not None:
+        running.metrics_http, running.metrics_port = serve_metrics(store, config.host, config.metrics_port)
+    return running
 
 
 async def serve(config: MatrixServiceConfig) -> None:
     running = create_server(config)
     await running.start()
     print(f"matrix service listening on {config.host}:{running.port}", flush=True)
+    if running.metrics_port is not None:
+        print(f"matrix service metrics on http://{config.host}:{running.metrics_port}/metrics", flush=True)
     await serve_until_signal(running.server, running.health, config.grace_s,
                              on_stop=lambda: asyncio.to_thread(running.store.close, True))

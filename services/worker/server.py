@@ -17,6 +17,7 @@ from engine.engine import BatchEngine
 from engine.runtime import RuntimeInfo
 from matrix_store import MatrixStore, StoreConfig
 from services.common.security import TenantAuth
+from services.matrix.metrics import StoreCollector
 from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
 from services.worker.config import WorkerConfig
 from services.worker.drafting.embedded import DraftSourceFactory, embedded_factory
@@ -91,6 +92,8 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
         draft_source_factory = embedded_factory(store, spec, decoder.device)
         tuner_states = StoreTunerStates(store, decoder.fingerprint)
     metrics = WorkerMetrics()
+    if store is not None:  # the embedded store's memory (tenants, bytes per tenant) on this worker's /metrics
+        metrics.registry.register(StoreCollector(store))
     runtime = RuntimeInfo.of(decoder)
     metrics.build.info({"model": decoder.config.model.source, **runtime.labels()})
     log.info("serving %s: %s, batches of up to %d", decoder.config.model.source, runtime, config.max_batch)

@@ -172,3 +172,19 @@ def test_a_step_on_a_tenant_evicted_mid_session_reloads_it_off_the_loop(start_se
     assert next(call).version == 2  # NotLoaded on the loop -> reloaded from Redis in a thread
     q.put(None)
     assert stub.Describe(ref("a"), timeout=10).version == 2
+
+
+def test_memory_per_tenant_is_exported_on_metrics(servers) -> None:
+    import urllib.request
+
+    config = MatrixServiceConfig(host="127.0.0.1", port=0, store=StoreConfig(max_tenants_in_memory=4), metrics_port=0)
+    server = ServerThread(config)
+    servers.append(server)
+    with grpc.insecure_channel(server.addr) as channel:
+        stub = pb_grpc.MatrixServiceStub(channel)
+        push(stub, "a", random_rows(RNG))
+        push(stub, "b", random_rows(RNG))
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.running.metrics_port}/metrics", timeout=10).read().decode()
+    assert f'trserve_matrix_tenant_memory_bytes{{fingerprint="{FP}",tenant="a"}} {float(V * K * 4)}' in text
+    assert f"trserve_matrix_memory_bytes {float(2 * V * K * 4)}" in text
+    assert "trserve_matrix_tenants_in_memory 2.0" in text and "trserve_matrix_max_tenants_in_memory 4.0" in text
