@@ -188,3 +188,97 @@ def test_memory_per_tenant_is_exported_on_metrics(servers) -> None:
     assert f'trserve_matrix_tenant_memory_bytes{{fingerprint="{FP}",tenant="a"}} {float(V * K * 4)}' in text
     assert f"trserve_matrix_memory_bytes {float(2 * V * K * 4)}" in text
     assert "trserve_matrix_tenants_in_memory 2.0" in text and "trserve_matrix_max_tenants_in_memory 4.0" in text
+
+
+class _SlowProxy:
+    """Forwards a local port to Redis; while `delay_s` > 0 every reply from Redis waits that long
+    (a slow Redis, e.g. a big snapshot being reloaded over a busy link)."""
+
+    def __init__(self) -> None:
+        import socket
+        import threading
+
+        self.delay_s = 0.0
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"redis://127.0.0.1:{self._listener.getsockname()[1]}/0"
+        self._socket, self._threading = socket, threading
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = self._socket.create_connection(("127.0.0.1", 6379))
+            for a, b, slow in ((client, upstream, False), (upstream, client, True)):
+                self._threading.Thread(target=self._pipe, args=(a, b, slow), daemon=True).start()
+
+    def _pipe(self, src, dst, slow: bool) -> None:
+        import time
+
+        try:
+            while data := src.recv(65536):
+                if slow and self.delay_s:
+                    time.sleep(self.delay_s)
+                dst.sendall(data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+def test_a_slow_reload_mid_session_does_not_stall_other_sessions(redis_prefix, channel_to) -> None:
+    import threading
+    import time
+
+    proxy = _SlowProxy()
+    server = ServerThread(service_config(redis_prefix, redis_url=proxy.url, max_tenants_in_memory=2,
+                                         redis_timeout_s=5.0))
+    try:
+        stub = channel_to(server)
+
+        def session(tenant: str):
+            q: queue.SimpleQueue = queue.SimpleQueue()
+            q.put(pb.DraftRequest(open=pb.DraftOpen(tenant=tenant, model=model(), tree="paper")))
+            call = stub.DraftSession(iter(q.get, None), timeout=60)
+            next(call)
+
+            def step() -> pb.DraftReply:
+                q.put(pb.DraftRequest(step=pb.DraftStep(rows=random_rows(RNG), root=1)))
+                return next(call)
+            return step, lambda: q.put(None)
+
+        hot, end_hot = session("hot")
+        cold, end_cold = session("cold")
+        hot(), cold()  # both created and in memory
+        push(stub, "other", random_rows(RNG))  # "cold" (least recently used) is snapshotted and evicted
+        hot()
+        proxy.delay_s = 0.3  # every Redis reply now takes 0.3 s: reloading "cold" takes seconds
+        done, outcome = threading.Event(), []
+
+        def reload_cold() -> None:
+            try:
+                outcome.append(cold().version)
+            except grpc.RpcError as exc:
+                outcome.append(exc.code())
+            finally:
+                done.set()
+
+        started_reload = time.monotonic()
+        threading.Thread(target=reload_cold, daemon=True).start()
+        time.sleep(0.2)
+        worst = 0.0
+        while not done.is_set():
+            started = time.monotonic()
+            hot()  # in memory: answered on the event loop while "cold" reloads in a thread
+            worst = max(worst, time.monotonic() - started)
+            time.sleep(0.05)
+        reload_s = time.monotonic() - started_reload
+        assert outcome == [2] and reload_s > 1.0  # "cold" came back from Redis, slowly
+        assert worst < 0.3, f"a step of an in-memory tenant took {worst:.2f} s while another tenant reloaded"
+        end_hot(), end_cold()
+    finally:
+        server.stop(0, final_snapshot=False)
+        proxy.close()
