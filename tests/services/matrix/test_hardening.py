@@ -131,6 +131,12 @@ def test_a_secret_is_never_sent_in_plaintext_to_another_host() -> None:
     client_channel("127.0.0.1:50052", None, secret).close()
     client_channel("localhost:50052", None, secret).close()
     client_channel("10.1.2.3:50052", None, None).close()  # no secret: nothing to leak
+    from services.worker.drafting.link import DraftClientConfig
+    from services.worker.drafting.split import SplitConfig
+
+    with pytest.raises(ValueError, match="without TLS"):  # a split worker refuses to start
+        SplitConfig("matrix.internal:50052", client=DraftClientConfig(secret=secret))
+    SplitConfig("matrix.internal:50052", client=DraftClientConfig(secret=secret, allow_plaintext_secret=True))
 
 
 def test_delete_during_an_open_draft_session_is_not_undone(start_server, channel_to) -> None:
