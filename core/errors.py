@@ -36,6 +36,12 @@ class FingerprintMismatch(FailedPrecondition):
     """A matrix was built with another tokenizer/vocabulary than the one it is used with."""
 
 
+class PermissionDenied(TRServeError):
+    """The caller is known but may not do this (another tenant's domain, a reserved tenant)."""
+
+    status = "PERMISSION_DENIED"
+
+
 class ResourceExhausted(TRServeError):
     """A bound (queue, memory, size) is hit; the caller may retry later."""
 

@@ -7,21 +7,45 @@ import re
 from dataclasses import dataclass
 
 from core.errors import InvalidArgument
+from core.model_spec import ModelSpec
 
+# Ids starting with this are reserved for the store's own matrices: callers (requests) never name
+# them; only administration (an admin credential) may write them.
+RESERVED_PREFIX = "_"
 # Reserved tenant whose matrix every tenant without its own (or a domain's) starts from.
 GLOBAL_TENANT = "_global"
+# A domain D's matrix is the reserved tenant "_domain.D": domains never share a namespace with
+# tenants, so naming a domain can never read another tenant's matrix.
+DOMAIN_PREFIX = "_domain."
 
 # Tenant ids become parts of Redis keys; keeping them to this alphabet (no ':') keeps keys unambiguous.
 _TENANT_RE = re.compile(r"[A-Za-z0-9._-]{1,64}")
+_INTERNAL_RE = re.compile(r"_[A-Za-z0-9._-]{1,72}")
 
 
-def validate_tenant_id(tenant: object, what: str = "tenant") -> str:
-    """Return `tenant` if it is a valid tenant id, else raise InvalidArgument saying what is allowed."""
+def validate_tenant_id(tenant: object, what: str = "tenant", reserved_ok: bool = False) -> str:
+    """Return `tenant` if it is a valid tenant id, else raise InvalidArgument saying what is allowed.
+    Ids starting with "_" are reserved (`_global`, `_domain.*`): refused unless `reserved_ok`
+    (administration only)."""
+    if reserved_ok and isinstance(tenant, str) and _INTERNAL_RE.fullmatch(tenant) is not None:
+        return tenant
     if not isinstance(tenant, str) or _TENANT_RE.fullmatch(tenant) is None:
         raise InvalidArgument(
             f"{what} id {tenant!r} is invalid: use 1-64 characters from A-Z a-z 0-9 . _ -"
         )
+    if tenant.startswith(RESERVED_PREFIX):
+        raise InvalidArgument(f"{what} id {tenant!r} is reserved: ids starting with '_' belong to the service "
+                              f"(e.g. {GLOBAL_TENANT}); use an id starting with A-Z a-z 0-9 . -")
     return tenant
+
+
+def is_reserved(tenant: str) -> bool:
+    return tenant.startswith(RESERVED_PREFIX)
+
+
+def domain_tenant(domain: str) -> str:
+    """The reserved tenant holding domain `domain`'s matrix."""
+    return DOMAIN_PREFIX + domain
 
 
 def validate_fingerprint(fingerprint: object) -> str:
@@ -39,7 +63,15 @@ class StoreConfig:
     snapshot_every_versions: int = 64  # background snapshot once a tenant advanced this many versions...
     snapshot_every_s: float = 10.0  # ...or this many seconds after its first unsnapshotted change
     keep_snapshots: int = 3  # last R snapshots kept per tenant (rollback targets)
-    max_tenants_in_memory: int = 256  # LRU bound; only safely snapshotted tenants are evicted
+    max_tenants_in_memory: int = 256  # bound on tenants in memory, with Redis or without (see store.py)
+    # The models (fingerprint, V, K) served. Empty: the first `max_models` distinct models that
+    # register or are used are served, later ones are refused (FailedPrecondition).
+    models: tuple[ModelSpec, ...] = ()
+    max_models: int = 2
+    max_matrix_bytes: int = 64 << 20  # one tenant's [V, K] int32 rows; larger models are refused
+    max_side_states: int = 256  # side blobs (tuner records) kept in memory, LRU (Redis keeps the rest)
+    max_side_bytes: int = 64 << 20  # their total size in memory
+    max_tombstones: int = 4096  # deleted tenants remembered in memory (Redis keeps them all)
     max_batch_rows: int = 4096  # larger apply() batches are refused with InvalidArgument
     redis_timeout_s: float = 0.5  # socket timeouts: a dead Redis must never stall callers for long
 
@@ -59,6 +91,16 @@ class StoreConfig:
         _positive_int("keep_snapshots", self.keep_snapshots)
         _positive_int("max_tenants_in_memory", self.max_tenants_in_memory)
         _positive_int("max_batch_rows", self.max_batch_rows)
+        for name in ("max_models", "max_matrix_bytes", "max_side_states", "max_side_bytes", "max_tombstones"):
+            _positive_int(name, getattr(self, name))
+        if not isinstance(self.models, tuple) or not all(isinstance(m, ModelSpec) for m in self.models):
+            raise ValueError("models must be a tuple of ModelSpec")
+        if len({m.fingerprint for m in self.models}) != len(self.models):
+            raise ValueError("models lists a fingerprint twice")
+        for m in self.models:
+            if m.vocab_size * m.k * 4 > self.max_matrix_bytes:
+                raise ValueError(f"model {m.fingerprint!r} needs {m.vocab_size * m.k * 4} bytes per tenant, "
+                                 f"above max_matrix_bytes {self.max_matrix_bytes}")
         if not self.snapshot_every_s > 0:
             raise ValueError(f"snapshot_every_s must be > 0 seconds, got {self.snapshot_every_s}")
         if not 0 < self.redis_timeout_s <= 30:
@@ -72,3 +114,12 @@ def _is_int(value: object) -> bool:
 def _positive_int(name: str, value: object) -> None:
     if not _is_int(value) or value <= 0:  # type: ignore[operator]
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+
+
+def parse_model(text: str) -> ModelSpec:
+    """FINGERPRINT:V:K (the flag form of a served model), e.g. "smollm2-135m-...:49152:8"."""
+    fingerprint, sep, rest = text.rpartition(":")
+    fingerprint, sep2, vocab = fingerprint.rpartition(":")
+    if not sep or not sep2 or not vocab.isdigit() or not rest.isdigit():
+        raise ValueError(f"a model is FINGERPRINT:VOCAB_SIZE:K, got {text!r}")
+    return ModelSpec(fingerprint, int(vocab), int(rest))

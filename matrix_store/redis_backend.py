@@ -8,7 +8,17 @@ Key layout (P = StoreConfig.key_prefix, FP = model fingerprint, T = tenant id, N
                                    the newest kept snapshot), updated (unix seconds of the last
                                    snapshot written or rollback)
     P:versions:FP:T         zset   kept snapshot versions (member "N", score N)
-    P:snap:FP:T:N           string one snapshot blob (see snapshot.py)
+    P:snap:FP:T:N           string one snapshot blob (see snapshot.py); its header names the
+                                   writer's epoch
+    P:epoch:FP:T            string the tenant's writer epoch: INCR by every store that loads or
+                                   creates the tenant (and by Delete); never deleted
+    P:tomb:FP:T             string tombstone: the epoch a Delete took; sessions opened before it
+                                   may not write the tenant again
+
+Fencing: a snapshot (and a rollback's trim) is written by one Lua script that first checks that
+P:epoch:FP:T still holds the writer's epoch; a store whose tenant another store (or a restart)
+has taken over since, or that was deleted, is refused (`Fenced`) and never overwrites it. So a
+(tenant, epoch, version) names one content: a restarted or second writer has another epoch.
 
 Tenant ids exclude ':' and N is decimal, so a key names exactly one (FP, T, N) even when FP holds
 ':'. Each snapshot is written in one MULTI/EXEC (blob, version set, meta, indexes), so a reader
@@ -40,6 +50,33 @@ _MAX_BACKOFF_S = 4.0
 SIDE_STATES = ("tuner",)  # per-tenant side blobs, deleted with the tenant
 
 
+class Fenced(Exception):
+    """A snapshot write was refused: the tenant's epoch in Redis is no longer the writer's
+    (another store took the tenant over, or it was deleted). `epoch` is the current one."""
+
+    def __init__(self, message: str, epoch: int, deleted: bool) -> None:
+        super().__init__(message)
+        self.epoch, self.deleted = epoch, deleted
+
+
+# KEYS: epoch, tomb, snap, versions, meta, tenants, fingerprints
+# ARGV: writer epoch, blob, version, tenant, fingerprint, then meta field/value pairs
+_FENCED_SNAPSHOT = """
+local cur = redis.call('GET', KEYS[1])
+if cur ~= ARGV[1] then return {0, cur or '0'} end
+local tomb = redis.call('GET', KEYS[2])
+if tomb and tonumber(tomb) >= tonumber(ARGV[1]) then return {-1, tomb} end
+redis.call('SET', KEYS[3], ARGV[2])
+redis.call('ZADD', KEYS[4], tonumber(ARGV[3]), ARGV[3])
+local fields = {}
+for i = 6, #ARGV do fields[#fields + 1] = ARGV[i] end
+redis.call('HSET', KEYS[5], unpack(fields))
+redis.call('SADD', KEYS[6], ARGV[4])
+redis.call('SADD', KEYS[7], ARGV[5])
+return {1, cur}
+"""
+
+
 class RedisBackend:
     def __init__(self, url: str, prefix: str, timeout_s: float) -> None:
         self._prefix = prefix
@@ -50,6 +87,7 @@ class RedisBackend:
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),
         )
+        self._fenced_snapshot = self._r.register_script(_FENCED_SNAPSHOT)
         self._lock = threading.Lock()
         self.last_error: str | None = None  # None while the last call succeeded
         self._backoff_s = 0.0
@@ -95,6 +133,20 @@ class RedisBackend:
     def read_blob(self, fp: str, tenant: str, version: int) -> bytes | None:
         return self._call(lambda: self._r.get(self._key("snap", fp, tenant, version)))
 
+    def epoch(self, fp: str, tenant: str) -> int:
+        """The tenant's current writer epoch (0 = never taken)."""
+        raw = self._call(lambda: self._r.get(self._key("epoch", fp, tenant)))
+        return int(raw) if raw else 0
+
+    def take_epoch(self, fp: str, tenant: str) -> int:
+        """A new writer epoch for the tenant (fences every earlier writer)."""
+        return int(self._call(lambda: self._r.incr(self._key("epoch", fp, tenant))))
+
+    def tombstone(self, fp: str, tenant: str) -> int | None:
+        """The epoch the tenant's last Delete took; None if never deleted."""
+        raw = self._call(lambda: self._r.get(self._key("tomb", fp, tenant)))
+        return int(raw) if raw else None
+
     def read_side(self, fp: str, tenant: str, name: str) -> bytes | None:
         """A tenant's side state kept next to its matrix (e.g. the online tree tuner's records)."""
         return self._call(lambda: self._r.get(self._key("side", name, fp, tenant)))
@@ -127,22 +179,24 @@ class RedisBackend:
 
     # -- writes ------------------------------------------------------------------------------
     def write_snapshot(
-        self, fp: str, tenant: str, meta: dict[str, str], version: int, blob: bytes, keep: int
+        self, fp: str, tenant: str, meta: dict[str, str], version: int, blob: bytes, keep: int, epoch: int
     ) -> None:
-        """Store one snapshot atomically, then trim to the newest `keep` versions."""
+        """Store one snapshot atomically if `epoch` still owns the tenant (else raise Fenced), then
+        trim to the newest `keep` versions."""
         versions_key = self._key("versions", fp, tenant)
 
         def run() -> None:
-            pipe = self._r.pipeline(transaction=True)
-            pipe.set(self._key("snap", fp, tenant, version), blob)
-            pipe.zadd(versions_key, {str(version): version})
             # A new snapshot is always the newest: versions only grow, and a rollback drops the
             # ones above its target first.
-            fields = {**meta, "latest": str(version), "updated": str(time.time())}
-            pipe.hset(self._key("meta", fp, tenant), mapping=fields)
-            pipe.sadd(self._key("tenants", fp), tenant)
-            pipe.sadd(self._key("fingerprints"), fp)
-            pipe.execute()
+            fields = {**meta, "latest": str(version), "updated": str(time.time()), "epoch": str(epoch)}
+            flat = [x for kv in fields.items() for x in kv]
+            keys = [self._key("epoch", fp, tenant), self._key("tomb", fp, tenant), self._key("snap", fp, tenant, version),
+                    versions_key, self._key("meta", fp, tenant), self._key("tenants", fp), self._key("fingerprints")]
+            ok, current = self._fenced_snapshot(keys=keys, args=[str(epoch), blob, str(version), tenant, fp, *flat])
+            if int(ok) != 1:
+                deleted = int(ok) == -1
+                raise Fenced(f"tenant {tenant!r} was {'deleted' if deleted else 'taken over by another writer'} "
+                             f"(epoch {int(current)}, this writer's {epoch})", int(current), deleted)
             old = self._r.zrange(versions_key, 0, -(keep + 1))  # all but the newest `keep`
             if old:
                 self._drop(fp, tenant, [int(v) for v in old])
@@ -162,10 +216,14 @@ class RedisBackend:
 
         self._call(run)
 
-    def delete_tenant(self, fp: str, tenant: str) -> None:
-        def run() -> None:
+    def delete_tenant(self, fp: str, tenant: str) -> int:
+        """Remove the tenant's snapshots, meta and side state; leave a tombstone at a new epoch
+        (which also fences any store still holding it). Returns that epoch."""
+        def run() -> int:
             versions = [int(v) for v in self._r.zrange(self._key("versions", fp, tenant), 0, -1)]
+            tomb = int(self._r.incr(self._key("epoch", fp, tenant)))
             pipe = self._r.pipeline(transaction=True)
+            pipe.set(self._key("tomb", fp, tenant), str(tomb))
             for v in versions:
                 pipe.delete(self._key("snap", fp, tenant, v))
             pipe.delete(self._key("versions", fp, tenant), self._key("meta", fp, tenant))
@@ -174,8 +232,9 @@ class RedisBackend:
             pipe.execute()
             if not self._r.scard(self._key("tenants", fp)):
                 self._r.srem(self._key("fingerprints"), fp)
+            return tomb
 
-        self._call(run)
+        return self._call(run)
 
     def _drop(self, fp: str, tenant: str, versions: list[int]) -> None:
         pipe = self._r.pipeline(transaction=True)

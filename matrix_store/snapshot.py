@@ -3,7 +3,7 @@
 A blob is `MAGIC | u32 header length | header JSON | payload`:
 
 - header (JSON, UTF-8): format, fingerprint, tenant, version, shape [V, K], dtype "<i4",
-  nonzero_rows, created (unix seconds) and sha256;
+  nonzero_rows, created (unix seconds), epoch (the writer's) and sha256;
 - payload: zlib( indices int32-LE [n] ++ rows int32-LE [n, K] ), only the n rows that are not
   all zero (most rows of a young matrix are).
 
@@ -42,6 +42,7 @@ class Snapshot:
     version: int
     created: float  # unix seconds when it was written
     rows: np.ndarray  # [V, K] int32, a fresh array owned by the caller
+    epoch: int = 0  # the writer's epoch (redis_backend.py); 0 in blobs written before epochs
 
     def __repr__(self) -> str:
         return (
@@ -51,7 +52,7 @@ class Snapshot:
 
 
 def encode_snapshot(
-    fingerprint: str, tenant: str, version: int, rows: np.ndarray, created: float | None = None
+    fingerprint: str, tenant: str, version: int, rows: np.ndarray, created: float | None = None, epoch: int = 0
 ) -> bytes:
     """Serialise `rows` ([V, K] int32) with its identity into one blob.
 
@@ -76,6 +77,7 @@ def encode_snapshot(
         "dtype": DTYPE,
         "nonzero_rows": int(indices.size),
         "created": time.time() if created is None else float(created),
+        "epoch": int(epoch),
     }
     header["sha256"] = _digest(header, payload)
     header_bytes = json.dumps(header, sort_keys=True).encode()
@@ -110,6 +112,7 @@ def decode_snapshot(
         version=header["version"],
         created=header["created"],
         rows=_decode_rows(payload, header["nonzero_rows"], shape),
+        epoch=header.get("epoch", 0) if isinstance(header.get("epoch", 0), int) else 0,
     )
 
 

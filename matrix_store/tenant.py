@@ -21,9 +21,13 @@ class Checkout:
     version: int  # the tenant's version the rows belong to
     rows: np.ndarray  # [V, K] int32, a private copy
     source: str  # one of SOURCES: "tenant" once it was already loaded, else where it was loaded from
+    # The writer epoch (see redis_backend.py): (tenant, epoch, version) names one content. Pass it
+    # back as `since_epoch` to apply(): a tenant deleted after this checkout is not resurrected.
+    epoch: int = 0
 
     def __repr__(self) -> str:
-        return f"Checkout(version={self.version}, rows=int32{list(self.rows.shape)}, source={self.source!r})"
+        return (f"Checkout(version={self.version}, rows=int32{list(self.rows.shape)}, source={self.source!r}, "
+                f"epoch={self.epoch})")
 
 
 @dataclass(eq=False)
@@ -46,6 +50,8 @@ class TenantState:
     batches: int = 0
     conflict: str | None = None  # a delayed restore found another model's matrix: never snapshot
     gone: bool = False  # evicted or deleted: holders must look the tenant up again
+    epoch: int = 0  # writer epoch taken when this store loaded/created it; 0 = none (read-only), -1 = unknown (pending)
+    transient: bool = False  # a read of a tenant that does not exist: never inserted in the table
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     io_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 

@@ -39,6 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--tls-ca", default=None, help="PEM CA the workers and probes trust (default: --tls-cert)")
     up.add_argument("--tenant-tokens", default=None, help="workers require per-tenant bearer tokens (JSON file)")
     up.add_argument("--matrix-secret-file", default=None, help="the matrix service requires this shared secret")
+    up.add_argument("--matrix-admin-secret-file", default=None,
+                    help="the matrix service's admin RPCs require this secret (`trserve matrix-admin --secret-file`)")
     up.set_defaults(func=run_up)
     for name, func, text in (("status", run_status, "pids, addresses and health of a running local cluster"),
                              ("down", run_down, "stop a local cluster gracefully (workers, matrix, Redis)")):
@@ -74,7 +76,7 @@ def run_up(args: argparse.Namespace) -> int:
             base_port=args.base_port, redis_url=args.redis_url, key_prefix=args.key_prefix,
             snapshot_every_versions=args.snapshot_every_versions, snapshot_every_s=args.snapshot_every_s,
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, tenant_tokens=args.tenant_tokens,
-            matrix_secret=args.matrix_secret_file)
+            matrix_secret=args.matrix_secret_file, matrix_admin_secret=args.matrix_admin_secret_file)
     except ValueError as exc:
         print(f"trserve cluster up: {exc}", file=sys.stderr)
         return 2

@@ -31,6 +31,7 @@ class ClusterConfig:
     tls_ca: str | None = None  # what clients and workers trust; default tls_cert (self-signed)
     tenant_tokens: str | None = None  # workers require per-tenant bearer tokens (JSON file)
     matrix_secret: str | None = None  # the matrix service requires it; workers send it
+    matrix_admin_secret: str | None = None  # the matrix service's admin RPCs require it (matrix-admin sends it)
 
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= 16:
@@ -43,7 +44,7 @@ class ClusterConfig:
             raise ValueError(f"base_port must be 0 (free ports) or in 1024..{65535 - self.workers - 1}")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key go together")
-        for name in ("tls_cert", "tls_key", "tls_ca", "tenant_tokens", "matrix_secret"):
+        for name in ("tls_cert", "tls_key", "tls_ca", "tenant_tokens", "matrix_secret", "matrix_admin_secret"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name} file {path!r} does not exist")

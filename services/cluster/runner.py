@@ -122,6 +122,7 @@ class LocalCluster:
                 "--key-prefix", c.key_prefix, "--snapshot-every-versions", str(c.snapshot_every_versions),
                 "--snapshot-every-s", str(c.snapshot_every_s)]
         args += self._tls_args() + (["--secret-file", c.matrix_secret] if c.matrix_secret else [])
+        args += ["--admin-secret-file", c.matrix_admin_secret] if c.matrix_admin_secret else []
         self.matrix = Proc.trserve("matrix", args, self.log_dir)
         addr = self.matrix.wait_line("matrix service listening on", c.start_timeout_s)
         self.matrix_port = int(addr.rsplit(":", 1)[1])

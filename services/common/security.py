@@ -3,8 +3,14 @@
 - Tenant tokens (workers): callers send `authorization: Bearer <token>`; a token file maps each
   tenant to its token(s). A missing or unknown token is UNAUTHENTICATED; a valid token used for
   another tenant's request is PERMISSION_DENIED.
-- Shared secret (matrix service): workers send `authorization: Bearer <secret>`; anything else is
-  UNAUTHENTICATED.
+- Tenant tokens may grant domains: `{"tenant": {"tokens": [...], "domains": ["legal"]}}`; a
+  request naming a domain its token does not grant is PERMISSION_DENIED (tokens without grants
+  may name no domain).
+- Matrix service: a worker secret for the data plane (DraftSession, Checkout, PushRows) and a
+  separate admin secret for the admin RPCs; the worker secret does not authorise admin RPCs.
+  Anything else is UNAUTHENTICATED (wrong or missing) or PERMISSION_DENIED (a worker secret on
+  an admin RPC).
+- A client refuses to send a secret in plaintext to a non-loopback address unless allowed.
 - TLS: a server serves with a PEM certificate and key; a client trusts a PEM CA file.
 
 Health and reflection stay open (orchestrators probe them without credentials). Secrets are read
@@ -15,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import ipaddress
 import json
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -94,24 +101,30 @@ class SharedSecret:
 
 @dataclass(frozen=True)
 class TenantTokens:
-    """token hash -> tenant, from a JSON file {"tenant": "token" or ["token", ...]} (lists allow rotation)."""
+    """token hash -> tenant, from a JSON file {"tenant": "token" or ["token", ...] or
+    {"tokens": [...], "domains": [...]}} (lists allow rotation; `domains` = the domains the
+    tenant's requests may name)."""
 
     by_digest: dict[bytes, str] = field(repr=False)
+    domains: dict[str, frozenset[str]] = field(default_factory=dict)  # tenant -> granted domains
 
     @classmethod
     def from_mapping(cls, mapping: object) -> TenantTokens:
         if not isinstance(mapping, dict) or not mapping:
             raise ValueError('the tenant token file must be a JSON object {"tenant": "token" or ["token", ...]}')
         by_digest: dict[bytes, str] = {}
-        for tenant, tokens in mapping.items():
+        domains: dict[str, frozenset[str]] = {}
+        for tenant, entry in mapping.items():
             validate_tenant_id(tenant)
-            for token in [tokens] if isinstance(tokens, str) else tokens:
+            tokens, granted = _token_entry(tenant, entry)
+            domains[tenant] = frozenset(validate_tenant_id(d, "domain") for d in granted)
+            for token in tokens:
                 if not isinstance(token, str):
                     raise ValueError(f"tenant {tenant!r}: tokens must be strings")
                 digest = _digest(_check_secret(token, f"each token (tenant {tenant!r})"))
                 if by_digest.setdefault(digest, tenant) != tenant:
                     raise ValueError(f"tenants {by_digest[digest]!r} and {tenant!r} share a token; give each its own")
-        return cls(by_digest)
+        return cls(by_digest, domains)
 
     @classmethod
     def from_file(cls, path: str | Path) -> TenantTokens:
@@ -124,12 +137,30 @@ class TenantTokens:
     def tenant_of(self, token: str) -> str | None:
         return self.by_digest.get(_digest(token))
 
+    def may_use_domain(self, tenant: str, domain: str) -> bool:
+        return domain in self.domains.get(tenant, frozenset())
+
+
+def _token_entry(tenant: str, entry: object) -> tuple[list, list]:
+    """(tokens, granted domains) of one tenant's entry in a token file."""
+    if isinstance(entry, str):
+        return [entry], []
+    if isinstance(entry, list):
+        return entry, []
+    if isinstance(entry, dict) and set(entry) <= {"tokens", "domains"} and "tokens" in entry:
+        tokens, granted = entry["tokens"], entry.get("domains", [])
+        tokens = [tokens] if isinstance(tokens, str) else tokens
+        if not isinstance(tokens, list) or not isinstance(granted, list):
+            raise ValueError(f"tenant {tenant!r}: 'tokens' and 'domains' must be lists")
+        return tokens, granted
+    raise ValueError(f'tenant {tenant!r}: use "token", ["token", ...] or {{"tokens": [...], "domains": [...]}}')
+
 
 def load_tokens_by_tenant(path: str | Path) -> dict[str, str]:
     """Client side: tenant -> the first token listed for it in a tenant token file."""
     mapping = json.loads(_read_text(path, "tenant token"))
     TenantTokens.from_mapping(mapping)  # same validation as the server's
-    return {tenant: tokens if isinstance(tokens, str) else tokens[0] for tenant, tokens in mapping.items()}
+    return {tenant: _token_entry(tenant, entry)[0][0] for tenant, entry in mapping.items()}
 
 
 # -- server interceptors ---------------------------------------------------------------------------------
@@ -177,17 +208,58 @@ class _BearerAuth(grpc.aio.ServerInterceptor):
 
 
 class SharedSecretAuth(_BearerAuth):
-    """The matrix service: every call but health/reflection must carry the shared secret."""
+    """The matrix service. Worker methods (all but `admin_methods`) need `secret` (open when it is
+    None) or the admin secret. Admin methods need `admin`; a worker secret there is refused with
+    PERMISSION_DENIED, and so is every admin call when only a worker secret is configured. With
+    no secret at all everything is open (the servicer still guards reserved tenants)."""
 
     what = "shared secret"
 
-    def __init__(self, secret: SharedSecret) -> None:
-        self._secret = secret
+    def __init__(self, secret: SharedSecret | None, admin: SharedSecret | None = None,
+                 admin_methods: frozenset[str] = frozenset()) -> None:
+        self._secret, self._admin, self._admin_methods = secret, admin, admin_methods
 
-    def authorize(self, token: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
-        if self._secret.matches(token):
+    async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
+        if self._secret is None and (self._admin is None or details.method not in self._admin_methods):
+            return await continuation(details)
+        handler = await continuation(details)
+        if handler is None or details.method.startswith(OPEN_SERVICES):
+            return handler
+        token = _bearer(details.invocation_metadata)
+        if token is None:
+            return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
+                             f"missing credentials: send metadata '{AUTH_HEADER}: Bearer <{self.what}>'")
+        is_admin = self._admin is not None and self._admin.matches(token)
+        is_worker = self._secret is not None and self._secret.matches(token)
+        if details.method in self._admin_methods:
+            if is_admin:
+                return handler
+            if self._admin is None:
+                return _refusing(handler, grpc.StatusCode.PERMISSION_DENIED,
+                                 "admin RPCs need the admin secret and this service has none configured "
+                                 "(--admin-secret-file); the worker secret does not authorise them")
+            if is_worker:
+                return _refusing(handler, grpc.StatusCode.PERMISSION_DENIED,
+                                 "admin RPCs need the admin secret; the worker secret does not authorise them")
+            return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, "wrong admin secret")
+        if is_admin or is_worker:
             return handler
         return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, "wrong shared secret")
+
+
+def domain_refusal(tokens: TenantTokens | None, tenant: str, request: object) -> str | None:
+    """Why `tenant` may not name the request's domain, or None when it may (or names none).
+    Without tenant tokens (an open worker) any domain may be named: domains are operator-written
+    matrices in their own namespace (matrix_store/config.py), never another tenant's."""
+    has_field = getattr(request, "HasField", None)
+    try:
+        named = bool(has_field("domain")) if has_field is not None else bool(getattr(request, "domain", ""))
+    except ValueError:  # a message without a `domain` field
+        return None
+    domain = getattr(request, "domain", "") if named else ""
+    if tokens is None or not domain or tokens.may_use_domain(tenant, domain):
+        return None
+    return f"domain {domain!r} is not granted to tenant {tenant!r} (grant it in the tenant token file)"
 
 
 class TenantAuth(_BearerAuth):
@@ -212,6 +284,9 @@ class TenantAuth(_BearerAuth):
             if asked is not None and (asked or self._default) != tenant:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED,
                                     f"this token belongs to another tenant than {asked or self._default!r}")
+            problem = domain_refusal(self._tokens, tenant, request)
+            if problem is not None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
 
         if handler.response_streaming:
             async def stream(request, context: grpc.aio.ServicerContext):
@@ -255,9 +330,30 @@ class _WithMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInte
     intercept_stream_stream = intercept_stream_unary
 
 
+def is_loopback(addr: str) -> bool:
+    """Whether HOST:PORT names this machine (localhost, 127.0.0.0/8, ::1)."""
+    host = addr.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_plaintext_secret(addr: str, tls_ca_file: str | None, secret: SharedSecret | None,
+                           allow_plaintext_secret: bool) -> None:
+    """ValueError when a secret would travel without TLS to another machine, unless allowed."""
+    if secret is not None and tls_ca_file is None and not allow_plaintext_secret and not is_loopback(addr):
+        raise ValueError(f"refusing to send a secret without TLS to {addr}: pass a TLS CA file, "
+                         "or allow plaintext explicitly (--allow-plaintext-secret) on a trusted network")
+
+
 def client_channel(addr: str, tls_ca_file: str | None = None, secret: SharedSecret | None = None,
-                   options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
-    """A sync channel: TLS trusting `tls_ca_file` when given (else plaintext), `secret` on every call."""
+                   options: Sequence[tuple[str, object]] = (), allow_plaintext_secret: bool = False) -> grpc.Channel:
+    """A sync channel: TLS trusting `tls_ca_file` when given (else plaintext), `secret` on every call.
+    A secret is never sent in plaintext to a non-loopback address unless `allow_plaintext_secret`."""
+    check_plaintext_secret(addr, tls_ca_file, secret, allow_plaintext_secret)
     if tls_ca_file is None:
         channel = grpc.insecure_channel(addr, options=list(options))
     else:

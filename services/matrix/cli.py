@@ -20,8 +20,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--snapshot-every-s", type=float, default=10.0,
                      help="...or this many seconds after its first unsnapshotted change (default 10)")
     run.add_argument("--max-tenants", type=int, default=256, help="tenants kept in memory (LRU, default 256)")
+    run.add_argument("--metrics-port", type=int, default=-1,
+                     help="Prometheus /metrics (tenants and bytes in memory, per tenant) on this port; 0 = any free "
+                          "port; -1 = off (default)")
     run.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM (default 5)")
-    run.add_argument("--secret-file", default=None, help="file holding a shared secret every worker must send")
+    run.add_argument("--secret-file", default=None,
+                     help="file holding the workers' secret (DraftSession, Checkout, PushRows need it)")
+    run.add_argument("--admin-secret-file", default=None,
+                     help="file holding the admin secret: admin RPCs need it (the workers' secret does not suffice); "
+                          "without it admin RPCs are refused when --secret-file is set, and reserved tenants "
+                          "(_global, _domain.*) cannot be written")
+    run.add_argument("--model", action="append", default=[], metavar="FINGERPRINT:V:K",
+                     help="serve only this model (repeatable); default: the first --max-models that are used")
+    run.add_argument("--max-models", type=int, default=2, help="models served when no --model is given (default 2)")
     run.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
     run.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     run.set_defaults(func=run_service)
@@ -37,7 +48,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     admin.add_argument("--to", help="fork: the new tenant id")
     admin.add_argument("--table", action="store_true", help="list: a text table instead of JSON")
     admin.add_argument("--timeout-s", type=float, default=10.0, help="deadline of each call (default 10)")
-    admin.add_argument("--secret-file", default=None, help="the service's shared secret, when it requires one")
+    admin.add_argument("--secret-file", default=None, help="the service's admin secret, when it requires one")
+    admin.add_argument("--allow-plaintext-secret", action="store_true",
+                       help="send the secret without TLS to a non-loopback address (refused otherwise)")
     admin.add_argument("--tls-ca", default=None, help="PEM CA file: reach the service over TLS")
     admin.set_defaults(func=run_admin)
 
@@ -46,16 +59,20 @@ def run_service(args: argparse.Namespace) -> int:
     import asyncio
 
     from matrix_store import StoreConfig
+    from matrix_store.config import parse_model
     from services.common.security import SharedSecret, server_tls
     from services.matrix.server import MatrixServiceConfig, serve
 
     try:
         store = StoreConfig(redis_url=args.redis_url, key_prefix=args.key_prefix,
                             snapshot_every_versions=args.snapshot_every_versions,
-                            snapshot_every_s=args.snapshot_every_s, max_tenants_in_memory=args.max_tenants)
+                            snapshot_every_s=args.snapshot_every_s, max_tenants_in_memory=args.max_tenants,
+                            models=tuple(parse_model(m) for m in args.model), max_models=args.max_models)
         secret = SharedSecret.from_file(args.secret_file) if args.secret_file else None
+        admin = SharedSecret.from_file(args.admin_secret_file) if args.admin_secret_file else None
         config = MatrixServiceConfig(host=args.host, port=args.port, store=store, grace_s=args.grace_s,
-                                     tls=server_tls(args.tls_cert, args.tls_key), secret=secret)
+                                     tls=server_tls(args.tls_cert, args.tls_key), secret=secret, admin_secret=admin,
+                                     metrics_port=None if args.metrics_port < 0 else args.metrics_port)
     except ValueError as exc:
         print(f"trserve matrix: {exc}", file=sys.stderr)
         return 2
@@ -77,7 +94,12 @@ def run_admin(args: argparse.Namespace) -> int:
     if problem:
         print(f"trserve matrix-admin {args.action}: {problem}", file=sys.stderr)
         return 2
-    with client_channel(args.addr, args.tls_ca, secret) as channel:
+    try:
+        channel = client_channel(args.addr, args.tls_ca, secret, allow_plaintext_secret=args.allow_plaintext_secret)
+    except ValueError as exc:
+        print(f"trserve matrix-admin {args.action}: {exc}", file=sys.stderr)
+        return 2
+    with channel:
         stub = pb_grpc.MatrixServiceStub(channel)
         try:
             if args.action == "list":

@@ -17,7 +17,8 @@ from grpc_health.v1.health import aio as health_aio
 from matrix_store import MatrixStore, StoreConfig
 from services.common.security import ServerTLS, SharedSecret, SharedSecretAuth
 from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
-from services.matrix.servicer import SERVICE_NAME, MatrixServicer, ServicerLimits, add_to_server
+from services.matrix.metrics import serve_metrics
+from services.matrix.servicer import ADMIN_METHODS, SERVICE_NAME, MatrixServicer, ServicerLimits, add_to_server
 
 log = logging.getLogger("trserve.matrix")
 
@@ -33,7 +34,9 @@ class MatrixServiceConfig:
     # chunk of 65536 rows at K=8 is ~2.4 MB. Bigger messages are refused by gRPC itself.
     max_message_bytes: int = 4 * 1024 * 1024
     tls: ServerTLS | None = None  # serve TLS with this certificate; None = plaintext
-    secret: SharedSecret | None = None  # require it from every caller (health/reflection excepted); None = open
+    secret: SharedSecret | None = None  # workers' secret: DraftSession, Checkout, PushRows; None = open
+    admin_secret: SharedSecret | None = None  # admin RPCs need it (the worker secret does not suffice)
+    metrics_port: int | None = None  # Prometheus /metrics of the store (memory per tenant); None = off
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -42,6 +45,8 @@ class MatrixServiceConfig:
             raise ValueError(f"grace_s must be >= 0, got {self.grace_s}")
         if self.max_message_bytes < 64 * 1024:
             raise ValueError(f"max_message_bytes must be >= 65536, got {self.max_message_bytes}")
+        if self.secret is not None and self.admin_secret is not None and self.admin_secret.value == self.secret.value:
+            raise ValueError("the admin secret must differ from the worker secret")
 
 
 @dataclass
@@ -53,6 +58,8 @@ class MatrixServer:
     health: health_aio.HealthServicer
     store: MatrixStore
     owns_store: bool  # stop() closes (final snapshots) only a store it created
+    metrics_http: object | None = None  # the /metrics HTTP server, when metrics_port is set
+    metrics_port: int | None = None
 
     async def start(self) -> None:
         await set_status(self.health, [SERVICE_NAME], serving=False)  # health answers before the store is up
@@ -65,6 +72,10 @@ class MatrixServer:
         """NOT_SERVING, stop (grace_s: let in-flight calls finish; 0 = cancel them), close the store."""
         await self.health.enter_graceful_shutdown()
         await self.server.stop(grace_s)
+        if self.metrics_http is not None:
+            self.metrics_http.shutdown()
+            self.metrics_http.server_close()
+            self.metrics_http = None
         if self.owns_store:
             await asyncio.to_thread(self.store.close, final_snapshot)
 
@@ -74,17 +85,26 @@ def create_server(config: MatrixServiceConfig, store: MatrixStore | None = None)
     called with an event loop running (grpc.aio)."""
     owns = store is None
     store = store if store is not None else MatrixStore(config.store)
-    auth = [SharedSecretAuth(config.secret)] if config.secret is not None else []
+    secured = config.secret is not None or config.admin_secret is not None
+    auth = [SharedSecretAuth(config.secret, config.admin_secret, ADMIN_METHODS)] if secured else []
+    if config.admin_secret is None:
+        log.warning("no admin secret: admin RPCs are %s, and reserved tenants (_global, _domain.*) cannot be written",
+                    "refused" if config.secret is not None else "open to anyone who reaches this port")
     server = new_server(config.max_message_bytes, interceptors=auth)
-    add_to_server(MatrixServicer(store, config.limits), server)
+    add_to_server(MatrixServicer(store, config.limits, admin_secured=config.admin_secret is not None), server)
     health = add_standard_services(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port, config.tls)
-    return MatrixServer(server, port, health, store, owns)
+    running = MatrixServer(server, port, health, store, owns)
+    if config.metrics_port is not None:
+        running.metrics_http, running.metrics_port = serve_metrics(store, config.host, config.metrics_port)
+    return running
 
 
 async def serve(config: MatrixServiceConfig) -> None:
     running = create_server(config)
     await running.start()
     print(f"matrix service listening on {config.host}:{running.port}", flush=True)
+    if running.metrics_port is not None:
+        print(f"matrix service metrics on http://{config.host}:{running.metrics_port}/metrics", flush=True)
     await serve_until_signal(running.server, running.health, config.grace_s,
                              on_stop=lambda: asyncio.to_thread(running.store.close, True))

@@ -1,7 +1,11 @@
 """MatrixService servicer: every RPC is `from_pb -> store call -> to_pb`.
 
 Store calls that may read or write Redis (first use of a tenant, admin calls) run in a worker
-thread (asyncio.to_thread); draft steps on a loaded tenant run on the event loop.
+thread (asyncio.to_thread), and so does opening a draft session (tree compilation); a draft step
+runs on the event loop only while its tenant is in memory (else it hops to a thread).
+
+Reserved tenants (`_global`, `_domain.<D>`) are written only by admin RPCs, and only when the
+service has an admin secret (which the auth interceptor then required): else PERMISSION_DENIED.
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from core.errors import InvalidArgument
+from core.errors import InvalidArgument, PermissionDenied
 from matrix_store import MatrixStore
+from matrix_store.config import is_reserved
+from matrix_store.store import NotLoaded
 from services.common.errors import grpc_errors
 from services.matrix.convert import rows_from_pb, rows_to_pb, spec_from_pb, summary_to_pb, tenant_from_pb
 from services.matrix.sessions import RemoteDraft, plan_for, resolve_tree
@@ -22,11 +28,14 @@ from trserve.v1 import matrix_pb2 as pb
 from trserve.v1 import matrix_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MatrixService"].full_name
+ADMIN_RPCS = ("Describe", "ListVersions", "Snapshot", "Rollback", "Fork", "Delete", "ListTenants")
+ADMIN_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in ADMIN_RPCS)
 
 
 @dataclass(frozen=True)
 class ServicerLimits:
     max_tree_nodes: int = 1024  # largest draft tree a session may open
+    max_tree_depth: int = 64  # deepest inline tree a session may open
     checkout_chunk_rows: int = 16384  # default rows per Checkout chunk (~590 KB at K=8)
     max_checkout_chunk_rows: int = 65536  # a client may ask for smaller chunks, never larger
 
@@ -35,12 +44,20 @@ class ServicerLimits:
             raise ValueError(f"checkout_chunk_rows must be in 1..{self.max_checkout_chunk_rows}")
         if self.max_tree_nodes < 2:
             raise ValueError("max_tree_nodes must be >= 2")
+        if self.max_tree_depth < 1:
+            raise ValueError("max_tree_depth must be >= 1")
 
 
 class MatrixServicer(pb_grpc.MatrixServiceServicer):
-    def __init__(self, store: MatrixStore, limits: ServicerLimits = ServicerLimits()) -> None:
+    def __init__(self, store: MatrixStore, limits: ServicerLimits = ServicerLimits(), admin_secured: bool = False) -> None:
         self._store = store
         self._limits = limits
+        self._admin_secured = admin_secured  # an admin secret is configured (the interceptor checks it)
+
+    def _guard_reserved(self, tenant: str, what: str) -> None:
+        if is_reserved(tenant) and not self._admin_secured:
+            raise PermissionDenied(f"{what} reserved tenant {tenant!r} needs the admin secret, and this service has "
+                                   "none configured (--admin-secret-file)")
 
     # -- remote drafting ---------------------------------------------------------------------
     @grpc_errors
@@ -52,9 +69,9 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
             return
         if first.WhichOneof("kind") != "open":
             raise InvalidArgument("the first DraftRequest must carry `open` (tenant, model, tree)")
-        session = self._open_session(first.open)
-        version = await asyncio.to_thread(session.open)
-        yield pb.DraftReply(version=version, tree_nodes=session.plan.n)
+        session = await asyncio.to_thread(self._open_session, first.open)  # compiles the tree: off the loop
+        version, epoch = await asyncio.to_thread(session.open)
+        yield pb.DraftReply(version=version, tree_nodes=session.plan.n, epoch=epoch)
         k = session.spec.k
         async for request in stream:
             if request.WhichOneof("kind") != "step":
@@ -62,16 +79,28 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
             step = request.step
             tokens, topk = rows_from_pb(step.rows, k)
             if step.final:
-                applied = session.apply(tokens, topk)
-                yield pb.DraftReply(version=applied if applied is not None else session.open())
+                try:
+                    applied = session.apply(tokens, topk, only_loaded=True)
+                except NotLoaded:
+                    applied = await asyncio.to_thread(session.apply, tokens, topk)
+                if applied is None:
+                    applied = (await asyncio.to_thread(session.open))[0]
+                yield pb.DraftReply(version=applied)
                 continue
-            version, tree_tokens = session.step(tokens, topk, step.root)
+            try:
+                version, tree_tokens = session.step(tokens, topk, step.root, only_loaded=True)
+            except NotLoaded:  # first write of a new tenant, or evicted mid-session: may wait on Redis
+                version, tree_tokens = await asyncio.to_thread(session.step, tokens, topk, step.root)
             yield pb.DraftReply(version=version, tokens=tree_tokens.tolist())
 
     def _open_session(self, msg: pb.DraftOpen) -> RemoteDraft:
         tenant, domain = tenant_from_pb(msg.tenant, msg.domain)
         spec = spec_from_pb(msg.model)
-        template = resolve_tree(msg.tree, [list(p.ranks) for p in msg.tree_paths], self._limits.max_tree_nodes)
+        if len(msg.tree_paths) + 1 > self._limits.max_tree_nodes:  # before copying any path
+            raise InvalidArgument(f"tree has {len(msg.tree_paths) + 1} nodes; this service drafts trees of at most "
+                                  f"{self._limits.max_tree_nodes} nodes (max_tree_nodes)")
+        template = resolve_tree(msg.tree, [list(p.ranks) for p in msg.tree_paths], self._limits.max_tree_nodes,
+                                self._limits.max_tree_depth)
         return RemoteDraft(self._store, spec, tenant, domain, plan_for(template))
 
     # -- replica drafting --------------------------------------------------------------------
@@ -88,15 +117,16 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
         for start in range(0, max(total, 1), chunk):
             ids = nonzero[start:start + chunk]
             yield pb.CheckoutChunk(version=out.version, source=out.source, total_rows=total,
-                                   rows=rows_to_pb(ids, out.rows[ids]))
+                                   rows=rows_to_pb(ids, out.rows[ids]), epoch=out.epoch)
 
     @grpc_errors
     async def PushRows(self, request: pb.PushRowsRequest, context) -> pb.PushRowsReply:
         tenant, domain = tenant_from_pb(request.tenant, request.domain)
         spec = spec_from_pb(request.model)
         tokens, topk = rows_from_pb(request.rows, spec.k)
-        version = await asyncio.to_thread(self._store.apply, spec, tenant, tokens, topk, domain)
-        return pb.PushRowsReply(version=version)
+        since = request.since_epoch if request.HasField("since_epoch") else None
+        version = await asyncio.to_thread(self._store.apply, spec, tenant, tokens, topk, domain, since)
+        return pb.PushRowsReply(version=version, epoch=self._store.epoch(spec, tenant))
 
     # -- administration ----------------------------------------------------------------------
     @grpc_errors
@@ -109,6 +139,7 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
             version=info["version"], nonzero_rows=info["nonzero_rows"],
             last_snapshot_version=-1 if last is None else last, in_memory=info["in_memory"],
             redis=health["redis"], last_snapshot_error=health["last_snapshot_error"] or "",
+            epoch=max(info["epoch"], 0), rows_sha256=info["rows_sha256"], memory_bytes=info["memory_bytes"],
         )
 
     @grpc_errors
@@ -118,23 +149,27 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
 
     @grpc_errors
     async def Snapshot(self, request: pb.TenantRef, context) -> pb.VersionReply:
+        self._guard_reserved(request.tenant, "snapshotting")
         version = await asyncio.to_thread(self._store.snapshot_now, request.fingerprint, request.tenant)
         return pb.VersionReply(version=version)
 
     @grpc_errors
     async def Rollback(self, request: pb.RollbackRequest, context) -> pb.VersionReply:
         ref = request.ref
+        self._guard_reserved(ref.tenant, "rolling back")
         version = await asyncio.to_thread(self._store.rollback, ref.fingerprint, ref.tenant, int(request.version))
         return pb.VersionReply(version=version)
 
     @grpc_errors
     async def Fork(self, request: pb.ForkRequest, context) -> pb.VersionReply:
         ref = request.ref
+        self._guard_reserved(request.to, "forking into")
         version = await asyncio.to_thread(self._store.fork, ref.fingerprint, ref.tenant, request.to)
         return pb.VersionReply(version=version)
 
     @grpc_errors
     async def Delete(self, request: pb.TenantRef, context) -> pb.DeleteReply:
+        self._guard_reserved(request.tenant, "deleting")
         await asyncio.to_thread(self._store.delete, request.fingerprint, request.tenant)
         return pb.DeleteReply()
 
@@ -142,7 +177,9 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
     async def ListTenants(self, request: pb.ListTenantsRequest, context) -> pb.ListTenantsReply:
         summaries = await asyncio.to_thread(self._store.list_tenants, request.fingerprint or None)
         health = await asyncio.to_thread(self._store.health)
-        return pb.ListTenantsReply(tenants=[summary_to_pb(s) for s in summaries], redis=health["redis"])
+        return pb.ListTenantsReply(tenants=[summary_to_pb(s) for s in summaries], redis=health["redis"],
+                                   memory_bytes=health["memory_bytes"], tenants_in_memory=health["tenants_in_memory"],
+                                   max_tenants_in_memory=health["max_tenants_in_memory"], models=health["models"])
 
 
 def add_to_server(servicer: MatrixServicer, server: grpc.aio.Server) -> None:

@@ -48,12 +48,18 @@ def plan_for(template: TreeTemplate) -> TreePlan:
     return TreePlan(template.name, compiled.n, template.max_rank, levels)
 
 
-def resolve_tree(name: str, paths: list[list[int]], max_nodes: int) -> TreeTemplate:
+def resolve_tree(name: str, paths: list[list[int]], max_nodes: int, max_depth: int = 64) -> TreeTemplate:
     """An inline template (when `paths` is given; `name` is its label) or a builtin by name.
-    Only builtin names are accepted: the service never reads a client-named file."""
+    Only builtin names are accepted: the service never reads a client-named file. Inline
+    templates are capped in nodes and depth (checked before anything is built)."""
     if paths:
         if len(paths) + 1 > max_nodes:
-            raise InvalidArgument(f"tree has {len(paths) + 1} nodes; this service drafts trees of at most {max_nodes}")
+            raise InvalidArgument(f"tree has {len(paths) + 1} nodes; this service drafts trees of at most {max_nodes} "
+                                  "nodes (max_tree_nodes)")
+        depth = max(len(p) for p in paths)
+        if depth > max_depth:
+            raise InvalidArgument(f"tree is {depth} levels deep; this service drafts trees of at most {max_depth} "
+                                  "levels (max_tree_depth)")
         return TreeTemplate.from_paths(name or "inline", paths)
     if not name:
         raise InvalidArgument(f"open.tree is empty: name a builtin tree {builtin_trees()} or send tree_paths")
@@ -67,10 +73,9 @@ def resolve_tree(name: str, paths: list[list[int]], max_nodes: int) -> TreeTempl
 
 class RemoteDraft:
     """One remote-drafting stream: applies each step's rows to the tenant, drafts the next tree
-    from the tenant's live matrix. Once `open` loaded the tenant, store calls here take only
-    in-memory locks (see matrix_store/store.py), so steps run on the event loop without a thread
-    hop. (A tenant in use stays most recently used, so LRU eviction, which would make the next
-    step reload it from Redis on the loop, only reaches it beyond max_tenants_in_memory busier ones.)"""
+    from the tenant's live matrix. The servicer runs a step on the event loop only while the
+    tenant is in memory (`only_loaded=True`: in-memory locks only); a tenant not (or no longer)
+    loaded raises NotLoaded and the step is retried in a thread, where loading may wait on Redis."""
 
     def __init__(self, store: MatrixStore, spec: ModelSpec, tenant: str, domain: str | None, plan: TreePlan) -> None:
         if plan.max_rank >= spec.k:
@@ -79,21 +84,26 @@ class RemoteDraft:
                 f"per token; use a tree with ranks < {spec.k}"
             )
         self.store, self.spec, self.tenant, self.domain, self.plan = store, spec, tenant, domain, plan
+        self.epoch: int | None = None  # set by open()
 
-    def open(self) -> int:
-        """Load (or create) the tenant; returns its version. May read Redis: call off the loop."""
-        version, _ = self.store.view(self.spec, self.tenant, self.domain)
-        return version
+    def open(self) -> tuple[int, int]:
+        """(version, epoch) of the tenant (not created by opening). May read Redis: call off the loop."""
+        out = self.store.checkout(self.spec, self.tenant, self.domain)
+        self.epoch = out.epoch
+        return out.version, out.epoch
 
-    def apply(self, tokens: np.ndarray, topk: np.ndarray) -> int | None:
-        """Apply a non-empty batch; returns the new version (None for an empty batch)."""
+    def apply(self, tokens: np.ndarray, topk: np.ndarray, only_loaded: bool = False) -> int | None:
+        """Apply a non-empty batch; returns the new version (None for an empty batch). A tenant
+        deleted after `open` is not resurrected (FailedPrecondition). `only_loaded`: raise
+        matrix_store.store.NotLoaded instead of loading (the caller then retries in a thread)."""
         if tokens.shape[0] == 0:
             return None
-        return self.store.apply(self.spec, self.tenant, tokens, topk, self.domain)
+        return self.store.apply(self.spec, self.tenant, tokens, topk, self.domain,
+                                since_epoch=self.epoch, only_loaded=only_loaded)
 
-    def step(self, tokens: np.ndarray, topk: np.ndarray, root: int) -> tuple[int, np.ndarray]:
+    def step(self, tokens: np.ndarray, topk: np.ndarray, root: int, only_loaded: bool = False) -> tuple[int, np.ndarray]:
         """tokens [m], topk [m, K], root -> (version drafted from, tree tokens [n])."""
         check_root(root, self.spec.vocab_size)
-        self.apply(tokens, topk)
-        version, rows = self.store.view(self.spec, self.tenant, self.domain)  # rows: [V, K], live
+        self.apply(tokens, topk, only_loaded)
+        version, rows = self.store.view(self.spec, self.tenant, self.domain, only_loaded=only_loaded)  # [V, K]
         return version, self.plan.draft(rows, root)

@@ -25,6 +25,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--matrix-secret-file", default=None,
                    help="file holding the matrix service's shared secret (when it requires one)")
     w.add_argument("--matrix-tls-ca", default=None, help="PEM CA file: reach the matrix service over TLS")
+    w.add_argument("--matrix-allow-plaintext-secret", action="store_true",
+                   help="send --matrix-secret-file without TLS to a non-loopback matrix service (refused otherwise)")
     _add_worker_flags(w)
     w.set_defaults(func=run_worker, redis_url=None)  # stateless: matrices live in the matrix service
 
@@ -87,7 +89,8 @@ def build_split_config(args: argparse.Namespace, max_batch: int):
     from services.worker.drafting.split import SplitConfig
 
     secret = SharedSecret.from_file(args.matrix_secret_file) if args.matrix_secret_file else None
-    client = DraftClientConfig(tls_ca_file=args.matrix_tls_ca, secret=secret)
+    client = DraftClientConfig(tls_ca_file=args.matrix_tls_ca, secret=secret,
+                               allow_plaintext_secret=args.matrix_allow_plaintext_secret)
     split = SplitConfig(matrix_addr=args.matrix_addr, draft_mode=args.draft_mode, client=client)
     if split.max_sources <= max_batch:  # see SplitConfig.max_sources
         raise ValueError(f"max_sources ({split.max_sources}) must exceed max_batch ({max_batch})")

@@ -17,10 +17,11 @@ from engine.engine import BatchEngine
 from engine.runtime import RuntimeInfo
 from matrix_store import MatrixStore, StoreConfig
 from services.common.security import TenantAuth
+from services.matrix.metrics import StoreCollector
 from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
 from services.worker.config import WorkerConfig
 from services.worker.drafting.embedded import DraftSourceFactory, embedded_factory
-from services.worker.drafting.split import MatrixServiceSources
+from services.worker.drafting.split import MatrixServiceSources, watch_matrix_auth
 from services.worker.metrics import WorkerMetrics
 from services.worker.servicer import GenerateServicer
 from trserve.v1 import generate_pb2, generate_pb2_grpc
@@ -91,6 +92,8 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
         draft_source_factory = embedded_factory(store, spec, decoder.device)
         tuner_states = StoreTunerStates(store, decoder.fingerprint)
     metrics = WorkerMetrics()
+    if store is not None:  # the embedded store's memory (tenants, bytes per tenant) on this worker's /metrics
+        metrics.registry.register(StoreCollector(store))
     runtime = RuntimeInfo.of(decoder)
     metrics.build.info({"model": decoder.config.model.source, **runtime.labels()})
     log.info("serving %s: %s, batches of up to %d", decoder.config.model.source, runtime, config.max_batch)
@@ -156,7 +159,13 @@ async def run(config: WorkerConfig, decoder_config: DecoderConfig, sources: Matr
     if worker.metrics_port is not None:
         print(f"trserve metrics on http://{config.host}:{worker.metrics_port}/metrics", flush=True)
 
+    # A split worker whose matrix service refuses its secret says NOT_SERVING (not a silent fallback).
+    watcher = asyncio.create_task(watch_matrix_auth(sources, lambda ok: set_status(worker.health, [SERVICE_NAME], ok))
+                                  ) if sources is not None else None
+
     async def stop() -> None:
+        if watcher is not None:
+            watcher.cancel()
         await worker.close()
         if sources is not None:
             await asyncio.to_thread(sources.close)

@@ -3,7 +3,7 @@ import pytest
 from core.errors import InvalidArgument
 from core.model_spec import ModelSpec
 from matrix_store import StoreConfig
-from matrix_store.config import validate_tenant_id
+from matrix_store.config import parse_model, validate_tenant_id
 
 
 @pytest.mark.parametrize(
@@ -42,6 +42,23 @@ def test_bad_tenant_ids_are_refused(tenant: object) -> None:
         validate_tenant_id(tenant)
 
 
-@pytest.mark.parametrize("tenant", ["a", "_global", "Acme.prod-1_x", "a" * 64])
+@pytest.mark.parametrize("tenant", ["a", "Acme.prod-1_x", "a" * 64])
 def test_good_tenant_ids_pass(tenant: str) -> None:
     assert validate_tenant_id(tenant) == tenant
+
+
+@pytest.mark.parametrize("tenant", ["_global", "_domain.legal", "_x"])
+def test_reserved_ids_are_refused_from_callers_and_allowed_for_administration(tenant: str) -> None:
+    with pytest.raises(InvalidArgument, match="reserved"):
+        validate_tenant_id(tenant)
+    assert validate_tenant_id(tenant, reserved_ok=True) == tenant
+
+
+def test_served_models_and_bounds_are_validated() -> None:
+    with pytest.raises(ValueError, match="max_matrix_bytes"):
+        StoreConfig(models=(ModelSpec("big", 100_000_000, 8),))
+    with pytest.raises(ValueError, match="twice"):
+        StoreConfig(models=(ModelSpec("a", 10, 2), ModelSpec("a", 20, 2)))
+    assert parse_model("smollm2:b:49152:8") == ModelSpec("smollm2:b", 49152, 8)
+    with pytest.raises(ValueError, match="FINGERPRINT:VOCAB_SIZE:K"):
+        parse_model("smollm2:8")

@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from core.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, NotFound, Unavailable
+from core.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from core.model_spec import ModelSpec
 from matrix_store import GLOBAL_TENANT, MatrixStore, StoreConfig
 
@@ -14,7 +14,7 @@ V, K = 1000, 8
 
 @pytest.fixture
 def store():
-    s = MatrixStore(StoreConfig(max_batch_rows=64, max_tenants_in_memory=2))
+    s = MatrixStore(StoreConfig(max_batch_rows=64, max_tenants_in_memory=8))
     yield s
     s.close()
 
@@ -61,28 +61,48 @@ def test_duplicate_tokens_last_occurrence_wins(store, spec) -> None:
 
 def test_inheritance_tenant_domain_global_zeros_with_copies(store, spec) -> None:
     assert store.checkout(spec, "fresh").source == "zeros"
-    store.apply(spec, "legal", *_batch([2], 22))  # before _global has rows: legal starts from zeros
-    store.apply(spec, GLOBAL_TENANT, *_batch([1], 11))
+    assert store.tenants() == []  # a read does not create the tenant
+    store.apply(spec, "curated-legal", *_batch([2], 22))  # before _global has rows: starts from zeros
+    store.fork(spec.fingerprint, "curated-legal", "_domain.legal")  # administration writes a domain
+    store.apply(spec, "curated", *_batch([1], 11))
+    store.fork(spec.fingerprint, "curated", GLOBAL_TENANT)  # ... and the global matrix
     from_global = store.checkout(spec, "a")
     assert from_global.source == "global" and from_global.rows[1, 0] == 11 and from_global.version == 0
     from_domain = store.checkout(spec, "b", domain="legal")
     assert from_domain.source == "domain" and from_domain.rows[2, 0] == 22 and from_domain.rows[1, 0] == 0
+    # a domain is its own namespace: naming tenant "curated" as a domain reads nothing of it
+    assert store.checkout(spec, "c", domain="curated").source == "global"
     # a tenant's writes stay its own: neither the domain nor the global matrix sees them
-    assert store.apply(spec, "b", *_batch([2, 3], 99)) == 1
-    assert store.checkout(spec, "legal").rows[2, 0] == 22 and not store.checkout(spec, "legal").rows[3].any()
-    assert not store.checkout(spec, GLOBAL_TENANT).rows[3].any()
+    assert store.apply(spec, "b", *_batch([2, 3], 99), domain="legal") == 1
+    legal = store.describe(spec.fingerprint, "_domain.legal")
+    assert legal["version"] == 1 and legal["nonzero_rows"] == 1
+    assert not store.checkout(spec, "zz").rows[3].any()
     # and later domain writes do not reach a tenant that already exists
-    store.apply(spec, "legal", *_batch([7], 77))
+    store.apply(spec, "curated-legal", *_batch([7], 77))
+    store.delete(spec.fingerprint, "_domain.legal")
+    store.fork(spec.fingerprint, "curated-legal", "_domain.legal")
     again = store.checkout(spec, "b", domain="legal")
     assert again.source == "tenant" and again.rows[7, 0] == 0 and again.rows[2, 0] == 99
 
 
+@pytest.mark.parametrize("tenant", ["_global", "_domain.legal", "_x"])
+def test_callers_cannot_read_or_write_reserved_tenants(store, spec, tenant) -> None:
+    with pytest.raises(InvalidArgument, match="reserved"):
+        store.apply(spec, tenant, *_batch([1], 1))
+    with pytest.raises(InvalidArgument, match="reserved"):
+        store.checkout(spec, tenant)
+    with pytest.raises(InvalidArgument, match="reserved"):
+        store.checkout(spec, "t", domain=tenant)  # a domain id is not a tenant id either
+    assert store.apply(spec, "t", *_batch([1], 1)) == 1  # and the store keeps serving
+
+
 def test_checkout_is_a_copy_and_view_is_live(store, spec) -> None:
+    store.apply(spec, "t", *_batch([1], 1))
     copy = store.checkout(spec, "t").rows
     version, live = store.view(spec, "t")
     copy[3] = 1
     store.apply(spec, "t", *_batch([4], 5))
-    assert version == 0 and live[4, 0] == 5 and not store.checkout(spec, "t").rows[3].any()
+    assert version == 1 and live[4, 0] == 5 and not store.checkout(spec, "t").rows[3].any()
 
 
 @pytest.mark.parametrize("tenants", [["solo"], ["a", "b", "c"]])
@@ -121,10 +141,11 @@ def test_describe_fork_delete_without_redis(store, spec) -> None:
         store.describe(spec.fingerprint, "t")
     store.apply(spec, "t", *_batch([1, 2], 3), domain="d")
     info = store.describe(spec.fingerprint, "t")
-    assert info == {
+    assert {k: v for k, v in info.items() if k not in ("epoch", "rows_sha256")} == {
         "tenant": "t", "domain": "d", "fingerprint": spec.fingerprint, "version": 1,
-        "nonzero_rows": 2, "last_snapshot_version": None, "in_memory": True,
+        "nonzero_rows": 2, "last_snapshot_version": None, "in_memory": True, "memory_bytes": V * K * 4,
     }
+    assert info["rows_sha256"] == __import__("hashlib").sha256(store.checkout(spec, "t").rows.tobytes()).hexdigest()
     assert store.fork(spec.fingerprint, "t", "t2") == 1
     with pytest.raises(FailedPrecondition):
         store.fork(spec.fingerprint, "t", "t2")
@@ -138,13 +159,71 @@ def test_describe_fork_delete_without_redis(store, spec) -> None:
 
 def test_without_redis_snapshots_are_unavailable_and_nothing_is_evicted(store, spec) -> None:
     for tenant in "abcde":
-        store.checkout(spec, tenant)
+        store.apply(spec, tenant, *_batch([1], 1))
     with pytest.raises(Unavailable, match="redis_url"):
         store.snapshot_now(spec.fingerprint, "a")
     with pytest.raises(Unavailable):
         store.rollback(spec.fingerprint, "a", 0)
     assert store.versions(spec.fingerprint, "a") == []
     assert store.health()["redis"] == "disabled" and store.health()["tenants_in_memory"] == 5
+
+
+def test_without_redis_new_tenants_beyond_the_bound_are_refused(spec) -> None:
+    store = MatrixStore(StoreConfig(max_tenants_in_memory=3))
+    for tenant in "abc":
+        store.apply(spec, tenant, *_batch([1], ord(tenant)))
+    for i in range(50):  # cycling tenant ids: reads create nothing, writes are refused
+        assert store.checkout(spec, f"cycle-{i}").version == 0
+        with pytest.raises(ResourceExhausted, match="max_tenants_in_memory = 3"):
+            store.apply(spec, f"cycle-{i}", *_batch([1], 1))
+    health = store.health()
+    assert health["tenants_in_memory"] == 3 and health["memory_bytes"] == 3 * V * K * 4
+    assert store.apply(spec, "a", *_batch([2], 5)) == 2  # existing tenants keep serving, intact
+    assert [store.checkout(spec, t).rows[1, 0] for t in "abc"] == [ord(t) for t in "abc"]
+    store.delete(spec.fingerprint, "c")
+    assert store.apply(spec, "d", *_batch([1], 1)) == 1  # room again
+
+
+def test_only_served_models_are_accepted(spec) -> None:
+    fixed = MatrixStore(StoreConfig(models=(spec,)))
+    with pytest.raises(FailedPrecondition, match="not served"):
+        fixed.apply(ModelSpec("other", V, K), "t", *_batch([1], 1))
+    with pytest.raises(FailedPrecondition, match="not served"):
+        fixed.checkout(ModelSpec("other", V, K), "t")
+    learned = MatrixStore(StoreConfig(max_models=2))
+    with pytest.raises(FailedPrecondition, match="max_matrix_bytes"):  # 3.2 GB: refused before allocating
+        learned.checkout(ModelSpec("huge", 100_000_000, 8), "t")
+    learned.apply(spec, "t", *_batch([1], 1))
+    learned.apply(ModelSpec("second", 10, 2), "t", np.array([1]), np.ones((1, 2), int))
+    for i in range(20):  # cycling fingerprints
+        with pytest.raises(FailedPrecondition, match="max_models = 2"):
+            learned.apply(ModelSpec(f"fp-{i}", 10, 2), "t", np.array([1]), np.ones((1, 2), int))
+    with pytest.raises(FailedPrecondition, match="V=1000, K=8"):
+        learned.apply(ModelSpec(spec.fingerprint, 10, 2), "t", np.array([1]), np.ones((1, 2), int))
+    assert learned.apply(spec, "t", *_batch([1], 2)) == 2 and len(learned.models()) == 2
+
+
+def test_side_state_is_bounded_in_memory(spec) -> None:
+    store = MatrixStore(StoreConfig(max_side_states=3, max_side_bytes=100))
+    for i in range(10):
+        store.save_side_state("tuner", spec.fingerprint, f"t{i}", b"x" * 10)
+    assert store.side_state_counts() == (3, 30)
+    assert store.side_state("tuner", spec.fingerprint, "t9") == b"x" * 10
+    assert store.side_state("tuner", spec.fingerprint, "t0") is None  # least recently used: dropped
+    store.save_side_state("tuner", spec.fingerprint, "big", b"y" * 95)
+    assert store.side_state_counts()[1] <= 100
+
+
+def test_delete_leaves_a_tombstone_for_sessions_opened_before_it(store, spec) -> None:
+    opened = store.checkout(spec, "t")  # a session opens before the tenant even exists
+    assert store.apply(spec, "t", *_batch([1], 1), since_epoch=opened.epoch) == 1
+    store.delete(spec.fingerprint, "t")
+    with pytest.raises(FailedPrecondition, match="deleted after this session opened"):
+        store.apply(spec, "t", *_batch([2], 2), since_epoch=opened.epoch)
+    assert store.tenants() == []  # not resurrected
+    fresh = store.checkout(spec, "t")  # a session opened after the delete may create it again
+    assert store.apply(spec, "t", *_batch([3], 3), since_epoch=fresh.epoch) == 1
+    assert store.checkout(spec, "t").epoch > opened.epoch
 
 
 def test_list_tenants_without_redis_reports_memory_figures(store, spec) -> None:

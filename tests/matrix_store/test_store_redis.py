@@ -31,12 +31,13 @@ def test_new_store_hot_starts_with_identical_rows_and_version(make_store, spec) 
     assert first.snapshot_now(spec.fingerprint, "a") == 5
     assert first.snapshot_now(spec.fingerprint, "b") == 3
     second = make_store()
-    assert second.describe(spec.fingerprint, "b")["version"] == 3  # lazy restore by describe
+    assert second.describe(spec.fingerprint, "b")["version"] == 3  # read from Redis, not loaded
+    assert second.health()["tenants_in_memory"] == 0
     for tenant in ("a", "b"):
         mine, theirs = first.checkout(spec, tenant), second.checkout(spec, tenant)
         assert theirs.version == mine.version and np.array_equal(theirs.rows, mine.rows)
     assert second.checkout(spec, "c").source == "zeros"
-    assert sorted(second.tenants(spec.fingerprint)) == ["a", "b", "c"]
+    assert sorted(second.tenants(spec.fingerprint)) == ["a", "b"]  # reading "c" did not create it
 
 
 def test_only_the_last_keep_snapshots_are_kept(make_store, spec, redis_client, prefix) -> None:
@@ -86,10 +87,11 @@ def test_delete_removes_memory_and_redis(make_store, spec, redis_client, prefix)
     _fill(store, spec, "t", 2)
     store.snapshot_now(spec.fingerprint, "t")
     store.delete(spec.fingerprint, "t")
-    assert list(redis_client.scan_iter(match=f"{prefix}:*")) == []
+    left = sorted(k.decode() for k in redis_client.scan_iter(match=f"{prefix}:*"))
+    assert left == [f"{prefix}:epoch:{spec.fingerprint}:t", f"{prefix}:tomb:{spec.fingerprint}:t"]  # the tombstone
     with pytest.raises(NotFound):
         make_store().describe(spec.fingerprint, "t")
-    assert store.checkout(spec, "t").version == 0 and store.tenants() == ["t"]
+    assert store.checkout(spec, "t").version == 0 and store.tenants() == []
 
 
 def test_corrupt_snapshot_is_refused_and_previous_good_one_served(make_store, spec, redis_client, prefix, caplog):
@@ -165,20 +167,24 @@ def test_eviction_bounds_memory_and_evicted_tenants_return_intact(make_store, sp
         store.snapshot_now(spec.fingerprint, f"t{i}")
         expected[f"t{i}"] = store.checkout(spec, f"t{i}").rows
         assert store.health()["tenants_in_memory"] <= 3
-    assert not store.describe(spec.fingerprint, "t0")["in_memory"]  # evicted; describe loads it back
+    assert not store.describe(spec.fingerprint, "t0")["in_memory"]  # evicted; describe does not load it
+    store.checkout(spec, "t0")
     assert store.describe(spec.fingerprint, "t0")["in_memory"]
     for tenant, rows in expected.items():
         out = store.checkout(spec, tenant)
         assert out.version == 2 and np.array_equal(out.rows, rows)
 
 
-def test_unsnapshotted_tenants_are_never_evicted(make_store, spec) -> None:
+def test_unsnapshotted_tenants_are_snapshotted_before_eviction(make_store, spec) -> None:
     store = make_store(max_tenants_in_memory=2)
+    expected = {}
     for i in range(5):
         _fill(store, spec, f"t{i}", 1, seed=i)
-    health = store.health()
-    assert health["tenants_in_memory"] == 5 and health["dirty_tenants"] == 5
-    assert all(store.checkout(spec, f"t{i}").version == 1 for i in range(5))
+        expected[f"t{i}"] = store.checkout(spec, f"t{i}").rows
+        assert store.health()["tenants_in_memory"] <= 2
+    for i in range(5):  # none lost: each went to Redis before it left memory
+        out = store.checkout(spec, f"t{i}")
+        assert out.version == 1 and np.array_equal(out.rows, expected[f"t{i}"])
 
 
 def test_concurrent_applies_with_background_snapshots_and_eviction(make_store, spec) -> None:
@@ -212,11 +218,12 @@ def test_key_layout_matches_the_documented_one(make_store, spec, redis_client, p
     fp = spec.fingerprint
     assert sorted(k.decode() for k in redis_client.scan_iter(match=f"{prefix}:*")) == sorted(
         [f"{prefix}:fingerprints", f"{prefix}:tenants:{fp}", f"{prefix}:meta:{fp}:t",
-         f"{prefix}:versions:{fp}:t", f"{prefix}:snap:{fp}:t:1"]
+         f"{prefix}:versions:{fp}:t", f"{prefix}:snap:{fp}:t:1", f"{prefix}:epoch:{fp}:t"]
     )
     meta = {k.decode(): v.decode() for k, v in redis_client.hgetall(f"{prefix}:meta:{fp}:t").items()}
-    assert {k: meta[k] for k in ("fingerprint", "vocab_size", "k", "domain", "latest")} == {
+    assert {k: meta[k] for k in ("fingerprint", "vocab_size", "k", "domain", "latest", "epoch")} == {
         "fingerprint": fp, "vocab_size": str(V), "k": str(K), "domain": "legal", "latest": "1",
+        "epoch": redis_client.get(f"{prefix}:epoch:{fp}:t").decode(),
     }
     # a meta hash missing its shape is ignored rather than trusted
     redis_client.hdel(f"{prefix}:meta:{fp}:t", "k")

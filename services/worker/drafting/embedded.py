@@ -40,12 +40,14 @@ class StoreDraftSource:
         try:
             checkout = self.store.checkout(self.spec, self.tenant, self.domain)
             rows, version, healthy = torch.from_numpy(checkout.rows), checkout.version, True  # [V, K] int32
+            epoch: int | None = checkout.epoch
         except InvalidArgument:
             raise
         except Exception:  # noqa: BLE001 - a failing store must not fail the request
             log.exception("matrix checkout failed for tenant %s; drafting from a cold matrix", self.tenant)
-            rows, version, healthy = None, 0, False
+            rows, version, healthy, epoch = None, 0, False, None
         session = StoreDraftSession(self, AdjacencyMatrix(spec, self.device, rows, version), tree)
+        session.epoch = epoch
         if not healthy:
             session.fall_back()
         return session
@@ -58,6 +60,7 @@ class StoreDraftSession(MatrixSession):
         super().__init__(matrix, tree)
         self.source = source
         self.store_version = matrix.version  # the checkout's, then each apply's
+        self.epoch: int | None = None  # the checkout's: a tenant deleted since is not resurrected
 
     @property
     def version(self) -> int:
@@ -74,7 +77,7 @@ class StoreDraftSession(MatrixSession):
         s = self.source
         try:
             self.store_version = s.store.apply(s.spec, s.tenant, recycled.tokens.cpu().numpy(), recycled.topk.cpu().numpy(),
-                                         s.domain)
+                                               s.domain, since_epoch=self.epoch)
         except Exception:  # noqa: BLE001
             log.exception("matrix store apply failed for tenant %s; continuing with the local copy", s.tenant)
             self.fall_back()

@@ -45,6 +45,7 @@ class DraftClientConfig:
     push_max_rows: int = 4096  # replica: rows per PushRows (the service's max_batch_rows)
     tls_ca_file: str | None = None  # PEM CA to trust: reach the service over TLS; None = plaintext
     secret: SharedSecret | None = None  # sent on every call when the service requires it
+    allow_plaintext_secret: bool = False  # send `secret` without TLS to a non-loopback address
 
     def __post_init__(self) -> None:
         if self.tls_ca_file is not None and not Path(self.tls_ca_file).is_file():
@@ -118,6 +119,7 @@ class Link:
     def __init__(self, addr: str, config: DraftClientConfig) -> None:
         self.addr, self.config = addr, config
         self.channel = client_channel(addr, config.tls_ca_file, config.secret,
+                                      allow_plaintext_secret=config.allow_plaintext_secret,
                                       options=[("grpc.max_receive_message_length", 8 << 20),
                                                ("grpc.max_send_message_length", 8 << 20)])
         self.stub = pb_grpc.MatrixServiceStub(self.channel)
@@ -135,6 +137,10 @@ class Link:
             log.debug("matrix service %s skipped for tenant %s (failed recently); drafting locally", self.addr, tenant)
             return
         self._down_until = time.monotonic() + self.config.retry_after_s
+        if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+            log.error("matrix service %s refuses this worker's secret (%s); drafting locally for tenant %s",
+                      self.addr, describe(exc), tenant)
+            return
         log.warning("matrix service %s: %s failed for tenant %s (%s); drafting locally", self.addr, what, tenant,
                     describe(exc))
 

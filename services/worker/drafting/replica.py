@@ -65,31 +65,31 @@ class ReplicaDraftSource:
 
     def open(self, tree: CompiledTree, spec: ModelSpec) -> ReplicaDraftSession:
         failure: BaseException | None = None
-        version, rows = 0, None
+        version, rows, epoch = 0, None, None
         if self._link.available():
             try:
-                version, rows = self._checkout(spec)
+                version, rows, epoch = self._checkout(spec)
             except grpc.RpcError as exc:
                 raise_caller_error(exc)
                 failure = exc
         matrix = AdjacencyMatrix(spec, tree.parent.device, None if rows is None else torch.from_numpy(rows), version)
-        session = ReplicaDraftSession(self._link, self._pusher, self.tenant, self.domain, spec, tree, matrix)
+        session = ReplicaDraftSession(self._link, self._pusher, self.tenant, self.domain, spec, tree, matrix, epoch)
         if rows is None:
             session.fail("checkout", failure)
         else:
             self._pusher.add(session)
         return session
 
-    def _checkout(self, spec: ModelSpec) -> tuple[int, np.ndarray]:
-        """(version, rows [V, K] int32) of the tenant, assembled from the nonzero-row chunks."""
+    def _checkout(self, spec: ModelSpec) -> tuple[int, np.ndarray, int | None]:
+        """(version, rows [V, K] int32, epoch) of the tenant, assembled from the nonzero-row chunks."""
         rows = np.zeros(spec.shape, np.int32)  # [V, K]
-        version = 0
+        version, epoch = 0, None
         request = pb.CheckoutRequest(tenant=self.tenant, domain=self.domain or "", model=spec_to_pb(spec))
         for chunk in self._link.stub.Checkout(request, timeout=self._link.config.open_timeout_s):
             tokens, topk = rows_from_pb(chunk.rows, spec.k)  # [m], [m, K]
             rows[tokens] = topk
-            version = chunk.version
-        return version, rows
+            version, epoch = chunk.version, chunk.epoch
+        return version, rows, epoch
 
     def close(self) -> None:
         self._pusher.close()
@@ -100,8 +100,9 @@ class ReplicaDraftSession(ServiceSession):
     mode = "replica"
 
     def __init__(self, link: Link, pusher: _Pusher, tenant: str, domain: str | None, spec: ModelSpec,
-                 tree: CompiledTree, matrix: AdjacencyMatrix) -> None:
+                 tree: CompiledTree, matrix: AdjacencyMatrix, epoch: int | None = None) -> None:
         super().__init__(link, tenant, matrix, tree, version=matrix.version)  # checkout, then each push's ack
+        self._epoch = epoch  # of the checkout: a tenant deleted since is not resurrected by our pushes
         self._pusher, self._domain, self._spec = pusher, domain, spec
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []  # (tokens [m], topk [m, K]), oldest first
         self._lock = threading.Lock()  # guards _pending
@@ -136,7 +137,8 @@ class ReplicaDraftSession(ServiceSession):
                 if batch is None:
                     return
                 request = pb.PushRowsRequest(tenant=self.tenant, domain=self._domain or "",
-                                             model=spec_to_pb(self._spec), rows=rows_to_pb(*batch))
+                                             model=spec_to_pb(self._spec), rows=rows_to_pb(*batch),
+                                             since_epoch=self._epoch)
                 try:
                     self.service_version = self.link.stub.PushRows(request, timeout=self.link.config.push_timeout_s).version
                 except grpc.RpcError as exc:

@@ -7,12 +7,19 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import asyncio
+import logging
+
+import grpc
+
 from engine.tr.source import DraftSource
+from services.common.security import check_plaintext_secret, client_channel
 from services.worker.drafting.link import DraftClientConfig
 from services.worker.drafting.remote import RemoteDraftSource
 from services.worker.drafting.replica import ReplicaDraftSource
 
 DRAFT_MODES = ("remote", "replica")
+log = logging.getLogger("trserve.matrix.client")
 
 
 @dataclass(frozen=True)
@@ -36,6 +43,8 @@ class SplitConfig:
             raise ValueError(f"draft mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
         if self.max_sources < 2:
             raise ValueError(f"max_sources must be >= 2, got {self.max_sources}")
+        check_plaintext_secret(self.matrix_addr, self.client.tls_ca_file, self.client.secret,
+                               self.client.allow_plaintext_secret)
 
 
 class MatrixServiceSources:
@@ -69,3 +78,42 @@ class MatrixServiceSources:
             sources, self._sources = list(self._sources.values()), OrderedDict()
         for source in sources:
             source.close()
+
+    def probe(self, timeout_s: float = 2.0) -> str:
+        """"ok", "unauthenticated" (the service refuses our secret) or "unreachable". One PushRows
+        the service refuses after authentication (an empty model: INVALID_ARGUMENT, nothing written)."""
+        c = self.config.client
+        with client_channel(self.config.matrix_addr, c.tls_ca_file, c.secret,
+                            allow_plaintext_secret=c.allow_plaintext_secret) as channel:
+            from trserve.v1 import matrix_pb2 as pb
+            from trserve.v1 import matrix_pb2_grpc as pb_grpc
+
+            try:
+                pb_grpc.MatrixServiceStub(channel).PushRows(pb.PushRowsRequest(tenant="probe"), timeout=timeout_s)
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    return "unauthenticated"
+                if exc.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION):
+                    return "ok"
+                return "unreachable"
+        return "ok"
+
+
+async def watch_matrix_auth(sources: MatrixServiceSources, set_serving, every_s: float = 5.0) -> None:
+    """Keep a split worker's health honest: NOT_SERVING (and an ERROR log line) while the matrix
+    service answers UNAUTHENTICATED (a wrong secret would otherwise leave it drafting locally
+    forever while saying SERVING); SERVING again once it authenticates. An unreachable service
+    changes nothing (local drafting is the designed fallback). `set_serving(bool)` is awaited."""
+    failing = False
+    while True:
+        state = await asyncio.to_thread(sources.probe)
+        if state == "unauthenticated" and not failing:
+            log.error("matrix service %s refuses this worker's secret (UNAUTHENTICATED): health is NOT_SERVING "
+                      "until it accepts it; check --matrix-secret-file", sources.config.matrix_addr)
+            failing = True
+            await set_serving(False)
+        elif state == "ok" and failing:
+            log.info("matrix service %s accepts this worker's secret again", sources.config.matrix_addr)
+            failing = False
+            await set_serving(True)
+        await asyncio.sleep(every_s)

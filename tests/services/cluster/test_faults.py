@@ -92,13 +92,27 @@ def test_redis_restart_keeps_snapshots_and_they_resume(cluster, admin) -> None:
     generate(cluster, tenant, prompt=1)
     resumed = admin.snapshot(tenant)  # retried while the store's Redis breaker is still open
     assert resumed > before and admin.describe(tenant).last_snapshot_error == ""
+    # rows, not only versions: the digest of what was snapshotted must come back after a restart
+    expected = {}
+    for t in [tenant] + sorted({r.tenant for r in during.records}):
+        if t != tenant:  # first used while Redis was down: reconciled, then snapshotted in the background
+            wait_for(lambda t=t: (i := admin.describe(t)) is not None and i.version > 0
+                     and i.last_snapshot_version == i.version and i.last_snapshot_error == "", timeout=20)
+        info = admin.describe(t)
+        assert info.nonzero_rows > 0 and info.last_snapshot_version == info.version
+        expected[t] = (info.version, info.rows_sha256)
+    time.sleep(1.2)  # AOF fsync of the last snapshots
 
     cluster.kill_matrix()
     cluster.start_matrix()
     restored = admin.describe(tenant)  # restored from Redis, checksum verified
     assert restored.version == restored.last_snapshot_version == resumed == max(admin.versions(tenant))
+    for t, (version, digest) in expected.items():
+        back = admin.describe(t)
+        assert (back.version, back.rows_sha256) == (version, digest), t  # an all-zero matrix would not pass
     print(f"\nredis drill: snapshot v{before} kept over kill -9 + restart; snapshots resumed at v{resumed}; "
-          f"matrix restart restored v{restored.version}; {len(during.records)} requests during the outage, 0 failed")
+          f"matrix restart restored v{restored.version} (rows digest equal); {len(during.records)} requests during "
+          f"the outage, 0 failed; {len(expected) - 1} tenants first used during the outage restored with equal rows")
 
 
 def test_matrix_service_killed_mid_load(cluster, admin) -> None:
@@ -129,6 +143,8 @@ def test_matrix_service_killed_mid_load(cluster, admin) -> None:
         info = admin.describe(t)
         restored[t] = info.version
         version, last_snapshot = at_kill[t]
+        assert last_snapshot >= 1, f"{t} was never snapshotted before the kill: the drill measures nothing"
+        assert info.nonzero_rows > 0  # restored rows, not a cold matrix at the right version
         assert last_snapshot <= info.version == info.last_snapshot_version == max(admin.versions(t))
         lines.append(f"{t}: v{version} at kill, last snapshot v{last_snapshot}, restored v{info.version} "
                      f"(lost {max(0, version - info.version)} versions)")

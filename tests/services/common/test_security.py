@@ -32,7 +32,8 @@ from trserve.v1 import generate_pb2_grpc, matrix_pb2_grpc
 from trserve.v1 import matrix_pb2 as mpb
 
 HI = [{"role": "user", "content": "Say hello."}]
-TOKENS = {"acme": secrets.token_urlsafe(24), "globex": [secrets.token_urlsafe(24), secrets.token_urlsafe(24)]}
+TOKENS = {"acme": secrets.token_urlsafe(24), "globex": [secrets.token_urlsafe(24), secrets.token_urlsafe(24)],
+          "initech": {"tokens": [secrets.token_urlsafe(24)], "domains": ["legal"]}}
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +78,24 @@ def test_worker_refuses_missing_wrong_and_foreign_tokens(worker, tls) -> None:
         assert call_code(stub.ModelInfo, info, timeout=30, metadata=bearer(TOKENS["globex"][0])) == grpc.StatusCode.OK
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
         assert health.status == health_pb2.HealthCheckResponse.SERVING  # probes need no token
+
+
+def test_a_domain_must_be_granted_to_the_tokens_tenant(worker, tls) -> None:
+    bearer = lambda token: (("authorization", f"Bearer {token}"),)  # noqa: E731
+    with client_channel(worker.addr, tls.cert_file) as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        initech = bearer(TOKENS["initech"]["tokens"][0])
+        for rpc in (stub.Generate, stub.GenerateStream):
+            foreign = gpb.GenerateRequest(tenant="initech", domain="acme", text="Hi", max_new_tokens=2)
+            assert call_code(rpc, foreign, timeout=30, metadata=initech) == grpc.StatusCode.PERMISSION_DENIED
+            ungranted = gpb.GenerateRequest(tenant="acme", domain="legal", text="Hi", max_new_tokens=2)
+            assert call_code(rpc, ungranted, timeout=30, metadata=bearer(TOKENS["acme"])) == \
+                grpc.StatusCode.PERMISSION_DENIED
+            reserved = gpb.GenerateRequest(tenant="initech", domain="_global", text="Hi", max_new_tokens=2)
+            assert call_code(rpc, reserved, timeout=30, metadata=initech) in (grpc.StatusCode.PERMISSION_DENIED,
+                                                                             grpc.StatusCode.INVALID_ARGUMENT)
+            granted = gpb.GenerateRequest(tenant="initech", domain="legal", text="Hi", max_new_tokens=2)
+            assert call_code(rpc, granted, timeout=30, metadata=initech) == grpc.StatusCode.OK
 
 
 def test_balanced_client_sends_each_tenants_token_over_tls(worker, tls) -> None:
@@ -149,6 +168,34 @@ def test_matrix_service_requires_the_shared_secret(matrix, tls, secret) -> None:
             assert health.status == health_pb2.HealthCheckResponse.SERVING
     with client_channel(matrix.addr, tls.cert_file, secret) as channel:
         assert matrix_pb2_grpc.MatrixServiceStub(channel).PushRows(push, timeout=10).version == 1
+
+
+def test_a_worker_refused_by_the_matrix_service_reports_not_serving(matrix, tls, secret, caplog) -> None:
+    import asyncio
+
+    from services.worker.drafting.split import MatrixServiceSources, SplitConfig, watch_matrix_auth
+
+    def watch(given: SharedSecret) -> list[bool]:
+        sources = MatrixServiceSources(SplitConfig(matrix.addr, client=DraftClientConfig(tls_ca_file=tls.cert_file,
+                                                                                          secret=given)))
+        states: list[bool] = []
+
+        async def record(ok: bool) -> None:
+            states.append(ok)
+
+        async def run() -> None:
+            task = asyncio.create_task(watch_matrix_auth(sources, record, every_s=0.05))
+            await asyncio.sleep(0.5)
+            task.cancel()
+
+        asyncio.run(run())
+        sources.close()
+        return states
+
+    with caplog.at_level("ERROR", logger="trserve.matrix.client"):
+        assert watch(SharedSecret("w" * 20)) == [False]  # wrong secret: NOT_SERVING, once
+    assert "refuses this worker's secret" in caplog.text
+    assert watch(secret) == []  # the right one: health untouched (SERVING)
 
 
 def test_worker_drafts_through_a_secured_matrix_service(decoder, matrix, tls, secret) -> None:

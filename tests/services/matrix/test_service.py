@@ -222,7 +222,7 @@ def test_fingerprint_or_shape_mismatch_is_failed_precondition(start_server, chan
     push(stub, "t", random_rows(np.random.default_rng(4)))
     wrong = model(vocab_size=V + 1)
     code, details = _code(lambda: push(stub, "t", random_rows(np.random.default_rng(5)), spec=wrong))
-    assert code == grpc.StatusCode.FAILED_PRECONDITION and "request is for" in details
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "served here as [V=1000, K=8]" in details
     opened = pb.DraftRequest(open=pb.DraftOpen(tenant="t", model=model(k=4), tree="x",
                                                tree_paths=[pb.TreePath(ranks=[0])]))
     code, _ = _code(lambda: list(stub.DraftSession(iter([opened]), timeout=10)))
@@ -264,6 +264,10 @@ BAD_INPUTS = {
     "oversized tree": (lambda s: _draft(s, pb.DraftOpen(tenant="t", model=model(k=64), tree="x", tree_paths=[
         pb.TreePath(ranks=p) for p in [[i] for i in range(40)] + [[i, j] for i in range(40) for j in range(40)]
     ])), "at most 1024"),
+    "reserved tenant": (lambda s: push(s, "_global", random_rows(np.random.default_rng(0))), "reserved"),
+    "reserved domain": (lambda s: push(s, "t", random_rows(np.random.default_rng(0)), domain="_global"), "reserved"),
+    "deep tree": (lambda s: _draft(s, pb.DraftOpen(tenant="t", model=model(), tree="x", tree_paths=[
+        pb.TreePath(ranks=[0] * d) for d in range(1, 1001)])), "max_tree_depth"),
     "root >= vocab": (lambda s: _draft(s, OK_OPEN, pb.DraftStep(root=V)), "outside the vocabulary"),
     "step before open": (lambda s: list(s.DraftSession(iter([pb.DraftRequest(step=pb.DraftStep())]), timeout=10)),
                          "first DraftRequest"),
