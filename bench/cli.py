@@ -43,7 +43,8 @@ def _run(args) -> int:
     if args.profile:
         from bench.profile import ProfileConfig, run_profile
 
-        run_profile(ProfileConfig(prompts=args.prompts, max_new_tokens=min(args.max_new_tokens, 64), kernels=args.kernels,
+        run_profile(ProfileConfig(prompts=args.prompts, max_new_tokens=min(args.max_new_tokens, 64),
+                                  kernels=args.kernels,
                                   threads=args.threads, json_path=args.json or "bench-results/profile.json"))
         return 0
     if args.concurrency:

@@ -205,7 +205,8 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
             runners["tr-adaptive"] = _TR(adaptive, "tr", None, t)
         meta.update(fingerprint=decoder.fingerprint, kernels=decoder.loaded.kernels, isa=decoder.loaded.isa,
                     forward=decoder.loaded.forward, device=str(decoder.device),
-                    trees={"tr": tr_tree, "tr-serial": tr_tree, "tr-paper": "paper", "tr-matrix": "cpu-8", "tr-adaptive": "adaptive"})
+                    trees={"tr": tr_tree, "tr-serial": tr_tree, "tr-paper": "paper", "tr-matrix": "cpu-8",
+                           "tr-adaptive": "adaptive"})
     if "llamacpp" in config.decoders:
         from transformers import AutoTokenizer
 

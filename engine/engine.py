@@ -350,7 +350,10 @@ class BatchEngine:
             self._explored += 1
             return None
         extra = live.tree.n - 1
-        wider = self._last_width + extra if self.runner.native is not None else b * max(self._last_width // b, live.tree.n)
+        if self.runner.native is not None:  # packed: only the explorer's own extra nodes
+            wider = self._last_width + extra
+        else:  # padded: every row to the explorer's width
+            wider = b * max(self._last_width // b, live.tree.n)
         price = max(self.cost(wider, kv) - last, 0.0)
         if price > self._explore_credit:
             return None

@@ -47,10 +47,10 @@ import numpy as np
 
 from core.errors import (
     FailedPrecondition,
-    ResourceExhausted,
     FingerprintMismatch,
     InvalidArgument,
     NotFound,
+    ResourceExhausted,
     Unavailable,
 )
 from core.model_spec import ModelSpec

@@ -163,6 +163,6 @@ def load_or_measure(loaded, cache_dir: Path, force: bool = False, reps: int = 2)
     if cached is not None:
         return cached
     log.info("calibrating the forward cost per tree width (once per model, device, threads; ~1 min)")
-    model = measure(loaded.model, reps=reps, key=path.stem, native=loaded.native)
+    model = measure(loaded.model, reps=reps, key=path.stem, native=getattr(loaded, "native", None))
     save_cost_model(model, path)
     return model

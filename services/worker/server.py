@@ -17,8 +17,8 @@ from engine.engine import BatchEngine
 from engine.runtime import RuntimeInfo
 from matrix_store import MatrixStore, StoreConfig
 from services.common.security import TenantAuth
-from services.matrix.metrics import StoreCollector
 from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
+from services.matrix.metrics import StoreCollector
 from services.worker.config import WorkerConfig
 from services.worker.drafting.embedded import DraftSourceFactory, embedded_factory
 from services.worker.drafting.split import MatrixServiceSources, watch_matrix_auth

@@ -5,7 +5,14 @@ import threading
 import numpy as np
 import pytest
 
-from core.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from core.errors import (
+    FailedPrecondition,
+    FingerprintMismatch,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    Unavailable,
+)
 from core.model_spec import ModelSpec
 from matrix_store import GLOBAL_TENANT, MatrixStore, StoreConfig
 

@@ -3,12 +3,11 @@ the matrix service, which fall back to local drafting when the service is down."
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-
-import asyncio
-import logging
 
 import grpc
 

@@ -19,8 +19,8 @@ from services.matrix.server import MatrixServiceConfig
 from tests.services.matrix_helpers import (  # noqa: F401 - fixtures
     FP,
     K,
-    V,
     ServerThread,
+    V,
     channel_to,
     checkout,
     model,
