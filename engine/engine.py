@@ -86,6 +86,7 @@ class _Live:
     row: int = -1
     session: DraftSession | None = None  # None for plain decoding
     recycled: RecycledRows | None = None
+    plain: list = field(default_factory=list)  # (root, its top-k [K]) of plain steps since the last draft
     root: int = 0
     text: TextStream | None = None
     seed: list = field(default_factory=list)  # (tokens [c], topk [c, K]) of prompt seeding, per chunk
@@ -273,8 +274,7 @@ class BatchEngine:
             if draft is None:  # plain decoding this step
                 new, path = [int(choose(lg, seq.sampler, len(seq.generated))[0])], [0]
                 if live.session is not None:  # the root's top-k is recycled like any verified node's
-                    live.recycled = _merge_rows(live.recycled, RecycledRows(
-                        torch.tensor([live.root], device=lg.device), torch.topk(lg[0], k).indices.to(torch.int32)[None]))
+                    live.plain.append((live.root, torch.topk(lg[0], k).indices.to(torch.int32)))
             else:
                 acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row))
                 new, path = acc.tokens, acc.path
@@ -313,7 +313,7 @@ class BatchEngine:
             plan, proposal = stage
             # Only a sequence that verifies a tree drafts (and hands over its pending rows) this step: a
             # plain step costs a TR request no more than an AR one.
-            drafted = live.session.step(live.recycled, live.root)  # [n_draft]
+            drafted = live.session.step(_pending(live), live.root)  # [n_draft]
             live.recycled = None
             if size is not None and size < plan.tree.n:
                 sub = self._subtree(plan.tree, size)
@@ -423,7 +423,7 @@ class BatchEngine:
         info = None
         if live.session is not None:
             try:
-                live.session.close(live.recycled)
+                live.session.close(_pending(live))
             finally:
                 info = live.session.info()
         decode_s = time.perf_counter() - live.t0 - live.prefill_s
@@ -434,10 +434,15 @@ class BatchEngine:
                                    stats=stats))
 
 
-def _merge_rows(old: RecycledRows | None, new: RecycledRows) -> RecycledRows:
-    """Pending rows plus a later step's rows; for a token in both, the later row wins."""
-    if old is None:
-        return new
-    tokens = torch.cat([old.tokens, new.tokens])
+def _pending(live: _Live) -> RecycledRows | None:
+    """The rows `live` has not handed to its session yet: its last tree step's, then its plain steps'
+    (for a token in both, the later row wins)."""
+    if not live.plain:
+        return live.recycled
+    topk = torch.stack([r for _, r in live.plain])  # [m, K]
+    tokens = torch.tensor([t for t, _ in live.plain], dtype=torch.long, device=topk.device)  # [m]
+    live.plain = []
+    if live.recycled is not None:
+        tokens, topk = torch.cat([live.recycled.tokens, tokens]), torch.cat([live.recycled.topk, topk])
     winners = select_rows(tokens, list(range(tokens.shape[0])))  # a repeated token: its last position
-    return RecycledRows(tokens[winners], torch.cat([old.topk, new.topk])[winners])
+    return RecycledRows(tokens[winners], topk[winners])

@@ -169,8 +169,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
 def _forward_kind(model, config: ModelConfig) -> str:
     from engine.model.native import native_unsupported
 
-    if config.forward == "transformers":
-        return "transformers"
+    if config.forward == "transformers" or (config.kernels == "stock" and config.forward == "auto"):
+        return "transformers"  # stock: the model exactly as transformers runs it
     why = native_unsupported(model)
     if why is None:
         return "native"

@@ -114,6 +114,7 @@ class NativeForward:
                                                     m.down_proj)))
         self._layers = layers
         self._rotary = body.rotary_emb
+        self._ptrs = None  # (buffers' identity, layer key pointers, layer value pointers)
         self._cos = self._sin = torch.zeros(0)
         eps = body.norm.variance_epsilon if hasattr(body.norm, "variance_epsilon") else cfg.rms_norm_eps
         self.m = _Model(len(body.layers), cfg.hidden_size, self.heads, self.kv_heads, self.head_dim,
@@ -156,8 +157,11 @@ class NativeForward:
         keep = keep.to(torch.int64).contiguous() if keep is not None else torch.arange(n, dtype=torch.int64)
         m = int(keep.shape[0])
         out = torch.empty(m, self.vocab, dtype=torch.float32)
-        kp = (_P * len(kv_k))(*(t.data_ptr() for t in kv_k))
-        vp = (_P * len(kv_v))(*(t.data_ptr() for t in kv_v))
+        key = (kv_k[0].data_ptr(), kv_v[0].data_ptr(), len(kv_k))  # the buffers change only when they grow
+        if self._ptrs is None or self._ptrs[0] != key:
+            self._ptrs = (key, (_P * len(kv_k))(*(t.data_ptr() for t in kv_k)),
+                          (_P * len(kv_v))(*(t.data_ptr() for t in kv_v)))
+        _, kp, vp = self._ptrs
         ids, pos, vis = ids.contiguous(), pos.to(torch.int64).contiguous(), vis.to(torch.uint8).contiguous()
         cap = kv_k[0].shape[2]
         rc = self._fn(ctypes.byref(self.m), b, tok0.data_ptr(), ids.data_ptr(), pos.data_ptr(), meta[0].data_ptr(),

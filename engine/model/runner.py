@@ -100,6 +100,9 @@ class ModelRunner:
                 vis = mask == 0
             r = self.kv.rows
             return self.native(r.k, r.v, [c], tokens, depth + start, [row], [start], [start], vis, need)
+        if c == 1:  # one token sees its whole row: transformers' own single-token path, no mask
+            first = torch.zeros(1, dtype=torch.long, device=self.device)
+            return self._logits(cache, tokens[None], None, (depth + start)[None], first)
         if mask is None:
             mask = torch.full((c, c), self.hidden, dtype=self.dtype, device=self.device).triu(1)  # [c, c]
         full = torch.cat([torch.zeros(c, start, dtype=self.dtype, device=self.device), mask], 1)[None, None]
@@ -136,6 +139,8 @@ class ModelRunner:
             mask[i, 0, :n, past : past + n] = r.mask
             mask[i, 0, n:, past + n :] = 0.0  # pads see only pads: no row is fully hidden
         positions = lens[:, None] + depth  # [B, W]
+        if b == 1 and w == 1:  # one row, one token, no holes: transformers' own single-token path
+            mask = None
         keep = torch.cat([torch.arange(n, device=self.device) + i * w for i, n in enumerate(widths)])
         logits = self._logits(cache, ids, mask, positions, keep)  # [sum w_b, V]
         return list(torch.split(logits, widths))
