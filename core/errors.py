@@ -46,3 +46,9 @@ class Unavailable(TRServeError):
     """A dependency (matrix service, Redis) cannot be reached right now."""
 
     status = "UNAVAILABLE"
+
+
+class PermissionDenied(TRServeError):
+    """The caller is known but may not touch this (e.g. another tenant's matrix)."""
+
+    status = "PERMISSION_DENIED"
