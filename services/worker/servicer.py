@@ -7,7 +7,7 @@ characters and stop lists before anything is tokenized.
 
 Deadlines: a call's gRPC deadline becomes the engine's `deadline`, early by a margin covering the
 longest step the engine may be in when it passes: `deadline_margin_s`, two recent decoding steps,
-or a recent step with a prefill chunk in it plus a decoding step (whichever is longest). So
+or 1.5 recent steps with a prefill chunk in them plus a decoding step (whichever is longest). So
 decoding (or a long prompt's prefill) stops in time to return the partial result with
 finish_reason TIME_LIMIT (status OK). Only a call whose deadline is already (nearly) over when it
 reaches the decoder is refused with DEADLINE_EXCEEDED; one that expires while queued is cancelled
@@ -263,9 +263,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                     if isinstance(item, StepChunk) and last is not None:  # the first chunk comes from the prefill
                         self.metrics.step_seconds.observe(now - last)
                         self._step_s = 0.9 * self._step_s + 0.1 * (now - last)
-                    elif isinstance(item, StepChunk) and clear:  # the prefill's steps, each with one chunk
-                        chunks = -(-len(prepared.ids) // self.config.prefill_chunk)
-                        self._chunk_s = 0.8 * self._chunk_s + 0.2 * (now - submitted) / chunks
+                    elif isinstance(item, StepChunk) and clear and 2 * len(prepared.ids) >= self.config.prefill_chunk:
+                        # the prefill's steps, each with one chunk: the cost of a full one (short prompts say little)
+                        full_chunks = len(prepared.ids) / self.config.prefill_chunk
+                        self._chunk_s = 0.8 * self._chunk_s + 0.2 * (now - submitted) / full_chunks
                     last = now
                     yield item
             finally:  # also when the caller went away: the engine frees the request's place first
@@ -301,8 +302,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         return ids
 
     def _margin_s(self) -> float:
-        """How long the engine's longest step may take now: a decoding step, or one with a prefill chunk."""
-        return max(self.config.deadline_margin_s, 2 * self._step_s, self._chunk_s + self._step_s)
+        """How long the engine's longest step may take now: a decoding step, or one with a prefill chunk
+        (x1.5: a chunk deep in a long prompt attends to more context than the average one)."""
+        return max(self.config.deadline_margin_s, 2 * self._step_s, 1.5 * self._chunk_s + self._step_s)
 
     def _engine_deadline(self, context: grpc.aio.ServicerContext) -> float | None:
         """The engine's stop time: the call's deadline less the margin (a step the engine may be in)."""
