@@ -7,7 +7,8 @@ characters and stop lists before anything is tokenized.
 
 Deadlines: a call's gRPC deadline becomes the engine's `deadline`, early by a margin covering the
 longest step the engine may be in when it passes: `deadline_margin_s`, two recent decoding steps,
-or 1.5 recent steps with a prefill chunk in them plus a decoding step (whichever is longest). So
+or 1.5 recent steps with a prefill chunk in them plus a decoding step (whichever is longest; the
+chunk counted for the part this prompt fills when no other prompt is being prefilled). So
 decoding (or a long prompt's prefill) stops in time to return the partial result with
 finish_reason TIME_LIMIT (status OK). Only a call whose deadline is already (nearly) over when it
 reaches the decoder is refused with DEADLINE_EXCEEDED; one that expires while queued is cancelled
@@ -248,7 +249,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 raise Unavailable("the worker is shutting down; retry on another worker")
             call.queue_s = queue_s
             self.metrics.queue_seconds.observe(queue_s)
-            deadline = self._engine_deadline(context)
+            deadline = self._engine_deadline(context, len(prepared.ids))
             stream = EngineStream(asyncio.get_running_loop(), call.cancelled, self.config.stream_buffer)
             c = call.call
             source = self.draft_sources(c.tenant, c.domain) if prepared.request.mode == "tr" else None
@@ -301,17 +302,21 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         convert.check_prompt_length(len(ids), self.limits)
         return ids
 
-    def _margin_s(self) -> float:
+    def _margin_s(self, prompt_tokens: int | None = None) -> float:
         """How long the engine's longest step may take now: a decoding step, or one with a prefill chunk
-        (x1.5: a chunk deep in a long prompt attends to more context than the average one)."""
-        return max(self.config.deadline_margin_s, 2 * self._step_s, 1.5 * self._chunk_s + self._step_s)
+        (x1.5: a chunk deep in a long prompt attends to more context than the average one). With
+        `prompt_tokens` and no other prompt being prefilled: the part of a chunk this prompt fills."""
+        fill = 1.0
+        if prompt_tokens is not None and self.engine.prefilling is None and not self.engine.waiting:
+            fill = min(1.0, prompt_tokens / self.config.prefill_chunk)
+        return max(self.config.deadline_margin_s, 2 * self._step_s, 1.5 * self._chunk_s * fill + self._step_s)
 
-    def _engine_deadline(self, context: grpc.aio.ServicerContext) -> float | None:
+    def _engine_deadline(self, context: grpc.aio.ServicerContext, prompt_tokens: int) -> float | None:
         """The engine's stop time: the call's deadline less the margin (a step the engine may be in)."""
         remaining = context.time_remaining()
         if remaining is None:
             return None
-        margin = self._margin_s()
+        margin = self._margin_s(prompt_tokens)
         if remaining <= margin:
             raise DeadlineTooShort(
                 f"only {remaining * 1000:.0f} ms of the call's deadline were left when decoding could start "
