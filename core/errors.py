@@ -52,3 +52,5 @@ class Unavailable(TRServeError):
     """A dependency (matrix service, Redis) cannot be reached right now."""
 
     status = "UNAVAILABLE"
+
+

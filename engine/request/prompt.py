@@ -52,6 +52,11 @@ class PromptBuilder:
             raise InvalidArgument("all messages are empty; send some text")
         if self.tokenizer.chat_template is None:
             raise InvalidArgument("this model has no chat template; send a raw prompt or token ids instead")
-        out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                 return_dict=False)
+        from jinja2 import TemplateError
+
+        try:
+            out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                                     return_dict=False)
+        except TemplateError as exc:  # the template's own checks (e.g. roles must alternate): the caller's to fix
+            raise InvalidArgument(f"the model's chat template refused these messages: {exc}") from None
         return list(out)

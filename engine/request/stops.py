@@ -41,7 +41,9 @@ class StopChecker:
 
     def _completes_stop(self, generated: list[int], new: list[int]) -> bool:
         before = generated[-self._window :]
-        old = self.tokenizer.decode(before, skip_special_tokens=True)
+        # Characters the earlier tokens did not complete yet (bytes of a multi-byte character decode
+        # to U+FFFD) may be completed by `new`: a stop string may start there.
+        old = self.tokenizer.decode(before, skip_special_tokens=True).rstrip("\ufffd")
         text = self.tokenizer.decode(before + new, skip_special_tokens=True)
         for s in self.stop_strings:
             pos = text.find(s, max(0, len(old) - len(s) + 1))

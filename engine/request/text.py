@@ -1,6 +1,43 @@
-"""Incremental detokenization of committed tokens into text deltas."""
+"""Incremental detokenization of committed tokens into text deltas, and the hold-back that keeps a
+stream from sending any part of a stop string before it is known whether the stop completes."""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+def stop_prefix_start(text: str, stop_strings: Sequence[str]) -> int:
+    """Where the longest suffix of `text` that is a proper prefix of a stop string starts
+    (len(text) when there is none). Example: "Say ex", stops ("example",) -> 4."""
+    start = len(text)
+    for s in stop_strings:
+        for n in range(min(len(s) - 1, len(text)), 0, -1):
+            if text.endswith(s[:n]):
+                start = min(start, len(text) - n)
+                break
+    return start
+
+
+class HeldText:
+    """The part of a growing text that may be streamed: everything but a trailing part that could
+    still become a stop string (it is sent once the next text rules that out, or with the final
+    message). Concatenated `push` results plus `rest(final_text)` equal the final text."""
+
+    def __init__(self, stop_strings: Sequence[str] = ()) -> None:
+        self.stop_strings = tuple(s for s in stop_strings if s)
+        self.seen = ""  # every delta pushed
+        self.sent = ""  # what push has returned so far (a prefix of seen)
+
+    def push(self, delta: str) -> str:
+        """Add a step's delta; returns what may be sent now."""
+        self.seen += delta
+        safe = self.seen[: stop_prefix_start(self.seen, self.stop_strings)]
+        out, self.sent = safe[len(self.sent):], safe  # safe only grows: it starts with sent
+        return out
+
+    def rest(self, final_text: str) -> str | None:
+        """What the final message adds to what was sent; None if the final text contradicts it."""
+        return final_text[len(self.sent):] if final_text.startswith(self.sent) else None
 
 
 class TextStream:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import torch
@@ -12,6 +13,7 @@ from engine.tr.draft import draft_tokens
 from engine.tr.recycle import RecycledRows
 from engine.tr.tree import CompiledTree
 
+log = logging.getLogger("trserve.engine")
 
 class AdjacencyMatrix:
     """`rows[v]` = top-K successor ids of token v as last predicted by the model (int32 [V, K]).
@@ -26,8 +28,15 @@ class AdjacencyMatrix:
             rows = torch.zeros(spec.shape, dtype=torch.int32)
         if tuple(rows.shape) != spec.shape:
             raise InvalidArgument(f"matrix rows have shape {tuple(rows.shape)}, expected {spec.shape}")
+        if rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
+            raise InvalidArgument(f"matrix rows must be integer token ids, got {rows.dtype}")
         self.spec = spec
         self.rows = rows.to(device=device, dtype=torch.int32).contiguous()  # [V, K]
+        bad = (self.rows < 0) | (self.rows >= spec.vocab_size)  # rows from elsewhere (a store, the matrix service)
+        if bool(bad.any()):  # would index outside the matrix and the embedding: drafts of token 0 instead
+            log.warning("matrix rows hold %d ids outside [0, %d); drafting token 0 there", int(bad.sum()),
+                        spec.vocab_size)
+            self.rows[bad] = 0
         self.version = version
         self._lock = threading.Lock()
 

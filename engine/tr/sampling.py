@@ -65,13 +65,16 @@ import torch
 from core.errors import InvalidArgument
 
 MAX_SEED = 2**64 - 1
+# Sampling temperatures outside [MIN, MAX] are refused: below ~1e-37 logits / T overflow float32
+# (NaN probabilities); well before that sampling is greedy in all but name.
+MIN_TEMPERATURE, MAX_TEMPERATURE = 0.01, 1e4
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request samples. Defaults are greedy; the engine's "off" values differ from the API's 0."""
 
-    temperature: float = 0.0  # 0 = greedy (argmax, the other fields are ignored); > 0 = sample
+    temperature: float = 0.0  # 0 = greedy (argmax, the other fields are ignored); else sample, in [0.01, 1e4]
     top_k: int = 0  # keep the k most likely tokens (ties at the k-th kept, as transformers); 0 = off
     top_p: float = 1.0  # nucleus: smallest set of top tokens with mass >= top_p, in (0, 1]; 1 = off
     seed: int | None = None  # in [0, 2**64); None = a fresh random seed per request
@@ -80,6 +83,9 @@ class SamplingParams:
         t = self.temperature
         if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise InvalidArgument(f"temperature must be >= 0 and finite (0 = greedy), got {self.temperature!r}")
+        if t != 0 and not MIN_TEMPERATURE * (1 - 1e-6) <= t <= MAX_TEMPERATURE:  # 0.01 as float32 is 0.0099999998
+            raise InvalidArgument(f"temperature must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE:g}], "
+                                  f"got {self.temperature!r}")
         if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
             raise InvalidArgument(f"top_k must be >= 0 and an integer (0 = off), got {self.top_k!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:

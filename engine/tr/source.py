@@ -11,6 +11,7 @@ the caller's matrix), an in-process MatrixStore, or the matrix service (services
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -21,6 +22,7 @@ from engine.tr.matrix import AdjacencyMatrix
 from engine.tr.recycle import RecycledRows
 from engine.tr.tree import CompiledTree
 
+log = logging.getLogger("trserve.engine")
 
 @dataclass(frozen=True)
 class DraftInfo:
@@ -64,7 +66,24 @@ class MatrixSession:
     def step(self, recycled: RecycledRows | None, root: int) -> torch.Tensor:
         if recycled is not None:
             self.matrix.apply(recycled)
-        return self._step(recycled, root)  # [n]
+        return self._checked(self._step(recycled, root), root)  # [n]
+
+    def _checked(self, drafted: torch.Tensor, root: int) -> torch.Tensor:
+        """Where drafts enter the engine: a draft is only a proposal (verification keeps the output
+        exact whatever it holds), but it must be safe to feed the model. Not a [n] integer tensor:
+        drafted from the private copy instead; ids outside [0, V): token 0; node 0: always `root`
+        (the model reads it as the last committed token). No host sync."""
+        n = self.tree.n
+        if (not isinstance(drafted, torch.Tensor) or tuple(drafted.shape) != (n,) or drafted.dtype.is_floating_point
+                or drafted.dtype.is_complex or drafted.dtype == torch.bool):
+            log.warning("a %s draft source returned %s for a %d-node tree; drafting from the local copy", self.mode,
+                        f"shape {tuple(drafted.shape)} {drafted.dtype}" if isinstance(drafted, torch.Tensor)
+                        else type(drafted).__name__, n)
+            return self.matrix.draft(root, self.tree)
+        drafted = drafted.to(device=self.matrix.rows.device, dtype=torch.long)
+        out = torch.where((drafted >= 0) & (drafted < self.matrix.vocab_size), drafted, 0)
+        out[0] = root
+        return out
 
     def close(self, recycled: RecycledRows | None) -> None:
         if recycled is not None:

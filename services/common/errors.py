@@ -50,8 +50,9 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, meth
     code = status_for(exc)
     if code == grpc.StatusCode.INTERNAL:
         log.exception("%s failed", method, exc_info=exc)
-    else:
-        log.info("%s -> %s: %s", method, code.name, exc)
+    else:  # the message may quote the request (user text): only at DEBUG
+        log.info("%s -> %s (%s)", method, code.name, type(exc).__name__)
+        log.debug("%s -> %s: %s", method, code.name, exc)
     typed = ((ERROR_TYPE_KEY, type(exc).__name__),) if isinstance(exc, TRServeError) else ()
     await context.abort(code, _details(exc, code), trailing_metadata=typed)
 

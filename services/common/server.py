@@ -21,9 +21,12 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
 def new_server(max_message_bytes: int = MAX_MESSAGE_BYTES,
-               interceptors: Sequence[grpc.aio.ServerInterceptor] = ()) -> grpc.aio.Server:
+               interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
+               max_receive_bytes: int | None = None) -> grpc.aio.Server:
+    """`max_receive_bytes` (default `max_message_bytes`): larger requests are refused by gRPC with
+    RESOURCE_EXHAUSTED before any handler runs."""
     options = [
-        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_receive_bytes or max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
     ]
     return grpc.aio.server(options=options, interceptors=list(interceptors))
@@ -53,17 +56,31 @@ def bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | None = 
     return bound
 
 
+async def graceful_stop(server: grpc.aio.Server, health: health_aio.HealthServicer, grace_s: float,
+                        drain=None) -> None:
+    """NOT_SERVING, then stop: in-flight calls have `grace_s`, after which gRPC cancels them.
+    `drain(grace_s)` (a coroutine function) runs meanwhile, to end the calls itself before that."""
+    await health.enter_graceful_shutdown()
+    stopping = asyncio.ensure_future(server.stop(grace_s))
+    if drain is not None:
+        try:
+            await drain(grace_s)
+        except Exception:  # noqa: BLE001 - stopping goes on
+            log.exception("draining failed")
+    await stopping
+
+
 async def serve_until_signal(server: grpc.aio.Server, health: health_aio.HealthServicer, grace_s: float,
-                             on_stop=None) -> None:
-    """Run until SIGTERM/SIGINT, then: NOT_SERVING, drain in-flight calls for `grace_s`, run `on_stop`."""
+                             on_stop=None, drain=None) -> None:
+    """Run until SIGTERM/SIGINT, then: NOT_SERVING, drain in-flight calls for `grace_s` (see
+    `graceful_stop`), run `on_stop`."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down: draining for up to %.1f s", grace_s)
-    await health.enter_graceful_shutdown()
-    await server.stop(grace_s)
+    await graceful_stop(server, health, grace_s, drain)
     if on_stop is not None:
         result = on_stop()
         if asyncio.iscoroutine(result):

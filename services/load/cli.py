@@ -23,10 +23,37 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-ca", default=None, help="PEM CA file, for workers serving TLS")
     p.add_argument("--json", action="store_true", help="print the summary as JSON (no progress bar)")
     p.add_argument("--records", action="store_true", help="with --json: include one record per request")
+    p.add_argument("--abuse", action="store_true",
+                   help="mix good and bad requests (oversize, malformed, cancelled, stalled, ...) against the first "
+                        "worker for --duration-s after a --baseline-s good-only run; exit 1 on any unexpected status "
+                        "or if the worker stops serving")
+    p.add_argument("--duration-s", type=float, default=60.0, help="--abuse: seconds of abuse (default 60)")
+    p.add_argument("--baseline-s", type=float, default=10.0, help="--abuse: seconds of good-only baseline (default 10)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="--abuse: the worker's body limit, so that the oversize body exceeds it (default 1 MiB)")
     p.set_defaults(func=run)
 
 
+def run_abuse_cli(args: argparse.Namespace) -> int:
+    from services.load.abuse import AbuseConfig, run_abuse
+
+    try:
+        config = AbuseConfig(addr=args.addrs.split(",")[0].strip(), duration_s=args.duration_s,
+                             baseline_s=args.baseline_s, good_clients=max(1, args.concurrency // 2),
+                             bad_clients=max(1, args.concurrency - args.concurrency // 2), tenants=args.tenants,
+                             max_new_tokens=args.max_new_tokens, max_request_bytes=args.max_request_bytes,
+                             tokens_file=args.tokens, tls_ca_file=args.tls_ca)
+    except ValueError as exc:
+        print(f"trserve load: {exc}", file=sys.stderr)
+        return 2
+    report = run_abuse(config)
+    print(json.dumps(report.to_json(), indent=2) if args.json else report.format())
+    return 0 if report.ok else 1
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.abuse:
+        return run_abuse_cli(args)
     from services.load.runner import LoadConfig, run_load
 
     try:

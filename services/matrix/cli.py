@@ -11,7 +11,7 @@ ADMIN_ACTIONS = ("list", "describe", "versions", "snapshot", "rollback", "fork",
 
 def register(sub: argparse._SubParsersAction) -> None:
     run = sub.add_parser("matrix", help="run the matrix service (per-tenant adjacency matrices, Redis snapshots)")
-    run.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    run.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1, as the worker)")
     run.add_argument("--port", type=int, default=50052, help="listen port; 0 = any free port, printed (default 50052)")
     run.add_argument("--redis-url", default=None, help="e.g. redis://127.0.0.1:6379/0; omitted = memory only")
     run.add_argument("--key-prefix", default="trserve", help="prefix of every Redis key (default trserve)")

@@ -25,7 +25,7 @@ log = logging.getLogger("trserve.matrix")
 
 @dataclass(frozen=True)
 class MatrixServiceConfig:
-    host: str = "0.0.0.0"
+    host: str = "127.0.0.1"  # loopback unless asked: compose, k8s and the images pass --host 0.0.0.0
     port: int = 50052  # 0 = any free port (printed at start)
     store: StoreConfig = field(default_factory=StoreConfig)
     limits: ServicerLimits = field(default_factory=ServicerLimits)

@@ -63,3 +63,28 @@ class Admission:
             self.active -= 1
             self._slots.release()
             self._mean_service_s = 0.8 * self._mean_service_s + 0.2 * (time.monotonic() - started)
+
+
+class TooManyCalls(QueueFull):
+    """More calls in flight than the server takes; refused before any work is done for them."""
+
+
+class CallGate:
+    """At most `limit` calls in flight (Generate, GenerateStream, Tokenize), counted from their
+    first line: beyond it a call is refused at once, before it is converted or tokenized. Event
+    loop only."""
+
+    def __init__(self, limit: int, admission: Admission) -> None:
+        self.limit, self.admission, self.active = limit, admission, 0
+
+    @contextlib.contextmanager
+    def enter(self):
+        if self.active >= self.limit:
+            wait = self.admission.retry_after_s()
+            raise TooManyCalls(f"server busy: {self.active} calls in flight (max_concurrent_rpcs={self.limit}); "
+                               f"retry after ~{wait:.1f} s or use another worker", retry_after_s=wait)
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1

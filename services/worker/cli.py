@@ -50,6 +50,11 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=16, help="requests waiting for a batch place before RESOURCE_EXHAUSTED")
     p.add_argument("--max-new-tokens-cap", type=int, default=2048, help="largest max_new_tokens a request may ask")
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted, in tokens")
+    p.add_argument("--max-messages", type=int, default=256, help="chat messages a request may have (default 256)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest request body, bytes (default 1 MiB; gRPC refuses larger ones with RESOURCE_EXHAUSTED)")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=64,
+                   help="Generate/GenerateStream/Tokenize calls in flight; beyond it RESOURCE_EXHAUSTED (default 64)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests may finish on SIGTERM")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
     p.add_argument("--kernels", choices=KERNELS, default="auto",
@@ -71,12 +76,13 @@ def build_configs(args: argparse.Namespace):
     source = {} if args.model is None else {"source": args.model}
     model = ModelConfig(**source, device=args.device, threads=args.threads, kernels=args.kernels)
     limits = Limits(max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
-                    default_max_new_tokens=min(128, args.max_new_tokens_cap))
+                    default_max_new_tokens=min(128, args.max_new_tokens_cap), max_messages=args.max_messages)
     tokens = TenantTokens.from_file(args.tenant_tokens) if args.tenant_tokens else None
     worker = WorkerConfig(
         host=args.host, port=args.port, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue, limits=limits, grace_s=args.grace, redis_url=args.redis_url,
+        max_request_bytes=args.max_request_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
         tls=server_tls(args.tls_cert, args.tls_key), tenant_tokens=tokens,
     )
     return worker, DecoderConfig(model=model, tree=args.tree)

@@ -15,10 +15,14 @@ class Limits:
     max_new_tokens_cap: int = 2048  # largest max_new_tokens accepted
     default_max_new_tokens: int = 128  # used when a request leaves max_new_tokens unset
     max_prompt_tokens: int = 4096  # longest prompt (after the chat template)
+    max_messages: int = 256  # chat turns in one request
     max_stop_sequences: int = 16
+    max_stop_sequence_chars: int = 128  # longest stop string
+    max_stop_token_ids: int = 64
 
     def __post_init__(self) -> None:
-        for name in ("max_new_tokens_cap", "default_max_new_tokens", "max_prompt_tokens", "max_stop_sequences"):
+        for name in ("max_new_tokens_cap", "default_max_new_tokens", "max_prompt_tokens", "max_messages",
+                     "max_stop_sequences", "max_stop_sequence_chars", "max_stop_token_ids"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -34,6 +38,11 @@ class Limits:
         return 32 * self.max_prompt_tokens
 
 
+# Each chat turn counts this many characters towards max_prompt_chars besides its content (the
+# template's markup around it): a million empty turns are as large as they are to tokenize.
+MESSAGE_OVERHEAD_CHARS = 16
+
+
 @dataclass(frozen=True)
 class WorkerConfig:
     host: str = "127.0.0.1"
@@ -47,6 +56,12 @@ class WorkerConfig:
     max_queue: int = 16  # requests waiting for a batch place; beyond -> RESOURCE_EXHAUSTED
     stream_buffer: int = 256  # chunks a stream's reader may fall behind before its request is cancelled
     limits: Limits = Limits()
+    # Work before admission is bounded: a request body larger than this is refused by gRPC itself
+    # (RESOURCE_EXHAUSTED, grpc.max_receive_message_length), and beyond max_concurrent_rpcs calls of
+    # Generate, GenerateStream and Tokenize in flight a new one is refused (RESOURCE_EXHAUSTED with a
+    # retry hint) before anything is tokenized. Health, reflection and ModelInfo are not counted.
+    max_request_bytes: int = 1 << 20
+    max_concurrent_rpcs: int = 64
     # A gRPC deadline stops decoding this long (or two recent steps, if longer) before it, so the
     # partial result (TIME_LIMIT) reaches the caller in time.
     deadline_margin_s: float = 0.25
@@ -66,6 +81,10 @@ class WorkerConfig:
             raise ValueError(f"metrics_port must be in [0, 65535] or None (off), got {self.metrics_port}")
         if self.max_batch < 1 or self.max_batch_tokens < 64 or self.prefill_chunk < 1 or self.stream_buffer < 1:
             raise ValueError("max_batch, prefill_chunk and stream_buffer must be >= 1, max_batch_tokens >= 64")
+        if not 1024 <= self.max_request_bytes <= 64 << 20:
+            raise ValueError(f"max_request_bytes must be in [1024, 64 MiB], got {self.max_request_bytes}")
+        if self.max_concurrent_rpcs < 1:
+            raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if not 0 <= self.deadline_margin_s < 10:

@@ -18,7 +18,7 @@ from engine.runtime import RuntimeInfo
 from engine.tr.sampling import SamplingParams
 from engine.tr.tree import builtin_trees
 from matrix_store.config import validate_tenant_id
-from services.worker.config import Limits
+from services.worker.config import MESSAGE_OVERHEAD_CHARS, Limits
 from trserve.v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:
@@ -50,14 +50,24 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, default_tenan
     text, messages, token_ids = _input_from_pb(req, limits)
     if req.mode not in MODES:
         raise InvalidArgument(f"mode {req.mode} is unknown; use DECODING_MODE_TR (default) or DECODING_MODE_AR")
-    if len(req.stop_sequences) > limits.max_stop_sequences:
-        raise InvalidArgument(f"{len(req.stop_sequences)} stop sequences given; at most {limits.max_stop_sequences}")
+    _check_stops(req, limits)
     request = GenerationRequest(
         prompt=text, messages=messages, input_ids=token_ids, max_new_tokens=_max_new_tokens(req, limits),
         stop_strings=tuple(req.stop_sequences), stop_token_ids=tuple(req.stop_token_ids), mode=MODES[req.mode],
         tree=_tree_name(req.tree), sampling=_sampling_from_pb(req.sampling),
     )
     return GenerateCall(tenant=tenant, domain=domain, request=request, return_token_ids=req.return_token_ids)
+
+
+def _check_stops(req: pb.GenerateRequest, limits: Limits) -> None:
+    if len(req.stop_sequences) > limits.max_stop_sequences:
+        raise InvalidArgument(f"{len(req.stop_sequences)} stop sequences given; at most {limits.max_stop_sequences}")
+    longest = max((len(s) for s in req.stop_sequences), default=0)
+    if longest > limits.max_stop_sequence_chars:
+        raise InvalidArgument(f"a stop sequence has {longest} characters; the limit is "
+                              f"{limits.max_stop_sequence_chars}: shorten it")
+    if len(req.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidArgument(f"{len(req.stop_token_ids)} stop token ids given; at most {limits.max_stop_token_ids}")
 
 
 def _tree_name(name: str) -> str | None:
@@ -80,11 +90,17 @@ def _input_from_pb(req, limits: Limits) -> tuple[str | None, list[dict] | None, 
                                   f"(and {limits.max_prompt_tokens} tokens): shorten it")
         return req.text, None, None
     if kind == "messages":
-        msgs = [{"role": m.role, "content": m.content} for m in req.messages.messages]
-        size = sum(len(m["content"]) for m in msgs)
+        turns = req.messages.messages
+        if len(turns) > limits.max_messages:
+            raise InvalidArgument(f"{len(turns)} chat messages given; at most {limits.max_messages}: "
+                                  "send fewer turns")
+        # content plus each turn's markup, before anything is built or tokenized
+        size = sum(len(m.content) + len(m.role) + MESSAGE_OVERHEAD_CHARS for m in turns)
         if size > limits.max_prompt_chars:
-            raise InvalidArgument(f"messages have {size} characters; the limit is {limits.max_prompt_chars} "
+            raise InvalidArgument(f"messages have {size} characters (content, plus {MESSAGE_OVERHEAD_CHARS} "
+                                  f"per message); the limit is {limits.max_prompt_chars} "
                                   f"(and {limits.max_prompt_tokens} tokens): shorten them")
+        msgs = [{"role": m.role, "content": m.content} for m in turns]
         return None, msgs, None
     ids = list(req.token_ids.ids)
     check_prompt_length(len(ids), limits)

@@ -17,7 +17,14 @@ from engine.engine import BatchEngine
 from engine.runtime import RuntimeInfo
 from matrix_store import MatrixStore, StoreConfig
 from services.common.security import TenantAuth
-from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
+from services.common.server import (
+    add_standard_services,
+    bind,
+    graceful_stop,
+    new_server,
+    serve_until_signal,
+    set_status,
+)
 from services.matrix.metrics import StoreCollector
 from services.worker.config import WorkerConfig
 from services.worker.drafting.embedded import DraftSourceFactory, embedded_factory
@@ -48,9 +55,10 @@ class Worker:
     engine_loop: asyncio.Future  # the engine thread's run(), on `executor`
 
     async def stop(self, grace_s: float | None = None) -> None:
-        """NOT_SERVING, drain in-flight calls for `grace_s`, then release everything."""
-        await self.health.enter_graceful_shutdown()
-        await self.server.stop(grace_s)
+        """NOT_SERVING, drain in-flight calls for `grace_s` (None: the config's grace_s; calls still
+        running near its end are stopped, each ending with a final status), then release everything."""
+        await graceful_stop(self.server, self.health, self.servicer.config.grace_s if grace_s is None else grace_s,
+                            self.servicer.drain)
         await self.close()
 
     async def close(self) -> None:
@@ -100,7 +108,7 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     servicer = GenerateServicer(decoder, engine, config, draft_source_factory, metrics, tuner_states)
 
     auth = [TenantAuth(config.tenant_tokens, config.default_tenant)] if config.tenant_tokens is not None else []
-    server = new_server(interceptors=auth)
+    server = new_server(interceptors=auth, max_receive_bytes=config.max_request_bytes)
     generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
     health = add_standard_services(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port, config.tls)
@@ -170,7 +178,7 @@ async def run(config: WorkerConfig, decoder_config: DecoderConfig, sources: Matr
         if sources is not None:
             await asyncio.to_thread(sources.close)
 
-    await serve_until_signal(worker.server, worker.health, config.grace_s, on_stop=stop)
+    await serve_until_signal(worker.server, worker.health, config.grace_s, on_stop=stop, drain=worker.servicer.drain)
 
 
 def serve(config: WorkerConfig, decoder_config: DecoderConfig, sources: MatrixServiceSources | None = None) -> int:

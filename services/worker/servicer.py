@@ -1,10 +1,22 @@
-"""The Generate servicer: validate (from_pb) -> prepare (a thread) -> admission -> the batching
-engine (engine/engine.py, its own thread) -> to_pb.
+"""The Generate servicer: call gate -> validate (from_pb) -> prepare (a thread) -> admission -> the
+batching engine (engine/engine.py, its own thread) -> to_pb.
 
-Deadlines: a call's gRPC deadline becomes the engine's `deadline`, early by `deadline_margin_s` or
-two recent decoding steps (whichever is longer), so decoding stops in time to return the partial result with finish_reason TIME_LIMIT (status OK).
-Only a call whose deadline is already (nearly) over when it reaches the decoder is refused with
-DEADLINE_EXCEEDED; one that expires while queued is cancelled by gRPC itself.
+Before any work: at most `max_concurrent_rpcs` calls are in flight (admission.py:CallGate), the
+body is at most `max_request_bytes` (gRPC refuses larger ones), and from_pb checks message count,
+characters and stop lists before anything is tokenized.
+
+Deadlines: a call's gRPC deadline becomes the engine's `deadline`, early by a margin covering the
+longest step the engine may be in when it passes: `deadline_margin_s`, two recent decoding steps,
+or 1.5 recent steps with a prefill chunk in them plus a decoding step (whichever is longest; the
+chunk counted for the part this prompt fills when no other prompt is being prefilled). So
+decoding (or a long prompt's prefill) stops in time to return the partial result with
+finish_reason TIME_LIMIT (status OK). Only a call whose deadline is already (nearly) over when it
+reaches the decoder is refused with DEADLINE_EXCEEDED; one that expires while queued is cancelled
+by gRPC itself.
+
+Shutdown (`drain`): new calls get UNAVAILABLE; calls still running when the grace period is nearly
+over are stopped: a unary call, or a stream that sent nothing yet, gets UNAVAILABLE (clients retry
+elsewhere), a stream ends with a final message with finish_reason SHUTDOWN.
 """
 
 from __future__ import annotations
@@ -20,15 +32,16 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from core.errors import TRServeError
+from core.errors import PermissionDenied, TRServeError, Unavailable
 from engine import Decoder
 from engine.engine import BatchEngine
 from engine.request.request import GenerationRequest, PreparedRequest
+from engine.request.text import HeldText
 from engine.results import GenerationResult, StepChunk
 from engine.tuning.online import OnlineTuner, TunerBook
 from services.common.errors import grpc_errors, status_for
 from services.worker import convert
-from services.worker.admission import Admission, QueueFull
+from services.worker.admission import Admission, CallGate, QueueFull
 from services.worker.bridge import EngineStream
 from services.worker.config import WorkerConfig
 from services.worker.drafting.embedded import DraftSourceFactory
@@ -43,13 +56,14 @@ class DeadlineTooShort(TRServeError):
     status = "DEADLINE_EXCEEDED"
 
 
-@dataclass
+@dataclass(eq=False)
 class _Call:
     """One admitted Generate call."""
 
     call: convert.GenerateCall
     cancelled: threading.Event = field(default_factory=threading.Event)
     queue_s: float = 0.0
+    drained: bool = False  # stopped by the worker's shutdown, not by its caller
 
 
 def observed(method):
@@ -102,10 +116,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         self.draft_sources = draft_sources
         self.metrics = metrics
         self.admission = Admission(config.max_batch, config.max_queue)
+        self.gate = CallGate(config.max_concurrent_rpcs, self.admission)
+        self.calls: set[_Call] = set()  # in flight, for drain()
+        self.draining = False
+        # with tenant tokens, tenants whose matrices another tenant may not name as its domain
+        self._token_tenants = frozenset(config.tenant_tokens.by_digest.values()) if config.tenant_tokens else frozenset()
         metrics.queue_depth.set_function(lambda: self.admission.waiting)  # read at scrape time
         metrics.active.set_function(lambda: self.admission.active)
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to encode concurrently
         self._step_s = 0.1  # moving average of one decoding step, for deadline margins
+        self._chunk_s = 0.3  # moving average of one step with a full prefill chunk in it (warm-up measures it)
         # tree "adaptive": each tenant's tree is re-tuned online from its own acceptance; with
         # `tuner_states` (load/save by tenant) the records are kept with the tenant's matrix
         self.tuners = TunerBook(decoder.new_tuner, states=tuner_states) if decoder.autotuner is not None else None
@@ -114,38 +134,51 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     @grpc_errors
     @observed
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        call = _Call(convert.generate_call_from_pb(request, self.limits, self.config.default_tenant))
-        result = None
-        async for item in self._decode(call, context):  # consumed to the end: the decode slot is freed on exit
-            if isinstance(item, GenerationResult):
-                result = item
-        if result is None:
-            raise RuntimeError("the engine ended without a result")
-        return convert.result_to_pb(result, call.call, call.queue_s)
+        with self.gate.enter():
+            call = self._new_call(request)
+            result = None
+            async for item in self._decode(call, context):  # consumed to the end: the decode slot is freed on exit
+                if isinstance(item, GenerationResult):
+                    result = item
+            if result is None:
+                raise RuntimeError("the engine ended without a result")
+            if call.drained:
+                raise Unavailable(f"the worker is shutting down: this call was stopped after "
+                                  f"{len(result.ids)} tokens; retry on another worker")
+            return convert.result_to_pb(result, call.call, call.queue_s)
 
     @grpc_errors
     @observed
     async def GenerateStream(self, request: pb.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateStreamResponse]:
-        call = _Call(convert.generate_call_from_pb(request, self.limits, self.config.default_tenant))
-        sent: list[str] = []
-        async for item in self._decode(call, context):
-            if isinstance(item, StepChunk):
-                sent.append(item.text)
-                yield convert.chunk_to_pb(item)
-            else:
-                text_sent = "".join(sent)
-                if not item.text.startswith(text_sent):
-                    log.warning("streamed text %r is not a prefix of the final text %r", text_sent, item.text)
-                yield convert.final_chunk_to_pb(item, text_sent, call.queue_s)
+        with self.gate.enter():
+            call = self._new_call(request)
+            held = HeldText(call.call.request.stop_strings)  # never stream a part of a stop string too early
+            sent = False
+            async for item in self._decode(call, context):
+                if isinstance(item, StepChunk):
+                    sent = True
+                    yield pb.GenerateStreamResponse(token_ids=item.tokens, text=held.push(item.text))
+                    continue
+                if call.drained and not sent:
+                    raise Unavailable("the worker is shutting down: this call was stopped before its first "
+                                      "token; retry on another worker")
+                if held.rest(item.text) is None:  # sizes only: no user text in logs
+                    log.warning("streamed text (%d characters) is not a prefix of the final text (%d characters)",
+                                len(held.sent), len(item.text))
+                final = convert.final_chunk_to_pb(item, held.sent, call.queue_s)
+                if call.drained:
+                    final.finish_reason = pb.FINISH_REASON_SHUTDOWN
+                yield final
 
     @grpc_errors
     @observed
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        text, messages = convert.tokenize_input_from_pb(request, self.limits)
-        ids = await asyncio.to_thread(self._prompt_ids, text, messages)
-        tokens = self.decoder.tokenizer.convert_ids_to_tokens(ids)
-        return pb.TokenizeResponse(token_ids=ids, tokens=[str(t) for t in tokens])
+        with self.gate.enter():
+            text, messages = convert.tokenize_input_from_pb(request, self.limits)
+            ids = await asyncio.to_thread(self._prompt_ids, text, messages)
+            tokens = self.decoder.tokenizer.convert_ids_to_tokens(ids)
+            return pb.TokenizeResponse(token_ids=ids, tokens=[str(t) for t in tokens])
 
     @grpc_errors
     @observed
@@ -154,25 +187,74 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
 
     # ---- warm-up -----------------------------------------------------------------------------
     async def warm_up(self) -> None:
-        """One short generation through the engine (kernels, caches, first-call costs), throwaway matrix."""
+        """One short generation through the engine (kernels, caches, first-call costs), throwaway
+        matrix; its prompt is one full prefill chunk, whose step cost starts the deadline margin."""
         t0 = time.perf_counter()
-        prepared = await asyncio.to_thread(self.decoder.prepare, GenerationRequest(prompt="Hello", max_new_tokens=4))
+        n = max(1, min(self.config.prefill_chunk, self.decoder.max_context // 2, 1024))
+        token = self.decoder.tokenizer("Hello", add_special_tokens=False)["input_ids"][0]
+        prepared = await asyncio.to_thread(self.decoder.prepare, GenerationRequest(input_ids=[token] * n, max_new_tokens=4))
         async with self.admission.slot():
             stream = EngineStream(asyncio.get_running_loop(), threading.Event(), self.config.stream_buffer)
+            submitted = time.perf_counter()
             await asyncio.to_thread(self.engine.submit, prepared, stream.emit)
+            async for item in stream.items():
+                if isinstance(item, StepChunk):
+                    self._chunk_s = time.perf_counter() - submitted
+                    break
             await stream.finish()
-        log.info("warm-up done in %.1f s", time.perf_counter() - t0)
+        log.info("warm-up done in %.1f s (a %d-token prefill chunk: %.0f ms)", time.perf_counter() - t0, n,
+                 self._chunk_s * 1000)
+
+    # ---- shutdown ----------------------------------------------------------------------------
+    async def drain(self, grace_s: float) -> None:
+        """Refuse new calls; let calls in flight finish until the grace period is nearly over, then
+        stop the rest so each still ends properly (see the module docstring) before gRPC cancels it."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        end = loop.time() + max(0.0, grace_s - min(grace_s, 2 * self._margin_s()))
+        while self.calls and loop.time() < end:
+            await asyncio.sleep(0.02)
+        if self.calls:
+            log.info("grace period nearly over: stopping %d call(s) still in flight", len(self.calls))
+        for call in list(self.calls):
+            call.drained = True
+            call.cancelled.set()
+        while self.calls and loop.time() < end + min(grace_s, 2 * self._margin_s()):
+            await asyncio.sleep(0.02)
 
     # ---- the decode path -----------------------------------------------------------------------
+    def _new_call(self, request: pb.GenerateRequest) -> _Call:
+        if self.draining:
+            raise Unavailable("the worker is shutting down; retry on another worker")
+        call = _Call(convert.generate_call_from_pb(request, self.limits, self.config.default_tenant))
+        c = call.call
+        if c.domain is not None and c.domain != c.tenant and c.domain in self._token_tenants:
+            raise PermissionDenied("the domain names another tenant: a tenant may start only from a domain that "
+                                   "is not another tenant's matrix")
+        return call
+
     async def _decode(self, call: _Call, context: grpc.aio.ServicerContext) -> AsyncIterator[StepChunk | GenerationResult]:
+        self.calls.add(call)
+        try:
+            async for item in self._decode_admitted(call, context):
+                yield item
+        finally:
+            self.calls.discard(call)
+
+    async def _decode_admitted(self, call: _Call, context: grpc.aio.ServicerContext
+                               ) -> AsyncIterator[StepChunk | GenerationResult]:
         prepared, tuner = await asyncio.to_thread(self._prepare, call.call)
         async with self.admission.slot() as queue_s:
+            if call.drained:
+                raise Unavailable("the worker is shutting down; retry on another worker")
             call.queue_s = queue_s
             self.metrics.queue_seconds.observe(queue_s)
-            deadline = self._engine_deadline(context)
+            deadline = self._engine_deadline(context, len(prepared.ids))
             stream = EngineStream(asyncio.get_running_loop(), call.cancelled, self.config.stream_buffer)
             c = call.call
             source = self.draft_sources(c.tenant, c.domain) if prepared.request.mode == "tr" else None
+            clear = self.engine.prefilling is None and not self.engine.waiting  # no other prompt ahead of this one
+            submitted = time.perf_counter()
             await asyncio.to_thread(self.engine.submit, prepared, stream.emit, matrix=source,
                                     cancelled=call.cancelled.is_set, deadline=deadline, tuner=tuner, tenant=c.tenant)
             try:
@@ -182,6 +264,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                     if isinstance(item, StepChunk) and last is not None:  # the first chunk comes from the prefill
                         self.metrics.step_seconds.observe(now - last)
                         self._step_s = 0.9 * self._step_s + 0.1 * (now - last)
+                    elif isinstance(item, StepChunk) and clear and 2 * len(prepared.ids) >= self.config.prefill_chunk:
+                        # the prefill's steps, each with one chunk: the cost of a full one (short prompts say little)
+                        full_chunks = len(prepared.ids) / self.config.prefill_chunk
+                        self._chunk_s = 0.8 * self._chunk_s + 0.2 * (now - submitted) / full_chunks
                     last = now
                     yield item
             finally:  # also when the caller went away: the engine frees the request's place first
@@ -216,15 +302,24 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         convert.check_prompt_length(len(ids), self.limits)
         return ids
 
-    def _engine_deadline(self, context: grpc.aio.ServicerContext) -> float | None:
-        """The engine's stop time: the call's deadline less a margin of at least two recent steps."""
+    def _margin_s(self, prompt_tokens: int | None = None) -> float:
+        """How long the engine's longest step may take now: a decoding step, or one with a prefill chunk
+        (x1.5: a chunk deep in a long prompt attends to more context than the average one). With
+        `prompt_tokens` and no other prompt being prefilled: the part of a chunk this prompt fills."""
+        fill = 1.0
+        if prompt_tokens is not None and self.engine.prefilling is None and not self.engine.waiting:
+            fill = min(1.0, prompt_tokens / self.config.prefill_chunk)
+        return max(self.config.deadline_margin_s, 2 * self._step_s, 1.5 * self._chunk_s * fill + self._step_s)
+
+    def _engine_deadline(self, context: grpc.aio.ServicerContext, prompt_tokens: int) -> float | None:
+        """The engine's stop time: the call's deadline less the margin (a step the engine may be in)."""
         remaining = context.time_remaining()
         if remaining is None:
             return None
-        margin = max(self.config.deadline_margin_s, 2 * self._step_s)
+        margin = self._margin_s(prompt_tokens)
         if remaining <= margin:
             raise DeadlineTooShort(
                 f"only {remaining * 1000:.0f} ms of the call's deadline were left when decoding could start "
-                f"(a step takes ~{self._step_s * 1000:.0f} ms now); give the call a longer deadline"
+                f"(a step takes up to ~{margin * 1000:.0f} ms now); give the call a longer deadline"
             )
         return time.monotonic() + remaining - margin

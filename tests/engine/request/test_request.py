@@ -34,3 +34,21 @@ def test_check_token_ids_names_what_is_wrong() -> None:
         check_token_ids([5, -1, 2], 5, "stop token ids")
     with pytest.raises(InvalidArgument, match="must be integers"):
         check_token_ids(["x"], 5)
+
+
+def test_a_chat_template_that_refuses_messages_is_the_callers_error(decoder) -> None:
+    """Strict templates (e.g. roles must alternate) raise; that is INVALID_ARGUMENT, not INTERNAL."""
+    import copy
+
+    from engine.request.prompt import PromptBuilder
+
+    tokenizer = copy.deepcopy(decoder.tokenizer)
+    tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.first %}"
+                               "{{ raise_exception('the first message must not be the assistant') }}{% endif %}"
+                               "{{ m['content'] }}{% endfor %}")
+    builder = PromptBuilder(tokenizer, decoder.vocab_size)
+    assert builder.chat_ids([{"role": "user", "content": "hi"}])
+    with pytest.raises(InvalidArgument, match="chat template refused these messages: the first message"):
+        builder.chat_ids([{"role": "assistant", "content": "hi"}])
+    with pytest.raises(InvalidArgument, match=r"temperature must be 0 \(greedy\) or in \[0.01"):
+        SamplingParams(temperature=1e-39)

@@ -59,3 +59,52 @@ def test_numpy_and_torch_drafting_share_one_gather():
     tokens[0] = 5
     fill_levels(tokens, matrix.numpy(), levels)
     assert tokens.tolist() == draft_tokens(matrix, 5, TREE).tolist() == [5, 7, 9, 3]
+
+
+class _Garbage(MatrixSession):
+    """A draft source gone wrong (a buggy or hostile matrix service): each step something else."""
+
+    mode = "remote"
+
+    def __init__(self, matrix, tree) -> None:
+        super().__init__(matrix, tree)
+        self.calls = 0
+
+    def _step(self, recycled, root):
+        self.calls += 1
+        n, v = self.tree.n, self.matrix.vocab_size
+        return [torch.full((n,), -3), torch.full((n,), v + 11), torch.zeros(n + 2, dtype=torch.long),
+                torch.rand(n), torch.randint(0, v, (n,))][self.calls % 5]
+
+
+class _GarbageSource:
+    def __init__(self, spec) -> None:
+        self.spec = spec
+
+    def open(self, tree, spec):
+        return _Garbage(AdjacencyMatrix(spec), tree)
+
+
+def test_drafts_entering_the_engine_are_made_safe():
+    session = _Garbage(AdjacencyMatrix(SPEC), TREE)
+    for _ in range(5):
+        drafted = session.step(None, 5)
+        assert drafted.shape == (TREE.n,) and drafted.dtype == torch.long and drafted[0] == 5
+        assert bool(((drafted >= 0) & (drafted < SPEC.vocab_size)).all())
+
+
+def test_matrix_rows_from_elsewhere_are_checked():
+    rows = torch.tensor([[1, 2]] * 10, dtype=torch.int32)
+    rows[3] = torch.tensor([-1, 10])
+    m = AdjacencyMatrix(SPEC, rows=rows)
+    assert m.rows[3].tolist() == [0, 0] and m.rows[2].tolist() == [1, 2]
+    with pytest.raises(ValueError, match="integer token ids"):
+        AdjacencyMatrix(SPEC, rows=torch.zeros(10, 2))
+
+
+def test_garbage_drafts_still_give_the_models_own_output(decoder):
+    """Out-of-range, negative, wrong-shape and float drafts reach neither the embedding nor the output."""
+    chat = [{"role": "user", "content": "Name three colors."}]
+    plain = decoder.generate(messages=chat, max_new_tokens=12, mode="ar")
+    tr = decoder.generate(messages=chat, max_new_tokens=12, matrix=_GarbageSource(decoder.spec))
+    assert tr.ids == plain.ids

@@ -85,6 +85,11 @@ def test_two_workers_serve_more_than_one_with_no_failed_request(tmp_path) -> Non
         runs = [load(workers[:1], "one", *client_flags), load(workers, "two", *client_flags)]
         assert all(run.returncode == 0 for run in runs), [run.stdout + run.stderr for run in runs]
         one, two = (json.loads(run.stdout) for run in runs)
+        (matrix,) = [p["addr"] for p in state["processes"] if p["name"] == "matrix"]
+        listed = trserve("matrix-admin", "list", "--addr", matrix, "--tls-ca", client_flags[1],
+                         "--secret-file", str(tmp_path / "matrix-secret"))
+        assert listed.returncode == 0, listed.stdout + listed.stderr
+        tenants = {t["tenant"]: t for t in json.loads(listed.stdout)["tenants"]}
     finally:
         down = trserve("cluster", "down", "--run-dir", run_dir)
     assert down.returncode == 0 and "stopped: worker-1, worker-0, matrix, redis" in down.stdout, down.stdout
@@ -93,7 +98,10 @@ def test_two_workers_serve_more_than_one_with_no_failed_request(tmp_path) -> Non
     for prefix, report in (("one", one), ("two", two)):
         assert report["failed"] == 0 and report["ok"] == 12 and report["errors_by_code"] == {}, report
         assert set(report["mat_by_tenant"]) == {f"{prefix}-{i}" for i in range(3)}
-        assert all(mat >= 1.0 for mat in report["mat_by_tenant"].values())
+        # MAT >= 1.0 holds by construction (and under this load the batch budgets mostly verify one-token
+        # steps): what shows that drafting went through the matrix service is each tenant's rows there
+        for t in report["mat_by_tenant"]:
+            assert tenants[t]["version"] >= 1 and tenants[t]["nonzero_rows"] > 0, tenants.get(t)
         assert report["draft_modes"] == {"remote": 12}  # workers reached the matrix service: TLS + secret
     assert set(two["by_worker"]) == set(workers)
     ratio = two["requests_per_s"] / one["requests_per_s"]

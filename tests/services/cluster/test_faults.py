@@ -161,8 +161,8 @@ def test_matrix_service_killed_mid_load(cluster, admin) -> None:
 def test_worker_killed_mid_load(cluster) -> None:
     victim = cluster.workers[1].addr
     report = load(cluster, "wk", on_done=once(CONCURRENCY, lambda: cluster.kill_worker(1)))
-    codes = {r.code for r in report.failed}
-    assert len(report.failed) <= CONCURRENCY and codes <= {"UNAVAILABLE"}, report.summary
+    # unary calls cut off by the kill end UNAVAILABLE and the balanced client retries them on the survivor
+    assert not report.failed, report.summary
     assert report.summary["retried"] >= 1 and set(report.summary["retried_after"]) == {"UNAVAILABLE"}
     assert_same_text_per_prompt(report.records)
     print(f"\nworker drill: killed {victim}; {report.summary['ok']}/{len(report.records)} ok, failed by code "
