@@ -42,8 +42,10 @@ def secured(directory: Path) -> tuple[list[str], list[str]]:
     tokens, secret = directory / "tokens.json", directory / "matrix-secret"
     tokens.write_text(json.dumps({f"{p}-{i}": secrets.token_urlsafe(24) for p in ("one", "two") for i in range(3)}))
     secret.write_text(secrets.token_urlsafe(24) + "\n")
+    admin = directory / "matrix-admin-secret"  # admin RPCs (ListTenants included) need their own secret
+    admin.write_text(secrets.token_urlsafe(24) + "\n")
     up = ["--tls-cert", tls.cert_file, "--tls-key", tls.key_file, "--tenant-tokens", str(tokens),
-          "--matrix-secret-file", str(secret)]
+          "--matrix-secret-file", str(secret), "--matrix-admin-secret-file", str(admin)]
     return up, ["--tls-ca", tls.cert_file, "--tokens", str(tokens)]
 
 
@@ -87,7 +89,7 @@ def test_two_workers_serve_more_than_one_with_no_failed_request(tmp_path) -> Non
         one, two = (json.loads(run.stdout) for run in runs)
         (matrix,) = [p["addr"] for p in state["processes"] if p["name"] == "matrix"]
         listed = trserve("matrix-admin", "list", "--addr", matrix, "--tls-ca", client_flags[1],
-                         "--secret-file", str(tmp_path / "matrix-secret"))
+                         "--secret-file", str(tmp_path / "matrix-admin-secret"))
         assert listed.returncode == 0, listed.stdout + listed.stderr
         tenants = {t["tenant"]: t for t in json.loads(listed.stdout)["tenants"]}
     finally:
