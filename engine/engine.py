@@ -257,10 +257,8 @@ class BatchEngine:
         self.running.append(live)
         live.root = int(choose(last, seq.sampler, 0)[0])
         if live.seed:
-            tokens = torch.cat([t for t, _ in live.seed])
-            topk = torch.cat([k for _, k in live.seed])
-            winners = select_rows(tokens, list(range(tokens.shape[0])))  # a repeated token: its last position
-            live.recycled, live.seed = RecycledRows(tokens[winners], topk[winners]), []
+            live.recycled = _latest_rows(torch.cat([t for t, _ in live.seed]), torch.cat([k for _, k in live.seed]))
+            live.seed = []
         live.text = TextStream(d.tokenizer)
         live.prefill_s = time.perf_counter() - live.t0
         self._emit(live, seq.commit([live.root]))
@@ -444,5 +442,10 @@ def _pending(live: _Live) -> RecycledRows | None:
     live.plain = []
     if live.recycled is not None:
         tokens, topk = torch.cat([live.recycled.tokens, tokens]), torch.cat([live.recycled.topk, topk])
-    winners = select_rows(tokens, list(range(tokens.shape[0])))  # a repeated token: its last position
+    return _latest_rows(tokens, topk)
+
+
+def _latest_rows(tokens: torch.Tensor, topk: torch.Tensor) -> RecycledRows:
+    """tokens [m], topk [m, K] in step order -> one row per token: a repeated token's latest."""
+    winners = select_rows(tokens, list(range(tokens.shape[0])))
     return RecycledRows(tokens[winners], topk[winners])

@@ -19,13 +19,10 @@ transformers' own forward the logits differ by float rounding (~1e-5; tests chec
 from __future__ import annotations
 
 import ctypes
-import logging
 
 import torch
 
 from engine.model.qlinear import QLinear, forward_library
-
-log = logging.getLogger("trserve.engine")
 
 _i64 = ctypes.c_int64
 _P = ctypes.c_void_p
@@ -109,9 +106,9 @@ class NativeForward:
         layers = (_Layer * len(body.layers))()
         for i, layer in enumerate(body.layers):
             a, m = layer.self_attn, layer.mlp
-            layers[i] = _Layer(self._ptr(layer.input_layernorm.weight), self._ptr(layer.post_attention_layernorm.weight),
-                               *(_qmat(x) for x in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj,
-                                                    m.down_proj)))
+            norms = (self._ptr(layer.input_layernorm.weight), self._ptr(layer.post_attention_layernorm.weight))
+            mats = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            layers[i] = _Layer(*norms, *(_qmat(x) for x in mats))
         self._layers = layers
         self._rotary = body.rotary_emb
         self._ptrs = None  # (buffers' identity, layer key pointers, layer value pointers)

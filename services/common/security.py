@@ -201,9 +201,9 @@ class _BearerAuth(grpc.aio.ServerInterceptor):
         if token is None:
             return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
                              f"missing credentials: send metadata '{AUTH_HEADER}: Bearer <{self.what}>'")
-        return self.authorize(token, handler)
+        return self.authorize(token, handler, details.method)
 
-    def authorize(self, token: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def authorize(self, token: str, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         raise NotImplementedError
 
 
@@ -221,17 +221,13 @@ class SharedSecretAuth(_BearerAuth):
 
     async def intercept_service(self, continuation, details: grpc.HandlerCallDetails):
         if self._secret is None and (self._admin is None or details.method not in self._admin_methods):
-            return await continuation(details)
-        handler = await continuation(details)
-        if handler is None or details.method.startswith(OPEN_SERVICES):
-            return handler
-        token = _bearer(details.invocation_metadata)
-        if token is None:
-            return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED,
-                             f"missing credentials: send metadata '{AUTH_HEADER}: Bearer <{self.what}>'")
+            return await continuation(details)  # nothing to check for this method
+        return await super().intercept_service(continuation, details)
+
+    def authorize(self, token: str, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         is_admin = self._admin is not None and self._admin.matches(token)
         is_worker = self._secret is not None and self._secret.matches(token)
-        if details.method in self._admin_methods:
+        if method in self._admin_methods:
             if is_admin:
                 return handler
             if self._admin is None:
@@ -271,7 +267,7 @@ class TenantAuth(_BearerAuth):
     def __init__(self, tokens: TenantTokens, default_tenant: str) -> None:
         self._tokens, self._default = tokens, default_tenant
 
-    def authorize(self, token: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    def authorize(self, token: str, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         tenant = self._tokens.tenant_of(token)
         if tenant is None:
             return _refusing(handler, grpc.StatusCode.UNAUTHENTICATED, "unknown tenant token")
