@@ -37,6 +37,7 @@ _CSRC = Path(__file__).with_name("csrc")
 _SOURCE = _CSRC / "forward.c"  # includes qlinear.c: one library holds the linear kernels and the native forward
 _SOURCES = (_CSRC / "qlinear.c", _SOURCE)
 _libs: dict[str, ctypes.CDLL] = {}  # isa -> the loaded library
+PANEL = 16  # outputs per panel of the packed layout (csrc/qlinear.c)
 
 # Kernel variants, best first: the /proc/cpuinfo flags each needs, and its compile flags. The flags
 # are explicit ISA subsets over baseline x86-64 (never -march=native, nor the compiler's default
@@ -151,8 +152,8 @@ def _library(cache_dir: Path, isa: str):
     built = lib.trserve_qlinear_isa().decode()
     if built != isa:  # the source picks its code path from the compile flags
         raise RuntimeError(f"kernel library built for {isa} reports {built}")
-    if lib.trserve_qlinear_outs_multiple() != 2:  # QLinear takes even output counts
-        raise RuntimeError("kernel library tiles do not divide even output counts")
+    if lib.trserve_qlinear_panel() != PANEL:  # QLinear packs outputs in panels of this size
+        raise RuntimeError(f"kernel library panels are not {PANEL} outputs")
     fn = lib.trserve_qlinear
     fn.restype = ctypes.c_int  # 0, or -1 when the kernel could not allocate its scale buffers
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -189,7 +190,7 @@ def recover_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     q_j in the low and q_{j+16} in the high nibble of byte j of the block.
     """
     O, I = w.shape
-    if I % 32 or O % 2 or w.dtype != torch.float32:  # the kernel takes blocks of 32 and output pairs
+    if I % 32 or w.dtype != torch.float32:  # the kernel takes blocks of 32
         return None
     blocks = w.reshape(O, I // 32, 32)
     m = blocks.amin(-1)  # [O, nb] the q = 0 element
@@ -217,7 +218,7 @@ def recover_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 def recover_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """w: [O, I] float32 -> (codes [O, I] int8, d [O, I/32]) with every block exactly q * d, or None."""
     O, I = w.shape
-    if I % 32 or O % 2 or w.dtype != torch.float32:  # the kernel takes blocks of 32 and output pairs
+    if I % 32 or w.dtype != torch.float32:  # the kernel takes blocks of 32
         return None
     blocks = w.reshape(O, I // 32, 32)
     d = blocks.abs().amax(-1) / 127  # the |q| = 127 element gives d exactly
@@ -228,6 +229,41 @@ def recover_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     if not torch.equal(q * d[..., None], blocks):
         return None
     return q.to(torch.int8).reshape(O, I).contiguous(), d.contiguous()
+
+
+# ---- the kernels' panel layout (pure tensor functions) ---------------------------------------------
+def _pad_outputs(t: torch.Tensor, panels: int) -> torch.Tensor:
+    """t: [O, ...] -> [panels * PANEL, ...], the added outputs zero (their weights rebuild to 0)."""
+    pad = panels * PANEL - t.shape[0]
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
+def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    """recover_q4's (codes [O, I/2], d, m [O, I/32]) -> the panel layout of csrc/qlinear.c:
+    codes [P, nb, 16, 16] uint8 (byte [p, b, j, l] = q[16p + l, 32b + 2j] | q[.., 32b + 2j + 1] << 4),
+    d, m [P, nb, 16] (P = ceil(O / 16) panels, padded outputs zero)."""
+    O, nb = d.shape
+    P = -(-O // PANEL)
+    blk = codes.reshape(O, nb, 16)
+    q = torch.cat([blk & 0xF, blk >> 4], dim=-1)  # [O, nb, 32]: input 32b + j
+    q = _pad_outputs(q, P).reshape(P, PANEL, nb, 16, 2)  # [P, l, nb, j, input 2j + k]
+    packed = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1)  # [P, nb, j, l]
+    return packed.contiguous(), _panel_scales(d, P), _panel_scales(m, P)
+
+
+def pack_q8(codes: torch.Tensor, d: torch.Tensor):
+    """recover_q8's (codes [O, I] int8, d [O, I/32]) -> codes [P, nb, 32, 16] (byte [p, b, j, l] =
+    q[16p + l, 32b + j]) and d [P, nb, 16]."""
+    O, nb = d.shape
+    P = -(-O // PANEL)
+    q = _pad_outputs(codes.reshape(O, nb, 32), P).reshape(P, PANEL, nb, 32)
+    return q.permute(0, 2, 3, 1).contiguous(), _panel_scales(d, P)
+
+
+def _panel_scales(s: torch.Tensor, panels: int) -> torch.Tensor:
+    """[O, nb] -> [P, nb, 16]: panel p's 16 outputs' scales of block b side by side."""
+    nb = s.shape[1]
+    return _pad_outputs(s, panels).reshape(panels, PANEL, nb).permute(0, 2, 1).contiguous()
 
 
 # ---- the module -----------------------------------------------------------------------------
@@ -242,21 +278,29 @@ def _half(v: torch.Tensor) -> torch.Tensor:
 class QLinear(nn.Module):
     """`nn.Linear` replacement over exactly recovered 4-bit (kind 4) or 8-bit (kind 8) blocks.
 
-    codes: [O, I/2] (kind 4) or [O, I] (kind 8) uint8; d, m: [O, I/32] float32 holding float16 values
-    (m None for kind 8), kept as float16; isa: the kernel variant ("auto": this CPU's best)."""
+    codes: [O, I/2] (kind 4) or [O, I] (kind 8) uint8 as recover_q4 / recover_q8 give them; d, m:
+    [O, I/32] float32 holding float16 values (m None for kind 8). Held in the kernels' panel layout
+    (`pack_q4` / `pack_q8`), scales as float16; isa: the kernel variant ("auto": this CPU's best)."""
 
     def __init__(self, kind: int, codes, d, m, bias, in_features: int, out_features: int, cache_dir: Path,
                  isa: str = "auto") -> None:
         super().__init__()
-        if kind not in (4, 8) or in_features % 32 or out_features % 2:
-            raise ValueError(f"QLinear takes q4/q8 blocks of 32 and an even output count; got q{kind} "
+        if kind not in (4, 8) or in_features % 32 or out_features < 1:
+            raise ValueError(f"QLinear takes q4/q8 blocks of 32 and at least one output; got q{kind} "
+                             f"{in_features} -> {out_features}")
+        nb = in_features // 32
+        if codes.shape != (out_features, in_features // (2 if kind == 4 else 1)) or d.shape != (out_features, nb):
+            raise ValueError(f"codes {tuple(codes.shape)} / scales {tuple(d.shape)} do not match q{kind} "
                              f"{in_features} -> {out_features}")
         self.kind, self.in_features, self.out_features = kind, in_features, out_features
         self.isa = kernel_isa(isa)
-        self.register_buffer("codes", codes, persistent=False)
-        self.register_buffer("d", _half(d), persistent=False)  # [O, I/32] float16
-        self.register_buffer("m", _half(m) if m is not None else torch.zeros(0, dtype=torch.float16),
-                             persistent=False)
+        if kind == 4:
+            codes, d, m = pack_q4(codes, _half(d), _half(m))
+        else:
+            codes, d = pack_q8(codes, _half(d))
+        self.register_buffer("codes", codes, persistent=False)  # [P, nb, 16 or 32, 16] uint8
+        self.register_buffer("d", d, persistent=False)  # [P, nb, 16] float16
+        self.register_buffer("m", m if kind == 4 else torch.zeros(0, dtype=torch.float16), persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self._fn = _library(cache_dir, self.isa)
 

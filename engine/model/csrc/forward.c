@@ -23,7 +23,6 @@
  * rotate_half pairs lane i with i + D/2; RMSNorm y = w * (x * (1 / sqrt(mean(x^2) + eps))).
  */
 #include "qlinear.c"
-#include <math.h>
 
 typedef struct {
     int64_t kind, in, out; /* 4 or 8 (qlinear.c), in/out features */
@@ -49,18 +48,6 @@ typedef struct {
 } tr_model;
 
 /* ---- written-out helpers (the same op sequence in every build) -------------------------------- */
-#if defined(__AVX512F__)
-INLINE wblock_t float_block(const float *p) { wblock_t w = {_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)}; return w; }
-#elif defined(__AVX2__)
-INLINE wblock_t float_block(const float *p)
-{
-    wblock_t w = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
-    return w;
-}
-#else
-INLINE wblock_t float_block(const float *p) { wblock_t w; memcpy(w.v, p, sizeof w.v); return w; }
-#endif
-
 /* dot(a, b) over n (n % 32 == 0) in qlinear.c's order: lane l of block k takes a[32k + l] b[32k + l],
  * then a[32k + 16 + l] b[32k + 16 + l]; the fixed 16 -> 1 reduction. */
 INLINE float dot32(const float *a, const float *b, int64_t n)
@@ -168,19 +155,11 @@ static void rms_rows(const float *x, const float *w, float *y, int64_t r0, int64
 }
 
 /* This thread's share of y[n, O] = x[n, I] @ W^T (+ bias): outputs [*o0, *o1). */
-static void qmat_part(const tr_qmat *w, const float *x, int64_t n, float *y, int64_t id, int64_t nt, float *buf,
-                      int64_t *o0, int64_t *o1)
+static void qmat_part(const tr_qmat *w, const float *x, int64_t n, float *y, int64_t id, int64_t nt, int64_t *o0,
+                      int64_t *o1)
 {
-    const int kind = (int)w->kind, nar = narrow(kind, n), T = plan_outs(kind, n);
-    const int64_t groups = w->out / T, p0 = groups * id / nt, p1 = groups * (id + 1) / nt;
-    *o0 = T * p0, *o1 = T * p1;
-    if (p1 <= p0) return;
-#define PART(K, RR, TT) thread_part(K, RR, TT, x, n, w->in, w->out, w->codes, w->d, w->m, w->bias, y, p0, p1, buf)
-    if (kind == 4 && nar) PART(4, NARROW_TILE_ROWS_Q4, NARROW_OUTS_Q4);
-    else if (kind == 4) PART(4, ROWS_Q4, OUTS_Q4);
-    else if (nar) PART(8, NARROW_TILE_ROWS_Q8, NARROW_OUTS_Q8);
-    else PART(8, ROWS_Q8, OUTS_Q8);
-#undef PART
+    const qmat_t q = {(int)w->kind, w->in, w->out, w->in / 32, w->codes, w->d, w->m, w->bias};
+    qmat_rows(&q, x, n, y, id, nt, o0, o1);
 }
 
 /* q[t, i] and q[t, i + D/2] rotated as transformers' apply_rotary_pos_emb (q * cos + rotate_half(q) * sin) */
@@ -264,7 +243,6 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
     }
     for (int64_t t = 0; t < N; t++)
         if (pos[t] < 0 || pos[t] >= M->positions) return -3;
-    const int64_t max_in = F > H ? F : H, buf_floats = 2 * CHUNK_GROUPS * 2 * MAX_OUTS * (max_in / 32);
     const int64_t sc_floats = (max_ctx + max_w + 1) > F ? (max_ctx + max_w + 1) : F;
     int64_t *vis0 = malloc((B + 1) * sizeof(int64_t)), *item0 = malloc((B + 1) * sizeof(int64_t));
     /* h: each thread's own normed copy of x (every thread norms all rows: N x H work, which saves a
@@ -274,9 +252,9 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
           *k = malloc(sizeof(float) * (N * Hkv * D)), *v = malloc(sizeof(float) * (N * Hkv * D)),
           *att = malloc(sizeof(float) * (N * Hq * D)), *gt = malloc(sizeof(float) * (N * F)),
           *up = malloc(sizeof(float) * (N * F)), *hk = malloc(sizeof(float) * (n_keep * H + 1)),
-          *bufs = malloc(sizeof(float) * (buf_floats * threads)), *scs = malloc(sizeof(float) * (sc_floats * threads));
+          *scs = malloc(sizeof(float) * (sc_floats * threads));
     int rc = 0;
-    if (!(vis0 && item0 && x && hs && tmp && q && k && v && att && gt && up && hk && bufs && scs)) {
+    if (!(vis0 && item0 && x && hs && tmp && q && k && v && att && gt && up && hk && scs)) {
         rc = -2;
         goto done;
     }
@@ -290,14 +268,14 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
 #pragma omp parallel num_threads(threads)
     {
         const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-        float *buf = bufs + id * buf_floats, *sc = scs + id * sc_floats, *h = hs + id * N * H;
+        float *sc = scs + id * sc_floats, *h = hs + id * N * H;
         int64_t o0, o1;
         for (int64_t l = 0; l < M->n_layers; l++) {
             const tr_layer *L = M->layers + l;
             rms_rows(x, L->in_norm, h, 0, N, H, M->eps);
-            qmat_part(&L->q, h, N, q, id, nt, buf, &o0, &o1);
-            qmat_part(&L->k, h, N, k, id, nt, buf, &o0, &o1);
-            qmat_part(&L->v, h, N, v, id, nt, buf, &o0, &o1);
+            qmat_part(&L->q, h, N, q, id, nt, &o0, &o1);
+            qmat_part(&L->k, h, N, k, id, nt, &o0, &o1);
+            qmat_part(&L->v, h, N, v, id, nt, &o0, &o1);
 #pragma omp barrier
             /* rotary on q and k; k, v into the KV rows (work item u = token t, head j of q then k) */
             for (int64_t u = id; u < N * (Hq + Hkv); u += nt) {
@@ -323,13 +301,13 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
                        vc[l], cap, att, sc);
             }
 #pragma omp barrier
-            qmat_part(&L->o, att, N, tmp, id, nt, buf, &o0, &o1);
+            qmat_part(&L->o, att, N, tmp, id, nt, &o0, &o1);
             for (int64_t t = 0; t < N; t++)
                 for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
 #pragma omp barrier
             rms_rows(x, L->post_norm, h, 0, N, H, M->eps);
-            qmat_part(&L->gate, h, N, gt, id, nt, buf, &o0, &o1);
-            qmat_part(&L->up, h, N, up, id, nt, buf, &o0, &o1);
+            qmat_part(&L->gate, h, N, gt, id, nt, &o0, &o1);
+            qmat_part(&L->up, h, N, up, id, nt, &o0, &o1);
             for (int64_t t = 0; t < N; t++) { /* silu(gate) * up on this thread's outputs, as torch: g / (1 + exp(-g)) */
                 float *g = gt + t * F + o0;
                 const float *u = up + t * F + o0;
@@ -339,7 +317,7 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
                 for (int64_t i = 0; i < n; i++) g[i] = (g[i] / (1.0f + sc[i])) * u[i];
             }
 #pragma omp barrier
-            qmat_part(&L->down, gt, N, tmp, id, nt, buf, &o0, &o1);
+            qmat_part(&L->down, gt, N, tmp, id, nt, &o0, &o1);
             for (int64_t t = 0; t < N; t++)
                 for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
 #pragma omp barrier
@@ -347,10 +325,10 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
         /* final norm of the kept tokens, then the LM head */
         for (int64_t i = id; i < n_keep; i += nt) rms_rows(x + keep[i] * H, M->final_norm, hk + i * H, 0, 1, H, M->eps);
 #pragma omp barrier
-        if (n_keep) qmat_part(&M->head, hk, n_keep, logits, id, nt, buf, &o0, &o1);
+        if (n_keep) qmat_part(&M->head, hk, n_keep, logits, id, nt, &o0, &o1);
     }
 done:
     free(vis0), free(item0), free(x), free(hs), free(tmp), free(q), free(k), free(v), free(att), free(gt), free(up), free(hk);
-    free(bufs), free(scs);
+    free(scs);
     return rc;
 }

@@ -1,12 +1,26 @@
 /* Exact dequantise-on-the-fly linear layers for x86-64 CPUs (trserve, engine/model/qlinear.py).
  *
  * y[n, O] = x[n, I] @ W^T (+ bias) where W is stored compressed and rebuilt exactly in registers:
- *   q4: W[o, 32b + j] = q * d[o, b] + m[o, b], q in 0..15   (codes[o, 16b + j] = q_j | q_{j+16} << 4)
- *   q8: W[o, 32b + j] = q * d[o, b],           q in -128..127 (codes[o, 32b + j] = q_j)
+ *   q4: W[o, 32b + j] = q * d[o, b] + m[o, b], q in 0..15
+ *   q8: W[o, 32b + j] = q * d[o, b],           q in -128..127
  * d and m are float16 values (stored as IEEE half bits, converted exactly to float32 here). q * d is
  * exact in float32 for these ranges (8 bits x 11 bits), so q * d + m has a single rounding and the
  * rebuilt weight equals the stored float32 weight bit for bit (engine/model/qlinear.py checks this at
- * load); fused or not, the rebuild gives the same float.
+ * load).
+ *
+ * Layout: outputs in panels of 16 (O padded to a multiple of 16 with zero weights). Panel p, block b:
+ *   q4 codes: 16 x 16 bytes, byte [j][l] = q[16p + l, 32b + 2j] | q[16p + l, 32b + 2j + 1] << 4
+ *   q8 codes: 32 x 16 bytes, byte [j][l] = q[16p + l, 32b + j]
+ *   d, m:     16 halves, [l] = d[16p + l, b]
+ * so one 16-byte load gives one or two inputs' weights for 16 outputs, one vector lane per output.
+ *
+ * The arithmetic of every output element, the same in all builds, whatever n is and wherever the
+ * row sits in a batch (tree verification with n nodes and plain decoding with n = 1 get identical
+ * numbers; AVX-512, AVX2 and scalar give identical bits):
+ *   acc = 0;  for i = 0 .. I - 1 in order: acc = fma(W[o, i], x[i], acc);  y = acc (+ bias[o])
+ * One dependent chain per output: the lanes of a vector are 16 different outputs, so no reduction
+ * across lanes exists whose order an ISA could change. Weights are rebuilt in registers per tile of
+ * rows x panels and feed every row of the tile.
  *
  * One source, three builds (engine/model/qlinear.py picks the one the CPU runs):
  *   avx512: -mavx512f -mavx512bw -mavx512dq -mavx512vl -mfma -mf16c
@@ -14,21 +28,15 @@
  *   scalar: baseline x86-64 (fmaf from libm; slow, the fallback of last resort)
  * all with -ffp-contract=off so the compiler never fuses or splits a multiply-add on its own.
  *
- * The arithmetic of every output element is written out and is the same in all three builds, so
- * their outputs are bit-identical, and the same whatever n is and wherever the row sits in a tile
- * (tree verification with n nodes and plain decoding with n = 1 get identical numbers):
- *   acc[l] = 0 for the 16 lanes l = 0..15
- *   per block b, for each lane l:  acc[l] = fma(w[32b + l], x[32b + l], acc[l])
- *                                  acc[l] = fma(w[32b + 16 + l], x[32b + 16 + l], acc[l])
- *   s8[i] = acc[i] + acc[i + 8]  (i < 8);  s4[i] = s8[i] + s8[i + 4]  (i < 4)
- *   s2[i] = s4[i] + s4[i + 2]    (i < 2);  s = s2[0] + s2[1];  y = s (+ bias[o])
- * AVX-512 holds acc in one zmm; AVX2 in two ymm (lanes 0..7 and 8..15); scalar in 16 floats.
+ * The 16-lane dot product at the end (acc_t, acc_block, acc_reduce) is not used by the linear
+ * layers; csrc/forward.c takes it for norms and attention scores.
  */
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 #include <omp.h>
+#include <math.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
@@ -45,84 +53,61 @@
 #endif
 #define ISA_NAME "avx2"
 #else
-#include <math.h>
 #define ISA_NAME "scalar"
 #endif
 
-/* A tile = rows x outputs computed side by side, per ISA and block kind, sized so the accumulators
- * stay in registers and chosen by measurement on the bundled model's shapes (-D overrides exist
- * only to measure). Per kind k: batches of n <= NARROW_ROWS_Qk rows use a NARROW_ROWS_Qk x
- * NARROW_OUTS_Qk tile (0 rows: no narrow plan), wider ones ROWS_Qk x OUTS_Qk tiles. The tile only
- * changes which independent dot products run side by side, never the arithmetic of one of them. */
+#define INLINE static inline __attribute__((always_inline))
+#define PANEL 16
+
+/* Plans, per ISA, chosen by measurement on the bundled model's shapes (-D overrides exist only to
+ * measure): register tiles of R rows x T panels, the weights rebuilt in registers once per tile and
+ * used by all its rows. One row takes ONE_PANELS panels (more chains in flight); n <= NARROW_ROWS
+ * rows one tile of n rows x NARROW_PANELS panels; wider batches tiles of WIDE_ROWS rows (the last
+ * one ragged) x WIDE_PANELS panels. Plans only change which independent chains run side by side,
+ * never the arithmetic of one. */
 #if defined(__AVX512F__)
-#define DEFAULT_ROWS_Q4 8 /* 8 x 2 outputs x 1 zmm = 16 of 32 zmm */
-#define DEFAULT_OUTS_Q4 2
-#define DEFAULT_NARROW_ROWS_Q4 0
-#define DEFAULT_NARROW_OUTS_Q4 2
-#define DEFAULT_ROWS_Q8 8
-#define DEFAULT_OUTS_Q8 2
-#define DEFAULT_NARROW_ROWS_Q8 4 /* n <= 4: one output at a time is faster for q8 (n = 2, 4: -25%) */
-#define DEFAULT_NARROW_OUTS_Q8 1
+#define DEFAULT_ONE_PANELS 4
+#define DEFAULT_NARROW_ROWS 2 /* 2 x 4 panels: 8 accumulators, 8 weight vectors */
+#define DEFAULT_NARROW_PANELS 4
+#define DEFAULT_WIDE_ROWS 8 /* 8 x 1 panel: ~190 GFLOP/s on 2 Zen 4 cores (n >= 8), 2-3x the row-major tiles */
+#define DEFAULT_WIDE_PANELS 1
 #elif defined(__AVX2__)
-#define DEFAULT_ROWS_Q4 4 /* 4 x 1 output x 2 ymm = 8 of 16 ymm: no spills (fastest for n >= 2) */
-#define DEFAULT_OUTS_Q4 1
-#define DEFAULT_NARROW_ROWS_Q4 1 /* n = 1: two outputs share each x load (-15% against one) */
-#define DEFAULT_NARROW_OUTS_Q4 2
-#define DEFAULT_ROWS_Q8 4
-#define DEFAULT_OUTS_Q8 1
-#define DEFAULT_NARROW_ROWS_Q8 0
-#define DEFAULT_NARROW_OUTS_Q8 1
+#define DEFAULT_ONE_PANELS 2
+#define DEFAULT_NARROW_ROWS 2
+#define DEFAULT_NARROW_PANELS 1
+#define DEFAULT_WIDE_ROWS 6 /* 6 x 1 panel x 2 ymm = 12 of 16 ymm */
+#define DEFAULT_WIDE_PANELS 1
 #else
-#define DEFAULT_ROWS_Q4 4
-#define DEFAULT_OUTS_Q4 1
-#define DEFAULT_NARROW_ROWS_Q4 0
-#define DEFAULT_NARROW_OUTS_Q4 1
-#define DEFAULT_ROWS_Q8 4
-#define DEFAULT_OUTS_Q8 1
-#define DEFAULT_NARROW_ROWS_Q8 0
-#define DEFAULT_NARROW_OUTS_Q8 1
+#define DEFAULT_ONE_PANELS 1
+#define DEFAULT_NARROW_ROWS 1
+#define DEFAULT_NARROW_PANELS 1
+#define DEFAULT_WIDE_ROWS 4
+#define DEFAULT_WIDE_PANELS 1
 #endif
-#ifndef ROWS_Q4
-#define ROWS_Q4 DEFAULT_ROWS_Q4
+#ifndef ONE_PANELS
+#define ONE_PANELS DEFAULT_ONE_PANELS
 #endif
-#ifndef OUTS_Q4
-#define OUTS_Q4 DEFAULT_OUTS_Q4
+#ifndef NARROW_ROWS
+#define NARROW_ROWS DEFAULT_NARROW_ROWS
 #endif
-#ifndef NARROW_ROWS_Q4
-#define NARROW_ROWS_Q4 DEFAULT_NARROW_ROWS_Q4
+#ifndef NARROW_PANELS
+#define NARROW_PANELS DEFAULT_NARROW_PANELS
 #endif
-#ifndef NARROW_OUTS_Q4
-#define NARROW_OUTS_Q4 DEFAULT_NARROW_OUTS_Q4
+#ifndef WIDE_ROWS
+#define WIDE_ROWS DEFAULT_WIDE_ROWS
 #endif
-#ifndef ROWS_Q8
-#define ROWS_Q8 DEFAULT_ROWS_Q8
-#endif
-#ifndef OUTS_Q8
-#define OUTS_Q8 DEFAULT_OUTS_Q8
-#endif
-#ifndef NARROW_ROWS_Q8
-#define NARROW_ROWS_Q8 DEFAULT_NARROW_ROWS_Q8
-#endif
-#ifndef NARROW_OUTS_Q8
-#define NARROW_OUTS_Q8 DEFAULT_NARROW_OUTS_Q8
+#ifndef WIDE_PANELS
+#define WIDE_PANELS DEFAULT_WIDE_PANELS
 #endif
 #define MAX_ROWS 8
-#define MAX_OUTS 2
-#if ROWS_Q4 < 1 || ROWS_Q4 > MAX_ROWS || ROWS_Q8 < 1 || ROWS_Q8 > MAX_ROWS
+#define MAX_PANELS 4
+#if NARROW_ROWS < 1 || NARROW_ROWS > MAX_ROWS || WIDE_ROWS < 1 || WIDE_ROWS > MAX_ROWS
 #error "tile rows must be 1..8"
 #endif
-#if NARROW_ROWS_Q4 < 0 || NARROW_ROWS_Q4 > MAX_ROWS || NARROW_ROWS_Q8 < 0 || NARROW_ROWS_Q8 > MAX_ROWS
-#error "narrow tile rows must be 0..8"
+#if ONE_PANELS < 1 || ONE_PANELS > MAX_PANELS || NARROW_PANELS < 1 || NARROW_PANELS > MAX_PANELS || WIDE_PANELS < 1 \
+    || WIDE_PANELS > MAX_PANELS
+#error "tile panels must be 1..4"
 #endif
-#if (OUTS_Q4 != 1 && OUTS_Q4 != 2) || (OUTS_Q8 != 1 && OUTS_Q8 != 2) || (NARROW_OUTS_Q4 != 1 && NARROW_OUTS_Q4 != 2) \
-    || (NARROW_OUTS_Q8 != 1 && NARROW_OUTS_Q8 != 2)
-#error "tile outputs must be 1 or 2"
-#endif
-/* a narrow plan of 0 rows is never used; its tile then compiles with 1 row */
-#define NARROW_TILE_ROWS_Q4 (NARROW_ROWS_Q4 ? NARROW_ROWS_Q4 : 1)
-#define NARROW_TILE_ROWS_Q8 (NARROW_ROWS_Q8 ? NARROW_ROWS_Q8 : 1)
-
-#define INLINE static inline __attribute__((always_inline))
 
 /* ---- float16 -> float32 (exact) ------------------------------------------------------------- */
 #if defined(__F16C__)
@@ -147,200 +132,181 @@ INLINE float half_to_float(uint16_t h)
 }
 #endif
 
-/* ---- the ISA-specific part -------------------------------------------------------------------
- * acc_t: one dot product's 16 lane accumulators; wblock_t: one block's 32 rebuilt weights, from its
- * codes c and its scales *d, *m (float32) by block_weights; acc_block: the block's 32 fmas into acc;
- * acc_reduce: the fixed 16 -> 1 reduction; halves_to_floats: exact conversion of a run of scales. */
+/* ---- the ISA-specific part: v16 = 16 float lanes, one per output of a panel -------------------
+ * v_half: 16 halves -> floats (exact); deq4: one 16-byte row of q4 codes -> the weights of inputs
+ * 2j (low nibbles) and 2j + 1 (high); deq8: 16 int8 codes -> one input's weights; v_fma(w, x, acc):
+ * acc = fma(w, broadcast(*x), acc) per lane. */
 #if defined(__AVX512F__)
 
-typedef struct { __m512 v; } acc_t; /* lanes 0..15 */
-typedef struct { __m512 lo, hi; } wblock_t; /* w[32b + 0..15], w[32b + 16..31] */
-INLINE acc_t acc_zero(void) { acc_t a = {_mm512_setzero_ps()}; return a; }
-
-/* f[i] = h[i], i < k, 16 at a time. A ragged tail is converted as the last 16 (overlapping the
- * previous run: same values), so nothing past h[k - 1] is read and no masked load is needed (those
- * are slow on some CPUs, measured here on AMD); only k < 16 goes one by one. */
-INLINE void cvt16(const uint16_t *h, float *f) { _mm512_storeu_ps(f, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h))); }
-INLINE void halves_to_floats(const uint16_t *h, float *f, int64_t k)
+typedef __m512 v16;
+INLINE v16 v_zero(void) { return _mm512_setzero_ps(); }
+INLINE v16 v_load(const float *p) { return _mm512_loadu_ps(p); }
+INLINE void v_store(float *p, v16 v) { _mm512_storeu_ps(p, v); }
+INLINE v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+INLINE v16 v_fma(v16 w, const float *x, v16 acc) { return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), acc); }
+INLINE v16 v_half(const uint16_t *h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)); }
+INLINE void deq4(const uint8_t *c, v16 d, v16 m, v16 *w0, v16 *w1)
 {
-    int64_t i = 0;
-    for (; i + 16 <= k; i += 16) cvt16(h + i, f + i);
-    if (i < k && k >= 16) cvt16(h + k - 16, f + k - 16);
-    else for (; i < k; i++) f[i] = _cvtsh_ss(h[i]);
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+    *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xF))), d, m);
+    *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
 }
-
-INLINE wblock_t block_weights(const int kind, const uint8_t *c, const float *d, const float *m)
+INLINE v16 deq8(const uint8_t *c, v16 d)
 {
-    wblock_t w;
-    const __m512 vd = _mm512_set1_ps(*d);
-    if (kind == 4) {
-        const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
-        const __m512 vm = _mm512_set1_ps(*m);
-        w.lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xF))), vd, vm);
-        w.hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), vd, vm);
-    } else {
-        const __m128i *s = (const __m128i *)c;
-        w.lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(s))), vd);
-        w.hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(s + 1))), vd);
-    }
-    return w;
-}
-
-/* acc[l] = fma(w[l], x[l], acc[l]) then acc[l] = fma(w[16 + l], x[16 + l], acc[l]); xb = x + 32b */
-INLINE void acc_block(acc_t *a, const wblock_t *w, const float *xb)
-{
-    a->v = _mm512_fmadd_ps(w->lo, _mm512_loadu_ps(xb), a->v);
-    a->v = _mm512_fmadd_ps(w->hi, _mm512_loadu_ps(xb + 16), a->v);
-}
-
-INLINE float acc_reduce(acc_t a)
-{
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1));
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4)); /* lanes 0, 1: s4[i] + s4[i + 2] */
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2))); /* s2[0] + s2[1] */
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))), d);
 }
 
 #elif defined(__AVX2__)
 
-typedef struct { __m256 a, b; } acc_t; /* lanes 0..7, 8..15 */
-typedef struct { __m256 w0, w1, w2, w3; } wblock_t; /* w[32b + 8k .. 32b + 8k + 7], k = 0..3 */
-INLINE acc_t acc_zero(void) { acc_t a = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return a; }
-
-/* As the AVX-512 one, 8 at a time. */
-INLINE void cvt8(const uint16_t *h, float *f) { _mm256_storeu_ps(f, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h))); }
-INLINE void halves_to_floats(const uint16_t *h, float *f, int64_t k)
+typedef struct { __m256 a, b; } v16; /* lanes 0..7, 8..15 */
+INLINE v16 v_zero(void) { v16 v = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return v; }
+INLINE v16 v_load(const float *p) { v16 v = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return v; }
+INLINE void v_store(float *p, v16 v) { _mm256_storeu_ps(p, v.a), _mm256_storeu_ps(p + 8, v.b); }
+INLINE v16 v_add(v16 x, v16 y) { v16 v = {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; return v; }
+INLINE v16 v_fma(v16 w, const float *x, v16 acc)
 {
-    int64_t i = 0;
-    for (; i + 8 <= k; i += 8) cvt8(h + i, f + i);
-    if (i < k && k >= 8) cvt8(h + k - 8, f + k - 8);
-    else for (; i < k; i++) f[i] = _cvtsh_ss(h[i]);
+    const __m256 s = _mm256_broadcast_ss(x);
+    v16 v = {_mm256_fmadd_ps(w.a, s, acc.a), _mm256_fmadd_ps(w.b, s, acc.b)};
+    return v;
 }
-
-INLINE __m256i load8_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-INLINE __m256i load8_i8(const uint8_t *p) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
-
-INLINE wblock_t block_weights(const int kind, const uint8_t *c, const float *d, const float *m)
+INLINE v16 v_half(const uint16_t *h)
 {
-    wblock_t w;
-    const __m256 vd = _mm256_set1_ps(*d);
-    if (kind == 4) {
-        const __m256i q0 = load8_u8(c), q1 = load8_u8(c + 8), mask = _mm256_set1_epi32(0xF);
-        const __m256 vm = _mm256_set1_ps(*m);
-        w.w0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q0, mask)), vd, vm);
-        w.w1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(q1, mask)), vd, vm);
-        w.w2 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q0, 4)), vd, vm);
-        w.w3 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(q1, 4)), vd, vm);
-    } else {
-        w.w0 = _mm256_mul_ps(_mm256_cvtepi32_ps(load8_i8(c)), vd);
-        w.w1 = _mm256_mul_ps(_mm256_cvtepi32_ps(load8_i8(c + 8)), vd);
-        w.w2 = _mm256_mul_ps(_mm256_cvtepi32_ps(load8_i8(c + 16)), vd);
-        w.w3 = _mm256_mul_ps(_mm256_cvtepi32_ps(load8_i8(c + 24)), vd);
-    }
-    return w;
+    v16 v = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)))};
+    return v;
 }
-
-/* Lanes 0..7 (a): w[0..7] x[0..7], then w[16..23] x[16..23]; lanes 8..15 (b): w[8..15], then w[24..31]. */
-INLINE void acc_block(acc_t *a, const wblock_t *w, const float *xb)
+INLINE void deq4(const uint8_t *c, v16 d, v16 m, v16 *w0, v16 *w1)
 {
-    a->a = _mm256_fmadd_ps(w->w0, _mm256_loadu_ps(xb), a->a);
-    a->b = _mm256_fmadd_ps(w->w1, _mm256_loadu_ps(xb + 8), a->b);
-    a->a = _mm256_fmadd_ps(w->w2, _mm256_loadu_ps(xb + 16), a->a);
-    a->b = _mm256_fmadd_ps(w->w3, _mm256_loadu_ps(xb + 24), a->b);
+    const __m128i raw = _mm_loadu_si128((const __m128i *)c), mask = _mm_set1_epi8(0xF);
+    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+    w0->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d.a, m.a);
+    w0->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d.b, m.b);
+    w1->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d.a, m.a);
+    w1->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d.b, m.b);
 }
-
-INLINE float acc_reduce(acc_t a)
+INLINE v16 deq8(const uint8_t *c, v16 d)
 {
-    const __m256 s8 = _mm256_add_ps(a.a, a.b); /* acc[i] + acc[i + 8] */
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+    const __m128i raw = _mm_loadu_si128((const __m128i *)c);
+    v16 v = {_mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), d.a),
+             _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8))), d.b)};
+    return v;
 }
 
 #else /* scalar */
 
-typedef struct { float v[16]; } acc_t;
-typedef struct { float v[32]; } wblock_t;
-INLINE acc_t acc_zero(void) { acc_t a; for (int l = 0; l < 16; l++) a.v[l] = 0.0f; return a; }
-
-INLINE void halves_to_floats(const uint16_t *h, float *f, int64_t k)
+typedef struct { float v[16]; } v16;
+INLINE v16 v_zero(void) { v16 v; for (int l = 0; l < 16; l++) v.v[l] = 0.0f; return v; }
+INLINE v16 v_load(const float *p) { v16 v; memcpy(v.v, p, sizeof v.v); return v; }
+INLINE void v_store(float *p, v16 v) { memcpy(p, v.v, sizeof v.v); }
+INLINE v16 v_add(v16 x, v16 y) { for (int l = 0; l < 16; l++) x.v[l] += y.v[l]; return x; }
+INLINE v16 v_fma(v16 w, const float *x, v16 acc)
 {
-    for (int64_t i = 0; i < k; i++) f[i] = half_to_float(h[i]);
+    const float s = *x;
+    for (int l = 0; l < 16; l++) acc.v[l] = fmaf(w.v[l], s, acc.v[l]);
+    return acc;
 }
-
-INLINE wblock_t block_weights(const int kind, const uint8_t *c, const float *d, const float *m)
+INLINE v16 v_half(const uint16_t *h) { v16 v; for (int l = 0; l < 16; l++) v.v[l] = half_to_float(h[l]); return v; }
+INLINE void deq4(const uint8_t *c, v16 d, v16 m, v16 *w0, v16 *w1)
 {
-    wblock_t w;
-    const float vd = *d;
-    if (kind == 4) {
-        const float vm = *m;
-        for (int i = 0; i < 16; i++) {
-            w.v[i] = (float)(c[i] & 0xF) * vd + vm; /* q * vd is exact: the same float as an fma */
-            w.v[16 + i] = (float)(c[i] >> 4) * vd + vm;
-        }
-    } else {
-        const int8_t *s = (const int8_t *)c;
-        for (int i = 0; i < 32; i++) w.v[i] = (float)s[i] * vd;
-    }
-    return w;
-}
-
-INLINE void acc_block(acc_t *a, const wblock_t *w, const float *xb)
-{
-    for (int l = 0; l < 16; l++) {
-        a->v[l] = fmaf(w->v[l], xb[l], a->v[l]);
-        a->v[l] = fmaf(w->v[16 + l], xb[16 + l], a->v[l]);
+    for (int l = 0; l < 16; l++) { /* q * d is exact: the same float as an fma */
+        w0->v[l] = (float)(c[l] & 0xF) * d.v[l] + m.v[l];
+        w1->v[l] = (float)(c[l] >> 4) * d.v[l] + m.v[l];
     }
 }
-
-INLINE float acc_reduce(acc_t a)
+INLINE v16 deq8(const uint8_t *c, v16 d)
 {
-    float s8[8], s4[4], s2[2];
-    for (int i = 0; i < 8; i++) s8[i] = a.v[i] + a.v[i + 8];
-    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
-    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
-    return s2[0] + s2[1];
+    v16 v;
+    const int8_t *s = (const int8_t *)c;
+    for (int l = 0; l < 16; l++) v.v[l] = (float)s[l] * d.v[l];
+    return v;
 }
 
 #endif
 
-/* ---- the tile and the driver (shared by all builds) -------------------------------------------- */
-/* Below, kind, RR (rows per tile) and T (outputs per tile) are constants wherever the functions are
- * called: the driver names them literally, and always_inline propagates them. */
+/* ---- tiles (shared by all builds) ------------------------------------------------------------
+ * kind, R (rows) and T (panels) are constants wherever these are called (the drivers name them
+ * literally and always_inline propagates them). A panel-block is 256 (q4) or 512 (q8) code bytes. */
+#define PANEL_BLOCK_BYTES(kind) ((kind) == 4 ? 256 : 512)
 
-/* R rows x T outputs o .. o + T - 1: y[r, o + t] = dot(x[r], w[o + t]) (+ bias[o + t]). Every x load
- * of a block feeds T dot products. c[t]: output o + t's codes; d[t], m[t]: its nb scales as float32;
- * x, y: this tile's first row. */
-INLINE void tile(const int kind, const int R, const int T, const float *x, int64_t I, const uint8_t *const *c,
-                 const float *const *d, const float *const *m, int64_t nb, const float *bias, float *y,
-                 int64_t O, int64_t o)
+typedef struct {
+    int kind;
+    int64_t in, out, nb; /* in = 32 nb */
+    const uint8_t *codes;
+    const uint16_t *d, *m; /* m only for kind 4 */
+    const float *bias;     /* [out] or NULL */
+} qmat_t;
+
+/* acc of rows [r0, r0 + R) and panels [p, p + T) -> y (outputs past `out` are padding: dropped). */
+INLINE void store_tile(const qmat_t *w, const int R, const int T, v16 acc[MAX_ROWS][MAX_PANELS], float *y, int64_t p,
+                       int64_t r0)
 {
-    const int64_t block_bytes = kind == 4 ? 16 : 32;
-    acc_t acc[MAX_ROWS * MAX_OUTS];
-#pragma GCC unroll 16
-    for (int i = 0; i < MAX_ROWS * MAX_OUTS; i++) acc[i] = acc_zero(); /* unused ones are optimised out */
-    for (int64_t b = 0; b < nb; b++) {
-        wblock_t w[MAX_OUTS];
-#pragma GCC unroll 2
-        for (int t = 0; t < T; t++) w[t] = block_weights(kind, c[t] + block_bytes * b, d[t] + b, m[t] + b);
-        const float *xb = x + 32 * b;
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-#pragma GCC unroll 2
-            for (int t = 0; t < T; t++) acc_block(&acc[r * T + t], &w[t], xb + r * I);
-        }
-    }
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
-#pragma GCC unroll 2
+#pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
-            const float s = acc_reduce(acc[r * T + t]);
-            y[r * O + o + t] = bias ? s + bias[o + t] : s;
+            const int64_t o = PANEL * (p + t);
+            float *yr = y + (r0 + r) * w->out;
+            if (o + PANEL <= w->out) {
+                v_store(yr + o, w->bias ? v_add(acc[r][t], v_load(w->bias + o)) : acc[r][t]);
+            } else {
+                float tmp[PANEL];
+                v_store(tmp, acc[r][t]);
+                for (int64_t l = 0; o + l < w->out; l++) yr[o + l] = w->bias ? tmp[l] + w->bias[o + l] : tmp[l];
+            }
         }
     }
 }
 
-/* One case per row count so each tile is compiled with R a constant (its accumulators in registers).
+/* Rows [r0, r0 + R) x panels [p, p + T), weights rebuilt in registers. */
+INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, const float *x, float *y, int64_t p,
+                     int64_t r0)
+{
+    const int64_t I = w->in, nb = w->nb;
+    v16 acc[MAX_ROWS][MAX_PANELS];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) acc[r][t] = v_zero();
+    const float *xr0 = x + r0 * I;
+    for (int64_t b = 0; b < nb; b++) {
+        v16 vd[MAX_PANELS], vm[MAX_PANELS];
+        const uint8_t *c[MAX_PANELS];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const int64_t pb = (p + t) * nb + b;
+            vd[t] = v_half(w->d + PANEL * pb);
+            if (kind == 4) vm[t] = v_half(w->m + PANEL * pb);
+            c[t] = w->codes + PANEL_BLOCK_BYTES(kind) * pb;
+        }
+        const float *xb = xr0 + 32 * b;
+        if (kind == 4) {
+            for (int j = 0; j < 16; j++) {
+                v16 w0[MAX_PANELS], w1[MAX_PANELS];
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) deq4(c[t] + 16 * j, vd[t], vm[t], &w0[t], &w1[t]);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++) {
+#pragma GCC unroll 4
+                    for (int t = 0; t < T; t++) acc[r][t] = v_fma(w0[t], xb + r * I + 2 * j, acc[r][t]);
+#pragma GCC unroll 4
+                    for (int t = 0; t < T; t++) acc[r][t] = v_fma(w1[t], xb + r * I + 2 * j + 1, acc[r][t]);
+                }
+            }
+        } else {
+            for (int j = 0; j < 32; j++) {
+                v16 wj[MAX_PANELS];
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) wj[t] = deq8(c[t] + 16 * j, vd[t]);
+#pragma GCC unroll 8
+                for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                    for (int t = 0; t < T; t++) acc[r][t] = v_fma(wj[t], xb + r * I + j, acc[r][t]);
+            }
+        }
+    }
+    store_tile(w, R, T, acc, y, p, r0);
+}
+
+/* One case per row count so each tile compiles with R a constant (its accumulators in registers);
  * rows is 1..RR: cases above RR are never taken, and saying so lets the compiler drop them. */
 #define ROW_CASE(k, CALL) case k: if ((k) <= RR) { CALL(k); } else { __builtin_unreachable(); } break;
 #define ROW_CASES(CALL)                                                                              \
@@ -350,107 +316,142 @@ INLINE void tile(const int kind, const int R, const int T, const float *x, int64
     default: CALL(RR); break;                                                                        \
     }
 
-/* Scales of output group p (outputs T p .. T p + T - 1) as float32: buf = [d of each | m of each]. */
-INLINE void group_scales(const int kind, const int T, const uint16_t *d, const uint16_t *m, int64_t p, int64_t nb,
-                         float *buf)
+/* Panels [p0, p1) of y = x W^T: per T panels (then single panels at the end), row tiles of RR rows
+ * (the last one ragged); a panel's codes stay in L1 while every row tile passes over them. */
+INLINE void part(const qmat_t *w, const int kind, const int RR, const int T, const float *x, int64_t n, float *y,
+                 int64_t p0, int64_t p1)
 {
-    const int64_t o = T * p;
-    halves_to_floats(d + o * nb, buf, T * nb); /* a group's scale rows are contiguous */
-    if (kind == 4) halves_to_floats(m + o * nb, buf + T * nb, T * nb);
-}
-
-/* Row tile r0 (rows r0 .. r0 + RR - 1, fewer at the end) of output group p, its scales in buf. */
-INLINE void group_tile(const int kind, const int RR, const int T, const float *x, int64_t n, int64_t I, int64_t O,
-                       const uint8_t *codes, const float *buf, const float *bias, float *y, int64_t p, int64_t nb,
-                       int64_t r0)
-{
-    const int64_t o = T * p, row_bytes = kind == 4 ? I / 2 : I;
-    const uint8_t *c[MAX_OUTS];
-    const float *dt[MAX_OUTS], *mt[MAX_OUTS];
-    for (int t = 0; t < T; t++) {
-        c[t] = codes + (o + t) * row_bytes;
-        dt[t] = buf + t * nb;
-        mt[t] = buf + (T + t) * nb; /* not read for kind 8 */
-    }
-    const int rows = n - r0 < RR ? (int)(n - r0) : RR;
-#define CALL(R) tile(kind, R, T, x + r0 * I, I, c, dt, mt, nb, bias, y + r0 * O, O, o)
-    ROW_CASES(CALL)
+    int64_t p = p0;
+    for (; p + T <= p1; p += T)
+        for (int64_t r0 = 0; r0 < n; r0 += RR) {
+            const int rows = n - r0 < RR ? (int)(n - r0) : RR;
+#define CALL(R) tile_reg(w, kind, R, T, x, y, p, r0)
+            ROW_CASES(CALL)
 #undef CALL
+        }
+    for (; p < p1; p++)
+        for (int64_t r0 = 0; r0 < n; r0 += RR) {
+            const int rows = n - r0 < RR ? (int)(n - r0) : RR;
+#define CALL(R) tile_reg(w, kind, R, 1, x, y, p, r0)
+            ROW_CASES(CALL)
+#undef CALL
+        }
 }
 
-/* Output groups are taken CHUNK_GROUPS at a time, and within a chunk row tile by row tile: a row
- * tile of x then stays in L1 across the chunk's outputs instead of all n rows streaming through L1
- * for every output (wide batches of long rows: AVX2 down_proj at n = 16, -30%). */
-#ifndef CHUNK_GROUPS
-#define CHUNK_GROUPS 8
-#endif
-
-/* Scales of groups [pa, pb) as float32 into buf: `slot` floats per group, [d of each | m of each]. */
-INLINE void chunk_scales(const int kind, const int T, const uint16_t *d, const uint16_t *m, int64_t pa, int64_t pb,
-                         int64_t nb, float *buf, int64_t slot)
-{
-    for (int64_t p = pa; p < pb; p++) group_scales(kind, T, d, m, p, nb, buf + (p - pa) * slot);
-}
-
-/* One thread's share: output groups [p0, p1). It converts the next chunk's scales to float32 before
- * computing the current chunk, so the block loop broadcasts each scale from memory written well
- * before (converting per block cost ~5% more). buf: two chunk slots of CHUNK_GROUPS x 2 T nb floats. */
-INLINE void thread_part(const int kind, const int RR, const int T, const float *x, int64_t n, int64_t I, int64_t O,
-                        const uint8_t *codes, const uint16_t *d, const uint16_t *m, const float *bias, float *y,
-                        int64_t p0, int64_t p1, float *buf)
-{
-    const int64_t nb = I / 32, slot = 2 * (int64_t)T * nb, chunk = CHUNK_GROUPS;
-    float *bufs[2] = {buf, buf + chunk * slot};
-    chunk_scales(kind, T, d, m, p0, p0 + chunk < p1 ? p0 + chunk : p1, nb, bufs[0], slot);
-    for (int64_t pc = p0, i = 0; pc < p1; pc += chunk, i ^= 1) {
-        const int64_t pe = pc + chunk < p1 ? pc + chunk : p1;
-        if (pe < p1) chunk_scales(kind, T, d, m, pe, pe + chunk < p1 ? pe + chunk : p1, nb, bufs[i ^ 1], slot);
-        for (int64_t r0 = 0; r0 < n; r0 += RR)
-            for (int64_t p = pc; p < pe; p++)
-                group_tile(kind, RR, T, x, n, I, O, codes, bufs[i] + (p - pc) * slot, bias, y, p, nb, r0);
+/* Each plan compiled as its own function: one function holding every plan's tiles got worse register
+ * allocation (measured: wide tiles -30%). */
+#define PLAN(name, kind, RR, T)                                                                                 \
+    static __attribute__((noinline)) void name(const qmat_t *w, const float *x, int64_t n, float *y, int64_t p0, \
+                                               int64_t p1)                                                      \
+    {                                                                                                           \
+        part(w, kind, RR, T, x, n, y, p0, p1);                                                                  \
     }
-}
+PLAN(one_q4, 4, 1, ONE_PANELS)
+PLAN(one_q8, 8, 1, ONE_PANELS)
+PLAN(narrow_q4, 4, NARROW_ROWS, NARROW_PANELS)
+PLAN(narrow_q8, 8, NARROW_ROWS, NARROW_PANELS)
+PLAN(wide_q4, 4, WIDE_ROWS, WIDE_PANELS)
+PLAN(wide_q8, 8, WIDE_ROWS, WIDE_PANELS)
+#undef PLAN
 
-/* Whether a batch of n rows takes kind's narrow plan, and the outputs per tile it then uses. */
-static int narrow(int kind, int64_t n) { return n <= (kind == 4 ? NARROW_ROWS_Q4 : NARROW_ROWS_Q8); }
-static int plan_outs(int kind, int64_t n)
+/* This thread's share (id of nt) of y[n, out] = x W^T (+ bias): panels [p0, p1), outputs [*o0, *o1). */
+static void qmat_rows(const qmat_t *w, const float *x, int64_t n, float *y, int64_t id, int64_t nt, int64_t *o0,
+                      int64_t *o1)
 {
-    if (kind == 4) return narrow(4, n) ? NARROW_OUTS_Q4 : OUTS_Q4;
-    return narrow(8, n) ? NARROW_OUTS_Q8 : OUTS_Q8;
+    const int64_t panels = (w->out + PANEL - 1) / PANEL, p0 = panels * id / nt, p1 = panels * (id + 1) / nt;
+    *o0 = PANEL * p0 < w->out ? PANEL * p0 : w->out;
+    *o1 = PANEL * p1 < w->out ? PANEL * p1 : w->out;
+    if (p1 <= p0 || n <= 0) return;
+    const int q4 = w->kind == 4;
+    if (n == 1) (q4 ? one_q4 : one_q8)(w, x, n, y, p0, p1);
+    else if (n <= NARROW_ROWS) (q4 ? narrow_q4 : narrow_q8)(w, x, n, y, p0, p1);
+    else (q4 ? wide_q4 : wide_q8)(w, x, n, y, p0, p1);
 }
 
 /* Which build this is ("avx512", "avx2", "scalar"): the loader checks it got the one it asked for. */
 const char *trserve_qlinear_isa(void) { return ISA_NAME; }
 
-/* The largest number of outputs a tile takes: O must be a multiple of it (the loader checks). */
-int trserve_qlinear_outs_multiple(void) { return MAX_OUTS; }
+/* Outputs per panel: the packed layout pads O to a multiple of it (the loader packs to match). */
+int trserve_qlinear_panel(void) { return PANEL; }
 
-/* x: [n, I] row-major, I % 32 == 0; O % MAX_OUTS == 0; codes per output row (I/2 or I bytes);
- * d, m: [O, I/32] float16 bits (m only for kind 4); bias: [O] or NULL; y: [n, O].
- * Returns 0, or -1 when the scale buffers could not be allocated (y then incomplete). */
+/* x: [n, I] row-major, I % 32 == 0; codes, d, m: the panel layout above for ceil(O / 16) panels (m
+ * only for kind 4); bias: [O] or NULL; y: [n, O]. Returns 0. */
 int trserve_qlinear(int kind, const float *x, int64_t n, int64_t I, int64_t O, const uint8_t *codes,
                     const uint16_t *d, const uint16_t *m, const float *bias, float *y, int threads)
 {
-    const int nar = narrow(kind, n), T = plan_outs(kind, n);
-    const int64_t groups = O / T, chunk_floats = CHUNK_GROUPS * 2 * (int64_t)T * (I / 32);
-    int failed = 0;
-#pragma omp parallel num_threads(threads) reduction(| : failed)
+    const qmat_t w = {kind, I, O, I / 32, codes, d, m, bias};
+#pragma omp parallel num_threads(threads)
     {
-        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-        const int64_t p0 = groups * id / nt, p1 = groups * (id + 1) / nt;
-        float *buf = p1 > p0 ? malloc(2 * chunk_floats * sizeof(float)) : NULL; /* two chunks: current, next */
-        if (p1 > p0 && !buf) failed = 1;
-        /* literal plans: the region is outlined before inlining, so this is what makes the kind and
-         * the tile shape constants inside */
-#define PART(K, RR, TT) thread_part(K, RR, TT, x, n, I, O, codes, d, m, bias, y, p0, p1, buf)
-        if (buf) {
-            if (kind == 4 && nar) PART(4, NARROW_TILE_ROWS_Q4, NARROW_OUTS_Q4);
-            else if (kind == 4) PART(4, ROWS_Q4, OUTS_Q4);
-            else if (nar) PART(8, NARROW_TILE_ROWS_Q8, NARROW_OUTS_Q8);
-            else PART(8, ROWS_Q8, OUTS_Q8);
-            free(buf);
-        }
-#undef PART
+        int64_t o0, o1;
+        qmat_rows(&w, x, n, y, omp_get_thread_num(), omp_get_num_threads(), &o0, &o1);
     }
-    return failed ? -1 : 0;
+    return 0;
 }
+
+/* ---- a 16-lane dot product (csrc/forward.c: norms, attention scores) ---------------------------
+ * acc[l] = 0 for the 16 lanes l = 0..15; per block of 32, for each lane l:
+ *   acc[l] = fma(a[32b + l], b[32b + l], acc[l]); acc[l] = fma(a[32b + 16 + l], b[32b + 16 + l], acc[l])
+ * then s8[i] = acc[i] + acc[i + 8] (i < 8); s4[i] = s8[i] + s8[i + 4] (i < 4); s2[i] = s4[i] + s4[i + 2]
+ * (i < 2); s = s2[0] + s2[1]. AVX-512 holds acc in one zmm; AVX2 in two ymm; scalar in 16 floats. */
+#if defined(__AVX512F__)
+typedef struct { __m512 v; } acc_t;
+typedef struct { __m512 lo, hi; } wblock_t; /* a[32b + 0..15], a[32b + 16..31] */
+INLINE acc_t acc_zero(void) { acc_t a = {_mm512_setzero_ps()}; return a; }
+INLINE wblock_t float_block(const float *p) { wblock_t w = {_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)}; return w; }
+INLINE void acc_block(acc_t *a, const wblock_t *w, const float *xb)
+{
+    a->v = _mm512_fmadd_ps(w->lo, _mm512_loadu_ps(xb), a->v);
+    a->v = _mm512_fmadd_ps(w->hi, _mm512_loadu_ps(xb + 16), a->v);
+}
+INLINE float acc_reduce(acc_t a)
+{
+    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1));
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4)); /* lanes 0, 1: s4[i] + s4[i + 2] */
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2))); /* s2[0] + s2[1] */
+}
+#elif defined(__AVX2__)
+typedef struct { __m256 a, b; } acc_t; /* lanes 0..7, 8..15 */
+typedef struct { __m256 w0, w1, w2, w3; } wblock_t; /* a[32b + 8k .. 32b + 8k + 7], k = 0..3 */
+INLINE acc_t acc_zero(void) { acc_t a = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return a; }
+INLINE wblock_t float_block(const float *p)
+{
+    wblock_t w = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
+    return w;
+}
+/* Lanes 0..7 (a): a[0..7] b[0..7], then a[16..23] b[16..23]; lanes 8..15: a[8..15], then a[24..31]. */
+INLINE void acc_block(acc_t *a, const wblock_t *w, const float *xb)
+{
+    a->a = _mm256_fmadd_ps(w->w0, _mm256_loadu_ps(xb), a->a);
+    a->b = _mm256_fmadd_ps(w->w1, _mm256_loadu_ps(xb + 8), a->b);
+    a->a = _mm256_fmadd_ps(w->w2, _mm256_loadu_ps(xb + 16), a->a);
+    a->b = _mm256_fmadd_ps(w->w3, _mm256_loadu_ps(xb + 24), a->b);
+}
+INLINE float acc_reduce(acc_t a)
+{
+    const __m256 s8 = _mm256_add_ps(a.a, a.b); /* acc[i] + acc[i + 8] */
+    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
+    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
+}
+#else
+typedef struct { float v[16]; } acc_t;
+typedef struct { float v[32]; } wblock_t;
+INLINE acc_t acc_zero(void) { acc_t a; for (int l = 0; l < 16; l++) a.v[l] = 0.0f; return a; }
+INLINE wblock_t float_block(const float *p) { wblock_t w; memcpy(w.v, p, sizeof w.v); return w; }
+INLINE void acc_block(acc_t *a, const wblock_t *w, const float *xb)
+{
+    for (int l = 0; l < 16; l++) {
+        a->v[l] = fmaf(w->v[l], xb[l], a->v[l]);
+        a->v[l] = fmaf(w->v[16 + l], xb[16 + l], a->v[l]);
+    }
+}
+INLINE float acc_reduce(acc_t a)
+{
+    float s8[8], s4[4], s2[2];
+    for (int i = 0; i < 8; i++) s8[i] = a.v[i] + a.v[i + 8];
+    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
+    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
+    return s2[0] + s2[1];
+}
+#endif

@@ -91,19 +91,12 @@ def fma32(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
 
 def reference_linear(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, fma=fma32) -> torch.Tensor:
     """w: [O, I], x: [n, I] float32 -> [n, O]: every output as csrc/qlinear.c computes it, op by op:
-    16 lane accumulators, per block two fmas per lane, then the pairwise 8/4/2/1 reduction, + bias."""
+    one chain per output over the inputs in order, acc = fma(w[o, i], x[i], acc), then + bias."""
     n, in_f = x.shape
-    wb = w.reshape(1, w.shape[0], in_f // 32, 32)  # [1, O, nb, 32]
-    xb = x.reshape(n, 1, in_f // 32, 32)  # [n, 1, nb, 32]
-    acc = torch.zeros(n, w.shape[0], 16)  # [n, O, 16]
-    for b in range(in_f // 32):
-        acc = fma(wb[:, :, b, :16].expand(n, -1, -1), xb[:, :, b, :16].expand_as(acc), acc)
-        acc = fma(wb[:, :, b, 16:].expand(n, -1, -1), xb[:, :, b, 16:].expand_as(acc), acc)
-    s8 = acc[..., :8] + acc[..., 8:]  # [n, O, 8]: lane i + lane i + 8
-    s4 = s8[..., :4] + s8[..., 4:]
-    s2 = s4[..., :2] + s4[..., 2:]
-    s = s2[..., 0] + s2[..., 1]  # [n, O]
-    return s + bias if bias is not None else s
+    acc = torch.zeros(n, w.shape[0])  # [n, O]
+    for i in range(in_f):
+        acc = fma(w[None, :, i].expand(n, -1), x[:, i, None].expand_as(acc), acc)
+    return acc + bias if bias is not None else acc
 
 
 def test_fma32_rounds_once():
@@ -172,8 +165,12 @@ def kernel_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("qlinear")
 
 
-CASES = {  # name: (weights, bias); I = 96 takes the scalar scale-conversion tails, 576 the vector ones
+CASES = {  # name: (weights, bias); outputs of one partial panel, several panels with a partial last one (so
+    # multi-panel tiles, single-panel tails and the threads' split), and an odd count
     "q4-bias": (lambda: q4_weights(10, 96, seed=3), True),
+    "q4-panels-bias": (lambda: q4_weights(72, 576, seed=13), True),
+    "q8-panels": (lambda: q8_weights(37, 128, seed=14), False),
+    "q4-odd": (lambda: q4_weights(5, 64, seed=15), False),
     "q4": (lambda: wide_range_q4_weights(6, 576, seed=4), False),
     "q8": (lambda: q8_weights(10, 96, seed=5), False),
     "q8-bias-576": (lambda: q8_weights(4, 576, seed=6), True),
@@ -198,8 +195,8 @@ def compressed(case: str, isa: str, kernel_dir) -> tuple[nn.Linear, QLinear]:
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("isa", isa_params())
 def test_kernel_equals_exact_reference_for_every_width(isa, case, kernel_dir):
-    """Every output bit equals the reference's, for n = 1..19 rows (tiles of 8 / 4 / 1 rows, full
-    and ragged), for single rows anywhere and for slices: so each variant is row-invariant (a row
+    """Every output bit equals the reference's, for n = 1..19 rows (one row, register tiles, rebuilt
+    panels with full and ragged row tiles), for single rows anywhere and for slices: so each variant is row-invariant (a row
     gives the same bits alone or in a tree batch) and all variants are bit-identical."""
     lin, q = compressed(case, isa, kernel_dir)
     x = wide_range_x(19, lin.in_features, seed=7)
@@ -227,11 +224,32 @@ def test_all_variants_give_the_same_bits(case, kernel_dir):
 
 @needs_kernel
 def test_scales_are_stored_as_float16(kernel_dir):
-    _, q = compressed("q4-bias", kernel_isa(), kernel_dir)
-    assert q.d.dtype == q.m.dtype == torch.float16 and q.d.shape == q.m.shape == (10, 3)
+    _, q = compressed("q4-bias", kernel_isa(), kernel_dir)  # 10 outputs: one panel of 16, 6 of them padding
+    assert q.d.dtype == q.m.dtype == torch.float16 and q.d.shape == q.m.shape == (1, 3, 16)
     stored = q.codes.numel() + 2 * (q.d.numel() + q.m.numel())
-    assert stored / (10 * 96) == 0.625  # Q4: bytes per weight
+    assert stored / (16 * 96) == 0.625  # Q4: bytes per weight
     assert kernel_isa() in repr(q)
+
+
+def test_panel_packing_places_every_code_and_scale():
+    """pack_q4 / pack_q8 against the layout csrc/qlinear.c documents, element by element."""
+    w4, w8 = q4_weights(20, 64, seed=11), q8_weights(20, 64, seed=12)
+    codes, d, m = recover_q4(w4)
+    pc, pd, pm = qlinear.pack_q4(codes, d.half(), m.half())
+    assert pc.shape == (2, 2, 16, 16) and pd.shape == pm.shape == (2, 2, 16)
+    per_block = codes.reshape(20, 2, 16)
+    q = torch.cat([per_block & 0xF, per_block >> 4], dim=-1)  # [O, nb, 32]
+    for o, b, j in [(0, 0, 0), (5, 1, 7), (17, 0, 15), (19, 1, 3)]:
+        p, lane = divmod(o, 16)
+        assert pc[p, b, j, lane] == q[o, b, 2 * j] | (q[o, b, 2 * j + 1] << 4)
+        assert pd[p, b, lane] == d[o, b].half() and pm[p, b, lane] == m[o, b].half()
+    assert not pc[1, :, :, 4:].any() and not pd[1, :, 4:].any()  # outputs 20..31: padding, weight 0
+    c8, d8 = recover_q8(w8)
+    qc, qd = qlinear.pack_q8(c8.view(torch.uint8), d8.half())
+    assert qc.shape == (2, 2, 32, 16) and qd.shape == (2, 2, 16)
+    for o, b, j in [(0, 0, 0), (9, 1, 31), (18, 0, 17)]:
+        p, lane = divmod(o, 16)
+        assert qc[p, b, j, lane] == c8.view(torch.uint8)[o, 32 * b + j] and qd[p, b, lane] == d8[o, b].half()
 
 
 @needs_kernel
@@ -240,7 +258,7 @@ def test_qlinear_rejects_scales_that_are_not_float16(kernel_dir):
     with pytest.raises(ValueError):
         QLinear(4, codes, d + 1e-6, m, None, 32, 2, kernel_dir)
     with pytest.raises(ValueError):
-        QLinear(4, codes[:1], d[:1], m[:1], None, 32, 1, kernel_dir)  # odd output count
+        QLinear(4, codes, d, m, None, 32, 3, kernel_dir)  # codes for 2 outputs, 3 declared
 
 
 @needs_kernel
