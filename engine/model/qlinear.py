@@ -116,6 +116,13 @@ def _cflags(isa: str) -> list[str]:
     return [*_BASE_CFLAGS, *_ISAS[isa][1]]
 
 
+def kernel_build_key(isa: str) -> str:
+    """16 hex digits naming one build of the kernel sources for `isa` (a resolved variant): it changes
+    with the sources and the flags, so caches of measured speeds (calibrations) follow the kernels."""
+    src = b"".join(p.read_bytes() for p in _SOURCES)
+    return hashlib.sha256(src + " ".join(_cflags(isa)).encode()).hexdigest()[:16]
+
+
 def build_kernels(cache_dir: Path | None = None, isa: str = "auto") -> Path:
     """Compile csrc/forward.c (+ qlinear.c) for `isa` ("auto": this CPU's best) once per source version into
     `cache_dir`/kernels; returns the library. Any variant builds on any x86-64 host (an image can
@@ -124,8 +131,7 @@ def build_kernels(cache_dir: Path | None = None, isa: str = "auto") -> Path:
 
     _check_isa(isa)
     isa = kernel_isa() if isa == "auto" else isa
-    src = b"".join(p.read_bytes() for p in _SOURCES)
-    key = hashlib.sha256(src + " ".join(_cflags(isa)).encode()).hexdigest()[:16]
+    key = kernel_build_key(isa)
     out = Path(cache_dir or default_cache_dir()) / "kernels" / f"qlinear-{isa}-{key}.so"
     if not out.exists():
         if _compiler() is None:

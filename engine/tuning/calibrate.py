@@ -129,7 +129,12 @@ def calibration_key(fingerprint: str, device: torch.device, kernels: str, attent
 def cost_model_path(loaded, cache_dir: Path) -> Path:
     attention = getattr(loaded.model.config, "_attn_implementation", None) or "eager"
     isa = getattr(loaded, "isa", None)  # the compressed kernels' speed depends on their ISA variant
-    kernels = f"{loaded.kernels}-{isa}" if isa else loaded.kernels
+    if isa:  # a build of other kernel sources has other speeds: its key names the calibration too
+        from engine.model.qlinear import kernel_build_key
+
+        kernels = f"{loaded.kernels}-{isa}-{kernel_build_key(isa)[:8]}"
+    else:
+        kernels = loaded.kernels
     kernels += f"-{getattr(loaded, 'forward', 'transformers')}"  # the native forward costs far less per step
     key = calibration_key(loaded.fingerprint, loaded.device, kernels, attention)
     return Path(cache_dir) / "calibration" / f"{key.replace('/', '_')}.json"

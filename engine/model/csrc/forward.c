@@ -24,6 +24,16 @@
  */
 #include "qlinear.c"
 
+/* Queries of one head an attention pass takes side by side (they share each key and value load);
+ * never changes a query's arithmetic. */
+#if defined(__AVX512F__)
+#define QPASS 4
+#elif defined(__AVX2__)
+#define QPASS 2
+#else
+#define QPASS 1
+#endif
+
 typedef struct {
     int64_t kind, in, out; /* 4 or 8 (qlinear.c), in/out features */
     const uint8_t *codes;
@@ -173,43 +183,104 @@ INLINE void rope(float *q, const float *c, const float *s, int64_t D)
     }
 }
 
-/* Attention of sequence b's queries i0 .. i1 - 1 in head hd: out[t, hd*D ..] for those tokens t. */
+/* Attention of NQ queries of one head over one sequence's keys, side by side (each query's numbers
+ * exactly as if alone): scores of the visible keys in ascending column order (context columns [0, L),
+ * then the step's new columns where the query's mask row says so), max, exp, sum, then the weighted
+ * sum of values key by key in that order; out = acc / l. NV = D / 16 vectors per row: a constant
+ * (2, 4, 8) keeps each query's value accumulators in registers; 0 takes D at run time. qs, masks, scs,
+ * outs: per query its vector, mask row [w], score buffer [L + w], output [D]. */
+#define MAX_NV 16
+INLINE void attend_pass(const int NQ, const int NV, int64_t D, float scale, const float *const *qs,
+                        const uint8_t *const *masks, const float *K, const float *V, const float *Kn, const float *Vn,
+                        int64_t L, int64_t w, float *const *scs, float *const *outs)
+{
+    const int nv = NV ? NV : (int)(D / 16), nb = nv / 2;
+    wblock_t qb[QPASS][MAX_NV / 2]; /* the queries, loaded once */
+    for (int q = 0; q < NQ; q++)
+        for (int i = 0; i < nb; i++) qb[q][i] = float_block(qs[q] + 32 * i);
+    int64_t m[QPASS];
+    for (int64_t j = 0; j < L; j++) {
+        const float *kj = K + j * D;
+#pragma GCC unroll 4
+        for (int q = 0; q < NQ; q++) {
+            acc_t a = acc_zero();
+            for (int i = 0; i < nb; i++) acc_block(&a, &qb[q][i], kj + 32 * i);
+            scs[q][j] = acc_reduce(a) * scale;
+        }
+    }
+    for (int q = 0; q < NQ; q++) {
+        float *sc = scs[q];
+        m[q] = L;
+        for (int64_t j = 0; j < w; j++)
+            if (masks[q][j]) {
+                acc_t a = acc_zero();
+                for (int i = 0; i < nb; i++) acc_block(&a, &qb[q][i], Kn + j * D + 32 * i);
+                sc[m[q]++] = acc_reduce(a) * scale;
+            }
+        float mx = sc[0];
+        for (int64_t j = 1; j < m[q]; j++) mx = sc[j] > mx ? sc[j] : mx;
+        for (int64_t j = 0; j < m[q]; j++) sc[j] -= mx;
+        exp_poly(sc, m[q]);
+    }
+    float l[QPASS];
+    for (int q = 0; q < NQ; q++) {
+        float s = 0.0f;
+        for (int64_t j = 0; j < m[q]; j++) s += scs[q][j];
+        l[q] = s;
+    }
+    v16 acc[QPASS][MAX_NV];
+    for (int q = 0; q < NQ; q++)
+        for (int v = 0; v < nv; v++) acc[q][v] = v_zero();
+    for (int64_t j = 0; j < L; j++) {
+        const float *vj = V + j * D;
+        for (int v = 0; v < nv; v++) {
+            const v16 x = v_load(vj + 16 * v);
+#pragma GCC unroll 4
+            for (int q = 0; q < NQ; q++) acc[q][v] = v_fma(x, scs[q] + j, acc[q][v]); /* fma(p, v[d], acc[d]) */
+        }
+    }
+    for (int q = 0; q < NQ; q++) {
+        int64_t k = L;
+        for (int64_t j = 0; j < w; j++)
+            if (masks[q][j]) {
+                const float *vj = Vn + j * D, *p = scs[q] + k++;
+                for (int v = 0; v < nv; v++) acc[q][v] = v_fma(v_load(vj + 16 * v), p, acc[q][v]);
+            }
+        for (int v = 0; v < nv; v++) v_store(outs[q] + 16 * v, v_div(acc[q][v], l[q]));
+    }
+}
+
+/* Attention of sequence b's queries i0 .. i1 - 1 in head hd: out[t, hd*D ..] for those tokens t, QPASS
+ * queries per pass. sc: this thread's score buffers, QPASS x (ctx[b] + w + 1) floats at most. */
 static void attend(const tr_model *M, int64_t b, int64_t hd, int64_t i0, int64_t i1, const int64_t *tok0, const int64_t *ctx,
                    const int64_t *start, const int64_t *kv_row, const uint8_t *vis, const int64_t *vis0,
-                   const float *q, const float *kc, const float *vc, int64_t cap, float *out, float *sc)
+                   const float *q, const float *kc, const float *vc, int64_t cap, float *out, float *sc, int64_t sc_len)
 {
     const int64_t D = M->head_dim, Hq = M->heads, Hkv = M->kv_heads, g = hd / (Hq / Hkv);
     const int64_t w = tok0[b + 1] - tok0[b], L = ctx[b];
     const float *K = kc + ((kv_row[b] * Hkv + g) * cap) * D, *V = vc + ((kv_row[b] * Hkv + g) * cap) * D;
     const float *Kn = K + start[b] * D, *Vn = V + start[b] * D;
-    float acc[256];
-    for (int64_t i = i0; i < i1; i++) {
-        const int64_t t = tok0[b] + i;
-        const float *qt = q + (t * Hq + hd) * D;
-        const uint8_t *mask = vis + vis0[b] + i * w;
-        int64_t m = 0;
-        for (int64_t j = 0; j < L; j++) sc[m++] = dot32(qt, K + j * D, D) * M->scale;
-        for (int64_t j = 0; j < w; j++)
-            if (mask[j]) sc[m++] = dot32(qt, Kn + j * D, D) * M->scale;
-        float mx = sc[0];
-        for (int64_t j = 1; j < m; j++) mx = sc[j] > mx ? sc[j] : mx;
-        for (int64_t j = 0; j < m; j++) sc[j] -= mx;
-        exp_poly(sc, m);
-        float l = 0.0f;
-        for (int64_t j = 0; j < m; j++) l += sc[j];
-        for (int64_t d = 0; d < D; d++) acc[d] = 0.0f;
-        int64_t k = 0;
-        for (int64_t j = 0; j < L; j++, k++) {
-            const float p = sc[k], *vj = V + j * D;
-            for (int64_t d = 0; d < D; d++) acc[d] = fmaf(p, vj[d], acc[d]);
+    for (int64_t i = i0; i < i1; i += QPASS) {
+        const int nq = i1 - i < QPASS ? (int)(i1 - i) : QPASS;
+        const float *qs[QPASS];
+        const uint8_t *masks[QPASS];
+        float *scs[QPASS], *outs[QPASS];
+        for (int k = 0; k < nq; k++) {
+            const int64_t t = tok0[b] + i + k;
+            qs[k] = q + (t * Hq + hd) * D;
+            masks[k] = vis + vis0[b] + (i + k) * w;
+            scs[k] = sc + k * sc_len;
+            outs[k] = out + (t * Hq + hd) * D;
         }
-        for (int64_t j = 0; j < w; j++)
-            if (mask[j]) {
-                const float p = sc[k++], *vj = Vn + j * D;
-                for (int64_t d = 0; d < D; d++) acc[d] = fmaf(p, vj[d], acc[d]);
-            }
-        float *o = out + (t * Hq + hd) * D;
-        for (int64_t d = 0; d < D; d++) o[d] = acc[d] / l;
+#define PASS(NQ, NV) attend_pass(NQ, NV, D, M->scale, qs, masks, K, V, Kn, Vn, L, w, scs, outs)
+#define PASSES(NV) switch (nq) { case 1: PASS(1, NV); break; case 2: if (QPASS >= 2) PASS(2, NV); break; \
+                                 case 3: if (QPASS >= 3) PASS(3, NV); break; default: PASS(QPASS, NV); break; }
+        if (D == 64) { PASSES(4) }
+        else if (D == 128) { PASSES(8) }
+        else if (D == 32) { PASSES(2) }
+        else { PASSES(0) }
+#undef PASSES
+#undef PASS
     }
 }
 
@@ -243,7 +314,7 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
     }
     for (int64_t t = 0; t < N; t++)
         if (pos[t] < 0 || pos[t] >= M->positions) return -3;
-    const int64_t sc_floats = (max_ctx + max_w + 1) > F ? (max_ctx + max_w + 1) : F;
+    const int64_t sc_len = max_ctx + max_w + 1, sc_floats = QPASS * sc_len > F ? QPASS * sc_len : F;
     int64_t *vis0 = malloc((B + 1) * sizeof(int64_t)), *item0 = malloc((B + 1) * sizeof(int64_t));
     /* h: each thread's own normed copy of x (every thread norms all rows: N x H work, which saves a
      * barrier per norm) */
@@ -298,7 +369,7 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
                 while (item0[b + 1] <= u) b++;
                 const int64_t r = u - item0[b], hd = r % Hq, i0 = (r / Hq) * QBLOCK, w = tok0[b + 1] - tok0[b];
                 attend(M, b, hd, i0, i0 + QBLOCK < w ? i0 + QBLOCK : w, tok0, ctx, start, kv_row, vis, vis0, q, kc[l],
-                       vc[l], cap, att, sc);
+                       vc[l], cap, att, sc, sc_len);
             }
 #pragma omp barrier
             qmat_part(&L->o, att, N, tmp, id, nt, &o0, &o1);

@@ -143,6 +143,7 @@ INLINE v16 v_zero(void) { return _mm512_setzero_ps(); }
 INLINE v16 v_load(const float *p) { return _mm512_loadu_ps(p); }
 INLINE void v_store(float *p, v16 v) { _mm512_storeu_ps(p, v); }
 INLINE v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+INLINE v16 v_div(v16 a, float s) { return _mm512_div_ps(a, _mm512_set1_ps(s)); }
 INLINE v16 v_fma(v16 w, const float *x, v16 acc) { return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), acc); }
 INLINE v16 v_half(const uint16_t *h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)); }
 INLINE void deq4(const uint8_t *c, v16 d, v16 m, v16 *w0, v16 *w1)
@@ -163,6 +164,12 @@ INLINE v16 v_zero(void) { v16 v = {_mm256_setzero_ps(), _mm256_setzero_ps()}; re
 INLINE v16 v_load(const float *p) { v16 v = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return v; }
 INLINE void v_store(float *p, v16 v) { _mm256_storeu_ps(p, v.a), _mm256_storeu_ps(p + 8, v.b); }
 INLINE v16 v_add(v16 x, v16 y) { v16 v = {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; return v; }
+INLINE v16 v_div(v16 x, float s)
+{
+    const __m256 d = _mm256_set1_ps(s);
+    v16 v = {_mm256_div_ps(x.a, d), _mm256_div_ps(x.b, d)};
+    return v;
+}
 INLINE v16 v_fma(v16 w, const float *x, v16 acc)
 {
     const __m256 s = _mm256_broadcast_ss(x);
@@ -198,6 +205,7 @@ INLINE v16 v_zero(void) { v16 v; for (int l = 0; l < 16; l++) v.v[l] = 0.0f; ret
 INLINE v16 v_load(const float *p) { v16 v; memcpy(v.v, p, sizeof v.v); return v; }
 INLINE void v_store(float *p, v16 v) { memcpy(p, v.v, sizeof v.v); }
 INLINE v16 v_add(v16 x, v16 y) { for (int l = 0; l < 16; l++) x.v[l] += y.v[l]; return x; }
+INLINE v16 v_div(v16 x, float s) { for (int l = 0; l < 16; l++) x.v[l] /= s; return x; }
 INLINE v16 v_fma(v16 w, const float *x, v16 acc)
 {
     const float s = *x;
