@@ -194,7 +194,7 @@ class Decoder:
     def runner(self) -> ModelRunner:
         """The serial loop's model runner (one KV row; the same forward as the batching engine's)."""
         if self._runner is None:
-            self._runner = ModelRunner(self.model, 1, self.loaded.dtype, native=self.loaded.native)
+            self._runner = ModelRunner(self.model, 1, self.loaded.dtype, native=self.loaded.native, topk=self.config.k)
         return self._runner
 
     def _decode(self, seq: Sequence, source: DraftSource | None, tree: CompiledTree | None, cancelled, deadline):
@@ -211,7 +211,8 @@ class Decoder:
         runner.kv.activate(row)
         root = int(choose(logits[-1:], seq.sampler, 0)[0])  # output position 0
         # Prompt seeding: the model's predictions inside this prompt are rows like any recycled ones.
-        recycled = recycle_rows(prompt[-seed:], logits, self.config.k, list(range(seed))) if seed else None
+        recycled = (recycle_rows(prompt[-seed:], logits, self.config.k, list(range(seed)), runner.last_topk)
+                    if seed else None)
         text = TextStream(self.tokenizer)
         prefill_s = time.perf_counter() - t0
         session = source.open(tree, self.spec) if source else None
@@ -251,7 +252,10 @@ class Decoder:
         one = RowInput(torch.tensor([root], device=d), torch.zeros(1, dtype=torch.long, device=d),
                        torch.zeros(1, 1, dtype=runner.dtype, device=d))
         logits = runner.step([one])[0]  # [1, V]
+        top = runner.last_topk[0] if runner.last_topk is not None else None
         runner.keep([[0]])
+        if seq.sampler is None and top is not None:
+            return [int(top[0, 0])]  # the argmax, from the forward's top-k
         return [int(choose(logits, seq.sampler, len(seq.generated))[0])]
 
     def _tr_step(self, runner: ModelRunner, session, recycled, root: int, tree: CompiledTree, seq: Sequence):
@@ -260,6 +264,7 @@ class Decoder:
         draft = draft_step(seq, drafted, plan)
         past = runner.kv.length(0)
         logits = runner.step([RowInput(draft.tokens, draft.tree.depth, draft.tree.mask)])[0]  # [n + chain, V]
-        acc, rows = accept_step(seq, draft, logits, self.config.k, past)
+        top = runner.last_topk[0] if runner.last_topk is not None else None
+        acc, rows = accept_step(seq, draft, logits, self.config.k, past, top)
         runner.keep([acc.path])
         return acc.tokens, rows

@@ -32,7 +32,7 @@ from engine.results import GenerationResult, GenerationStats, StepChunk
 from engine.sequence import Sequence
 from engine.step import accept_step, draft_step
 from engine.tr.lookup import ContextLookup
-from engine.tr.recycle import RecycledRows, select_rows
+from engine.tr.recycle import RecycledRows, select_rows, top_ids
 from engine.tr.sampling import choose, new_sampler
 from engine.tr.source import DraftSession
 from engine.tr.tree import CompiledTree, TreeTemplate
@@ -104,7 +104,7 @@ class BatchEngine:
                  cost: Callable[[int, int], float] | None = None) -> None:
         self.decoder, self.config = decoder, config
         self.runner = ModelRunner(decoder.model, config.max_batch + 1, decoder.loaded.dtype,
-                                  native=decoder.loaded.native)
+                                  native=decoder.loaded.native, topk=decoder.config.k)
         self._cost_fn = cost or proxy_cost
         self._costs: dict[tuple[int, int], float] = {}  # (width, kv // 32): the cost model, looked up once
         self.waiting: deque[_Live] = deque()
@@ -244,7 +244,8 @@ class BatchEngine:
         logits = self.runner.prefill(live.row, chunk, torch.tensor(need, dtype=torch.long, device=d.device))  # [m, V]
         seeded = [i for i in need if live.done + i >= p - seed] if seed else []
         if seeded:
-            live.seed.append((chunk[seeded], torch.topk(logits[: len(seeded)], d.config.k, dim=-1).indices.int()))
+            known = self.runner.last_topk[: len(seeded)] if self.runner.last_topk is not None else None
+            live.seed.append((chunk[seeded], top_ids(logits[: len(seeded)], d.config.k, known)))
         live.done += c
         if live.done == p:
             self._start(live, logits[-1:])
@@ -266,15 +267,17 @@ class BatchEngine:
     def _decode(self) -> None:
         drafts, inputs = self._drafts()
         logits = self.runner.step(inputs)  # per row [w_b, V]
+        tops = self.runner.last_topk or [None] * len(logits)  # per row [w_b, k] where the forward computed them
         keep, k = [], self.decoder.config.k
-        for live, draft, lg in zip(self.running, drafts, logits):
+        for live, draft, lg, top in zip(self.running, drafts, logits, tops):
             seq = live.seq
             if draft is None:  # plain decoding this step
-                new, path = [int(choose(lg, seq.sampler, len(seq.generated))[0])], [0]
+                greedy = seq.sampler is None and top is not None and top.shape[-1] == k
+                new, path = [int(top[0, 0]) if greedy else int(choose(lg, seq.sampler, len(seq.generated))[0])], [0]
                 if live.session is not None:  # the root's top-k is recycled like any verified node's
-                    live.plain.append((live.root, torch.topk(lg[0], k).indices.to(torch.int32)))
+                    live.plain.append((live.root, top_ids(lg[:1], k, top[:1] if top is not None else None)[0]))
             else:
-                acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row))
+                acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row), top)
                 new, path = acc.tokens, acc.path
                 self._learn(live, draft, acc)
             keep.append(path)

@@ -168,7 +168,7 @@ def _library(cache_dir: Path, isa: str):
     f = lib.trserve_forward
     f.restype = ctypes.c_int
     P, i64 = ctypes.c_void_p, ctypes.c_int64
-    f.argtypes = [P, i64, P, P, P, P, P, P, P, P, P, i64, P, i64, P, ctypes.c_int]
+    f.argtypes = [P, i64, P, P, P, P, P, P, P, P, P, i64, P, i64, P, i64, P, ctypes.c_int]
     _libs[isa] = lib
     return fn
 

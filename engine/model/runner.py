@@ -39,8 +39,10 @@ class RowInput:
 class ModelRunner:
     """The model, its device and the batch KV cache (rows = sequences)."""
 
-    def __init__(self, model, max_rows: int, dtype: torch.dtype, native: bool | None = None) -> None:
-        """native: the native forward (None: where the model supports it; True: required)."""
+    def __init__(self, model, max_rows: int, dtype: torch.dtype, native: bool | None = None, topk: int = 0) -> None:
+        """native: the native forward (None: where the model supports it; True: required). topk: the
+        native forward also returns each logits row's top-`topk` ids (`last_topk`), computed in C
+        beside the LM head instead of by torch.topk/argmax afterwards."""
         self.model = model
         self.device = model.device
         self.dtype = dtype
@@ -56,6 +58,10 @@ class ModelRunner:
             raise ValueError(f"native forward unavailable: {why}")
         self.native = NativeForward(model) if why is None else None
         self._causal: dict[int, torch.Tensor] = {}
+        self.topk = topk if self.native is not None else 0
+        # the last forward's top-k ids: [m, topk] int32 per row for `step`, one tensor for `prefill` and
+        # `single_step`; None where the forward did not compute them (consumers then use torch.topk)
+        self.last_topk: list[torch.Tensor] | torch.Tensor | None = None
         self.step_s, self.steps = 0.0, 0  # time inside `step` (the batch forwards), for profiles
 
     @property
@@ -99,7 +105,10 @@ class ModelRunner:
             else:
                 vis = mask == 0
             r = self.kv.rows
-            return self.native(r.k, r.v, [c], tokens, depth + start, [row], [start], [start], vis, need)
+            logits, self.last_topk = self.native(r.k, r.v, [c], tokens, depth + start, [row], [start], [start], vis,
+                                                 need, self.topk)
+            return logits
+        self.last_topk = None
         if c == 1:  # one token sees its whole row: transformers' own single-token path, no mask
             first = torch.zeros(1, dtype=torch.long, device=self.device)
             return self._logits(cache, tokens[None], None, (depth + start)[None], first)
@@ -125,6 +134,7 @@ class ModelRunner:
         widths = [r.tokens.shape[0] for r in rows]
         if self.native is not None:
             return self._native_step(rows, widths)
+        self.last_topk = None
         w = _bucket(max(widths)) if self.device.type == "cuda" else max(widths)
         cache = self.kv.for_batch(w)
         past = self.kv.rows.offset
@@ -154,7 +164,9 @@ class ModelRunner:
         depth = torch.cat([x.depth for x in rows]) if b > 1 else rows[0].depth  # [N]
         pos = depth + torch.repeat_interleave(torch.tensor(lens), torch.tensor(widths)) if b > 1 else depth + lens[0]
         vis = torch.cat([(x.mask == 0).reshape(-1) for x in rows])  # the rows' [w_b, w_b] concatenated
-        logits = self.native(r.k, r.v, widths, ids, pos, list(range(b)), lens, [r.offset] * b, vis, None)
+        logits, top = self.native(r.k, r.v, widths, ids, pos, list(range(b)), lens, [r.offset] * b, vis, None,
+                                  self.topk)
+        self.last_topk = list(torch.split(top, widths)) if top is not None else None
         return list(torch.split(logits, widths))
 
     def keep(self, offsets: list[list[int]]) -> None:

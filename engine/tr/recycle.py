@@ -39,9 +39,19 @@ def select_rows(tokens: torch.Tensor, accepted_path: list[int]) -> torch.Tensor:
     return order[last_of_group]
 
 
-def recycle_rows(tokens: torch.Tensor, logits: torch.Tensor, k: int, accepted_path: list[int]) -> RecycledRows:
-    """tokens: [n], logits: [n, V] -> the deduplicated top-k rows of this verification."""
+def top_ids(logits: torch.Tensor, k: int, known: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [m, V] -> their top-k ids [m, k] int32, largest first: `known` where the forward already
+    computed them (the native forward's, ties by lower id), else torch.topk."""
+    if known is not None and known.shape[-1] == k:
+        return known
+    return torch.topk(logits, k, dim=-1).indices.to(torch.int32)
+
+
+def recycle_rows(tokens: torch.Tensor, logits: torch.Tensor, k: int, accepted_path: list[int],
+                 topk: torch.Tensor | None = None) -> RecycledRows:
+    """tokens: [n], logits: [n, V] -> the deduplicated top-k rows of this verification. topk: [n, k]
+    the nodes' top-k ids where the forward computed them."""
     winners = select_rows(tokens, accepted_path)
-    topk = torch.topk(logits[winners], k, dim=-1).indices.to(torch.int32)  # [m, K]
-    return RecycledRows(tokens=tokens[winners], topk=topk)
+    rows = topk[winners] if topk is not None and topk.shape[-1] == k else top_ids(logits[winners], k)  # [m, K]
+    return RecycledRows(tokens=tokens[winners], topk=rows)
 

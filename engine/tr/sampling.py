@@ -162,7 +162,7 @@ def new_sampler(params: SamplingParams | None, positions: int, device: torch.dev
 
 
 def choose_in_tree(logits: torch.Tensor, tokens: torch.Tensor, tree, sampler: Sampler | None,
-                   at: int) -> torch.Tensor:
+                   at: int, topk: torch.Tensor | None = None) -> torch.Tensor:
     """What each verified node emits, for `accept_greedy`: the argmax when greedy, else samples.
 
     logits: [n, V], tokens: [n] drafted (root first), tree: `parent` [n] and `depth` [n] (a
@@ -173,9 +173,10 @@ def choose_in_tree(logits: torch.Tensor, tokens: torch.Tensor, tree, sampler: Sa
     small batches instead of n full-vocabulary rows.
     Example: tokens [5, 7, 9, 3], paths [[0], [1], [0, 0]], samples root -> 7, node 1 -> 4:
     node 2 (9) and node 3 (3) are never sampled -> [7, 4, -1, -1].
+    topk: [n, k] the nodes' top-k ids where the forward computed them (column 0 = the argmax).
     """
     if sampler is None:
-        return logits.argmax(dim=-1)
+        return topk[:, 0].long() if topk is not None else logits.argmax(dim=-1)
     parent, tok = tree.parent.tolist(), tokens.tolist()
     children: list[list[int]] = [[] for _ in tok]
     for node in range(1, len(tok)):

@@ -284,6 +284,36 @@ static void attend(const tr_model *M, int64_t b, int64_t hd, int64_t i0, int64_t
     }
 }
 
+/* The K largest of x[0 .. V - 1] -> idx[0 .. K - 1], largest first, equal values by lower index
+ * (so idx[0] is the first maximum, as torch.argmax picks; NaNs are never taken). K <= V. */
+static void topk_row(const float *x, int64_t V, int64_t K, int32_t *idx)
+{
+    float val[64]; /* K <= 64 (the engine's k) */
+    int64_t n = 0;
+    for (int64_t i = 0; i < V; i++) {
+        const float v = x[i];
+        int64_t p;
+        if (v != v) continue;
+        if (n == K) {
+            if (!(v > val[K - 1])) continue; /* not above the K-th: an equal later one loses */
+            p = K - 1;                       /* the K-th drops out */
+        } else {
+            p = n++;
+        }
+        for (; p > 0 && val[p - 1] < v; p--) val[p] = val[p - 1], idx[p] = idx[p - 1];
+        val[p] = v, idx[p] = (int32_t)i;
+    }
+    for (; n < K; n++) idx[n] = -1; /* fewer than K values that are not NaN */
+}
+
+/* topk_row over m rows of x [m, V] -> idx [m, K] (tests; the forward calls topk_row itself). */
+int trserve_topk_rows(const float *x, int64_t m, int64_t V, int64_t K, int32_t *idx)
+{
+    if (K < 1 || K > 64 || K > V) return -1;
+    for (int64_t i = 0; i < m; i++) topk_row(x + i * V, V, K, idx + i * K);
+    return 0;
+}
+
 #define QBLOCK 16 /* queries per attention work item */
 
 /* Checks the model fits the fixed-size parts below; 0 ok. */
@@ -297,14 +327,15 @@ int trserve_forward_check(const tr_model *M)
  * its KV row, ctx[b] its visible context columns [0, ctx[b]), start[b] the column its new tokens'
  * keys/values are written from; vis: per sequence a [w_b, w_b] uint8 matrix (1 = token i sees new
  * token j), concatenated. kc[l], vc[l]: layer l's buffers [R, Hkv, cap, D]. keep: [n_keep] token
- * indices whose logits are wanted -> logits [n_keep, V]. Returns 0, -1 on a shape the check refuses,
+ * indices whose logits are wanted -> logits [n_keep, V]; K > 0: also each kept row's top-K ids
+ * (topk_row) -> topk [n_keep, K]. Returns 0, -1 on a shape the check refuses,
  * -2 without memory, -3 on a position beyond the rotary tables. */
 int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int64_t *ids, const int64_t *pos,
                     const int64_t *kv_row, const int64_t *ctx, const int64_t *start, const uint8_t *vis,
                     float *const *kc, float *const *vc, int64_t cap, const int64_t *keep, int64_t n_keep,
-                    float *logits, int threads)
+                    float *logits, int64_t K, int32_t *topk, int threads)
 {
-    if (trserve_forward_check(M) || threads < 1) return -1;
+    if (trserve_forward_check(M) || threads < 1 || K < 0 || K > 64 || K > M->vocab || (K && n_keep && !topk)) return -1;
     const int64_t N = tok0[B], H = M->hidden, D = M->head_dim, Hq = M->heads, Hkv = M->kv_heads, F = M->inter;
     int64_t max_ctx = 0, max_w = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -397,6 +428,10 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
         for (int64_t i = id; i < n_keep; i += nt) rms_rows(x + keep[i] * H, M->final_norm, hk + i * H, 0, 1, H, M->eps);
 #pragma omp barrier
         if (n_keep) qmat_part(&M->head, hk, n_keep, logits, id, nt, &o0, &o1);
+        if (K > 0) {
+#pragma omp barrier
+            for (int64_t i = id; i < n_keep; i += nt) topk_row(logits + i * M->vocab, M->vocab, K, topk + i * K);
+        }
     }
 done:
     free(vis0), free(item0), free(x), free(hs), free(tmp), free(q), free(k), free(v), free(att), free(gt), free(up), free(hk);

@@ -77,6 +77,55 @@ def test_native_applies_and_matches_transformers(tmp_path):
             torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
 
 
+def test_topk_rows_orders_ties_by_id_and_skips_nans(tmp_path):
+    """The forward's top-k (csrc/forward.c topk_row): torch.topk's values, largest first, equal
+    logits by lower id, so column 0 is torch.argmax's pick; NaNs never taken."""
+    import ctypes
+
+    from engine.model.qlinear import _libs, kernel_isa
+
+    quantized_llama(tmp_path)  # loads this CPU's library
+    fn = _libs[kernel_isa()].trserve_topk_rows
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+
+    def top(x, k):
+        idx = torch.empty(x.shape[0], k, dtype=torch.int32)
+        assert fn(x.data_ptr(), x.shape[0], x.shape[1], k, idx.data_ptr()) == 0
+        return idx
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5, 1000, generator=g)
+    x[1, [7, 300, 999]] = 9.0  # a three-way tie at the top
+    x[2, :] = 0.5  # all equal
+    x[3, 100:200] = float("nan")
+    idx = top(x, 8)
+    assert torch.equal(x.gather(1, idx.long()), torch.topk(x.nan_to_num(-1e9), 8).values)
+    assert idx[1, :3].tolist() == [7, 300, 999] and idx[2].tolist() == list(range(8))
+    assert torch.equal(idx[:, 0].long(), x.nan_to_num(-1e9).argmax(-1))
+    assert not ((idx[3] >= 100) & (idx[3] < 200)).any()
+    assert top(torch.tensor([[float("nan")] * 3 + [1.0]]), 2).tolist() == [[3, -1]]
+
+
+def test_runner_topk_equals_torch_topk_of_its_logits(tmp_path):
+    model = quantized_llama(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    with torch.inference_mode():
+        r = ModelRunner(model, 2, torch.float32, native=True, topk=8)
+        for n in (20, 9):
+            row = r.kv.open_row()
+            logits = r.prefill(row, torch.randint(0, 256, (n,), generator=g), torch.arange(n))
+            assert torch.equal(logits.gather(1, r.last_topk.long()), torch.topk(logits, 8).values)
+            r.kv.activate(row)
+        tree = torch.full((3, 3), HIDE)
+        for i, anc in enumerate([[0], [0, 1], [0, 2]]):
+            tree[i, anc] = 0.0
+        out = r.step([_row([3, 9, 4], [0, 1, 1], tree), _row([11])])
+        assert [t.shape for t in r.last_topk] == [(3, 8), (1, 8)]
+        for lg, top in zip(out, r.last_topk):
+            assert torch.equal(top[:, 0].long(), lg.argmax(-1))
+            assert torch.equal(lg.gather(1, top.long()), torch.topk(lg, 8).values)
+
+
 def test_tree_nodes_equal_tokens_decoded_alone(tmp_path):
     """Bit for bit: a tree's nodes, in a batch next to another sequence, give the logits the same
     tokens give decoded one at a time, alone (what makes TR == plain decoding exactly)."""
