@@ -368,8 +368,10 @@ class BatchEngine:
         chain = len(proposal.tokens) if proposal is not None else 0
         if live.seq.tuner is not None or not self.config.batch_aware:  # the tuner's (or the full) plan, always
             return [(plan.tree.n + chain, 1.0, None, True)]
-        if live is self._explorer:  # its whole base tree now and then, so every node's rate stays measured
-            return [(plan.tree.n, 1.0, None, False)]
+        if live is self._explorer:  # its whole base tree (and lookup chain) now and then, so every node's
+            # rate and the chains' worth stay measured: a worth measured low on a cold matrix would
+            # otherwise never be looked at again
+            return [(plan.tree.n + chain, 1.0, None, bool(chain))]
         rates = self._rates.setdefault(live.rates_key, NodeRates(plan.tree.n))
         return rates.options([s for s in SIZES if s < plan.tree.n] + [plan.tree.n], chain)
 
