@@ -63,7 +63,7 @@ def test_hot_start_raises_mat(decoder):
     second = [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}]
     hot = decoder.new_matrix()
     decoder.generate(messages=first, max_new_tokens=96, matrix=hot)
-    assert hot.version > 0 and hot.nonzero_rows() > 20  # the generated text's distinct tokens (no prompt seeding)
+    assert hot.version > 0 and hot.nonzero_rows() > 50
     warm = decoder.generate(messages=second, max_new_tokens=96, matrix=hot)
     cold = decoder.generate(messages=second, max_new_tokens=96, matrix=decoder.new_matrix())
     assert warm.ids == cold.ids  # lossless either way
