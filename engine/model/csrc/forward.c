@@ -58,7 +58,7 @@ typedef struct {
 } tr_model;
 
 /* ---- written-out helpers (the same op sequence in every build) -------------------------------- */
-/* dot(a, b) over n (n % 32 == 0) in qlinear.c's order: lane l of block k takes a[32k + l] b[32k + l],
+/* dot(a, b) over n (n % 32 == 0) in the 16-lane order of qlinear.c's acc_block/acc_reduce: lane l of block k takes a[32k + l] b[32k + l],
  * then a[32k + 16 + l] b[32k + 16 + l]; the fixed 16 -> 1 reduction. */
 INLINE float dot32(const float *a, const float *b, int64_t n)
 {
