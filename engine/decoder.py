@@ -254,9 +254,7 @@ class Decoder:
         logits = runner.step([one])[0]  # [1, V]
         top = runner.last_topk[0] if runner.last_topk is not None else None
         runner.keep([[0]])
-        if seq.sampler is None and top is not None:
-            return [int(top[0, 0])]  # the argmax, from the forward's top-k
-        return [int(choose(logits, seq.sampler, len(seq.generated))[0])]
+        return [int(choose(logits, seq.sampler, len(seq.generated), top)[0])]
 
     def _tr_step(self, runner: ModelRunner, session, recycled, root: int, tree: CompiledTree, seq: Sequence):
         drafted = session.step(recycled, root)  # [n_draft] the matrix-drafted tree

@@ -272,8 +272,7 @@ class BatchEngine:
         for live, draft, lg, top in zip(self.running, drafts, logits, tops):
             seq = live.seq
             if draft is None:  # plain decoding this step
-                greedy = seq.sampler is None and top is not None and top.shape[-1] == k
-                new, path = [int(top[0, 0]) if greedy else int(choose(lg, seq.sampler, len(seq.generated))[0])], [0]
+                new, path = [int(choose(lg, seq.sampler, len(seq.generated), top)[0])], [0]
                 if live.session is not None:  # the root's top-k is recycled like any verified node's
                     live.plain.append((live.root, top_ids(lg[:1], k, top[:1] if top is not None else None)[0]))
             else:

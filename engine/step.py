@@ -54,8 +54,6 @@ def accept_step(seq: Sequence, draft: Draft, logits: torch.Tensor, k: int, past:
     """logits: [n, V] of the draft's nodes (topk: their top-k ids [n, k] where the forward computed
     them) -> (accepted path and tokens, rows to recycle); records the step for the tuner
     (exploration steps) or the caller's acceptance log."""
-    if topk is not None and topk.shape[-1] != k:
-        topk = None
     greedy = choose_in_tree(logits, draft.tokens, draft.tree, seq.sampler, len(seq.generated), topk)  # argmax or samples
     acc = accept_greedy(draft.tokens, greedy, draft.tree)
     rows = recycle_rows(draft.tokens, logits, k, acc.path, topk)

@@ -52,6 +52,6 @@ def recycle_rows(tokens: torch.Tensor, logits: torch.Tensor, k: int, accepted_pa
     """tokens: [n], logits: [n, V] -> the deduplicated top-k rows of this verification. topk: [n, k]
     the nodes' top-k ids where the forward computed them."""
     winners = select_rows(tokens, accepted_path)
-    rows = topk[winners] if topk is not None and topk.shape[-1] == k else top_ids(logits[winners], k)  # [m, K]
+    rows = top_ids(logits[winners], k, topk[winners] if topk is not None else None)  # [m, K]
     return RecycledRows(tokens=tokens[winners], topk=rows)
 

@@ -176,7 +176,7 @@ def choose_in_tree(logits: torch.Tensor, tokens: torch.Tensor, tree, sampler: Sa
     topk: [n, k] the nodes' top-k ids where the forward computed them (column 0 = the argmax).
     """
     if sampler is None:
-        return topk[:, 0].long() if topk is not None else logits.argmax(dim=-1)
+        return choose(logits, None, at, topk)
     parent, tok = tree.parent.tolist(), tokens.tolist()
     children: list[list[int]] = [[] for _ in tok]
     for node in range(1, len(tok)):
@@ -191,13 +191,15 @@ def choose_in_tree(logits: torch.Tensor, tokens: torch.Tensor, tree, sampler: Sa
     return choices
 
 
-def choose(logits: torch.Tensor, sampler: Sampler | None, positions: torch.Tensor | int) -> torch.Tensor:
+def choose(logits: torch.Tensor, sampler: Sampler | None, positions: torch.Tensor | int,
+           topk: torch.Tensor | None = None) -> torch.Tensor:
     """The token each node emits: the argmax when greedy (sampler None), else the seeded sample.
 
     logits: [n, V]; positions: [n] (or one int for every row) output positions -> [n] int64.
+    topk: [n, k] the rows' top-k ids where the forward computed them (column 0 = the argmax).
     """
     if sampler is None:
-        return logits.argmax(dim=-1)
+        return topk[:, 0].long() if topk is not None else logits.argmax(dim=-1)
     if isinstance(positions, int):
         positions = torch.full((logits.shape[0],), positions, device=logits.device)
     return sampler.sample(logits, positions.to(sampler.uniforms.device))

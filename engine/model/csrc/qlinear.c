@@ -109,10 +109,8 @@
 #error "tile panels must be 1..4"
 #endif
 
-/* ---- float16 -> float32 (exact) ------------------------------------------------------------- */
-#if defined(__F16C__)
-INLINE float half_to_float(uint16_t h) { return _cvtsh_ss(h); }
-#else
+/* ---- float16 -> float32 (exact), for the scalar build (the vector ones convert 8/16 at a time) -- */
+#if !defined(__AVX512F__) && !defined(__AVX2__)
 /* Portable: every float16 (normal, subnormal, zero, inf, nan) is exactly a float32. */
 INLINE float half_to_float(uint16_t h)
 {
