@@ -24,10 +24,12 @@ def block_weights(kind: str, out_f: int, in_f: int, seed: int = 1) -> torch.Tens
     nb = in_f // 32
     if kind == "q4":
         q = torch.randint(0, 16, (out_f, nb, 32), generator=g).float()
+        q[..., 0], q[..., 1] = 0, 15  # as in GGUF: a block's min is q = 0 and its max q = 15 (else not recoverable)
         d = (torch.rand(out_f, nb, generator=g) * 0.02 + 1e-4).half().float()
         m = (-7.5 * d).half().float()
         return (q * d[..., None] + m[..., None]).reshape(out_f, in_f)
     q = torch.randint(-127, 128, (out_f, nb, 32), generator=g).float()
+    q[..., 0] = 127  # as in GGUF: |q| = 127 somewhere in the block gives d exactly
     d = (torch.rand(out_f, nb, generator=g) * 0.01 + 1e-4).half().float()
     return (q * d[..., None]).reshape(out_f, in_f)
 
@@ -66,7 +68,9 @@ def main(argv: list[str] | None = None) -> None:
         layers = {}
         for isa in args.isas.split(","):
             holder = nn.Sequential(lin)
-            quantize_linears(holder, default_cache_dir(), isa)
+            swapped, _ = quantize_linears(holder, default_cache_dir(), isa)
+            if not swapped:  # never time stock torch under a kernel's name
+                raise SystemExit(f"{kind} {in_f}->{out_f}: the weights did not recover as blocks")
             layers[isa] = holder[0]
         if args.packed:
             layers["packed"] = PackedLinear(lin)

@@ -217,7 +217,7 @@ class Decoder:
         prefill_s = time.perf_counter() - t0
         session = source.open(tree, self.spec) if source else None
         if session is not None:
-            seq.lookup = ContextLookup(ids, len(ids) + seq.max_new_tokens)
+            seq.lookup = ContextLookup(ids, max_ngram=len(tree.template.lookup))
         try:
             seq.commit([root])
             yield StepChunk(tokens=[root], text=text.delta(seq.generated, cut=seq.stops.cut_text))

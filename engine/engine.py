@@ -145,7 +145,7 @@ class BatchEngine:
                                         f"(max_waiting={self.config.max_waiting}); retry later or use another worker")
         if req.mode == "tr":
             live.session = d.draft_source(matrix).open(tree, d.spec)
-            seq.lookup = ContextLookup(list(prepared.ids), seq.prompt_len + seq.max_new_tokens)
+            seq.lookup = ContextLookup(list(prepared.ids), max_ngram=len(tree.template.lookup))
         with self._lock:
             self.waiting.append(live)
             self._lock.notify()

@@ -30,8 +30,9 @@ class _Rows:
         self.active = 0  # rows 0..active-1 run in batch forwards
         self.single: int | None = None  # the row of a single-row forward, else None (batch)
         self.offset = 0  # batch forward: where this step's entries go (= max lens of the active rows)
-        self.k: list[torch.Tensor | None] = []
+        self.k: list[torch.Tensor | None] = []  # per layer [R, Hkv, capacity, D]: views of `buf`
         self.v: list[torch.Tensor | None] = []
+        self.buf: torch.Tensor | None = None  # [2, layers, R, Hkv, capacity, D]: every layer's keys, values
         self.capacity = 0
 
 
@@ -98,15 +99,16 @@ class BatchKV:
         if tokens <= r.capacity:
             return
         cap = max(tokens, 2 * r.capacity, 256)
-        for i in range(len(r.k)):
-            # zeros, not empty: a row's masked holes are still multiplied by the queries, and stale
-            # memory can hold inf/NaN, which a -inf-like additive mask does not cancel (NaN logits)
-            k = torch.zeros(r.max_rows, self.heads, cap, self.head_dim, dtype=self.dtype, device=self.device)
-            v = torch.zeros_like(k)
-            if r.k[i] is not None:
-                used = max(r.lens)
-                k[:, :, :used], v[:, :, :used] = r.k[i][:, :, :used], r.v[i][:, :, :used]
-            r.k[i], r.v[i] = k, v
+        # zeros, not empty: a row's masked holes are still multiplied by the queries, and stale
+        # memory can hold inf/NaN, which a -inf-like additive mask does not cancel (NaN logits).
+        # One buffer for all layers, so that moving a row's entries is one indexing op, not one per layer.
+        buf = torch.zeros(2, len(r.k), r.max_rows, self.heads, cap, self.head_dim, dtype=self.dtype,
+                          device=self.device)
+        if r.buf is not None:
+            used = max(r.lens)
+            buf[..., :used, :] = r.buf[..., :used, :]
+        r.buf = buf
+        r.k, r.v = list(buf[0].unbind(0)), list(buf[1].unbind(0))  # contiguous [R, Hkv, cap, D] each
         r.capacity = cap
 
     # ---- forwards -------------------------------------------------------------------------------
@@ -143,9 +145,8 @@ class BatchKV:
         if rows:
             bi = torch.tensor(rows, device=self.device)
             si, di = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
-            for k, v in zip(r.k, r.v):
-                k[bi, :, di] = k[bi, :, si]  # [m, Hkv, D]; the right side is gathered before the write
-                v[bi, :, di] = v[bi, :, si]
+            # [m, 2, layers, Hkv, D]; the right side is gathered before the write
+            r.buf[:, :, bi, :, di] = r.buf[:, :, bi, :, si]
 
     # ---- rows -----------------------------------------------------------------------------------
     def open_row(self) -> int:
@@ -169,9 +170,8 @@ class BatchKV:
         moved = None
         if row != last:
             n = r.lens[last]
-            for k, v in zip(r.k, r.v):
-                if k is not None:
-                    k[row, :, :n], v[row, :, :n] = k[last, :, :n], v[last, :, :n]
+            if r.buf is not None:
+                r.buf[:, :, row, :, :n] = r.buf[:, :, last, :, :n]
             r.lens[row] = n
             moved = last
         r.lens[last] = 0
@@ -182,9 +182,8 @@ class BatchKV:
         """Copy an inactive row's entries (a prefill in progress) to another inactive row."""
         r = self.rows
         n = r.lens[src]
-        for k, v in zip(r.k, r.v):
-            if k is not None:
-                k[dst, :, :n], v[dst, :, :n] = k[src, :, :n], v[src, :, :n]
+        if r.buf is not None:
+            r.buf[:, :, dst, :, :n] = r.buf[:, :, src, :, :n]
         r.lens[dst], r.lens[src] = n, 0
 
     def reset(self) -> None:

@@ -30,6 +30,13 @@ def accept_greedy(tokens: torch.Tensor, greedy: torch.Tensor, tree: CompiledTree
     Example: tokens [5, 7, 9, 3], greedy [7, 3, 1, 8], paths [[0], [1], [0, 0]]:
     node 1 (7) matches greedy[0]=7, node 3 (3) matches greedy[1]=3 -> path [0, 1, 3], tokens [7, 3, 8].
     """
+    if tokens.device.type == "cpu":  # host tensors: the same rule on Python ints (no tensor op per rule)
+        return _accept_host(tokens.tolist(), greedy.tolist(), tree)
+    return _accept_tensor(tokens, greedy, tree)
+
+
+def _accept_tensor(tokens: torch.Tensor, greedy: torch.Tensor, tree: CompiledTree) -> Acceptance:
+    """accept_greedy on the device: a few tensor ops and one host read of the winner."""
     ok = tokens == greedy[tree.parent]  # [n]
     ok[0] = True
     # A node is accepted when every node on its root path matches: gather along path_nodes
@@ -42,3 +49,16 @@ def accept_greedy(tokens: torch.Tensor, greedy: torch.Tensor, tree: CompiledTree
     path = tree.path_to(winner)
     committed = tokens[path[1:]].tolist() + [int(greedy[winner])]
     return Acceptance(path=path, tokens=committed)
+
+
+def _accept_host(tok: list[int], greedy: list[int], tree: CompiledTree) -> Acceptance:
+    """accept_greedy for tensors in host memory: what the tensor rule computes, on lists (a handful of
+    torch ops on a few dozen nodes cost more than the loop). The tests check both on random trees."""
+    parent = tree.host_parent
+    ok = [True] + [tok[i] == greedy[parent[i]] for i in range(1, len(tok))]
+    winner, deepest = 0, 0
+    for i, path in enumerate(tree.host_paths):  # first maximum -> lowest index at the deepest level
+        if len(path) - 1 > deepest and all(ok[j] for j in path):
+            winner, deepest = i, len(path) - 1
+    path = list(tree.host_paths[winner])
+    return Acceptance(path=path, tokens=[tok[j] for j in path[1:]] + [greedy[winner]])

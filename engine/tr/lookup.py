@@ -39,26 +39,51 @@ def find_continuation(context: np.ndarray, max_ngram: int, min_ngram: int, lengt
 
 
 class ContextLookup:
-    """The request's tokens so far (prompt + committed output) in a growing buffer."""
+    """The request's tokens so far (prompt + committed output), with an index of their n-grams so a
+    step's lookup costs one dict probe per n instead of a scan of the context (the same answer as
+    `find_continuation` over the whole context: the tests check it).
 
-    def __init__(self, prompt: list[int], capacity: int) -> None:
-        self._buf = np.zeros(max(capacity, len(prompt)) + 1, dtype=np.int64)
-        self._len = 0
+    `_index[n - 1]` maps each n-gram that has a following token to the start of its most recent
+    occurrence; appending a token adds, for every indexed n, the n-gram that token now follows.
+    Sizes up to `max_ngram` are indexed at once, larger ones when a lookup first asks for them."""
+
+    def __init__(self, prompt: list[int], max_ngram: int = 0) -> None:
+        self._tokens: list[int] = []
+        self._index: list[dict[tuple[int, ...], int]] = []
         self.extend(prompt)
+        self._ensure(max_ngram)
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def _ensure(self, max_ngram: int) -> None:
+        toks = self._tokens
+        while len(self._index) < max_ngram:
+            n = len(self._index) + 1
+            self._index.append({tuple(toks[s: s + n]): s for s in range(len(toks) - n)})
 
     def extend(self, tokens: list[int]) -> None:
-        end = self._len + len(tokens)
-        if end > self._buf.shape[0]:
-            self._buf = np.concatenate([self._buf, np.zeros(end, dtype=np.int64)])
-        self._buf[self._len: end] = tokens
-        self._len = end
+        toks = self._tokens
+        old = len(toks)
+        toks.extend(int(t) for t in tokens)
+        for n, index in enumerate(self._index, start=1):
+            # n-grams starting at s with a following token: s + n <= len - 1; new ones start at old - n ...
+            for s in range(max(old - n, 0), len(toks) - n):
+                index[tuple(toks[s: s + n])] = s
 
     def propose(self, caps: tuple[int, ...]) -> Proposal | None:
-        """A proposal cut to caps[n - 1] tokens for the longest suffix match size n (see TreeTemplate.lookup)."""
+        """A proposal cut to caps[n - 1] tokens for the longest suffix match size n (see TreeTemplate.lookup);
+        None when there is none, or when the longest match has cap 0 (smaller ones are not tried)."""
         usable = [n for n, c in enumerate(caps, start=1) if c > 0]
-        if not usable or self._len < 2:
+        toks = self._tokens
+        t = len(toks)
+        if not usable or t < 2:
             return None
-        found = find_continuation(self._buf[: self._len], len(caps), usable[0], max(caps))
-        if found is None or caps[found.ngram - 1] == 0:
-            return None
-        return Proposal(found.tokens[: caps[found.ngram - 1]], found.ngram)
+        self._ensure(len(caps))
+        for n in range(min(len(caps), t - 1), usable[0] - 1, -1):
+            s = self._index[n - 1].get(tuple(toks[t - n:]))
+            if s is not None:
+                if caps[n - 1] == 0:
+                    return None
+                return Proposal(toks[s + n: s + n + caps[n - 1]], n)
+        return None

@@ -27,6 +27,13 @@ def select_rows(tokens: torch.Tensor, accepted_path: list[int]) -> torch.Tensor:
     first in breadth-first order (shallowest, then highest-ranked), whose context is closest to
     the real one. Example: tokens [5, 7, 7, 5], path [0, 2] -> winners for 5: node 0, for 7: node 2.
     """
+    if tokens.device.type == "cpu":  # host tensors: the same rule on Python ints
+        return torch.tensor(_select_host(tokens.tolist(), accepted_path), dtype=torch.long)
+    return _select_tensor(tokens, accepted_path)
+
+
+def _select_tensor(tokens: torch.Tensor, accepted_path: list[int]) -> torch.Tensor:
+    """select_rows on the device: a sort by (token, priority), no host loop."""
     n = tokens.shape[0]
     priority = n - torch.arange(n, device=tokens.device)  # earlier nodes first: n..1
     on_path = torch.tensor(accepted_path, device=tokens.device)
@@ -37,6 +44,16 @@ def select_rows(tokens: torch.Tensor, accepted_path: list[int]) -> torch.Tensor:
     last_of_group = torch.ones(n, dtype=torch.bool, device=tokens.device)
     last_of_group[:-1] = sorted_tokens[:-1] != sorted_tokens[1:]
     return order[last_of_group]
+
+
+def _select_host(tokens: list[int], accepted_path: list[int]) -> list[int]:
+    """select_rows on lists: winners in ascending token order, as the tensor rule returns them."""
+    best: dict[int, int] = {}
+    for i, t in enumerate(tokens):  # breadth-first order: a token's first node wins among the others
+        best.setdefault(t, i)
+    for i in accepted_path:  # path nodes win, the deeper one last
+        best[tokens[i]] = i
+    return [best[t] for t in sorted(best)]
 
 
 def top_ids(logits: torch.Tensor, k: int, known: torch.Tensor | None = None) -> torch.Tensor:
@@ -52,6 +69,9 @@ def recycle_rows(tokens: torch.Tensor, logits: torch.Tensor, k: int, accepted_pa
     """tokens: [n], logits: [n, V] -> the deduplicated top-k rows of this verification. topk: [n, k]
     the nodes' top-k ids where the forward computed them."""
     winners = select_rows(tokens, accepted_path)
-    rows = top_ids(logits[winners], k, topk[winners] if topk is not None else None)  # [m, K]
+    if topk is not None and topk.shape[-1] == k:  # the forward's: no full-vocabulary rows gathered
+        rows = topk[winners]  # [m, K]
+    else:
+        rows = top_ids(logits[winners], k)
     return RecycledRows(tokens=tokens[winners], topk=rows)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 
 import torch
@@ -165,10 +165,18 @@ class CompiledTree:
     def max_depth(self) -> int:
         return len(self.levels)
 
+    @cached_property
+    def host_paths(self) -> tuple[tuple[int, ...], ...]:
+        """Per node, root..node indices as Python ints (path_nodes without pads), read once per tree."""
+        return tuple(tuple(i for i in row if i >= 0) for row in self.path_nodes.tolist())
+
+    @cached_property
+    def host_parent(self) -> tuple[int, ...]:
+        return tuple(self.parent.tolist())
+
     def path_to(self, node: int) -> list[int]:
         """Node indices from the root to `node`, both included."""
-        row = self.path_nodes[node].tolist()
-        return [i for i in row if i >= 0]
+        return list(self.host_paths[node])
 
     def __repr__(self) -> str:
         return (

@@ -62,25 +62,34 @@
 /* Plans, per ISA, chosen by measurement on the bundled model's shapes (-D overrides exist only to
  * measure): register tiles of R rows x T panels, the weights rebuilt in registers once per tile and
  * used by all its rows. One row takes ONE_PANELS panels (more chains in flight); n <= NARROW_ROWS
- * rows one tile of n rows x NARROW_PANELS panels; wider batches tiles of WIDE_ROWS rows (the last
- * one ragged) x WIDE_PANELS panels. Plans only change which independent chains run side by side,
- * never the arithmetic of one. */
+ * rows (NARROW8_ROWS for q8 matrices) one tile of n rows x NARROW_PANELS (NARROW8_PANELS) panels;
+ * wider batches tiles of WIDE_ROWS rows (the last one ragged) x WIDE_PANELS panels. Plans only
+ * change which independent chains run side by side, never the arithmetic of one.
+ * Measured on 2 cores (bench/qlinear_isa.py, us per call): q4 tiles cost ~29 us + ~6 us per row on
+ * gate/up shapes whatever the narrow plan; the q8 LM head at 4 rows takes 1250 us as 4 x 4, 1870 us
+ * as 8 x 1 (Intel Xeon); wide tiles 8 x 2 are ~10% faster than 8 x 1 (Xeon), larger ones spill. */
 #if defined(__AVX512F__)
 #define DEFAULT_ONE_PANELS 4
 #define DEFAULT_NARROW_ROWS 2 /* 2 x 4 panels: 8 accumulators, 8 weight vectors */
 #define DEFAULT_NARROW_PANELS 4
-#define DEFAULT_WIDE_ROWS 8 /* 8 x 1 panel: ~190 GFLOP/s on 2 Zen 4 cores (n >= 8), 2-3x the row-major tiles */
-#define DEFAULT_WIDE_PANELS 1
+#define DEFAULT_NARROW8_ROWS 4 /* 4 x 4: 16 accumulators */
+#define DEFAULT_NARROW8_PANELS 4
+#define DEFAULT_WIDE_ROWS 8 /* 8 x 2: 16 accumulators; ~220 GFLOP/s on 2 cores at n >= 16 */
+#define DEFAULT_WIDE_PANELS 2
 #elif defined(__AVX2__)
 #define DEFAULT_ONE_PANELS 2
 #define DEFAULT_NARROW_ROWS 2
 #define DEFAULT_NARROW_PANELS 1
+#define DEFAULT_NARROW8_ROWS 2
+#define DEFAULT_NARROW8_PANELS 1
 #define DEFAULT_WIDE_ROWS 6 /* 6 x 1 panel x 2 ymm = 12 of 16 ymm */
 #define DEFAULT_WIDE_PANELS 1
 #else
 #define DEFAULT_ONE_PANELS 1
 #define DEFAULT_NARROW_ROWS 1
 #define DEFAULT_NARROW_PANELS 1
+#define DEFAULT_NARROW8_ROWS 1
+#define DEFAULT_NARROW8_PANELS 1
 #define DEFAULT_WIDE_ROWS 4
 #define DEFAULT_WIDE_PANELS 1
 #endif
@@ -93,19 +102,26 @@
 #ifndef NARROW_PANELS
 #define NARROW_PANELS DEFAULT_NARROW_PANELS
 #endif
+#ifndef NARROW8_ROWS
+#define NARROW8_ROWS DEFAULT_NARROW8_ROWS
+#endif
+#ifndef NARROW8_PANELS
+#define NARROW8_PANELS DEFAULT_NARROW8_PANELS
+#endif
 #ifndef WIDE_ROWS
 #define WIDE_ROWS DEFAULT_WIDE_ROWS
 #endif
 #ifndef WIDE_PANELS
 #define WIDE_PANELS DEFAULT_WIDE_PANELS
 #endif
-#define MAX_ROWS 8
+#define MAX_ROWS 16
 #define MAX_PANELS 4
-#if NARROW_ROWS < 1 || NARROW_ROWS > MAX_ROWS || WIDE_ROWS < 1 || WIDE_ROWS > MAX_ROWS
-#error "tile rows must be 1..8"
+#if NARROW_ROWS < 1 || NARROW_ROWS > MAX_ROWS || NARROW8_ROWS < 1 || NARROW8_ROWS > MAX_ROWS || WIDE_ROWS < 1 \
+    || WIDE_ROWS > MAX_ROWS
+#error "tile rows must be 1..16"
 #endif
 #if ONE_PANELS < 1 || ONE_PANELS > MAX_PANELS || NARROW_PANELS < 1 || NARROW_PANELS > MAX_PANELS || WIDE_PANELS < 1 \
-    || WIDE_PANELS > MAX_PANELS
+    || WIDE_PANELS > MAX_PANELS || NARROW8_PANELS < 1 || NARROW8_PANELS > MAX_PANELS
 #error "tile panels must be 1..4"
 #endif
 
@@ -245,7 +261,7 @@ typedef struct {
 INLINE void store_tile(const qmat_t *w, const int R, const int T, v16 acc[MAX_ROWS][MAX_PANELS], float *y, int64_t p,
                        int64_t r0)
 {
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
@@ -268,7 +284,7 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
 {
     const int64_t I = w->in, nb = w->nb;
     v16 acc[MAX_ROWS][MAX_PANELS];
-#pragma GCC unroll 8
+#pragma GCC unroll 16
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) acc[r][t] = v_zero();
@@ -289,7 +305,7 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
                 v16 w0[MAX_PANELS], w1[MAX_PANELS];
 #pragma GCC unroll 4
                 for (int t = 0; t < T; t++) deq4(c[t] + 16 * j, vd[t], vm[t], &w0[t], &w1[t]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
                 for (int r = 0; r < R; r++) {
 #pragma GCC unroll 4
                     for (int t = 0; t < T; t++) acc[r][t] = v_fma(w0[t], xb + r * I + 2 * j, acc[r][t]);
@@ -302,7 +318,7 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
                 v16 wj[MAX_PANELS];
 #pragma GCC unroll 4
                 for (int t = 0; t < T; t++) wj[t] = deq8(c[t] + 16 * j, vd[t]);
-#pragma GCC unroll 8
+#pragma GCC unroll 16
                 for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
                     for (int t = 0; t < T; t++) acc[r][t] = v_fma(wj[t], xb + r * I + j, acc[r][t]);
@@ -318,7 +334,9 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
 #define ROW_CASES(CALL)                                                                              \
     switch (rows) {                                                                                  \
     ROW_CASE(1, CALL) ROW_CASE(2, CALL) ROW_CASE(3, CALL) ROW_CASE(4, CALL)                          \
-    ROW_CASE(5, CALL) ROW_CASE(6, CALL) ROW_CASE(7, CALL)                                            \
+    ROW_CASE(5, CALL) ROW_CASE(6, CALL) ROW_CASE(7, CALL) ROW_CASE(8, CALL)                          \
+    ROW_CASE(9, CALL) ROW_CASE(10, CALL) ROW_CASE(11, CALL) ROW_CASE(12, CALL)                       \
+    ROW_CASE(13, CALL) ROW_CASE(14, CALL) ROW_CASE(15, CALL)                                         \
     default: CALL(RR); break;                                                                        \
     }
 
@@ -355,7 +373,7 @@ INLINE void part(const qmat_t *w, const int kind, const int RR, const int T, con
 PLAN(one_q4, 4, 1, ONE_PANELS)
 PLAN(one_q8, 8, 1, ONE_PANELS)
 PLAN(narrow_q4, 4, NARROW_ROWS, NARROW_PANELS)
-PLAN(narrow_q8, 8, NARROW_ROWS, NARROW_PANELS)
+PLAN(narrow_q8, 8, NARROW8_ROWS, NARROW8_PANELS)
 PLAN(wide_q4, 4, WIDE_ROWS, WIDE_PANELS)
 PLAN(wide_q8, 8, WIDE_ROWS, WIDE_PANELS)
 #undef PLAN
@@ -370,7 +388,7 @@ static void qmat_rows(const qmat_t *w, const float *x, int64_t n, float *y, int6
     if (p1 <= p0 || n <= 0) return;
     const int q4 = w->kind == 4;
     if (n == 1) (q4 ? one_q4 : one_q8)(w, x, n, y, p0, p1);
-    else if (n <= NARROW_ROWS) (q4 ? narrow_q4 : narrow_q8)(w, x, n, y, p0, p1);
+    else if (n <= (q4 ? NARROW_ROWS : NARROW8_ROWS)) (q4 ? narrow_q4 : narrow_q8)(w, x, n, y, p0, p1);
     else (q4 ? wide_q4 : wide_q8)(w, x, n, y, p0, p1);
 }
 

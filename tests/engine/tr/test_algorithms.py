@@ -65,3 +65,29 @@ def test_recycle_and_apply():
     assert m.apply(rows) == 1
     assert m.rows.tolist() == [[3, 2], [0, 0], [1, 3], [2, 3]]
     assert "tokens=(3,)" in repr(rows) and isinstance(rows, RecycledRows)
+
+
+def test_host_and_tensor_rules_agree_on_random_trees():
+    """accept_greedy and select_rows run on Python ints for host tensors and as tensor ops on a
+    device; both must give the same answer (here: random trees, chains, small vocabularies)."""
+    from engine.tr.accept import _accept_host, _accept_tensor
+    from engine.tr.hybrid import attach_chain
+    from engine.tr.recycle import _select_host, _select_tensor
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(60):
+        paths, frontier = [], [()]
+        for _ in range(int(torch.randint(1, 12, (1,), generator=g))):
+            parent = frontier[int(torch.randint(0, len(frontier), (1,), generator=g))]
+            rank = sum(1 for p in paths if p[:-1] == parent)
+            paths.append(parent + (rank,))
+            frontier.append(paths[-1])
+        tree = compile_tree(TreeTemplate.from_paths(f"r{trial}", [list(p) for p in paths]))
+        if trial % 2:
+            tree = attach_chain(tree, int(torch.randint(0, tree.n, (1,), generator=g)), int(trial % 5) + 1)
+        vocab = int(torch.randint(2, 5, (1,), generator=g))
+        tokens = torch.randint(0, vocab, (tree.n,), generator=g)
+        greedy = torch.randint(0, vocab, (tree.n,), generator=g)
+        a, b = _accept_host(tokens.tolist(), greedy.tolist(), tree), _accept_tensor(tokens, greedy, tree)
+        assert (a.path, a.tokens) == (b.path, b.tokens), trial
+        assert _select_host(tokens.tolist(), a.path) == _select_tensor(tokens, a.path).tolist(), trial

@@ -28,8 +28,8 @@ def test_find_continuation_prefers_longest_match_then_most_recent():
     assert find_continuation(ctx, 2, 1, 2) .tokens == [9, 3]
 
 
-def test_context_lookup_grows_past_capacity_and_applies_caps():
-    lk = ContextLookup([1, 2, 3], capacity=3)
+def test_context_lookup_grows_and_applies_caps():
+    lk = ContextLookup([1, 2, 3])
     lk.extend([4, 1, 2])
     assert lk.propose((4, 4)).tokens == [3, 4, 1, 2]
     assert lk.propose((4, 2)).tokens == [3, 4]  # bigram match [1, 2]: capped at 2
@@ -103,3 +103,28 @@ def test_decoder_hybrid_is_lossless_and_uses_the_chain(decoder):
     cols = log.arrays()
     assert (cols["ngram"] > 0).any() and cols["run"].max() >= 4  # copied spans came from the chain
     assert len(log) == r.stats.steps
+
+
+def test_context_lookup_index_matches_the_scan():
+    """The incremental n-gram index gives find_continuation's answer over the whole context, as the
+    context grows a few tokens at a time (small vocabularies: many repeats and ties)."""
+    rng = np.random.default_rng(0)
+    for trial in range(40):
+        vocab = int(rng.integers(2, 9))
+        caps = tuple(int(c) for c in rng.integers(0, 6, size=int(rng.integers(1, 6))))
+        prompt = rng.integers(0, vocab, size=int(rng.integers(0, 12))).tolist()
+        lk = ContextLookup(prompt, max_ngram=int(rng.integers(0, 4)))
+        ctx = list(prompt)
+        for _ in range(12):
+            usable = [n for n, c in enumerate(caps, start=1) if c > 0]
+            want = None
+            if usable and len(ctx) >= 2:
+                found = find_continuation(np.array(ctx, dtype=np.int64), len(caps), usable[0], max(caps))
+                if found is not None and caps[found.ngram - 1]:
+                    want = (found.tokens[: caps[found.ngram - 1]], found.ngram)
+            got = lk.propose(caps)
+            assert (got.tokens, got.ngram) == want if got is not None else want is None, (trial, ctx, caps)
+            new = rng.integers(0, vocab, size=int(rng.integers(1, 4))).tolist()
+            lk.extend(new)
+            ctx += new
+        assert len(lk) == len(ctx)
