@@ -311,3 +311,12 @@ def test_kernel_libraries_are_built_once_per_variant_and_loadable_by_other_users
     mtime = libs["scalar"].stat().st_mtime_ns
     assert build_kernels(kernel_dir, "scalar") == libs["scalar"] and libs["scalar"].stat().st_mtime_ns == mtime
     assert build_kernels(kernel_dir) == libs[kernel_isa()]  # auto: this CPU's best
+
+
+def test_kernel_bench_weights_recover_as_blocks():
+    """bench/qlinear_isa.py times the compressed kernels on its own block weights: they must recover
+    (it once timed oneDNN's nn.Linear under every kernel's name because they did not)."""
+    from bench.qlinear_isa import block_weights
+
+    assert recover_q4(block_weights("q4", 64, 96)) is not None
+    assert recover_q8(block_weights("q8", 64, 96)) is not None
