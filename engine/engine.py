@@ -54,6 +54,9 @@ class EngineConfig:
     # ... and at most this share of the step time goes to those explorations (their extra width under the
     # calibrated costs: steep width costs, e.g. AVX2 CPUs, explore less often)
     explore_budget: float = 0.04
+    # batch-aware: a step with trees must promise this much more than plain decoding (a share of tok/s) under
+    # the cost model, whose calibration is noisy (engine/tuning/budget.py)
+    tree_margin: float = 0.05
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_batch_tokens < 64 or self.max_waiting < 0 or self.prefill_chunk < 1:
@@ -62,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"explore_every must be >= 1, got {self.explore_every}")
         if not 0 < self.explore_budget <= 1:
             raise ValueError(f"explore_budget must be in (0, 1], got {self.explore_budget}")
+        if not 0 <= self.tree_margin < 1:
+            raise ValueError(f"tree_margin must be in [0, 1), got {self.tree_margin}")
 
 
 def proxy_cost(width: int, kv: int) -> float:
@@ -120,6 +125,11 @@ class BatchEngine:
         self._explore_credit = 0.0  # seconds of step time exploration may still spend
         self._explored = 0  # explorations so far (whose turn is next)
         self._last_width = 1  # the previous step's total (packed) or padded width
+        # per-sequence host seconds of a step outside the forward (drafting, acceptance, recycling,
+        # streaming), measured: {True: a tree step, False: a plain one}; the difference is what a tree
+        # costs beyond its forward width (engine/tuning/budget.py, `extra`)
+        self._host_s = {True: 5e-4, False: 1e-4}
+        self._draft_s: list[float] = []  # this step's drafting seconds per running sequence
 
     # ---- the caller's side (any thread) ---------------------------------------------------------
     def submit(self, prepared: PreparedRequest, emit: Callable[[StepChunk | GenerationResult | Exception], None], *,
@@ -269,7 +279,8 @@ class BatchEngine:
         logits = self.runner.step(inputs)  # per row [w_b, V]
         tops = self.runner.last_topk or [None] * len(logits)  # per row [w_b, k] where the forward computed them
         keep, k = [], self.decoder.config.k
-        for live, draft, lg, top in zip(self.running, drafts, logits, tops):
+        for live, draft, lg, top, spent in zip(self.running, drafts, logits, tops, self._draft_s):
+            t0 = time.perf_counter()
             seq = live.seq
             if draft is None:  # plain decoding this step
                 new, path = [int(choose(lg, seq.sampler, len(seq.generated), top)[0])], [0]
@@ -284,6 +295,8 @@ class BatchEngine:
             seq.accepted_per_step.append(len(new))
             live.root = new[-1] if new else live.root
             self._emit(live, new)
+            tree = draft is not None
+            self._host_s[tree] += 0.02 * (spent + time.perf_counter() - t0 - self._host_s[tree])
         self.runner.keep(keep)
 
     def _drafts(self) -> tuple[list, list[RowInput]]:
@@ -303,12 +316,15 @@ class BatchEngine:
         chosen = self._choose(options)
         drafts, inputs = [], []
         dev = self.decoder.device
+        self._draft_s = []
         for live, stage, opts, j in zip(self.running, staged, options, chosen):
+            t0 = time.perf_counter()
             _, _, size, chain = opts[j]
             if stage is None or size == 1:
                 drafts.append(None)
                 inputs.append(RowInput(torch.tensor([live.root], device=dev), torch.zeros(1, dtype=torch.long, device=dev),
                                        torch.zeros(1, 1, dtype=self.runner.dtype, device=dev)))
+                self._draft_s.append(time.perf_counter() - t0)
                 continue
             plan, proposal = stage
             # Only a sequence that verifies a tree drafts (and hands over its pending rows) this step: a
@@ -321,6 +337,7 @@ class BatchEngine:
             draft = draft_step(live.seq, drafted, plan, proposal, lookup=chain)
             drafts.append(draft)
             inputs.append(RowInput(draft.tokens, draft.tree.depth, draft.tree.mask))
+            self._draft_s.append(time.perf_counter() - t0)
         widths = [r.tokens.shape[0] for r in inputs]
         self._last_width = sum(widths) if self.runner.native is not None else len(widths) * max(widths)
         return drafts, inputs
@@ -377,9 +394,10 @@ class BatchEngine:
     def _choose(self, options: list[list[tuple[int, float, int | None, bool]]]) -> list[int]:
         kv = sum(self.runner.kv.rows.lens[: len(self.running)]) // max(len(self.running), 1)
         opts = [[(w, t) for w, t, _, _ in o] for o in options]
+        extra = max(self._host_s[True] - self._host_s[False], 0.0)  # a tree's host work beyond a plain step's
         if self.runner.native is not None:  # rows packed without pads: a step costs its summed width
-            return choose_packed(opts, lambda n: self.cost(n, kv))
-        return choose_options(opts, lambda w: self.cost(w, kv))
+            return choose_packed(opts, lambda n: self.cost(n, kv), extra, self.config.tree_margin)
+        return choose_options(opts, lambda w: self.cost(w, kv), extra, self.config.tree_margin)
 
     def _subtree(self, tree: CompiledTree, size: int) -> CompiledTree:
         key = (tree.template, size)

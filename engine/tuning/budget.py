@@ -17,6 +17,17 @@ Worked example, cost(w) = 10 + w ms, two sequences with options [(1, 1.0), (3, 2
 With cost(w) = 2 w ms (compute-bound): cap 1: 2 / 4 = 0.5; cap 3: 4 / 12 = 0.33 -> plain decoding.
 So under light load each request gets its tree, under heavy load trees shrink to one-token steps.
 
+A tree step also costs host time the forward's calibration does not see: drafting, acceptance and
+recycling (~0.5 ms per sequence on these CPUs, against a ~8 ms one-token forward). Both choosers take
+it as `extra` seconds per sequence that verifies more than one token (the engine measures it while
+serving). Example, one sequence, cost(1) = 8.2 ms, cost(3) = 10.3 ms, a 3-node tree worth 1.2 tokens:
+without it 1.2 / 10.3 = 0.117 < 1 / 8.2 = 0.122 already says plain; a 2-node tree worth 1.15 at
+cost(2) = 9.0 ms gives 0.128 (tree) without the host time but 1.15 / 9.6 = 0.120 (plain wins) with
+0.6 ms of it, which is what decoding measures.
+And a pick with trees must beat the others by `margin` (the engine's `tree_margin`, 5%): the cost model
+is measured on a shared host (5-10% noise) and interpolated between widths, so a tree that only ties
+plain decoding under it is as likely to lose as to win; verifying it would only add the risk.
+
 The native forward (engine/model/native.py) packs the rows without pads: a step of total width
 N = sum_b w_b costs about cost(N). `choose_packed` then maximises sum_b E_b / cost(sum_b w_b): for a
 price mu (tokens per unit of width) each sequence independently takes the option maximising
@@ -37,15 +48,20 @@ import numpy as np
 Option = tuple[int, float]  # (width, expected committed tokens)
 
 
-def choose_options(options: Sequence[Sequence[Option]], cost: Callable[[int], float]) -> list[int]:
+def choose_options(options: Sequence[Sequence[Option]], cost: Callable[[int], float], extra: float = 0.0,
+                   margin: float = 0.0) -> list[int]:
     """options[b]: ascending widths (a sequence with one option must take it) -> the chosen index per
-    sequence. `cost(total)`: seconds of a forward of `total` tokens (rows x padded width)."""
+    sequence. `cost(total)`: seconds of a forward of `total` tokens (rows x padded width); `extra`:
+    seconds each sequence verifying a tree (width > 1) adds on the host (drafting, acceptance, recycling);
+    `margin`: a pick with trees must beat the others by this share of its rate."""
     floor = max(opts[0][0] for opts in options)  # every sequence's narrowest option must fit
     best, best_rate = None, -1.0
     for cap in sorted({w for opts in options for w, _ in opts if w >= floor}):
         picks = [max((j for j, (w, _) in enumerate(opts) if w <= cap), key=lambda j, o=opts: o[j][1]) for opts in options]
         width = max(opts[j][0] for opts, j in zip(options, picks))
-        rate = sum(opts[j][1] for opts, j in zip(options, picks)) / cost(len(options) * width)
+        trees = sum(opts[j][0] > 1 for opts, j in zip(options, picks))
+        rate = sum(opts[j][1] for opts, j in zip(options, picks)) / (cost(len(options) * width) + extra * trees)
+        rate /= 1 + margin if trees else 1.0
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = picks, rate
     return best
@@ -54,12 +70,15 @@ def choose_options(options: Sequence[Sequence[Option]], cost: Callable[[int], fl
 _PRICES = (0.0, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.45, 0.65, 1.0, 1e9)
 
 
-def choose_packed(options: Sequence[Sequence[Option]], cost: Callable[[int], float]) -> list[int]:
+def choose_packed(options: Sequence[Sequence[Option]], cost: Callable[[int], float], extra: float = 0.0,
+                  margin: float = 0.0) -> list[int]:
     """options[b]: ascending widths -> the chosen index per sequence, for a forward whose cost is
-    `cost(total)` of the summed widths (no pads). See the module docstring."""
+    `cost(total)` of the summed widths (no pads), plus `extra` seconds of host work per sequence
+    that verifies a tree (width > 1); a pick with trees must beat the others by `margin` (a share of
+    its rate) to be taken. See the module docstring."""
     if len(options) == 1:  # one sequence: its option with the most tokens per second (ties: narrower)
         opts = options[0]
-        rates = [t / cost(w) for w, t in opts]
+        rates = [t / (cost(w) + (extra if w > 1 else 0.0)) / (1 + margin if w > 1 else 1.0) for w, t in opts]
         return [max(range(len(opts)), key=lambda i: (rates[i], -opts[i][0]))]
     b, j = len(options), max(len(o) for o in options)
     e = np.full((b, j), -np.inf)  # [B, J] expected tokens (-inf: no such option)
@@ -73,7 +92,8 @@ def choose_packed(options: Sequence[Sequence[Option]], cost: Callable[[int], flo
     best, best_key = None, None
     for p in {tuple(x) for x in picks.tolist()}:
         total = int(w[rows, p].sum())
-        rate = float(e[rows, p].sum()) / cost(total)
+        trees = int((w[rows, p] > 1).sum())
+        rate = float(e[rows, p].sum()) / (cost(total) + extra * trees) / (1 + margin if trees else 1.0)
         key = (rate, -total)
         if best_key is None or key[0] > best_key[0] * (1 + 1e-9) or (
                 abs(key[0] - best_key[0]) <= best_key[0] * 1e-9 and key[1] > best_key[1]):

@@ -21,7 +21,7 @@ from core.progress import Progress
 
 log = logging.getLogger("trserve.engine")
 
-WIDTHS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+WIDTHS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # 3, 6: trees at batch 1 live there
 KV_LENS = (128, 512, 1024)
 
 
@@ -165,8 +165,8 @@ def load_or_measure(loaded, cache_dir: Path, force: bool = False, reps: int = 2)
     """The cached cost model for this (model, device, threads, kernels), measuring it when missing."""
     path = cost_model_path(loaded, cache_dir)
     cached = None if force else cached_cost_model(loaded, cache_dir)
-    if cached is not None:
-        return cached
+    if cached is not None and tuple(cached.widths) == WIDTHS and tuple(cached.kv_lens) == KV_LENS:
+        return cached  # (one measured on other widths predates them: measured again)
     log.info("calibrating the forward cost per tree width (once per model, device, threads; ~1 min)")
     model = measure(loaded.model, reps=reps, key=path.stem, native=getattr(loaded, "native", None))
     save_cost_model(model, path)

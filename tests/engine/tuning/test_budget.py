@@ -59,3 +59,28 @@ def test_node_rates_learn_from_verified_prefixes_only():
     assert np.isclose(opts[2][1], 1.0 + r[1:].sum()) and len(opts) == 3
     chained = rates.options([2], chain=5)  # the chain's prior worth: one token, never more than its length
     assert chained == [(1, 1.0, 1, False), (2, 1.0 + r[1], 2, False), (7, 2.0 + r[1], 2, True)]
+
+
+def test_host_time_per_tree_moves_marginal_trees_to_plain():
+    """A tree's host work (extra seconds per sequence verifying more than one token) counts in the
+    step's time: a tree that pays under the forward's cost alone can lose to plain decoding."""
+    one = [[(1, 1.0), (2, 1.15)]]
+    cost = {1: 8.2, 2: 9.0}.get
+    assert choose_packed(one, cost) == [1]  # 1.15 / 9.0 > 1 / 8.2
+    assert choose_packed(one, cost, extra=0.6) == [0]  # 1.15 / 9.6 < 1 / 8.2
+    assert choose_options(one, cost, extra=0.6) == [0] and choose_options(one, cost) == [1]
+    two = [[(1, 1.0), (5, 2.5)], [(1, 1.0), (5, 1.2)]]
+    assert choose_packed(two, lambda n: 10 + n, extra=0.0) == [1, 0]
+    assert choose_packed(two, lambda n: 10 + n, extra=5.0) == [0, 0]  # 3.5 / 21 < 2 / 12
+    assert choose_packed(two, lambda n: 100 + n, extra=1.0) == [1, 1]  # width nearly free: trees still pay
+
+
+def test_margin_keeps_plain_decoding_when_a_tree_only_ties_it():
+    one = [[(1, 1.0), (3, 1.26)]]
+    cost = {1: 8.0, 3: 9.8}.get  # 1.26 / 9.8 = 0.1286 vs 1 / 8 = 0.125: +3%
+    assert choose_packed(one, cost) == [1] and choose_packed(one, cost, margin=0.05) == [0]
+    assert choose_options(one, cost, margin=0.05) == [0]
+    chain = [[(1, 1.0), (6, 2.1)]]  # a lookup chain worth 2.1 tokens at 1.5x the cost: +40%
+    assert choose_packed(chain, {1: 8.0, 6: 12.0}.get, margin=0.05) == [1]
+    two = [[(1, 1.0), (5, 2.5)], [(1, 1.0), (5, 1.2)]]
+    assert choose_packed(two, lambda n: 10 + n, margin=0.05) == [1, 0]  # 0.219 / 1.05 still beats 0.167
