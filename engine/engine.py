@@ -353,30 +353,32 @@ class BatchEngine:
         return c
 
     def _next_explorer(self) -> _Live | None:
-        """The sequence (in turn) that verifies its whole base tree this step, or None. Exploring keeps
-        every node's rate measured; it happens at most every explore_every * B steps and only while the
-        credit (explore_budget x the time of the steps so far) pays its extra width under the cost model."""
+        """The sequence (in turn) that may verify its whole base tree (and lookup chain) this step, or
+        None. Exploring keeps every node's rate measured; it is offered at most every explore_every * B
+        steps, and `_options` takes it only while the credit (explore_budget x the time of the steps so
+        far) pays its extra width, priced there with the chain it would verify."""
         b = len(self.running)
         kv = sum(self.runner.kv.rows.lens[:b]) // max(b, 1)
-        last = self.cost(self._last_width, kv)
-        self._explore_credit = min(self._explore_credit + self.config.explore_budget * last, 1.0)
+        self._explore_credit = min(self._explore_credit + self.config.explore_budget * self.cost(self._last_width, kv),
+                                   1.0)
         if self.steps % (self.config.explore_every * b):
             return None
         live = self.running[self._explored % b]
-        if live.session is None or live.seq.tuner is not None:
-            self._explored += 1
-            return None
-        extra = live.tree.n - 1
-        if self.runner.native is not None:  # packed: only the explorer's own extra nodes
-            wider = self._last_width + extra
-        else:  # padded: every row to the explorer's width
-            wider = b * max(self._last_width // b, live.tree.n)
-        price = max(self.cost(wider, kv) - last, 0.0)
-        if price > self._explore_credit:
-            return None
-        self._explore_credit -= price
         self._explored += 1
+        if live.session is None or live.seq.tuner is not None:
+            return None
         return live
+
+    def _explore_price(self, width: int) -> float:
+        """Seconds an exploration of `width` tokens adds to this step (against the step's usual width)."""
+        b = len(self.running)
+        kv = sum(self.runner.kv.rows.lens[:b]) // max(b, 1)
+        last = self.cost(self._last_width, kv)
+        if self.runner.native is not None:  # packed: only the explorer's own extra nodes
+            wider = self._last_width + width - 1
+        else:  # padded: every row to the explorer's width
+            wider = b * max(self._last_width // b, width)
+        return max(self.cost(wider, kv) - last, 0.0)
 
     def _options(self, live: _Live, plan: StepPlan, proposal) -> list[tuple[int, float, int | None, bool]]:
         """(width, expected tokens, base nodes or None = the plan as it is, with the lookup chain) per
@@ -386,8 +388,12 @@ class BatchEngine:
             return [(plan.tree.n + chain, 1.0, None, True)]
         if live is self._explorer:  # its whole base tree (and lookup chain) now and then, so every node's
             # rate and the chains' worth stay measured: a worth measured low on a cold matrix would
-            # otherwise never be looked at again
-            return [(plan.tree.n + chain, 1.0, None, bool(chain))]
+            # otherwise never be looked at again; priced with its chain (up to 16 tokens: most of its cost)
+            price = self._explore_price(plan.tree.n + chain)
+            if price <= self._explore_credit:
+                self._explore_credit -= price
+                return [(plan.tree.n + chain, 1.0, None, bool(chain))]
+            self._explorer = None
         rates = self._rates.setdefault(live.rates_key, NodeRates(plan.tree.n))
         return rates.options([s for s in SIZES if s < plan.tree.n] + [plan.tree.n], chain)
 
