@@ -31,7 +31,7 @@ from engine.request.text import TextStream
 from engine.results import GenerationResult, GenerationStats, StepChunk
 from engine.sequence import Sequence
 from engine.step import accept_step, draft_step
-from engine.tr.lookup import ContextLookup
+from engine.tr.lookup import ContextLookup, Proposal
 from engine.tr.recycle import RecycledRows, select_rows, top_ids
 from engine.tr.sampling import choose, new_sampler
 from engine.tr.source import DraftSession
@@ -307,7 +307,7 @@ class BatchEngine:
         for live in self.running:
             if live.session is None:  # an AR-mode request
                 staged.append(None)
-                options.append([(1, 1.0, 1, False)])
+                options.append([(1, 1.0, 1, 0)])
                 continue
             plan = live.seq.tuner.plan() if live.seq.tuner is not None else StepPlan(live.tree, None, explore=False)
             proposal = live.seq.lookup.propose(plan.tree.template.lookup)
@@ -319,7 +319,7 @@ class BatchEngine:
         self._draft_s = []
         for live, stage, opts, j in zip(self.running, staged, options, chosen):
             t0 = time.perf_counter()
-            _, _, size, chain = opts[j]
+            _, _, size, chain = opts[j]  # chain: lookup tokens to verify (0: none)
             if stage is None or size == 1:
                 drafts.append(None)
                 inputs.append(RowInput(torch.tensor([live.root], device=dev), torch.zeros(1, dtype=torch.long, device=dev),
@@ -334,7 +334,9 @@ class BatchEngine:
             if size is not None and size < plan.tree.n:
                 sub = self._subtree(plan.tree, size)
                 plan = StepPlan(sub, torch.arange(sub.n, device=dev), explore=False)
-            draft = draft_step(live.seq, drafted, plan, proposal, lookup=chain)
+            if proposal is not None and chain and chain < len(proposal.tokens):
+                proposal = Proposal(proposal.tokens[:chain], proposal.ngram)
+            draft = draft_step(live.seq, drafted, plan, proposal, lookup=bool(chain))
             drafts.append(draft)
             inputs.append(RowInput(draft.tokens, draft.tree.depth, draft.tree.mask))
             self._draft_s.append(time.perf_counter() - t0)
@@ -380,24 +382,24 @@ class BatchEngine:
             wider = b * max(self._last_width // b, width)
         return max(self.cost(wider, kv) - last, 0.0)
 
-    def _options(self, live: _Live, plan: StepPlan, proposal) -> list[tuple[int, float, int | None, bool]]:
-        """(width, expected tokens, base nodes or None = the plan as it is, with the lookup chain) per
+    def _options(self, live: _Live, plan: StepPlan, proposal) -> list[tuple[int, float, int | None, int]]:
+        """(width, expected tokens, base nodes or None = the plan as it is, lookup chain tokens) per
         option; the first is plain decoding."""
         chain = len(proposal.tokens) if proposal is not None else 0
         if live.seq.tuner is not None or not self.config.batch_aware:  # the tuner's (or the full) plan, always
-            return [(plan.tree.n + chain, 1.0, None, True)]
+            return [(plan.tree.n + chain, 1.0, None, chain)]
         if live is self._explorer:  # its whole base tree (and lookup chain) now and then, so every node's
             # rate and the chains' worth stay measured: a worth measured low on a cold matrix would
             # otherwise never be looked at again; priced with its chain (up to 16 tokens: most of its cost)
             price = self._explore_price(plan.tree.n + chain)
             if price <= self._explore_credit:
                 self._explore_credit -= price
-                return [(plan.tree.n + chain, 1.0, None, bool(chain))]
+                return [(plan.tree.n + chain, 1.0, None, chain)]
             self._explorer = None
         rates = self._rates.setdefault(live.rates_key, NodeRates(plan.tree.n))
         return rates.options([s for s in SIZES if s < plan.tree.n] + [plan.tree.n], chain)
 
-    def _choose(self, options: list[list[tuple[int, float, int | None, bool]]]) -> list[int]:
+    def _choose(self, options: list[list[tuple[int, float, int | None, int]]]) -> list[int]:
         kv = sum(self.runner.kv.rows.lens[: len(self.running)]) // max(len(self.running), 1)
         opts = [[(w, t) for w, t, _, _ in o] for o in options]
         extra = max(self._host_s[True] - self._host_s[False], 0.0)  # a tree's host work beyond a plain step's
@@ -420,7 +422,7 @@ class BatchEngine:
         n_base = draft.plan.tree.n
         base_path = [i for i in acc.path if i < n_base]
         chain = draft.tokens.shape[0] - n_base
-        rates.record(n_base, base_path, chain, max(0, len(acc.tokens) - len(base_path)) if chain else 0)
+        rates.record(n_base, base_path, chain, sum(i >= n_base for i in acc.path))  # chain nodes accepted
 
     # ---- output and retirement ------------------------------------------------------------------
     def _emit(self, live: _Live, new: list[int]) -> None:

@@ -105,45 +105,57 @@ class NodeRates:
     """Acceptance rate of each node of one base tree, from the steps that verified it:
     P(node on the accepted path | the node was verified), with a prior of `prior` per node worth
     `weight` observations. Verified subtrees are ancestor-closed, so this is unbiased per node.
-    A lookup chain's worth is measured the same way: tokens it committed beyond the base tree's
-    accepted depth per step that verified one (a chain is accepted as a run, so its worth is far
-    below its length: one prior token per chain)."""
+    A lookup chain is measured the same way, per position: P(its j-th token is accepted | a chain of
+    at least j tokens was verified), with a prior of `chain_prior` x 0.85^j. A chain of c tokens is
+    worth the sum of its first c positions' rates, so short chains (cheap: c extra width) are tried,
+    measured and kept where their first tokens hit, and longer ones only where the deeper positions
+    keep hitting."""
 
-    def __init__(self, n_nodes: int, prior: float = 0.4, weight: float = 4.0, chain_prior: float = 1.0) -> None:
+    MAX_CHAIN = 64
+
+    def __init__(self, n_nodes: int, prior: float = 0.4, weight: float = 4.0, chain_prior: float = 0.5) -> None:
         self.verified = np.zeros(n_nodes)  # [n] root included (index 0, always accepted)
         self.accepted = np.zeros(n_nodes)
-        self.prior, self.weight, self.chain_prior = prior, weight, chain_prior
-        self.chain_steps = 0.0  # steps that verified a lookup chain
-        self.chain_hits = 0.0  # ... tokens they committed beyond the base tree's accepted depth
+        self.prior, self.weight = prior, weight
+        self.chain_verified = np.zeros(self.MAX_CHAIN)  # [C] per chain position
+        self.chain_accepted = np.zeros(self.MAX_CHAIN)
+        self.chain_prior = chain_prior * 0.85 ** np.arange(self.MAX_CHAIN)  # [C]
+
+    @property
+    def chain_steps(self) -> float:
+        """Steps that verified a lookup chain."""
+        return float(self.chain_verified[0])
 
     def record(self, verified: int, path: list[int], chain: int = 0, chain_hits: int = 0) -> None:
-        """A step verified nodes 0..verified-1 (a BFS prefix) and a chain of `chain` tokens; `path` =
-        accepted base nodes."""
+        """A step verified nodes 0..verified-1 (a BFS prefix) and a chain of `chain` tokens, of which the
+        first `chain_hits` were accepted; `path` = accepted base nodes."""
         self.verified[:verified] += 1
         self.accepted[path] += 1
-        if chain:
-            self.chain_steps += 1
-            self.chain_hits += chain_hits
+        chain = min(chain, self.MAX_CHAIN)
+        self.chain_verified[:chain] += 1
+        self.chain_accepted[: min(chain_hits, chain)] += 1
 
     def rates(self) -> np.ndarray:
         return (self.accepted + self.prior * self.weight) / (self.verified + self.weight)  # [n]
 
-    def chain_worth(self, chain: int) -> float:
-        """Expected tokens a chain of `chain` tokens adds (at most its length)."""
-        mean = (self.chain_hits + self.chain_prior * self.weight) / (self.chain_steps + self.weight)
-        return min(float(chain), mean)
+    def chain_rates(self) -> np.ndarray:
+        return (self.chain_accepted + self.chain_prior * self.weight) / (self.chain_verified + self.weight)  # [C]
 
-    def options(self, sizes: Sequence[int], chain: int) -> list[tuple[int, float, int, bool]]:
-        """(width, expected tokens, base nodes, with the chain) of plain decoding, then of the BFS
-        prefixes of `sizes` nodes (root included), each also with a lookup chain of `chain` tokens
-        where one is proposed (chain > 0); sorted by width."""
+    def chain_worth(self, chain: int) -> float:
+        """Expected tokens the first `chain` tokens of a chain add."""
+        return float(self.chain_rates()[: min(chain, self.MAX_CHAIN)].sum())
+
+    def options(self, sizes: Sequence[int], chain: int) -> list[tuple[int, float, int, int]]:
+        """(width, expected tokens, base nodes, chain tokens) of plain decoding, then of the BFS
+        prefixes of `sizes` nodes (root included), each also with the first 1, 2, 4, 8 ... tokens of a
+        lookup chain of `chain` tokens where one is proposed (chain > 0); sorted by width."""
         r = self.rates()  # [n]
-        worth = self.chain_worth(chain) if chain else 0.0
-        out = [(1, 1.0, 1, False)]
+        worth = np.concatenate([[0.0], np.cumsum(self.chain_rates()[: min(chain, self.MAX_CHAIN)])])  # [c + 1]
+        cuts = sorted({c for c in (1, 2, 4, 8, 16, 32) if c < chain} | ({min(chain, self.MAX_CHAIN)} if chain else set()))
+        out = [(1, 1.0, 1, 0)]
         for s in sizes:
             if s > 1:
                 tokens = 1.0 + float(r[1:s].sum())
-                out.append((s, tokens, s, False))
-                if chain:
-                    out.append((s + chain, tokens + worth, s, True))
+                out.append((s, tokens, s, 0))
+                out.extend((s + c, tokens + float(worth[c]), s, c) for c in cuts)
         return sorted(out)

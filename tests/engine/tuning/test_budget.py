@@ -55,10 +55,25 @@ def test_node_rates_learn_from_verified_prefixes_only():
     r = rates.rates()
     assert r[1] == (8 + 1) / (8 + 2) and r[2] == r[3] == 0.5
     opts = rates.options([2, 4], chain=0)
-    assert opts[0] == (1, 1.0, 1, False) and opts[1] == (2, 1.0 + r[1], 2, False)
+    assert opts[0] == (1, 1.0, 1, 0) and opts[1] == (2, 1.0 + r[1], 2, 0)
     assert np.isclose(opts[2][1], 1.0 + r[1:].sum()) and len(opts) == 3
-    chained = rates.options([2], chain=5)  # the chain's prior worth: one token, never more than its length
-    assert chained == [(1, 1.0, 1, False), (2, 1.0 + r[1], 2, False), (7, 2.0 + r[1], 2, True)]
+
+
+def test_chain_rates_per_position_and_cut_options():
+    rates = NodeRates(2, weight=2.0, chain_prior=0.5)
+    q = rates.chain_rates()
+    assert np.isclose(q[0], 0.5) and np.isclose(q[1], 0.5 * 0.85)  # the prior, decaying along the chain
+    for _ in range(10):  # chains of 6: the first 2 tokens always hit, never the 3rd
+        rates.record(verified=2, path=[0], chain=6, chain_hits=2)
+    q = rates.chain_rates()
+    assert np.isclose(q[0], 11 / 12) and np.isclose(q[1], 10.85 / 12) and np.isclose(q[2], 0.5 * 0.85 ** 2 / 6)
+    assert rates.chain_steps == 10
+    assert np.isclose(rates.chain_worth(2), (11 + 10.85) / 12) and rates.chain_worth(9) == float(q[:9].sum())
+    opts = rates.options([2], chain=6)  # cuts 1, 2, 4 and the whole 6
+    assert [(w, c) for w, _, _, c in opts] == [(1, 0), (2, 0), (3, 1), (4, 2), (6, 4), (8, 6)]
+    base = 1.0 + rates.rates()[1]
+    assert np.isclose(opts[3][1], base + q[:2].sum()) and np.isclose(opts[5][1], base + q[:6].sum())
+
 
 
 def test_host_time_per_tree_moves_marginal_trees_to_plain():
