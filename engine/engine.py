@@ -129,7 +129,6 @@ class BatchEngine:
         # streaming), measured: {True: a tree step, False: a plain one}; the difference is what a tree
         # costs beyond its forward width (engine/tuning/budget.py, `extra`)
         self._host_s = {True: 5e-4, False: 1e-4}
-        self._draft_s: list[float] = []  # this step's drafting seconds per running sequence
 
     # ---- the caller's side (any thread) ---------------------------------------------------------
     def submit(self, prepared: PreparedRequest, emit: Callable[[StepChunk | GenerationResult | Exception], None], *,
@@ -275,11 +274,11 @@ class BatchEngine:
         self._emit(live, seq.commit([live.root]))
 
     def _decode(self) -> None:
-        drafts, inputs = self._drafts()
+        drafts, inputs, spent_drafting = self._drafts()
         logits = self.runner.step(inputs)  # per row [w_b, V]
         tops = self.runner.last_topk or [None] * len(logits)  # per row [w_b, k] where the forward computed them
         keep, k = [], self.decoder.config.k
-        for live, draft, lg, top, spent in zip(self.running, drafts, logits, tops, self._draft_s):
+        for live, draft, lg, top, spent in zip(self.running, drafts, logits, tops, spent_drafting):
             t0 = time.perf_counter()
             seq = live.seq
             if draft is None:  # plain decoding this step
@@ -299,9 +298,9 @@ class BatchEngine:
             self._host_s[tree] += 0.02 * (spent + time.perf_counter() - t0 - self._host_s[tree])
         self.runner.keep(keep)
 
-    def _drafts(self) -> tuple[list, list[RowInput]]:
-        """Each running sequence's draft (None = plain decoding this step) and its row input, with
-        tree sizes chosen for the whole batch (engine/tuning/budget.py)."""
+    def _drafts(self) -> tuple[list, list[RowInput], list[float]]:
+        """Each running sequence's draft (None = plain decoding this step), its row input and the
+        seconds its drafting took, with tree sizes chosen for the whole batch (engine/tuning/budget.py)."""
         self._explorer = self._next_explorer()
         staged, options = [], []
         for live in self.running:
@@ -316,7 +315,7 @@ class BatchEngine:
         chosen = self._choose(options)
         drafts, inputs = [], []
         dev = self.decoder.device
-        self._draft_s = []
+        spent = []
         for live, stage, opts, j in zip(self.running, staged, options, chosen):
             t0 = time.perf_counter()
             _, _, size, chain = opts[j]  # chain: lookup tokens to verify (0: none)
@@ -324,7 +323,7 @@ class BatchEngine:
                 drafts.append(None)
                 inputs.append(RowInput(torch.tensor([live.root], device=dev), torch.zeros(1, dtype=torch.long, device=dev),
                                        torch.zeros(1, 1, dtype=self.runner.dtype, device=dev)))
-                self._draft_s.append(time.perf_counter() - t0)
+                spent.append(time.perf_counter() - t0)
                 continue
             plan, proposal = stage
             # Only a sequence that verifies a tree drafts (and hands over its pending rows) this step: a
@@ -339,10 +338,15 @@ class BatchEngine:
             draft = draft_step(live.seq, drafted, plan, proposal, lookup=bool(chain))
             drafts.append(draft)
             inputs.append(RowInput(draft.tokens, draft.tree.depth, draft.tree.mask))
-            self._draft_s.append(time.perf_counter() - t0)
+            spent.append(time.perf_counter() - t0)
         widths = [r.tokens.shape[0] for r in inputs]
         self._last_width = sum(widths) if self.runner.native is not None else len(widths) * max(widths)
-        return drafts, inputs
+        return drafts, inputs, spent
+
+    def _mean_kv(self) -> int:
+        """The running sequences' mean KV length: where the cost model is read this step."""
+        b = len(self.running)
+        return sum(self.runner.kv.rows.lens[:b]) // max(b, 1)
 
     def cost(self, width: int, kv: int) -> float:
         """Seconds of a forward of `width` tokens at KV length `kv` (to 32 tokens) under the cost model."""
@@ -360,9 +364,8 @@ class BatchEngine:
         steps, and `_options` takes it only while the credit (explore_budget x the time of the steps so
         far) pays its extra width, priced there with the chain it would verify."""
         b = len(self.running)
-        kv = sum(self.runner.kv.rows.lens[:b]) // max(b, 1)
-        self._explore_credit = min(self._explore_credit + self.config.explore_budget * self.cost(self._last_width, kv),
-                                   1.0)
+        last = self.cost(self._last_width, self._mean_kv())
+        self._explore_credit = min(self._explore_credit + self.config.explore_budget * last, 1.0)
         if self.steps % (self.config.explore_every * b):
             return None
         live = self.running[self._explored % b]
@@ -373,8 +376,7 @@ class BatchEngine:
 
     def _explore_price(self, width: int) -> float:
         """Seconds an exploration of `width` tokens adds to this step (against the step's usual width)."""
-        b = len(self.running)
-        kv = sum(self.runner.kv.rows.lens[:b]) // max(b, 1)
+        b, kv = len(self.running), self._mean_kv()
         last = self.cost(self._last_width, kv)
         if self.runner.native is not None:  # packed: only the explorer's own extra nodes
             wider = self._last_width + width - 1
@@ -400,7 +402,7 @@ class BatchEngine:
         return rates.options([s for s in SIZES if s < plan.tree.n] + [plan.tree.n], chain)
 
     def _choose(self, options: list[list[tuple[int, float, int | None, int]]]) -> list[int]:
-        kv = sum(self.runner.kv.rows.lens[: len(self.running)]) // max(len(self.running), 1)
+        kv = self._mean_kv()
         opts = [[(w, t) for w, t, _, _ in o] for o in options]
         extra = max(self._host_s[True] - self._host_s[False], 0.0)  # a tree's host work beyond a plain step's
         if self.runner.native is not None:  # rows packed without pads: a step costs its summed width
