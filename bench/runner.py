@@ -152,25 +152,47 @@ class _LlamaCpp:
 
     def __init__(self, gguf: str, tokenizer, threads: int) -> None:
         import importlib.util
-        import multiprocessing
 
         if importlib.util.find_spec("llama_cpp") is None:
             raise SystemExit("the llamacpp decoder needs llama-cpp-python: run `make bench-peers` once")
-        self.tokenizer = tokenizer
+        self.tokenizer, self.gguf, self.threads = tokenizer, gguf, threads
+        self.extra_bufts = True  # llama.cpp's default: extra CPU buffer types (AMX, weight repacking)
+        self._start()
+
+    def _start(self) -> None:
+        import multiprocessing
+
         ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no torch or OpenMP state inherited
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_llamacpp_worker, args=(child, gguf, threads), name="bench-llamacpp",
-                                 daemon=True)
+        self._proc = ctx.Process(target=_llamacpp_worker, args=(child, self.gguf, self.threads, self.extra_bufts),
+                                 name="bench-llamacpp", daemon=True)
         self._proc.start()
         child.close()
-        ready = self._conn.recv()
+        try:
+            ready = self._conn.recv()
+        except EOFError:
+            ready = f"its process died (exit code {self._proc.join(5) or self._proc.exitcode})"
         if ready != "ready":
             raise SystemExit(f"llama.cpp did not start: {ready}")
 
     def __call__(self, messages, max_new_tokens):
         ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=False)
-        self._conn.send((list(ids), int(max_new_tokens)))
-        out = self._conn.recv()
+        try:
+            self._conn.send((list(ids), int(max_new_tokens)))
+            out = self._conn.recv()
+        except (EOFError, BrokenPipeError):
+            # A crash inside llama.cpp (seen: its AMX matmul segfaults on an AMX-capable Xeon VM, in
+            # llama-cpp-python 0.3.36 built with its native defaults): once, start it again without
+            # the extra buffer types (AMX and weight repacking) and decode this prompt again.
+            self._proc.join(5)
+            if not self.extra_bufts:
+                raise RuntimeError(f"llama.cpp's process died (exit code {self._proc.exitcode})") from None
+            log.warning("llama.cpp's process died (exit code %s); starting it again without its extra CPU buffer "
+                        "types (AMX, weight repacking): the llamacpp figures are for that configuration",
+                        self._proc.exitcode)
+            self.extra_bufts = False
+            self._start()
+            return self(messages, max_new_tokens)
         if isinstance(out, str):
             raise RuntimeError(f"llama.cpp failed: {out}")
         return out, None
@@ -183,10 +205,23 @@ class _LlamaCpp:
         self._proc.join(timeout=10)
 
 
-def _llamacpp_worker(conn, gguf: str, threads: int) -> None:
-    """The llama.cpp process: load the GGUF, then greedy-decode each (ids, budget) it is sent."""
+def _llamacpp_worker(conn, gguf: str, threads: int, extra_bufts: bool = True) -> None:
+    """The llama.cpp process: load the GGUF, then greedy-decode each (ids, budget) it is sent.
+    extra_bufts False: the model without llama.cpp's extra CPU buffer types (`use_extra_bufts` of its
+    model parameters, which the Python wrapper does not expose)."""
     try:
+        import llama_cpp.llama as wrapper
         from llama_cpp import Llama
+
+        if not extra_bufts:
+            defaults = wrapper.llama_cpp.llama_model_default_params
+
+            def no_extra_bufts():
+                params = defaults()
+                params.use_extra_bufts = False
+                return params
+
+            wrapper.llama_cpp.llama_model_default_params = no_extra_bufts
 
         llm = Llama(model_path=gguf, n_ctx=4096, n_batch=512, n_threads=threads, n_threads_batch=threads,
                     verbose=False)
@@ -285,6 +320,8 @@ def run_bench(config: BenchConfig) -> dict:
         "avx512": _avx512(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **meta,
     }
+    if isinstance(runners.get("llamacpp"), _LlamaCpp):  # False: it crashed with them and ran without (see _LlamaCpp)
+        report["environment"]["llamacpp_extra_bufts"] = runners["llamacpp"].extra_bufts
     write_outputs(report, records, config.json_path)
     for run in runners.values():
         if isinstance(run, _LlamaCpp):

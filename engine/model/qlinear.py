@@ -35,7 +35,7 @@ log = logging.getLogger("trserve.engine")
 
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCE = _CSRC / "forward.c"  # includes qlinear.c: one library holds the linear kernels and the native forward
-_SOURCES = (_CSRC / "qlinear.c", _SOURCE)
+_SOURCES = (_CSRC / "pool.h", _CSRC / "qlinear.c", _SOURCE)
 _libs: dict[str, ctypes.CDLL] = {}  # isa -> the loaded library
 PANEL = 16  # outputs per panel of the packed layout (csrc/qlinear.c)
 
@@ -51,7 +51,7 @@ _ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
     "scalar": (frozenset(), ()),
 }
 ISAS = tuple(_ISAS)
-_BASE_CFLAGS = ("-O3", "-march=x86-64", "-mtune=generic", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
+_BASE_CFLAGS = ("-O3", "-march=x86-64", "-mtune=generic", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
 
 
 @functools.lru_cache(maxsize=1)  # read once, at first use (not at import); flags do not change

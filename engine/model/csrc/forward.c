@@ -323,6 +323,94 @@ int trserve_forward_check(const tr_model *M)
     return 0;
 }
 
+typedef struct { /* trserve_forward's arguments and buffers, for the threads of its pool run */
+    const tr_model *M;
+    int64_t B, cap, n_keep, K, N, H, D, Hq, Hkv, F, sc_len, sc_floats;
+    const int64_t *tok0, *ids, *pos, *kv_row, *ctx, *start, *keep, *vis0, *item0;
+    const uint8_t *vis;
+    float *const *kc, *const *vc;
+    float *logits, *x, *hs, *tmp, *q, *k, *v, *att, *gt, *up, *hk, *scs;
+    int32_t *topk;
+} fwd_job_t;
+
+/* One thread's part of a forward (id of nt; pool_barrier where every thread must have finished a phase). */
+static void fwd_job(void *arg, int64_t id, int64_t nt)
+{
+    const fwd_job_t *jb = arg;
+    const tr_model *M = jb->M;
+    const int64_t B = jb->B, cap = jb->cap, n_keep = jb->n_keep, K = jb->K, N = jb->N, H = jb->H, D = jb->D, Hq = jb->Hq,
+                  Hkv = jb->Hkv, F = jb->F, sc_len = jb->sc_len, sc_floats = jb->sc_floats;
+    const int64_t *tok0 = jb->tok0, *pos = jb->pos, *kv_row = jb->kv_row, *ctx = jb->ctx, *start = jb->start,
+                  *keep = jb->keep, *vis0 = jb->vis0, *item0 = jb->item0;
+    const uint8_t *vis = jb->vis;
+    float *const *kc = jb->kc, *const *vc = jb->vc;
+    float *logits = jb->logits, *x = jb->x, *hs = jb->hs, *tmp = jb->tmp, *q = jb->q, *k = jb->k, *v = jb->v,
+          *att = jb->att, *gt = jb->gt, *up = jb->up, *hk = jb->hk, *scs = jb->scs;
+    int32_t *topk = jb->topk;
+    float *sc = scs + id * sc_floats, *h = hs + id * N * H;
+    int64_t o0, o1;
+    for (int64_t l = 0; l < M->n_layers; l++) {
+        const tr_layer *L = M->layers + l;
+        rms_rows(x, L->in_norm, h, 0, N, H, M->eps);
+        qmat_part(&L->q, h, N, q, id, nt, &o0, &o1);
+        qmat_part(&L->k, h, N, k, id, nt, &o0, &o1);
+        qmat_part(&L->v, h, N, v, id, nt, &o0, &o1);
+        pool_barrier(nt);
+        /* rotary on q and k; k, v into the KV rows (work item u = token t, head j of q then k) */
+        for (int64_t u = id; u < N * (Hq + Hkv); u += nt) {
+            const int64_t t = u / (Hq + Hkv), j = u % (Hq + Hkv);
+            const float *c = M->cos + pos[t] * D, *s = M->sin + pos[t] * D;
+            if (j < Hq) {
+                rope(q + (t * Hq + j) * D, c, s, D);
+                continue;
+            }
+            int64_t b = 0;
+            while (tok0[b + 1] <= t) b++;
+            const int64_t g = j - Hq, at = ((kv_row[b] * Hkv + g) * cap + start[b] + (t - tok0[b])) * D;
+            memcpy(kc[l] + at, k + (t * Hkv + g) * D, D * sizeof(float));
+            rope(kc[l] + at, c, s, D);
+            memcpy(vc[l] + at, v + (t * Hkv + g) * D, D * sizeof(float));
+        }
+        pool_barrier(nt);
+        /* work items: (sequence, head, block of QBLOCK queries); item0[b] = sequence b's first */
+        for (int64_t u = id, b = 0; u < item0[B]; u += nt) {
+            while (item0[b + 1] <= u) b++;
+            const int64_t r = u - item0[b], hd = r % Hq, i0 = (r / Hq) * QBLOCK, w = tok0[b + 1] - tok0[b];
+            attend(M, b, hd, i0, i0 + QBLOCK < w ? i0 + QBLOCK : w, tok0, ctx, start, kv_row, vis, vis0, q, kc[l],
+                   vc[l], cap, att, sc, sc_len);
+        }
+        pool_barrier(nt);
+        qmat_part(&L->o, att, N, tmp, id, nt, &o0, &o1);
+        for (int64_t t = 0; t < N; t++)
+            for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
+        pool_barrier(nt);
+        rms_rows(x, L->post_norm, h, 0, N, H, M->eps);
+        qmat_part(&L->gate, h, N, gt, id, nt, &o0, &o1);
+        qmat_part(&L->up, h, N, up, id, nt, &o0, &o1);
+        for (int64_t t = 0; t < N; t++) { /* silu(gate) * up on this thread's outputs, as torch: g / (1 + exp(-g)) */
+            float *g = gt + t * F + o0;
+            const float *u = up + t * F + o0;
+            const int64_t n = o1 - o0;
+            for (int64_t i = 0; i < n; i++) sc[i] = -g[i];
+            exp_poly(sc, n);
+            for (int64_t i = 0; i < n; i++) g[i] = (g[i] / (1.0f + sc[i])) * u[i];
+        }
+        pool_barrier(nt);
+        qmat_part(&L->down, gt, N, tmp, id, nt, &o0, &o1);
+        for (int64_t t = 0; t < N; t++)
+            for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
+        pool_barrier(nt);
+    }
+    /* final norm of the kept tokens, then the LM head */
+    for (int64_t i = id; i < n_keep; i += nt) rms_rows(x + keep[i] * H, M->final_norm, hk + i * H, 0, 1, H, M->eps);
+        pool_barrier(nt);
+    if (n_keep) qmat_part(&M->head, hk, n_keep, logits, id, nt, &o0, &o1);
+    if (K > 0) {
+        pool_barrier(nt);
+        for (int64_t i = id; i < n_keep; i += nt) topk_row(logits + i * M->vocab, M->vocab, K, topk + i * K);
+    }
+}
+
 /* One forward. B sequences, tok0: [B + 1] token offsets; ids, pos: [N]; per sequence b: kv_row[b]
  * its KV row, ctx[b] its visible context columns [0, ctx[b]), start[b] the column its new tokens'
  * keys/values are written from; vis: per sequence a [w_b, w_b] uint8 matrix (1 = token i sees new
@@ -367,71 +455,10 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
         item0[b + 1] = item0[b] + Hq * ((w + QBLOCK - 1) / QBLOCK);
     }
     for (int64_t t = 0; t < N; t++) memcpy(x + t * H, M->embed + ids[t] * H, H * sizeof(float));
-#pragma omp parallel num_threads(threads)
     {
-        const int64_t nt = omp_get_num_threads(), id = omp_get_thread_num();
-        float *sc = scs + id * sc_floats, *h = hs + id * N * H;
-        int64_t o0, o1;
-        for (int64_t l = 0; l < M->n_layers; l++) {
-            const tr_layer *L = M->layers + l;
-            rms_rows(x, L->in_norm, h, 0, N, H, M->eps);
-            qmat_part(&L->q, h, N, q, id, nt, &o0, &o1);
-            qmat_part(&L->k, h, N, k, id, nt, &o0, &o1);
-            qmat_part(&L->v, h, N, v, id, nt, &o0, &o1);
-#pragma omp barrier
-            /* rotary on q and k; k, v into the KV rows (work item u = token t, head j of q then k) */
-            for (int64_t u = id; u < N * (Hq + Hkv); u += nt) {
-                const int64_t t = u / (Hq + Hkv), j = u % (Hq + Hkv);
-                const float *c = M->cos + pos[t] * D, *s = M->sin + pos[t] * D;
-                if (j < Hq) {
-                    rope(q + (t * Hq + j) * D, c, s, D);
-                    continue;
-                }
-                int64_t b = 0;
-                while (tok0[b + 1] <= t) b++;
-                const int64_t g = j - Hq, at = ((kv_row[b] * Hkv + g) * cap + start[b] + (t - tok0[b])) * D;
-                memcpy(kc[l] + at, k + (t * Hkv + g) * D, D * sizeof(float));
-                rope(kc[l] + at, c, s, D);
-                memcpy(vc[l] + at, v + (t * Hkv + g) * D, D * sizeof(float));
-            }
-#pragma omp barrier
-            /* work items: (sequence, head, block of QBLOCK queries); item0[b] = sequence b's first */
-            for (int64_t u = id, b = 0; u < item0[B]; u += nt) {
-                while (item0[b + 1] <= u) b++;
-                const int64_t r = u - item0[b], hd = r % Hq, i0 = (r / Hq) * QBLOCK, w = tok0[b + 1] - tok0[b];
-                attend(M, b, hd, i0, i0 + QBLOCK < w ? i0 + QBLOCK : w, tok0, ctx, start, kv_row, vis, vis0, q, kc[l],
-                       vc[l], cap, att, sc, sc_len);
-            }
-#pragma omp barrier
-            qmat_part(&L->o, att, N, tmp, id, nt, &o0, &o1);
-            for (int64_t t = 0; t < N; t++)
-                for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
-#pragma omp barrier
-            rms_rows(x, L->post_norm, h, 0, N, H, M->eps);
-            qmat_part(&L->gate, h, N, gt, id, nt, &o0, &o1);
-            qmat_part(&L->up, h, N, up, id, nt, &o0, &o1);
-            for (int64_t t = 0; t < N; t++) { /* silu(gate) * up on this thread's outputs, as torch: g / (1 + exp(-g)) */
-                float *g = gt + t * F + o0;
-                const float *u = up + t * F + o0;
-                const int64_t n = o1 - o0;
-                for (int64_t i = 0; i < n; i++) sc[i] = -g[i];
-                exp_poly(sc, n);
-                for (int64_t i = 0; i < n; i++) g[i] = (g[i] / (1.0f + sc[i])) * u[i];
-            }
-#pragma omp barrier
-            qmat_part(&L->down, gt, N, tmp, id, nt, &o0, &o1);
-            for (int64_t t = 0; t < N; t++)
-                for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
-#pragma omp barrier
-        }
-        /* final norm of the kept tokens, then the LM head */
-        for (int64_t i = id; i < n_keep; i += nt) rms_rows(x + keep[i] * H, M->final_norm, hk + i * H, 0, 1, H, M->eps);
-#pragma omp barrier
-        if (n_keep) qmat_part(&M->head, hk, n_keep, logits, id, nt, &o0, &o1);
-        if (K > 0) {
-#pragma omp barrier
-            for (int64_t i = id; i < n_keep; i += nt) topk_row(logits + i * M->vocab, M->vocab, K, topk + i * K);
-        }
+        fwd_job_t job = {M, B, cap, n_keep, K, N, H, D, Hq, Hkv, F, sc_len, sc_floats, tok0, ids, pos, kv_row, ctx,
+                         start, keep, vis0, item0, vis, kc, vc, logits, x, hs, tmp, q, k, v, att, gt, up, hk, scs, topk};
+        pool_run(fwd_job, &job, threads);
     }
 done:
     free(vis0), free(item0), free(x), free(hs), free(tmp), free(q), free(k), free(v), free(att), free(gt), free(up), free(hk);

@@ -35,7 +35,6 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#include <omp.h>
 #include <math.h>
 #if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
@@ -57,6 +56,7 @@
 #endif
 
 #define INLINE static inline __attribute__((always_inline))
+#include "pool.h"
 #define PANEL 16
 
 /* Plans, per ISA, chosen by measurement on the bundled model's shapes (-D overrides exist only to
@@ -288,7 +288,7 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) acc[r][t] = v_zero();
-    const float *xr0 = x + r0 * I;
+    (void)I;
     for (int64_t b = 0; b < nb; b++) {
         v16 vd[MAX_PANELS], vm[MAX_PANELS];
         const uint8_t *c[MAX_PANELS];
@@ -299,7 +299,7 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
             if (kind == 4) vm[t] = v_half(w->m + PANEL * pb);
             c[t] = w->codes + PANEL_BLOCK_BYTES(kind) * pb;
         }
-        const float *xb = xr0 + 32 * b;
+        const float *xb = x + 32 * R * b; /* the tile's rows packed: xb[i * R + r] */
         if (kind == 4) {
             for (int j = 0; j < 16; j++) {
                 v16 w0[MAX_PANELS], w1[MAX_PANELS];
@@ -308,9 +308,9 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
 #pragma GCC unroll 16
                 for (int r = 0; r < R; r++) {
 #pragma GCC unroll 4
-                    for (int t = 0; t < T; t++) acc[r][t] = v_fma(w0[t], xb + r * I + 2 * j, acc[r][t]);
+                    for (int t = 0; t < T; t++) acc[r][t] = v_fma(w0[t], xb + (2 * j) * R + r, acc[r][t]);
 #pragma GCC unroll 4
-                    for (int t = 0; t < T; t++) acc[r][t] = v_fma(w1[t], xb + r * I + 2 * j + 1, acc[r][t]);
+                    for (int t = 0; t < T; t++) acc[r][t] = v_fma(w1[t], xb + (2 * j + 1) * R + r, acc[r][t]);
                 }
             }
         } else {
@@ -321,12 +321,38 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
 #pragma GCC unroll 16
                 for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-                    for (int t = 0; t < T; t++) acc[r][t] = v_fma(wj[t], xb + r * I + j, acc[r][t]);
+                    for (int t = 0; t < T; t++) acc[r][t] = v_fma(wj[t], xb + j * R + r, acc[r][t]);
             }
         }
     }
     store_tile(w, R, T, acc, y, p, r0);
 }
+
+/* Each tile shape compiled as its own function: inlined into one driver, the allocator kept the
+ * accumulators of the larger tiles on the stack (measured: 6 of 16 spilled per step of 2 inputs). */
+#define TILE_FN(K, R, T) \
+    static __attribute__((noinline)) void tile_##K##_##R##_##T(const qmat_t *w, const float *x, float *y, int64_t p, \
+                                                             int64_t r0) { tile_reg(w, K, R, T, x, y, p, r0); }
+#define TILE_FNS(K, T) TILE_FN(K, 1, T) TILE_FN(K, 2, T) TILE_FN(K, 3, T) TILE_FN(K, 4, T) TILE_FN(K, 5, T) \
+    TILE_FN(K, 6, T) TILE_FN(K, 7, T) TILE_FN(K, 8, T) TILE_FN(K, 9, T) TILE_FN(K, 10, T) TILE_FN(K, 11, T) \
+    TILE_FN(K, 12, T) TILE_FN(K, 13, T) TILE_FN(K, 14, T) TILE_FN(K, 15, T) TILE_FN(K, 16, T)
+TILE_FNS(4, 1) TILE_FNS(4, 2) TILE_FNS(4, 3) TILE_FNS(4, 4) TILE_FNS(8, 1) TILE_FNS(8, 2) TILE_FNS(8, 3) TILE_FNS(8, 4)
+#undef TILE_FNS
+#undef TILE_FN
+/* tile_K_R_T for constant kind, R, T (every call site's are: all but one test folds away). */
+INLINE void tile_call(const qmat_t *w, const int kind, const int R, const int T, const float *x, float *y, int64_t p,
+                      int64_t r0)
+{
+#define TC(K, RR, TT) if (kind == K && R == RR && T == TT) { tile_##K##_##RR##_##TT(w, x, y, p, r0); return; }
+#define TCS(K, TT) TC(K, 1, TT) TC(K, 2, TT) TC(K, 3, TT) TC(K, 4, TT) TC(K, 5, TT) TC(K, 6, TT) TC(K, 7, TT) \
+    TC(K, 8, TT) TC(K, 9, TT) TC(K, 10, TT) TC(K, 11, TT) TC(K, 12, TT) TC(K, 13, TT) TC(K, 14, TT) TC(K, 15, TT) \
+    TC(K, 16, TT)
+    TCS(4, 1) TCS(4, 2) TCS(4, 3) TCS(4, 4) TCS(8, 1) TCS(8, 2) TCS(8, 3) TCS(8, 4)
+#undef TCS
+#undef TC
+    __builtin_unreachable();
+}
+
 
 /* One case per row count so each tile compiles with R a constant (its accumulators in registers);
  * rows is 1..RR: cases above RR are never taken, and saying so lets the compiler drop them. */
@@ -349,14 +375,14 @@ INLINE void part(const qmat_t *w, const int kind, const int RR, const int T, con
     for (; p + T <= p1; p += T)
         for (int64_t r0 = 0; r0 < n; r0 += RR) {
             const int rows = n - r0 < RR ? (int)(n - r0) : RR;
-#define CALL(R) tile_reg(w, kind, R, T, x, y, p, r0)
+#define CALL(R) tile_call(w, kind, R, T, x + r0 * w->in, y, p, r0)
             ROW_CASES(CALL)
 #undef CALL
         }
     for (; p < p1; p++)
         for (int64_t r0 = 0; r0 < n; r0 += RR) {
             const int rows = n - r0 < RR ? (int)(n - r0) : RR;
-#define CALL(R) tile_reg(w, kind, R, 1, x, y, p, r0)
+#define CALL(R) tile_call(w, kind, R, 1, x + r0 * w->in, y, p, r0)
             ROW_CASES(CALL)
 #undef CALL
         }
@@ -378,6 +404,27 @@ PLAN(wide_q4, 4, WIDE_ROWS, WIDE_PANELS)
 PLAN(wide_q8, 8, WIDE_ROWS, WIDE_PANELS)
 #undef PLAN
 
+/* x[n, I] -> this thread's buffer, row tiles of RR rows (the last one ragged) one after another, each
+ * tile input-major: tile at row r0 with R rows holds x[r0 + r, i] at [r0 * I + i * R + r]. One pointer
+ * then addresses every row of a tile with constant offsets (no register per row). */
+static __thread float *pack_buf;
+static __thread int64_t pack_cap;
+static const float *pack_rows(const float *x, int64_t n, int64_t I, int64_t RR)
+{
+    if (n * I > pack_cap) {
+        float *b = realloc(pack_buf, sizeof(float) * n * I);
+        if (!b) return NULL;
+        pack_buf = b, pack_cap = n * I;
+    }
+    for (int64_t r0 = 0; r0 < n; r0 += RR) {
+        const int64_t R = n - r0 < RR ? n - r0 : RR;
+        float *t = pack_buf + r0 * I;
+        for (int64_t i = 0; i < I; i++)
+            for (int64_t r = 0; r < R; r++) t[i * R + r] = x[(r0 + r) * I + i];
+    }
+    return pack_buf;
+}
+
 /* This thread's share (id of nt) of y[n, out] = x W^T (+ bias): panels [p0, p1), outputs [*o0, *o1). */
 static void qmat_rows(const qmat_t *w, const float *x, int64_t n, float *y, int64_t id, int64_t nt, int64_t *o0,
                       int64_t *o1)
@@ -387,9 +434,18 @@ static void qmat_rows(const qmat_t *w, const float *x, int64_t n, float *y, int6
     *o1 = PANEL * p1 < w->out ? PANEL * p1 : w->out;
     if (p1 <= p0 || n <= 0) return;
     const int q4 = w->kind == 4;
-    if (n == 1) (q4 ? one_q4 : one_q8)(w, x, n, y, p0, p1);
-    else if (n <= (q4 ? NARROW_ROWS : NARROW8_ROWS)) (q4 ? narrow_q4 : narrow_q8)(w, x, n, y, p0, p1);
-    else (q4 ? wide_q4 : wide_q8)(w, x, n, y, p0, p1);
+    if (n == 1) {
+        (q4 ? one_q4 : one_q8)(w, x, n, y, p0, p1);
+        return;
+    }
+    const int narrow = n <= (q4 ? NARROW_ROWS : NARROW8_ROWS);
+    const float *xp = pack_rows(x, n, w->in, narrow ? n : WIDE_ROWS);
+    if (!xp) { /* no memory for the packed copy: row by row (a row alone is its own packed layout; same bits) */
+        for (int64_t r = 0; r < n; r++) (q4 ? one_q4 : one_q8)(w, x + r * w->in, 1, y + r * w->out, p0, p1);
+        return;
+    }
+    if (narrow) (q4 ? narrow_q4 : narrow_q8)(w, xp, n, y, p0, p1);
+    else (q4 ? wide_q4 : wide_q8)(w, xp, n, y, p0, p1);
 }
 
 /* Which build this is ("avx512", "avx2", "scalar"): the loader checks it got the one it asked for. */
@@ -398,17 +454,28 @@ const char *trserve_qlinear_isa(void) { return ISA_NAME; }
 /* Outputs per panel: the packed layout pads O to a multiple of it (the loader packs to match). */
 int trserve_qlinear_panel(void) { return PANEL; }
 
+typedef struct {
+    const qmat_t *w;
+    const float *x;
+    int64_t n;
+    float *y;
+} qlinear_job_t;
+
+static void qlinear_job(void *arg, int64_t id, int64_t nt)
+{
+    const qlinear_job_t *j = arg;
+    int64_t o0, o1;
+    qmat_rows(j->w, j->x, j->n, j->y, id, nt, &o0, &o1);
+}
+
 /* x: [n, I] row-major, I % 32 == 0; codes, d, m: the panel layout above for ceil(O / 16) panels (m
  * only for kind 4); bias: [O] or NULL; y: [n, O]. Returns 0. */
 int trserve_qlinear(int kind, const float *x, int64_t n, int64_t I, int64_t O, const uint8_t *codes,
                     const uint16_t *d, const uint16_t *m, const float *bias, float *y, int threads)
 {
     const qmat_t w = {kind, I, O, I / 32, codes, d, m, bias};
-#pragma omp parallel num_threads(threads)
-    {
-        int64_t o0, o1;
-        qmat_rows(&w, x, n, y, omp_get_thread_num(), omp_get_num_threads(), &o0, &o1);
-    }
+    qlinear_job_t job = {&w, x, n, y};
+    pool_run(qlinear_job, &job, threads);
     return 0;
 }
 
