@@ -129,6 +129,11 @@ class BatchEngine:
         # streaming), measured: {True: a tree step, False: a plain one}; the difference is what a tree
         # costs beyond its forward width (engine/tuning/budget.py, `extra`)
         self._host_s = {True: 5e-4, False: 1e-4}
+        # measured forward seconds / the cost model's, per step width (EMA; 1.0 until measured): the
+        # calibration's cells are each a fastest-of-a-few on a noisy host, and a few percent of error
+        # between width 1 and 2 decides whether a small tree pays (measured here: width 2 priced 3% above
+        # width 1, took 18% more in the decode loop)
+        self._cost_ratio: dict[int, float] = {}
 
     # ---- the caller's side (any thread) ---------------------------------------------------------
     def submit(self, prepared: PreparedRequest, emit: Callable[[StepChunk | GenerationResult | Exception], None], *,
@@ -275,7 +280,9 @@ class BatchEngine:
 
     def _decode(self) -> None:
         drafts, inputs, spent_drafting = self._drafts()
+        t0 = time.perf_counter()
         logits = self.runner.step(inputs)  # per row [w_b, V]
+        self._measured(self._last_width, self._mean_kv(), time.perf_counter() - t0)
         tops = self.runner.last_topk or [None] * len(logits)  # per row [w_b, k] where the forward computed them
         keep, k = [], self.decoder.config.k
         for live, draft, lg, top, spent in zip(self.running, drafts, logits, tops, spent_drafting):
@@ -349,7 +356,11 @@ class BatchEngine:
         return sum(self.runner.kv.rows.lens[:b]) // max(b, 1)
 
     def cost(self, width: int, kv: int) -> float:
-        """Seconds of a forward of `width` tokens at KV length `kv` (to 32 tokens) under the cost model."""
+        """Seconds of a forward of `width` tokens at KV length `kv` (to 32 tokens): the cost model,
+        corrected by what forwards of that width measured in this loop."""
+        return self._model_cost(width, kv) * self._cost_ratio.get(width, 1.0)
+
+    def _model_cost(self, width: int, kv: int) -> float:
         key = (width, kv // 32)
         c = self._costs.get(key)
         if c is None:
@@ -357,6 +368,17 @@ class BatchEngine:
                 self._costs.clear()
             c = self._costs[key] = self._cost_fn(width, key[1] * 32)
         return c
+
+    def _measured(self, width: int, kv: int, seconds: float) -> None:
+        """A forward of `width` tokens at KV length `kv` took `seconds`: the width's correction moves
+        towards it (EMA, 0.1 per step; one sample's ratio clamped to [0.5, 2]: one preempted step must
+        not price a width out)."""
+        model = self._model_cost(width, kv)
+        if model <= 0:
+            return
+        r = min(max(seconds / model, 0.5), 2.0)
+        prev = self._cost_ratio.get(width, 1.0)
+        self._cost_ratio[width] = prev + 0.1 * (r - prev)
 
     def _next_explorer(self) -> _Live | None:
         """The sequence (in turn) that may verify its whole base tree (and lookup chain) this step, or

@@ -320,3 +320,53 @@ def test_kernel_bench_weights_recover_as_blocks():
 
     assert recover_q4(block_weights("q4", 64, 96)) is not None
     assert recover_q8(block_weights("q8", 64, 96)) is not None
+
+
+@needs_kernel
+def test_kernels_called_from_many_threads_and_a_forked_child_give_the_same_bits(kernel_dir):
+    """The kernels' own thread pool (csrc/pool.h) serves whichever thread calls, one run at a time:
+    four Python threads calling at once, with 1 to 4 kernel threads each, all get the reference's
+    bits and none hangs; a forked child (which has none of the parent's workers) starts its own."""
+    import multiprocessing
+    import os
+    import threading
+
+    from engine.model.qlinear import _library
+
+    lin, q = compressed("q4-panels-bias", kernel_isa("auto"), kernel_dir)
+    x = wide_range_x(11, lin.in_features, seed=21)
+    with torch.no_grad():
+        ref = reference_linear(lin.weight, x, lin.bias)
+    fn = _library(kernel_dir, q.isa)
+
+    def call(n_rows: int, threads: int) -> torch.Tensor:
+        y = torch.empty(n_rows, q.out_features)
+        m = q.m.data_ptr() if q.kind == 4 else None
+        bias = q.bias.data_ptr() if q.bias is not None else None
+        assert fn(q.kind, x.data_ptr(), n_rows, q.in_features, q.out_features, q.codes.data_ptr(), q.d.data_ptr(),
+                  m, bias, y.data_ptr(), threads) == 0
+        return y
+
+    bad: list[str] = []
+
+    def worker(t: int) -> None:
+        for i in range(40):
+            n, threads = 1 + (i + t) % 11, 1 + (i * 7 + t) % 4
+            if not torch.equal(call(n, threads), ref[:n]):
+                bad.append(f"thread {t} call {i}: {n} rows on {threads} threads")
+
+    pool = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in pool:
+        th.start()
+    for th in pool:
+        th.join(timeout=60)
+    assert not any(th.is_alive() for th in pool), "a kernel call hung"
+    assert not bad, bad[:3]
+
+    def child_main() -> None:
+        os._exit(0 if torch.equal(call(11, 2), ref) else 3)
+
+    child = multiprocessing.get_context("fork").Process(target=child_main)
+    child.start()
+    child.join(timeout=60)
+    assert child.exitcode == 0, f"forked child exit code {child.exitcode}"
