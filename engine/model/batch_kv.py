@@ -71,7 +71,11 @@ class RowLayer(DynamicLayer):
 class BatchKV:
     """Rows of KV for up to `max_rows` sequences (see the module docstring)."""
 
-    def __init__(self, model_config, max_rows: int, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(self, model_config, max_rows: int, dtype: torch.dtype, device: torch.device,
+                 zero_holes: bool = True) -> None:
+        """zero_holes False: the forwards never read a column no forward wrote (the native one: each
+        row's context and its step's own new columns), so grown buffers are not zero-filled."""
+        self.zero_holes = zero_holes
         self.cache = DynamicCache(config=model_config)
         kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer}
         if kinds:
@@ -99,14 +103,17 @@ class BatchKV:
         if tokens <= r.capacity:
             return
         cap = max(tokens, 2 * r.capacity, 256)
-        # zeros, not empty: a row's masked holes are still multiplied by the queries, and stale
-        # memory can hold inf/NaN, which a -inf-like additive mask does not cancel (NaN logits).
-        # One buffer for all layers, so that moving a row's entries is one indexing op, not one per layer.
-        buf = torch.zeros(2, len(r.k), r.max_rows, self.heads, cap, self.head_dim, dtype=self.dtype,
-                          device=self.device)
+        # zeros where a forward reads masked holes (transformers' attention multiplies them by the
+        # queries, and stale memory can hold inf/NaN, which a -inf-like additive mask does not cancel:
+        # NaN logits). Without holes read, empty: zero-filling every row to the new capacity (~0.8 MB
+        # per column at 17 rows on the bundled model) stalled the batch for seconds when a 2,000-token
+        # prompt doubled it. One buffer for all layers, so that moving a row's entries is one indexing op.
+        new = torch.zeros if self.zero_holes else torch.empty
+        buf = new(2, len(r.k), r.max_rows, self.heads, cap, self.head_dim, dtype=self.dtype, device=self.device)
         if r.buf is not None:
-            used = max(r.lens)
-            buf[..., :used, :] = r.buf[..., :used, :]
+            for row, used in enumerate(r.lens):  # each open row's valid entries (closed rows hold none)
+                if used:
+                    buf[:, :, row, :, :used, :] = r.buf[:, :, row, :, :used, :]
         r.buf = buf
         r.k, r.v = list(buf[0].unbind(0)), list(buf[1].unbind(0))  # contiguous [R, Hkv, cap, D] each
         r.capacity = cap

@@ -46,7 +46,6 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.dtype = dtype
-        self.kv = BatchKV(model.config, max_rows, dtype, self.device)
         self._body = model.get_decoder()
         self._head = model.get_output_embeddings()
         # The split decoder + LM head is the model's own forward for these architectures; others
@@ -57,6 +56,8 @@ class ModelRunner:
         if native and why:
             raise ValueError(f"native forward unavailable: {why}")
         self.native = NativeForward(model) if why is None else None
+        # the native forward reads only columns it or an earlier step wrote: its KV needs no zeroing
+        self.kv = BatchKV(model.config, max_rows, dtype, self.device, zero_holes=self.native is None)
         self._causal: dict[int, torch.Tensor] = {}
         self.topk = topk if self.native is not None else 0
         # the last forward's top-k ids: [m, topk] int32 per row for `step`, one tensor for `prefill` and

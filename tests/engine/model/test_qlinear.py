@@ -212,6 +212,21 @@ def test_kernel_equals_exact_reference_for_every_width(isa, case, kernel_dir):
 
 
 @needs_kernel
+@pytest.mark.parametrize("case", ["q4-panels-bias", "q8-panels", "q4"])
+@pytest.mark.parametrize("isa", isa_params())
+def test_wide_batches_rebuild_panels_once_with_the_same_bits(isa, case, kernel_dir):
+    """From 80 rows (prefill chunks) the kernel rebuilds each panel group once into a buffer and
+    reads it from every row tile (csrc/qlinear.c, deq_part): still the reference's bits, for full
+    and ragged row tiles and for panel pairs and a single tail panel."""
+    lin, q = compressed(case, isa, kernel_dir)
+    x = wide_range_x(131, lin.in_features, seed=17)
+    with torch.no_grad():
+        ref = reference_linear(lin.weight, x, lin.bias)
+    for n in (80, 91, 131):
+        assert torch.equal(q(x[:n]), ref[:n]), f"{isa} differs from the reference at n = {n}"
+
+
+@needs_kernel
 @pytest.mark.parametrize("case", list(CASES))
 def test_all_variants_give_the_same_bits(case, kernel_dir):
     """The runnable variants against each other directly (also where one of them is missing)."""
