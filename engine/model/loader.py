@@ -160,6 +160,13 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise NotFound(f"cannot load model {config.source!r}: {e}") from None
     model.to(device).eval()
     kernels, isa = _apply_kernels(model, config, device, dtype)
+    if isa:  # the compressed kernels run on their own threads: as many as configured, whichever thread calls
+        from engine.model.qlinear import QLinear
+
+        threads = config.threads or torch.get_num_threads()
+        for module in model.modules():
+            if isinstance(module, QLinear):
+                module.threads = threads
     forward = _forward_kind(model, config)
     name = BUILTIN_MODEL if config.source == BUILTIN_MODEL else Path(config.source).name or config.source
     return LoadedModel(model, tokenizer, model_fingerprint(tokenizer, model.config), name, device, dtype, kernels,

@@ -99,6 +99,7 @@ class NativeForward:
         self.model = model
         head = model.get_output_embeddings()
         self._fn = forward_library(head.isa)
+        self.threads = head.threads  # as the linear layers (load_model sets them); None: torch.get_num_threads()
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
@@ -165,7 +166,8 @@ class NativeForward:
         cap = kv_k[0].shape[2]
         rc = self._fn(ctypes.byref(self.m), b, tok0.data_ptr(), ids.data_ptr(), pos.data_ptr(), meta[0].data_ptr(),
                       meta[1].data_ptr(), meta[2].data_ptr(), vis.data_ptr(), kp, vp, cap, keep.data_ptr(), m,
-                      out.data_ptr(), topk, top.data_ptr() if top is not None else None, torch.get_num_threads())
+                      out.data_ptr(), topk, top.data_ptr() if top is not None else None,
+                      self.threads or torch.get_num_threads())
         if rc == -2:
             raise MemoryError("native forward: out of memory")
         if rc:

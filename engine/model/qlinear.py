@@ -309,6 +309,7 @@ class QLinear(nn.Module):
         self.register_buffer("m", m if kind == 4 else torch.zeros(0, dtype=torch.float16), persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self._fn = _library(cache_dir, self.isa)
+        self.threads: int | None = None  # the kernels' threads (csrc/pool.h); None: torch.get_num_threads()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -319,7 +320,7 @@ class QLinear(nn.Module):
         bias = self.bias.data_ptr() if self.bias is not None else None
         m = self.m.data_ptr() if self.kind == 4 else None
         if self._fn(self.kind, x2.data_ptr(), x2.shape[0], self.in_features, self.out_features, self.codes.data_ptr(),
-                    self.d.data_ptr(), m, bias, y.data_ptr(), torch.get_num_threads()):
+                    self.d.data_ptr(), m, bias, y.data_ptr(), self.threads or torch.get_num_threads()):
             raise MemoryError("compressed kernel: no memory for its scale buffers")
         return y.reshape(*shape[:-1], self.out_features)
 

@@ -16,12 +16,33 @@ visible context and write column; the LM head runs on the needed positions only.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from engine.model.batch_kv import BatchKV
 from engine.model.native import NativeForward, native_unsupported
+
+
+@contextmanager
+def quiet_torch_threads(native: bool) -> Iterator[None]:
+    """While a decode loop on the native forward runs in this thread: torch's own intra-op threads
+    set to 1. The forward runs on the kernels' pool (csrc/pool.h); torch only does small host ops
+    between forwards, and a parallel one (e.g. `triu`, an argmax over the vocabulary) wakes torch's
+    OpenMP workers, which then spin for milliseconds on the cores the next forward needs (measured:
+    a width-2 forward 8 -> 12 ms after one `torch.triu`). torch's setting is per OS thread here; the
+    previous value comes back at the end."""
+    if not native:
+        yield
+        return
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(prev)
 
 
 @dataclass(frozen=True, repr=False)

@@ -179,3 +179,20 @@ def test_tr_equals_ar_on_the_native_forward(tmp_path):
         assert tr.ids == ar.ids  # exactly: no near-tie allowance on the native forward
         accepted.append(tr.stats.mat)
     assert max(accepted) > 1.2, f"drafts were hardly accepted ({accepted}): the test would not test trees"
+
+
+def test_decode_loops_on_the_native_forward_keep_torch_single_threaded():
+    """Inside a native decode loop torch's intra-op threads are 1 (its OpenMP workers, woken by a
+    parallel host op, would spin on the kernels' cores), and the caller's setting comes back after;
+    on transformers' forward nothing changes."""
+    from engine.model.runner import quiet_torch_threads
+
+    before = torch.get_num_threads()
+    with quiet_torch_threads(True):
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == before
+    with quiet_torch_threads(False):
+        assert torch.get_num_threads() == before
+    with pytest.raises(RuntimeError), quiet_torch_threads(True):
+        raise RuntimeError("a failed step")
+    assert torch.get_num_threads() == before
