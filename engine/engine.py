@@ -420,7 +420,7 @@ class BatchEngine:
                 self._explore_credit -= price
                 return [(plan.tree.n + chain, 1.0, None, chain)]
             self._explorer = None
-        rates = self._rates.setdefault(live.rates_key, NodeRates(plan.tree.n))
+        rates = self._rates.get(live.rates_key) or self._rates.setdefault(live.rates_key, NodeRates(plan.tree.n))
         return rates.options([s for s in SIZES if s < plan.tree.n] + [plan.tree.n], chain)
 
     def _choose(self, options: list[list[tuple[int, float, int | None, int]]]) -> list[int]:
@@ -442,7 +442,7 @@ class BatchEngine:
     def _learn(self, live: _Live, draft, acc) -> None:
         if live.seq.tuner is not None:
             return
-        rates = self._rates.setdefault(live.rates_key, NodeRates(live.tree.n))
+        rates = self._rates.get(live.rates_key) or self._rates.setdefault(live.rates_key, NodeRates(live.tree.n))
         n_base = draft.plan.tree.n
         base_path = [i for i in acc.path if i < n_base]
         chain = draft.tokens.shape[0] - n_base

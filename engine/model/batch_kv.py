@@ -142,18 +142,22 @@ class BatchKV:
         moved to [lens[b], lens[b] + len(keep[b]))."""
         r = self.rows
         assert len(keep) == r.active, "one keep list per active row"
-        rows, src, dst = [], [], []
+        moves = []  # (row, from column, to column)
         for b, offsets in enumerate(keep):
             start = r.lens[b]
             for j, off in enumerate(offsets):
                 if r.offset + off != start + j:
-                    rows.append(b), src.append(r.offset + off), dst.append(start + j)
+                    moves.append((b, r.offset + off, start + j))
             r.lens[b] = start + len(offsets)
-        if rows:
-            bi = torch.tensor(rows, device=self.device)
-            si, di = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
-            # [m, 2, layers, Hkv, D]; the right side is gathered before the write
+        if len(moves) > 32:  # one gather + scatter: [m, 2, layers, Hkv, D], the right side gathered first
+            bi, si, di = (torch.tensor(c, device=self.device) for c in zip(*moves))
             r.buf[:, :, bi, :, di] = r.buf[:, :, bi, :, si]
+            return
+        # A few entries (a step keeps 1 + accepted per row): one strided copy each, 4x faster than the
+        # advanced-indexing op (measured 155 vs 615 us for 11 entries). In order, a row's destination
+        # column is always below its later sources (offsets ascend, and sources sit at offset >= lens).
+        for b, src, dst in moves:
+            r.buf[:, :, b, :, dst].copy_(r.buf[:, :, b, :, src])
 
     # ---- rows -----------------------------------------------------------------------------------
     def open_row(self) -> int:
