@@ -17,7 +17,7 @@ from core.errors import InvalidArgument
 from core.model_spec import ModelSpec
 from engine.config import DecoderConfig
 from engine.model.loader import LoadedModel, load_model
-from engine.model.runner import ModelRunner, RowInput, quiet_torch_threads
+from engine.model.runner import ModelRunner, RowInput, quiet_torch_threads, uses_kernel_pool
 from engine.request.prompt import PromptBuilder, check_token_ids
 from engine.request.request import GenerationRequest, PreparedRequest
 from engine.request.stops import StopChecker
@@ -58,6 +58,7 @@ class Decoder:
         # BatchEngine's step): the attention function's per-forward mask cache is process state.
         self.model_lock = threading.Lock()
         self._runner: ModelRunner | None = None  # one KV row, reused by every serial generation
+        self._kernel_pool = uses_kernel_pool(self.model)  # decode loops keep torch single-threaded
 
     # ---- setup helpers -------------------------------------------------------------------
     def compile(self, tree: str | TreeTemplate) -> CompiledTree:
@@ -178,7 +179,7 @@ class Decoder:
         source = self.draft_source(matrix) if req.mode == "tr" else None
         seq = Sequence(prepared, StopChecker(self.tokenizer, set(prepared.stop_ids), req.stop_strings),
                        new_sampler(req.sampling, req.max_new_tokens, self.device), acceptance, tuner)
-        with self.model_lock, torch.inference_mode(), quiet_torch_threads(self.loaded.native):
+        with self.model_lock, torch.inference_mode(), quiet_torch_threads(self._kernel_pool):
             yield from self._decode(seq, source, tree, cancelled, deadline)
 
     def draft_source(self, matrix: AdjacencyMatrix | DraftSource | None) -> DraftSource:

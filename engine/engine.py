@@ -24,7 +24,7 @@ import torch
 
 from core.errors import ResourceExhausted
 from engine.decoder import Decoder
-from engine.model.runner import ModelRunner, RowInput, quiet_torch_threads
+from engine.model.runner import ModelRunner, RowInput, quiet_torch_threads, uses_kernel_pool
 from engine.request.request import PreparedRequest
 from engine.request.stops import StopChecker
 from engine.request.text import TextStream
@@ -171,7 +171,7 @@ class BatchEngine:
 
     def run(self) -> None:
         """The engine loop (one thread owns the model): step while there is work, else wait."""
-        with torch.inference_mode(), quiet_torch_threads(self.runner.native is not None):
+        with torch.inference_mode(), quiet_torch_threads(uses_kernel_pool(self.decoder.model)):
             while True:
                 with self._lock:
                     while not self._stop and not (self.waiting or self.running or self.prefilling):

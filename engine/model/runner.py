@@ -26,15 +26,24 @@ from engine.model.batch_kv import BatchKV
 from engine.model.native import NativeForward, native_unsupported
 
 
+def uses_kernel_pool(model) -> bool:
+    """Whether `model`'s linear layers run on the compressed kernels (their own thread pool)."""
+    from engine.model.qlinear import QLinear
+
+    return any(isinstance(m, QLinear) for m in model.modules())
+
+
 @contextmanager
-def quiet_torch_threads(native: bool) -> Iterator[None]:
-    """While a decode loop on the native forward runs in this thread: torch's own intra-op threads
-    set to 1. The forward runs on the kernels' pool (csrc/pool.h); torch only does small host ops
-    between forwards, and a parallel one (e.g. `triu`, an argmax over the vocabulary) wakes torch's
-    OpenMP workers, which then spin for milliseconds on the cores the next forward needs (measured:
-    a width-2 forward 8 -> 12 ms after one `torch.triu`). torch's setting is per OS thread here; the
-    previous value comes back at the end."""
-    if not native:
+def quiet_torch_threads(active: bool) -> Iterator[None]:
+    """While a decode loop (or a calibration) whose linear layers run on the compressed kernels runs
+    in this thread (`active`: `uses_kernel_pool`): torch's own intra-op threads set to 1. The
+    kernels run on their own pool (csrc/pool.h), whose workers spin for a moment after each call;
+    torch's OpenMP workers spin too after any parallel torch op (e.g. `triu`, an argmax over the
+    vocabulary). Each set then spins on the cores the other needs: measured, a native width-2
+    forward took 12 ms after one `torch.triu` instead of 7.9, and transformers' forward on the
+    kernels 145 ms instead of ~17. torch's setting is per OS thread here; the previous value comes
+    back at the end."""
+    if not active:
         yield
         return
     prev = torch.get_num_threads()

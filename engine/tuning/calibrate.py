@@ -71,14 +71,14 @@ def measure(model, widths=WIDTHS, kv_lens=KV_LENS, reps: int = 2, passes: int = 
     other load only ever adds time, and sweeping the grid repeatedly spreads slow spells (shared
     or throttled cores) over all cells instead of skewing a few.
     """
-    from engine.model.runner import ModelRunner
+    from engine.model.runner import ModelRunner, quiet_torch_threads, uses_kernel_pool
 
     device = model.device
     dtype = next(model.parameters()).dtype
     vocab = int(model.config.vocab_size)
     g = torch.Generator().manual_seed(0)
     best = np.full((len(kv_lens), len(widths)), np.inf)
-    with torch.inference_mode():
+    with torch.inference_mode(), quiet_torch_threads(uses_kernel_pool(model)):  # as the decode loops run
         runner = ModelRunner(model, len(kv_lens), dtype, native=native)
         for kv in kv_lens:  # row i holds kv_lens[i] cached tokens
             row = runner.kv.open_row()
