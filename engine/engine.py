@@ -420,8 +420,15 @@ class BatchEngine:
                 self._explore_credit -= price
                 return [(plan.tree.n + chain, 1.0, None, chain)]
             self._explorer = None
-        rates = self._rates.get(live.rates_key) or self._rates.setdefault(live.rates_key, NodeRates(plan.tree.n))
+        rates = self._node_rates(live)
         return rates.options([s for s in SIZES if s < plan.tree.n] + [plan.tree.n], chain)
+
+    def _node_rates(self, live: _Live) -> NodeRates:
+        """The acceptance records of `live`'s tenant and base tree (created on first use)."""
+        rates = self._rates.get(live.rates_key)
+        if rates is None:
+            rates = self._rates[live.rates_key] = NodeRates(live.tree.n)
+        return rates
 
     def _choose(self, options: list[list[tuple[int, float, int | None, int]]]) -> list[int]:
         kv = self._mean_kv()
@@ -442,7 +449,7 @@ class BatchEngine:
     def _learn(self, live: _Live, draft, acc) -> None:
         if live.seq.tuner is not None:
             return
-        rates = self._rates.get(live.rates_key) or self._rates.setdefault(live.rates_key, NodeRates(live.tree.n))
+        rates = self._node_rates(live)
         n_base = draft.plan.tree.n
         base_path = [i for i in acc.path if i < n_base]
         chain = draft.tokens.shape[0] - n_base

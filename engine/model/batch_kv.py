@@ -149,13 +149,9 @@ class BatchKV:
                 if r.offset + off != start + j:
                     moves.append((b, r.offset + off, start + j))
             r.lens[b] = start + len(offsets)
-        if len(moves) > 32:  # one gather + scatter: [m, 2, layers, Hkv, D], the right side gathered first
-            bi, si, di = (torch.tensor(c, device=self.device) for c in zip(*moves))
-            r.buf[:, :, bi, :, di] = r.buf[:, :, bi, :, si]
-            return
-        # A few entries (a step keeps 1 + accepted per row): one strided copy each, 4x faster than the
-        # advanced-indexing op (measured 155 vs 615 us for 11 entries). In order, a row's destination
-        # column is always below its later sources (offsets ascend, and sources sit at offset >= lens).
+        # One strided copy per entry (a step keeps 1 + accepted per row): 4x faster than one
+        # advanced-indexing gather/scatter (measured 155 vs 615 us for 11 entries). In order, a row's
+        # destination column is always below its later sources (offsets ascend, sources sit at offset >= lens).
         for b, src, dst in moves:
             r.buf[:, :, b, :, dst].copy_(r.buf[:, :, b, :, src])
 

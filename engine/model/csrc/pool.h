@@ -44,11 +44,22 @@ static struct {
 
 INLINE void pool_pause(void) { __builtin_ia32_pause(); }
 
-static int64_t pool_now_ns(void)
+/* One step of a spin wait: a pause, and every 256 steps a look at the clock. Returns 1 once the wait
+ * has lasted `limit_ns` since its first look (then on every look; zero the struct to start over). */
+typedef struct {
+    unsigned spins;
+    int64_t t0;
+} spin_t;
+
+static int spin_over(spin_t *s, int64_t limit_ns)
 {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (int64_t)t.tv_sec * 1000000000LL + t.tv_nsec;
+    pool_pause();
+    if ((++s->spins & 255) != 0) return 0;
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    const int64_t t = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    if (!s->t0) s->t0 = t;
+    return t - s->t0 >= limit_ns;
 }
 
 /* All nt threads of the current run meet here (sense-reversing: reusable back to back). */
@@ -61,15 +72,9 @@ static void pool_barrier(int64_t nt)
         atomic_store(&pool.bar_sense, !sense);
         return;
     }
-    int64_t t0 = 0;
-    for (unsigned spins = 0; atomic_load(&pool.bar_sense) == sense; spins++) {
-        pool_pause();
-        if ((spins & 255) == 255) {
-            const int64_t t = pool_now_ns();
-            if (!t0) t0 = t;
-            else if (t - t0 > BARRIER_SPIN_NS) sched_yield();
-        }
-    }
+    spin_t w = {0, 0};
+    while (atomic_load(&pool.bar_sense) == sense)
+        if (spin_over(&w, BARRIER_SPIN_NS)) sched_yield();
 }
 
 typedef struct {
@@ -85,22 +90,15 @@ static void *pool_worker(void *arg)
     long long seen = start.gen;
     for (;;) {
         long long g;
-        int64_t t0 = 0;
-        for (unsigned spins = 0; (g = atomic_load(&pool.gen)) == seen; spins++) {
-            pool_pause();
-            if ((spins & 255) != 255) continue;
-            const int64_t t = pool_now_ns();
-            if (!t0) {
-                t0 = t;
-                continue;
-            }
-            if (t - t0 < IDLE_SPIN_NS) continue;
+        spin_t w = {0, 0};
+        while ((g = atomic_load(&pool.gen)) == seen) {
+            if (!spin_over(&w, IDLE_SPIN_NS)) continue;
             pthread_mutex_lock(&pool.m);
             atomic_fetch_add(&pool.sleepers, 1);
             while (atomic_load(&pool.gen) == seen) pthread_cond_wait(&pool.cv, &pool.m);
             atomic_fetch_sub(&pool.sleepers, 1);
             pthread_mutex_unlock(&pool.m);
-            t0 = 0;
+            w = (spin_t){0, 0};
         }
         seen = g; /* runs are never skipped: the next one waits for this worker's done */
         if (id < pool.nt) pool.fn(pool.ctx, id, pool.nt);
@@ -157,14 +155,8 @@ static void pool_run(pool_fn fn, void *ctx, int64_t nt)
         pthread_mutex_unlock(&pool.m);
     }
     fn(ctx, 0, nt);
-    int64_t t0 = 0;
-    for (unsigned spins = 0; atomic_load(&pool.done) < pool.workers; spins++) {
-        pool_pause();
-        if ((spins & 255) == 255) {
-            const int64_t t = pool_now_ns();
-            if (!t0) t0 = t;
-            else if (t - t0 > BARRIER_SPIN_NS) sched_yield();
-        }
-    }
+    spin_t w = {0, 0};
+    while (atomic_load(&pool.done) < pool.workers)
+        if (spin_over(&w, BARRIER_SPIN_NS)) sched_yield();
     pthread_mutex_unlock(&pool.run);
 }

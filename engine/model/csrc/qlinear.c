@@ -496,49 +496,50 @@ PLAN(wide_q4, 4, WIDE_ROWS, WIDE_PANELS)
 PLAN(wide_q8, 8, WIDE_ROWS, WIDE_PANELS)
 #undef PLAN
 
-static __thread float *deq_buf;
-static __thread int64_t deq_cap;
-
-/* The dequantise-once plan over panels [p0, p1): x packed in tiles of DEQ_ROWS rows. 0, or -1
- * without memory for the rebuilt panels. */
-INLINE int deq_part(const qmat_t *w, const int kind, const float *x, int64_t n, float *y, int64_t p0, int64_t p1)
+/* *buf grown to at least `need` floats (this thread's scratch; kept for its next calls). 0, or -1
+ * without memory. */
+static int grow_buf(float **buf, int64_t *cap, int64_t need)
 {
-    const int64_t need = w->in * DEQ_PANELS * PANEL;
-    if (need > deq_cap) {
-        float *b = realloc(deq_buf, sizeof(float) * need);
-        if (!b) return -1;
-        deq_buf = b, deq_cap = need;
-    }
-    int64_t p = p0;
-    for (; p + DEQ_PANELS <= p1; p += DEQ_PANELS) {
-        rebuild_panels(w, kind, DEQ_PANELS, p, deq_buf);
-        for (int64_t r0 = 0; r0 < n; r0 += DEQ_ROWS) {
-            const int rows = n - r0 < DEQ_ROWS ? (int)(n - r0) : DEQ_ROWS;
-            const int RR = DEQ_ROWS;
-#define CALL(R) mem_call(w, R, DEQ_PANELS, deq_buf, x + r0 * w->in, y, p, r0)
-            ROW_CASES(CALL)
-#undef CALL
-        }
-    }
-    for (; p < p1; p++) {
-        rebuild_panels(w, kind, 1, p, deq_buf);
-        for (int64_t r0 = 0; r0 < n; r0 += DEQ_ROWS) {
-            const int rows = n - r0 < DEQ_ROWS ? (int)(n - r0) : DEQ_ROWS;
-            const int RR = DEQ_ROWS;
-#define CALL(R) mem_call(w, R, 1, deq_buf, x + r0 * w->in, y, p, r0)
-            ROW_CASES(CALL)
-#undef CALL
-        }
-    }
+    if (need <= *cap) return 0;
+    float *b = realloc(*buf, sizeof(float) * need);
+    if (!b) return -1;
+    *buf = b, *cap = need;
     return 0;
 }
-static __attribute__((noinline)) int deq_q4(const qmat_t *w, const float *x, int64_t n, float *y, int64_t p0, int64_t p1)
+
+static __thread float *deq_buf; /* rebuilt panels of the dequantise-once plan */
+static __thread int64_t deq_cap;
+
+/* One group of T panels from p: rebuilt once, then every row tile of DEQ_ROWS rows over it. */
+INLINE void deq_group(const qmat_t *w, const int kind, const int T, int64_t p, const float *x, int64_t n, float *y)
 {
-    return deq_part(w, 4, x, n, y, p0, p1);
+    rebuild_panels(w, kind, T, p, deq_buf);
+    for (int64_t r0 = 0; r0 < n; r0 += DEQ_ROWS) {
+        const int rows = n - r0 < DEQ_ROWS ? (int)(n - r0) : DEQ_ROWS;
+        const int RR = DEQ_ROWS;
+#define CALL(R) mem_call(w, R, T, deq_buf, x + r0 * w->in, y, p, r0)
+        ROW_CASES(CALL)
+#undef CALL
+    }
 }
-static __attribute__((noinline)) int deq_q8(const qmat_t *w, const float *x, int64_t n, float *y, int64_t p0, int64_t p1)
+
+/* The dequantise-once plan over panels [p0, p1): x packed in tiles of DEQ_ROWS rows, deq_buf grown
+ * to w->in * DEQ_PANELS * PANEL floats. */
+INLINE void deq_part(const qmat_t *w, const int kind, const float *x, int64_t n, float *y, int64_t p0, int64_t p1)
 {
-    return deq_part(w, 8, x, n, y, p0, p1);
+    int64_t p = p0;
+    for (; p + DEQ_PANELS <= p1; p += DEQ_PANELS) deq_group(w, kind, DEQ_PANELS, p, x, n, y);
+    for (; p < p1; p++) deq_group(w, kind, 1, p, x, n, y);
+}
+static __attribute__((noinline)) void deq_q4(const qmat_t *w, const float *x, int64_t n, float *y, int64_t p0,
+                                             int64_t p1)
+{
+    deq_part(w, 4, x, n, y, p0, p1);
+}
+static __attribute__((noinline)) void deq_q8(const qmat_t *w, const float *x, int64_t n, float *y, int64_t p0,
+                                             int64_t p1)
+{
+    deq_part(w, 8, x, n, y, p0, p1);
 }
 
 /* x[n, I] -> this thread's buffer, row tiles of RR rows (the last one ragged) one after another, each
@@ -548,11 +549,7 @@ static __thread float *pack_buf;
 static __thread int64_t pack_cap;
 static const float *pack_rows(const float *x, int64_t n, int64_t I, int64_t RR)
 {
-    if (n * I > pack_cap) {
-        float *b = realloc(pack_buf, sizeof(float) * n * I);
-        if (!b) return NULL;
-        pack_buf = b, pack_cap = n * I;
-    }
+    if (grow_buf(&pack_buf, &pack_cap, n * I)) return NULL;
     for (int64_t r0 = 0; r0 < n; r0 += RR) {
         const int64_t R = n - r0 < RR ? n - r0 : RR;
         float *t = pack_buf + r0 * I;
@@ -575,15 +572,16 @@ static void qmat_rows(const qmat_t *w, const float *x, int64_t n, float *y, int6
         (q4 ? one_q4 : one_q8)(w, x, n, y, p0, p1);
         return;
     }
-    const int narrow = n <= (q4 ? NARROW_ROWS : NARROW8_ROWS), deq = n >= DEQ_MIN_ROWS;
+    const int narrow = n <= (q4 ? NARROW_ROWS : NARROW8_ROWS);
+    /* without memory for the rebuilt panels, the wide plan (same bits) */
+    const int deq = n >= DEQ_MIN_ROWS && !grow_buf(&deq_buf, &deq_cap, w->in * DEQ_PANELS * PANEL);
     const float *xp = pack_rows(x, n, w->in, narrow ? n : deq ? DEQ_ROWS : WIDE_ROWS);
-    if (xp && deq && !(q4 ? deq_q4 : deq_q8)(w, xp, n, y, p0, p1)) return;
-    if (xp && deq) xp = pack_rows(x, n, w->in, WIDE_ROWS); /* no memory for the rebuilt panels */
     if (!xp) { /* no memory for the packed copy: row by row (a row alone is its own packed layout; same bits) */
         for (int64_t r = 0; r < n; r++) (q4 ? one_q4 : one_q8)(w, x + r * w->in, 1, y + r * w->out, p0, p1);
         return;
     }
-    if (narrow) (q4 ? narrow_q4 : narrow_q8)(w, xp, n, y, p0, p1);
+    if (deq) (q4 ? deq_q4 : deq_q8)(w, xp, n, y, p0, p1);
+    else if (narrow) (q4 ? narrow_q4 : narrow_q8)(w, xp, n, y, p0, p1);
     else (q4 ? wide_q4 : wide_q8)(w, xp, n, y, p0, p1);
 }
 
