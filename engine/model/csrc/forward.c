@@ -183,51 +183,106 @@ INLINE void rope(float *q, const float *c, const float *s, int64_t D)
     }
 }
 
+/* The largest of x[0 .. n - 1] (n >= 1), as a scan keeping the first of equals would find it: 16
+ * lanes of running maxima (lane l takes x[16c + l]), then the lanes in order. max is exact, so for
+ * numbers any order gives this value; written out the same in every build all the same. */
+INLINE float max_lanes(const float *x, int64_t n)
+{
+    float m[16];
+    int64_t i = 0;
+    for (int l = 0; l < 16; l++) m[l] = x[l < n ? l : 0];
+#if defined(__AVX512F__)
+    if (n >= 16) {
+        __m512 v = _mm512_loadu_ps(x);
+        for (i = 16; i + 16 <= n; i += 16) v = _mm512_max_ps(_mm512_loadu_ps(x + i), v); /* x > m ? x : m */
+        _mm512_storeu_ps(m, v);
+    }
+#elif defined(__AVX2__)
+    if (n >= 16) {
+        __m256 a = _mm256_loadu_ps(x), b = _mm256_loadu_ps(x + 8);
+        for (i = 16; i + 16 <= n; i += 16)
+            a = _mm256_max_ps(_mm256_loadu_ps(x + i), a), b = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), b);
+        _mm256_storeu_ps(m, a), _mm256_storeu_ps(m + 8, b);
+    }
+#else
+    if (n >= 16)
+        for (i = 16; i + 16 <= n; i += 16)
+            for (int l = 0; l < 16; l++) m[l] = x[i + l] > m[l] ? x[i + l] : m[l];
+#endif
+    if (n < 16) i = n;
+    for (; i < n; i++) m[i & 15] = x[i] > m[i & 15] ? x[i] : m[i & 15];
+    float r = m[0];
+    for (int l = 1; l < 16; l++) r = m[l] > r ? m[l] : r;
+    return r;
+}
+
+/* sc[L] = scale * dot(q, K[L]) for the REDUCE_KEYS keys L = 0 .. REDUCE_KEYS - 1 of D floats each
+ * (row stride D), each dot product in qlinear.c's 16-lane order (dot32) and the keys reduced side by
+ * side (acc_reduce_keys gives acc_reduce's bits). */
+#if REDUCE_KEYS > 1
+INLINE void key_scores(const int NB, const float *qv, const float *K, int64_t D, float scale, float *sc)
+{
+    acc_t a[REDUCE_KEYS];
+#pragma GCC unroll 16
+    for (int s = 0; s < REDUCE_KEYS; s++) {
+        const float *k = K + REDUCE_KEY(s) * D; /* so that key L ends in lane L */
+        a[s] = acc_zero();
+#pragma GCC unroll 8
+        for (int i = 0; i < NB; i++) {
+            const wblock_t w = float_block(qv + 32 * i);
+            acc_block(&a[s], &w, k + 32 * i);
+        }
+    }
+#if defined(__AVX512F__)
+    _mm512_storeu_ps(sc, _mm512_mul_ps(acc_reduce_keys(a), _mm512_set1_ps(scale)));
+#else
+    _mm256_storeu_ps(sc, _mm256_mul_ps(acc_reduce_keys(a), _mm256_set1_ps(scale)));
+#endif
+}
+#endif
+
 /* Attention of NQ queries of one head over one sequence's keys, side by side (each query's numbers
  * exactly as if alone): scores of the visible keys in ascending column order (context columns [0, L),
- * then the step's new columns where the query's mask row says so), max, exp, sum, then the weighted
- * sum of values key by key in that order; out = acc / l. NV = D / 16 vectors per row: a constant
- * (2, 4, 8) keeps each query's value accumulators in registers; 0 takes D at run time. qs, masks, scs,
- * outs: per query its vector, mask row [w], score buffer [L + w], output [D]. */
+ * then the step's new columns where the query's mask row says so), max, exp, the sum of the
+ * exponentials in that order, then the weighted sum of values key by key in that order; out = acc / l.
+ * NV = D / 16 vectors per row: a constant (2, 4, 8) keeps each query's value accumulators in
+ * registers; 0 takes D at run time. qs, masks, scs, outs: per query its vector, mask row [w], score
+ * buffer [L + w], output [D]. */
 #define MAX_NV 16
 INLINE void attend_pass(const int NQ, const int NV, int64_t D, float scale, const float *const *qs,
                         const uint8_t *const *masks, const float *K, const float *V, const float *Kn, const float *Vn,
                         int64_t L, int64_t w, float *const *scs, float *const *outs)
 {
     const int nv = NV ? NV : (int)(D / 16), nb = nv / 2;
-    wblock_t qb[QPASS][MAX_NV / 2]; /* the queries, loaded once */
-    for (int q = 0; q < NQ; q++)
-        for (int i = 0; i < nb; i++) qb[q][i] = float_block(qs[q] + 32 * i);
     int64_t m[QPASS];
-    for (int64_t j = 0; j < L; j++) {
-        const float *kj = K + j * D;
+    int64_t j0 = 0;
+#if REDUCE_KEYS > 1
+    for (; j0 + REDUCE_KEYS <= L; j0 += REDUCE_KEYS) { /* a block of keys stays in L1 for all the queries */
 #pragma GCC unroll 4
         for (int q = 0; q < NQ; q++) {
-            acc_t a = acc_zero();
-            for (int i = 0; i < nb; i++) acc_block(&a, &qb[q][i], kj + 32 * i);
-            scs[q][j] = acc_reduce(a) * scale;
+            if (NV) key_scores(NV / 2, qs[q], K + j0 * D, D, scale, scs[q] + j0);
+            else key_scores(nb, qs[q], K + j0 * D, D, scale, scs[q] + j0);
         }
     }
+#endif
     for (int q = 0; q < NQ; q++) {
         float *sc = scs[q];
+        for (int64_t j = j0; j < L; j++) sc[j] = dot32(qs[q], K + j * D, D) * scale;
         m[q] = L;
         for (int64_t j = 0; j < w; j++)
-            if (masks[q][j]) {
-                acc_t a = acc_zero();
-                for (int i = 0; i < nb; i++) acc_block(&a, &qb[q][i], Kn + j * D + 32 * i);
-                sc[m[q]++] = acc_reduce(a) * scale;
-            }
-        float mx = sc[0];
-        for (int64_t j = 1; j < m[q]; j++) mx = sc[j] > mx ? sc[j] : mx;
+            if (masks[q][j]) sc[m[q]++] = dot32(qs[q], Kn + j * D, D) * scale;
+        const float mx = max_lanes(sc, m[q]);
         for (int64_t j = 0; j < m[q]; j++) sc[j] -= mx;
         exp_poly(sc, m[q]);
     }
-    float l[QPASS];
-    for (int q = 0; q < NQ; q++) {
-        float s = 0.0f;
-        for (int64_t j = 0; j < m[q]; j++) s += scs[q][j];
-        l[q] = s;
-    }
+    float l[QPASS]; /* each query's sum in key order; the queries' chains interleaved */
+    int64_t common = m[0];
+    for (int q = 0; q < NQ; q++) l[q] = 0.0f, common = m[q] < common ? m[q] : common;
+    for (int64_t j = 0; j < common; j++)
+#pragma GCC unroll 4
+        for (int q = 0; q < NQ; q++) l[q] += scs[q][j];
+    for (int q = 0; q < NQ; q++)
+        for (int64_t j = common; j < m[q]; j++) l[q] += scs[q][j];
     v16 acc[QPASS][MAX_NV];
     for (int q = 0; q < NQ; q++)
         for (int v = 0; v < nv; v++) acc[q][v] = v_zero();
@@ -314,7 +369,7 @@ int trserve_topk_rows(const float *x, int64_t m, int64_t V, int64_t K, int32_t *
     return 0;
 }
 
-#define QBLOCK 16 /* queries per attention work item */
+#define QBLOCK 4 /* queries per attention work item (a multiple of QPASS) */
 
 /* Checks the model fits the fixed-size parts below; 0 ok. */
 int trserve_forward_check(const tr_model *M)
@@ -372,10 +427,12 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
             memcpy(vc[l] + at, v + (t * Hkv + g) * D, D * sizeof(float));
         }
         pool_barrier(nt);
-        /* work items: (sequence, head, block of QBLOCK queries); item0[b] = sequence b's first */
-        for (int64_t u = id, b = 0; u < item0[B]; u += nt) {
+        /* work items: (sequence, head, block of QBLOCK queries), item0[b] = sequence b's first; each
+         * thread a contiguous range, so the heads that share a KV head mostly share its reads */
+        for (int64_t u = item0[B] * id / nt, u1 = item0[B] * (id + 1) / nt, b = 0; u < u1; u++) {
             while (item0[b + 1] <= u) b++;
-            const int64_t r = u - item0[b], hd = r % Hq, i0 = (r / Hq) * QBLOCK, w = tok0[b + 1] - tok0[b];
+            const int64_t w = tok0[b + 1] - tok0[b], blocks = (w + QBLOCK - 1) / QBLOCK, r = u - item0[b];
+            const int64_t hd = r / blocks, i0 = (r % blocks) * QBLOCK;
             attend(M, b, hd, i0, i0 + QBLOCK < w ? i0 + QBLOCK : w, tok0, ctx, start, kv_row, vis, vis0, q, kc[l],
                    vc[l], cap, att, sc, sc_len);
         }
