@@ -95,6 +95,7 @@ class _Live:
     root: int = 0
     text: TextStream | None = None
     seed: list = field(default_factory=list)  # (tokens [c], topk [c, K]) of prompt seeding, per chunk
+    seed_n: int = 0  # prompt positions whose predictions seed its matrix (fixed when its prefill starts)
 
     @property
     def reserved(self) -> int:
@@ -134,6 +135,11 @@ class BatchEngine:
         # between width 1 and 2 decides whether a small tree pays (measured here: width 2 priced 3% above
         # width 1, took 18% more in the decode loop)
         self._cost_ratio: dict[int, float] = {}
+        # share of the TR sequences' steps that verified a tree (EMA over steps): what a TR request's own
+        # extra work buys is drafts, worth something only while the batch verifies trees, so prompt
+        # seeding (LM-head rows over the prompt's last positions) and exploration scale with it; under
+        # a load where the budget verifies only plain steps a TR request then costs what an AR one does
+        self._tree_share = 1.0
 
     # ---- the caller's side (any thread) ---------------------------------------------------------
     def submit(self, prepared: PreparedRequest, emit: Callable[[StepChunk | GenerationResult | Exception], None], *,
@@ -250,7 +256,9 @@ class BatchEngine:
         p = len(ids)
         c = min(self.config.prefill_chunk, p - live.done)
         chunk = torch.tensor(ids[live.done : live.done + c], device=d.device)
-        seed = min(p, d.config.seed_from_prompt) if live.session is not None else 0
+        if live.done == 0 and live.session is not None:
+            live.seed_n = min(p, round(d.config.seed_from_prompt * self._tree_share))
+        seed = live.seed_n
         first_seed = max(live.done, p - seed)  # prompt positions whose predictions seed the matrix
         need = list(range(first_seed - live.done, c))
         if live.done + c == p and (not need or need[-1] != c - 1):
@@ -303,6 +311,10 @@ class BatchEngine:
             self._emit(live, new)
             tree = draft is not None
             self._host_s[tree] += 0.02 * (spent + time.perf_counter() - t0 - self._host_s[tree])
+        tr = sum(live.session is not None for live in self.running)
+        if tr:
+            trees = sum(d is not None for d in drafts)
+            self._tree_share += 0.05 * (trees / tr - self._tree_share)
         self.runner.keep(keep)
 
     def _drafts(self) -> tuple[list, list[RowInput], list[float]]:
@@ -384,10 +396,12 @@ class BatchEngine:
         """The sequence (in turn) that may verify its whole base tree (and lookup chain) this step, or
         None. Exploring keeps every node's rate measured; it is offered at most every explore_every * B
         steps, and `_options` takes it only while the credit (explore_budget x the time of the steps so
-        far) pays its extra width, priced there with the chain it would verify."""
+        far, x the share of steps that verify trees, at least a quarter) pays its extra width, priced
+        there with the chain it would verify."""
         b = len(self.running)
         last = self.cost(self._last_width, self._mean_kv())
-        self._explore_credit = min(self._explore_credit + self.config.explore_budget * last, 1.0)
+        budget = self.config.explore_budget * max(self._tree_share, 0.25)  # a quarter of it while no tree pays
+        self._explore_credit = min(self._explore_credit + budget * last, 1.0)
         if self.steps % (self.config.explore_every * b):
             return None
         live = self.running[self._explored % b]

@@ -4,7 +4,7 @@ With transformers' eager modules a forward of SmolLM2-135M dispatches ~2,000 sma
 rotary, views, cache updates, 7 kernel calls per layer with an OpenMP fork/join each): ~8-10 ms per
 forward on these CPUs, as much as the weights' memory traffic. `NativeForward` runs the same model
 (the weights transformers loaded, as the exact compressed kernels hold them: engine/model/qlinear.py)
-in one OpenMP region over a packed batch: B sequences' new tokens back to back, no padding, each
+in one run of the kernels' thread pool (csrc/pool.h) over a packed batch: B sequences' new tokens back to back, no padding, each
 with its own KV row, visible context, write column and tree mask.
 
 It applies where the model is the Llama architecture as transformers defines it (LlamaForCausalLM,

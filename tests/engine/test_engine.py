@@ -125,6 +125,15 @@ def test_heavy_load_shrinks_trees_to_plain_steps(tiny):
             for i in range(6)]
     _run(engine)
     assert all(o[-1].stats.mat == 1.0 for o in outs)  # widths never grew
+    # no tree paid, so a request admitted now seeds (almost) nothing from its prompt: its LM-head rows
+    # over the prompt would buy drafts nobody verifies
+    assert engine._tree_share < 0.5
+    late = _submit(engine, tiny, GenerationRequest(input_ids=_prompt(9, 6), max_new_tokens=4, ignore_eos=True))
+    with torch.inference_mode():
+        engine.step()
+    assert engine.running[-1].seed_n < tiny.config.seed_from_prompt
+    _run(engine)
+    assert late[-1].stats.mat == 1.0
     flat = BatchEngine(tiny, EngineConfig(max_batch=8), cost=lambda w, kv: 1.0)  # free width: whole trees
     outs = [_submit(flat, tiny, GenerationRequest(input_ids=_prompt(i, 6), max_new_tokens=12, ignore_eos=True),
                     matrix=tiny.new_matrix()) for i in range(6)]

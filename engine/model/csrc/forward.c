@@ -4,17 +4,19 @@
  * tok0[b] .. tok0[b + 1] - 1, with no padding) on the exact compressed linear kernels of
  * qlinear.c, with every other op written out here: RMSNorm, rotary embedding (cos/sin tables from
  * the model's own rotary module), grouped-query attention over each sequence's KV row with its
- * tree mask, SiLU-gated MLP, residuals, final norm, LM head on the kept tokens. One OpenMP region
- * spans the whole forward (a barrier between phases), so a step costs one call instead of the
- * ~2,000 small dispatched ops of the eager modules.
+ * tree mask, SiLU-gated MLP, residuals, final norm, LM head on the kept tokens. One run of the
+ * kernels' thread pool (pool.h) spans the whole forward (a barrier between phases), so a step costs
+ * one call instead of the ~2,000 small dispatched ops of the eager modules.
  *
  * What the engine relies on: every token's numbers depend only on its own input, position and the
  * keys/values it sees, in a fixed order, never on N, B, or where the token sits in the batch:
  *   - linear layers: qlinear.c's per-row guarantee;
  *   - RMSNorm: sum of squares in the 16-lane order of qlinear.c (acc_block/acc_reduce);
  *   - attention of a query: its visible keys in ascending KV column order (context columns, then
- *     the step's new columns), dot products in the 16-lane order, max, exp, sum and the weighted sum
- *     of values accumulated key by key in that order; masked keys are skipped, not added as zeros;
+ *     the step's new columns), dot products in the 16-lane order (several keys' reductions side by
+ *     side, each with the same pairing tree), the max (exact in any order), exp, the sum and the
+ *     weighted sum of values accumulated key by key in that order; masked keys are skipped, not
+ *     added as zeros;
  *   - exp is a written-out polynomial (exp_poly), the same op sequence in every build.
  * So a tree node's logits equal those of the same token decoded alone on the same context (TR ==
  * plain decoding bit for bit), and the AVX-512, AVX2 and scalar builds give the same bits.
