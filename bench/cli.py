@@ -14,6 +14,9 @@ def register(sub) -> None:
     p.add_argument("--prompts", default=DEFAULT_PROMPTS, help="Spec-Bench style jsonl (question_id, category, turns)")
     p.add_argument("--per-category", type=int, default=1, help="questions per category (the first N in file order)")
     p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--warm-per-category", type=int, default=0,
+                   help="hot start: first turns of N more questions per category (never measured) through the TR "
+                        "decoders first, untimed, so their matrices start as after earlier traffic")
     p.add_argument("--decoders", default=",".join(DECODERS), help=f"comma list from {','.join(DECODERS + OPTIONAL)}")
     p.add_argument("--tree", default=None, help="tree for the 'tr' decoder (default: this installation's default)")
     p.add_argument("--first-turn-only", action="store_true", help="skip the second turn of multi-turn questions")
@@ -56,7 +59,7 @@ def _run(args) -> int:
         decoders=tuple(d.strip() for d in args.decoders.split(",") if d.strip()), tree=args.tree,
         first_turn_only=args.first_turn_only, pld_tokens=args.pld_tokens, model=args.model,
         threads=args.threads, kernels=args.kernels, json_path=args.json or "bench-results/bench.json",
-        temperature=args.temperature, forward=args.forward, gguf=args.gguf,
+        temperature=args.temperature, forward=args.forward, gguf=args.gguf, warm_per_category=args.warm_per_category,
     )
     run_bench(config)
     return 0
