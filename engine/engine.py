@@ -130,10 +130,14 @@ class BatchEngine:
         # streaming), measured: {True: a tree step, False: a plain one}; the difference is what a tree
         # costs beyond its forward width (engine/tuning/budget.py, `extra`)
         self._host_s = {True: 5e-4, False: 1e-4}
-        # measured forward seconds / the cost model's, per step width (EMA; 1.0 until measured): the
-        # calibration's cells are each a fastest-of-a-few on a noisy host, and a few percent of error
-        # between width 1 and 2 decides whether a small tree pays (measured here: width 2 priced 3% above
-        # width 1, took 18% more in the decode loop)
+        # measured forward seconds / the cost model's: the host's speed against the calibration's (one
+        # EMA over all steps), and per step width that width's own ratio relative to it (EMA; 1.0 until
+        # measured). The calibration's cells are each a fastest-of-a-few on a noisy host, and a few
+        # percent of error between width 1 and 2 decides whether a small tree pays (measured here:
+        # width 2 priced 3% above width 1, took 18% more in the decode loop); and a width never measured
+        # must be priced at the host's current speed, not the calibration's, or in a slow spell every
+        # wider step looks cheap next to the (measured) usual one
+        self._speed = 1.0
         self._cost_ratio: dict[int, float] = {}
         # share of the TR sequences' steps that verified a tree (EMA over steps): what a TR request's own
         # extra work buys is drafts, worth something only while the batch verifies trees, so prompt
@@ -370,7 +374,7 @@ class BatchEngine:
     def cost(self, width: int, kv: int) -> float:
         """Seconds of a forward of `width` tokens at KV length `kv` (to 32 tokens): the cost model,
         corrected by what forwards of that width measured in this loop."""
-        return self._model_cost(width, kv) * self._cost_ratio.get(width, 1.0)
+        return self._model_cost(width, kv) * self._speed * self._cost_ratio.get(width, 1.0)
 
     def _model_cost(self, width: int, kv: int) -> float:
         key = (width, kv // 32)
@@ -382,15 +386,16 @@ class BatchEngine:
         return c
 
     def _measured(self, width: int, kv: int, seconds: float) -> None:
-        """A forward of `width` tokens at KV length `kv` took `seconds`: the width's correction moves
-        towards it (EMA, 0.1 per step; one sample's ratio clamped to [0.5, 2]: one preempted step must
-        not price a width out)."""
+        """A forward of `width` tokens at KV length `kv` took `seconds`: the host's speed and the width's
+        own correction move towards it (EMAs, 0.1 per step; one sample's ratio clamped to [0.5, 2]: one
+        preempted step must not price a width out)."""
         model = self._model_cost(width, kv)
         if model <= 0:
             return
         r = min(max(seconds / model, 0.5), 2.0)
+        self._speed += 0.1 * (r - self._speed)
         prev = self._cost_ratio.get(width, 1.0)
-        self._cost_ratio[width] = prev + 0.1 * (r - prev)
+        self._cost_ratio[width] = prev + 0.1 * (r / self._speed - prev)
 
     def _next_explorer(self) -> _Live | None:
         """The sequence (in turn) that may verify its whole base tree (and lookup chain) this step, or

@@ -120,6 +120,7 @@ class NodeRates:
         self.chain_verified = np.zeros(self.MAX_CHAIN)  # [C] per chain position
         self.chain_accepted = np.zeros(self.MAX_CHAIN)
         self.chain_prior = chain_prior * 0.85 ** np.arange(self.MAX_CHAIN)  # [C]
+        self._cache: dict[str, np.ndarray] = {}  # rates, chain rates and chain worth until the next record
 
     @property
     def chain_steps(self) -> float:
@@ -129,6 +130,7 @@ class NodeRates:
     def record(self, verified: int, path: list[int], chain: int = 0, chain_hits: int = 0) -> None:
         """A step verified nodes 0..verified-1 (a BFS prefix) and a chain of `chain` tokens, of which the
         first `chain_hits` were accepted; `path` = accepted base nodes."""
+        self._cache.clear()
         self.verified[:verified] += 1
         self.accepted[path] += 1
         chain = min(chain, self.MAX_CHAIN)
@@ -136,10 +138,31 @@ class NodeRates:
         self.chain_accepted[: min(chain_hits, chain)] += 1
 
     def rates(self) -> np.ndarray:
-        return (self.accepted + self.prior * self.weight) / (self.verified + self.weight)  # [n]
+        r = self._cache.get("rates")
+        if r is None:
+            r = self._cache["rates"] = (self.accepted + self.prior * self.weight) / (self.verified + self.weight)  # [n]
+        return r
 
     def chain_rates(self) -> np.ndarray:
-        return (self.chain_accepted + self.chain_prior * self.weight) / (self.chain_verified + self.weight)  # [C]
+        r = self._cache.get("chain")
+        if r is None:
+            r = self._cache["chain"] = (self.chain_accepted + self.chain_prior * self.weight) / (
+                self.chain_verified + self.weight)  # [C]
+        return r
+
+    def _worth(self) -> np.ndarray:
+        """[C + 1] expected tokens of the first c chain tokens, c = 0 .. C."""
+        w = self._cache.get("worth")
+        if w is None:
+            w = self._cache["worth"] = np.concatenate([[0.0], np.cumsum(self.chain_rates())])
+        return w
+
+    def _base_tokens(self) -> np.ndarray:
+        """[n + 1] expected tokens of the BFS prefix of s nodes (root included), s = 0 .. n."""
+        t = self._cache.get("base")
+        if t is None:
+            t = self._cache["base"] = 1.0 + np.concatenate([[0.0, 0.0], np.cumsum(self.rates()[1:])])
+        return t
 
     def chain_worth(self, chain: int) -> float:
         """Expected tokens the first `chain` tokens of a chain add."""
@@ -149,13 +172,12 @@ class NodeRates:
         """(width, expected tokens, base nodes, chain tokens) of plain decoding, then of the BFS
         prefixes of `sizes` nodes (root included), each also with the first 1, 2, 4, 8 ... tokens of a
         lookup chain of `chain` tokens where one is proposed (chain > 0); sorted by width."""
-        r = self.rates()  # [n]
-        worth = np.concatenate([[0.0], np.cumsum(self.chain_rates()[: min(chain, self.MAX_CHAIN)])])  # [c + 1]
+        base, worth = self._base_tokens(), self._worth()  # [n + 1], [C + 1]
         cuts = sorted({c for c in (1, 2, 4, 8, 16, 32) if c < chain} | ({min(chain, self.MAX_CHAIN)} if chain else set()))
         out = [(1, 1.0, 1, 0)]
         for s in sizes:
             if s > 1:
-                tokens = 1.0 + float(r[1:s].sum())
+                tokens = float(base[s])
                 out.append((s, tokens, s, 0))
                 out.extend((s + c, tokens + float(worth[c]), s, c) for c in cuts)
         return sorted(out)

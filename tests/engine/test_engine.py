@@ -180,3 +180,17 @@ def test_real_prompts_from_several_tenants_decode_in_a_batch_as_alone(decoder, h
         near_ties.append(p)
     assert len(near_ties) <= 2, near_ties
     assert sum(o[-1].stats.mat for o in outs) / len(outs) > 1.2  # drafts accepted inside the batch
+
+
+def test_a_width_never_measured_is_priced_at_the_host_speed(tiny):
+    """Forwards measured 1.5x the calibration at width 4: width 4 costs what it measured, and width 5,
+    never measured, the calibration x 1.5 (at the calibration's own speed it would look cheap next to
+    width 4 and win steps it then loses)."""
+    engine = BatchEngine(tiny, EngineConfig(max_batch=2), cost=lambda w, kv: 0.01 * w)
+    for _ in range(200):
+        engine._measured(4, 64, 0.06)
+    assert engine.cost(4, 64) == pytest.approx(0.06, rel=1e-3)
+    assert engine.cost(5, 64) == pytest.approx(0.075, rel=1e-3)
+    for _ in range(200):  # width 1 measured at 2x the calibration: its own ratio on top of the host's speed
+        engine._measured(1, 64, 0.02)
+    assert engine.cost(1, 64) == pytest.approx(0.02, rel=1e-2)
