@@ -218,16 +218,18 @@ INLINE float max_lanes(const float *x, int64_t n)
     return r;
 }
 
-/* sc[L] = scale * dot(q, K[L]) for the REDUCE_KEYS keys L = 0 .. REDUCE_KEYS - 1 of D floats each
- * (row stride D), each dot product in qlinear.c's 16-lane order (dot32) and the keys reduced side by
- * side (acc_reduce_keys gives acc_reduce's bits). */
+/* sc[L] = scale * dot(q, K[key L]) for the REDUCE_KEYS keys L = 0 .. REDUCE_KEYS - 1 of D floats
+ * each (row stride D; key L is row L, or row idx[L] given an index list), each dot product in
+ * qlinear.c's 16-lane order (dot32) and the keys reduced side by side (acc_reduce_keys gives
+ * acc_reduce's bits). */
 #if REDUCE_KEYS > 1
-INLINE void key_scores(const int NB, const float *qv, const float *K, int64_t D, float scale, float *sc)
+INLINE void key_scores(const int NB, const float *qv, const float *K, const int32_t *idx, int64_t D, float scale,
+                       float *sc)
 {
     acc_t a[REDUCE_KEYS];
 #pragma GCC unroll 16
     for (int s = 0; s < REDUCE_KEYS; s++) {
-        const float *k = K + REDUCE_KEY(s) * D; /* so that key L ends in lane L */
+        const float *k = K + (idx ? idx[REDUCE_KEY(s)] : REDUCE_KEY(s)) * D; /* so that key L ends in lane L */
         a[s] = acc_zero();
 #pragma GCC unroll 8
         for (int i = 0; i < NB; i++) {
@@ -262,8 +264,8 @@ INLINE void attend_pass(const int NQ, const int NV, int64_t D, float scale, cons
     for (; j0 + REDUCE_KEYS <= L; j0 += REDUCE_KEYS) { /* a block of keys stays in L1 for all the queries */
 #pragma GCC unroll 4
         for (int q = 0; q < NQ; q++) {
-            if (NV) key_scores(NV / 2, qs[q], K + j0 * D, D, scale, scs[q] + j0);
-            else key_scores(nb, qs[q], K + j0 * D, D, scale, scs[q] + j0);
+            if (NV) key_scores(NV / 2, qs[q], K + j0 * D, NULL, D, scale, scs[q] + j0);
+            else key_scores(nb, qs[q], K + j0 * D, NULL, D, scale, scs[q] + j0);
         }
     }
 #endif
@@ -271,8 +273,24 @@ INLINE void attend_pass(const int NQ, const int NV, int64_t D, float scale, cons
         float *sc = scs[q];
         for (int64_t j = j0; j < L; j++) sc[j] = dot32(qs[q], K + j * D, D) * scale;
         m[q] = L;
-        for (int64_t j = 0; j < w; j++)
-            if (masks[q][j]) sc[m[q]++] = dot32(qs[q], Kn + j * D, D) * scale;
+        /* the step's visible new keys in column order, REDUCE_KEYS at a time where that many are
+         * gathered (a prefill chunk's causal rows), the rest one by one: the same numbers */
+        int32_t seen[REDUCE_KEYS];
+        int n_seen = 0;
+        for (int64_t j = 0; j < w; j++) {
+            if (!masks[q][j]) continue;
+            seen[n_seen++] = (int32_t)j;
+#if REDUCE_KEYS > 1
+            if (n_seen == REDUCE_KEYS) {
+                if (NV) key_scores(NV / 2, qs[q], Kn, seen, D, scale, sc + m[q]);
+                else key_scores(nb, qs[q], Kn, seen, D, scale, sc + m[q]);
+                m[q] += REDUCE_KEYS, n_seen = 0;
+            }
+#else
+            sc[m[q]++] = dot32(qs[q], Kn + j * D, D) * scale, n_seen = 0;
+#endif
+        }
+        for (int i = 0; i < n_seen; i++) sc[m[q]++] = dot32(qs[q], Kn + (int64_t)seen[i] * D, D) * scale;
         const float mx = max_lanes(sc, m[q]);
         for (int64_t j = 0; j < m[q]; j++) sc[j] -= mx;
         exp_poly(sc, m[q]);
