@@ -186,32 +186,15 @@ INLINE void rope(float *q, const float *c, const float *s, int64_t D)
 }
 
 /* The largest of x[0 .. n - 1] (n >= 1), as a scan keeping the first of equals would find it: 16
- * lanes of running maxima (lane l takes x[16c + l]), then the lanes in order. max is exact, so for
- * numbers any order gives this value; written out the same in every build all the same. */
+ * lanes of running maxima (lane l takes x[16c + l]; the compiler vectorises the lanes), then the
+ * lanes in order. max is exact, so for numbers any order gives this value. */
 INLINE float max_lanes(const float *x, int64_t n)
 {
     float m[16];
-    int64_t i = 0;
     for (int l = 0; l < 16; l++) m[l] = x[l < n ? l : 0];
-#if defined(__AVX512F__)
-    if (n >= 16) {
-        __m512 v = _mm512_loadu_ps(x);
-        for (i = 16; i + 16 <= n; i += 16) v = _mm512_max_ps(_mm512_loadu_ps(x + i), v); /* x > m ? x : m */
-        _mm512_storeu_ps(m, v);
-    }
-#elif defined(__AVX2__)
-    if (n >= 16) {
-        __m256 a = _mm256_loadu_ps(x), b = _mm256_loadu_ps(x + 8);
-        for (i = 16; i + 16 <= n; i += 16)
-            a = _mm256_max_ps(_mm256_loadu_ps(x + i), a), b = _mm256_max_ps(_mm256_loadu_ps(x + i + 8), b);
-        _mm256_storeu_ps(m, a), _mm256_storeu_ps(m + 8, b);
-    }
-#else
-    if (n >= 16)
-        for (i = 16; i + 16 <= n; i += 16)
-            for (int l = 0; l < 16; l++) m[l] = x[i + l] > m[l] ? x[i + l] : m[l];
-#endif
-    if (n < 16) i = n;
+    int64_t i = n < 16 ? n : 16;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) m[l] = x[i + l] > m[l] ? x[i + l] : m[l];
     for (; i < n; i++) m[i & 15] = x[i] > m[i & 15] ? x[i] : m[i & 15];
     float r = m[0];
     for (int l = 1; l < 16; l++) r = m[l] > r ? m[l] : r;
@@ -220,9 +203,8 @@ INLINE float max_lanes(const float *x, int64_t n)
 
 /* sc[L] = scale * dot(q, K[key L]) for the REDUCE_KEYS keys L = 0 .. REDUCE_KEYS - 1 of D floats
  * each (row stride D; key L is row L, or row idx[L] given an index list), each dot product in
- * qlinear.c's 16-lane order (dot32) and the keys reduced side by side (acc_reduce_keys gives
+ * qlinear.c's 16-lane order (dot32) and the keys reduced side by side (reduce_keys_store gives
  * acc_reduce's bits). */
-#if REDUCE_KEYS > 1
 INLINE void key_scores(const int NB, const float *qv, const float *K, const int32_t *idx, int64_t D, float scale,
                        float *sc)
 {
@@ -237,13 +219,8 @@ INLINE void key_scores(const int NB, const float *qv, const float *K, const int3
             acc_block(&a[s], &w, k + 32 * i);
         }
     }
-#if defined(__AVX512F__)
-    _mm512_storeu_ps(sc, _mm512_mul_ps(acc_reduce_keys(a), _mm512_set1_ps(scale)));
-#else
-    _mm256_storeu_ps(sc, _mm256_mul_ps(acc_reduce_keys(a), _mm256_set1_ps(scale)));
-#endif
+    reduce_keys_store(a, scale, sc);
 }
-#endif
 
 /* Attention of NQ queries of one head over one sequence's keys, side by side (each query's numbers
  * exactly as if alone): scores of the visible keys in ascending column order (context columns [0, L),
@@ -257,38 +234,27 @@ INLINE void attend_pass(const int NQ, const int NV, int64_t D, float scale, cons
                         const uint8_t *const *masks, const float *K, const float *V, const float *Kn, const float *Vn,
                         int64_t L, int64_t w, float *const *scs, float *const *outs)
 {
-    const int nv = NV ? NV : (int)(D / 16), nb = nv / 2;
+    const int nv = NV ? NV : (int)(D / 16), nb = nv / 2; /* nb: a constant wherever NV is */
     int64_t m[QPASS];
     int64_t j0 = 0;
-#if REDUCE_KEYS > 1
-    for (; j0 + REDUCE_KEYS <= L; j0 += REDUCE_KEYS) { /* a block of keys stays in L1 for all the queries */
+    for (; j0 + REDUCE_KEYS <= L; j0 += REDUCE_KEYS) /* a block of keys stays in L1 for all the queries */
 #pragma GCC unroll 4
-        for (int q = 0; q < NQ; q++) {
-            if (NV) key_scores(NV / 2, qs[q], K + j0 * D, NULL, D, scale, scs[q] + j0);
-            else key_scores(nb, qs[q], K + j0 * D, NULL, D, scale, scs[q] + j0);
-        }
-    }
-#endif
+        for (int q = 0; q < NQ; q++) key_scores(nb, qs[q], K + j0 * D, NULL, D, scale, scs[q] + j0);
     for (int q = 0; q < NQ; q++) {
         float *sc = scs[q];
         for (int64_t j = j0; j < L; j++) sc[j] = dot32(qs[q], K + j * D, D) * scale;
         m[q] = L;
-        /* the step's visible new keys in column order, REDUCE_KEYS at a time where that many are
-         * gathered (a prefill chunk's causal rows), the rest one by one: the same numbers */
+        /* the step's visible new keys in column order, REDUCE_KEYS at a time as they are found (a
+         * prefill chunk's causal rows), the last few one by one: the same numbers */
         int32_t seen[REDUCE_KEYS];
         int n_seen = 0;
         for (int64_t j = 0; j < w; j++) {
             if (!masks[q][j]) continue;
             seen[n_seen++] = (int32_t)j;
-#if REDUCE_KEYS > 1
             if (n_seen == REDUCE_KEYS) {
-                if (NV) key_scores(NV / 2, qs[q], Kn, seen, D, scale, sc + m[q]);
-                else key_scores(nb, qs[q], Kn, seen, D, scale, sc + m[q]);
+                key_scores(nb, qs[q], Kn, seen, D, scale, sc + m[q]);
                 m[q] += REDUCE_KEYS, n_seen = 0;
             }
-#else
-            sc[m[q]++] = dot32(qs[q], Kn + j * D, D) * scale, n_seen = 0;
-#endif
         }
         for (int i = 0; i < n_seen; i++) sc[m[q]++] = dot32(qs[q], Kn + (int64_t)seen[i] * D, D) * scale;
         const float mx = max_lanes(sc, m[q]);

@@ -676,6 +676,11 @@ INLINE __m512 acc_reduce_keys(const acc_t a[REDUCE_KEYS])
                               _mm512_shuffle_ps(s4[2 * k], s4[2 * k + 1], 0xEE));
     return _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], 0x88), _mm512_shuffle_ps(s2[0], s2[1], 0xDD));
 }
+/* out[L] = acc_reduce(key L's accumulator) * scale, L < REDUCE_KEYS (slot s holds key REDUCE_KEY(s)) */
+INLINE void reduce_keys_store(const acc_t a[REDUCE_KEYS], float scale, float *out)
+{
+    _mm512_storeu_ps(out, _mm512_mul_ps(acc_reduce_keys(a), _mm512_set1_ps(scale)));
+}
 #elif defined(__AVX2__)
 typedef struct { __m256 a, b; } acc_t; /* lanes 0..7, 8..15 */
 typedef struct { __m256 w0, w1, w2, w3; } wblock_t; /* a[32b + 8k .. 32b + 8k + 7], k = 0..3 */
@@ -716,6 +721,10 @@ INLINE __m256 acc_reduce_keys(const acc_t a[REDUCE_KEYS])
                               _mm256_shuffle_ps(s4[2 * k], s4[2 * k + 1], 0xEE));
     return _mm256_add_ps(_mm256_shuffle_ps(s2[0], s2[1], 0x88), _mm256_shuffle_ps(s2[0], s2[1], 0xDD));
 }
+INLINE void reduce_keys_store(const acc_t a[REDUCE_KEYS], float scale, float *out)
+{
+    _mm256_storeu_ps(out, _mm256_mul_ps(acc_reduce_keys(a), _mm256_set1_ps(scale)));
+}
 #else
 typedef struct { float v[16]; } acc_t;
 typedef struct { float v[32]; } wblock_t;
@@ -728,7 +737,6 @@ INLINE void acc_block(acc_t *a, const wblock_t *w, const float *xb)
         a->v[l] = fmaf(w->v[16 + l], xb[16 + l], a->v[l]);
     }
 }
-#define REDUCE_KEYS 1 /* scalar: acc_reduce one accumulator at a time */
 INLINE float acc_reduce(acc_t a)
 {
     float s8[8], s4[4], s2[2];
@@ -737,4 +745,7 @@ INLINE float acc_reduce(acc_t a)
     for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
     return s2[0] + s2[1];
 }
+#define REDUCE_KEYS 1 /* scalar: one accumulator at a time */
+#define REDUCE_KEY(s) (s)
+INLINE void reduce_keys_store(const acc_t a[REDUCE_KEYS], float scale, float *out) { *out = acc_reduce(a[0]) * scale; }
 #endif
