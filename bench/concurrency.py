@@ -5,7 +5,8 @@ At concurrency c, c clients each send a request, and the next one as soon as the
 until `requests(c)` have run; 4 tenants in turn, each with its own hot matrix. Modes:
 `tr` (batched, batch-aware trees), `ar` (batched plain decoding, the same kernels), `serial`
 (today's one-request-at-a-time Decoder: a FIFO queue in front of `Decoder.generate`). Per level:
-aggregate tokens/s, requests/s, latency and time-to-first-token percentiles, mean accepted tokens.
+aggregate tokens/s, requests/s, latency and time-to-first-token percentiles, mean accepted tokens,
+the share of the level's time spent in prompt forwards and the tokens/s of the rest (decoding).
 """
 
 from __future__ import annotations
@@ -62,12 +63,15 @@ def _percentile(xs: list[float], q: float) -> float:
     return float(np.percentile(xs, q)) if xs else 0.0
 
 
-def _summary(mode: str, c: int, done: list[dict], wall: float) -> dict:
+def _summary(mode: str, c: int, done: list[dict], wall: float, prefill_s: float) -> dict:
+    """prefill_s: seconds of the level spent in prompt forwards (the serial decoder's own prefill
+    times); decode tok/s is the level's tokens over the rest, the part batching can share."""
     tokens = sum(r["tokens"] for r in done)
     lat = [r["latency"] for r in done]
     ttft = [r["ttft"] for r in done]
     return {"mode": mode, "concurrency": c, "requests": len(done), "tokens": tokens, "seconds": round(wall, 3),
-            "tokens_per_s": round(tokens / wall, 2), "requests_per_s": round(len(done) / wall, 3),
+            "tokens_per_s": round(tokens / wall, 2), "prefill_share": round(prefill_s / wall, 3),
+            "decode_tokens_per_s": round(tokens / max(wall - prefill_s, 1e-9), 2), "requests_per_s": round(len(done) / wall, 3),
             "latency_p50_s": round(_percentile(lat, 50), 3), "latency_p99_s": round(_percentile(lat, 99), 3),
             "ttft_p50_s": round(_percentile(ttft, 50), 3), "ttft_p99_s": round(_percentile(ttft, 99), 3),
             "mat": round(float(np.mean([r["mat"] for r in done])), 3)}
@@ -101,19 +105,29 @@ def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, prompts, mat
         started += 1
         engine.submit(decoder.prepare(request), emit, matrix=matrices[i % len(matrices)], tenant=str(i % len(matrices)))
 
+    prefill, prefill_s = engine.runner.prefill, [0.0]
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return prefill(*args, **kwargs)
+        finally:
+            prefill_s[0] += time.perf_counter() - t
+
+    engine.runner.prefill = timed
     t0 = time.perf_counter()
     for _ in range(min(c, total)):
         send()
     with torch.inference_mode():
         while engine.running or engine.waiting or engine.prefilling:
             engine.step()
-    return _summary(mode, c, done, time.perf_counter() - t0)
+    return _summary(mode, c, done, time.perf_counter() - t0, prefill_s[0])
 
 
 def _serial(decoder, c: int, config: ConcurrencyConfig, prompts, matrices) -> dict:
     """c clients in front of a one-at-a-time server: each request waits for those ahead of it."""
     feed = itertools.cycle(enumerate(prompts))
-    total, done = config.requests(c), []
+    total, done, prefill_s = config.requests(c), [], 0.0
     queue: deque[tuple[float, int, list[dict]]] = deque()
     t0 = time.perf_counter()
     for _ in range(min(c, total)):
@@ -126,10 +140,11 @@ def _serial(decoder, c: int, config: ConcurrencyConfig, prompts, matrices) -> di
         now = time.perf_counter()
         done.append({"tokens": len(r.ids), "latency": now - sent, "ttft": begin - sent + r.stats.prefill_s,
                      "mat": r.stats.mat})
+        prefill_s += r.stats.prefill_s
         if started < total:
             queue.append((now, *next(feed)))
             started += 1
-    return _summary("serial", c, done, time.perf_counter() - t0)
+    return _summary("serial", c, done, time.perf_counter() - t0, prefill_s)
 
 
 def fairness(decoder, config: ConcurrencyConfig, prompts, long_tokens: int = 2000) -> dict:
@@ -227,12 +242,13 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'mode':<8}{'conc':>5}{'reqs':>6}{'tok/s':>9}{'req/s':>8}{'p50 lat':>9}{'p99 lat':>9}{'p50 ttft':>10}{'p99 ttft':>10}{'MAT':>6}"
+    head = f"{'mode':<8}{'conc':>5}{'reqs':>6}{'tok/s':>9}{'req/s':>8}{'p50 lat':>9}{'p99 lat':>9}{'p50 ttft':>10}{'p99 ttft':>10}{'MAT':>6}{'prefill':>9}{'decode tok/s':>14}"
     lines = [head]
     for r in rows:
         lines.append(f"{r['mode']:<8}{r['concurrency']:>5}{r['requests']:>6}{r['tokens_per_s']:>9.1f}"
                      f"{r['requests_per_s']:>8.2f}{r['latency_p50_s']:>8.2f}s{r['latency_p99_s']:>8.2f}s"
-                     f"{r['ttft_p50_s']:>9.2f}s{r['ttft_p99_s']:>9.2f}s{r['mat']:>6.2f}")
+                     f"{r['ttft_p50_s']:>9.2f}s{r['ttft_p99_s']:>9.2f}s{r['mat']:>6.2f}"
+                     f"{r.get('prefill_share', 0) * 100:>8.0f}%{r.get('decode_tokens_per_s', 0):>14.1f}")
     return "\n".join(lines)
 
 
