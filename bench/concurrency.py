@@ -16,6 +16,7 @@ import json
 import logging
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -105,23 +106,32 @@ def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, prompts, mat
         started += 1
         engine.submit(decoder.prepare(request), emit, matrix=matrices[i % len(matrices)], tenant=str(i % len(matrices)))
 
-    prefill, prefill_s = engine.runner.prefill, [0.0]
+    t0 = time.perf_counter()
+    for _ in range(min(c, total)):
+        send()
+    with torch.inference_mode(), _prefill_timed(engine.runner) as chunk_s:
+        while engine.running or engine.waiting or engine.prefilling:
+            engine.step()
+    return _summary(mode, c, done, time.perf_counter() - t0, sum(chunk_s))
+
+
+@contextmanager
+def _prefill_timed(runner):
+    """While open, `runner.prefill` appends each chunk's seconds to the list it yields."""
+    prefill, chunk_s = runner.prefill, []
 
     def timed(*args, **kwargs):
         t = time.perf_counter()
         try:
             return prefill(*args, **kwargs)
         finally:
-            prefill_s[0] += time.perf_counter() - t
+            chunk_s.append(time.perf_counter() - t)
 
-    engine.runner.prefill = timed
-    t0 = time.perf_counter()
-    for _ in range(min(c, total)):
-        send()
-    with torch.inference_mode():
-        while engine.running or engine.waiting or engine.prefilling:
-            engine.step()
-    return _summary(mode, c, done, time.perf_counter() - t0, prefill_s[0])
+    runner.prefill = timed
+    try:
+        yield chunk_s
+    finally:
+        runner.prefill = prefill
 
 
 def _serial(decoder, c: int, config: ConcurrencyConfig, prompts, matrices) -> dict:
@@ -162,30 +172,20 @@ def fairness(decoder, config: ConcurrencyConfig, prompts, long_tokens: int = 200
                 mine.append(time.perf_counter())
         request = GenerationRequest(messages=prompts[i], max_new_tokens=200, ignore_eos=True)
         engine.submit(decoder.prepare(request), emit, matrix=decoder.new_matrix())
-    chunk_s: list[float] = []
-    prefill = engine.runner.prefill
-
-    def timed(*args, **kwargs):
-        t = time.perf_counter()
-        out = prefill(*args, **kwargs)
-        chunk_s.append(time.perf_counter() - t)
-        return out
-
     text = " ".join(m[0]["content"] for m in prompts)
     ids = decoder.tokenizer(text, add_special_tokens=False)["input_ids"][:long_tokens]
     with torch.inference_mode():
         while min(map(len, stamps)) < 30:
             engine.step()
-        engine.runner.prefill = timed
-        engine.submit(decoder.prepare(GenerationRequest(input_ids=ids, max_new_tokens=8)), lambda item: None,
-                      matrix=decoder.new_matrix())
-        start = time.perf_counter()
-        while engine.waiting or engine.prefilling:
-            engine.step()
-        end = time.perf_counter()
+        with _prefill_timed(engine.runner) as chunk_s:
+            engine.submit(decoder.prepare(GenerationRequest(input_ids=ids, max_new_tokens=8)), lambda item: None,
+                          matrix=decoder.new_matrix())
+            start = time.perf_counter()
+            while engine.waiting or engine.prefilling:
+                engine.step()
+            end = time.perf_counter()
         for _ in range(20):
             engine.step()
-    engine.runner.prefill = prefill
     before = [b - a for s in stamps for a, b in zip(s, s[1:]) if b < start]
     during = [b - a for s in stamps for a, b in zip(s, s[1:]) if a >= start and b <= end]
     return {"prompt_tokens": len(ids), "prefill_chunk": config.prefill_chunk, "chunks": len(chunk_s),
@@ -248,7 +248,7 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{r['mode']:<8}{r['concurrency']:>5}{r['requests']:>6}{r['tokens_per_s']:>9.1f}"
                      f"{r['requests_per_s']:>8.2f}{r['latency_p50_s']:>8.2f}s{r['latency_p99_s']:>8.2f}s"
                      f"{r['ttft_p50_s']:>9.2f}s{r['ttft_p99_s']:>9.2f}s{r['mat']:>6.2f}"
-                     f"{r.get('prefill_share', 0) * 100:>8.0f}%{r.get('decode_tokens_per_s', 0):>14.1f}")
+                     f"{r['prefill_share'] * 100:>8.0f}%{r['decode_tokens_per_s']:>14.1f}")
     return "\n".join(lines)
 
 
