@@ -47,6 +47,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="KV tokens the requests of a batch may reserve, prompt + max_new_tokens + tree each (default 65536)")
     p.add_argument("--prefill-chunk", type=int, default=128,
                    help="prompt tokens prefilled per step: a long prompt delays the others by one chunk per step")
+    p.add_argument("--full-trees", action="store_true",
+                   help="every TR request verifies its whole tree each step (default: trees sized per step for the "
+                        "batch under the measured forward cost, down to plain one-token steps)")
     p.add_argument("--max-queue", type=int, default=16, help="requests waiting for a batch place before RESOURCE_EXHAUSTED")
     p.add_argument("--max-new-tokens-cap", type=int, default=2048, help="largest max_new_tokens a request may ask")
     p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted, in tokens")
@@ -81,7 +84,8 @@ def build_configs(args: argparse.Namespace):
     worker = WorkerConfig(
         host=args.host, port=args.port, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
-        max_queue=args.max_queue, limits=limits, grace_s=args.grace, redis_url=args.redis_url,
+        max_queue=args.max_queue, full_trees=args.full_trees, limits=limits, grace_s=args.grace,
+        redis_url=args.redis_url,
         max_request_bytes=args.max_request_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
         tls=server_tls(args.tls_cert, args.tls_key), tenant_tokens=tokens,
     )

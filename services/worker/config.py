@@ -54,6 +54,9 @@ class WorkerConfig:
     max_batch_tokens: int = 65536
     prefill_chunk: int = 128
     max_queue: int = 16  # requests waiting for a batch place; beyond -> RESOURCE_EXHAUSTED
+    # Every TR request verifies its whole tree each step; default (False): trees sized per step for the
+    # batch under the measured cost model (engine/tuning/budget.py), down to plain one-token steps
+    full_trees: bool = False
     stream_buffer: int = 256  # chunks a stream's reader may fall behind before its request is cancelled
     limits: Limits = Limits()
     # Work before admission is bounded: a request body larger than this is refused by gRPC itself
@@ -95,4 +98,5 @@ class WorkerConfig:
     def engine_config(self) -> EngineConfig:
         # admission (services/worker/admission.py) lets at most max_batch + max_queue reach the engine
         return EngineConfig(max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens,
-                            max_waiting=self.max_batch + self.max_queue, prefill_chunk=self.prefill_chunk)
+                            max_waiting=self.max_batch + self.max_queue, prefill_chunk=self.prefill_chunk,
+                            batch_aware=not self.full_trees)

@@ -114,3 +114,13 @@ def test_admission_bounds_the_queue():
         assert (admission.active, admission.waiting) == (0, 0)
 
     asyncio.run(scenario())
+
+
+def test_full_trees_flag_turns_batch_aware_sizing_off():
+    from services.cli import build_parser
+    from services.worker.cli import build_configs
+
+    default, _ = build_configs(build_parser().parse_args(["serve"]))
+    full, _ = build_configs(build_parser().parse_args(["serve", "--full-trees"]))
+    assert default.engine_config().batch_aware is True
+    assert full.full_trees and full.engine_config().batch_aware is False
