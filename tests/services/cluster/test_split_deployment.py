@@ -2,7 +2,8 @@
 (A: --draft-mode remote, B: --draft-mode replica) on port 0, all on one Redis key prefix.
 
 Shows: output through either worker equals in-process TR; a tenant warmed through one worker is
-hot on the other; kill -9 of the matrix service mid-stream still completes the request identically
+hot on the other (the workers verify full trees, so a hot matrix shows as acceptance whatever the
+host's forward costs make the batch budget choose); kill -9 of the matrix service mid-stream still completes the request identically
 and counts a fallback; kill -9 of a worker loses no committed matrix version, and a matrix service
 restarted on the same Redis comes back at the last snapshot.
 """
@@ -78,7 +79,8 @@ class Cluster:
 
     def _spawn_worker(self, name: str) -> None:
         proc = self._start(f"worker-{name}", ["worker", "--matrix-addr", self.matrix_addr, "--draft-mode", MODES[name],
-                                              "--port", "0", "--metrics-port", "0", "--grace", "1"])
+                                              "--port", "0", "--metrics-port", "0", "--grace", "1",
+                                              "--full-trees"])  # hot vs fresh MAT must not hang on the budget
         self.workers[name] = (proc, "", "")
 
     def _await_worker(self, name: str) -> None:
