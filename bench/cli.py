@@ -39,6 +39,9 @@ def register(sub) -> None:
     p.add_argument("--concurrency", default=None,
                    help="e.g. 1,2,4,8,16: instead of the decoder comparison, closed-loop load on the batching engine "
                         "(modes tr, ar, serial) with throughput, latency and TTFT per level (bench/concurrency.py)")
+    p.add_argument("--modes", default="tr,ar,serial",
+                   help="with --concurrency: the modes to run, of tr, ar, serial and tr-full (batched TR verifying "
+                        "every request's whole tree each step: the batch budget off)")
     p.set_defaults(func=_run)
 
 
@@ -71,6 +74,7 @@ def _run_concurrency(args) -> int:
     config = ConcurrencyConfig(
         prompts=args.prompts, levels=tuple(int(x) for x in args.concurrency.split(",") if x.strip()),
         max_new_tokens=args.max_new_tokens, kernels=args.kernels, threads=args.threads,
+        modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         json_path=args.json or "bench-results/concurrency.json",
     )
     run_concurrency(config)

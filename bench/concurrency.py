@@ -4,7 +4,9 @@ closed-loop load, in one process (no gRPC: the engine is what is measured).
 At concurrency c, c clients each send a request, and the next one as soon as theirs finishes,
 until `requests(c)` have run; 4 tenants in turn, each with its own hot matrix. Modes:
 `tr` (batched, batch-aware trees), `ar` (batched plain decoding, the same kernels), `serial`
-(today's one-request-at-a-time Decoder: a FIFO queue in front of `Decoder.generate`). Per level:
+(today's one-request-at-a-time Decoder: a FIFO queue in front of `Decoder.generate`), and on
+request `tr-full` (batched TR with the budget off: every request verifies its whole tree each
+step, as `trserve serve --full-trees`; what the budget gains or loses). Per level:
 aggregate tokens/s, requests/s, latency and time-to-first-token percentiles, mean accepted tokens,
 the share of the level's time spent in prompt forwards and the tokens/s of the rest (decoding).
 """
@@ -24,14 +26,14 @@ import numpy as np
 import torch
 
 log = logging.getLogger("trserve.bench")
-MODES = ("tr", "ar", "serial")
+MODES = ("tr", "ar", "serial", "tr-full")
 
 
 @dataclass(frozen=True)
 class ConcurrencyConfig:
     prompts: str
     levels: tuple[int, ...] = (1, 2, 4, 8, 16)
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = ("tr", "ar", "serial")
     max_new_tokens: int = 64
     min_requests: int = 32  # per level: max(min_requests, 2 * concurrency) requests, the same prompts every level
     prefill_chunk: int = 128
@@ -83,8 +85,8 @@ def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, prompts, mat
     from engine.engine import BatchEngine, EngineConfig
     from engine.results import GenerationResult
 
-    engine = BatchEngine(decoder, EngineConfig(max_batch=max(config.levels), prefill_chunk=config.prefill_chunk),
-                         decoder_cost(decoder))
+    engine = BatchEngine(decoder, EngineConfig(max_batch=max(config.levels), prefill_chunk=config.prefill_chunk,
+                                               batch_aware=mode != "tr-full"), decoder_cost(decoder))
     feed = itertools.cycle(enumerate(prompts))
     total, started, done = config.requests(c), 0, []
 
@@ -92,7 +94,8 @@ def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, prompts, mat
         nonlocal started
         i, messages = next(feed)
         t0, first = time.perf_counter(), []
-        request = GenerationRequest(messages=messages, max_new_tokens=config.max_new_tokens, mode=mode)
+        request = GenerationRequest(messages=messages, max_new_tokens=config.max_new_tokens,
+                                    mode="ar" if mode == "ar" else "tr")
 
         def emit(item) -> None:
             now = time.perf_counter()
@@ -109,7 +112,7 @@ def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, prompts, mat
     t0 = time.perf_counter()
     for _ in range(min(c, total)):
         send()
-    with torch.inference_mode(), _prefill_timed(engine.runner) as chunk_s:
+    with engine.stepping(), _prefill_timed(engine.runner) as chunk_s:
         while engine.running or engine.waiting or engine.prefilling:
             engine.step()
     return _summary(mode, c, done, time.perf_counter() - t0, sum(chunk_s))
@@ -174,7 +177,7 @@ def fairness(decoder, config: ConcurrencyConfig, prompts, long_tokens: int = 200
         engine.submit(decoder.prepare(request), emit, matrix=decoder.new_matrix())
     text = " ".join(m[0]["content"] for m in prompts)
     ids = decoder.tokenizer(text, add_special_tokens=False)["input_ids"][:long_tokens]
-    with torch.inference_mode():
+    with engine.stepping():
         while min(map(len, stamps)) < 30:
             engine.step()
         with _prefill_timed(engine.runner) as chunk_s:

@@ -17,7 +17,8 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -179,9 +180,17 @@ class BatchEngine:
             self._stop = True
             self._lock.notify()
 
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """What a thread calling `step` must hold around its steps (`run` does): inference mode, and
+        torch's intra-op threads quiet while the compressed kernels' pool runs (without it, torch's
+        OpenMP workers spin on the cores the kernels need: 4 rows' steps took 19 ms instead of ~9)."""
+        with torch.inference_mode(), quiet_torch_threads(uses_kernel_pool(self.decoder.model)):
+            yield
+
     def run(self) -> None:
         """The engine loop (one thread owns the model): step while there is work, else wait."""
-        with torch.inference_mode(), quiet_torch_threads(uses_kernel_pool(self.decoder.model)):
+        with self.stepping():
             while True:
                 with self._lock:
                     while not self._stop and not (self.waiting or self.running or self.prefilling):
