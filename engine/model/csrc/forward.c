@@ -367,7 +367,7 @@ int trserve_forward_check(const tr_model *M)
 typedef struct { /* trserve_forward's arguments and buffers, for the threads of its pool run */
     const tr_model *M;
     int64_t B, cap, n_keep, K, N, H, D, Hq, Hkv, F, sc_len, sc_floats;
-    const int64_t *tok0, *ids, *pos, *kv_row, *ctx, *start, *keep, *vis0, *item0;
+    const int64_t *tok0, *ids, *pos, *kv_row, *ctx, *start, *keep, *vis0, *item0, *split;
     const uint8_t *vis;
     float *const *kc, *const *vc;
     float *logits, *x, *hs, *tmp, *q, *k, *v, *att, *gt, *up, *hk, *scs;
@@ -382,7 +382,7 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
     const int64_t B = jb->B, cap = jb->cap, n_keep = jb->n_keep, K = jb->K, N = jb->N, H = jb->H, D = jb->D, Hq = jb->Hq,
                   Hkv = jb->Hkv, F = jb->F, sc_len = jb->sc_len, sc_floats = jb->sc_floats;
     const int64_t *tok0 = jb->tok0, *pos = jb->pos, *kv_row = jb->kv_row, *ctx = jb->ctx, *start = jb->start,
-                  *keep = jb->keep, *vis0 = jb->vis0, *item0 = jb->item0;
+                  *keep = jb->keep, *vis0 = jb->vis0, *item0 = jb->item0, *split = jb->split;
     const uint8_t *vis = jb->vis;
     float *const *kc = jb->kc, *const *vc = jb->vc;
     float *logits = jb->logits, *x = jb->x, *hs = jb->hs, *tmp = jb->tmp, *q = jb->q, *k = jb->k, *v = jb->v,
@@ -414,8 +414,9 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
         }
         pool_barrier(nt);
         /* work items: (sequence, head, block of QBLOCK queries), item0[b] = sequence b's first; each
-         * thread a contiguous range, so the heads that share a KV head mostly share its reads */
-        for (int64_t u = item0[B] * id / nt, u1 = item0[B] * (id + 1) / nt, b = 0; u < u1; u++) {
+         * thread the contiguous range [split[id], split[id + 1]) of about equal cost (attention_split),
+         * so the heads that share a KV head mostly share its reads */
+        for (int64_t u = split[id], u1 = split[id + 1], b = 0; u < u1; u++) {
             while (item0[b + 1] <= u) b++;
             const int64_t w = tok0[b + 1] - tok0[b], blocks = (w + QBLOCK - 1) / QBLOCK, r = u - item0[b];
             const int64_t hd = r / blocks, i0 = (r % blocks) * QBLOCK;
@@ -454,6 +455,38 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
     }
 }
 
+/* The attention work items (sequence b, head, block of QBLOCK queries; item0[b] = b's first, heads
+ * outer, blocks inner) split into nt contiguous ranges of about equal cost: thread id takes
+ * [split[id], split[id + 1]). An item reads its sequence's ctx[b] + w keys once per pass of QPASS
+ * queries, so a batch of rows with unequal contexts split by item count left one thread with the
+ * long rows (2-core Zen 5, one-token steps over 4 rows of 50, 50, 200, 700 keys: 7.0-8.9 ms split
+ * by cost, 9.0-9.6 by count, alternating runs). Which thread computes an item never changes its
+ * arithmetic. */
+static void attention_split(int64_t B, const int64_t *tok0, const int64_t *ctx, const int64_t *item0, int64_t Hq,
+                            int64_t nt, int64_t *split)
+{
+    double total = 0.0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t w = tok0[b + 1] - tok0[b];
+        for (int64_t i0 = 0; i0 < w; i0 += QBLOCK) {
+            const int64_t nq = w - i0 < QBLOCK ? w - i0 : QBLOCK;
+            total += (double)Hq * (((nq + QPASS - 1) / QPASS) * (ctx[b] + w) + 16);
+        }
+    }
+    double acc = 0.0;
+    int64_t id = 1;
+    split[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t w = tok0[b + 1] - tok0[b], blocks = (w + QBLOCK - 1) / QBLOCK;
+        for (int64_t u = item0[b]; u < item0[b + 1]; u++) {
+            const int64_t i0 = ((u - item0[b]) % blocks) * QBLOCK, nq = w - i0 < QBLOCK ? w - i0 : QBLOCK;
+            while (id < nt && acc >= total * (double)id / (double)nt) split[id++] = u;
+            acc += (double)(((nq + QPASS - 1) / QPASS) * (ctx[b] + w) + 16);
+        }
+    }
+    while (id <= nt) split[id++] = item0[B];
+}
+
 /* One forward. B sequences, tok0: [B + 1] token offsets; ids, pos: [N]; per sequence b: kv_row[b]
  * its KV row, ctx[b] its visible context columns [0, ctx[b]), start[b] the column its new tokens'
  * keys/values are written from; vis: per sequence a [w_b, w_b] uint8 matrix (1 = token i sees new
@@ -477,7 +510,8 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
     for (int64_t t = 0; t < N; t++)
         if (pos[t] < 0 || pos[t] >= M->positions) return -3;
     const int64_t sc_len = max_ctx + max_w + 1, sc_floats = QPASS * sc_len > F ? QPASS * sc_len : F;
-    int64_t *vis0 = malloc((B + 1) * sizeof(int64_t)), *item0 = malloc((B + 1) * sizeof(int64_t));
+    int64_t *vis0 = malloc((B + 1) * sizeof(int64_t)), *item0 = malloc((B + 1) * sizeof(int64_t)),
+            *split = malloc((threads + 1) * sizeof(int64_t));
     /* h: each thread's own normed copy of x (every thread norms all rows: N x H work, which saves a
      * barrier per norm) */
     float *x = malloc(sizeof(float) * (N * H)), *hs = malloc(sizeof(float) * (N * H * threads)),
@@ -487,7 +521,7 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
           *up = malloc(sizeof(float) * (N * F)), *hk = malloc(sizeof(float) * (n_keep * H + 1)),
           *scs = malloc(sizeof(float) * (sc_floats * threads));
     int rc = 0;
-    if (!(vis0 && item0 && x && hs && tmp && q && k && v && att && gt && up && hk && scs)) {
+    if (!(vis0 && item0 && split && x && hs && tmp && q && k && v && att && gt && up && hk && scs)) {
         rc = -2;
         goto done;
     }
@@ -497,14 +531,16 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
         vis0[b + 1] = vis0[b] + w * w;
         item0[b + 1] = item0[b] + Hq * ((w + QBLOCK - 1) / QBLOCK);
     }
+    attention_split(B, tok0, ctx, item0, Hq, threads, split);
     for (int64_t t = 0; t < N; t++) memcpy(x + t * H, M->embed + ids[t] * H, H * sizeof(float));
     {
         fwd_job_t job = {M, B, cap, n_keep, K, N, H, D, Hq, Hkv, F, sc_len, sc_floats, tok0, ids, pos, kv_row, ctx,
-                         start, keep, vis0, item0, vis, kc, vc, logits, x, hs, tmp, q, k, v, att, gt, up, hk, scs, topk};
+                         start, keep, vis0, item0, split, vis, kc, vc, logits, x, hs, tmp, q, k, v, att, gt, up, hk,
+                         scs, topk};
         pool_run(fwd_job, &job, threads);
     }
 done:
-    free(vis0), free(item0), free(x), free(hs), free(tmp), free(q), free(k), free(v), free(att), free(gt), free(up), free(hk);
+    free(vis0), free(item0), free(split), free(x), free(hs), free(tmp), free(q), free(k), free(v), free(att), free(gt), free(up), free(hk);
     free(scs);
     return rc;
 }
