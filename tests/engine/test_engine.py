@@ -194,3 +194,19 @@ def test_a_width_never_measured_is_priced_at_the_host_speed(tiny):
     for _ in range(200):  # width 1 measured at 2x the calibration: its own ratio on top of the host's speed
         engine._measured(1, 64, 0.02)
     assert engine.cost(1, 64) == pytest.approx(0.02, rel=1e-2)
+
+
+def test_stepping_holds_what_the_engine_loop_holds(decoder):
+    """A caller driving `step` itself (the concurrency bench) gets what `run` holds: inference mode,
+    and torch's intra-op threads at 1 while the compressed kernels' pool runs (the bench once ran
+    batched steps without it, ~2x slow); the caller's setting comes back after."""
+    from engine.model.runner import uses_kernel_pool
+
+    engine = BatchEngine(decoder, EngineConfig(max_batch=2))
+    pool = uses_kernel_pool(decoder.model)
+    assert pool == decoder.loaded.kernels.startswith("compressed")
+    before = torch.get_num_threads()
+    with engine.stepping():
+        assert torch.is_inference_mode_enabled()
+        assert torch.get_num_threads() == (1 if pool else before)
+    assert torch.get_num_threads() == before and not torch.is_inference_mode_enabled()
