@@ -455,6 +455,14 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
     }
 }
 
+/* Item r (0-based within its sequence) of a sequence of w new tokens over L cached keys: its block's
+ * queries in passes of QPASS, each over L + w keys, plus a fixed part. */
+INLINE double attention_item_cost(int64_t w, int64_t r, int64_t L)
+{
+    const int64_t blocks = (w + QBLOCK - 1) / QBLOCK, i0 = r % blocks * QBLOCK, nq = w - i0 < QBLOCK ? w - i0 : QBLOCK;
+    return (double)(((nq + QPASS - 1) / QPASS) * (L + w) + 16);
+}
+
 /* The attention work items (sequence b, head, block of QBLOCK queries; item0[b] = b's first, heads
  * outer, blocks inner) split into nt contiguous ranges of about equal cost: thread id takes
  * [split[id], split[id + 1]). An item reads its sequence's ctx[b] + w keys once per pass of QPASS
@@ -462,28 +470,20 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
  * long rows (2-core Zen 5, one-token steps over 4 rows of 50, 50, 200, 700 keys: 7.0-8.9 ms split
  * by cost, 9.0-9.6 by count, alternating runs). Which thread computes an item never changes its
  * arithmetic. */
-static void attention_split(int64_t B, const int64_t *tok0, const int64_t *ctx, const int64_t *item0, int64_t Hq,
-                            int64_t nt, int64_t *split)
+static void attention_split(int64_t B, const int64_t *tok0, const int64_t *ctx, const int64_t *item0, int64_t nt,
+                            int64_t *split)
 {
-    double total = 0.0;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t w = tok0[b + 1] - tok0[b];
-        for (int64_t i0 = 0; i0 < w; i0 += QBLOCK) {
-            const int64_t nq = w - i0 < QBLOCK ? w - i0 : QBLOCK;
-            total += (double)Hq * (((nq + QPASS - 1) / QPASS) * (ctx[b] + w) + 16);
-        }
-    }
-    double acc = 0.0;
+    double total = 0.0, acc = 0.0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t u = item0[b]; u < item0[b + 1]; u++)
+            total += attention_item_cost(tok0[b + 1] - tok0[b], u - item0[b], ctx[b]);
     int64_t id = 1;
     split[0] = 0;
-    for (int64_t b = 0; b < B; b++) {
-        const int64_t w = tok0[b + 1] - tok0[b], blocks = (w + QBLOCK - 1) / QBLOCK;
+    for (int64_t b = 0; b < B; b++)
         for (int64_t u = item0[b]; u < item0[b + 1]; u++) {
-            const int64_t i0 = ((u - item0[b]) % blocks) * QBLOCK, nq = w - i0 < QBLOCK ? w - i0 : QBLOCK;
             while (id < nt && acc >= total * (double)id / (double)nt) split[id++] = u;
-            acc += (double)(((nq + QPASS - 1) / QPASS) * (ctx[b] + w) + 16);
+            acc += attention_item_cost(tok0[b + 1] - tok0[b], u - item0[b], ctx[b]);
         }
-    }
     while (id <= nt) split[id++] = item0[B];
 }
 
@@ -531,7 +531,7 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
         vis0[b + 1] = vis0[b] + w * w;
         item0[b + 1] = item0[b] + Hq * ((w + QBLOCK - 1) / QBLOCK);
     }
-    attention_split(B, tok0, ctx, item0, Hq, threads, split);
+    attention_split(B, tok0, ctx, item0, threads, split);
     for (int64_t t = 0; t < N; t++) memcpy(x + t * H, M->embed + ids[t] * H, H * sizeof(float));
     {
         fwd_job_t job = {M, B, cap, n_keep, K, N, H, D, Hq, Hkv, F, sc_len, sc_floats, tok0, ids, pos, kv_row, ctx,

@@ -3,9 +3,9 @@
 
 Shows: output through either worker equals in-process TR; a tenant warmed through one worker is
 hot on the other (the workers verify full trees, so a hot matrix shows as acceptance whatever the
-host's forward costs make the batch budget choose); kill -9 of the matrix service mid-stream still completes the request identically
-and counts a fallback; kill -9 of a worker loses no committed matrix version, and a matrix service
-restarted on the same Redis comes back at the last snapshot.
+host's forward costs make the batch budget choose); kill -9 of the matrix service mid-stream still
+completes the request identically and counts a fallback; kill -9 of a worker loses no committed
+matrix version, and a matrix service restarted on the same Redis comes back at the last snapshot.
 """
 
 from __future__ import annotations
