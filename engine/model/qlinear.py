@@ -38,6 +38,7 @@ _SOURCE = _CSRC / "forward.c"  # includes qlinear.c: one library holds the linea
 _SOURCES = (_CSRC / "pool.h", _CSRC / "qlinear.c", _SOURCE)
 _libs: dict[str, ctypes.CDLL] = {}  # isa -> the loaded library
 PANEL = 16  # outputs per panel of the packed layout (csrc/qlinear.c)
+Q4_LAYOUTS = ("bytes", "lanes")  # the q4 code layouts, by the number trserve_qlinear_q4_layout returns
 
 # Kernel variants, best first: the /proc/cpuinfo flags each needs, and its compile flags. The flags
 # are explicit ISA subsets over baseline x86-64 (never -march=native, nor the compiler's default
@@ -160,6 +161,8 @@ def _library(cache_dir: Path, isa: str):
         raise RuntimeError(f"kernel library built for {isa} reports {built}")
     if lib.trserve_qlinear_panel() != PANEL:  # QLinear packs outputs in panels of this size
         raise RuntimeError(f"kernel library panels are not {PANEL} outputs")
+    if lib.trserve_qlinear_q4_layout() not in range(len(Q4_LAYOUTS)):
+        raise RuntimeError("kernel library reads an unknown q4 code layout")
     fn = lib.trserve_qlinear
     fn.restype = ctypes.c_int  # 0, or -1 when the kernel could not allocate its scale buffers
     fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
@@ -171,6 +174,12 @@ def _library(cache_dir: Path, isa: str):
     f.argtypes = [P, i64, P, P, P, P, P, P, P, P, P, i64, P, i64, P, i64, P, ctypes.c_int]
     _libs[isa] = lib
     return fn
+
+
+def q4_layout(cache_dir: Path, isa: str) -> str:
+    """The q4 code layout ("bytes" or "lanes", csrc/qlinear.c) the `isa` library reads."""
+    _library(cache_dir, isa)
+    return Q4_LAYOUTS[_libs[isa].trserve_qlinear_q4_layout()]
 
 
 def forward_library(isa: str):
@@ -244,17 +253,32 @@ def _pad_outputs(t: torch.Tensor, panels: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
 
 
-def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str = "bytes"):
     """recover_q4's (codes [O, I/2], d, m [O, I/32]) -> the panel layout of csrc/qlinear.c:
-    codes [P, nb, 16, 16] uint8 (byte [p, b, j, l] = q[16p + l, 32b + 2j] | q[.., 32b + 2j + 1] << 4),
-    d, m [P, nb, 16] (P = ceil(O / 16) panels, padded outputs zero)."""
+    codes [P, nb, 16, 16] uint8, either "bytes" (byte [p, b, j, l] = q[16p + l, 32b + 2j] |
+    q[.., 32b + 2j + 1] << 4) or "lanes" (the 256 bytes of panel-block [p, b] are 4 x 16 little-endian
+    uint32, word [g, l] = sum_k q[16p + l, 32b + 8g + k] << 4k); d, m [P, nb, 16] (P = ceil(O / 16)
+    panels, padded outputs zero)."""
+    if layout not in Q4_LAYOUTS:
+        raise ValueError(f"q4 layout must be one of {Q4_LAYOUTS}, got {layout!r}")
     O, nb = d.shape
     P = -(-O // PANEL)
     blk = codes.reshape(O, nb, 16)
-    q = torch.cat([blk & 0xF, blk >> 4], dim=-1)  # [O, nb, 32]: input 32b + j
-    q = _pad_outputs(q, P).reshape(P, PANEL, nb, 16, 2)  # [P, l, nb, j, input 2j + k]
-    packed = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1)  # [P, nb, j, l]
+    q = torch.cat([blk & 0xF, blk >> 4], dim=-1)  # [O, nb, 32]: input 32b + i
+    q = _pad_outputs(q, P).reshape(P, PANEL, nb, 32)  # [P, l, nb, i]
+    if layout == "bytes":
+        q = q.reshape(P, PANEL, nb, 16, 2)  # [P, l, nb, j, input 2j + k]
+        packed = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1)  # [P, nb, j, l]
+    else:
+        shifts = 4 * torch.arange(8, dtype=torch.int64)  # nibble k of a word: bits 4k .. 4k + 3
+        words = (q.reshape(P, PANEL, nb, 4, 8).to(torch.int64) << shifts).sum(-1)  # [P, l, nb, g]
+        packed = _le_bytes(words.permute(0, 2, 3, 1)).reshape(P, nb, 16, 16)  # words [P, nb, g, l]
     return packed.contiguous(), _panel_scales(d, P), _panel_scales(m, P)
+
+
+def _le_bytes(words: torch.Tensor) -> torch.Tensor:
+    """int64 words [..., n] holding 32-bit values -> their little-endian bytes [..., 4 n] uint8."""
+    return torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8).flatten(-2)
 
 
 def pack_q8(codes: torch.Tensor, d: torch.Tensor):
@@ -301,7 +325,7 @@ class QLinear(nn.Module):
         self.kind, self.in_features, self.out_features = kind, in_features, out_features
         self.isa = kernel_isa(isa)
         if kind == 4:
-            codes, d, m = pack_q4(codes, _half(d), _half(m))
+            codes, d, m = pack_q4(codes, _half(d), _half(m), q4_layout(cache_dir, self.isa))
         else:
             codes, d = pack_q8(codes, _half(d))
         self.register_buffer("codes", codes, persistent=False)  # [P, nb, 16 or 32, 16] uint8

@@ -9,10 +9,17 @@
  * load).
  *
  * Layout: outputs in panels of 16 (O padded to a multiple of 16 with zero weights). Panel p, block b:
- *   q4 codes: 16 x 16 bytes, byte [j][l] = q[16p + l, 32b + 2j] | q[16p + l, 32b + 2j + 1] << 4
+ *   q4 codes, "bytes" (avx512, scalar builds): 16 x 16 bytes, byte [j][l] = q[16p + l, 32b + 2j] |
+ *             q[16p + l, 32b + 2j + 1] << 4
+ *   q4 codes, "lanes" (avx2 build): 4 x 16 little-endian uint32, word [g][l] = sum over k < 8 of
+ *             q[16p + l, 32b + 8g + k] << 4k
  *   q8 codes: 32 x 16 bytes, byte [j][l] = q[16p + l, 32b + j]
  *   d, m:     16 halves, [l] = d[16p + l, b]
- * so one 16-byte load gives one or two inputs' weights for 16 outputs, one vector lane per output.
+ * so one load gives one, two or eight inputs' weights for 16 outputs, one vector lane per output.
+ * Both q4 layouts hold the same codes in the same 256 bytes; the loader packs the one its library
+ * reports (trserve_qlinear_q4_layout). "lanes" exists because on AVX2 the byte layout's widening
+ * shuffles (vpmovzxbd, two per 16 weights) bound the weight rebuild: the lanes layout rebuilds with a
+ * shift and a mask per 8 weights, no shuffle (measured on a Zen 3: n = 1 GEMV 3.2 -> 4.4 MAC/cycle).
  *
  * The arithmetic of every output element, the same in all builds, whatever n is and wherever the
  * row sits in a batch (tree verification with n nodes and plain decoding with n = 1 get identical
@@ -77,7 +84,7 @@
 #define DEFAULT_WIDE_ROWS 8 /* 8 x 2: 16 accumulators; ~220 GFLOP/s on 2 cores at n >= 16 */
 #define DEFAULT_WIDE_PANELS 2
 #elif defined(__AVX2__)
-#define DEFAULT_ONE_PANELS 2
+#define DEFAULT_ONE_PANELS 1 /* lanes layout, Zen 3: 1 panel 8.5 ms a forward's linears, 2: 9.4, 4: 10.2 */
 #define DEFAULT_NARROW_ROWS 2
 #define DEFAULT_NARROW_PANELS 1
 #define DEFAULT_NARROW8_ROWS 2
@@ -140,6 +147,9 @@
  * (into L2): the rebuild outruns the hardware prefetcher. Measured on the bundled model (Intel Xeon,
  * 2 threads, native forward): -14% at 1 token, -21% at 4, -13% at 8, -7% at 16; 4 blocks ahead is as
  * good, 6 and 12 worse, the non-temporal hint far worse. */
+#ifndef Q4_UNROLL_TILE
+#define Q4_UNROLL_TILE 2 /* q4 tiles of at most this many rows x panels unroll their 16 input pairs */
+#endif
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2
 #endif
@@ -179,9 +189,9 @@ INLINE float half_to_float(uint16_t h)
 #endif
 
 /* ---- the ISA-specific part: v16 = 16 float lanes, one per output of a panel -------------------
- * v_half: 16 halves -> floats (exact); deq4: one 16-byte row of q4 codes -> the weights of inputs
- * 2j (low nibbles) and 2j + 1 (high); deq8: 16 int8 codes -> one input's weights; v_fma(w, x, acc):
- * acc = fma(w, broadcast(*x), acc) per lane. */
+ * v_half: 16 halves -> floats (exact); deq4: a panel-block's q4 codes (blk) -> the weights of inputs
+ * 2j and 2j + 1, from this build's layout (Q4_LAYOUT); deq8: 16 int8 codes -> one input's weights;
+ * v_fma(w, x, acc): acc = fma(w, broadcast(*x), acc) per lane. */
 #if defined(__AVX512F__)
 
 typedef __m512 v16;
@@ -192,9 +202,10 @@ INLINE v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
 INLINE v16 v_div(v16 a, float s) { return _mm512_div_ps(a, _mm512_set1_ps(s)); }
 INLINE v16 v_fma(v16 w, const float *x, v16 acc) { return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), acc); }
 INLINE v16 v_half(const uint16_t *h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)); }
-INLINE void deq4(const uint8_t *c, v16 d, v16 m, v16 *w0, v16 *w1)
+#define Q4_LAYOUT 0 /* bytes */
+INLINE void deq4(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
 {
-    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16 * j)));
     *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(q, _mm512_set1_epi32(0xF))), d, m);
     *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(q, 4)), d, m);
 }
@@ -227,14 +238,16 @@ INLINE v16 v_half(const uint16_t *h)
     v16 v = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)))};
     return v;
 }
-INLINE void deq4(const uint8_t *c, v16 d, v16 m, v16 *w0, v16 *w1)
+#define Q4_LAYOUT 1 /* lanes: inputs 2j, 2j + 1 sit at bits 8 (j % 4) and 8 (j % 4) + 4 of group j / 4's words */
+INLINE void deq4(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
 {
-    const __m128i raw = _mm_loadu_si128((const __m128i *)c), mask = _mm_set1_epi8(0xF);
-    const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-    w0->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo)), d.a, m.a);
-    w0->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8))), d.b, m.b);
-    w1->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi)), d.a, m.a);
-    w1->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8))), d.b, m.b);
+    const __m256i *g = (const __m256i *)(blk + 64 * (j >> 2)), mask = _mm256_set1_epi32(0xF);
+    const __m256i la = _mm256_loadu_si256(g), lb = _mm256_loadu_si256(g + 1);
+    const int s = 8 * (j & 3); /* a constant wherever j is (the callers unroll j) */
+    w0->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(la, s), mask)), d.a, m.a);
+    w0->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lb, s), mask)), d.b, m.b);
+    w1->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(la, s + 4), mask)), d.a, m.a);
+    w1->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lb, s + 4), mask)), d.b, m.b);
 }
 INLINE v16 deq8(const uint8_t *c, v16 d)
 {
@@ -259,8 +272,10 @@ INLINE v16 v_fma(v16 w, const float *x, v16 acc)
     return acc;
 }
 INLINE v16 v_half(const uint16_t *h) { v16 v; for (int l = 0; l < 16; l++) v.v[l] = half_to_float(h[l]); return v; }
-INLINE void deq4(const uint8_t *c, v16 d, v16 m, v16 *w0, v16 *w1)
+#define Q4_LAYOUT 0 /* bytes */
+INLINE void deq4(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
 {
+    const uint8_t *c = blk + 16 * j;
     for (int l = 0; l < 16; l++) { /* q * d is exact: the same float as an fma */
         w0->v[l] = (float)(c[l] & 0xF) * d.v[l] + m.v[l];
         w1->v[l] = (float)(c[l] >> 4) * d.v[l] + m.v[l];
@@ -310,6 +325,24 @@ INLINE void store_tile(const qmat_t *w, const int R, const int T, v16 acc[MAX_RO
     }
 }
 
+/* Inputs 2j and 2j + 1 of a q4 block into a tile's accumulators: the weights of panels t from codes
+ * c[t] and scales vd[t], vm[t]; xb: the block's packed rows (xb[i * R + r]). */
+INLINE void tile_q4_pair(const int R, const int T, const int j, const uint8_t *const c[MAX_PANELS],
+                         const v16 vd[MAX_PANELS], const v16 vm[MAX_PANELS], const float *xb,
+                         v16 acc[MAX_ROWS][MAX_PANELS])
+{
+    v16 w0[MAX_PANELS], w1[MAX_PANELS];
+#pragma GCC unroll 4
+    for (int t = 0; t < T; t++) deq4(c[t], j, vd[t], vm[t], &w0[t], &w1[t]);
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) acc[r][t] = v_fma(w0[t], xb + (2 * j) * R + r, acc[r][t]);
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) acc[r][t] = v_fma(w1[t], xb + (2 * j + 1) * R + r, acc[r][t]);
+    }
+}
+
 /* Rows [r0, r0 + R) x panels [p, p + T), weights rebuilt in registers. */
 INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, const float *x, float *y, int64_t p,
                      int64_t r0)
@@ -342,17 +375,11 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
         }
         const float *xb = x + 32 * R * b; /* the tile's rows packed: xb[i * R + r] */
         if (kind == 4) {
-            for (int j = 0; j < 16; j++) {
-                v16 w0[MAX_PANELS], w1[MAX_PANELS];
-#pragma GCC unroll 4
-                for (int t = 0; t < T; t++) deq4(c[t] + 16 * j, vd[t], vm[t], &w0[t], &w1[t]);
+            if (Q4_LAYOUT && R * T <= Q4_UNROLL_TILE) { /* the lanes layout's shifts as immediates */
 #pragma GCC unroll 16
-                for (int r = 0; r < R; r++) {
-#pragma GCC unroll 4
-                    for (int t = 0; t < T; t++) acc[r][t] = v_fma(w0[t], xb + (2 * j) * R + r, acc[r][t]);
-#pragma GCC unroll 4
-                    for (int t = 0; t < T; t++) acc[r][t] = v_fma(w1[t], xb + (2 * j + 1) * R + r, acc[r][t]);
-                }
+                for (int j = 0; j < 16; j++) tile_q4_pair(R, T, j, c, vd, vm, xb, acc);
+            } else { /* larger tiles: unrolled, the allocator spilled accumulators (measured: 6 x 1 30% slower) */
+                for (int j = 0; j < 16; j++) tile_q4_pair(R, T, j, c, vd, vm, xb, acc);
             }
         } else {
             for (int j = 0; j < 32; j++) {
@@ -381,9 +408,12 @@ INLINE void rebuild_panels(const qmat_t *w, const int kind, const int T, int64_t
             const uint8_t *c = w->codes + PANEL_BLOCK_BYTES(kind) * pb;
             float *o = wb + (32 * b * T + t) * PANEL; /* input 32b, panel t */
             if (kind == 4) {
+#if Q4_LAYOUT
+#pragma GCC unroll 16
+#endif
                 for (int j = 0; j < 16; j++) {
                     v16 w0, w1;
-                    deq4(c + 16 * j, vd, vm, &w0, &w1);
+                    deq4(c, j, vd, vm, &w0, &w1);
                     v_store(o + (2 * j) * T * PANEL, w0);
                     v_store(o + (2 * j + 1) * T * PANEL, w1);
                 }
@@ -609,6 +639,9 @@ const char *trserve_qlinear_isa(void) { return ISA_NAME; }
 
 /* Outputs per panel: the packed layout pads O to a multiple of it (the loader packs to match). */
 int trserve_qlinear_panel(void) { return PANEL; }
+
+/* The q4 code layout this build reads: 0 "bytes", 1 "lanes" (the layout comment at the top). */
+int trserve_qlinear_q4_layout(void) { return Q4_LAYOUT; }
 
 typedef struct {
     const qmat_t *w;

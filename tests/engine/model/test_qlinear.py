@@ -259,6 +259,17 @@ def test_panel_packing_places_every_code_and_scale():
         assert pc[p, b, j, lane] == q[o, b, 2 * j] | (q[o, b, 2 * j + 1] << 4)
         assert pd[p, b, lane] == d[o, b].half() and pm[p, b, lane] == m[o, b].half()
     assert not pc[1, :, :, 4:].any() and not pd[1, :, 4:].any()  # outputs 20..31: padding, weight 0
+    lc, ld, lm = qlinear.pack_q4(codes, d.half(), m.half(), "lanes")
+    assert torch.equal(ld, pd) and torch.equal(lm, pm) and lc.shape == pc.shape
+    words = lc.reshape(2, 2, 64, 4).to(torch.int64)  # [P, nb, 16 g + l, byte]: little-endian uint32
+    words = (words << (8 * torch.arange(4))).sum(-1).reshape(2, 2, 4, 16)  # [P, nb, g, l]
+    for o, b, i in [(0, 0, 0), (5, 1, 7), (17, 0, 31), (19, 1, 12), (3, 0, 25)]:
+        p, lane = divmod(o, 16)
+        g, k = divmod(i, 8)
+        assert (words[p, b, g, lane] >> (4 * k)) & 0xF == q[o, b, i]
+    assert not words[1, :, :, 4:].any()
+    with pytest.raises(ValueError):
+        qlinear.pack_q4(codes, d.half(), m.half(), "columns")
     c8, d8 = recover_q8(w8)
     qc, qd = qlinear.pack_q8(c8.view(torch.uint8), d8.half())
     assert qc.shape == (2, 2, 32, 16) and qd.shape == (2, 2, 16)
