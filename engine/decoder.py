@@ -195,7 +195,8 @@ class Decoder:
     def runner(self) -> ModelRunner:
         """The serial loop's model runner (one KV row; the same forward as the batching engine's)."""
         if self._runner is None:
-            self._runner = ModelRunner(self.model, 1, self.loaded.dtype, native=self.loaded.native, topk=self.config.k)
+            self._runner = ModelRunner(self.model, 1, self.loaded.dtype, native=self.loaded.native, topk=self.config.k,
+                                       batch_step=self.loaded.batch_step)
         return self._runner
 
     def _decode(self, seq: Sequence, source: DraftSource | None, tree: CompiledTree | None, cancelled, deadline):

@@ -111,7 +111,8 @@ class BatchEngine:
                  cost: Callable[[int, int], float] | None = None) -> None:
         self.decoder, self.config = decoder, config
         self.runner = ModelRunner(decoder.model, config.max_batch + 1, decoder.loaded.dtype,
-                                  native=decoder.loaded.native, topk=decoder.config.k)
+                                  native=decoder.loaded.native, topk=decoder.config.k,
+                                  batch_step=decoder.loaded.batch_step)
         self._cost_fn = cost or proxy_cost
         self._costs: dict[tuple[int, int], float] = {}  # (width, kv // 32): the cost model, looked up once
         self.waiting: deque[_Live] = deque()

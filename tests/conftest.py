@@ -68,7 +68,7 @@ class DigitsTokenizer:
         return " ".join(map(str, ids))
 
 
-def tiny_decoder(vocab_size: int, seed: int, **config):
+def tiny_decoder(vocab_size: int, seed: int, batch_step: str = "eager", **config):
     """A Decoder over a tiny random llama with peaked next-token laws (drafts get accepted)."""
     from engine import Decoder, DecoderConfig
     from engine.model.loader import LoadedModel
@@ -77,5 +77,5 @@ def tiny_decoder(vocab_size: int, seed: int, **config):
     with torch.no_grad():
         model.lm_head.weight.mul_(20.0)
     loaded = LoadedModel(model, DigitsTokenizer(), f"tiny-v{vocab_size}", "tiny", torch.device("cpu"), torch.float32,
-                         "stock")
+                         "stock", batch_step=batch_step)
     return Decoder(DecoderConfig(k=8, **config), loaded=loaded)

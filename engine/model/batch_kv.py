@@ -32,8 +32,12 @@ class _Rows:
         self.offset = 0  # batch forward: where this step's entries go (= max lens of the active rows)
         self.k: list[torch.Tensor | None] = []  # per layer [R, Hkv, capacity, D]: views of `buf`
         self.v: list[torch.Tensor | None] = []
-        self.buf: torch.Tensor | None = None  # [2, layers, R, Hkv, capacity, D]: every layer's keys, values
+        self.buf: torch.Tensor | None = None  # [2, layers, R + spare, Hkv, capacity, D]: every layer's keys, values
         self.capacity = 0
+        self.generation = 0  # bumped whenever `buf` is reallocated (captured CUDA graphs hold its addresses)
+        # a fixed-shape batch forward (engine/model/static_step.py): (rows [Bb, Wb], columns [Bb, Wb]) where
+        # each new entry is written, and how many rows and columns of the buffers it reads; None otherwise
+        self.scatter: tuple[torch.Tensor, torch.Tensor, int, int] | None = None
 
 
 class RowLayer(DynamicLayer):
@@ -51,7 +55,12 @@ class RowLayer(DynamicLayer):
         r, i = self.rows, self.index
         k, v = r.k[i], r.v[i]
         n = key_states.shape[-2]
-        if r.single is not None:
+        if r.scatter is not None:  # fixed shapes: [Bb, Hkv, Wb, D] written at (rows, columns), Cb columns read
+            rows, cols, bb, cb = r.scatter
+            k[rows, :, cols] = key_states.transpose(1, 2)  # [Bb, Wb, Hkv, D]
+            v[rows, :, cols] = value_states.transpose(1, 2)
+            self.keys, self.values = k[:bb, :, :cb], v[:bb, :, :cb]
+        elif r.single is not None:
             s, start = r.single, r.lens[r.single]
             k[s, :, start : start + n] = key_states[0]
             v[s, :, start : start + n] = value_states[0]
@@ -72,10 +81,13 @@ class BatchKV:
     """Rows of KV for up to `max_rows` sequences (see the module docstring)."""
 
     def __init__(self, model_config, max_rows: int, dtype: torch.dtype, device: torch.device,
-                 zero_holes: bool = True) -> None:
+                 zero_holes: bool = True, spare_rows: int = 0) -> None:
         """zero_holes False: the forwards never read a column no forward wrote (the native one: each
-        row's context and its step's own new columns), so grown buffers are not zero-filled."""
+        row's context and its step's own new columns), so grown buffers are not zero-filled.
+        spare_rows: buffer rows beyond `max_rows` that no sequence gets (the pad rows and the scratch
+        row of fixed-shape batch forwards)."""
         self.zero_holes = zero_holes
+        self.spare_rows = spare_rows
         self.cache = DynamicCache(config=model_config)
         kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer}
         if kinds:
@@ -109,7 +121,8 @@ class BatchKV:
         # per column at 17 rows on the bundled model) stalled the batch for seconds when a 2,000-token
         # prompt doubled it. One buffer for all layers, so that moving a row's entries is one indexing op.
         new = torch.zeros if self.zero_holes else torch.empty
-        buf = new(2, len(r.k), r.max_rows, self.heads, cap, self.head_dim, dtype=self.dtype, device=self.device)
+        buf = new(2, len(r.k), r.max_rows + self.spare_rows, self.heads, cap, self.head_dim, dtype=self.dtype,
+                  device=self.device)
         if r.buf is not None:
             for row, used in enumerate(r.lens):  # each open row's valid entries (closed rows hold none)
                 if used:
@@ -117,6 +130,7 @@ class BatchKV:
         r.buf = buf
         r.k, r.v = list(buf[0].unbind(0)), list(buf[1].unbind(0))  # contiguous [R, Hkv, cap, D] each
         r.capacity = cap
+        r.generation += 1
 
     # ---- forwards -------------------------------------------------------------------------------
     def for_row(self, row: int, tokens: int) -> DynamicCache:

