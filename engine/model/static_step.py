@@ -105,10 +105,10 @@ class StaticStep:
         flat = self._fill(shape, rows, widths, r.lens[:b], r.offset)
         r.scatter = (shape.rows, shape.cols, bb, cb)
         try:
+            if shape.graph is None and self.graphs and self.captured < self.max_graphs:
+                self._capture(shape)
             if shape.graph is not None:
                 shape.graph.replay()
-            elif self.graphs and self.captured < self.max_graphs:
-                self._capture(shape)
             else:
                 shape.out = self._run(shape)
         finally:
@@ -161,7 +161,9 @@ class StaticStep:
                          past_key_values=self.kv.cache, use_cache=True).last_hidden_state  # [Bb, Wb, hidden]
 
     def _capture(self, shape: _Shape) -> None:
-        """Warm up on a side stream (which also computes this step), capture, replay."""
+        """Warm up on a side stream, then capture `shape.graph`. Where the capture fails (a model whose
+        forward syncs with the host, say), this step and every later one run eagerly, with a warning,
+        rather than failing."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
@@ -169,11 +171,16 @@ class StaticStep:
                 self._run(shape)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            shape.out = self._run(shape)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                out = self._run(shape)
+        except RuntimeError as e:
+            log.warning("CUDA graph capture failed (%s); batch steps run eagerly from now on", e)
+            self.graphs = False
+            return
+        shape.out = out
         self._pool = graph.pool()
         shape.graph = graph
         self.captured += 1
         log.info("captured a CUDA graph for %d rows x %d tokens over %d columns (%d so far)",
                  *shape.ids.shape, shape.mask.shape[-1], self.captured)
-        graph.replay()
