@@ -198,6 +198,32 @@ def test_real_prompts_from_several_tenants_decode_in_a_batch_as_alone(decoder, h
     assert sum(o[-1].stats.mat for o in outs) / len(outs) > 1.2  # drafts accepted inside the batch
 
 
+@pytest.mark.slow
+def test_real_prompts_on_the_gpu_code_path_decode_as_greedy(hf_reference):
+    """The real model through the GPU's batch step (transformers' modules, fixed-shape buckets; on
+    CUDA each is a CUDA graph) on the CPU: 3 requests of mixed lengths (3 rows run as 4) with whole
+    trees, each output equal to plain greedy `generate` (near-tie rule as in the lossless test)."""
+    from dataclasses import replace
+
+    from engine import DecoderConfig
+
+    decoder = Decoder(DecoderConfig(), loaded=replace(hf_reference, batch_step="static"))
+    ids = [decoder.prompts.chat_ids([{"role": "user", "content": p}]) for p in _mixed_prompts(12)[::4]]
+    engine = BatchEngine(decoder, EngineConfig(max_batch=3, prefill_chunk=128, batch_aware=False))
+    assert engine.runner.static is not None and engine.runner.forward_kind == "transformers"
+    requests = [GenerationRequest(input_ids=x, max_new_tokens=64, ignore_eos=True) for x in ids]
+    outs = [_submit(engine, decoder, r, matrix=decoder.new_matrix()) for r in requests]
+    _run(engine)
+    for x, out in zip(ids, outs):
+        got = out[-1].ids
+        ref, logits = _reference(hf_reference, x)
+        if got != ref:
+            p = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
+            top2 = torch.topk(logits[p].float(), 2).values
+            assert float(top2[0] - top2[1]) < NEAR_TIE_EPS, f"diverges at {p} without a near-tie"
+    assert sum(o[-1].stats.mat for o in outs) / len(outs) > 1.2  # drafts accepted inside the batch
+
+
 def test_a_width_never_measured_is_priced_at_the_host_speed(tiny):
     """Forwards measured 1.5x the calibration at width 4: width 4 costs what it measured, and width 5,
     never measured, the calibration x 1.5 (at the calibration's own speed it would look cheap next to
