@@ -71,9 +71,16 @@ class EngineConfig:
 
 
 def proxy_cost(width: int, kv: int) -> float:
-    """A forward's cost when no calibration is at hand (the AVX-512 calibration's shape: 1 token
-    16 ms, 4 tokens 20 ms, 16 tokens 42 ms, plus attention over the context)."""
+    """A forward's cost on a CPU when no calibration is at hand (the AVX-512 calibration's shape:
+    1 token 16 ms, 4 tokens 20 ms, 16 tokens 42 ms, plus attention over the context)."""
     return 0.0145 + 0.0017 * width + 2e-6 * kv * width
+
+
+def gpu_proxy_cost(width: int, kv: int) -> float:
+    """The same on a GPU: a small model's graphed forward is bound by its launches and weight reads
+    far beyond the widths a batch reaches (a guess of the shape, not a measurement: no GPU has been
+    at hand; the loop's online correction scales it, and `trserve tune` measures the real one)."""
+    return 0.004 + 2e-6 * width + 2e-9 * kv * width
 
 
 @dataclass(eq=False)
@@ -113,7 +120,7 @@ class BatchEngine:
         self.runner = ModelRunner(decoder.model, config.max_batch + 1, decoder.loaded.dtype,
                                   native=decoder.loaded.native, topk=decoder.config.k,
                                   batch_step=decoder.loaded.batch_step)
-        self._cost_fn = cost or proxy_cost
+        self._cost_fn = cost or (gpu_proxy_cost if self.runner.device.type == "cuda" else proxy_cost)
         self._costs: dict[tuple[int, int], float] = {}  # (width, kv // 32): the cost model, looked up once
         self.waiting: deque[_Live] = deque()
         self.prefilling: _Live | None = None
