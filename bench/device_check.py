@@ -25,6 +25,7 @@ import argparse
 import json
 import statistics
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -170,7 +171,16 @@ def cost_check(name: str, device: torch.device, batches: list[int], widths: list
                     times.append(time.perf_counter() - t0)
                 cell[f"{kind}_ms"] = 1000 * statistics.median(times)
             cells.append(cell)
-    return {"model": name, "kv": kv, "dtype": str(dtype).replace("torch.", ""), "cells": cells}
+    return {"model": name, "kv": kv, "dtype": str(dtype).replace("torch.", ""), "cells": cells, "ok": True}
+
+
+def _guarded(check, *args) -> dict:
+    """check(*args), or where it raises, the error and where (ok False)."""
+    try:
+        return check(*args)
+    except Exception as e:  # noqa: BLE001 - the report must say what failed and go on
+        return {"model": args[0], "error": f"{type(e).__name__}: {e}", "where": traceback.format_exc(limit=-6),
+                "ok": False}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -187,18 +197,24 @@ def main(argv: list[str] | None = None) -> dict:
         batches, widths, kv, reps = [1, 4, 16, 64], [1, 4, 16, 64], 512, 10
     report = {"device": str(device), "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "tree": [], "lossless": [], "cost": []}
+    t0 = time.perf_counter()
     for name in names:
-        report["tree"].append(tree_check(name, device, rows, nodes))
-        report["lossless"].append(lossless_check(name, device, prompts, new))
-        report["cost"].append(cost_check(name, device, batches, widths, kv, reps))
-        print(json.dumps({k: report[k][-1] for k in ("tree", "lossless")}, indent=1), flush=True)
+        for part, check, more in (("tree", tree_check, (rows, nodes)), ("lossless", lossless_check, (prompts, new)),
+                                  ("cost", cost_check, (batches, widths, kv, reps))):
+            report[part].append(_guarded(check, name, device, *more))  # one failing check keeps the others
+            shown = {k: v for k, v in report[part][-1].items() if k != "cells"}
+            print(f"[{time.perf_counter() - t0:6.1f}s] {part}: {json.dumps(shown)}", flush=True)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     for c in report["cost"]:
+        if "cells" not in c:
+            continue
         print(f"{c['model']} ({c['dtype']}, kv {c['kv']}): ms per batch step")
         keys = [k for k in c["cells"][0] if k.endswith("_ms")]
         print(f"{'rows':>5} {'width':>6} " + " ".join(f"{k[:-3]:>8}" for k in keys))
         for cell in c["cells"]:
             print(f"{cell['rows']:>5} {cell['width']:>6} " + " ".join(f"{cell[k]:8.2f}" for k in keys))
-    report["ok"] = all(t["ok"] for t in report["tree"]) and all(x["ok"] for x in report["lossless"])
+    report["ok"] = all(x["ok"] for part in ("tree", "lossless", "cost") for x in report[part])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "device-check.json").write_text(json.dumps(report, indent=1))
