@@ -26,6 +26,7 @@ import os
 import platform
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -141,10 +142,13 @@ def build_kernels(cache_dir: Path | None = None, isa: str = "auto") -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         cmd = [_compiler(), *_cflags(isa), "-o", tmp, str(_SOURCE), "-lm"]
+        log.warning("building the compressed kernels for %s (once per source version; ~30-60 s on 2 cores)", isa)
+        t0 = time.perf_counter()
         res = subprocess.run(cmd, capture_output=True, text=True)
         if res.returncode != 0:
             os.unlink(tmp)
             raise RuntimeError(f"compiling {_SOURCE.name} for {isa} failed: {res.stderr.strip()[:500]}")
+        log.info("built %s in %.1f s", out.name, time.perf_counter() - t0)
         os.chmod(tmp, 0o755)  # mkstemp makes it private; other users (a container's) must load it
         os.replace(tmp, out)  # atomic: concurrent loaders see a whole library or none
     return out
