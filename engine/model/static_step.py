@@ -24,8 +24,8 @@ tokens go to ids[0, :2] at positions 3 + depth and columns 5, 6; its mask row se
 its tree among columns 5, 6 (3, 4 are holes, hidden); ids[0, 2:] are pads, each seeing only its own
 column (7, 8). Row 1's three tokens take columns 5-7, its pad column 8.
 
-On CUDA each bucket is captured once as a CUDA graph (at its first step; at most `max_graphs`, then
-eager), and a step is: fill the buffers (a few copies, no loop over tree nodes), replay, gather the
+On CUDA each bucket is captured once as a CUDA graph (at its first step; at most `max_graphs` live,
+the least recently used one dropped to make room for a new shape), and a step is: fill the buffers (a few copies, no loop over tree nodes), replay, gather the
 needed positions' hidden states; the one host round trip a step needs is the caller's accept
 decision on the logits. The graphs hold the KV buffers' addresses: when the batch KV grows
 (doubling), they are dropped and recaptured. Without graphs (CPU, and the tests) the same buffers
@@ -35,6 +35,7 @@ feed an eager call: the same code path without the capture.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +76,8 @@ class StaticStep:
                  max_graphs: int = 64, min_context: int = 256) -> None:
         if kv.spare_rows < spare_rows(kv.rows.max_rows):
             raise ValueError(f"a static step needs {spare_rows(kv.rows.max_rows)} spare KV rows, got {kv.spare_rows}")
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
         if graphs and device.type != "cuda":
             raise ValueError(f"CUDA graphs need a CUDA device, got {device}")
         self.body, self.kv = body, kv
@@ -82,10 +85,10 @@ class StaticStep:
         self.graphs, self.max_graphs, self.min_context = graphs, max_graphs, min_context
         self.scratch = kv.rows.max_rows + kv.spare_rows - 1  # the row pad rows write to
         self.hidden = torch.finfo(dtype).min
-        self._shapes: dict[tuple[int, int, int], _Shape] = {}
+        self._shapes: OrderedDict[tuple[int, int, int], _Shape] = OrderedDict()  # least recently used first
         self._generation = -1  # the KV buffers' generation the shapes (and graphs) were made for
         self._pool = None  # the graphs' shared memory pool
-        self.captured = 0
+        self.captured = 0  # live graphs
 
     def forward(self, rows: list, widths: list[int]) -> torch.Tensor:
         """rows: the active rows' RowInputs (rows[b] is KV row b) -> hidden states [N, hidden] of
@@ -102,10 +105,12 @@ class StaticStep:
         shape = self._shapes.get((bb, wb, cb))
         if shape is None:
             shape = self._shapes[(bb, wb, cb)] = self._new(bb, wb, cb)
+        self._shapes.move_to_end((bb, wb, cb))
         flat = self._fill(shape, rows, widths, r.lens[:b], r.offset)
         r.scatter = (shape.rows, shape.cols, bb, cb)
         try:
-            if shape.graph is None and self.graphs and self.captured < self.max_graphs:
+            if shape.graph is None and self.graphs:
+                self._make_room()
                 self._capture(shape)
             if shape.graph is not None:
                 shape.graph.replay()
@@ -156,6 +161,15 @@ class StaticStep:
         shape.cols.copy_((offset + torch.arange(wb, device=dev))[None, :].expand(bb, wb))
         return flat
 
+    def _make_room(self) -> None:
+        """At `max_graphs` live graphs: drop the least recently used shapes (buffers and graph)."""
+        for key in list(self._shapes):
+            if self.captured < self.max_graphs:
+                return
+            if self._shapes[key].graph is not None:
+                del self._shapes[key]
+                self.captured -= 1
+
     def _run(self, shape: _Shape) -> torch.Tensor:
         return self.body(input_ids=shape.ids, attention_mask=shape.mask, position_ids=shape.pos,
                          past_key_values=self.kv.cache, use_cache=True).last_hidden_state  # [Bb, Wb, hidden]
@@ -182,5 +196,5 @@ class StaticStep:
         self._pool = graph.pool()
         shape.graph = graph
         self.captured += 1
-        log.info("captured a CUDA graph for %d rows x %d tokens over %d columns (%d so far)",
+        log.info("captured a CUDA graph for %d rows x %d tokens over %d columns (%d live)",
                  *shape.ids.shape, shape.mask.shape[-1], self.captured)

@@ -91,6 +91,35 @@ def test_static_step_survives_the_kv_growing():
 
 
 @torch.inference_mode()
+def test_graphs_beyond_the_cap_replace_the_least_recently_used(monkeypatch):
+    """The graph bookkeeping without a GPU: a stand-in capture whose replay runs the same buffers."""
+
+    class Replay:
+        def __init__(self, step, shape):
+            self.step, self.shape = step, shape
+
+        def replay(self):
+            self.shape.out = self.step._run(self.shape)
+
+    def capture(self, shape):
+        shape.graph = Replay(self, shape)
+        self.captured += 1
+
+    monkeypatch.setattr(StaticStep, "_capture", capture)
+    model = tiny_llama()
+    g = torch.Generator().manual_seed(6)
+    eager, static = _runners(model, 2, [4, 6], g)
+    static.static.graphs, static.static.max_graphs = True, 2
+    for tree in (None, TREES[0], TREES[1], None, TREES[2]):  # widths 1, 5, 9, 1, 13 -> buckets 1, 8, 16, 1, 16
+        rows = [_row(torch.randint(0, 128, (16,), generator=g), tree) for _ in range(2)]
+        for a, b in zip(eager.step(rows), static.step(rows)):
+            torch.testing.assert_close(b, a, atol=2e-5, rtol=1e-5)
+        assert static.static.captured <= 2
+    # 16 took the place of 1 (the least recently used), 1 again that of 8; 16 was then replayed
+    assert [key[1] for key in static.static._shapes] == [1, 16]
+
+
+@torch.inference_mode()
 def test_logits_are_float32_on_a_bfloat16_model():
     """bfloat16 logits tie too often for exact greedy: the runner's LM head runs in float32."""
     model = tiny_llama().to(torch.bfloat16)
