@@ -77,6 +77,16 @@ class ModelConfig:
         return _DTYPES[self.dtype]
 
 
+def resolve_batch_step(batch_step: str, device: torch.device) -> str:
+    """A batch step kind as ModelConfig.batch_step takes it -> eager, static or graphs (auto: graphs
+    on CUDA, else eager)."""
+    if batch_step not in BATCH_STEPS:
+        raise ValueError(f"batch_step must be one of {', '.join(BATCH_STEPS)}; got {batch_step!r}")
+    if batch_step == "auto":
+        return "graphs" if device.type == "cuda" else "eager"
+    return batch_step
+
+
 def builtin_model_dir(cache_dir: str | Path | None = None) -> Path:
     """The converted builtin model, converting the packaged GGUF on first use."""
     root = Path(cache_dir) if cache_dir else default_cache_dir()
@@ -160,11 +170,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
         torch.set_num_threads(config.threads)
     device = config.resolve_device()
     dtype = config.resolve_dtype(device)
-    batch_step = config.batch_step
-    if batch_step == "auto":
-        batch_step = "graphs" if device.type == "cuda" else "eager"
-    elif batch_step == "graphs" and device.type != "cuda":
+    if config.batch_step == "graphs" and device.type != "cuda":
         raise InvalidArgument(f"batch_step graphs needs a CUDA device; the model is on {device}")
+    batch_step = resolve_batch_step(config.batch_step, device)
     path = resolve_source(config)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.model.batch_kv import BatchKV
-from engine.model.loader import BATCH_STEPS
+from engine.model.loader import resolve_batch_step
 from engine.model.native import NativeForward, native_unsupported
 from engine.model.static_step import StaticStep, spare_rows
 
@@ -81,8 +81,6 @@ class ModelRunner:
         forward only): "eager" pads the rows to the widest one (exact widths on CPUs, where pads cost
         compute); "static" runs fixed-shape buckets (engine/model/static_step.py); "graphs" the same
         with a CUDA graph per bucket; "auto" = graphs on CUDA, else eager."""
-        if batch_step not in BATCH_STEPS:
-            raise ValueError(f"batch_step must be one of {', '.join(BATCH_STEPS)}; got {batch_step!r}")
         self.model = model
         self.device = model.device
         self.dtype = dtype
@@ -96,8 +94,7 @@ class ModelRunner:
         if native and why:
             raise ValueError(f"native forward unavailable: {why}")
         self.native = NativeForward(model) if why is None else None
-        if batch_step == "auto":
-            batch_step = "graphs" if self.device.type == "cuda" else "eager"
+        batch_step = resolve_batch_step(batch_step, self.device)
         if self.native is not None or not self._split:
             batch_step = "eager"  # the native forward packs rows itself; a full-logits model runs eagerly
         self.batch_step = batch_step

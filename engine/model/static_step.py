@@ -25,9 +25,9 @@ its tree among columns 5, 6 (3, 4 are holes, hidden); ids[0, 2:] are pads, each 
 column (7, 8). Row 1's three tokens take columns 5-7, its pad column 8.
 
 On CUDA each bucket is captured once as a CUDA graph (at its first step; at most `max_graphs` live,
-the least recently used one dropped to make room for a new shape), and a step is: fill the buffers (a few copies, no loop over tree nodes), replay, gather the
-needed positions' hidden states; the one host round trip a step needs is the caller's accept
-decision on the logits. The graphs hold the KV buffers' addresses: when the batch KV grows
+the least recently used one dropped to make room for a new shape), and a step is: fill the buffers
+(a few copies, no loop over tree nodes), replay, gather the needed positions' hidden states; the one
+host round trip a step needs is the caller's accept decision on the logits. The graphs hold the KV buffers' addresses: when the batch KV grows
 (doubling), they are dropped and recaptured. Without graphs (CPU, and the tests) the same buffers
 feed an eager call: the same code path without the capture.
 """
@@ -141,7 +141,7 @@ class StaticStep:
         shape.ids.zero_()
         shape.ids.view(-1).index_copy_(0, flat, tokens)
         shape.pos.zero_()
-        shape.pos.view(-1).index_copy_(0, flat, depth + lens_b[row_of.to(dev)])
+        shape.pos.view(-1).index_copy_(0, flat, depth + lens_b[flat // wb])
         # the new tokens' block among themselves [Bb, Wb, Wb]: each row's tree mask; pads see themselves
         sq = w * w
         rs = torch.repeat_interleave(torch.arange(b), sq)  # [S] the row of each tree-mask entry
@@ -156,8 +156,8 @@ class StaticStep:
         vis[:, :, offset : offset + wb] = block  # [Bb, Wb, Cb]
         shape.mask.fill_(self.hidden)
         shape.mask[:, 0].masked_fill_(vis, 0.0)
-        real = torch.arange(bb, device=dev) < b
-        shape.rows.copy_(torch.where(real, torch.arange(bb, device=dev), self.scratch)[:, None].expand(bb, wb))
+        row = torch.arange(bb, device=dev)
+        shape.rows.copy_(torch.where(row < b, row, self.scratch)[:, None].expand(bb, wb))
         shape.cols.copy_((offset + torch.arange(wb, device=dev))[None, :].expand(bb, wb))
         return flat
 
