@@ -245,6 +245,8 @@ class BatchEngine:
         self._admit()
         if self.prefilling is not None:
             self._prefill_chunk(self.prefilling)
+        # a sequence whose first token (the prefill's) met a stop is done before any decoding step
+        self._retire([x for x in self.running if x.seq.finish_reason is not None])
         if self.running:
             self._decode()
         self._retire([x for x in self.running if x.seq.finish_reason is not None])

@@ -34,7 +34,10 @@ class Sequence:
         return self.prepared.request.max_new_tokens
 
     def commit(self, new: list[int]) -> list[int]:
-        """Append what fits (stops, length) and set the finish reason; returns the kept tokens."""
+        """Append what fits (stops, length) and set the finish reason; returns the kept tokens. A
+        finished sequence keeps nothing more."""
+        if self.finish_reason is not None:
+            return []
         verdict = self.stops.check(self.generated, new)
         kept = new[: verdict.keep]
         room = self.max_new_tokens - len(self.generated)

@@ -1,0 +1,83 @@
+"""Stops met at the first, second and last generated token, on a real worker: `ar`, `tr`, unary and
+stream give the same ids, ending at the stop (issue 28, defect 1: a stop met by the prefill's token
+was ignored and the request ran another step)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.client.client import TRServeClient
+from services.worker.config import Limits, WorkerConfig
+from tests.services.worker_harness import serving
+from trserve.v1 import generate_pb2 as pb
+
+LIMITS = Limits(max_new_tokens_cap=64, default_max_new_tokens=16, max_prompt_tokens=256)
+DONE = "<|im_start|>assistant\nDone."  # raw text whose first greedy token is <|im_end|>
+PROMPT = "The three primary colours are"
+N = 8
+
+
+@pytest.fixture(scope="module")
+def client(decoder):
+    for worker in serving(WorkerConfig(port=0, metrics_port=0, limits=LIMITS), decoder):
+        with TRServeClient(worker.addr, timeout=120) as c:
+            yield c
+
+
+def four_ways(client: TRServeClient, prompt: str, **kwargs) -> dict[str, tuple[list[int], str, int]]:
+    """(ids, text, finish reason) by way: ar/tr x unary/stream."""
+    out = {}
+    for mode in ("ar", "tr"):
+        r = client.generate(prompt, mode=mode, return_token_ids=True, **kwargs)
+        out[f"{mode} unary"] = (list(r.token_ids), r.text, r.finish_reason)
+        ids, text, reason = [], "", None
+        for chunk in client.stream(prompt, mode=mode, **kwargs):
+            ids += chunk.token_ids
+            text += chunk.text
+            reason = chunk.finish_reason or reason
+        out[f"{mode} stream"] = (ids, text, reason)
+    return out
+
+
+def assert_all(got: dict, ids: list[int], reason: int, text: str | None = None) -> None:
+    for way, (g_ids, g_text, g_reason) in got.items():
+        assert g_ids == ids, f"{way}: ids {g_ids} != {ids}"
+        assert g_reason == reason, f"{way}: finish reason {g_reason} != {reason}"
+        if text is not None:
+            assert g_text == text, f"{way}: text {g_text!r} != {text!r}"
+
+
+def test_eos_as_the_first_token(client, decoder) -> None:
+    got = four_ways(client, DONE, max_new_tokens=N)
+    eos = got["ar unary"][0][0]
+    assert eos in decoder.eos_ids  # the premise: the prefill's token is EOS
+    assert_all(got, [eos], pb.FINISH_REASON_EOS, "")
+
+
+@pytest.fixture(scope="module")
+def reference(client) -> list[int]:
+    r = client.generate(PROMPT, mode="ar", max_new_tokens=N, return_token_ids=True)
+    assert len(r.token_ids) == N and r.finish_reason == pb.FINISH_REASON_LENGTH
+    return list(r.token_ids)
+
+
+@pytest.mark.parametrize("at", [0, 1, N - 1])
+def test_stop_token_id(client, reference, at) -> None:
+    stop = reference[at]
+    first = reference.index(stop)  # a stop id repeated earlier stops there
+    assert_all(four_ways(client, PROMPT, max_new_tokens=N, stop_token_ids=[stop]), reference[: first + 1],
+               pb.FINISH_REASON_EOS)
+
+
+@pytest.mark.parametrize("at", [0, 1, N - 1])
+def test_stop_string(client, decoder, reference, at) -> None:
+    decode = decoder.tokenizer.decode
+    before, upto = decode(reference[:at]), decode(reference[: at + 1])
+    # the shortest end of the text up to token `at` that the text before it does not hold
+    stop = next(upto[-n:] for n in range(1, len(upto) + 1) if upto[-n:] not in before and upto[-n:].strip())
+    got = four_ways(client, PROMPT, max_new_tokens=N, stop=[stop])
+    assert_all(got, reference[: at + 1], pb.FINISH_REASON_STOP_SEQUENCE, upto[: upto.index(stop)])
+
+
+def test_next_request_is_served(client, reference) -> None:
+    assert_all(four_ways(client, PROMPT, max_new_tokens=N), reference, pb.FINISH_REASON_LENGTH)
