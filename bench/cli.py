@@ -6,7 +6,7 @@ from core.datasets import prompt_file
 
 DEFAULT_PROMPTS = str(prompt_file("spec_bench"))  # bundled with the repository (core/data/)
 DECODERS = ("hf", "pld", "ar", "tr", "tr-paper")
-OPTIONAL = ("tr-serial", "tr-matrix", "tr-adaptive", "llamacpp")
+OPTIONAL = ("tr-full", "tr-matrix", "tr-adaptive", "llamacpp")
 
 
 def register(sub) -> None:

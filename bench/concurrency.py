@@ -4,7 +4,8 @@ closed-loop load, in one process (no gRPC: the engine is what is measured).
 At concurrency c, c clients each send a request, and the next one as soon as theirs finishes,
 until `requests(c)` have run; 4 tenants in turn, each with its own hot matrix. Modes:
 `tr` (batched, batch-aware trees), `ar` (batched plain decoding, the same kernels), `serial`
-(today's one-request-at-a-time Decoder: a FIFO queue in front of `Decoder.generate`), and on
+(one request at a time: a FIFO queue in front of `Decoder.generate`, whose engine takes one
+request and verifies its whole tree each step), and on
 request `tr-full` (batched TR with the budget off: every request verifies its whole tree each
 step, as `trserve serve --full-trees`; what the budget gains or loses). Per level:
 aggregate tokens/s, requests/s, latency and time-to-first-token percentiles, mean accepted tokens,
@@ -83,10 +84,11 @@ def _summary(mode: str, c: int, done: list[dict], wall: float, prefill_s: float)
 def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, prompts, matrices) -> dict:
     from engine import GenerationRequest
     from engine.engine import BatchEngine, EngineConfig
+    from engine.tuning.cost import engine_cost
     from engine.results import GenerationResult
 
     engine = BatchEngine(decoder, EngineConfig(max_batch=max(config.levels), prefill_chunk=config.prefill_chunk,
-                                               batch_aware=mode != "tr-full"), decoder_cost(decoder))
+                                               batch_aware=mode != "tr-full"), engine_cost(decoder, measure=True))
     feed = itertools.cycle(enumerate(prompts))
     total, started, done = config.requests(c), 0, []
 
@@ -165,9 +167,10 @@ def fairness(decoder, config: ConcurrencyConfig, prompts, long_tokens: int = 200
     p99 inter-token gap before vs while it is prefilled, and the cost of one prefill chunk."""
     from engine import GenerationRequest
     from engine.engine import BatchEngine, EngineConfig
+    from engine.tuning.cost import engine_cost
     from engine.results import StepChunk
 
-    engine = BatchEngine(decoder, EngineConfig(max_batch=8, prefill_chunk=config.prefill_chunk), decoder_cost(decoder))
+    engine = BatchEngine(decoder, EngineConfig(max_batch=8, prefill_chunk=config.prefill_chunk), engine_cost(decoder, measure=True))
     stamps: list[list[float]] = [[] for _ in range(4)]
     for i in range(4):
         def emit(item, mine=stamps[i]) -> None:
@@ -195,14 +198,6 @@ def fairness(decoder, config: ConcurrencyConfig, prompts, long_tokens: int = 200
             "chunk_s_mean": round(float(np.mean(chunk_s)), 4), "chunk_s_max": round(max(chunk_s), 4),
             "gap_p99_before_s": round(_percentile(before, 99), 4), "gap_p99_during_s": round(_percentile(during, 99), 4),
             "gap_p50_before_s": round(_percentile(before, 50), 4), "gap_p50_during_s": round(_percentile(during, 50), 4)}
-
-
-def decoder_cost(decoder):
-    """The engine's cost curve: this model and machine's calibration (measured once, ~1 min, cached)."""
-    from engine.model.paths import default_cache_dir
-    from engine.tuning.calibrate import load_or_measure
-
-    return load_or_measure(decoder.loaded, default_cache_dir()).cost
 
 
 def run_concurrency(config: ConcurrencyConfig) -> dict:

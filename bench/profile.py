@@ -50,7 +50,7 @@ def _profile_one(loaded, config: ProfileConfig, questions: list[dict]) -> dict:
     out = {"forward": loaded.forward, "kernels": loaded.kernels, "isa": loaded.isa,
            "width_ms": {str(w): round(1000 * s, 2) for w, s in zip(cost.widths, cost.seconds[0])}, "modes": {}}
     decoder = Decoder(DecoderConfig(model=_model_config(config, loaded.forward)), loaded=loaded)
-    runner = decoder.runner()
+    runner = decoder.engine.runner
     for mode in ("ar", "tr"):
         matrix = decoder.new_matrix() if mode == "tr" else None
         decoder.generate(messages=WARMUP, max_new_tokens=32, mode=mode, matrix=matrix)

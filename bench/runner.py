@@ -2,10 +2,10 @@
 
 Decoders: `hf` = transformers `generate` greedy (stock kernels), `pld` = transformers prompt
 lookup decoding, `ar` = trserve's own plain decoding (same kernels as TR), `tr` = Token
-Recycling as a served worker runs one request: the batching engine (engine/engine.py) at batch 1,
-its default tree (hybrid drafting on CPU) with per-step tree sizes from this host's calibrated
-forward costs (engine/tuning/budget.py; calibrated once, cached), `tr-serial` = the serial
-`Decoder.generate` with the default tree at its full size, `tr-paper` = TR with the paper's 80-node
+Recycling as a served worker runs one request: the engine (engine/engine.py) at batch 1, its
+default tree (hybrid drafting on CPU) with per-step tree sizes from this host's calibrated forward
+costs (engine/tree_budget.py; calibrated once, cached), `tr-full` = the same engine verifying the
+default tree at its full size every step (`Decoder.generate`), `tr-paper` = TR with the paper's 80-node
 tree; optional: `tr-matrix` = TR with the matrix-only `cpu-8` tree (no
 prompt lookup), `tr-adaptive` = TR re-tuning its tree online (`DecoderConfig(tree="adaptive")`),
 `llamacpp` = llama.cpp's plain greedy decoding of the same GGUF through llama-cpp-python (installed
@@ -56,7 +56,7 @@ class BenchConfig:
     warm_per_category: int = 0
 
     def __post_init__(self) -> None:
-        known = {"hf", "pld", "ar", "tr", "tr-serial", "tr-paper", "tr-matrix", "tr-adaptive", "llamacpp"}
+        known = {"hf", "pld", "ar", "tr", "tr-full", "tr-paper", "tr-matrix", "tr-adaptive", "llamacpp"}
         if not self.decoders or set(self.decoders) - known:
             raise ValueError(f"decoders must be a non-empty subset of {sorted(known)}, got {list(self.decoders)}")
         if self.per_category < 1 or self.max_new_tokens < 1 or self.warm_per_category < 0:
@@ -98,48 +98,22 @@ class _HF:
         return out[0, len(ids):].tolist(), None
 
 
-class _Engine:
-    """One request at a time through a BatchEngine (its own thread), as a worker serves it."""
-
-    def __init__(self, decoder, cost) -> None:
-        import threading
-
-        from engine.engine import BatchEngine, EngineConfig
-
-        self.decoder = decoder
-        self.engine = BatchEngine(decoder, EngineConfig(max_batch=1), cost)
-        self.thread = threading.Thread(target=self.engine.run, name="bench-engine", daemon=True)
-        self.thread.start()
-        self.matrix = decoder.new_matrix()
-
-    def __call__(self, messages, max_new_tokens):
-        import queue
-
-        from engine import GenerationRequest
-        from engine.results import GenerationResult
-
-        done: queue.Queue = queue.Queue()
-        prepared = self.decoder.prepare(GenerationRequest(messages=messages, max_new_tokens=max_new_tokens))
-        self.engine.submit(prepared, lambda item: done.put(item) if isinstance(item, (GenerationResult, Exception))
-                           else None, matrix=self.matrix)
-        item = done.get()
-        if isinstance(item, Exception):
-            raise item
-        return item.ids, item.stats
-
-
 class _TR:
-    def __init__(self, decoder, mode: str, tree: str | None, temperature: float) -> None:
-        self.decoder, self.mode, self.tree, self.temperature = decoder, mode, tree, temperature
+    """trserve's decoders: every request through a BatchEngine (the only decode loop), one at a time
+    and stepped in this thread; `ar` and the TR variants differ in mode, tree and engine config."""
+
+    def __init__(self, decoder, engine, mode: str, tree: str | None, temperature: float) -> None:
+        self.decoder, self.engine, self.mode, self.tree, self.temperature = decoder, engine, mode, tree, temperature
         self.matrix = decoder.new_matrix() if mode == "tr" else None
         self.calls = itertools.count()
 
     def __call__(self, messages, max_new_tokens):
-        from engine import SamplingParams
+        from engine import GenerationRequest, SamplingParams
 
         sampling = SamplingParams(temperature=self.temperature, seed=next(self.calls))
-        r = self.decoder.generate(messages=messages, max_new_tokens=max_new_tokens, mode=self.mode,
-                                  matrix=self.matrix, tree=self.tree, sampling=sampling)
+        prepared = self.decoder.prepare(GenerationRequest(messages=messages, max_new_tokens=max_new_tokens,
+                                                          mode=self.mode, tree=self.tree, sampling=sampling))
+        r = self.engine.generate(prepared, matrix=self.matrix)
         return r.ids, r.stats
 
 
@@ -272,25 +246,25 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
         stock = load_model(ModelConfig(source=model_cfg.source, kernels="stock", threads=config.threads))
         runners.update({"hf": _HF(stock, None, config.temperature),
                         "pld": _HF(stock, config.pld_tokens, config.temperature)})
-    if {"ar", "tr", "tr-serial", "tr-paper", "tr-matrix", "tr-adaptive"} & set(config.decoders):
-        decoder = Decoder(DecoderConfig(model=model_cfg))
-        tr_tree = config.tree or decoder.default_tree.template.name
-        t = config.temperature
-        runners.update({"ar": _TR(decoder, "ar", None, t), "tr-serial": _TR(decoder, "tr", tr_tree, t),
-                        "tr-paper": _TR(decoder, "tr", "paper", t), "tr-matrix": _TR(decoder, "tr", "cpu-8", t)})
-        if "tr" in config.decoders:
-            if t:
-                raise SystemExit("the engine-backed tr decoder is greedy here; sample with tr-serial")
-            from engine.model.paths import default_cache_dir
-            from engine.tuning.calibrate import load_or_measure
+    if {"ar", "tr", "tr-full", "tr-paper", "tr-matrix", "tr-adaptive"} & set(config.decoders):
+        from engine.engine import BatchEngine, EngineConfig
+        from engine.tuning.cost import engine_cost
 
-            runners["tr"] = _Engine(decoder, load_or_measure(decoder.loaded, default_cache_dir()).cost)
+        decoder = Decoder(DecoderConfig(model=model_cfg))  # its own engine: one request, whole trees
+        tr_tree = config.tree or decoder.default_tree.template.name
+        t, whole = config.temperature, decoder.engine
+        runners.update({"ar": _TR(decoder, whole, "ar", None, t), "tr-full": _TR(decoder, whole, "tr", tr_tree, t),
+                        "tr-paper": _TR(decoder, whole, "tr", "paper", t),
+                        "tr-matrix": _TR(decoder, whole, "tr", "cpu-8", t)})
+        if "tr" in config.decoders:  # as a worker serves one request: per-step tree budgets
+            served = BatchEngine(decoder, EngineConfig(max_batch=1), engine_cost(decoder, measure=True))
+            runners["tr"] = _TR(decoder, served, "tr", tr_tree, t)
         if "tr-adaptive" in config.decoders:
             adaptive = Decoder(DecoderConfig(model=model_cfg, tree="adaptive"), loaded=decoder.loaded)
-            runners["tr-adaptive"] = _TR(adaptive, "tr", None, t)
+            runners["tr-adaptive"] = _TR(adaptive, adaptive.engine, "tr", None, t)
         meta.update(fingerprint=decoder.fingerprint, kernels=decoder.loaded.kernels, isa=decoder.loaded.isa,
                     forward=decoder.loaded.forward, device=str(decoder.device),
-                    trees={"tr": tr_tree, "tr-serial": tr_tree, "tr-paper": "paper", "tr-matrix": "cpu-8",
+                    trees={"tr": tr_tree, "tr-full": tr_tree, "tr-paper": "paper", "tr-matrix": "cpu-8",
                            "tr-adaptive": "adaptive"})
     if "llamacpp" in config.decoders:
         from transformers import AutoTokenizer

@@ -1,7 +1,11 @@
 """Token Recycling decoding engine (no grpc, no redis).
 
-    decoder.py    the decode loop (Decoder: prepare -> stream)     results.py  what it returns
-    sequence.py   one request in flight                             config.py   DecoderConfig
+    engine.py     the decode loop (BatchEngine: submit / step / run / stream; one request is B=1)
+    scheduler.py  queues and KV budget (EngineConfig)  tree_budget.py  how much each sequence verifies
+    target.py     the model facade (TargetModel: prepare, trees, matrices, tuners)
+    decoder.py    the Python API (Decoder: a TargetModel with its engine; generate / stream)
+    step.py       one sequence's TR step around the forward   sequence.py  one request in flight
+    results.py    what it returns                             config.py    DecoderConfig
     runtime.py    what a decoder runs on (device, kernels, attention, tree, threads)
     tr/           the algorithm: trees, drafting, acceptance, recycling, sampling, lookup chains,
                   the adjacency matrix and the draft-source boundary
@@ -16,6 +20,9 @@ from importlib import import_module
 
 _EXPORTS = {
     "AdjacencyMatrix": "engine.tr.matrix",
+    "BatchEngine": "engine.engine",
+    "EngineConfig": "engine.scheduler",
+    "TargetModel": "engine.target",
     "Decoder": "engine.decoder",
     "DecoderConfig": "engine.config",
     "DraftSource": "engine.tr.source",

@@ -28,3 +28,22 @@ def test_bundled_prompt_sets_are_in_the_repository() -> None:
     for name in PROMPT_SETS:
         path = prompt_file(name)
         assert path.is_relative_to(REPO) and path.stat().st_size > 10_000
+
+
+def test_files_and_functions_stay_small() -> None:
+    """House style: no product Python file over 400 lines, no function over 60 (tests excepted)."""
+    import ast
+
+    files = subprocess.run(["git", "ls-files", "*.py"], cwd=REPO, capture_output=True, text=True, check=True).stdout.split()
+    problems = []
+    for name in files:
+        path = REPO / name
+        if name.startswith("tests/") or not path.exists():
+            continue
+        text = path.read_text()
+        if text.count("\n") > 400:
+            problems.append(f"{name}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                problems.append(f"{name}:{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert problems == []

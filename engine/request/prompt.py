@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from core.errors import InvalidArgument
@@ -52,11 +53,43 @@ class PromptBuilder:
             raise InvalidArgument("all messages are empty; send some text")
         if self.tokenizer.chat_template is None:
             raise InvalidArgument("this model has no chat template; send a raw prompt or token ids instead")
+        if any(t in m["content"] for m in messages for t in self._control_texts()):
+            return self._quoted_chat_ids(messages, add_generation_prompt)
+        return list(self._template(list(messages), add_generation_prompt, tokenize=True))
+
+    def _template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool):
         from jinja2 import TemplateError
 
         try:
-            out = self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                                     return_dict=False)
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=tokenize, return_dict=False)
         except TemplateError as exc:  # the template's own checks (e.g. roles must alternate): the caller's to fix
             raise InvalidArgument(f"the model's chat template refused these messages: {exc}") from None
-        return list(out)
+
+    def _control_texts(self) -> tuple[str, ...]:
+        """The text forms of the tokenizer's special (control) tokens, e.g. `<|im_end|>`."""
+        if not hasattr(self, "_controls"):
+            added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
+            self._controls = tuple(t.content for t in added.values() if getattr(t, "special", False) and t.content)
+        return self._controls
+
+    def _quoted_chat_ids(self, messages: Sequence[dict], add_generation_prompt: bool) -> list[int]:
+        """Chat content is text: where it spells a control token (`<|im_start|>system`...), those
+        characters are tokenized as plain text, so end-user content cannot forge turns. The template is
+        rendered with a placeholder per content; the template's own text keeps its control tokens."""
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        if any("\ue000" in m["content"] for m in messages):
+            raise InvalidArgument("message content holds private-use characters U+E000; remove them")
+        text = self._template([{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt,
+                              tokenize=False)
+        pieces = re.split("\ue000(\\d+)\ue001", text)  # template, index, template, index, ..., template
+        if [int(i) for i in pieces[1::2]] != list(range(len(messages))):
+            raise InvalidArgument("message content spells the model's control tokens, which its chat template "
+                                  "cannot quote as text; remove them from the content")
+        tok, ids = self.tokenizer, []
+        for j, piece in enumerate(pieces):
+            if j % 2:
+                ids += tok(messages[int(piece)]["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            elif piece:
+                ids += tok(piece, add_special_tokens=False)["input_ids"]
+        return ids

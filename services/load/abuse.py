@@ -93,78 +93,86 @@ def _bad_ids(vocab: int):
     return lambda i: build_request(token_ids=[1, -5 if i % 2 else vocab + 7])
 
 
+def _simple(make: Callable[[int], pb.GenerateRequest]) -> Callable[[_Target, int], C]:
+    """A kind that sends one unary request built by `make(i)`, as the i-th call's tenant."""
+    def run(t: _Target, i: int) -> C:
+        tenant = t.tenants[i % len(t.tenants)]
+        req = make(i)
+        req.tenant = tenant
+        return _unary(t, req, t.metadata[tenant])
+    return run
+
+
+def _many_messages(i: int) -> pb.GenerateRequest:
+    req = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user")] * 5000))
+    req.messages.messages.add(role="user", content="hi")
+    return req
+
+
+def _cancel_mid_stream(t: _Target, i: int) -> C:
+    req, metadata = t.good_request(i)
+    req.max_new_tokens = 128
+    call = t.stub.GenerateStream(req, timeout=t.config.call_timeout_s, metadata=metadata)
+    try:
+        for n, _ in enumerate(call):
+            if n == 1:
+                call.cancel()
+        return C.OK
+    except grpc.RpcError as exc:
+        return exc.code()
+
+
+def _stalled_reader(t: _Target, i: int) -> C:
+    req, metadata = t.good_request(i)
+    req.max_new_tokens = 256
+    call = t.stub.GenerateStream(req, timeout=t.config.call_timeout_s, metadata=metadata)
+    try:
+        next(call)
+        time.sleep(3.0)  # reads nothing more for a while, then goes away
+        call.cancel()
+        for _ in call:
+            pass
+        return C.OK
+    except grpc.RpcError as exc:
+        return exc.code()
+
+
+def _short_deadline(t: _Target, i: int) -> C:
+    req, metadata = t.good_request(i)
+    return _unary(t, req, metadata, timeout=0.005)
+
+
+def _foreign(t: _Target, i: int) -> C:
+    own, other = t.tenants[i % len(t.tenants)], t.tenants[(i + 1) % len(t.tenants)]
+    req = build_request(messages=[{"role": "user", "content": "hi"}], tenant=own, domain=other, max_new_tokens=2)
+    return _unary(t, req, t.metadata[own])
+
+
+TEMPERATURES = (1e-39, -1.0, math.nan, math.inf, 1e-3)
+
+
 def _kinds(target: _Target, vocab: int) -> dict[str, tuple[Callable[[_Target, int], C], frozenset]]:
     """kind -> (run it once (the i-th time), the codes a hardened worker may answer)."""
     cfg = target.config
     hi = [{"role": "user", "content": "hi"}]
-
-    def simple(make: Callable[[int], pb.GenerateRequest]):
-        def run(t: _Target, i: int) -> C:
-            tenant = t.tenants[i % len(t.tenants)]
-            req = make(i)
-            req.tenant = tenant
-            return _unary(t, req, t.metadata[tenant])
-        return run
-
-    def many_messages(i: int) -> pb.GenerateRequest:
-        req = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user")] * 5000))
-        req.messages.messages.add(role="user", content="hi")
-        return req
-
-    temperatures = (1e-39, -1.0, math.nan, math.inf, 1e-3)
-
-    def cancel_mid_stream(t: _Target, i: int) -> C:
-        req, metadata = t.good_request(i)
-        req.max_new_tokens = 128
-        call = t.stub.GenerateStream(req, timeout=cfg.call_timeout_s, metadata=metadata)
-        try:
-            for n, _ in enumerate(call):
-                if n == 1:
-                    call.cancel()
-            return C.OK
-        except grpc.RpcError as exc:
-            return exc.code()
-
-    def stalled_reader(t: _Target, i: int) -> C:
-        req, metadata = t.good_request(i)
-        req.max_new_tokens = 256
-        call = t.stub.GenerateStream(req, timeout=cfg.call_timeout_s, metadata=metadata)
-        try:
-            next(call)
-            time.sleep(3.0)  # reads nothing more for a while, then goes away
-            call.cancel()
-            for _ in call:
-                pass
-            return C.OK
-        except grpc.RpcError as exc:
-            return exc.code()
-
-    def short_deadline(t: _Target, i: int) -> C:
-        req, metadata = t.good_request(i)
-        return _unary(t, req, metadata, timeout=0.005)
-
     kinds = {
-        "oversize body": (simple(lambda i: build_request("x" * (cfg.max_request_bytes + 1024))), {BUSY}),
-        "too many messages": (simple(many_messages), {C.INVALID_ARGUMENT}),
-        "bad temperature": (simple(lambda i: build_request(messages=hi, temperature=temperatures[i % 5])),
+        "oversize body": (_simple(lambda i: build_request("x" * (cfg.max_request_bytes + 1024))), {BUSY}),
+        "too many messages": (_simple(_many_messages), {C.INVALID_ARGUMENT}),
+        "bad temperature": (_simple(lambda i: build_request(messages=hi, temperature=TEMPERATURES[i % 5])),
                             {C.INVALID_ARGUMENT}),
-        "too many stop strings": (simple(lambda i: build_request(messages=hi, stop=[f"s{n}" for n in range(100)])),
+        "too many stop strings": (_simple(lambda i: build_request(messages=hi, stop=[f"s{n}" for n in range(100)])),
                                   {C.INVALID_ARGUMENT}),
-        "too long stop string": (simple(lambda i: build_request(messages=hi, stop=["y" * 10_000])),
+        "too long stop string": (_simple(lambda i: build_request(messages=hi, stop=["y" * 10_000])),
                                  {C.INVALID_ARGUMENT}),
-        "too many stop ids": (simple(lambda i: build_request(messages=hi, stop_token_ids=list(range(1000)))),
+        "too many stop ids": (_simple(lambda i: build_request(messages=hi, stop_token_ids=list(range(1000)))),
                               {C.INVALID_ARGUMENT}),
-        "invalid ids": (simple(_bad_ids(vocab)), {C.INVALID_ARGUMENT}),
-        "cancel mid-stream": (cancel_mid_stream, {C.CANCELLED, C.OK}),
-        "stalled reader": (stalled_reader, {C.CANCELLED, C.OK}),
-        "deadline too short": (short_deadline, {C.DEADLINE_EXCEEDED}),
+        "invalid ids": (_simple(_bad_ids(vocab)), {C.INVALID_ARGUMENT}),
+        "cancel mid-stream": (_cancel_mid_stream, {C.CANCELLED, C.OK}),
+        "stalled reader": (_stalled_reader, {C.CANCELLED, C.OK}),
+        "deadline too short": (_short_deadline, {C.DEADLINE_EXCEEDED}),
     }
     if cfg.tokens_file and len(target.tenants) >= 2:
-        def foreign(t: _Target, i: int) -> C:
-            own, other = t.tenants[i % len(t.tenants)], t.tenants[(i + 1) % len(t.tenants)]
-            req = build_request(messages=hi, tenant=own, domain=other, max_new_tokens=2)
-            return _unary(t, req, t.metadata[own])
-        kinds["foreign domain"] = (foreign, {C.PERMISSION_DENIED})
+        kinds["foreign domain"] = (_foreign, {C.PERMISSION_DENIED})
     return {k: (run, frozenset(codes) | {BUSY}) for k, (run, codes) in kinds.items()}
 
 
@@ -244,6 +252,26 @@ def _good_loop(target: _Target, stop_at: float, latencies: list[float], codes: C
                 unexpected.append({"kind": "good", "code": code.name})
 
 
+def _bad_loop(target: _Target, kinds: dict, stop_at: float, counter, bad: dict, unexpected: list,
+              lock: threading.Lock) -> None:
+    """One bad client: the kinds in turn until `stop_at`, each answer counted, the unexpected noted."""
+    names = list(kinds)
+    while time.monotonic() < stop_at:
+        i = next(counter)
+        kind = names[i % len(names)]
+        run, expected = kinds[kind]
+        try:
+            code = run(target, i)
+        except Exception as exc:  # noqa: BLE001 - a client-side crash is a finding too
+            with lock:
+                unexpected.append({"kind": kind, "code": f"client error {type(exc).__name__}"})
+            continue
+        with lock:
+            bad[kind][code.name] += 1
+            if code not in expected:
+                unexpected.append({"kind": kind, "code": code.name})
+
+
 def run_abuse(config: AbuseConfig) -> AbuseReport:
     target = _Target(config)
     lock = threading.Lock()
@@ -271,29 +299,13 @@ def run_abuse(config: AbuseConfig) -> AbuseReport:
         unexpected: list[dict] = []
         retries = [0]
         bad: dict[str, Counter] = defaultdict(Counter)
-        names = list(kinds)
         bad_counter = itertools.count()
         t0 = time.monotonic()
         stop_at = t0 + config.duration_s
 
-        def bad_loop() -> None:
-            while time.monotonic() < stop_at:
-                i = next(bad_counter)
-                kind = names[i % len(names)]
-                run, expected = kinds[kind]
-                try:
-                    code = run(target, i)
-                except Exception as exc:  # noqa: BLE001 - a client-side crash is a finding too
-                    with lock:
-                        unexpected.append({"kind": kind, "code": f"client error {type(exc).__name__}"})
-                    continue
-                with lock:
-                    bad[kind][code.name] += 1
-                    if code not in expected:
-                        unexpected.append({"kind": kind, "code": code.name})
-
         threads = good_phase(config.duration_s, good, good_codes, unexpected, retries)
-        threads += [threading.Thread(target=bad_loop, name=f"abuse-bad-{n}") for n in range(config.bad_clients)]
+        threads += [threading.Thread(target=_bad_loop, args=(target, kinds, stop_at, bad_counter, bad, unexpected, lock),
+                                     name=f"abuse-bad-{n}") for n in range(config.bad_clients)]
         for t in threads:
             t.start()
         for t in threads:

@@ -6,7 +6,6 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from grpc_health.v1.health import aio as health_aio
@@ -15,6 +14,7 @@ from core.model_spec import ModelSpec
 from engine import Decoder, DecoderConfig
 from engine.engine import BatchEngine
 from engine.runtime import RuntimeInfo
+from engine.tuning.cost import engine_cost
 from matrix_store import MatrixStore, StoreConfig
 from services.common.security import TenantAuth
 from services.common.server import (
@@ -90,7 +90,7 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     loop = asyncio.get_running_loop()
     if decoder is None:
         decoder = await loop.run_in_executor(executor, Decoder, decoder_config or DecoderConfig())
-    engine = BatchEngine(decoder, config.engine_config(), _cost_model(decoder))
+    engine = BatchEngine(decoder, config.engine_config(), engine_cost(decoder))
     engine_loop = loop.run_in_executor(executor, engine.run)
     store = tuner_states = None
     if draft_source_factory is None:
@@ -117,23 +117,6 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     await server.start()
     ready = asyncio.create_task(_warm_up(servicer, health, config.warmup), name="trserve-warmup")
     return Worker(server, port, metrics_port, health, servicer, metrics, store, ready, executor, engine, engine_loop)
-
-
-def _cost_model(decoder: Decoder):
-    """The forward cost the engine sizes trees by: the adaptive tuner's calibration, a cached one
-    (`trserve tune` or an adaptive worker measured it), else the engine's proxy (logged)."""
-    from engine.model.paths import default_cache_dir
-    from engine.tuning.calibrate import cached_cost_model
-
-    cost = decoder.autotuner.cost if decoder.autotuner is not None else None
-    if cost is None:
-        cache = Path(decoder.config.cache_dir) if decoder.config.cache_dir else default_cache_dir()
-        cost = cached_cost_model(decoder.loaded, cache)
-    if cost is None:
-        log.info("no calibration of this model and device is cached: batch tree budgets use a default cost "
-                 "curve (run `trserve tune` once to measure this machine)")
-        return None
-    return cost.cost
 
 
 class StoreTunerStates:

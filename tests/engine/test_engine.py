@@ -16,6 +16,7 @@ from engine.engine import BatchEngine, EngineConfig
 from engine.results import GenerationResult, StepChunk
 from tests.conftest import load_prompts, tiny_decoder
 from tests.engine.test_lossless import NEAR_TIE_EPS, _reference
+from tests.serial_oracle import serial_generate
 
 V = 64
 
@@ -52,7 +53,7 @@ def _prompt(i: int, n: int) -> list[int]:
 def test_batch_equals_alone_and_chunks_add_up(tiny):
     requests = [GenerationRequest(input_ids=_prompt(i, 5 + 9 * i), max_new_tokens=20 + 3 * i, ignore_eos=True,
                                   mode="ar" if i == 2 else "tr") for i in range(5)]
-    alone = [tiny.generate(r) for r in requests]
+    alone = [serial_generate(tiny, r) for r in requests]
     engine = BatchEngine(tiny, EngineConfig(max_batch=4, prefill_chunk=8))
     outs = [_submit(engine, tiny, r, matrix=tiny.new_matrix()) for r in requests]
     _run(engine)
@@ -69,8 +70,8 @@ def test_static_batch_steps_decode_as_the_eager_ones(tiny):
     static = tiny_decoder(V, seed=1, batch_step="static", seed_from_prompt=4, tree="cpu-8")  # tiny's weights
     requests = [GenerationRequest(input_ids=_prompt(i, 5 + 13 * i), max_new_tokens=18 + 3 * i, ignore_eos=True,
                                   mode="ar" if i == 1 else "tr") for i in range(5)]
-    want = [tiny.generate(r).ids for r in requests]
-    assert [static.generate(r).ids for r in requests] == want  # the serial loop: one row, bucket 1
+    want = [serial_generate(tiny, r).ids for r in requests]
+    assert [static.generate(r).ids for r in requests] == want  # the engine alone: one row, bucket 1
     engine = BatchEngine(static, EngineConfig(max_batch=3, prefill_chunk=8))
     assert engine.runner.static is not None
     outs = [_submit(engine, static, r, matrix=static.new_matrix()) for r in requests]
@@ -82,7 +83,7 @@ def test_static_batch_steps_decode_as_the_eager_ones(tiny):
 def test_seeded_sampling_in_a_batch_gives_the_tokens_of_alone(tiny):
     requests = [GenerationRequest(input_ids=_prompt(i, 6), max_new_tokens=16, ignore_eos=True,
                                   sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i)) for i in range(4)]
-    alone = [tiny.generate(r).ids for r in requests]
+    alone = [serial_generate(tiny, r).ids for r in requests]
     engine = BatchEngine(tiny, EngineConfig(max_batch=4))
     outs = [_submit(engine, tiny, r) for r in requests]
     _run(engine)
@@ -143,7 +144,7 @@ def test_heavy_load_shrinks_trees_to_plain_steps(tiny):
     assert all(o[-1].stats.mat == 1.0 for o in outs)  # widths never grew
     # no tree paid, so a request admitted now seeds (almost) nothing from its prompt: its LM-head rows
     # over the prompt would buy drafts nobody verifies
-    assert engine._tree_share < 0.5
+    assert engine.budget.tree_share < 0.5
     late = _submit(engine, tiny, GenerationRequest(input_ids=_prompt(9, 6), max_new_tokens=4, ignore_eos=True))
     with torch.inference_mode():
         engine.step()
@@ -183,7 +184,7 @@ def test_real_prompts_from_several_tenants_decode_in_a_batch_as_alone(decoder, h
     near_ties = []
     for x, request, out in zip(ids, requests, outs):
         batched = out[-1].ids
-        alone = decoder.generate(request).ids
+        alone = serial_generate(decoder, request).ids
         if batched == alone:
             continue
         ref, logits = _reference(hf_reference, x)  # where they differ, the reference decides: a near-tie only
@@ -230,11 +231,11 @@ def test_a_width_never_measured_is_priced_at_the_host_speed(tiny):
     width 4 and win steps it then loses)."""
     engine = BatchEngine(tiny, EngineConfig(max_batch=2), cost=lambda w, kv: 0.01 * w)
     for _ in range(200):
-        engine._measured(4, 64, 0.06)
+        engine.budget.measured(4, 64, 0.06)
     assert engine.cost(4, 64) == pytest.approx(0.06, rel=1e-3)
     assert engine.cost(5, 64) == pytest.approx(0.075, rel=1e-3)
     for _ in range(200):  # width 1 measured at 2x the calibration: its own ratio on top of the host's speed
-        engine._measured(1, 64, 0.02)
+        engine.budget.measured(1, 64, 0.02)
     assert engine.cost(1, 64) == pytest.approx(0.02, rel=1e-2)
 
 

@@ -170,7 +170,7 @@ def test_tr_equals_ar_on_the_native_forward(tmp_path):
     loaded = LoadedModel(model, DigitsTokenizer(), "tiny-q", "tiny", torch.device("cpu"), torch.float32,
                          "compressed", "avx2", "native")
     dec = Decoder(DecoderConfig(k=8), loaded=loaded)
-    assert dec.runner().forward_kind == "native"
+    assert dec.engine.runner.forward_kind == "native"
     accepted = []
     for seed in range(3):
         ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(seed)).tolist()
