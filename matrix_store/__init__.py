@@ -5,7 +5,8 @@ No grpc, protobuf or torch here; services/ converts at the edge.
 """
 
 from core.model_spec import ModelSpec
-from matrix_store.config import GLOBAL_TENANT, StoreConfig
+from core.tenants import GLOBAL_TENANT
+from matrix_store.config import StoreConfig
 from matrix_store.store import MatrixStore
 from matrix_store.tenant import Checkout
 

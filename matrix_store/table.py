@@ -11,7 +11,8 @@ import numpy as np
 
 from core.errors import FingerprintMismatch, NotFound, ResourceExhausted, Unavailable
 from core.model_spec import ModelSpec
-from matrix_store.config import GLOBAL_TENANT, domain_tenant, validate_fingerprint, validate_tenant_id
+from core.tenants import GLOBAL_TENANT, domain_tenant, validate_tenant_id
+from matrix_store.config import validate_fingerprint
 from matrix_store.redis_backend import RedisBackend
 from matrix_store.restore import Stored, read_stored, spec_from_meta
 from matrix_store.snapshot import Snapshot

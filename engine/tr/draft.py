@@ -1,23 +1,14 @@
-"""Drafting: fill a static tree from the adjacency matrix, one gather per depth level."""
+"""Drafting: fill a static tree from the adjacency matrix, one gather per depth level.
+
+The gather itself (`fill_levels`, torch and numpy alike) lives in engine/tr/gather.py, without
+torch, and is re-exported here."""
 
 from __future__ import annotations
 
 import torch
 
+from engine.tr.gather import fill_levels
 from engine.tr.tree import CompiledTree
-
-
-def fill_levels(tokens, matrix, levels) -> None:
-    """The drafting gather, for torch tensors and numpy arrays alike (the matrix service drafts
-    with numpy, the engine with torch; both index the same way).
-
-    tokens: [n] with tokens[0] = root, filled in place; matrix: [V, K] successor ids;
-    levels: per depth level (start, end, parent [w], rank [w]): node i of the level gets
-    `matrix[tokens[parent[i]], rank[i]]`. A cold (all-zero) row drafts token 0 below it;
-    verification just rejects it.
-    """
-    for start, end, parent, rank in levels:
-        tokens[start:end] = matrix[tokens[parent], rank]
 
 
 def draft_tokens(matrix: torch.Tensor, root: int, tree: CompiledTree) -> torch.Tensor:

@@ -1,12 +1,9 @@
-"""Static draft trees: templates as data, compiled once into index tensors.
+"""Static draft trees compiled once into index tensors (torch).
 
-A template is a list of *rank paths*: the node `[0, 2]` is "the 3rd-ranked successor of the
-1st-ranked successor of the root". The root (the last accepted token) is implicit. Templates live
-as JSON files in `engine/tr/trees/` (`{"name", "description", "paths": [[0], [1], [0, 0], ...]}`)
-or anywhere on disk; `load_template` takes a builtin name or a path.
-
-Compiling sorts nodes breadth-first (depth, then rank path), so each depth level is one
-contiguous slice and drafting is one gather per level. Index 0 is always the root.
+The templates themselves (`TreeTemplate`, `load_template`, `builtin_trees`, `grow_tree`) live in
+engine/tr/template.py, without torch, and are re-exported here. Compiling takes the template's
+breadth-first layout (`tree_layout`: each depth level one contiguous slice, index 0 the root) and
+adds the attention mask and per-node paths the verification forward needs.
 
 Worked example, paths [[0], [1], [0, 0]] compile to (n = 4 with the root):
     parent = [0, 0, 0, 1]   # root's parent is itself (never used)
@@ -18,127 +15,29 @@ Worked example, paths [[0], [1], [0, 0]] compile to (n = 4 with the root):
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
-from pathlib import Path
 
 import torch
 
-from core.errors import InvalidArgument, NotFound
+from engine.tr.template import (
+    BUILTIN_DIR,
+    MAX_CHAIN,
+    MAX_NGRAM,
+    MAX_RANK,
+    TreeTemplate,
+    builtin_trees,
+    grow_tree,
+    load_template,
+    tree_layout,
+)
 
-BUILTIN_DIR = Path(__file__).parent / "trees"
-MAX_RANK = 64
-MAX_NGRAM = 8
-MAX_CHAIN = 32
-
-
-@dataclass(frozen=True)
-class TreeTemplate:
-    """A validated static tree: `paths` sorted breadth-first, ancestor-closed."""
-
-    name: str
-    paths: tuple[tuple[int, ...], ...]
-    description: str = ""
-    # Hybrid drafting: lookup[n-1] = most prompt-lookup chain nodes grafted when the longest
-    # suffix match has n tokens (0 = ignore such matches); () = matrix drafting only.
-    lookup: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.paths:
-            raise InvalidArgument(f"tree {self.name!r} has no nodes; give at least one path like [0]")
-        seen = set()
-        for p in self.paths:
-            if not p or any((not isinstance(r, int)) or r < 0 or r >= MAX_RANK for r in p):
-                raise InvalidArgument(
-                    f"tree {self.name!r}: path {list(p)} must be a non-empty list of ranks in [0, {MAX_RANK})"
-                )
-            if p in seen:
-                raise InvalidArgument(f"tree {self.name!r}: path {list(p)} appears twice")
-            seen.add(p)
-        if len(self.lookup) > MAX_NGRAM or any(not isinstance(c, int) or not 0 <= c <= MAX_CHAIN for c in self.lookup):
-            raise InvalidArgument(
-                f"tree {self.name!r}: lookup must list at most {MAX_NGRAM} chain lengths in [0, {MAX_CHAIN}] "
-                f"(one per suffix-match size 1, 2, ...), got {list(self.lookup)}"
-            )
-        for p in self.paths:
-            if len(p) > 1 and p[:-1] not in seen:
-                raise InvalidArgument(
-                    f"tree {self.name!r}: path {list(p)} has no parent {list(p[:-1])}; every prefix of a path must be a node"
-                )
-
-    @classmethod
-    def from_paths(cls, name: str, paths, description: str = "", lookup=()) -> TreeTemplate:
-        try:
-            tuples = [tuple(int(r) if not isinstance(r, bool) else None for r in p) for p in paths]
-        except (TypeError, ValueError) as e:
-            raise InvalidArgument(f"tree {name!r}: paths must be lists of integer ranks ({e})") from None
-        if any(None in t for t in tuples):
-            raise InvalidArgument(f"tree {name!r}: ranks must be integers, not booleans")
-        ordered = sorted(tuples, key=lambda p: (len(p), p))
-        try:
-            chains = tuple(int(c) if not isinstance(c, bool) else -1 for c in lookup)
-        except (TypeError, ValueError) as e:
-            raise InvalidArgument(f"tree {name!r}: lookup must be a list of integer chain lengths ({e})") from None
-        return cls(name=name, paths=tuple(ordered), description=description, lookup=chains)
-
-    @property
-    def size(self) -> int:
-        """Non-root nodes."""
-        return len(self.paths)
-
-    @property
-    def max_depth(self) -> int:
-        return max(len(p) for p in self.paths)
-
-    @property
-    def max_rank(self) -> int:
-        return max(max(p) for p in self.paths)
-
-    @property
-    def max_chain(self) -> int:
-        return max(self.lookup, default=0)
-
-    @property
-    def max_width(self) -> int:
-        """Widest verification forward: root + nodes + the longest lookup chain."""
-        return self.size + 1 + self.max_chain
-
-    def to_json(self) -> str:
-        doc = {"name": self.name, "description": self.description, "paths": [list(p) for p in self.paths]}
-        if self.lookup:
-            doc["lookup"] = list(self.lookup)
-        return json.dumps(doc)
-
-
-def builtin_trees() -> list[str]:
-    return sorted(p.stem for p in BUILTIN_DIR.glob("*.json"))
-
-
-def load_template(name_or_path: str) -> TreeTemplate:
-    """A builtin tree by name (see `builtin_trees()`) or a JSON template file by path."""
-    path = Path(name_or_path)
-    if path.suffix != ".json" or not path.exists():
-        builtin = BUILTIN_DIR / f"{name_or_path}.json"
-        if not builtin.exists():
-            raise NotFound(
-                f"unknown tree {name_or_path!r}: use one of {builtin_trees()} or a path to a JSON file "
-                '{"paths": [[0], [1], [0, 0], ...]}'
-            )
-        path = builtin
-    try:
-        doc = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise InvalidArgument(f"tree file {str(path)!r} is not valid JSON: {e}") from None
-    if not isinstance(doc, dict) or not isinstance(doc.get("paths"), list):
-        raise InvalidArgument(f'tree file {str(path)!r} must be an object with a "paths" list of rank lists')
-    if not all(isinstance(p, list) for p in doc["paths"]):
-        raise InvalidArgument(f"tree file {str(path)!r}: every entry of \"paths\" must be a list of ranks")
-    lookup = doc.get("lookup", [])
-    if not isinstance(lookup, list):
-        raise InvalidArgument(f'tree file {str(path)!r}: "lookup" must be a list of chain lengths, e.g. [0, 4, 8]')
-    return TreeTemplate.from_paths(str(doc.get("name") or path.stem), doc["paths"], str(doc.get("description", "")),
-                                   lookup)
+# The templates live in engine/tr/template.py (no torch); re-exported so that
+# `from engine.tr.tree import TreeTemplate, load_template` keeps working.
+__all__ = [
+    "BUILTIN_DIR", "MAX_CHAIN", "MAX_NGRAM", "MAX_RANK", "CompiledTree", "TreeTemplate", "builtin_trees",
+    "compile_tree", "get_compiled", "grow_tree", "load_template",
+]
 
 
 @dataclass(frozen=True, repr=False)
@@ -186,21 +85,9 @@ class CompiledTree:
 
 
 def compile_tree(template: TreeTemplate, device: torch.device | str = "cpu", dtype=torch.float32) -> CompiledTree:
-    index = {(): 0}
-    for i, p in enumerate(template.paths, start=1):
-        index[p] = i
-    n = len(index)
-    parent = [0] * n
-    rank = [0] * n
-    depth = [0] * n
-    for p, i in index.items():
-        if p:
-            parent[i], rank[i], depth[i] = index[p[:-1]], p[-1], len(p)
-    max_d = template.max_depth
-    levels = []
-    for d in range(1, max_d + 1):
-        members = [i for i in range(n) if depth[i] == d]
-        levels.append((members[0], members[-1] + 1))
+    layout = tree_layout(template)
+    index, parent, rank, depth, levels = layout.index, layout.parent, layout.rank, layout.depth, layout.levels
+    n, max_d = layout.n, template.max_depth
     path_nodes = torch.full((n, max_d + 1), -1, dtype=torch.long)
     allowed = torch.zeros(n, n, dtype=torch.bool)
     for p, i in index.items():
@@ -237,25 +124,3 @@ def _compiled(template: TreeTemplate, device: str, dtype: torch.dtype) -> Compil
 def get_compiled(template: TreeTemplate, device: torch.device | str, dtype: torch.dtype) -> CompiledTree:
     """Compile once per (template, device, dtype) in this process."""
     return _compiled(template, str(device), dtype)
-
-
-def grow_tree(name: str, node_scores: dict[tuple[int, ...], float], size: int, description: str = "") -> TreeTemplate:
-    """The `size` highest-scoring paths, closed under prefixes.
-
-    `node_scores` maps rank paths to an estimate of how often that node is accepted (e.g. measured
-    per-node acceptance rates). A child is accepted only if its parent is, so measured rates are
-    monotone along paths and the top-`size` set is ancestor-closed; ties break towards shallower,
-    lower-ranked paths. Example: scores {(0,): .6, (1,): .1, (0, 0): .4} with size 2 -> [[0], [0, 0]].
-    """
-    if size < 1:
-        raise InvalidArgument(f"tree size must be >= 1, got {size}")
-    order = sorted(node_scores, key=lambda p: (-node_scores[p], len(p), p))
-    chosen: list[tuple[int, ...]] = []
-    chosen_set: set[tuple[int, ...]] = set()
-    for p in order:
-        if len(chosen) >= size:
-            break
-        if len(p) == 1 or p[:-1] in chosen_set:
-            chosen.append(p)
-            chosen_set.add(p)
-    return TreeTemplate.from_paths(name, chosen, description)

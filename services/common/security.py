@@ -29,7 +29,7 @@ from pathlib import Path
 
 import grpc
 
-from matrix_store.config import validate_tenant_id
+from core.tenants import validate_tenant_id
 
 AUTH_HEADER = "authorization"
 MIN_SECRET_CHARS = 16
@@ -246,7 +246,7 @@ class SharedSecretAuth(_BearerAuth):
 def domain_refusal(tokens: TenantTokens | None, tenant: str, request: object) -> str | None:
     """Why `tenant` may not name the request's domain, or None when it may (or names none).
     Without tenant tokens (an open worker) any domain may be named: domains are operator-written
-    matrices in their own namespace (matrix_store/config.py), never another tenant's."""
+    matrices in their own namespace (core/tenants.py), never another tenant's."""
     has_field = getattr(request, "HasField", None)
     try:
         named = bool(has_field("domain")) if has_field is not None else bool(getattr(request, "domain", ""))

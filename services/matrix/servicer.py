@@ -18,11 +18,11 @@ import grpc
 import numpy as np
 
 from core.errors import InvalidArgument, PermissionDenied
+from core.tenants import is_reserved
 from matrix_store import MatrixStore
-from matrix_store.config import is_reserved
 from matrix_store.store import NotLoaded
 from services.common.errors import grpc_errors
-from services.matrix.convert import rows_from_pb, rows_to_pb, spec_from_pb, summary_to_pb, tenant_from_pb
+from services.common.matrix_convert import rows_from_pb, rows_to_pb, spec_from_pb, summary_to_pb, tenant_from_pb
 from services.matrix.sessions import RemoteDraft, plan_for, resolve_tree
 from trserve.v1 import matrix_pb2 as pb
 from trserve.v1 import matrix_pb2_grpc as pb_grpc

@@ -1,4 +1,5 @@
-"""Server-side remote drafting: tree plans and one draft session per bidi stream."""
+"""Server-side remote drafting: tree plans and one draft session per bidi stream. No torch: trees
+come from engine/tr/template.py and drafting is the engine's gather on numpy (engine/tr/gather.py)."""
 
 from __future__ import annotations
 
@@ -9,17 +10,17 @@ import numpy as np
 
 from core.errors import InvalidArgument, NotFound
 from core.model_spec import ModelSpec
-from engine.tr.draft import fill_levels
-from engine.tr.tree import TreeTemplate, builtin_trees, compile_tree, load_template
+from engine.tr.gather import draft_host, host_levels
+from engine.tr.template import TreeTemplate, builtin_trees, load_template
 from matrix_store import MatrixStore
-from services.matrix.convert import check_root
+from services.common.matrix_convert import check_root
 
 
 @dataclass(frozen=True, repr=False)
 class TreePlan:
     """The numpy form of a compiled tree: per depth level, the node slice and its gather indices.
 
-    Drafts with the engine's own gather (`engine.tr.draft.fill_levels`), on numpy arrays: no torch per step.
+    Drafts with the engine's own gather (`engine.tr.gather.fill_levels`), on numpy arrays: no torch.
     """
 
     name: str
@@ -32,10 +33,7 @@ class TreePlan:
 
         Example, K=2, rows {5: [7, 9], 7: [3, 4]}, paths [[0], [1], [0, 0]]: root 5 -> [5, 7, 9, 3].
         """
-        tokens = np.empty(self.n, np.int64)
-        tokens[0] = root
-        fill_levels(tokens, rows, self.levels)
-        return tokens
+        return draft_host(rows, root, self.n, self.levels)
 
     def __repr__(self) -> str:
         return f"TreePlan(name={self.name!r}, n={self.n}, depth={len(self.levels)})"
@@ -43,9 +41,7 @@ class TreePlan:
 
 @lru_cache(maxsize=64)
 def plan_for(template: TreeTemplate) -> TreePlan:
-    compiled = compile_tree(template, "cpu")
-    levels = tuple((s, e, p.numpy().copy(), r.numpy().copy()) for s, e, p, r in compiled.level_index)
-    return TreePlan(template.name, compiled.n, template.max_rank, levels)
+    return TreePlan(template.name, template.size + 1, template.max_rank, host_levels(template))
 
 
 def resolve_tree(name: str, paths: list[list[int]], max_nodes: int, max_depth: int = 64) -> TreeTemplate:

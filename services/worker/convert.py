@@ -12,12 +12,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from core.errors import InvalidArgument, NotFound
+from core.tenants import validate_tenant_id
 from engine.request.request import GenerationRequest
 from engine.results import GenerationResult, GenerationStats, StepChunk
 from engine.runtime import RuntimeInfo
 from engine.tr.sampling import SamplingParams
 from engine.tr.tree import builtin_trees
-from matrix_store.config import validate_tenant_id
 from services.worker.config import MESSAGE_OVERHEAD_CHARS, Limits
 from trserve.v1 import generate_pb2 as pb
 

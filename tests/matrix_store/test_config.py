@@ -2,8 +2,9 @@ import pytest
 
 from core.errors import InvalidArgument
 from core.model_spec import ModelSpec
+from core.tenants import validate_tenant_id
 from matrix_store import StoreConfig
-from matrix_store.config import parse_model, validate_tenant_id
+from matrix_store.config import parse_model
 
 
 @pytest.mark.parametrize(

@@ -18,8 +18,8 @@ from engine.tr.recycle import RecycledRows
 from engine.tr.source import MatrixSession
 from engine.tr.tree import CompiledTree
 from services.common.errors import domain_error_from
+from services.common.matrix_convert import rows_to_pb
 from services.common.security import SharedSecret, client_channel
-from services.matrix.convert import rows_to_pb
 from trserve.v1 import matrix_pb2 as pb
 from trserve.v1 import matrix_pb2_grpc as pb_grpc
 

@@ -14,7 +14,7 @@ from core.model_spec import ModelSpec
 from engine.tr.matrix import AdjacencyMatrix
 from engine.tr.recycle import RecycledRows
 from engine.tr.tree import CompiledTree
-from services.matrix.convert import rows_from_pb, rows_to_pb, spec_to_pb, tenant_from_pb
+from services.common.matrix_convert import rows_from_pb, rows_to_pb, spec_to_pb, tenant_from_pb
 from services.worker.drafting.link import DraftClientConfig, Link, ServiceSession, raise_caller_error
 from trserve.v1 import matrix_pb2 as pb
 

@@ -1,4 +1,6 @@
-"""Proto <-> domain conversion at the edge of the matrix service (both server and client side).
+"""Proto <-> domain conversion of the matrix API, for both sides: the matrix service
+(services/matrix/) and its clients, the workers' draft sources (services/worker/drafting/), which
+therefore never import the matrix service's package.
 
 Row batches travel as little-endian int32 bytes: `tokens` [m] and `topk` [m, K] row-major.
 Everything read from a request is validated here or by the store, and a bad value raises
@@ -11,7 +13,7 @@ import numpy as np
 
 from core.errors import InvalidArgument
 from core.model_spec import ModelSpec
-from matrix_store.config import validate_tenant_id
+from core.tenants import validate_tenant_id
 from matrix_store.tenant import TenantSummary
 from trserve.v1 import matrix_pb2 as pb
 
