@@ -50,7 +50,8 @@ def fastest_call_us(f, calls: int = 150, budget_s: float = 0.5) -> float:
 def main(argv: list[str] | None = None) -> None:
     from engine.model.packed import PackedLinear
     from engine.model.paths import default_cache_dir
-    from engine.model.qlinear import available_isas, quantize_linears
+    from engine.model.kernels.build import available_isas
+    from engine.model.kernels.qlinear import quantize_linears
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)

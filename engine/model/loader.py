@@ -39,7 +39,7 @@ class ModelConfig:
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto = cuda when present, else cpu
     cache_dir: str | None = None  # where the builtin model is converted; default ~/.cache/trserve
-    # auto = on CPU float32: exact compressed kernels for block-quantised weights (engine/model/qlinear.py)
+    # auto = on CPU float32: exact compressed kernels for block-quantised weights (engine/model/kernels/)
     # where the CPU has AVX-512 or AVX2 (their portable scalar variant is slower than oneDNN, so
     # only "compressed" uses it), oneDNN pre-packed linears for the rest; else stock
     kernels: str = "auto"
@@ -182,7 +182,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     model.to(device).eval()
     kernels, isa = _apply_kernels(model, config, device, dtype)
     if isa:  # the compressed kernels run on their own threads: as many as configured, whichever thread calls
-        from engine.model.qlinear import QLinear
+        from engine.model.kernels.qlinear import QLinear
 
         threads = config.threads or torch.get_num_threads()
         for module in model.modules():
@@ -231,7 +231,8 @@ def _compress(model, config: ModelConfig) -> str | None:
     """Exact compressed kernels for the layers they fit; returns their ISA variant. Where none fit,
     or under auto where the CPU would only run the scalar variant (several times slower than oneDNN):
     None (packed kernels take over), InvalidArgument when they were asked for."""
-    from engine.model.qlinear import kernel_isa, quantize_linears
+    from engine.model.kernels.build import kernel_isa
+    from engine.model.kernels.qlinear import quantize_linears
 
     try:
         isa = kernel_isa()

@@ -3,7 +3,7 @@
 With transformers' eager modules a forward of SmolLM2-135M dispatches ~2,000 small ops (norms,
 rotary, views, cache updates, 7 kernel calls per layer with an OpenMP fork/join each): ~8-10 ms per
 forward on these CPUs, as much as the weights' memory traffic. `NativeForward` runs the same model
-(the weights transformers loaded, as the exact compressed kernels hold them: engine/model/qlinear.py)
+(the weights transformers loaded, as the exact compressed kernels hold them: engine/model/kernels/)
 in one run of the kernels' thread pool (csrc/pool.h) over a packed batch: B sequences' new tokens back to back, no padding, each
 with its own KV row, visible context, write column and tree mask.
 
@@ -22,7 +22,8 @@ import ctypes
 
 import torch
 
-from engine.model.qlinear import QLinear, forward_library
+from engine.model.kernels.build import forward_library
+from engine.model.kernels.qlinear import QLinear
 
 _i64 = ctypes.c_int64
 _P = ctypes.c_void_p

@@ -32,7 +32,7 @@ from engine.model.static_step import StaticStep, spare_rows
 
 def uses_kernel_pool(model) -> bool:
     """Whether `model`'s linear layers run on the compressed kernels (their own thread pool)."""
-    from engine.model.qlinear import QLinear
+    from engine.model.kernels.qlinear import QLinear
 
     return any(isinstance(m, QLinear) for m in model.modules())
 

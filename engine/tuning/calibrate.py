@@ -130,7 +130,7 @@ def cost_model_path(loaded, cache_dir: Path) -> Path:
     attention = getattr(loaded.model.config, "_attn_implementation", None) or "eager"
     isa = getattr(loaded, "isa", None)  # the compressed kernels' speed depends on their ISA variant
     if isa:  # a build of other kernel sources has other speeds: its key names the calibration too
-        from engine.model.qlinear import kernel_build_key
+        from engine.model.kernels.build import kernel_build_key
 
         kernels = f"{loaded.kernels}-{isa}-{kernel_build_key(isa)[:8]}"
     else:

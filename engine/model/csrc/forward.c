@@ -11,7 +11,7 @@
  * What the engine relies on: every token's numbers depend only on its own input, position and the
  * keys/values it sees, in a fixed order, never on N, B, or where the token sits in the batch:
  *   - linear layers: qlinear.c's per-row guarantee;
- *   - RMSNorm: sum of squares in the 16-lane order of qlinear.c (acc_block/acc_reduce);
+ *   - RMSNorm: sum of squares in the 16-lane order of dot.h (acc_block/acc_reduce);
  *   - attention of a query: its visible keys in ascending KV column order (context columns, then
  *     the step's new columns), dot products in the 16-lane order (several keys' reductions side by
  *     side, each with the same pairing tree), the max (exact in any order), exp, the sum and the
@@ -24,7 +24,11 @@
  * Conventions as transformers' Llama modules: q head h uses KV head h / (heads / kv_heads);
  * rotate_half pairs lane i with i + D/2; RMSNorm y = w * (x * (1 / sqrt(mean(x^2) + eps))).
  */
-#include "qlinear.c"
+#include "forward.h"
+#include "dot.h"
+#include "pool.h"
+#include "qlinear.h"
+#include "vec.h"
 
 /* Queries of one head an attention pass takes side by side (they share each key and value load);
  * never changes a query's arithmetic. */
@@ -36,41 +40,8 @@
 #define QPASS 1
 #endif
 
-typedef struct {
-    int64_t kind, in, out; /* 4 or 8 (qlinear.c), in/out features */
-    const uint8_t *codes;
-    const uint16_t *d, *m; /* float16 bits; m only for kind 4 */
-    const float *bias;     /* [out] or NULL */
-} tr_qmat;
-
-typedef struct {
-    const float *in_norm, *post_norm; /* [H] */
-    tr_qmat q, k, v, o, gate, up, down;
-} tr_layer;
-
-typedef struct {
-    int64_t n_layers, hidden, heads, kv_heads, head_dim, inter, vocab;
-    float eps, scale; /* RMSNorm epsilon, attention scaling */
-    const float *embed;      /* [V, H] input embeddings */
-    const float *final_norm; /* [H] */
-    const tr_layer *layers;
-    tr_qmat head;                    /* LM head */
-    const float *cos, *sin;          /* [P, D] rotary tables by position */
-    int64_t positions;               /* P */
-} tr_model;
 
 /* ---- written-out helpers (the same op sequence in every build) -------------------------------- */
-/* dot(a, b) over n (n % 32 == 0) in the 16-lane order of qlinear.c's acc_block/acc_reduce: lane l of block k takes a[32k + l] b[32k + l],
- * then a[32k + 16 + l] b[32k + 16 + l]; the fixed 16 -> 1 reduction. */
-INLINE float dot32(const float *a, const float *b, int64_t n)
-{
-    acc_t acc = acc_zero();
-    for (int64_t i = 0; i < n; i += 32) {
-        const wblock_t w = float_block(a + i);
-        acc_block(&acc, &w, b + i);
-    }
-    return acc_reduce(acc);
-}
 
 /* exp(x) for x in [-87, 88] (clamped there) within ~2 ulp: 2^n * p(r), n = floor(x log2(e) + 1/2),
  * r = x - n ln2 (in two fmas), Cephes coefficients. Written out once per build with the same IEEE
@@ -203,7 +174,7 @@ INLINE float max_lanes(const float *x, int64_t n)
 
 /* sc[L] = scale * dot(q, K[key L]) for the REDUCE_KEYS keys L = 0 .. REDUCE_KEYS - 1 of D floats
  * each (row stride D; key L is row L, or row idx[L] given an index list), each dot product in
- * qlinear.c's 16-lane order (dot32) and the keys reduced side by side (reduce_keys_store gives
+ * dot.h's 16-lane order (dot32) and the keys reduced side by side (reduce_keys_store gives
  * acc_reduce's bits). */
 INLINE void key_scores(const int NB, const float *qv, const float *K, const int32_t *idx, int64_t D, float scale,
                        float *sc)

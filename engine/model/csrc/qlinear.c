@@ -1,12 +1,12 @@
-/* Exact dequantise-on-the-fly linear layers for x86-64 CPUs (trserve, engine/model/qlinear.py).
+/* Exact dequantise-on-the-fly linear layers for x86-64 CPUs (trserve, engine/model/kernels/).
  *
  * y[n, O] = x[n, I] @ W^T (+ bias) where W is stored compressed and rebuilt exactly in registers:
  *   q4: W[o, 32b + j] = q * d[o, b] + m[o, b], q in 0..15
  *   q8: W[o, 32b + j] = q * d[o, b],           q in -128..127
  * d and m are float16 values (stored as IEEE half bits, converted exactly to float32 here). q * d is
  * exact in float32 for these ranges (8 bits x 11 bits), so q * d + m has a single rounding and the
- * rebuilt weight equals the stored float32 weight bit for bit (engine/model/qlinear.py checks this at
- * load).
+ * rebuilt weight equals the stored float32 weight bit for bit (engine/model/kernels/recover.py checks
+ * this at load).
  *
  * Layout: outputs in panels of 16 (O padded to a multiple of 16 with zero weights). Panel p, block b:
  *   q4 codes, "bytes" (avx512, scalar builds): 16 x 16 bytes, byte [j][l] = q[16p + l, 32b + 2j] |
@@ -29,42 +29,12 @@
  * across lanes exists whose order an ISA could change. Weights are rebuilt in registers per tile of
  * rows x panels and feed every row of the tile.
  *
- * One source, three builds (engine/model/qlinear.py picks the one the CPU runs):
- *   avx512: -mavx512f -mavx512bw -mavx512dq -mavx512vl -mfma -mf16c
- *   avx2:   -mavx2 -mfma -mf16c
- *   scalar: baseline x86-64 (fmaf from libm; slow, the fallback of last resort)
- * all with -ffp-contract=off so the compiler never fuses or splits a multiply-add on its own.
- *
- * The 16-lane dot product at the end (acc_t, acc_block, acc_reduce) is not used by the linear
- * layers; csrc/forward.c takes it for norms and attention scores.
+ * Three builds, one per ISA variant (isa.h: their flags; engine/model/kernels/build.py picks the one
+ * the CPU runs). The entry points are declared in qlinear.h; forward.c calls qmat_rows itself.
  */
-#include <stddef.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
-/* Builds are chosen by compile flags; each variant needs all the flags its intrinsics use. */
-#if defined(__AVX512F__)
-#if !defined(__AVX512BW__) || !defined(__AVX512DQ__) || !defined(__AVX512VL__) || !defined(__FMA__) || !defined(__F16C__)
-#error "the avx512 build needs -mavx512f -mavx512bw -mavx512dq -mavx512vl -mfma -mf16c"
-#endif
-#define ISA_NAME "avx512"
-#elif defined(__AVX2__)
-#if !defined(__FMA__) || !defined(__F16C__)
-#error "the avx2 build needs -mavx2 -mfma -mf16c"
-#endif
-#define ISA_NAME "avx2"
-#else
-#define ISA_NAME "scalar"
-#endif
-
-#define INLINE static inline __attribute__((always_inline))
+#include "qlinear.h"
 #include "pool.h"
-#define PANEL 16
+#include "vec.h"
 
 /* Plans, per ISA, chosen by measurement on the bundled model's shapes (-D overrides exist only to
  * measure): register tiles of R rows x T panels, the weights rebuilt in registers once per tile and
@@ -167,41 +137,11 @@
 #error "tile panels must be 1..4"
 #endif
 
-/* ---- float16 -> float32 (exact), for the scalar build (the vector ones convert 8/16 at a time) -- */
-#if !defined(__AVX512F__) && !defined(__AVX2__)
-/* Portable: every float16 (normal, subnormal, zero, inf, nan) is exactly a float32. */
-INLINE float half_to_float(uint16_t h)
-{
-    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
-    uint32_t bits;
-    if (exp == 0x1F) {
-        bits = sign | 0x7F800000u | (man << 13); /* inf, nan (payload kept) */
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112u) << 23) | (man << 13); /* rebias 15 -> 127 */
-    } else {
-        const float f = (float)man * 0x1p-24f; /* zero or subnormal: man * 2^-24, exact in float32 */
-        return sign ? -f : f;
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-#endif
-
-/* ---- the ISA-specific part: v16 = 16 float lanes, one per output of a panel -------------------
- * v_half: 16 halves -> floats (exact); deq4: a panel-block's q4 codes (blk) -> the weights of inputs
- * 2j and 2j + 1, from this build's layout (Q4_LAYOUT); deq8: 16 int8 codes -> one input's weights;
- * v_fma(w, x, acc): acc = fma(w, broadcast(*x), acc) per lane. */
+/* ---- the weights rebuilt from this build's code layout -----------------------------------------
+ * deq4: a panel-block's q4 codes (blk) -> the weights of inputs 2j and 2j + 1, from this build's
+ * layout (Q4_LAYOUT); deq8: 16 int8 codes -> one input's weights. */
 #if defined(__AVX512F__)
 
-typedef __m512 v16;
-INLINE v16 v_zero(void) { return _mm512_setzero_ps(); }
-INLINE v16 v_load(const float *p) { return _mm512_loadu_ps(p); }
-INLINE void v_store(float *p, v16 v) { _mm512_storeu_ps(p, v); }
-INLINE v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
-INLINE v16 v_div(v16 a, float s) { return _mm512_div_ps(a, _mm512_set1_ps(s)); }
-INLINE v16 v_fma(v16 w, const float *x, v16 acc) { return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), acc); }
-INLINE v16 v_half(const uint16_t *h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)); }
 #define Q4_LAYOUT 0 /* bytes */
 INLINE void deq4(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
 {
@@ -216,28 +156,6 @@ INLINE v16 deq8(const uint8_t *c, v16 d)
 
 #elif defined(__AVX2__)
 
-typedef struct { __m256 a, b; } v16; /* lanes 0..7, 8..15 */
-INLINE v16 v_zero(void) { v16 v = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return v; }
-INLINE v16 v_load(const float *p) { v16 v = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return v; }
-INLINE void v_store(float *p, v16 v) { _mm256_storeu_ps(p, v.a), _mm256_storeu_ps(p + 8, v.b); }
-INLINE v16 v_add(v16 x, v16 y) { v16 v = {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; return v; }
-INLINE v16 v_div(v16 x, float s)
-{
-    const __m256 d = _mm256_set1_ps(s);
-    v16 v = {_mm256_div_ps(x.a, d), _mm256_div_ps(x.b, d)};
-    return v;
-}
-INLINE v16 v_fma(v16 w, const float *x, v16 acc)
-{
-    const __m256 s = _mm256_broadcast_ss(x);
-    v16 v = {_mm256_fmadd_ps(w.a, s, acc.a), _mm256_fmadd_ps(w.b, s, acc.b)};
-    return v;
-}
-INLINE v16 v_half(const uint16_t *h)
-{
-    v16 v = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)))};
-    return v;
-}
 #define Q4_LAYOUT 1 /* lanes: inputs 2j, 2j + 1 sit at bits 8 (j % 4) and 8 (j % 4) + 4 of group j / 4's words */
 INLINE void deq4(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
 {
@@ -259,19 +177,6 @@ INLINE v16 deq8(const uint8_t *c, v16 d)
 
 #else /* scalar */
 
-typedef struct { float v[16]; } v16;
-INLINE v16 v_zero(void) { v16 v; for (int l = 0; l < 16; l++) v.v[l] = 0.0f; return v; }
-INLINE v16 v_load(const float *p) { v16 v; memcpy(v.v, p, sizeof v.v); return v; }
-INLINE void v_store(float *p, v16 v) { memcpy(p, v.v, sizeof v.v); }
-INLINE v16 v_add(v16 x, v16 y) { for (int l = 0; l < 16; l++) x.v[l] += y.v[l]; return x; }
-INLINE v16 v_div(v16 x, float s) { for (int l = 0; l < 16; l++) x.v[l] /= s; return x; }
-INLINE v16 v_fma(v16 w, const float *x, v16 acc)
-{
-    const float s = *x;
-    for (int l = 0; l < 16; l++) acc.v[l] = fmaf(w.v[l], s, acc.v[l]);
-    return acc;
-}
-INLINE v16 v_half(const uint16_t *h) { v16 v; for (int l = 0; l < 16; l++) v.v[l] = half_to_float(h[l]); return v; }
 #define Q4_LAYOUT 0 /* bytes */
 INLINE void deq4(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
 {
@@ -295,14 +200,6 @@ INLINE v16 deq8(const uint8_t *c, v16 d)
  * kind, R (rows) and T (panels) are constants wherever these are called (the drivers name them
  * literally and always_inline propagates them). A panel-block is 256 (q4) or 512 (q8) code bytes. */
 #define PANEL_BLOCK_BYTES(kind) ((kind) == 4 ? 256 : 512)
-
-typedef struct {
-    int kind;
-    int64_t in, out, nb; /* in = 32 nb */
-    const uint8_t *codes;
-    const uint16_t *d, *m; /* m only for kind 4 */
-    const float *bias;     /* [out] or NULL */
-} qmat_t;
 
 /* acc of rows [r0, r0 + R) and panels [p, p + T) -> y (outputs past `out` are padding: dropped). */
 INLINE void store_tile(const qmat_t *w, const int R, const int T, v16 acc[MAX_ROWS][MAX_PANELS], float *y, int64_t p,
@@ -609,7 +506,7 @@ static const float *pack_rows(const float *x, int64_t n, int64_t I, int64_t RR)
 }
 
 /* This thread's share (id of nt) of y[n, out] = x W^T (+ bias): panels [p0, p1), outputs [*o0, *o1). */
-static void qmat_rows(const qmat_t *w, const float *x, int64_t n, float *y, int64_t id, int64_t nt, int64_t *o0,
+void qmat_rows(const qmat_t *w, const float *x, int64_t n, float *y, int64_t id, int64_t nt, int64_t *o0,
                       int64_t *o1)
 {
     const int64_t panels = (w->out + PANEL - 1) / PANEL, p0 = panels * id / nt, p1 = panels * (id + 1) / nt;
@@ -667,118 +564,3 @@ int trserve_qlinear(int kind, const float *x, int64_t n, int64_t I, int64_t O, c
     pool_run(qlinear_job, &job, threads);
     return 0;
 }
-
-/* ---- a 16-lane dot product (csrc/forward.c: norms, attention scores) ---------------------------
- * acc[l] = 0 for the 16 lanes l = 0..15; per block of 32, for each lane l:
- *   acc[l] = fma(a[32b + l], b[32b + l], acc[l]); acc[l] = fma(a[32b + 16 + l], b[32b + 16 + l], acc[l])
- * then s8[i] = acc[i] + acc[i + 8] (i < 8); s4[i] = s8[i] + s8[i + 4] (i < 4); s2[i] = s4[i] + s4[i + 2]
- * (i < 2); s = s2[0] + s2[1]. AVX-512 holds acc in one zmm; AVX2 in two ymm; scalar in 16 floats. */
-#if defined(__AVX512F__)
-typedef struct { __m512 v; } acc_t;
-typedef struct { __m512 lo, hi; } wblock_t; /* a[32b + 0..15], a[32b + 16..31] */
-INLINE acc_t acc_zero(void) { acc_t a = {_mm512_setzero_ps()}; return a; }
-INLINE wblock_t float_block(const float *p) { wblock_t w = {_mm512_loadu_ps(p), _mm512_loadu_ps(p + 16)}; return w; }
-INLINE void acc_block(acc_t *a, const wblock_t *w, const float *xb)
-{
-    a->v = _mm512_fmadd_ps(w->lo, _mm512_loadu_ps(xb), a->v);
-    a->v = _mm512_fmadd_ps(w->hi, _mm512_loadu_ps(xb + 16), a->v);
-}
-INLINE float acc_reduce(acc_t a)
-{
-    const __m256 s8 = _mm256_add_ps(_mm512_castps512_ps256(a.v), _mm512_extractf32x8_ps(a.v, 1));
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4)); /* lanes 0, 1: s4[i] + s4[i + 2] */
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2))); /* s2[0] + s2[1] */
-}
-/* acc_reduce of 16 accumulators at once, bit for bit (the same pairing tree, whole vectors per
- * step). Output lane L holds a[4 (L % 4) + L / 4]: to have key j in lane j, slot s takes key
- * REDUCE_KEY(s) (a 4 x 4 transpose, its own inverse). */
-#define REDUCE_KEYS 16
-#define REDUCE_KEY(s) ((((s) & 3) << 2) | ((s) >> 2))
-INLINE __m512 acc_reduce_keys(const acc_t a[REDUCE_KEYS])
-{
-    __m512 s8[8], s4[4], s2[2];
-    for (int k = 0; k < 8; k++) /* [A s8 | B s8]: lanes i and i + 8 of each */
-        s8[k] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * k].v, a[2 * k + 1].v, 0x44),
-                              _mm512_shuffle_f32x4(a[2 * k].v, a[2 * k + 1].v, 0xEE));
-    for (int k = 0; k < 4; k++) /* [A s4 | B s4 | C s4 | D s4]: lanes i and i + 4 of each s8 */
-        s4[k] = _mm512_add_ps(_mm512_shuffle_f32x4(s8[2 * k], s8[2 * k + 1], 0x88),
-                              _mm512_shuffle_f32x4(s8[2 * k], s8[2 * k + 1], 0xDD));
-    for (int k = 0; k < 2; k++) /* per 128-bit lane: lanes i and i + 2 of two s4 */
-        s2[k] = _mm512_add_ps(_mm512_shuffle_ps(s4[2 * k], s4[2 * k + 1], 0x44),
-                              _mm512_shuffle_ps(s4[2 * k], s4[2 * k + 1], 0xEE));
-    return _mm512_add_ps(_mm512_shuffle_ps(s2[0], s2[1], 0x88), _mm512_shuffle_ps(s2[0], s2[1], 0xDD));
-}
-/* out[L] = acc_reduce(key L's accumulator) * scale, L < REDUCE_KEYS (slot s holds key REDUCE_KEY(s)) */
-INLINE void reduce_keys_store(const acc_t a[REDUCE_KEYS], float scale, float *out)
-{
-    _mm512_storeu_ps(out, _mm512_mul_ps(acc_reduce_keys(a), _mm512_set1_ps(scale)));
-}
-#elif defined(__AVX2__)
-typedef struct { __m256 a, b; } acc_t; /* lanes 0..7, 8..15 */
-typedef struct { __m256 w0, w1, w2, w3; } wblock_t; /* a[32b + 8k .. 32b + 8k + 7], k = 0..3 */
-INLINE acc_t acc_zero(void) { acc_t a = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return a; }
-INLINE wblock_t float_block(const float *p)
-{
-    wblock_t w = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), _mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)};
-    return w;
-}
-/* Lanes 0..7 (a): a[0..7] b[0..7], then a[16..23] b[16..23]; lanes 8..15: a[8..15], then a[24..31]. */
-INLINE void acc_block(acc_t *a, const wblock_t *w, const float *xb)
-{
-    a->a = _mm256_fmadd_ps(w->w0, _mm256_loadu_ps(xb), a->a);
-    a->b = _mm256_fmadd_ps(w->w1, _mm256_loadu_ps(xb + 8), a->b);
-    a->a = _mm256_fmadd_ps(w->w2, _mm256_loadu_ps(xb + 16), a->a);
-    a->b = _mm256_fmadd_ps(w->w3, _mm256_loadu_ps(xb + 24), a->b);
-}
-INLINE float acc_reduce(acc_t a)
-{
-    const __m256 s8 = _mm256_add_ps(a.a, a.b); /* acc[i] + acc[i + 8] */
-    const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s8), _mm256_extractf128_ps(s8, 1));
-    const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
-    return _mm_cvtss_f32(_mm_add_ss(s2, _mm_movehdup_ps(s2)));
-}
-/* acc_reduce of 8 accumulators at once, bit for bit; output lane L holds a[2 (L % 4) + L / 4], so
- * slot s takes key REDUCE_KEY(s) = 4 (s % 2) + s / 2. */
-#define REDUCE_KEYS 8
-#define REDUCE_KEY(s) ((((s) & 1) << 2) | ((s) >> 1))
-INLINE __m256 acc_reduce_keys(const acc_t a[REDUCE_KEYS])
-{
-    __m256 s8[8], s4[4], s2[2];
-    for (int k = 0; k < 8; k++) s8[k] = _mm256_add_ps(a[k].a, a[k].b);
-    for (int k = 0; k < 4; k++) /* [A s4 | B s4] */
-        s4[k] = _mm256_add_ps(_mm256_permute2f128_ps(s8[2 * k], s8[2 * k + 1], 0x20),
-                              _mm256_permute2f128_ps(s8[2 * k], s8[2 * k + 1], 0x31));
-    for (int k = 0; k < 2; k++)
-        s2[k] = _mm256_add_ps(_mm256_shuffle_ps(s4[2 * k], s4[2 * k + 1], 0x44),
-                              _mm256_shuffle_ps(s4[2 * k], s4[2 * k + 1], 0xEE));
-    return _mm256_add_ps(_mm256_shuffle_ps(s2[0], s2[1], 0x88), _mm256_shuffle_ps(s2[0], s2[1], 0xDD));
-}
-INLINE void reduce_keys_store(const acc_t a[REDUCE_KEYS], float scale, float *out)
-{
-    _mm256_storeu_ps(out, _mm256_mul_ps(acc_reduce_keys(a), _mm256_set1_ps(scale)));
-}
-#else
-typedef struct { float v[16]; } acc_t;
-typedef struct { float v[32]; } wblock_t;
-INLINE acc_t acc_zero(void) { acc_t a; for (int l = 0; l < 16; l++) a.v[l] = 0.0f; return a; }
-INLINE wblock_t float_block(const float *p) { wblock_t w; memcpy(w.v, p, sizeof w.v); return w; }
-INLINE void acc_block(acc_t *a, const wblock_t *w, const float *xb)
-{
-    for (int l = 0; l < 16; l++) {
-        a->v[l] = fmaf(w->v[l], xb[l], a->v[l]);
-        a->v[l] = fmaf(w->v[16 + l], xb[16 + l], a->v[l]);
-    }
-}
-INLINE float acc_reduce(acc_t a)
-{
-    float s8[8], s4[4], s2[2];
-    for (int i = 0; i < 8; i++) s8[i] = a.v[i] + a.v[i + 8];
-    for (int i = 0; i < 4; i++) s4[i] = s8[i] + s8[i + 4];
-    for (int i = 0; i < 2; i++) s2[i] = s4[i] + s4[i + 2];
-    return s2[0] + s2[1];
-}
-#define REDUCE_KEYS 1 /* scalar: one accumulator at a time */
-#define REDUCE_KEY(s) (s)
-INLINE void reduce_keys_store(const acc_t a[REDUCE_KEYS], float scale, float *out) { *out = acc_reduce(a[0]) * scale; }
-#endif

@@ -5,8 +5,9 @@ the batch around it (tree == per-path, batch == alone), and its ISA builds give 
 import pytest
 import torch
 
+from engine.model.kernels.build import available_isas
+from engine.model.kernels.qlinear import quantize_linears
 from engine.model.native import native_unsupported
-from engine.model.qlinear import available_isas, quantize_linears
 from engine.model.runner import ModelRunner, RowInput
 from tests.engine.model.test_qlinear import isa_params, needs_kernel, q4_weights, q8_weights
 
@@ -82,7 +83,7 @@ def test_topk_rows_orders_ties_by_id_and_skips_nans(tmp_path):
     logits by lower id, so column 0 is torch.argmax's pick; NaNs never taken."""
     import ctypes
 
-    from engine.model.qlinear import _libs, kernel_isa
+    from engine.model.kernels.build import _libs, kernel_isa
 
     quantized_llama(tmp_path)  # loads this CPU's library
     fn = _libs[kernel_isa()].trserve_topk_rows

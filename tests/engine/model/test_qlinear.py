@@ -6,21 +6,14 @@ import pytest
 import torch
 from torch import nn
 
-from engine.model import qlinear
-from engine.model.qlinear import (
-    ISAS,
-    QLinear,
-    available_isas,
-    kernel_isa,
-    qlinear_supported,
-    quantize_linears,
-    recover_q4,
-    recover_q8,
-)
+from engine.model.kernels import build, pack
+from engine.model.kernels.build import ISAS, available_isas, kernel_isa, qlinear_supported
+from engine.model.kernels.qlinear import QLinear, quantize_linears
+from engine.model.kernels.recover import recover_q4, recover_q8
 
 # Any x86-64 Linux host with gcc runs the kernels (scalar at least); a variant's own tests skip only
 # where the CPU lacks its instructions (avx512 on most, avx2 on pre-2013 CPUs).
-KERNELS_RUN = qlinear_supported() and qlinear._compiler() is not None
+KERNELS_RUN = qlinear_supported() and build._compiler() is not None
 needs_kernel = pytest.mark.skipif(not KERNELS_RUN, reason="needs x86-64 Linux and a C compiler")
 
 
@@ -250,7 +243,7 @@ def test_panel_packing_places_every_code_and_scale():
     """pack_q4 / pack_q8 against the layout csrc/qlinear.c documents, element by element."""
     w4, w8 = q4_weights(20, 64, seed=11), q8_weights(20, 64, seed=12)
     codes, d, m = recover_q4(w4)
-    pc, pd, pm = qlinear.pack_q4(codes, d.half(), m.half())
+    pc, pd, pm = pack.pack_q4(codes, d.half(), m.half())
     assert pc.shape == (2, 2, 16, 16) and pd.shape == pm.shape == (2, 2, 16)
     per_block = codes.reshape(20, 2, 16)
     q = torch.cat([per_block & 0xF, per_block >> 4], dim=-1)  # [O, nb, 32]
@@ -259,7 +252,7 @@ def test_panel_packing_places_every_code_and_scale():
         assert pc[p, b, j, lane] == q[o, b, 2 * j] | (q[o, b, 2 * j + 1] << 4)
         assert pd[p, b, lane] == d[o, b].half() and pm[p, b, lane] == m[o, b].half()
     assert not pc[1, :, :, 4:].any() and not pd[1, :, 4:].any()  # outputs 20..31: padding, weight 0
-    lc, ld, lm = qlinear.pack_q4(codes, d.half(), m.half(), "lanes")
+    lc, ld, lm = pack.pack_q4(codes, d.half(), m.half(), "lanes")
     assert torch.equal(ld, pd) and torch.equal(lm, pm) and lc.shape == pc.shape
     words = lc.reshape(2, 2, 64, 4).to(torch.int64)  # [P, nb, 16 g + l, byte]: little-endian uint32
     words = (words << (8 * torch.arange(4))).sum(-1).reshape(2, 2, 4, 16)  # [P, nb, g, l]
@@ -269,9 +262,9 @@ def test_panel_packing_places_every_code_and_scale():
         assert (words[p, b, g, lane] >> (4 * k)) & 0xF == q[o, b, i]
     assert not words[1, :, :, 4:].any()
     with pytest.raises(ValueError):
-        qlinear.pack_q4(codes, d.half(), m.half(), "columns")
+        pack.pack_q4(codes, d.half(), m.half(), "columns")
     c8, d8 = recover_q8(w8)
-    qc, qd = qlinear.pack_q8(c8.view(torch.uint8), d8.half())
+    qc, qd = pack.pack_q8(c8.view(torch.uint8), d8.half())
     assert qc.shape == (2, 2, 32, 16) and qd.shape == (2, 2, 16)
     for o, b, j in [(0, 0, 0), (9, 1, 31), (18, 0, 17)]:
         p, lane = divmod(o, 16)
@@ -300,7 +293,7 @@ def test_loader_prefers_packed_over_scalar_under_auto(monkeypatch, tmp_path):
     compressed kernels still gets them, on scalar."""
     from engine.model.loader import ModelConfig, _compress
 
-    monkeypatch.setattr(qlinear, "available_isas", lambda: ["scalar"])
+    monkeypatch.setattr(build, "available_isas", lambda: ["scalar"])
     make = lambda: nn.Sequential(nn.Linear(64, 8))  # noqa: E731
     net = make()
     with torch.no_grad():
@@ -327,7 +320,7 @@ def test_builtin_model_runs_entirely_on_compressed_kernels(loaded_smollm2, hf_re
 
 @needs_kernel
 def test_kernel_libraries_are_built_once_per_variant_and_loadable_by_other_users(kernel_dir):
-    from engine.model.qlinear import build_kernels
+    from engine.model.kernels.build import build_kernels
 
     libs = {isa: build_kernels(kernel_dir, isa) for isa in ISAS}  # any variant builds on any x86-64 host
     assert len(set(libs.values())) == len(ISAS)
@@ -357,7 +350,7 @@ def test_kernels_called_from_many_threads_and_a_forked_child_give_the_same_bits(
     import os
     import threading
 
-    from engine.model.qlinear import _library
+    from engine.model.kernels.build import _library
 
     lin, q = compressed("q4-panels-bias", kernel_isa("auto"), kernel_dir)
     x = wide_range_x(11, lin.in_features, seed=21)

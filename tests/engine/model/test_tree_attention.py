@@ -6,7 +6,7 @@ import torch
 from engine.model.forward import forward_one, verify_tree
 from engine.model.kv import KVCache
 from engine.model.packed import pack_linears
-from engine.model.qlinear import quantize_linears
+from engine.model.kernels.qlinear import quantize_linears
 from engine.tr.tree import compile_tree, load_template
 from tests.conftest import tiny_llama
 from tests.engine.model.test_qlinear import KERNELS_RUN, q4_weights

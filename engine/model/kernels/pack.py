@@ -1,0 +1,58 @@
+"""The kernels' panel layout (csrc/qlinear.c's top comment): recovered codes and float16 scales
+rearranged so one load gives 16 outputs' weights (pure tensor functions)."""
+
+from __future__ import annotations
+
+import torch
+
+PANEL = 16  # outputs per panel of the packed layout (csrc/qlinear.h)
+Q4_LAYOUTS = ("bytes", "lanes")  # the q4 code layouts, by the number trserve_qlinear_q4_layout returns
+
+
+def _pad_outputs(t: torch.Tensor, panels: int) -> torch.Tensor:
+    """t: [O, ...] -> [panels * PANEL, ...], the added outputs zero (their weights rebuild to 0)."""
+    pad = panels * PANEL - t.shape[0]
+    return torch.cat([t, t.new_zeros(pad, *t.shape[1:])]) if pad else t
+
+
+def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str = "bytes"):
+    """recover_q4's (codes [O, I/2], d, m [O, I/32]) -> the panel layout of csrc/qlinear.c:
+    codes [P, nb, 16, 16] uint8, either "bytes" (byte [p, b, j, l] = q[16p + l, 32b + 2j] |
+    q[.., 32b + 2j + 1] << 4) or "lanes" (the 256 bytes of panel-block [p, b] are 4 x 16 little-endian
+    uint32, word [g, l] = sum_k q[16p + l, 32b + 8g + k] << 4k); d, m [P, nb, 16] (P = ceil(O / 16)
+    panels, padded outputs zero)."""
+    if layout not in Q4_LAYOUTS:
+        raise ValueError(f"q4 layout must be one of {Q4_LAYOUTS}, got {layout!r}")
+    O, nb = d.shape
+    P = -(-O // PANEL)
+    blk = codes.reshape(O, nb, 16)
+    q = torch.cat([blk & 0xF, blk >> 4], dim=-1)  # [O, nb, 32]: input 32b + i
+    q = _pad_outputs(q, P).reshape(P, PANEL, nb, 32)  # [P, l, nb, i]
+    if layout == "bytes":
+        q = q.reshape(P, PANEL, nb, 16, 2)  # [P, l, nb, j, input 2j + k]
+        packed = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1)  # [P, nb, j, l]
+    else:
+        shifts = 4 * torch.arange(8, dtype=torch.int64)  # nibble k of a word: bits 4k .. 4k + 3
+        words = (q.reshape(P, PANEL, nb, 4, 8).to(torch.int64) << shifts).sum(-1)  # [P, l, nb, g]
+        packed = _le_bytes(words.permute(0, 2, 3, 1)).reshape(P, nb, 16, 16)  # words [P, nb, g, l]
+    return packed.contiguous(), _panel_scales(d, P), _panel_scales(m, P)
+
+
+def _le_bytes(words: torch.Tensor) -> torch.Tensor:
+    """int64 words [..., n] holding 32-bit values -> their little-endian bytes [..., 4 n] uint8."""
+    return torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8).flatten(-2)
+
+
+def pack_q8(codes: torch.Tensor, d: torch.Tensor):
+    """recover_q8's (codes [O, I] int8, d [O, I/32]) -> codes [P, nb, 32, 16] (byte [p, b, j, l] =
+    q[16p + l, 32b + j]) and d [P, nb, 16]."""
+    O, nb = d.shape
+    P = -(-O // PANEL)
+    q = _pad_outputs(codes.reshape(O, nb, 32), P).reshape(P, PANEL, nb, 32)
+    return q.permute(0, 2, 3, 1).contiguous(), _panel_scales(d, P)
+
+
+def _panel_scales(s: torch.Tensor, panels: int) -> torch.Tensor:
+    """[O, nb] -> [P, nb, 16]: panel p's 16 outputs' scales of block b side by side."""
+    nb = s.shape[1]
+    return _pad_outputs(s, panels).reshape(panels, PANEL, nb).permute(0, 2, 1).contiguous()
