@@ -57,8 +57,8 @@ def test_cancel_and_deadline(decoder):
     assert r.finish_reason == "cancelled" and r.stats.steps == 2
     r = decoder.generate(messages=CHAT, max_new_tokens=100, deadline=0.0)
     assert r.finish_reason == "time_limit" and r.ids == []  # past its deadline before it left the queue
-    r = decoder.generate(messages=CHAT, max_new_tokens=100, deadline=time.monotonic() + 0.5)
-    assert r.finish_reason == "time_limit" and 0 < len(r.ids) < 100
+    r = decoder.generate(messages=CHAT, max_new_tokens=1000, ignore_eos=True, deadline=time.monotonic() + 0.5)
+    assert r.finish_reason == "time_limit" and 0 < len(r.ids) < 1000
 
 
 def test_hot_start_raises_mat(decoder):

@@ -187,7 +187,7 @@ def test_real_prompts_from_several_tenants_decode_in_a_batch_as_alone(decoder, h
         alone = serial_generate(decoder, request).ids
         if batched == alone:
             continue
-        ref, logits = _reference(hf_reference, x)  # where they differ, the reference decides: a near-tie only
+        ref, logits = _reference(hf_reference, x, 64)  # where they differ, the reference decides: a near-tie only
         for name, got in (("batched", batched), ("alone", alone)):
             if got == ref:
                 continue
@@ -217,7 +217,8 @@ def test_real_prompts_on_the_gpu_code_path_decode_as_greedy(hf_reference):
     _run(engine)
     for x, out in zip(ids, outs):
         got = out[-1].ids
-        ref, logits = _reference(hf_reference, x)
+        assert out[-1].finish_reason == "length" and len(got) == 64, (out[-1].finish_reason, len(got))
+        ref, logits = _reference(hf_reference, x, 64)
         if got != ref:
             p = next(i for i, (a, b) in enumerate(zip(got, ref)) if a != b)
             top2 = torch.topk(logits[p].float(), 2).values

@@ -33,8 +33,8 @@ def _prompts() -> list[dict]:
     return chosen[:N_PROMPTS]
 
 
-def _reference(loaded, ids: list[int]):
-    """Plain greedy `generate` for exactly NEW_TOKENS tokens, decoding on through EOS.
+def _reference(loaded, ids: list[int], new_tokens: int = NEW_TOKENS):
+    """Plain greedy `generate` for exactly `new_tokens` tokens, decoding on through EOS.
 
     EOS is switched off in the model's generation config rather than with `min_new_tokens`, which
     would ban EOS from the argmax and so no longer be the model's own greedy choice.
@@ -44,7 +44,7 @@ def _reference(loaded, ids: list[int]):
     saved, config.eos_token_id = config.eos_token_id, None
     try:
         with torch.inference_mode():
-            out = loaded.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False,
+            out = loaded.model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=new_tokens, do_sample=False,
                                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
     finally:
         config.eos_token_id = saved

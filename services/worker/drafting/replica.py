@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import torch
 
+from core.errors import InvalidArgument
 from core.model_spec import ModelSpec
 from engine.tr.matrix import AdjacencyMatrix
 from engine.tr.recycle import RecycledRows
@@ -69,8 +70,9 @@ class ReplicaDraftSource:
         if self._link.available():
             try:
                 version, rows, epoch = self._checkout(spec)
-            except grpc.RpcError as exc:
-                raise_caller_error(exc)
+            except (grpc.RpcError, ConnectionError) as exc:  # ConnectionError: a malformed reply
+                if isinstance(exc, grpc.RpcError):
+                    raise_caller_error(exc)
                 failure = exc
         matrix = AdjacencyMatrix(spec, tree.parent.device, None if rows is None else torch.from_numpy(rows), version)
         session = ReplicaDraftSession(self._link, self._pusher, self.tenant, self.domain, spec, tree, matrix, epoch)
@@ -86,7 +88,7 @@ class ReplicaDraftSource:
         version, epoch = 0, None
         request = pb.CheckoutRequest(tenant=self.tenant, domain=self.domain or "", model=spec_to_pb(spec))
         for chunk in self._link.stub.Checkout(request, timeout=self._link.config.open_timeout_s):
-            tokens, topk = rows_from_pb(chunk.rows, spec.k)  # [m], [m, K]
+            tokens, topk = _checked_rows(chunk.rows, spec)  # [m], [m, K]
             rows[tokens] = topk
             version, epoch = chunk.version, chunk.epoch
         return version, rows, epoch
@@ -94,6 +96,20 @@ class ReplicaDraftSource:
     def close(self) -> None:
         self._pusher.close()
         self._link.close()
+
+
+def _checked_rows(batch: pb.RowBatch, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
+    """A checkout chunk's rows, or ConnectionError when the service sent what it must not (rows
+    of another width, ids outside the vocabulary): the session then drafts locally, as for a
+    service that is down; the caller's request is not at fault."""
+    try:
+        tokens, topk = rows_from_pb(batch, spec.k)  # [m], [m, K]
+    except InvalidArgument as exc:
+        raise ConnectionError(f"malformed checkout reply: {exc}") from None
+    for name, ids in (("row index", tokens), ("successor id", topk)):
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= spec.vocab_size):
+            raise ConnectionError(f"malformed checkout reply: a {name} outside [0, {spec.vocab_size})")
+    return tokens, topk
 
 
 class ReplicaDraftSession(ServiceSession):

@@ -1,0 +1,79 @@
+"""A matrix service that answers Checkout with malformed rows (issue 28, defect 3): a replica worker
+drafts locally ("local-fallback") and the caller's request succeeds with the plain-decoding ids; it
+is never INTERNAL or INVALID_ARGUMENT, and the next request is served."""
+
+from __future__ import annotations
+
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+
+from services.client.client import TRServeClient
+from services.common.matrix_convert import rows_to_pb
+from services.worker.config import WorkerConfig
+from services.worker.drafting.link import DraftClientConfig
+from services.worker.drafting.replica import ReplicaDraftSource
+from tests.services.worker_harness import serving
+from trserve.v1 import matrix_pb2 as mpb
+from trserve.v1 import matrix_pb2_grpc
+
+PROMPT = [{"role": "user", "content": "Name three rivers in Europe."}]
+
+
+class _Hostile(matrix_pb2_grpc.MatrixServiceServicer):
+    """Checkout replies that break the API's contract, one kind per server."""
+
+    def __init__(self, kind: str, vocab_size: int, k: int) -> None:
+        self.kind, self.v, self.k = kind, vocab_size, k
+
+    def Checkout(self, request, context):
+        tokens = np.array([5, 6], np.int32)
+        topk = np.ones((2, self.k), np.int32)
+        if self.kind == "row index >= V":
+            tokens = np.array([5, self.v + 100], np.int32)
+        elif self.kind == "successor id >= V":
+            topk[1, 3] = self.v
+        rows = rows_to_pb(tokens, topk)
+        if self.kind == "top-k width":
+            rows = rows_to_pb(tokens, np.ones((2, self.k + 3), np.int32))
+        yield mpb.CheckoutChunk(version=3, total_rows=2, rows=rows, epoch=1)
+
+    def PushRows(self, request, context):
+        return mpb.PushRowsReply(version=4)
+
+
+@pytest.fixture(scope="module", params=["row index >= V", "successor id >= V", "top-k width"])
+def hostile(request, decoder):
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+    matrix_pb2_grpc.add_MatrixServiceServicer_to_server(_Hostile(request.param, decoder.vocab_size, decoder.config.k),
+                                                        server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def test_malformed_checkout_falls_back_to_local_drafting(decoder, hostile) -> None:
+    config = DraftClientConfig(retry_after_s=0.01)
+    sources: dict[tuple, ReplicaDraftSource] = {}
+
+    def factory(tenant, domain):
+        if (tenant, domain) not in sources:
+            sources[tenant, domain] = ReplicaDraftSource(hostile, tenant, domain, config)
+        return sources[tenant, domain]
+
+    try:
+        for worker in serving(WorkerConfig(port=0, metrics_port=None, warmup=False), decoder,
+                              draft_source_factory=factory):
+            with TRServeClient(worker.addr, timeout=120) as client:
+                want = list(client.generate(messages=PROMPT, mode="ar", max_new_tokens=16, return_token_ids=True).token_ids)
+                for _ in range(2):  # and the next request is served too
+                    r = client.generate(messages=PROMPT, mode="tr", tenant="acme", max_new_tokens=16,
+                                        return_token_ids=True)
+                    assert list(r.token_ids) == want
+                    assert r.stats.draft_mode == "local-fallback"
+    finally:
+        for source in sources.values():
+            source.close()
