@@ -36,6 +36,10 @@ class FingerprintMismatch(FailedPrecondition):
     """A matrix was built with another tokenizer/vocabulary than the one it is used with."""
 
 
+class ModelNotServed(FailedPrecondition):
+    """A matrix store does not serve this model (its configured list, size bound or model count)."""
+
+
 class PermissionDenied(TRServeError):
     """The caller is known but may not do this (another tenant's domain, a reserved tenant)."""
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from core.errors import FailedPrecondition, FingerprintMismatch
+from core.errors import FingerprintMismatch, ModelNotServed
 from core.model_spec import ModelSpec
 from matrix_store.config import StoreConfig
 
@@ -40,18 +40,18 @@ class ModelRegistry:
             log.info("serving model %s [V=%d, K=%d]", spec.fingerprint, spec.vocab_size, spec.k)
 
     def _admit(self, spec: ModelSpec) -> None:
-        """FailedPrecondition unless a model not served yet may be added (called under the lock)."""
+        """ModelNotServed (a FailedPrecondition) unless a model not served yet may be added (called under the lock)."""
         if self._config.models:
-            raise FailedPrecondition(
+            raise ModelNotServed(
                 f"model {spec.fingerprint!r} is not served by this matrix service; it serves "
                 f"{sorted(self._models)} (--model)")
         nbytes = spec.vocab_size * spec.k * 4
         if nbytes > self._config.max_matrix_bytes:
-            raise FailedPrecondition(
+            raise ModelNotServed(
                 f"a matrix of [V={spec.vocab_size}, K={spec.k}] takes {nbytes} bytes per tenant; this service "
                 f"serves matrices of at most {self._config.max_matrix_bytes} bytes (max_matrix_bytes)")
         if len(self._models) >= self._config.max_models:
-            raise FailedPrecondition(
+            raise ModelNotServed(
                 f"model {spec.fingerprint!r} is not served: this service already serves "
                 f"{len(self._models)} models {sorted(self._models)} (max_models = {self._config.max_models})")
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from core.errors import FailedPrecondition, InvalidArgument, NotFound, TRServeError
+from core.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, ModelNotServed, NotFound, TRServeError
 from engine.tr.matrix import AdjacencyMatrix
 from engine.tr.recycle import RecycledRows
 from engine.tr.source import MatrixSession
@@ -27,6 +27,10 @@ log = logging.getLogger("trserve.matrix.client")
 
 # Statuses that say the request itself is wrong (raised to the caller, never a fallback), with the
 # domain error for a status that carries no error type (e.g. from another server).
+# What the matrix service answers when it cannot serve this worker's model (not in its --model list,
+# too large, max_models taken, or another model under this fingerprint): no caller can fix that, so
+# the worker drafts locally (counted as a fallback) instead of failing requests.
+SERVICE_FAULTS = (ModelNotServed, FingerprintMismatch)
 CALLER_ERRORS = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidArgument,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPrecondition,
@@ -161,6 +165,8 @@ def raise_caller_error(exc: grpc.RpcError) -> None:
     fallback = CALLER_ERRORS.get(exc.code())
     if fallback is not None:
         error: type[TRServeError] = domain_error_from(exc.trailing_metadata(), fallback)
+        if issubclass(error, SERVICE_FAULTS):  # the service's state, not the request: draft locally
+            return
         raise error(exc.details()) from None
 
 

@@ -77,3 +77,35 @@ def test_malformed_checkout_falls_back_to_local_drafting(decoder, hostile) -> No
     finally:
         for source in sources.values():
             source.close()
+
+
+@pytest.mark.parametrize("mode", ["replica", "remote"])
+def test_a_matrix_service_serving_other_models_leaves_requests_served(decoder, mode) -> None:
+    """Issue 28, defect 2: a matrix service whose model list lacks the worker's model (or that a
+    stranger filled first) failed every TR request with FAILED_PRECONDITION; the worker drafts
+    locally instead, each request complete and exact, and counts the fallback."""
+    from core.model_spec import ModelSpec
+    from matrix_store import StoreConfig
+    from services.matrix.server import MatrixServiceConfig
+    from services.worker.drafting.link import fallback_count
+    from services.worker.drafting.remote import RemoteDraftSource
+    from tests.services.matrix_helpers import ServerThread
+
+    other = ModelSpec("someone-elses-model", 1000, decoder.config.k)
+    matrix = ServerThread(MatrixServiceConfig(host="127.0.0.1", port=0, store=StoreConfig(models=(other,))))
+    cls = ReplicaDraftSource if mode == "replica" else RemoteDraftSource
+    source = cls(matrix.addr, "acme", None, DraftClientConfig(retry_after_s=0.01))
+    before = fallback_count()
+    try:
+        for worker in serving(WorkerConfig(port=0, metrics_port=None, warmup=False), decoder,
+                              draft_source_factory=lambda tenant, domain: source):
+            with TRServeClient(worker.addr, timeout=120) as client:
+                want = list(client.generate(messages=PROMPT, mode="ar", max_new_tokens=16, return_token_ids=True).token_ids)
+                for _ in range(2):
+                    r = client.generate(messages=PROMPT, mode="tr", tenant="acme", max_new_tokens=16,
+                                        return_token_ids=True)
+                    assert list(r.token_ids) == want and r.stats.draft_mode == "local-fallback"
+        assert fallback_count() >= before + 2
+    finally:
+        source.close()
+        matrix.stop(0, final_snapshot=False)
