@@ -85,14 +85,13 @@ class StoreAdmin:
             # Take the tenant (a new epoch) before reading and trimming: a store still writing it
             # elsewhere is fenced from here on, so it cannot re-add versions above the target.
             epoch = self._table.take_epoch(fingerprint, tenant)
-            with entry.lock:
-                entry.epoch = epoch
             stored = read_stored(backend, entry.spec, tenant, only_version=version)
             if stored is None or stored.snapshot is None:
                 kept = stored.versions if stored else []
                 raise NotFound(f"tenant {tenant!r} has no good snapshot at version {version}; kept: {kept}")
             backend.drop_versions_above(fingerprint, tenant, version)
-            with entry.lock:
+            with entry.lock:  # epoch, rows and version change together: an (epoch, version) pair names one content
+                entry.epoch = epoch
                 entry.rows[...] = stored.snapshot.rows  # in place: view() holders see the rollback
                 entry.version = entry.snap_version = version
                 entry.dirty_since, entry.pending_restore, entry.written, entry.batches = None, False, None, 0

@@ -147,6 +147,14 @@ class MatrixStore:
         checked); if the tenant was deleted after it, FailedPrecondition (a delete is not undone
         by a late session).
         `only_loaded`: raise NotLoaded instead of loading (an event loop must not wait on Redis)."""
+        return self.apply_versioned(spec, tenant, tokens, topk, domain, since_epoch, only_loaded)[0]
+
+    def apply_versioned(
+        self, spec: ModelSpec, tenant: str, tokens: np.ndarray, topk: np.ndarray, domain: str | None = None,
+        since_epoch: int | None = None, only_loaded: bool = False,
+    ) -> tuple[int, int]:
+        """`apply`, returning (new version, the epoch it was written under), read together under the
+        tenant's lock: a concurrent rollback cannot make one pair name two contents."""
         tokens, topk = validate_batch(spec, tokens, topk, self._config.max_batch_rows)  # [n], [n, K]
         while True:
             entry, _ = self._lookup(spec, tenant, domain, create=True, only_loaded=only_loaded,
@@ -161,7 +169,7 @@ class MatrixStore:
                 entry.version += 1
                 if entry.dirty_since is None:
                     entry.dirty_since = time.monotonic()
-                return entry.version
+                return entry.version, entry.epoch
 
     def epoch(self, spec: ModelSpec, tenant: str) -> int:
         """The loaded tenant's writer epoch (-1 when it is not in memory). Never loads."""

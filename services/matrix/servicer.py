@@ -125,8 +125,8 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
         spec = spec_from_pb(request.model)
         tokens, topk = rows_from_pb(request.rows, spec.k)
         since = request.since_epoch if request.HasField("since_epoch") else None
-        version = await asyncio.to_thread(self._store.apply, spec, tenant, tokens, topk, domain, since)
-        return pb.PushRowsReply(version=version, epoch=self._store.epoch(spec, tenant))
+        version, epoch = await asyncio.to_thread(self._store.apply_versioned, spec, tenant, tokens, topk, domain, since)
+        return pb.PushRowsReply(version=version, epoch=epoch)
 
     # -- administration ----------------------------------------------------------------------
     @grpc_errors
