@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.client.client import build_request
-from services.common.security import bearer_metadata, client_channel
+from services.common.security import bearer_metadata, check_plaintext_tokens, client_channel
 from trserve.v1 import generate_pb2 as pb
 from trserve.v1 import generate_pb2_grpc
 
@@ -50,14 +50,16 @@ class BalancedClient:
     """Round robin over `addrs` with retry on another worker (see the module docstring). Thread-safe.
 
     `tokens`: tenant -> bearer token, for workers started with --tenant-tokens. `tls_ca_file`: PEM
-    CA to trust, for workers serving TLS. `timeout`: the default deadline of a call, retries included.
+    CA to trust, for workers serving TLS; tokens are never sent without it to a non-loopback address
+    unless `allow_plaintext_token`. `timeout`: the default deadline of a call, retries included.
     """
 
     def __init__(self, addrs: Sequence[str], *, timeout: float | None = None, tokens: Mapping[str, str] | None = None,
                  tls_ca_file: str | None = None, down_for_s: float = 2.0,
-                 retry_codes: frozenset[grpc.StatusCode] = RETRY_CODES) -> None:
+                 retry_codes: frozenset[grpc.StatusCode] = RETRY_CODES, allow_plaintext_token: bool = False) -> None:
         if not addrs:
             raise ValueError("give at least one worker address (HOST:PORT)")
+        check_plaintext_tokens(addrs, tls_ca_file, bool(tokens), allow_plaintext_token)
         self.addrs = list(addrs)
         self.timeout, self.down_for_s, self.retry_codes = timeout, down_for_s, retry_codes
         self._tokens = dict(tokens or {})

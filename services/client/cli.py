@@ -15,6 +15,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="worker address HOST:PORT, or a comma list spread round robin with retry (default 127.0.0.1:50051)")
     p.add_argument("--token-file", default=None, help="file holding this tenant's bearer token (workers with --tenant-tokens)")
     p.add_argument("--tls-ca", default=None, help="CA certificate to trust, for workers serving TLS")
+    p.add_argument("--allow-plaintext-token", action="store_true",
+                   help="send the --token-file token without TLS to a non-loopback address (trusted networks only)")
     p.add_argument("--tenant", default="", help="tenant whose matrix drafts (default: the server's, 'default')")
     p.add_argument("--domain", default=None, help="domain a new tenant's matrix starts from")
     p.add_argument("--stream", action="store_true", help="print the text as it is generated")
@@ -68,7 +70,11 @@ def _client(args):
         tokens = {args.tenant or "default": Path(args.token_file).read_text().strip()} if args.token_file else None
     except OSError as e:
         raise SystemExit(f"error: cannot read the token file {args.token_file!r}: {e.strerror}") from None
-    return BalancedClient(addrs, timeout=args.timeout, tokens=tokens, tls_ca_file=args.tls_ca)
+    try:
+        return BalancedClient(addrs, timeout=args.timeout, tokens=tokens, tls_ca_file=args.tls_ca,
+                              allow_plaintext_token=args.allow_plaintext_token)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
 
 
 def _unary(client, kwargs: dict, as_json: bool) -> int:

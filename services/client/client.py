@@ -14,8 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-import grpc
-
+from services.common.security import bearer_metadata, check_plaintext_tokens, client_channel
 from trserve.v1 import generate_pb2 as pb
 from trserve.v1 import generate_pb2_grpc
 
@@ -69,30 +68,38 @@ def _messages(messages: Sequence[dict]) -> pb.ChatMessages:
 
 
 class TRServeClient:
-    """One channel to a worker; methods mirror the rpcs. `timeout` (seconds) is the default deadline."""
+    """One channel to a worker; methods mirror the rpcs. `timeout` (seconds) is the default deadline.
+    `tls_ca_file`: PEM CA to trust, for a worker serving TLS; `token`: the tenant's bearer token, for
+    a worker with --tenant-tokens (never sent without TLS to a non-loopback address unless
+    `allow_plaintext_token`)."""
 
-    def __init__(self, addr: str = "127.0.0.1:50051", timeout: float | None = None) -> None:
+    def __init__(self, addr: str = "127.0.0.1:50051", timeout: float | None = None, *, tls_ca_file: str | None = None,
+                 token: str | None = None, allow_plaintext_token: bool = False) -> None:
+        check_plaintext_tokens([addr], tls_ca_file, token is not None, allow_plaintext_token)
         self.addr = addr
         self.timeout = timeout
-        self._channel = grpc.insecure_channel(addr)
+        self._metadata = bearer_metadata(token)
+        self._channel = client_channel(addr, tls_ca_file)
         self._stub = generate_pb2_grpc.GenerateStub(self._channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> pb.GenerateResponse:
         """Decode to the end; keyword arguments as `build_request`."""
-        return self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout or self.timeout)
+        return self._stub.Generate(build_request(prompt, **kwargs), timeout=timeout or self.timeout,
+                                   metadata=self._metadata)
 
     def stream(self, prompt: str | None = None, *, timeout: float | None = None,
                **kwargs) -> Iterator[pb.GenerateStreamResponse]:
         """Per-step chunks; the last one has finish_reason and stats. Closing the iterator (or
         calling .cancel() on it) cancels the call and stops decoding at the next step."""
-        return self._stub.GenerateStream(build_request(prompt, **kwargs), timeout=timeout or self.timeout)
+        return self._stub.GenerateStream(build_request(prompt, **kwargs), timeout=timeout or self.timeout,
+                                         metadata=self._metadata)
 
     def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None) -> list[int]:
         req = pb.TokenizeRequest(text=text) if text is not None else pb.TokenizeRequest(messages=_messages(messages or []))
-        return list(self._stub.Tokenize(req, timeout=self.timeout).token_ids)
+        return list(self._stub.Tokenize(req, timeout=self.timeout, metadata=self._metadata).token_ids)
 
     def model_info(self) -> pb.ModelInfoResponse:
-        return self._stub.ModelInfo(pb.ModelInfoRequest(), timeout=self.timeout)
+        return self._stub.ModelInfo(pb.ModelInfoRequest(), timeout=self.timeout, metadata=self._metadata)
 
     @property
     def stub(self) -> generate_pb2_grpc.GenerateStub:

@@ -211,3 +211,33 @@ def test_worker_drafts_through_a_secured_matrix_service(decoder, matrix, tls, se
         wrong.close()
     assert served.stats.draft_mode == "remote" and served.ids == reference.ids
     assert refused.stats.draft_mode == "local-fallback" and refused.ids == reference.ids  # refused: drafts locally
+
+
+def test_tenant_tokens_are_never_sent_in_plaintext_to_another_host(tmp_path) -> None:
+    """Issue 28, defect 6: like the matrix secrets, bearer tokens need TLS off loopback."""
+    from services.client.client import TRServeClient
+
+    with pytest.raises(ValueError, match="without TLS to 10.1.2.3:50051"):
+        TRServeClient("10.1.2.3:50051", token="t")
+    with pytest.raises(ValueError, match="without TLS to 10.1.2.3:50051"):
+        BalancedClient(["127.0.0.1:50051", "10.1.2.3:50051"], tokens={"acme": "t"})
+    TRServeClient("10.1.2.3:50051", token="t", allow_plaintext_token=True).close()
+    BalancedClient(["10.1.2.3:50051"], tokens={"acme": "t"}, allow_plaintext_token=True).close()
+    TRServeClient("10.1.2.3:50051").close()  # no token: nothing to protect
+    token = tmp_path / "acme.token"
+    token.write_text("t\n")
+    refused = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--addr", "10.1.2.3:50051",
+                              "--token-file", str(token), "Hi"], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "refusing to send tenant tokens without TLS" in refused.stderr
+
+
+def test_trserve_client_sends_its_token_over_tls(worker, tls) -> None:
+    from services.client.client import TRServeClient
+
+    with TRServeClient(worker.addr, timeout=60, tls_ca_file=tls.cert_file, token=TOKENS["acme"]) as client:
+        assert client.generate(messages=HI, tenant="acme", max_new_tokens=4).stats.generated_tokens > 0
+        assert len(client.tokenize("Hi")) > 0
+    with TRServeClient(worker.addr, timeout=60, tls_ca_file=tls.cert_file) as anonymous:
+        with pytest.raises(grpc.RpcError) as denied:
+            anonymous.generate(messages=HI, tenant="acme", max_new_tokens=4)
+        assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
