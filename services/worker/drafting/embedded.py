@@ -10,11 +10,13 @@ from its copy and reports draft mode "local-fallback" (output is unaffected: dra
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable
 
 import torch
 
-from core.errors import InvalidArgument
+from core.errors import InvalidArgument, TRServeError
 from core.model_spec import ModelSpec
 from engine.tr.matrix import AdjacencyMatrix
 from engine.tr.recycle import RecycledRows
@@ -26,6 +28,35 @@ log = logging.getLogger("trserve.worker")
 
 # (tenant, domain) -> the DraftSource for one request of that tenant.
 DraftSourceFactory = Callable[[str, str | None], DraftSource]
+LOG_EVERY_S = 60.0
+
+
+class _Throttle:
+    """Store failures logged at most once per LOG_EVERY_S per kind, with how many were not logged
+    since: a full store refuses every new tenant's request, and one traceback per request floods
+    the log (each such request still counts in trserve_draft_fallbacks)."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, float] = {}
+        self._skipped: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def failed(self, what: str, tenant: str, exc: Exception) -> None:
+        kind = f"{what}:{type(exc).__name__}"
+        now = time.monotonic()
+        with self._lock:
+            if now - self._last.get(kind, -LOG_EVERY_S) < LOG_EVERY_S:
+                self._skipped[kind] = self._skipped.get(kind, 0) + 1
+                return
+            self._last[kind], skipped = now, self._skipped.pop(kind, 0)
+        more = f" ({skipped} more since the last report)" if skipped else ""
+        if isinstance(exc, TRServeError):  # an expected refusal (full, unavailable, fenced): no traceback
+            log.warning("matrix %s failed for tenant %s: %s; drafting locally%s", what, tenant, exc, more)
+        else:
+            log.error("matrix %s failed for tenant %s; drafting locally%s", what, tenant, more, exc_info=exc)
+
+
+_THROTTLE = _Throttle()
 
 
 class StoreDraftSource:
@@ -43,8 +74,8 @@ class StoreDraftSource:
             epoch: int | None = checkout.epoch
         except InvalidArgument:
             raise
-        except Exception:  # noqa: BLE001 - a failing store must not fail the request
-            log.exception("matrix checkout failed for tenant %s; drafting from a cold matrix", self.tenant)
+        except Exception as exc:  # noqa: BLE001 - a failing store must not fail the request
+            _THROTTLE.failed("checkout", self.tenant, exc)
             rows, version, healthy, epoch = None, 0, False, None
         session = StoreDraftSession(self, AdjacencyMatrix(spec, self.device, rows, version), tree)
         session.epoch = epoch
@@ -78,8 +109,8 @@ class StoreDraftSession(MatrixSession):
         try:
             self.store_version = s.store.apply(s.spec, s.tenant, recycled.tokens.cpu().numpy(), recycled.topk.cpu().numpy(),
                                                s.domain, since_epoch=self.epoch)
-        except Exception:  # noqa: BLE001
-            log.exception("matrix store apply failed for tenant %s; continuing with the local copy", s.tenant)
+        except Exception as exc:  # noqa: BLE001
+            _THROTTLE.failed("store apply", s.tenant, exc)
             self.fall_back()
 
 

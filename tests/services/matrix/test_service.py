@@ -4,6 +4,7 @@ subprocess where a separate process is the point)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -144,6 +145,10 @@ def test_admin_rollback_fork_delete_and_cli(start_server, channel_to) -> None:
     described = json.loads(out.stdout)
     assert described["tenant"] == "t2" and described["version"] == 2 and described["fingerprint"] == FP
     assert described["nonzero_rows"] > 0 and described["last_snapshot_version"] == 1
+    # the digest, epoch and memory the API has (issue 28, defect 8): the digest is the rows' own
+    rows = checkout(stub, "t2")[1]
+    assert described["rows_sha256"] == hashlib.sha256(rows.astype("<i4").tobytes()).hexdigest()
+    assert described["epoch"] >= 0 and described["memory_bytes"] >= rows.nbytes
 
     stub.Delete(ref("t2"), timeout=10)
     assert _code(lambda: stub.Describe(ref("t2"), timeout=10))[0] == grpc.StatusCode.NOT_FOUND

@@ -109,3 +109,30 @@ def test_a_matrix_service_serving_other_models_leaves_requests_served(decoder, m
     finally:
         source.close()
         matrix.stop(0, final_snapshot=False)
+
+
+def test_a_full_embedded_store_logs_once_per_interval_and_serves_every_tenant(decoder, caplog) -> None:
+    """Issue 28, defect 8: once the embedded store holds its bound of tenants, every new tenant's
+    request logged an ERROR with a traceback; now one line per interval, and each request is served
+    (drafting locally, counted as a fallback)."""
+    import logging
+
+    from core.model_spec import ModelSpec
+    from matrix_store import MatrixStore, StoreConfig
+    from services.worker.drafting.embedded import embedded_factory
+
+    store = MatrixStore(StoreConfig(max_tenants_in_memory=2))
+    spec = ModelSpec(decoder.fingerprint, decoder.vocab_size, decoder.config.k)
+    try:
+        for worker in serving(WorkerConfig(port=0, metrics_port=None, warmup=False), decoder,
+                              draft_source_factory=embedded_factory(store, spec, decoder.device)):
+            with TRServeClient(worker.addr, timeout=120) as client, caplog.at_level(logging.INFO):
+                modes = [client.generate(messages=PROMPT, mode="tr", tenant=f"t{i}", max_new_tokens=4).stats.draft_mode
+                         for i in range(8)]
+    finally:
+        store.close()
+    assert modes[:2] == ["embedded", "embedded"] and set(modes[2:]) == {"local-fallback"}
+    store_lines = [r for r in caplog.records if r.name == "trserve.worker" and "matrix" in r.getMessage()
+                   and "failed for tenant" in r.getMessage()]
+    assert 1 <= len(store_lines) <= 2, [r.getMessage() for r in store_lines]  # checkout and/or apply: once each
+    assert all(r.exc_info is None and r.levelno == logging.WARNING for r in store_lines)
