@@ -47,6 +47,21 @@ log = logging.getLogger("trserve.engine")
 Emit = Callable[[StepChunk | GenerationResult | Exception], None]
 
 
+class StepTimes:
+    """What the engine's steps take (EMAs, 0.2 a sample): a decoding step without a prompt chunk,
+    and a step with a full prefill chunk in it. Each starts from a guess that its first sample
+    replaces. Read by callers sizing deadline margins (any thread: plain floats)."""
+
+    def __init__(self) -> None:
+        self.step_s, self.chunk_s = 0.1, 0.3
+        self._seen: set[str] = set()
+
+    def record(self, kind: str, seconds: float) -> None:
+        old = getattr(self, f"{kind}_s")
+        setattr(self, f"{kind}_s", seconds if kind not in self._seen else 0.8 * old + 0.2 * seconds)
+        self._seen.add(kind)
+
+
 class BatchEngine:
     """Continuous batching over one target model (see the module docstring). `cost`: the forward
     cost model trees are sized by (engine/tuning/cost.py:engine_cost); None = the device's proxy."""
@@ -60,6 +75,7 @@ class BatchEngine:
         self.budget = TreeBudget(config, target, cost or device_proxy(self.runner.device.type),
                                  packed=self.runner.native is not None)
         self.steps = 0
+        self.times = StepTimes()
         self._looping = False  # a thread is in `run`
 
     # views of the scheduler's state (the servicer and tests read them)
@@ -181,23 +197,46 @@ class BatchEngine:
             live.emit(exc)
 
     # ---- one step --------------------------------------------------------------------------------
+    def longest_step_s(self, prompt_tokens: int | None = None) -> float:
+        """How long a step may take now: two decoding steps, or 1.5 steps with a full prefill chunk
+        (a chunk deep in a long prompt attends to more context than the average one) plus a decoding
+        step. With `prompt_tokens` and no other prompt being prefilled or waiting: only the part of a
+        chunk that prompt fills. What a caller's deadline must keep in hand."""
+        fill = 1.0
+        if prompt_tokens is not None and self.prefilling is None and not self.waiting:
+            fill = min(1.0, prompt_tokens / self.config.prefill_chunk)
+        t = self.times
+        return max(2 * t.step_s, 1.5 * t.chunk_s * fill + t.step_s)
+
     def step(self) -> None:
+        t0 = time.perf_counter()
+        chunk = self._step()
+        if chunk == self.config.prefill_chunk:
+            self.times.record("chunk", time.perf_counter() - t0)
+        elif chunk == 0 and self.running:
+            self.times.record("step", time.perf_counter() - t0)
+
+    def _step(self) -> int:
+        """One step; returns the prompt tokens it prefilled."""
         sched = self.scheduler
         self.steps += 1
+        chunk = 0
         self._retire([x for x in sched.running if x.stopping()])
         if (gone := sched.drop_prefilling()) is not None:
             self._finish(gone)
         for live in sched.admit():
             self._finish(live)
         if sched.prefilling is not None:
-            self._prefill_chunk(sched.prefilling)
+            chunk = self._prefill_chunk(sched.prefilling)
         # a sequence whose first token (the prefill's) met a stop is done before any decoding step
         self._retire([x for x in sched.running if x.seq.finish_reason is not None])
         if sched.running:
             self._decode()
         self._retire([x for x in sched.running if x.seq.finish_reason is not None])
+        return chunk
 
-    def _prefill_chunk(self, live: Live) -> None:
+    def _prefill_chunk(self, live: Live) -> int:
+        """The next chunk of `live`'s prompt; returns its length."""
         ids, d = live.seq.prepared.ids, self.target
         p = len(ids)
         c = min(self.config.prefill_chunk, p - live.done)
@@ -217,6 +256,7 @@ class BatchEngine:
         live.done += c
         if live.done == p:
             self._start(live, logits[-1:])
+        return c
 
     def _start(self, live: Live, last: torch.Tensor) -> None:
         """The prompt is in: first token, draft session, and the sequence joins the batch."""

@@ -1,14 +1,15 @@
 """The Generate servicer: call gate -> validate (from_pb) -> prepare (a thread) -> admission -> the
 batching engine (engine/engine.py, its own thread) -> to_pb.
 
-Before any work: at most `max_concurrent_rpcs` calls are in flight (admission.py:CallGate), the
+Before any work: at most `max_concurrent_rpcs` calls are in flight (admission.py:Admission.call), the
 body is at most `max_request_bytes` (gRPC refuses larger ones), and from_pb checks message count,
 characters and stop lists before anything is tokenized.
 
 Deadlines: a call's gRPC deadline becomes the engine's `deadline`, early by a margin covering the
-longest step the engine may be in when it passes: `deadline_margin_s`, two recent decoding steps,
-or 1.5 recent steps with a prefill chunk in them plus a decoding step (whichever is longest; the
-chunk counted for the part this prompt fills when no other prompt is being prefilled). So
+longest step the engine may be in when it passes: `deadline_margin_s`, or what the engine measures
+of its own steps (engine/engine.py:BatchEngine.longest_step_s: two decoding steps, or 1.5 steps with
+a prefill chunk plus a decoding step; the chunk counted for the part this prompt fills when no
+other prompt is being prefilled). So
 decoding (or a long prompt's prefill) stops in time to return the partial result with
 finish_reason TIME_LIMIT (status OK). Only a call whose deadline is already (nearly) over when it
 reaches the decoder is refused with DEADLINE_EXCEEDED; one that expires while queued is cancelled
@@ -41,7 +42,7 @@ from engine.results import GenerationResult, StepChunk
 from engine.tuning.online import OnlineTuner, TunerBook
 from services.common.errors import grpc_errors, status_for
 from services.worker import convert
-from services.worker.admission import Admission, CallGate, QueueFull
+from services.worker.admission import Admission, QueueFull
 from services.worker.bridge import EngineStream
 from services.worker.config import WorkerConfig
 from services.worker.drafting.embedded import DraftSourceFactory
@@ -115,8 +116,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         self.limits = config.limits
         self.draft_sources = draft_sources
         self.metrics = metrics
-        self.admission = Admission(config.max_batch, config.max_queue)
-        self.gate = CallGate(config.max_concurrent_rpcs, self.admission)
+        self.admission = Admission(config.max_batch, config.max_queue, config.max_concurrent_rpcs)
         self.calls: set[_Call] = set()  # in flight, for drain()
         self.draining = False
         # with tenant tokens, tenants whose matrices another tenant may not name as its domain
@@ -124,8 +124,6 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         metrics.queue_depth.set_function(lambda: self.admission.waiting)  # read at scrape time
         metrics.active.set_function(lambda: self.admission.active)
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to encode concurrently
-        self._step_s = 0.1  # moving average of one decoding step, for deadline margins
-        self._chunk_s = 0.3  # moving average of one step with a full prefill chunk in it (warm-up measures it)
         # tree "adaptive": each tenant's tree is re-tuned online from its own acceptance; with
         # `tuner_states` (load/save by tenant) the records are kept with the tenant's matrix
         self.tuners = TunerBook(decoder.new_tuner, states=tuner_states) if decoder.autotuner is not None else None
@@ -134,7 +132,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     @grpc_errors
     @observed
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        with self.gate.enter():
+        with self.admission.call():
             call = self._new_call(request)
             result = None
             async for item in self._decode(call, context):  # consumed to the end: the decode slot is freed on exit
@@ -151,7 +149,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     @observed
     async def GenerateStream(self, request: pb.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateStreamResponse]:
-        with self.gate.enter():
+        with self.admission.call():
             call = self._new_call(request)
             held = HeldText(call.call.request.stop_strings)  # never stream a part of a stop string too early
             sent = False
@@ -174,7 +172,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     @grpc_errors
     @observed
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        with self.gate.enter():
+        with self.admission.call():
             text, messages = convert.tokenize_input_from_pb(request, self.limits)
             ids = await asyncio.to_thread(self._prompt_ids, text, messages)
             tokens = self.decoder.tokenizer.convert_ids_to_tokens(ids)
@@ -195,15 +193,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         prepared = await asyncio.to_thread(self.decoder.prepare, GenerationRequest(input_ids=[token] * n, max_new_tokens=4))
         async with self.admission.slot():
             stream = EngineStream(asyncio.get_running_loop(), threading.Event(), self.config.stream_buffer)
-            submitted = time.perf_counter()
             await asyncio.to_thread(self.engine.submit, prepared, stream.emit)
             async for item in stream.items():
                 if isinstance(item, StepChunk):
-                    self._chunk_s = time.perf_counter() - submitted
                     break
             await stream.finish()
         log.info("warm-up done in %.1f s (a %d-token prefill chunk: %.0f ms)", time.perf_counter() - t0, n,
-                 self._chunk_s * 1000)
+                 self.engine.times.chunk_s * 1000)
 
     # ---- shutdown ----------------------------------------------------------------------------
     async def drain(self, grace_s: float) -> None:
@@ -253,8 +249,6 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             stream = EngineStream(asyncio.get_running_loop(), call.cancelled, self.config.stream_buffer)
             c = call.call
             source = self.draft_sources(c.tenant, c.domain) if prepared.request.mode == "tr" else None
-            clear = self.engine.prefilling is None and not self.engine.waiting  # no other prompt ahead of this one
-            submitted = time.perf_counter()
             await asyncio.to_thread(self.engine.submit, prepared, stream.emit, matrix=source,
                                     cancelled=call.cancelled.is_set, deadline=deadline, tuner=tuner, tenant=c.tenant)
             try:
@@ -263,11 +257,6 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                     now = time.perf_counter()
                     if isinstance(item, StepChunk) and last is not None:  # the first chunk comes from the prefill
                         self.metrics.step_seconds.observe(now - last)
-                        self._step_s = 0.9 * self._step_s + 0.1 * (now - last)
-                    elif isinstance(item, StepChunk) and clear and 2 * len(prepared.ids) >= self.config.prefill_chunk:
-                        # the prefill's steps, each with one chunk: the cost of a full one (short prompts say little)
-                        full_chunks = len(prepared.ids) / self.config.prefill_chunk
-                        self._chunk_s = 0.8 * self._chunk_s + 0.2 * (now - submitted) / full_chunks
                     last = now
                     yield item
             finally:  # also when the caller went away: the engine frees the request's place first
@@ -303,13 +292,9 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         return ids
 
     def _margin_s(self, prompt_tokens: int | None = None) -> float:
-        """How long the engine's longest step may take now: a decoding step, or one with a prefill chunk
-        (x1.5: a chunk deep in a long prompt attends to more context than the average one). With
-        `prompt_tokens` and no other prompt being prefilled: the part of a chunk this prompt fills."""
-        fill = 1.0
-        if prompt_tokens is not None and self.engine.prefilling is None and not self.engine.waiting:
-            fill = min(1.0, prompt_tokens / self.config.prefill_chunk)
-        return max(self.config.deadline_margin_s, 2 * self._step_s, 1.5 * self._chunk_s * fill + self._step_s)
+        """How long the engine's longest step may take now (engine/engine.py:BatchEngine.longest_step_s),
+        at least `deadline_margin_s`."""
+        return max(self.config.deadline_margin_s, self.engine.longest_step_s(prompt_tokens))
 
     def _engine_deadline(self, context: grpc.aio.ServicerContext, prompt_tokens: int) -> float | None:
         """The engine's stop time: the call's deadline less the margin (a step the engine may be in)."""

@@ -109,11 +109,19 @@ def test_admission_bounds_the_queue():
             async with admission.slot():
                 pass
         assert e.value.retry_after_s > 0
+        with pytest.raises(QueueFull):
+            admission.try_admit()  # the same answer without queueing
         release.set()
         await asyncio.gather(first, second)
         assert (admission.active, admission.waiting) == (0, 0)
 
     asyncio.run(scenario())
+    gate = Admission(max_active=1, max_queue=1, max_calls=2)
+    with gate.call(), gate.call():
+        with pytest.raises(QueueFull, match="max_concurrent_rpcs=2"):
+            with gate.call():
+                pass
+    assert gate.calls == 0
 
 
 def test_full_trees_flag_turns_batch_aware_sizing_off():

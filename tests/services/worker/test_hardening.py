@@ -60,7 +60,7 @@ def test_calls_beyond_the_cap_are_refused_before_tokenizing(client, worker):
     try:
         for r in readers:  # readers that keep reading: two decode (max_batch=2), the third is queued
             r.start()
-        wait_for(lambda: servicer.gate.active == 3 and servicer.admission.active == 2, timeout=30)
+        wait_for(lambda: servicer.admission.calls == 3 and servicer.admission.active == 2, timeout=30)
         with servicer._tokenizer_lock:  # a call that tokenized would hang here
             t0 = time.monotonic()
             e = rpc_error(client.stub.Generate, build_request(messages=[{"role": "user", "content": "hi"}]), timeout=10)
@@ -72,7 +72,7 @@ def test_calls_beyond_the_cap_are_refused_before_tokenizing(client, worker):
     finally:
         for s in streams:
             s.cancel()
-    wait_for(lambda: servicer.gate.active == 0, timeout=30)
+    wait_for(lambda: servicer.admission.calls == 0, timeout=30)
     still_serves(client)
 
 
