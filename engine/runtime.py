@@ -1,4 +1,4 @@
-"""What a Decoder runs on, in words: for ModelInfo, the worker's startup log line and /metrics.
+"""What a target model runs on, in words: for ModelInfo, the worker's startup log line and /metrics.
 
 The kernels and attention decide the speed far more than the algorithm does (compressed kernels
 need AVX-512; other CPUs run the slower oneDNN packed ones), so operators need to see them.
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from engine.decoder import Decoder
+    from engine.target import TargetModel
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class RuntimeInfo:
     threads: int  # torch intra-op CPU threads the decode threads use
 
     @classmethod
-    def of(cls, decoder: Decoder) -> RuntimeInfo:
+    def of(cls, decoder: TargetModel) -> RuntimeInfo:
         import torch
 
         from engine.model.attention import attention_in_use

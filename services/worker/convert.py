@@ -22,7 +22,7 @@ from services.worker.config import MESSAGE_OVERHEAD_CHARS, Limits
 from trserve.v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:
-    from engine.decoder import Decoder
+    from engine.target import TargetModel
 
 FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,
@@ -168,7 +168,7 @@ def final_chunk_to_pb(result: GenerationResult, text_sent: str, queue_s: float) 
                                      stats=stats_to_pb(result.stats, queue_s))
 
 
-def model_info_to_pb(decoder: Decoder, limits: Limits) -> pb.ModelInfoResponse:
+def model_info_to_pb(decoder: TargetModel, limits: Limits) -> pb.ModelInfoResponse:
     d, info = decoder, RuntimeInfo.of(decoder)
     return pb.ModelInfoResponse(
         model=d.config.model.source, fingerprint=d.fingerprint, vocab_size=d.vocab_size,

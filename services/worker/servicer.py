@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from core.errors import PermissionDenied, TRServeError, Unavailable
-from engine import Decoder
+from engine.target import TargetModel
 from engine.engine import BatchEngine
 from engine.request.request import GenerationRequest, PreparedRequest
 from engine.request.text import HeldText
@@ -108,7 +108,7 @@ def observed(method):
 
 
 class GenerateServicer(generate_pb2_grpc.GenerateServicer):
-    def __init__(self, decoder: Decoder, engine: BatchEngine, config: WorkerConfig, draft_sources: DraftSourceFactory,
+    def __init__(self, decoder: TargetModel, engine: BatchEngine, config: WorkerConfig, draft_sources: DraftSourceFactory,
                  metrics: WorkerMetrics, tuner_states=None) -> None:
         self.decoder = decoder
         self.engine = engine
