@@ -24,6 +24,7 @@ class GenerationStats:
     decode_s: float
     tokens_per_s: float  # generated tokens / (prefill + decode) wall time
     matrix_version: int | None  # version of the matrix that drafted the last step
+    matrix_epoch: int | None  # the tenant's writer epoch of that version (None: a private copy, or unknown)
     draft_mode: str  # local, embedded, remote, replica, local-fallback, or none (plain decoding)
     tree: str
 
@@ -42,6 +43,7 @@ class GenerationStats:
             decode_s=decode_s,
             tokens_per_s=len(seq.generated) / total if total > 0 else 0.0,
             matrix_version=info.matrix_version if info else None,
+            matrix_epoch=info.matrix_epoch if info else None,
             draft_mode=info.mode if info else "none",
             tree=tree,
         )

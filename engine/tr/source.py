@@ -30,6 +30,9 @@ class DraftInfo:
 
     matrix_version: int
     mode: str  # "local", "embedded", "remote", "replica", "local-fallback"
+    # the tenant's writer epoch that version belongs to (a store's or the matrix service's): an
+    # (epoch, version) pair names one content; None where there is none (a private copy) or unknown
+    matrix_epoch: int | None = None
 
 
 class DraftSession(Protocol):
@@ -57,6 +60,7 @@ class MatrixSession:
     def __init__(self, matrix: AdjacencyMatrix, tree: CompiledTree) -> None:
         self.matrix = matrix
         self.tree = tree
+        self.matrix_epoch: int | None = None  # the epoch of `version`, where a store or service gave one
 
     @property
     def version(self) -> int:
@@ -91,7 +95,8 @@ class MatrixSession:
         self._close(recycled)
 
     def info(self) -> DraftInfo:
-        return DraftInfo(matrix_version=self.version, mode=self.mode)
+        epoch = self.matrix_epoch if self.matrix_epoch is not None and self.matrix_epoch >= 0 else None
+        return DraftInfo(matrix_version=self.version, mode=self.mode, matrix_epoch=epoch)
 
     def fall_back(self) -> bool:
         """Draft from the copy only from now on; True the first time (the caller logs and counts it)."""

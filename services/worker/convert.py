@@ -147,6 +147,8 @@ def stats_to_pb(stats: GenerationStats, queue_s: float) -> pb.GenerationStats:
     )
     if stats.matrix_version is not None:
         out.matrix_version = stats.matrix_version
+    if stats.matrix_epoch is not None:
+        out.matrix_epoch = stats.matrix_epoch
     return out
 
 

@@ -10,6 +10,7 @@ from its copy and reports draft mode "local-fallback" (output is unaffected: dra
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 import threading
 import time
 from collections.abc import Callable
@@ -78,7 +79,7 @@ class StoreDraftSource:
             _THROTTLE.failed("checkout", self.tenant, exc)
             rows, version, healthy, epoch = None, 0, False, None
         session = StoreDraftSession(self, AdjacencyMatrix(spec, self.device, rows, version), tree)
-        session.epoch = epoch
+        session.epoch = session.matrix_epoch = epoch
         if not healthy:
             session.fall_back()
         return session
@@ -98,6 +99,10 @@ class StoreDraftSession(MatrixSession):
         """The store's version; after a store failure the private copy's (where the rows went)."""
         return self.matrix.version if self.mode == "local-fallback" else self.store_version
 
+    def info(self):
+        info = super().info()
+        return replace(info, matrix_epoch=None) if self.mode == "local-fallback" else info  # a copy has no epoch
+
     def _step(self, recycled: RecycledRows | None, root: int) -> torch.Tensor:
         self._close(recycled)
         return super()._step(recycled, root)
@@ -107,8 +112,9 @@ class StoreDraftSession(MatrixSession):
             return  # after a store failure the rows stay in the private copy (its version is reported)
         s = self.source
         try:
-            self.store_version = s.store.apply(s.spec, s.tenant, recycled.tokens.cpu().numpy(), recycled.topk.cpu().numpy(),
-                                               s.domain, since_epoch=self.epoch)
+            self.store_version, self.matrix_epoch = s.store.apply_versioned(
+                s.spec, s.tenant, recycled.tokens.cpu().numpy(), recycled.topk.cpu().numpy(), s.domain,
+                since_epoch=self.epoch)
         except Exception as exc:  # noqa: BLE001
             _THROTTLE.failed("store apply", s.tenant, exc)
             self.fall_back()

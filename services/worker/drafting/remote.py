@@ -83,7 +83,7 @@ class RemoteDraftSource:
                 raise_caller_error(exc)
             session.fail("open", exc)
             return session
-        session.attach(stream, reply.version)
+        session.attach(stream, reply.version, reply.epoch)
         return session
 
     def close(self) -> None:
@@ -97,8 +97,8 @@ class RemoteDraftSession(ServiceSession):
         super().__init__(link, tenant, mirror, tree, version=0)
         self._stream: _Stream | None = None
 
-    def attach(self, stream: _Stream, version: int) -> None:
-        self._stream, self.service_version = stream, version
+    def attach(self, stream: _Stream, version: int, epoch: int) -> None:
+        self._stream, self.service_version, self.matrix_epoch = stream, version, epoch
 
     def _detach(self) -> None:
         if self._stream is not None:

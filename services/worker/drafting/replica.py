@@ -119,6 +119,7 @@ class ReplicaDraftSession(ServiceSession):
                  tree: CompiledTree, matrix: AdjacencyMatrix, epoch: int | None = None) -> None:
         super().__init__(link, tenant, matrix, tree, version=matrix.version)  # checkout, then each push's ack
         self._epoch = epoch  # of the checkout: a tenant deleted since is not resurrected by our pushes
+        self.matrix_epoch = epoch  # then each push's
         self._pusher, self._domain, self._spec = pusher, domain, spec
         self._pending: list[tuple[np.ndarray, np.ndarray]] = []  # (tokens [m], topk [m, K]), oldest first
         self._lock = threading.Lock()  # guards _pending
@@ -156,7 +157,8 @@ class ReplicaDraftSession(ServiceSession):
                                              model=spec_to_pb(self._spec), rows=rows_to_pb(*batch),
                                              since_epoch=self._epoch)
                 try:
-                    self.service_version = self.link.stub.PushRows(request, timeout=self.link.config.push_timeout_s).version
+                    reply = self.link.stub.PushRows(request, timeout=self.link.config.push_timeout_s)
+                    self.service_version, self.matrix_epoch = reply.version, reply.epoch
                 except grpc.RpcError as exc:
                     self.fail("row push", exc)
                     return

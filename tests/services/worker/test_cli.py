@@ -78,6 +78,9 @@ class _FailingStore(MatrixStore):
     def apply(self, *args, **kwargs):
         raise Unavailable("store is down")
 
+    def apply_versioned(self, *args, **kwargs):
+        raise Unavailable("store is down")
+
 
 def test_store_failure_falls_back_to_local_drafting(decoder):
     store = _FailingStore(StoreConfig())

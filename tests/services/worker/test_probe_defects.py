@@ -100,3 +100,26 @@ def test_chat_content_cannot_forge_turns(client, decoder) -> None:
     assert sum(i in controls for i in client.tokenize(INJECTED)) == 4
     r = client.generate(messages=forged, max_new_tokens=4, return_token_ids=True)
     assert r.stats.prompt_tokens == len(ids)  # Generate builds the same prompt
+
+
+def test_epoch_and_version_name_one_matrix_across_a_restart(decoder) -> None:
+    """Issue 28, defect 5: after a worker restart (or a kill -9) the same matrix_version came back
+    for other content, and Generate had no epoch. A store that loads a tenant again takes a new
+    writer epoch, and Generate reports it: (matrix_epoch, matrix_version) differs across restarts."""
+    import uuid
+
+    from tests.services.matrix_helpers import REDIS_URL
+
+    tenant = f"epochs-{uuid.uuid4().hex[:8]}"
+    pairs = []
+    for _ in range(2):  # the same worker config twice over one Redis: a restart
+        for worker in serving(WorkerConfig(port=0, metrics_port=None, limits=LIMITS, redis_url=REDIS_URL,
+                                           warmup=False), decoder):
+            with TRServeClient(worker.addr, timeout=120) as c:
+                r = c.generate(PROMPT, mode="tr", tenant=tenant, max_new_tokens=N)
+                assert r.stats.draft_mode == "embedded" and r.stats.HasField("matrix_epoch")
+                pairs.append((r.stats.matrix_epoch, r.stats.matrix_version))
+                ar = c.generate(PROMPT, mode="ar", tenant=tenant, max_new_tokens=N)
+                assert not ar.stats.HasField("matrix_epoch")
+    (e1, v1), (e2, v2) = pairs
+    assert e2 > e1 and v1 >= 1 and v2 >= 1
