@@ -59,12 +59,8 @@ class Decoder(TargetModel):
             request = GenerationRequest(prompt=request, **fields) if request is not None else GenerationRequest(**fields)
         elif fields:
             raise InvalidArgument(f"give a GenerationRequest or its fields, not both (got {sorted(fields)})")
-        result = None
-        for item in self.stream(request, matrix=matrix, cancelled=cancelled, deadline=deadline,
-                                acceptance=acceptance, tuner=tuner):
-            result = item
-        assert isinstance(result, GenerationResult)
-        return result
+        return self.engine.generate(self.prepare(request), matrix=matrix, cancelled=cancelled, deadline=deadline,
+                                    acceptance=acceptance, tuner=tuner)
 
     def stream(self, request: GenerationRequest | PreparedRequest, *,
                matrix: AdjacencyMatrix | DraftSource | None = None, cancelled: Callable[[], bool] | None = None,

@@ -54,12 +54,15 @@ class StepTimes:
 
     def __init__(self) -> None:
         self.step_s, self.chunk_s = 0.1, 0.3
-        self._seen: set[str] = set()
+        self._steps = self._chunks = 0
 
-    def record(self, kind: str, seconds: float) -> None:
-        old = getattr(self, f"{kind}_s")
-        setattr(self, f"{kind}_s", seconds if kind not in self._seen else 0.8 * old + 0.2 * seconds)
-        self._seen.add(kind)
+    def step(self, seconds: float) -> None:
+        self.step_s = seconds if not self._steps else 0.8 * self.step_s + 0.2 * seconds
+        self._steps += 1
+
+    def chunk(self, seconds: float) -> None:
+        self.chunk_s = seconds if not self._chunks else 0.8 * self.chunk_s + 0.2 * seconds
+        self._chunks += 1
 
 
 class BatchEngine:
@@ -212,9 +215,9 @@ class BatchEngine:
         t0 = time.perf_counter()
         chunk = self._step()
         if chunk == self.config.prefill_chunk:
-            self.times.record("chunk", time.perf_counter() - t0)
+            self.times.chunk(time.perf_counter() - t0)
         elif chunk == 0 and self.running:
-            self.times.record("step", time.perf_counter() - t0)
+            self.times.step(time.perf_counter() - t0)
 
     def _step(self) -> int:
         """One step; returns the prompt tokens it prefilled."""

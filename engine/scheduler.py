@@ -133,12 +133,15 @@ class Scheduler:
 
     def all(self) -> list[Live]:
         with self._lock:
-            return [*self.running, *([self.prefilling] if self.prefilling else []), *self.waiting]
+            return self._everyone()
+
+    def _everyone(self) -> list[Live]:
+        return [*self.running, *([self.prefilling] if self.prefilling else []), *self.waiting]
 
     def clear(self) -> list[Live]:
         """Drop every request (after a failed step): returns them; the KV starts empty."""
         with self._lock:
-            lives = [*self.running, *([self.prefilling] if self.prefilling else []), *self.waiting]
+            lives = self._everyone()
             self.running, self.prefilling, self.waiting = [], None, deque()
         self.kv.reset()
         self.reserved = 0

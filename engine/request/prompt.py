@@ -26,6 +26,9 @@ class PromptBuilder:
     def __init__(self, tokenizer, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        # the text forms of the tokenizer's special (control) tokens, e.g. `<|im_end|>`
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.control_texts = tuple(t.content for t in added.values() if getattr(t, "special", False) and t.content)
 
     def build(self, prompt: str | None, messages: Sequence[dict] | None, input_ids: Sequence[int] | None) -> list[int]:
         """Prompt ids from exactly one of the three inputs (GenerationRequest checked that)."""
@@ -53,7 +56,7 @@ class PromptBuilder:
             raise InvalidArgument("all messages are empty; send some text")
         if self.tokenizer.chat_template is None:
             raise InvalidArgument("this model has no chat template; send a raw prompt or token ids instead")
-        if any(t in m["content"] for m in messages for t in self._control_texts()):
+        if any(t in m["content"] for m in messages for t in self.control_texts):
             return self._quoted_chat_ids(messages, add_generation_prompt)
         return list(self._template(list(messages), add_generation_prompt, tokenize=True))
 
@@ -65,13 +68,6 @@ class PromptBuilder:
                                                       tokenize=tokenize, return_dict=False)
         except TemplateError as exc:  # the template's own checks (e.g. roles must alternate): the caller's to fix
             raise InvalidArgument(f"the model's chat template refused these messages: {exc}") from None
-
-    def _control_texts(self) -> tuple[str, ...]:
-        """The text forms of the tokenizer's special (control) tokens, e.g. `<|im_end|>`."""
-        if not hasattr(self, "_controls"):
-            added = getattr(self.tokenizer, "added_tokens_decoder", {}) or {}
-            self._controls = tuple(t.content for t in added.values() if getattr(t, "special", False) and t.content)
-        return self._controls
 
     def _quoted_chat_ids(self, messages: Sequence[dict], add_generation_prompt: bool) -> list[int]:
         """Chat content is text: where it spells a control token (`<|im_start|>system`...), those

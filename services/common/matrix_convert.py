@@ -40,7 +40,7 @@ def tenant_from_pb(tenant: str, domain: str = "") -> tuple[str, str | None]:
 
 def rows_from_pb(rows: pb.RowBatch, k: int) -> tuple[np.ndarray, np.ndarray]:
     """(tokens [m] int32, topk [m, K] int32) from a RowBatch; m may be 0. Id ranges are checked
-    by the store (or by `check_ids`)."""
+    by the store (matrix_store/tenant.py:validate_batch)."""
     if len(rows.tokens) % 4:
         raise InvalidArgument(f"rows.tokens has {len(rows.tokens)} bytes; it must be int32 little-endian, 4 bytes per id")
     tokens = np.frombuffer(rows.tokens, WIRE_DTYPE)  # [m]

@@ -10,7 +10,6 @@ from its copy and reports draft mode "local-fallback" (output is unaffected: dra
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
 import threading
 import time
 from collections.abc import Callable
@@ -99,9 +98,9 @@ class StoreDraftSession(MatrixSession):
         """The store's version; after a store failure the private copy's (where the rows went)."""
         return self.matrix.version if self.mode == "local-fallback" else self.store_version
 
-    def info(self):
-        info = super().info()
-        return replace(info, matrix_epoch=None) if self.mode == "local-fallback" else info  # a copy has no epoch
+    def fall_back(self) -> bool:
+        self.matrix_epoch = None  # from now on the private copy's version is reported: it has no epoch
+        return super().fall_back()
 
     def _step(self, recycled: RecycledRows | None, root: int) -> torch.Tensor:
         self._close(recycled)

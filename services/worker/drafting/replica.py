@@ -15,6 +15,7 @@ from core.model_spec import ModelSpec
 from engine.tr.matrix import AdjacencyMatrix
 from engine.tr.recycle import RecycledRows
 from engine.tr.tree import CompiledTree
+from matrix_store.tenant import validate_batch
 from services.common.matrix_convert import rows_from_pb, rows_to_pb, spec_to_pb, tenant_from_pb
 from services.worker.drafting.link import DraftClientConfig, Link, ServiceSession, raise_caller_error
 from trserve.v1 import matrix_pb2 as pb
@@ -104,11 +105,10 @@ def _checked_rows(batch: pb.RowBatch, spec: ModelSpec) -> tuple[np.ndarray, np.n
     service that is down; the caller's request is not at fault."""
     try:
         tokens, topk = rows_from_pb(batch, spec.k)  # [m], [m, K]
+        if tokens.size:
+            validate_batch(spec, tokens, topk, spec.vocab_size)
     except InvalidArgument as exc:
         raise ConnectionError(f"malformed checkout reply: {exc}") from None
-    for name, ids in (("row index", tokens), ("successor id", topk)):
-        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= spec.vocab_size):
-            raise ConnectionError(f"malformed checkout reply: a {name} outside [0, {spec.vocab_size})")
     return tokens, topk
 
 
