@@ -35,7 +35,7 @@ from engine.sequence import Sequence
 from engine.step import accept_step, draft_step
 from engine.target import TargetModel
 from engine.tr.lookup import ContextLookup, Proposal
-from engine.tr.recycle import RecycledRows, select_rows, top_ids
+from engine.tr.recycle import RecycledRows, select_rows, top_ids, top_probs
 from engine.tr.sampling import choose, new_sampler
 from engine.tree_budget import TreeBudget
 from engine.tuning.cost import CostFn, device_proxy
@@ -255,7 +255,8 @@ class BatchEngine:
         seeded = [i for i in need if live.done + i >= p - seed] if seed else []
         if seeded:
             known = self.runner.last_topk[: len(seeded)] if self.runner.last_topk is not None else None
-            live.seed.append((chunk[seeded], top_ids(logits[: len(seeded)], d.config.k, known)))
+            ids = top_ids(logits[: len(seeded)], d.config.k, known)  # [s, K]
+            live.seed.append((chunk[seeded], ids, top_probs(logits[: len(seeded)], ids)))
         live.done += c
         if live.done == p:
             self._start(live, logits[-1:])
@@ -266,7 +267,7 @@ class BatchEngine:
         self.scheduler.join(live)
         live.root = int(choose(last, live.seq.sampler, 0)[0])
         if live.seed:
-            live.recycled = _latest_rows(torch.cat([t for t, _ in live.seed]), torch.cat([k for _, k in live.seed]))
+            live.recycled = _latest_rows(*(torch.cat(part) for part in zip(*live.seed)))
             live.seed = []
         live.text = TextStream(self.target.tokenizer)
         live.prefill_s = time.perf_counter() - live.t0
@@ -286,7 +287,8 @@ class BatchEngine:
             if draft is None:  # plain decoding this step
                 new, path = [int(choose(lg, seq.sampler, len(seq.generated), top)[0])], [0]
                 if live.session is not None:  # the root's top-k is recycled like any verified node's
-                    live.plain.append((live.root, top_ids(lg[:1], k, top[:1] if top is not None else None)[0]))
+                    ids = top_ids(lg[:1], k, top[:1] if top is not None else None)  # [1, K]
+                    live.plain.append((live.root, ids[0], top_probs(lg[:1], ids)[0]))
             else:
                 acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row), top)
                 new, path = acc.tokens, acc.path
@@ -384,15 +386,19 @@ def _pending(live: Live) -> RecycledRows | None:
     (for a token in both, the later row wins)."""
     if not live.plain:
         return live.recycled
-    topk = torch.stack([r for _, r in live.plain])  # [m, K]
-    tokens = torch.tensor([t for t, _ in live.plain], dtype=torch.long, device=topk.device)  # [m]
+    topk = torch.stack([r for _, r, _ in live.plain])  # [m, K]
+    probs = torch.stack([p for _, _, p in live.plain])  # [m, K]
+    tokens = torch.tensor([t for t, _, _ in live.plain], dtype=torch.long, device=topk.device)  # [m]
     live.plain = []
-    if live.recycled is not None:
-        tokens, topk = torch.cat([live.recycled.tokens, tokens]), torch.cat([live.recycled.topk, topk])
-    return _latest_rows(tokens, topk)
+    last = live.recycled
+    if last is not None:
+        last_probs = last.probs if last.probs is not None else torch.zeros_like(last.topk, dtype=torch.uint8)
+        tokens, topk = torch.cat([last.tokens, tokens]), torch.cat([last.topk, topk])
+        probs = torch.cat([last_probs, probs])
+    return _latest_rows(tokens, topk, probs)
 
 
-def _latest_rows(tokens: torch.Tensor, topk: torch.Tensor) -> RecycledRows:
-    """tokens [m], topk [m, K] in step order -> one row per token: a repeated token's latest."""
+def _latest_rows(tokens: torch.Tensor, topk: torch.Tensor, probs: torch.Tensor) -> RecycledRows:
+    """tokens [m], topk [m, K], probs [m, K] in step order -> one row per token: a repeated token's latest."""
     winners = select_rows(tokens, list(range(tokens.shape[0])))
-    return RecycledRows(tokens[winners], topk[winners])
+    return RecycledRows(tokens[winners], topk[winners], probs[winners])

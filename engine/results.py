@@ -27,6 +27,10 @@ class GenerationStats:
     matrix_epoch: int | None  # the tenant's writer epoch of that version (None: a private copy, or unknown)
     draft_mode: str  # local, embedded, remote, replica, local-fallback, or none (plain decoding)
     tree: str
+    # per draft source ("matrix", "context": the request's own tokens, "history": the tenant's earlier
+    # requests): draft tokens verified, and of those accepted (the root and bonus tokens are in neither)
+    drafted: dict[str, int] = field(default_factory=dict)
+    accepted: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def build(cls, seq, prefill_s: float, decode_s: float, info, tree: str) -> GenerationStats:
@@ -46,6 +50,8 @@ class GenerationStats:
             matrix_epoch=info.matrix_epoch if info else None,
             draft_mode=info.mode if info else "none",
             tree=tree,
+            drafted=dict(seq.drafted),
+            accepted=dict(seq.accepted),
         )
 
 

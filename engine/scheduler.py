@@ -64,10 +64,10 @@ class Live:
     row: int = -1
     session: DraftSession | None = None  # None for plain decoding
     recycled: RecycledRows | None = None
-    plain: list = field(default_factory=list)  # (root, its top-k [K]) of plain steps since the last draft
+    plain: list = field(default_factory=list)  # (root, its top-k [K], their probs [K]) of plain steps since the last draft
     root: int = 0
     text: TextStream | None = None
-    seed: list = field(default_factory=list)  # (tokens [c], topk [c, K]) of prompt seeding, per chunk
+    seed: list = field(default_factory=list)  # (tokens [c], topk [c, K], probs [c, K]) of prompt seeding, per chunk
     seed_n: int = 0  # prompt positions whose predictions seed its matrix (fixed when its prefill starts)
 
     @property

@@ -23,6 +23,9 @@ class Sequence:
         self.lookup: ContextLookup | None = None  # prompt + output so far, for hybrid drafting (TR only)
         self.generated: list[int] = []
         self.accepted_per_step: list[int] = []
+        # per draft source (engine/step.py:SOURCES): draft tokens verified, and of those accepted
+        self.drafted: dict[str, int] = {}
+        self.accepted: dict[str, int] = {}
         self.finish_reason: str | None = None
 
     @property

@@ -19,6 +19,9 @@ from engine.tuning.online import StepPlan
 from engine.tuning.records import AcceptanceLog
 
 
+SOURCES = ("root", "matrix", "context", "history")  # where a draft node came from: Draft.sources holds indices
+
+
 @dataclass(frozen=True, repr=False)
 class Draft:
     """What one sequence verifies this step."""
@@ -27,6 +30,12 @@ class Draft:
     tree: CompiledTree  # the tree verified (base + any lookup chain)
     plan: StepPlan  # the base tree (and, tuned, its cut from the drafted universe)
     grafted: Graft | None
+    sources: tuple[int, ...] | None = None  # [n] index into SOURCES per node; None: base nodes matrix, chain context
+
+    def source_of(self, node: int) -> int:
+        if self.sources is not None:
+            return self.sources[node]
+        return 0 if node == 0 else 1 if node < self.plan.tree.n else 2
 
     def __repr__(self) -> str:
         return f"Draft(n={self.tokens.shape[0]}, base={self.plan.tree.n}, chain={self.grafted is not None})"
@@ -57,12 +66,21 @@ def accept_step(seq: Sequence, draft: Draft, logits: torch.Tensor, k: int, past:
     greedy = choose_in_tree(logits, draft.tokens, draft.tree, seq.sampler, len(seq.generated), topk)  # argmax or samples
     acc = accept_greedy(draft.tokens, greedy, draft.tree)
     rows = recycle_rows(draft.tokens, logits, k, acc.path, topk)
+    count_sources(seq, draft, acc.path)
     if draft.plan.explore:
         _record(seq.tuner.log, acc, draft.plan.tree.n, draft.grafted, past)
         seq.tuner.recorded()
     elif seq.log is not None:
         _record(seq.log, acc, draft.plan.tree.n, draft.grafted, past)
     return acc, rows
+
+
+def count_sources(seq: Sequence, draft: Draft, path: list[int]) -> None:
+    """Per draft source, the nodes this step verified and accepted, into the sequence's counters."""
+    for nodes, counts in ((range(1, draft.tokens.shape[0]), seq.drafted), (path[1:], seq.accepted)):
+        for i in nodes:
+            name = SOURCES[draft.source_of(i)]
+            counts[name] = counts.get(name, 0) + 1
 
 
 def _record(log: AcceptanceLog, acc: Acceptance, n_base: int, grafted: Graft | None, past: int) -> None:

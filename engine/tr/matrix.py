@@ -16,14 +16,16 @@ from engine.tr.tree import CompiledTree
 log = logging.getLogger("trserve.engine")
 
 class AdjacencyMatrix:
-    """`rows[v]` = top-K successor ids of token v as last predicted by the model (int32 [V, K]).
+    """`rows[v]` = top-K successor ids of token v as last predicted by the model (int32 [V, K]);
+    `probs[v]` = the probabilities the model gave them then (uint8 buckets [V, K], 0 = unknown:
+    engine/tr/confidence.py).
 
     Carries the fingerprint of the model/tokenizer it was built with; using it with another
     model is refused. `version` counts applied row batches. Thread-safe for concurrent requests.
     """
 
     def __init__(self, spec: ModelSpec, device: torch.device | str = "cpu", rows: torch.Tensor | None = None,
-                 version: int = 0) -> None:
+                 version: int = 0, probs: torch.Tensor | None = None) -> None:
         if rows is None:
             rows = torch.zeros(spec.shape, dtype=torch.int32)
         if tuple(rows.shape) != spec.shape:
@@ -37,6 +39,12 @@ class AdjacencyMatrix:
             log.warning("matrix rows hold %d ids outside [0, %d); drafting token 0 there", int(bad.sum()),
                         spec.vocab_size)
             self.rows[bad] = 0
+        if probs is None:
+            probs = torch.zeros(spec.shape, dtype=torch.uint8)
+        if tuple(probs.shape) != spec.shape or probs.dtype != torch.uint8:
+            raise InvalidArgument(f"matrix probs have shape {tuple(probs.shape)} {probs.dtype}, expected "
+                                  f"{spec.shape} uint8")
+        self.probs = probs.to(device=device).contiguous()  # [V, K] uint8
         self.version = version
         self._lock = threading.Lock()
 
@@ -53,10 +61,13 @@ class AdjacencyMatrix:
         return self.spec.k
 
     def apply(self, rows: RecycledRows) -> int:
-        """Write `rows[tokens[i]] = topk[i]` (tokens are unique, so the write is deterministic);
-        returns the new version."""
+        """Write `rows[tokens[i]] = topk[i]` and its confidences (zeros where the batch has none: the
+        old ones belong to other ids); tokens are unique, so the write is deterministic. Returns the
+        new version."""
         with self._lock:
-            self.rows[rows.tokens.to(self.rows.device)] = rows.topk.to(self.rows.device)
+            at = rows.tokens.to(self.rows.device)
+            self.rows[at] = rows.topk.to(self.rows.device)
+            self.probs[at] = rows.probs.to(self.rows.device) if rows.probs is not None else 0
             self.version += 1
             return self.version
 

@@ -6,16 +6,21 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.tr.confidence import encode
+
 
 @dataclass(frozen=True, repr=False)
 class RecycledRows:
-    """Rows to write into a matrix: `matrix[tokens[i]] = topk[i]`, tokens unique."""
+    """Rows to write into a matrix: `matrix[tokens[i]] = topk[i]` (and the confidences beside them,
+    `probs[i]`: engine/tr/confidence.py), tokens unique. probs None: unknown (written as zeros)."""
 
     tokens: torch.Tensor  # [m] int64, unique
     topk: torch.Tensor  # [m, K] int32
+    probs: torch.Tensor | None = None  # [m, K] uint8 confidence buckets, or None
 
     def __repr__(self) -> str:
-        return f"RecycledRows(tokens={tuple(self.tokens.shape)}, topk={tuple(self.topk.shape)})"
+        probs = "" if self.probs is None else ", probs"
+        return f"RecycledRows(tokens={tuple(self.tokens.shape)}, topk={tuple(self.topk.shape)}{probs})"
 
 
 def select_rows(tokens: torch.Tensor, accepted_path: list[int]) -> torch.Tensor:
@@ -64,14 +69,22 @@ def top_ids(logits: torch.Tensor, k: int, known: torch.Tensor | None = None) -> 
     return torch.topk(logits, k, dim=-1).indices.to(torch.int32)
 
 
+def top_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """logits [m, V], ids [m, k] -> the softmax probabilities of those ids as uint8 buckets [m, k]
+    (engine/tr/confidence.py): what the matrix keeps beside each id."""
+    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)  # [m, 1]
+    return encode(torch.exp(logits.gather(-1, ids.long()).float() - lse))
+
+
 def recycle_rows(tokens: torch.Tensor, logits: torch.Tensor, k: int, accepted_path: list[int],
                  topk: torch.Tensor | None = None) -> RecycledRows:
-    """tokens: [n], logits: [n, V] -> the deduplicated top-k rows of this verification. topk: [n, k]
-    the nodes' top-k ids where the forward computed them."""
+    """tokens: [n], logits: [n, V] -> the deduplicated top-k rows of this verification, with their
+    confidences. topk: [n, k] the nodes' top-k ids where the forward computed them."""
     winners = select_rows(tokens, accepted_path)
-    if topk is not None and topk.shape[-1] == k:  # the forward's: no full-vocabulary rows gathered
+    lg = logits[winners]  # [m, V]
+    if topk is not None and topk.shape[-1] == k:  # the forward's: no top-k search over the vocabulary
         rows = topk[winners]  # [m, K]
     else:
-        rows = top_ids(logits[winners], k)
-    return RecycledRows(tokens=tokens[winners], topk=rows)
+        rows = top_ids(lg, k)
+    return RecycledRows(tokens=tokens[winners], topk=rows, probs=top_probs(lg, rows))
 

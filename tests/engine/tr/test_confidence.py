@@ -1,0 +1,37 @@
+"""Confidence buckets beside matrix ids: encoding, recycling and the matrix's write rule."""
+
+import numpy as np
+import torch
+
+from core.model_spec import ModelSpec
+from engine.tr.confidence import decode, encode
+from engine.tr.matrix import AdjacencyMatrix
+from engine.tr.recycle import RecycledRows, recycle_rows
+
+
+def test_encode_decode_numpy_and_torch_agree():
+    p = [0.0, 1e-4, 0.05, 0.5, 0.9, 1.0]
+    q_np, q_t = encode(np.array(p)), encode(torch.tensor(p))
+    assert q_np.dtype == np.uint8 and q_t.dtype == torch.uint8
+    assert q_np.tolist() == q_t.tolist() == [0, 0, 13, 128, 230, 255]
+    assert np.allclose(decode(q_np), np.array(q_np, dtype=np.float32) / 255)
+    assert torch.allclose(decode(q_t), q_t.float() / 255)
+
+
+def test_recycled_probs_are_the_softmax_of_the_recycled_ids():
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1.0], [0.0, 3.0, 0.0, 0.0]])  # [2, V=4]
+    rows = recycle_rows(torch.tensor([5, 6]), logits, 2, accepted_path=[0])
+    assert rows.topk.tolist() == [[0, 2], [1, 0]]
+    soft = torch.softmax(logits, -1)
+    expect = [[soft[0, 0], soft[0, 2]], [soft[1, 1], soft[1, 0]]]
+    assert rows.probs.tolist() == encode(torch.tensor(expect)).tolist()
+
+
+def test_matrix_apply_writes_probs_and_zeroes_unknown_ones():
+    spec = ModelSpec(fingerprint="f" * 16, vocab_size=8, k=2)
+    m = AdjacencyMatrix(spec)
+    m.apply(RecycledRows(torch.tensor([3]), torch.tensor([[1, 2]], dtype=torch.int32),
+                         torch.tensor([[200, 30]], dtype=torch.uint8)))
+    assert m.probs[3].tolist() == [200, 30]
+    m.apply(RecycledRows(torch.tensor([3]), torch.tensor([[4, 5]], dtype=torch.int32)))  # an ids-only peer
+    assert m.rows[3].tolist() == [4, 5] and m.probs[3].tolist() == [0, 0]
