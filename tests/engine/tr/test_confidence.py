@@ -19,7 +19,7 @@ def test_encode_decode_numpy_and_torch_agree():
 
 
 def test_recycled_probs_are_the_softmax_of_the_recycled_ids():
-    logits = torch.tensor([[2.0, 0.0, 1.0, -1.0], [0.0, 3.0, 0.0, 0.0]])  # [2, V=4]
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1.0], [0.5, 3.0, 0.0, -0.5]])  # [2, V=4]
     rows = recycle_rows(torch.tensor([5, 6]), logits, 2, accepted_path=[0])
     assert rows.topk.tolist() == [[0, 2], [1, 0]]
     soft = torch.softmax(logits, -1)
