@@ -25,21 +25,22 @@ from contextlib import contextmanager
 import torch
 
 from core.errors import InvalidArgument
-from engine.model.runner import ModelRunner, RowInput, quiet_torch_threads, uses_kernel_pool
+from engine.model.runner import ModelRunner, quiet_torch_threads, uses_kernel_pool
 from engine.request.request import PreparedRequest
 from engine.request.stops import StopChecker
 from engine.request.text import TextStream
 from engine.results import GenerationResult, GenerationStats, StepChunk
 from engine.scheduler import EngineConfig, Live, Scheduler
 from engine.sequence import Sequence
-from engine.step import accept_step, draft_step
+from engine.step import accept_step
 from engine.target import TargetModel
-from engine.tr.lookup import ContextLookup, Proposal
-from engine.tr.recycle import RecycledRows, select_rows, top_ids, top_probs
+from engine.tr.lookup import ContextLookup
+from engine.tr.recycle import top_ids, top_probs
 from engine.tr.sampling import choose, new_sampler
+from engine.drafting import Drafter, latest_rows, pending
 from engine.tree_budget import TreeBudget
 from engine.tuning.cost import CostFn, device_proxy
-from engine.tuning.online import OnlineTuner, StepPlan
+from engine.tuning.online import OnlineTuner
 from engine.tuning.records import AcceptanceLog
 
 __all__ = ["BatchEngine", "EngineConfig"]
@@ -77,6 +78,7 @@ class BatchEngine:
         self.scheduler = Scheduler(config, self.runner.kv)
         self.budget = TreeBudget(config, target, cost or device_proxy(self.runner.device.type),
                                  packed=self.runner.native is not None)
+        self.drafter = Drafter(self.budget, target.device, self.runner.dtype, packed=self.runner.native is not None)
         self.steps = 0
         self.times = StepTimes()
         self._looping = False  # a thread is in `run`
@@ -267,7 +269,7 @@ class BatchEngine:
         self.scheduler.join(live)
         live.root = int(choose(last, live.seq.sampler, 0)[0])
         if live.seed:
-            live.recycled = _latest_rows(*(torch.cat(part) for part in zip(*live.seed)))
+            live.recycled = latest_rows(*(torch.cat(part) for part in zip(*live.seed)))
             live.seed = []
         live.text = TextStream(self.target.tokenizer)
         live.prefill_s = time.perf_counter() - live.t0
@@ -275,7 +277,7 @@ class BatchEngine:
 
     def _decode(self) -> None:
         running, budget = self.scheduler.running, self.budget
-        drafts, inputs, spent_drafting = self._drafts()
+        drafts, inputs, spent_drafting = self.drafter.drafts(running, self.steps, self.scheduler.mean_kv())
         t0 = time.perf_counter()
         logits = self.runner.step(inputs)  # per row [w_b, V]
         budget.measured(budget.last_width, self.scheduler.mean_kv(), time.perf_counter() - t0)
@@ -302,53 +304,6 @@ class BatchEngine:
         budget.trees_verified(sum(live.session is not None for live in running), sum(d is not None for d in drafts))
         self.runner.keep(keep)
 
-    def _drafts(self) -> tuple[list, list[RowInput], list[float]]:
-        """Each running sequence's draft (None = plain decoding this step), its row input and the
-        seconds its drafting took, with tree sizes chosen for the whole batch (engine/tree_budget.py)."""
-        running, budget, kv = self.scheduler.running, self.budget, self.scheduler.mean_kv()
-        budget.begin_step(running, self.steps, kv)
-        staged, options = [], []
-        for live in running:
-            if live.session is None:  # an AR-mode request
-                staged.append(None)
-                options.append([(1, 1.0, 1, 0)])
-                continue
-            plan = live.seq.tuner.plan() if live.seq.tuner is not None else StepPlan(live.tree, None, explore=False)
-            proposal = live.seq.lookup.propose(plan.tree.template.lookup)
-            staged.append((plan, proposal))
-            options.append(budget.options(live, plan, proposal, len(running), kv))
-        chosen = budget.choose(options, kv)
-        drafts, inputs, spent = [], [], []
-        for live, stage, opts, j in zip(running, staged, options, chosen):
-            t0 = time.perf_counter()
-            _, _, size, chain = opts[j]  # chain: lookup tokens to verify (0: none)
-            draft = None if stage is None or size == 1 else self._draft(live, *stage, size, chain)
-            drafts.append(draft)
-            inputs.append(self._plain_input(live.root) if draft is None
-                          else RowInput(draft.tokens, draft.tree.depth, draft.tree.mask))
-            spent.append(time.perf_counter() - t0)
-        widths = [r.tokens.shape[0] for r in inputs]
-        budget.last_width = sum(widths) if self.runner.native is not None else len(widths) * max(widths)
-        return drafts, inputs, spent
-
-    def _draft(self, live: Live, plan: StepPlan, proposal, size: int | None, chain: int):
-        """What `live` verifies this step: its base tree cut to `size` nodes (None: the plan as it is)
-        and `chain` tokens of its lookup proposal. Only a sequence that verifies a tree drafts (and
-        hands over its pending rows) this step: a plain step costs a TR request no more than an AR one."""
-        drafted = live.session.step(_pending(live), live.root)  # [n_draft]
-        live.recycled = None
-        if size is not None and size < plan.tree.n:
-            sub = self.budget.subtree(plan.tree, size)
-            plan = StepPlan(sub, torch.arange(sub.n, device=self.target.device), explore=False)
-        if proposal is not None and chain and chain < len(proposal.tokens):
-            proposal = Proposal(proposal.tokens[:chain], proposal.ngram)
-        return draft_step(live.seq, drafted, plan, proposal, lookup=bool(chain))
-
-    def _plain_input(self, root: int) -> RowInput:
-        dev = self.target.device
-        return RowInput(torch.tensor([root], device=dev), torch.zeros(1, dtype=torch.long, device=dev),
-                        torch.zeros(1, 1, dtype=self.runner.dtype, device=dev))
-
     def cost(self, width: int, kv: int) -> float:
         """Seconds of a forward of `width` tokens at KV length `kv`, as the tree budget prices it."""
         return self.budget.cost(width, kv)
@@ -364,13 +319,26 @@ class BatchEngine:
         for live in done:
             self._finish(live)
 
+    @staticmethod
+    def _remember(live: Live) -> None:
+        """A finished request's prompt and output into its tenant's history (where its session keeps
+        one: engine/tr/history.py), for the tenant's later requests to draft from."""
+        remember = getattr(live.session, "remember", None)
+        if remember is None or not live.seq.generated:
+            return
+        try:
+            remember(list(live.seq.prepared.ids) + live.seq.generated)
+        except Exception:  # noqa: BLE001 - history is an optimisation: it must not fail the request
+            log.exception("adding a request to its tenant's history failed")
+
     def _finish(self, live: Live) -> None:
         seq, d = live.seq, self.target
         self.scheduler.release(live)
         info = None
         if live.session is not None:
+            self._remember(live)
             try:
-                live.session.close(_pending(live))
+                live.session.close(pending(live))
             finally:
                 info = live.session.info()
         decode_s = time.perf_counter() - live.t0 - live.prefill_s
@@ -379,26 +347,3 @@ class BatchEngine:
         stats = GenerationStats.build(seq, live.prefill_s, decode_s, info, tree)
         live.emit(GenerationResult(ids=seq.generated, text=text, finish_reason=seq.finish_reason or "cancelled",
                                    stats=stats))
-
-
-def _pending(live: Live) -> RecycledRows | None:
-    """The rows `live` has not handed to its session yet: its last tree step's, then its plain steps'
-    (for a token in both, the later row wins)."""
-    if not live.plain:
-        return live.recycled
-    topk = torch.stack([r for _, r, _ in live.plain])  # [m, K]
-    probs = torch.stack([p for _, _, p in live.plain])  # [m, K]
-    tokens = torch.tensor([t for t, _, _ in live.plain], dtype=torch.long, device=topk.device)  # [m]
-    live.plain = []
-    last = live.recycled
-    if last is not None:
-        last_probs = last.probs if last.probs is not None else torch.zeros_like(last.topk, dtype=torch.uint8)
-        tokens, topk = torch.cat([last.tokens, tokens]), torch.cat([last.topk, topk])
-        probs = torch.cat([last_probs, probs])
-    return _latest_rows(tokens, topk, probs)
-
-
-def _latest_rows(tokens: torch.Tensor, topk: torch.Tensor, probs: torch.Tensor) -> RecycledRows:
-    """tokens [m], topk [m, K], probs [m, K] in step order -> one row per token: a repeated token's latest."""
-    winners = select_rows(tokens, list(range(tokens.shape[0])))
-    return RecycledRows(tokens[winners], topk[winners], probs[winners])

@@ -10,6 +10,7 @@ import torch
 
 from engine.sequence import Sequence
 from engine.tr.accept import Acceptance, accept_greedy
+from engine.tr.dynamic import Grown
 from engine.tr.hybrid import Graft, graft, matched_run
 from engine.tr.lookup import Proposal
 from engine.tr.recycle import RecycledRows, recycle_rows
@@ -31,6 +32,7 @@ class Draft:
     plan: StepPlan  # the base tree (and, tuned, its cut from the drafted universe)
     grafted: Graft | None
     sources: tuple[int, ...] | None = None  # [n] index into SOURCES per node; None: base nodes matrix, chain context
+    grown: Grown | None = None  # a tree grown by confidence (engine/tr/dynamic.py): its first n nodes
 
     def source_of(self, node: int) -> int:
         if self.sources is not None:
@@ -58,6 +60,12 @@ def draft_step(seq: Sequence, drafted: torch.Tensor, plan: StepPlan, proposal: P
     return Draft(tokens, verify, plan, grafted)
 
 
+def grown_draft(grown: Grown, width: int, tree: CompiledTree, device) -> Draft:
+    """The first `width` nodes of a grown tree (`tree`: their compiled parents) as a draft."""
+    tokens = torch.tensor(grown.tokens[:width], dtype=torch.long, device=device)  # [w]
+    return Draft(tokens, tree, StepPlan(tree, None, explore=False), None, tuple(grown.source[:width]), grown)
+
+
 def accept_step(seq: Sequence, draft: Draft, logits: torch.Tensor, k: int, past: int,
                 topk: torch.Tensor | None = None) -> tuple[Acceptance, RecycledRows]:
     """logits: [n, V] of the draft's nodes (topk: their top-k ids [n, k] where the forward computed
@@ -67,7 +75,9 @@ def accept_step(seq: Sequence, draft: Draft, logits: torch.Tensor, k: int, past:
     acc = accept_greedy(draft.tokens, greedy, draft.tree)
     rows = recycle_rows(draft.tokens, logits, k, acc.path, topk)
     count_sources(seq, draft, acc.path)
-    if draft.plan.explore:
+    if draft.grown is not None:  # no template nodes to record: the engine calibrates the growth instead
+        pass
+    elif draft.plan.explore:
         _record(seq.tuner.log, acc, draft.plan.tree.n, draft.grafted, past)
         seq.tuner.recorded()
     elif seq.log is not None:

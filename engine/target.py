@@ -13,6 +13,7 @@ from engine.config import DecoderConfig
 from engine.model.loader import LoadedModel, load_model
 from engine.request.prompt import PromptBuilder, check_token_ids
 from engine.request.request import GenerationRequest, PreparedRequest
+from engine.tr.history import SuffixHistory
 from engine.tr.matrix import AdjacencyMatrix
 from engine.tr.source import DraftSource, LocalDraftSource
 from engine.tr.tree import CompiledTree, TreeTemplate, get_compiled, load_template
@@ -80,6 +81,12 @@ class TargetModel:
 
     def new_matrix(self) -> AdjacencyMatrix:
         return AdjacencyMatrix(self.spec, self.device)
+
+    def new_tenant(self, history: bool = True) -> LocalDraftSource:
+        """One tenant's in-process drafting state, to pass as `matrix=` to every request of that tenant:
+        a fresh matrix and (history=True) a history of its requests (engine/tr/history.py) that
+        dynamic trees draft from. Never share one between tenants."""
+        return LocalDraftSource(self.new_matrix(), SuffixHistory() if history else None)
 
     def _eos_ids(self) -> frozenset[int]:
         ids = set()

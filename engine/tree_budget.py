@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from engine.scheduler import EngineConfig, Live
 from engine.target import TargetModel
+from engine.tr.dynamic import Calibration, Grown
 from engine.tr.tree import CompiledTree, TreeTemplate
 from engine.tuning.budget import NodeRates, choose_options, choose_packed
 from engine.tuning.online import StepPlan
@@ -31,6 +32,7 @@ class TreeBudget:
         self.packed = packed  # rows packed without pads (the native forward): a step costs its summed width
         self._costs: dict[tuple[int, int], float] = {}  # (width, kv // 32): the cost model, looked up once
         self._rates: dict[tuple, NodeRates] = {}
+        self._calib: dict[tuple, Calibration] = {}  # per (tenant, tree): grown trees' calibration
         self._subtrees: dict[tuple[TreeTemplate, int], CompiledTree] = {}
         self.explorer: Live | None = None  # the sequence verifying its whole tree this step
         self._explore_credit = 0.0  # seconds of step time exploration may still spend
@@ -136,6 +138,39 @@ class TreeBudget:
         rates = self._node_rates(live)
         return rates.options([s for s in SIZES if s < plan.tree.n] + [plan.tree.n], chain)
 
+    def grown_options(self, live: Live, grown: Grown, b: int, kv: int) -> list[Option]:
+        """Options of a tree grown by confidence: plain decoding, then its first w nodes for the sizes
+        up to its whole (expected tokens: 1 + the sum of their scores, engine/tr/dynamic.py)."""
+        plain: Option = (1, 1.0, 1, 0)
+        if grown.n == 1:
+            return [plain]
+        if live is self.explorer:  # its whole grown tree now and then: bins the budget never picks stay measured
+            price = self._explore_price(grown.n, b, kv)
+            if price <= self._explore_credit:
+                self._explore_credit -= price
+                return [(grown.n, grown.expected(grown.n), grown.n, 0)]
+            self.explorer = None
+        if not self.config.batch_aware:
+            return [(grown.n, grown.expected(grown.n), grown.n, 0)]
+        return [plain] + [(w, grown.expected(w), w, 0) for w in SIZES if w < grown.n] + [
+            (grown.n, grown.expected(grown.n), grown.n, 0)]
+
+    def worth_growing(self, best: float, kv: int) -> bool:
+        """Whether a node scoring `best` (an upper bound of a grown tree's scores) could pay for a row
+        at one request (the cheapest case): some width w whose w - 1 nodes all scoring `best` beat plain
+        decoding under the cost model, the host time of a tree step and the margin."""
+        extra = max(self.host_s[True] - self.host_s[False], 0.0)
+        one = self.cost(1, kv)
+        return any(1 + (w - 1) * best > (self.cost(w, kv) + extra) / one * (1 + self.config.tree_margin)
+                   for w in (2, 4, 8, 16))
+
+    def calibration(self, live: Live) -> Calibration:
+        """The confidence calibration of `live`'s tenant (created on first use)."""
+        calib = self._calib.get(live.rates_key)
+        if calib is None:
+            calib = self._calib[live.rates_key] = Calibration()
+        return calib
+
     def choose(self, options: list[list[Option]], kv: int) -> list[int]:
         """The option index per sequence for this step."""
         opts = [[(w, t) for w, t, _, _ in o] for o in options]
@@ -154,7 +189,11 @@ class TreeBudget:
         return self._subtrees[key]
 
     def learn(self, live: Live, draft, acc) -> None:
-        """A verified draft's outcome into its tenant's node rates."""
+        """A verified draft's outcome into its tenant's node rates (a grown tree's: its calibration)."""
+        if draft.grown is not None:
+            w = draft.tokens.shape[0]
+            self.calibration(live).record(draft.grown.bins[:w], draft.grown.parent[:w], acc.path)
+            return
         if live.seq.tuner is not None:
             return
         rates = self._node_rates(live)

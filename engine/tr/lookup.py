@@ -71,6 +71,10 @@ class ContextLookup:
             for s in range(max(old - n, 0), len(toks) - n):
                 index[tuple(toks[s: s + n])] = s
 
+    def tail(self, n: int) -> list[int]:
+        """The last `n` tokens (all of them when there are fewer)."""
+        return self._tokens[-n:]
+
     def propose(self, caps: tuple[int, ...]) -> Proposal | None:
         """A proposal cut to caps[n - 1] tokens for the longest suffix match size n (see TreeTemplate.lookup);
         None when there is none, or when the longest match has cap 0 (smaller ones are not tried)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
+import numpy as np
 import torch
 
 from core.errors import InvalidArgument
@@ -70,6 +71,26 @@ class AdjacencyMatrix:
             self.probs[at] = rows.probs.to(self.rows.device) if rows.probs is not None else 0
             self.version += 1
             return self.version
+
+    def blended(self, rows: RecycledRows, keep: float = 0.5) -> RecycledRows:
+        """`rows` with each confidence averaged with what this matrix held for the same successor of
+        the same token (0 where it was not among them), so a stored confidence is a moving average
+        over the contexts the token was verified in (`keep` = the old value's weight): what predicts
+        acceptance in the next context, where one context's probability overstates it (measured: a
+        successor at p > 0.94 was accepted 39% of the time). Rows with no confidences yet (cold or
+        ids-only) take the new ones as they are.
+        Example, keep 0.5: old row [7, 9] at [200, 40], new [9, 3] at [180, 60] -> [110, 30]."""
+        if rows.probs is None:
+            return rows
+        at = rows.tokens.cpu().numpy()  # on host arrays: a few rows, where torch's per-op cost dominates
+        old_ids, old_p = self.rows.cpu().numpy()[at], self.probs.cpu().numpy()[at].astype(np.float32)  # [m, K]
+        new_ids, new_p = rows.topk.cpu().numpy(), rows.probs.cpu().numpy().astype(np.float32)  # [m, K]
+        same = new_ids[:, :, None] == old_ids[:, None, :]  # [m, K, K]
+        prev = (same * old_p[:, None, :]).sum(-1)  # [m, K] the old confidence of each new id
+        known = (old_p > 0).any(-1, keepdims=True)  # [m, 1]
+        avg = np.where(known, (1 - keep) * new_p + keep * prev, new_p)
+        probs = torch.from_numpy(np.rint(avg).clip(0, 255).astype(np.uint8)).to(rows.probs.device)
+        return RecycledRows(rows.tokens, rows.topk, probs)
 
     def draft(self, root: int, tree: CompiledTree) -> torch.Tensor:
         return draft_tokens(self.rows, root, tree)

@@ -18,6 +18,7 @@ from typing import Protocol
 import torch
 
 from core.model_spec import ModelSpec
+from engine.tr.history import SuffixHistory
 from engine.tr.matrix import AdjacencyMatrix
 from engine.tr.recycle import RecycledRows
 from engine.tr.tree import CompiledTree
@@ -56,11 +57,14 @@ class MatrixSession:
     `_step` (rows onwards, then the next tree; default: draft from the copy) and `_close`."""
 
     mode = "local"
+    local_drafts = True  # its copy holds the tenant's rows, so the engine may grow trees from it (dynamic trees)
 
     def __init__(self, matrix: AdjacencyMatrix, tree: CompiledTree) -> None:
         self.matrix = matrix
         self.tree = tree
         self.matrix_epoch: int | None = None  # the epoch of `version`, where a store or service gave one
+        # the tenant's suffix memory (engine/tr/history.py), set by the source at open; None = none
+        self.history: SuffixHistory | None = None
 
     @property
     def version(self) -> int:
@@ -69,8 +73,20 @@ class MatrixSession:
 
     def step(self, recycled: RecycledRows | None, root: int) -> torch.Tensor:
         if recycled is not None:
+            recycled = self.matrix.blended(recycled)  # what the copy and everything onwards store
             self.matrix.apply(recycled)
         return self._checked(self._step(recycled, root), root)  # [n]
+
+    def update(self, recycled: RecycledRows | None) -> None:
+        """Apply the last verification's rows (to the copy, then onwards) without drafting a static
+        tree: for an engine that grows its tree from `matrix` itself (engine/tr/dynamic.py)."""
+        if recycled is not None:
+            recycled = self.matrix.blended(recycled)
+            self.matrix.apply(recycled)
+            self._push(recycled)
+
+    def _push(self, recycled: RecycledRows) -> None:
+        """Rows onwards (a store, the matrix service) during the request; here nowhere."""
 
     def _checked(self, drafted: torch.Tensor, root: int) -> torch.Tensor:
         """Where drafts enter the engine: a draft is only a proposal (verification keeps the output
@@ -91,6 +107,7 @@ class MatrixSession:
 
     def close(self, recycled: RecycledRows | None) -> None:
         if recycled is not None:
+            recycled = self.matrix.blended(recycled)
             self.matrix.apply(recycled)
         self._close(recycled)
 
@@ -104,6 +121,12 @@ class MatrixSession:
         self.mode = "local-fallback"
         return first
 
+    def remember(self, tokens: list[int]) -> None:
+        """A finished request's prompt + output into the tenant's history, if the session has one
+        (the engine calls this before `close`). Here at once; a source may defer it (embedded)."""
+        if self.history is not None:
+            self.history.add(tokens)
+
     def _step(self, recycled: RecycledRows | None, root: int) -> torch.Tensor:
         return self.matrix.draft(root, self.tree)
 
@@ -112,11 +135,15 @@ class MatrixSession:
 
 
 class LocalDraftSource:
-    """Drafting from an in-process matrix; the same matrix object carries over between requests."""
+    """Drafting from an in-process matrix; the same matrix object, and the same `history` (a
+    SuffixHistory, or None for none), carry over between requests."""
 
-    def __init__(self, matrix: AdjacencyMatrix) -> None:
+    def __init__(self, matrix: AdjacencyMatrix, history: SuffixHistory | None = None) -> None:
         self.matrix = matrix
+        self.history = history
 
     def open(self, tree: CompiledTree, spec: ModelSpec) -> MatrixSession:
         self.matrix.spec.require(spec)
-        return MatrixSession(self.matrix, tree)
+        session = MatrixSession(self.matrix, tree)
+        session.history = self.history
+        return session

@@ -28,6 +28,7 @@ BUILTIN_DIR = Path(__file__).parent / "trees"
 MAX_RANK = 64
 MAX_NGRAM = 8
 MAX_CHAIN = 32
+MAX_DYNAMIC = 128
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,10 @@ class TreeTemplate:
     # Hybrid drafting: lookup[n-1] = most prompt-lookup chain nodes grafted when the longest
     # suffix match has n tokens (0 = ignore such matches); () = matrix drafting only.
     lookup: tuple[int, ...] = ()
+    # Dynamic trees (engine/tr/dynamic.py): > 0 = each step grow up to this many nodes (root included)
+    # by confidence instead of filling `paths`; the paths are then what a session that cannot grow
+    # trees (drafting by the matrix service) verifies. 0 = static.
+    dynamic: int = 0
 
     def __post_init__(self) -> None:
         if not self.paths:
@@ -58,6 +63,10 @@ class TreeTemplate:
                 f"tree {self.name!r}: lookup must list at most {MAX_NGRAM} chain lengths in [0, {MAX_CHAIN}] "
                 f"(one per suffix-match size 1, 2, ...), got {list(self.lookup)}"
             )
+        if isinstance(self.dynamic, bool) or not isinstance(self.dynamic, int) or not (
+                self.dynamic == 0 or 2 <= self.dynamic <= MAX_DYNAMIC):
+            raise InvalidArgument(f"tree {self.name!r}: dynamic must be 0 (static) or a node count in "
+                                  f"[2, {MAX_DYNAMIC}], got {self.dynamic!r}")
         for p in self.paths:
             if len(p) > 1 and p[:-1] not in seen:
                 raise InvalidArgument(
@@ -65,7 +74,7 @@ class TreeTemplate:
                 )
 
     @classmethod
-    def from_paths(cls, name: str, paths, description: str = "", lookup=()) -> TreeTemplate:
+    def from_paths(cls, name: str, paths, description: str = "", lookup=(), dynamic: int = 0) -> TreeTemplate:
         try:
             tuples = [tuple(int(r) if not isinstance(r, bool) else None for r in p) for p in paths]
         except (TypeError, ValueError) as e:
@@ -77,7 +86,7 @@ class TreeTemplate:
             chains = tuple(int(c) if not isinstance(c, bool) else -1 for c in lookup)
         except (TypeError, ValueError) as e:
             raise InvalidArgument(f"tree {name!r}: lookup must be a list of integer chain lengths ({e})") from None
-        return cls(name=name, paths=tuple(ordered), description=description, lookup=chains)
+        return cls(name=name, paths=tuple(ordered), description=description, lookup=chains, dynamic=dynamic)
 
     @property
     def size(self) -> int:
@@ -98,13 +107,15 @@ class TreeTemplate:
 
     @property
     def max_width(self) -> int:
-        """Widest verification forward: root + nodes + the longest lookup chain."""
-        return self.size + 1 + self.max_chain
+        """Widest verification forward: root + nodes + the longest lookup chain, or a grown tree."""
+        return max(self.size + 1 + self.max_chain, self.dynamic)
 
     def to_json(self) -> str:
         doc = {"name": self.name, "description": self.description, "paths": [list(p) for p in self.paths]}
         if self.lookup:
             doc["lookup"] = list(self.lookup)
+        if self.dynamic:
+            doc["dynamic"] = self.dynamic
         return json.dumps(doc)
 
 
@@ -135,7 +146,7 @@ def load_template(name_or_path: str) -> TreeTemplate:
     if not isinstance(lookup, list):
         raise InvalidArgument(f'tree file {str(path)!r}: "lookup" must be a list of chain lengths, e.g. [0, 4, 8]')
     return TreeTemplate.from_paths(str(doc.get("name") or path.stem), doc["paths"], str(doc.get("description", "")),
-                                   lookup)
+                                   lookup, doc.get("dynamic", 0))
 
 
 def grow_tree(name: str, node_scores: dict[tuple[int, ...], float], size: int, description: str = "") -> TreeTemplate:

@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import cached_property, lru_cache
 
+import numpy as np
 import torch
 
 from engine.tr.template import (
@@ -36,7 +37,7 @@ from engine.tr.template import (
 # `from engine.tr.tree import TreeTemplate, load_template` keeps working.
 __all__ = [
     "BUILTIN_DIR", "MAX_CHAIN", "MAX_NGRAM", "MAX_RANK", "CompiledTree", "TreeTemplate", "builtin_trees",
-    "compile_tree", "get_compiled", "grow_tree", "load_template",
+    "compile_parents", "compile_tree", "get_compiled", "grow_tree", "load_template",
 ]
 
 
@@ -124,3 +125,32 @@ def _compiled(template: TreeTemplate, device: str, dtype: torch.dtype) -> Compil
 def get_compiled(template: TreeTemplate, device: torch.device | str, dtype: torch.dtype) -> CompiledTree:
     """Compile once per (template, device, dtype) in this process."""
     return _compiled(template, str(device), dtype)
+
+
+def compile_parents(template: TreeTemplate, parent: list[int], device: torch.device | str = "cpu",
+                    dtype=torch.float32) -> CompiledTree:
+    """A tree given as parents (parent[0] = 0, every parent before its child: a grown tree,
+    engine/tr/dynamic.py) -> the index tensors verification and acceptance read. Built per step, so
+    on host lists and numpy. Example: parent [0, 0, 1, 1, 0] -> depth [0, 1, 2, 2, 1]."""
+    n = len(parent)
+    paths: list[tuple[int, ...]] = [(0,)]
+    for i in range(1, n):
+        paths.append(paths[parent[i]] + (i,))
+    depth = [len(p) - 1 for p in paths]
+    width = max(depth) + 1
+    path_nodes = np.full((n, width), -1, dtype=np.int64)  # [n, D+1]
+    allowed = np.zeros((n, n), dtype=bool)  # [n, n]
+    for i, p in enumerate(paths):
+        path_nodes[i, : len(p)] = p
+        allowed[i, list(p)] = True
+    mask = np.where(allowed, 0.0, torch.finfo(dtype).min)
+    kids: list[list[int]] = [[] for _ in range(n)]
+    for i in range(1, n):
+        kids[parent[i]].append(i)
+    dev = torch.device(device)
+    tree = CompiledTree(template=template, parent=torch.tensor(parent, device=dev), rank=torch.zeros(n, dtype=torch.long, device=dev),
+                        depth=torch.tensor(depth, device=dev), levels=(), mask=torch.from_numpy(mask).to(dev, dtype),
+                        path_nodes=torch.from_numpy(path_nodes).to(dev), children=tuple(tuple(k) for k in kids))
+    object.__setattr__(tree, "host_paths", tuple(paths))  # cached_property's slot, filled now
+    object.__setattr__(tree, "host_parent", tuple(parent))
+    return tree

@@ -33,7 +33,17 @@ def _prompts() -> list[dict]:
     return chosen[:N_PROMPTS]
 
 
-def _reference(loaded, ids: list[int], new_tokens: int = NEW_TOKENS):
+_REFERENCES: dict[tuple[int, ...], tuple] = {}  # the reference per prompt, computed once for every tree
+
+
+def _reference(loaded, ids: list[int]):
+    key = tuple(ids)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _generate(loaded, ids)
+    return _REFERENCES[key]
+
+
+def _generate(loaded, ids: list[int], new_tokens: int = NEW_TOKENS):
     """Plain greedy `generate` for exactly `new_tokens` tokens, decoding on through EOS.
 
     EOS is switched off in the model's generation config rather than with `min_new_tokens`, which
@@ -51,14 +61,14 @@ def _reference(loaded, ids: list[int], new_tokens: int = NEW_TOKENS):
     return out.sequences[0, len(ids):].tolist(), [lg[0] for lg in out.logits]
 
 
-def _batched_tr(decoder, prompt_ids: list[list[int]]) -> list:
+def _batched_tr(decoder, prompt_ids: list[list[int]], tree: str) -> list:
     """Every prompt's TR result, decoded 8 at a time by one engine with one hot matrix."""
     engine = BatchEngine(decoder, EngineConfig(max_batch=8, prefill_chunk=128, batch_aware=False))
     matrix = decoder.new_matrix()  # hot across prompts, as served
     outs: list[list] = [[] for _ in prompt_ids]
     for ids, out in zip(prompt_ids, outs):
         # the reference decodes on through EOS; TR must not stop there either
-        request = GenerationRequest(input_ids=ids, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+        request = GenerationRequest(input_ids=ids, max_new_tokens=NEW_TOKENS, ignore_eos=True, tree=tree)
         engine.submit(decoder.prepare(request), out.append, matrix=matrix)
     with engine.stepping():
         while engine.running or engine.waiting or engine.prefilling:
@@ -67,9 +77,10 @@ def _batched_tr(decoder, prompt_ids: list[list[int]]) -> list:
 
 
 @pytest.mark.slow
-def test_tr_matches_hf_greedy_on_real_prompts(decoder, hf_reference):
+@pytest.mark.parametrize("tree", ["cpu-hybrid", "dynamic"])  # a static template with lookup chains; grown trees
+def test_tr_matches_hf_greedy_on_real_prompts(decoder, hf_reference, tree):
     prompt_ids = [decoder.prompts.chat_ids([{"role": "user", "content": q["turns"][0]}]) for q in _prompts()]
-    results = _batched_tr(decoder, prompt_ids)
+    results = _batched_tr(decoder, prompt_ids, tree)
     near_ties, total_mat = [], []
     for q, ids, tr in zip(_prompts(), prompt_ids, results):
         ref_ids, ref_logits = _reference(hf_reference, ids)

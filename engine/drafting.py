@@ -1,0 +1,136 @@
+"""What each running sequence verifies this step: its draft, from a static tree (cut to the size the
+tree budget picked, with its lookup chain) or grown by confidence (engine/tr/dynamic.py), and the
+rows its last steps recycled that its session has not taken yet."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from engine.model.runner import RowInput
+from engine.scheduler import Live
+from engine.step import draft_step, grown_draft
+from engine.tr.dynamic import CONTEXT, HISTORY, Chain, Grown, best_first_score, grow
+from engine.tr.lookup import Proposal
+from engine.tr.recycle import RecycledRows, select_rows
+from engine.tr.source import MatrixSession
+from engine.tr.tree import compile_parents
+from engine.tree_budget import TreeBudget
+from engine.tuning.online import StepPlan
+
+
+class Drafter:
+    """The drafting half of an engine step (engine thread only)."""
+
+    def __init__(self, budget: TreeBudget, device: torch.device, dtype: torch.dtype, packed: bool) -> None:
+        self.budget, self.device, self.dtype = budget, device, dtype
+        self.packed = packed  # rows packed without pads (the native forward): a step costs its summed width
+
+    def drafts(self, running: list[Live], steps: int, kv: int) -> tuple[list, list[RowInput], list[float]]:
+        """Each running sequence's draft (None = plain decoding this step), its row input and the
+        seconds its drafting took, with tree sizes chosen for the whole batch (engine/tree_budget.py)."""
+        budget = self.budget
+        budget.begin_step(running, steps, kv)
+        staged, options = [], []
+        for live in running:
+            if live.session is None:  # an AR-mode request
+                staged.append(None)
+                options.append([(1, 1.0, 1, 0)])
+                continue
+            if self._grows(live):
+                grown = self._grow(live, kv)
+                staged.append(grown)
+                options.append(budget.grown_options(live, grown, len(running), kv))
+                continue
+            plan = live.seq.tuner.plan() if live.seq.tuner is not None else StepPlan(live.tree, None, explore=False)
+            proposal = live.seq.lookup.propose(plan.tree.template.lookup)
+            staged.append((plan, proposal))
+            options.append(budget.options(live, plan, proposal, len(running), kv))
+        chosen = budget.choose(options, kv)
+        drafts, inputs, spent = [], [], []
+        for live, stage, opts, j in zip(running, staged, options, chosen):
+            t0 = time.perf_counter()
+            _, _, size, chain = opts[j]  # chain: lookup tokens to verify (0: none)
+            if stage is None or size == 1:
+                draft = None
+            elif isinstance(stage, Grown):
+                tree = compile_parents(live.tree.template, stage.parent[:size], self.device, self.dtype)
+                draft = grown_draft(stage, size, tree, self.device)
+            else:
+                draft = self._draft(live, *stage, size, chain)
+            drafts.append(draft)
+            inputs.append(self._plain_input(live.root) if draft is None
+                          else RowInput(draft.tokens, draft.tree.depth, draft.tree.mask))
+            spent.append(time.perf_counter() - t0)
+        widths = [r.tokens.shape[0] for r in inputs]
+        budget.last_width = sum(widths) if self.packed else len(widths) * max(widths)
+        return drafts, inputs, spent
+
+    def _grows(self, live: Live) -> bool:
+        """Whether `live` drafts by growing trees from confidence: a dynamic tree, no tuner, and a
+        session whose private copy holds the tenant's rows."""
+        return bool(live.tree.template.dynamic) and live.seq.tuner is None and isinstance(
+            live.session, MatrixSession) and live.session.local_drafts
+
+    def _grow(self, live: Live, kv: int) -> Grown:
+        """This step's grown tree for `live` (its root alone when no node could pay for a row). The
+        session takes the pending rows first, so the tree drafts from them at once."""
+        session, seq = live.session, live.seq
+        session.update(pending(live))
+        live.recycled = None
+        m, template = session.matrix, live.tree.template
+        rows, probs = m.rows.cpu().numpy(), m.probs.cpu().numpy()  # [V, K] views on a CPU matrix
+        chains = [c for c in (Chain.of(seq.lookup.propose(template.lookup), CONTEXT), self._history(live)) if c]
+        calib = self.budget.calibration(live)
+        if not self.budget.worth_growing(best_first_score(rows, probs, live.root, calib, chains), kv):
+            return Grown([live.root], [0], [0], [-1], [1.0])
+        return grow(rows, probs, live.root, calib, chains, template.dynamic)
+
+    def _history(self, live: Live) -> Chain | None:
+        """A continuation from the tenant's earlier requests (its session's history), if it has one."""
+        history = getattr(live.session, "history", None)
+        if history is None:
+            return None
+        return Chain.of(history.propose(live.seq.lookup.tail(history.max_ngram), live.tree.template.dynamic), HISTORY)
+
+    def _draft(self, live: Live, plan: StepPlan, proposal, size: int | None, chain: int):
+        """What `live` verifies this step: its base tree cut to `size` nodes (None: the plan as it is)
+        and `chain` tokens of its lookup proposal. Only a sequence that verifies a tree drafts (and
+        hands over its pending rows) this step: a plain step costs a TR request no more than an AR one."""
+        drafted = live.session.step(pending(live), live.root)  # [n_draft]
+        live.recycled = None
+        if size is not None and size < plan.tree.n:
+            sub = self.budget.subtree(plan.tree, size)
+            plan = StepPlan(sub, torch.arange(sub.n, device=self.device), explore=False)
+        if proposal is not None and chain and chain < len(proposal.tokens):
+            proposal = Proposal(proposal.tokens[:chain], proposal.ngram)
+        return draft_step(live.seq, drafted, plan, proposal, lookup=bool(chain))
+
+    def _plain_input(self, root: int) -> RowInput:
+        dev = self.device
+        return RowInput(torch.tensor([root], device=dev), torch.zeros(1, dtype=torch.long, device=dev),
+                        torch.zeros(1, 1, dtype=self.dtype, device=dev))
+
+
+def pending(live: Live) -> RecycledRows | None:
+    """The rows `live` has not handed to its session yet: its last tree step's, then its plain steps'
+    (for a token in both, the later row wins)."""
+    if not live.plain:
+        return live.recycled
+    topk = torch.stack([r for _, r, _ in live.plain])  # [m, K]
+    probs = torch.stack([p for _, _, p in live.plain])  # [m, K]
+    tokens = torch.tensor([t for t, _, _ in live.plain], dtype=torch.long, device=topk.device)  # [m]
+    live.plain = []
+    last = live.recycled
+    if last is not None:
+        last_probs = last.probs if last.probs is not None else torch.zeros_like(last.topk, dtype=torch.uint8)
+        tokens, topk = torch.cat([last.tokens, tokens]), torch.cat([last.topk, topk])
+        probs = torch.cat([last_probs, probs])
+    return latest_rows(tokens, topk, probs)
+
+
+def latest_rows(tokens: torch.Tensor, topk: torch.Tensor, probs: torch.Tensor) -> RecycledRows:
+    """tokens [m], topk [m, K], probs [m, K] in step order -> one row per token: a repeated token's latest."""
+    winners = select_rows(tokens, list(range(tokens.shape[0])))
+    return RecycledRows(tokens[winners], topk[winners], probs[winners])
