@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from core.datasets import prompt_file
+from core.datasets import PROMPT_SETS, prompt_file
 
 DEFAULT_PROMPTS = str(prompt_file("spec_bench"))  # bundled with the repository (core/data/)
 DECODERS = ("hf", "pld", "ar", "tr", "tr-paper")
@@ -11,7 +11,12 @@ OPTIONAL = ("tr-full", "tr-matrix", "tr-adaptive", "llamacpp")
 
 def register(sub) -> None:
     p = sub.add_parser("bench", help="benchmark TR against HF generate and prompt lookup decoding")
-    p.add_argument("--prompts", default=DEFAULT_PROMPTS, help="Spec-Bench style jsonl (question_id, category, turns)")
+    p.add_argument("--workload", default="spec_bench", choices=PROMPT_SETS,
+                   help="bundled prompt set (core/data/): spec_bench (default), mbpp (code), or repetitive (code "
+                        "edits, one-template extraction, agent loops re-sending their context); with --concurrency, "
+                        "repetitive sends both turns and makes each category one tenant")
+    p.add_argument("--prompts", default=None,
+                   help="Spec-Bench style jsonl (question_id, category, turns); given, it replaces the workload's file")
     p.add_argument("--per-category", type=int, default=1, help="questions per category (the first N in file order)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--warm-per-category", type=int, default=0,
@@ -19,7 +24,9 @@ def register(sub) -> None:
                         "decoders first, untimed, so their matrices start as after earlier traffic")
     p.add_argument("--decoders", default=",".join(DECODERS), help=f"comma list from {','.join(DECODERS + OPTIONAL)}")
     p.add_argument("--tree", default=None, help="tree for the 'tr' decoder (default: this installation's default)")
-    p.add_argument("--first-turn-only", action="store_true", help="skip the second turn of multi-turn questions")
+    p.add_argument("--first-turn-only", action="store_true",
+                   help="skip the second turn of multi-turn questions (--concurrency sends first turns only "
+                        "anyway, except with --workload repetitive)")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for the 'pld' decoder")
     p.add_argument("--model", default=None, help="model source (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
@@ -45,11 +52,16 @@ def register(sub) -> None:
     p.set_defaults(func=_run)
 
 
+def prompts_of(args) -> str:
+    """--prompts when given, else the bundled file of --workload."""
+    return args.prompts or str(prompt_file(args.workload))
+
+
 def _run(args) -> int:
     if args.profile:
         from bench.profile import ProfileConfig, run_profile
 
-        run_profile(ProfileConfig(prompts=args.prompts, max_new_tokens=min(args.max_new_tokens, 64),
+        run_profile(ProfileConfig(prompts=prompts_of(args), max_new_tokens=min(args.max_new_tokens, 64),
                                   kernels=args.kernels,
                                   threads=args.threads, json_path=args.json or "bench-results/profile.json"))
         return 0
@@ -58,7 +70,7 @@ def _run(args) -> int:
     from bench.runner import BenchConfig, run_bench
 
     config = BenchConfig(
-        prompts=args.prompts, per_category=args.per_category, max_new_tokens=args.max_new_tokens,
+        prompts=prompts_of(args), per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         decoders=tuple(d.strip() for d in args.decoders.split(",") if d.strip()), tree=args.tree,
         first_turn_only=args.first_turn_only, pld_tokens=args.pld_tokens, model=args.model,
         threads=args.threads, kernels=args.kernels, json_path=args.json or "bench-results/bench.json",
@@ -71,11 +83,13 @@ def _run(args) -> int:
 def _run_concurrency(args) -> int:
     from bench.concurrency import ConcurrencyConfig, run_concurrency
 
+    repetitive = args.workload == "repetitive"  # its repetition is in turn 2 and across a tenant's requests
     config = ConcurrencyConfig(
-        prompts=args.prompts, levels=tuple(int(x) for x in args.concurrency.split(",") if x.strip()),
+        prompts=prompts_of(args), levels=tuple(int(x) for x in args.concurrency.split(",") if x.strip()),
         max_new_tokens=args.max_new_tokens, kernels=args.kernels, threads=args.threads,
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         json_path=args.json or "bench-results/concurrency.json",
+        all_turns=repetitive and not args.first_turn_only, tenant_per_category=repetitive,
     )
     run_concurrency(config)
     return 0

@@ -2,14 +2,18 @@
 closed-loop load, in one process (no gRPC: the engine is what is measured).
 
 At concurrency c, c clients each send a request, and the next one as soon as theirs finishes,
-until `requests(c)` have run; 4 tenants in turn, each with its own hot matrix. Modes:
+until `requests(c)` have run; 4 tenants in turn, each with its own hot matrix. First turns only,
+unless `all_turns` (a client then sends a question's next turn after its own answer to the last,
+each turn one request), and `tenant_per_category` makes every category one tenant instead
+(`trserve bench --workload repetitive` sets both). Modes:
 `tr` (batched, batch-aware trees), `ar` (batched plain decoding, the same kernels), `serial`
 (one request at a time: a FIFO queue in front of `Decoder.generate`, whose engine takes one
 request and verifies its whole tree each step), and on
 request `tr-full` (batched TR with the budget off: every request verifies its whole tree each
 step, as `trserve serve --full-trees`; what the budget gains or loses). Per level:
 aggregate tokens/s, requests/s, latency and time-to-first-token percentiles, mean accepted tokens,
-the share of the level's time spent in prompt forwards and the tokens/s of the rest (decoding).
+the share of the level's time spent in prompt forwards and the tokens/s of the rest (decoding), and
+for TR modes the draft tokens per source (drafted, accepted).
 """
 
 from __future__ import annotations
@@ -26,8 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bench.report import draft_sources, source_lines
+
 log = logging.getLogger("trserve.bench")
 MODES = ("tr", "ar", "serial", "tr-full")
+Turn = tuple[str, list[dict], list[str]]  # (tenant, messages of this request, the conversation's user turns left)
 
 
 @dataclass(frozen=True)
@@ -42,6 +49,8 @@ class ConcurrencyConfig:
     kernels: str = "auto"
     threads: int | None = None
     json_path: str = "bench-results/concurrency.json"
+    all_turns: bool = False  # send every turn of a question (each after the client's own answer), not only the first
+    tenant_per_category: bool = False  # a tenant per category (its requests share a matrix), not `tenants` in turn
 
     def __post_init__(self) -> None:
         if not self.levels or min(self.levels) < 1 or set(self.modes) - set(MODES) or not self.modes:
@@ -53,14 +62,47 @@ class ConcurrencyConfig:
         return max(self.min_requests, 2 * c)
 
 
-def _prompts(path: str) -> list[list[dict]]:
-    """First turns, categories interleaved (the file is sorted by category): every level sees a mix."""
+def _mixed(path: str) -> list[dict]:
+    """The questions, categories interleaved (the file is sorted by category): every level sees a mix."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
     by_cat: dict[str, list[dict]] = {}
     for r in rows:
         by_cat.setdefault(r.get("category", ""), []).append(r)
-    mixed = [r for group in itertools.zip_longest(*by_cat.values()) for r in group if r is not None]
-    return [[{"role": "user", "content": r["turns"][0]}] for r in mixed]
+    return [r for group in itertools.zip_longest(*by_cat.values()) for r in group if r is not None]
+
+
+def _prompts(path: str) -> list[list[dict]]:
+    """First turns, categories interleaved."""
+    return [[{"role": "user", "content": r["turns"][0]}] for r in _mixed(path)]
+
+
+def conversations(path: str, config: ConcurrencyConfig) -> list[tuple[str, list[str]]]:
+    """(tenant, user turns) per question, categories interleaved: the tenant is the category
+    (config.tenant_per_category) or the n-th question's n % config.tenants; every turn (config.all_turns)
+    or the first."""
+    return [(r.get("category", "") if config.tenant_per_category else str(i % config.tenants),
+             list(r["turns"]) if config.all_turns else [r["turns"][0]]) for i, r in enumerate(_mixed(path))]
+
+
+def _opening(feed) -> Turn:
+    tenant, turns = next(feed)
+    return tenant, [{"role": "user", "content": turns[0]}], turns[1:]
+
+
+def _follow(feed, turn: Turn, answer: str) -> Turn:
+    """A client's next request: its conversation's next turn after its own answer, else a new conversation."""
+    tenant, messages, rest = turn
+    if not rest:
+        return _opening(feed)
+    return tenant, [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": rest[0]}], rest[1:]
+
+
+def _done(stats, tokens: int, latency: float, ttft: float, sources: bool) -> dict:
+    """One finished request; `sources`: with its draft tokens per source (TR modes)."""
+    out = {"tokens": tokens, "latency": latency, "ttft": ttft, "mat": stats.mat}
+    if sources:
+        out.update(drafted=dict(stats.drafted), accepted=dict(stats.accepted))
+    return out
 
 
 def _percentile(xs: list[float], q: float) -> float:
@@ -73,15 +115,19 @@ def _summary(mode: str, c: int, done: list[dict], wall: float, prefill_s: float)
     tokens = sum(r["tokens"] for r in done)
     lat = [r["latency"] for r in done]
     ttft = [r["ttft"] for r in done]
-    return {"mode": mode, "concurrency": c, "requests": len(done), "tokens": tokens, "seconds": round(wall, 3),
-            "tokens_per_s": round(tokens / wall, 2), "prefill_share": round(prefill_s / wall, 3),
-            "decode_tokens_per_s": round(tokens / max(wall - prefill_s, 1e-9), 2), "requests_per_s": round(len(done) / wall, 3),
-            "latency_p50_s": round(_percentile(lat, 50), 3), "latency_p99_s": round(_percentile(lat, 99), 3),
-            "ttft_p50_s": round(_percentile(ttft, 50), 3), "ttft_p99_s": round(_percentile(ttft, 99), 3),
-            "mat": round(float(np.mean([r["mat"] for r in done])), 3)}
+    row = {"mode": mode, "concurrency": c, "requests": len(done), "tokens": tokens, "seconds": round(wall, 3),
+          "tokens_per_s": round(tokens / wall, 2), "prefill_share": round(prefill_s / wall, 3),
+          "decode_tokens_per_s": round(tokens / max(wall - prefill_s, 1e-9), 2), "requests_per_s": round(len(done) / wall, 3),
+          "latency_p50_s": round(_percentile(lat, 50), 3), "latency_p99_s": round(_percentile(lat, 99), 3),
+          "ttft_p50_s": round(_percentile(ttft, 50), 3), "ttft_p99_s": round(_percentile(ttft, 99), 3),
+          "mat": round(float(np.mean([r["mat"] for r in done])), 3)}
+    sources = draft_sources(done)  # TR modes: draft tokens per source over the level's requests
+    if sources is not None:
+        row["draft_sources"] = sources
+    return row
 
 
-def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, prompts, matrices) -> dict:
+def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, convs, matrices: dict) -> dict:
     from engine import GenerationRequest
     from engine.engine import BatchEngine, EngineConfig
     from engine.tuning.cost import engine_cost
@@ -89,12 +135,12 @@ def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, prompts, mat
 
     engine = BatchEngine(decoder, EngineConfig(max_batch=max(config.levels), prefill_chunk=config.prefill_chunk,
                                                batch_aware=mode != "tr-full"), engine_cost(decoder, measure=True))
-    feed = itertools.cycle(enumerate(prompts))
+    feed = itertools.cycle(convs)
     total, started, done = config.requests(c), 0, []
 
-    def send() -> None:
+    def send(turn: Turn) -> None:
         nonlocal started
-        i, messages = next(feed)
+        tenant, messages, _ = turn
         t0, first = time.perf_counter(), []
         request = GenerationRequest(messages=messages, max_new_tokens=config.max_new_tokens,
                                     mode="ar" if mode == "ar" else "tr")
@@ -104,16 +150,16 @@ def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, prompts, mat
             if not first:
                 first.append(now - t0)
             if isinstance(item, GenerationResult):
-                done.append({"tokens": len(item.ids), "latency": now - t0, "ttft": first[0], "mat": item.stats.mat})
+                done.append(_done(item.stats, len(item.ids), now - t0, first[0], sources=mode != "ar"))
                 if started < total:
-                    send()
+                    send(_follow(feed, turn, item.text))
 
         started += 1
-        engine.submit(decoder.prepare(request), emit, matrix=matrices[i % len(matrices)], tenant=str(i % len(matrices)))
+        engine.submit(decoder.prepare(request), emit, matrix=matrices[tenant], tenant=tenant)
 
     t0 = time.perf_counter()
     for _ in range(min(c, total)):
-        send()
+        send(_opening(feed))
     with engine.stepping(), _prefill_timed(engine.runner) as chunk_s:
         while engine.running or engine.waiting or engine.prefilling:
             engine.step()
@@ -139,25 +185,26 @@ def _prefill_timed(runner):
         runner.prefill = prefill
 
 
-def _serial(decoder, c: int, config: ConcurrencyConfig, prompts, matrices) -> dict:
+def _serial(decoder, c: int, config: ConcurrencyConfig, convs, matrices: dict) -> dict:
     """c clients in front of a one-at-a-time server: each request waits for those ahead of it."""
-    feed = itertools.cycle(enumerate(prompts))
+    feed = itertools.cycle(convs)
     total, done, prefill_s = config.requests(c), [], 0.0
-    queue: deque[tuple[float, int, list[dict]]] = deque()
+    queue: deque[tuple[float, Turn]] = deque()
     t0 = time.perf_counter()
     for _ in range(min(c, total)):
-        queue.append((time.perf_counter(), *next(feed)))
+        queue.append((time.perf_counter(), _opening(feed)))
     started = len(queue)
     while queue:
-        sent, i, messages = queue.popleft()
+        sent, turn = queue.popleft()
+        tenant, messages, _ = turn
         begin = time.perf_counter()
-        r = decoder.generate(messages=messages, max_new_tokens=config.max_new_tokens, matrix=matrices[i % len(matrices)])
+        r = decoder.generate(messages=messages, max_new_tokens=config.max_new_tokens, matrix=matrices[tenant])
         now = time.perf_counter()
-        done.append({"tokens": len(r.ids), "latency": now - sent, "ttft": begin - sent + r.stats.prefill_s,
-                     "mat": r.stats.mat})
+        done.append(_done(r.stats, len(r.ids), now - sent, begin - sent + r.stats.prefill_s,
+                          sources=r.stats.draft_mode != "none"))
         prefill_s += r.stats.prefill_s
         if started < total:
-            queue.append((now, *next(feed)))
+            queue.append((now, _follow(feed, turn, r.text)))
             started += 1
     return _summary("serial", c, done, time.perf_counter() - t0, prefill_s)
 
@@ -206,17 +253,18 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
     if config.threads:
         torch.set_num_threads(config.threads)
     decoder = Decoder(DecoderConfig(model=ModelConfig(kernels=config.kernels, threads=config.threads)))
-    prompts = _prompts(config.prompts)
+    prompts, convs = _prompts(config.prompts), conversations(config.prompts, config)
     decoder.generate(messages=prompts[0], max_new_tokens=16)  # warm-up
     rows = []
     # each mode's matrices stay hot per tenant across levels; the modes take turns at each level, so a
     # shared host's slow minutes fall on all of them alike (run one after the other, a mode that ran in
     # a slow spell looked up to 20% slower than one that did not)
-    matrices = {mode: [decoder.new_matrix() for _ in range(config.tenants)] for mode in config.modes}
+    tenants = list(dict.fromkeys(tenant for tenant, _ in convs))
+    matrices = {mode: {t: decoder.new_tenant() for t in tenants} for mode in config.modes}  # matrix + history
     for c in config.levels:
         for mode in config.modes:
-            row = (_serial(decoder, c, config, prompts, matrices[mode]) if mode == "serial"
-                   else _batched(decoder, mode, c, config, prompts, matrices[mode]))
+            row = (_serial(decoder, c, config, convs, matrices[mode]) if mode == "serial"
+                   else _batched(decoder, mode, c, config, convs, matrices[mode]))
             log.info("%s", row)
             rows.append(row)
     rows.sort(key=lambda r: config.modes.index(r["mode"]))  # stable: levels ascending within a mode
@@ -232,7 +280,7 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
         f"\nfairness: a {fair['prompt_tokens']}-token prompt arrives while 4 requests decode: their p99 "
         f"inter-token gap {fair['gap_p99_before_s'] * 1e3:.0f} ms before, {fair['gap_p99_during_s'] * 1e3:.0f} ms "
         f"during its prefill ({fair['chunks']} chunks of {fair['prefill_chunk']}, "
-        f"{fair['chunk_s_mean'] * 1e3:.0f} ms each, max {fair['chunk_s_max'] * 1e3:.0f} ms)")
+        f"{fair['chunk_s_mean'] * 1e3:.0f} ms each, max {fair['chunk_s_max'] * 1e3:.0f} ms)") + format_sources(rows)
     path.with_suffix(".txt").write_text(table + "\n")
     print(table)
     plot(rows, path.with_suffix(".png"))
@@ -248,6 +296,16 @@ def format_table(rows: list[dict]) -> str:
                      f"{r['ttft_p50_s']:>9.2f}s{r['ttft_p99_s']:>9.2f}s{r['mat']:>6.2f}"
                      f"{r['prefill_share'] * 100:>8.0f}%{r['decode_tokens_per_s']:>14.1f}")
     return "\n".join(lines)
+
+
+def format_sources(rows: list[dict]) -> str:
+    """Draft tokens per source of the TR modes' levels, after a blank line, to append to a table ("" when
+    no row has them)."""
+    sources = [(f"{r['mode']:<8}{r['concurrency']:>5}", r["draft_sources"]) for r in rows if "draft_sources" in r]
+    if not sources:
+        return ""
+    return "\n\n" + "\n".join(["draft sources: accepted / drafted tokens (acceptance)",
+                                *source_lines(sources, f"{'mode':<8}{'conc':>5}")])
 
 
 def plot(rows: list[dict], path: Path) -> None:

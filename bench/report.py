@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
-from collections import defaultdict
+from collections import Counter, defaultdict
 from pathlib import Path
+
+SOURCES = ("matrix", "context", "history")  # the engine's draft sources, in table order (others after)
 
 
 def _aggregate(rows: list[dict], baseline_tps: float | None, pld_tps: float | None = None) -> dict:
@@ -16,7 +18,35 @@ def _aggregate(rows: list[dict], baseline_tps: float | None, pld_tps: float | No
            "speedup_vs_hf": round(tps / baseline_tps, 3) if baseline_tps else None,
            "speedup_vs_pld": round(tps / pld_tps, 3) if pld_tps else None,
            "mat": round(sum(r["step_tokens"] for r in steps) / sum(r["steps"] for r in steps), 3) if steps else None}
+    sources = draft_sources(rows)
+    if sources is not None:
+        out["draft_sources"] = sources
     return out
+
+
+def draft_sources(rows: list[dict]) -> dict | None:
+    """Draft tokens per source over the rows that carry `drafted` and `accepted` dicts (source -> count,
+    as GenerationStats has them; TR requests only): {"by_source": {source: {"drafted", "accepted",
+    "acceptance"}}, "total": {...}}, acceptance = accepted / drafted (None when nothing was drafted).
+    None when no row carries them (plain decoding, peers)."""
+    rows = [r for r in rows if r.get("drafted") is not None]
+    if not rows:
+        return None
+    drafted, accepted = Counter(), Counter()
+    for r in rows:
+        drafted.update(r["drafted"])
+        accepted.update(r.get("accepted") or {})
+    names = sorted(set(drafted) | set(accepted), key=_source_order)
+
+    def entry(d: int, a: int) -> dict:
+        return {"drafted": d, "accepted": a, "acceptance": round(a / d, 4) if d else None}
+
+    return {"by_source": {s: entry(drafted[s], accepted[s]) for s in names},
+            "total": entry(sum(drafted.values()), sum(accepted.values()))}
+
+
+def _source_order(name: str) -> tuple[int, str]:
+    return (SOURCES.index(name) if name in SOURCES else len(SOURCES), name)
 
 
 def summarise(records: list[dict], decoders: list[str], sampled: bool = False) -> dict:
@@ -65,7 +95,39 @@ def format_table(report: dict) -> str:
                  for d in decs]
         extra = f"{_x(per['tr']['speedup_vs_pld']):>11}" if vs_pld else ""
         lines.append(f"{cat:<15}" + "".join(f"{c:>22}" for c in cells) + extra)
+    lines += format_sources(report)
     return "\n".join(lines)
+
+
+def format_sources(report: dict) -> list[str]:
+    """The per-source table (TR decoders only): overall, then per category; [] when no decoder drafted."""
+    rows = []
+    for name, agg in report["decoders"].items():
+        if "draft_sources" in agg:
+            rows.append((name, "all", agg["draft_sources"]))
+            rows += [(name, cat, per[name]["draft_sources"]) for cat, per in report["per_category"].items()
+                     if "draft_sources" in per.get(name, {})]
+    if not rows:
+        return []
+    lines = ["", "draft sources: accepted / drafted tokens (acceptance)"]
+    return lines + source_lines([(f"{name:<12}{cat:<15}", src) for name, cat, src in rows], f"{'decoder':<12}{'category':<15}")
+
+
+def source_lines(rows: list[tuple[str, dict]], head: str) -> list[str]:
+    """One line per (label, draft_sources) with a column per source seen in any row, then the total."""
+    names = sorted({s for _, src in rows for s in src["by_source"]}, key=_source_order)
+    lines = [head + "".join(f"{s:>22}" for s in [*names, "total"])]
+    for label, src in rows:
+        cells = [_cell(src["by_source"].get(s)) for s in names] + [_cell(src["total"])]
+        lines.append(label + "".join(f"{c:>22}" for c in cells))
+    return lines
+
+
+def _cell(e: dict | None) -> str:
+    if not e:
+        return "-"
+    rate = f"{e['acceptance'] * 100:.1f}%" if e["acceptance"] is not None else "-"
+    return f"{e['accepted']}/{e['drafted']} ({rate})"
 
 
 def _x(v):

@@ -12,6 +12,7 @@ prompt lookup), `tr-adaptive` = TR re-tuning its tree online (`DecoderConfig(tre
 by `make bench-peers`), with the same threads, chat-templated prompt ids and token budget.
 Each TR decoder keeps one matrix hot across all prompts (after an untimed warm-up), as a served
 deployment would. Multi-turn questions ask turn 2 after each decoder's own answer to turn 1.
+TR decoders also record their draft tokens per source (GenerationStats.drafted / accepted).
 """
 
 from __future__ import annotations
@@ -104,7 +105,7 @@ class _TR:
 
     def __init__(self, decoder, engine, mode: str, tree: str | None, temperature: float) -> None:
         self.decoder, self.engine, self.mode, self.tree, self.temperature = decoder, engine, mode, tree, temperature
-        self.matrix = decoder.new_matrix() if mode == "tr" else None
+        self.matrix = decoder.new_tenant() if mode == "tr" else None  # one tenant: its matrix and history
         self.calls = itertools.count()
 
     def __call__(self, messages, max_new_tokens):
@@ -338,8 +339,15 @@ def _ask(name: str, run, q: dict, runners: dict, config: BenchConfig, progress: 
         records.append({"decoder": name, "question_id": q["question_id"], "category": q["category"],
                         "turn": t, "ids": ids, "seconds": elapsed, "tokens": len(ids),
                         "steps": stats.steps if stats else None,
-                        "step_tokens": sum(stats.accepted_per_step) if stats else None})
+                        "step_tokens": sum(stats.accepted_per_step) if stats else None, **_sources(run, stats)})
     return records
+
+
+def _sources(run, stats) -> dict:
+    """A TR decoder's draft tokens per source (GenerationStats.drafted / accepted); nothing for the others."""
+    if stats is None or getattr(run, "mode", None) != "tr":
+        return {}
+    return {"drafted": dict(getattr(stats, "drafted", {})), "accepted": dict(getattr(stats, "accepted", {}))}
 
 
 def _tokenizer(runners):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.concurrency import _summary, format_table
+from bench.concurrency import _summary, format_sources, format_table
 
 
 def test_summary_splits_prefill_from_decode():
@@ -14,3 +14,72 @@ def test_summary_splits_prefill_from_decode():
     assert row["mat"] == 1.25
     line = format_table([row]).splitlines()[1]
     assert "38%" in line and line.endswith("40.0")
+
+
+def test_summary_aggregates_draft_sources_of_tr_requests():
+    from bench.concurrency import _done
+
+    class Stats:
+        mat, drafted, accepted = 2.0, {"matrix": 6, "context": 4}, {"matrix": 1, "context": 3}
+
+    done = [_done(Stats, 10, 1.0, 0.1, sources=True), _done(Stats, 10, 1.0, 0.1, sources=True)]
+    row = _summary("tr", 2, done, wall=2.0, prefill_s=0.5)
+    assert row["draft_sources"]["by_source"]["context"] == {"drafted": 8, "accepted": 6, "acceptance": 0.75}
+    assert row["draft_sources"]["total"]["drafted"] == 20
+    plain = _summary("ar", 2, [_done(Stats, 10, 1.0, 0.1, sources=False)], wall=2.0, prefill_s=0.5)
+    assert "draft_sources" not in plain
+    assert len(format_table([row, plain]).splitlines()) == 3  # the main table as before
+    lines = format_sources([row, plain]).splitlines()
+    assert lines[:3] == ["", "", "draft sources: accepted / drafted tokens (acceptance)"]  # a blank line first
+    assert lines[3].split() == ["mode", "conc", "matrix", "context", "total"]
+    assert lines[4].split() == ["tr", "2", "2/12", "(16.7%)", "6/8", "(75.0%)", "8/20", "(40.0%)"]
+    assert len(lines) == 5
+    assert format_sources([plain]) == ""
+
+
+def _config(path, **kw):
+    from bench.concurrency import ConcurrencyConfig
+
+    return ConcurrencyConfig(prompts=str(path), **kw)
+
+
+def test_conversations_tenants_and_turns(tmp_path):
+    import itertools
+    import json
+
+    from bench.concurrency import _follow, _opening, conversations
+
+    path = tmp_path / "p.jsonl"
+    rows = [{"question_id": i, "category": cat, "turns": [f"{cat}{i} a", f"{cat}{i} b"]}
+            for i, cat in enumerate(["x", "x", "x", "y", "y"])]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    # default: first turns only, categories interleaved, 4 tenants in turn (as before)
+    plain = conversations(str(path), _config(path))
+    assert plain == [("0", ["x0 a"]), ("1", ["y3 a"]), ("2", ["x1 a"]), ("3", ["y4 a"]), ("0", ["x2 a"])]
+    # the repetitive workload's way: a tenant per category, every turn
+    convs = conversations(str(path), _config(path, all_turns=True, tenant_per_category=True))
+    assert [t for t, _ in convs] == ["x", "y", "x", "y", "x"] and convs[0][1] == ["x0 a", "x0 b"]
+    feed = itertools.cycle(convs)
+    turn = _opening(feed)
+    assert turn == ("x", [{"role": "user", "content": "x0 a"}], ["x0 b"])
+    second = _follow(feed, turn, "answer")  # the same client asks turn 2 after its own answer
+    assert second[0] == "x" and second[2] == []
+    assert [m["content"] for m in second[1]] == ["x0 a", "answer", "x0 b"]
+    assert [m["role"] for m in second[1]] == ["user", "assistant", "user"]
+    assert _follow(feed, second, "done") == ("y", [{"role": "user", "content": "y3 a"}], ["y3 b"])
+
+
+def test_cli_workload_picks_the_bundled_file_and_prompts_wins(tmp_path):
+    import argparse
+
+    from bench.cli import prompts_of, register
+    from core.datasets import prompt_file
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    args = parser.parse_args(["bench"])
+    assert args.workload == "spec_bench" and prompts_of(args) == str(prompt_file("spec_bench"))
+    args = parser.parse_args(["bench", "--workload", "repetitive", "--concurrency", "1"])
+    assert prompts_of(args) == str(prompt_file("repetitive"))
+    args = parser.parse_args(["bench", "--workload", "mbpp", "--prompts", str(tmp_path / "mine.jsonl")])
+    assert prompts_of(args) == str(tmp_path / "mine.jsonl")
