@@ -20,6 +20,9 @@ from engine.tree_budget import TreeBudget
 from engine.tuning.online import StepPlan
 
 
+HAND_OVER = 16  # plain steps' rows a sequence growing no tree keeps before handing them to its session
+
+
 class Drafter:
     """The drafting half of an engine step (engine thread only)."""
 
@@ -39,7 +42,7 @@ class Drafter:
                 options.append([(1, 1.0, 1, 0)])
                 continue
             if self._grows(live):
-                grown = self._grow(live, kv)
+                grown = self._grow(live, kv, len(running))
                 staged.append(grown)
                 options.append(budget.grown_options(live, grown, len(running), kv))
                 continue
@@ -73,18 +76,23 @@ class Drafter:
         return bool(live.tree.template.dynamic) and live.seq.tuner is None and isinstance(
             live.session, MatrixSession) and live.session.local_drafts
 
-    def _grow(self, live: Live, kv: int) -> Grown:
-        """This step's grown tree for `live` (its root alone when no node could pay for a row). The
-        session takes the pending rows first, so the tree drafts from them at once."""
+    def _grow(self, live: Live, kv: int, b: int) -> Grown:
+        """This step's grown tree for `live`, or its root alone when no node could pay for a row in a
+        batch of `b` (checked on one matrix row first: a plain step stays nearly as cheap as an AR
+        one). A tree takes the session's pending rows first, so it drafts from them at once; plain
+        steps hand them over only every HAND_OVER rows."""
         session, seq = live.session, live.seq
-        session.update(pending(live))
-        live.recycled = None
         m, template = session.matrix, live.tree.template
         rows, probs = m.rows.cpu().numpy(), m.probs.cpu().numpy()  # [V, K] views on a CPU matrix
         chains = [c for c in (Chain.of(seq.lookup.propose(template.lookup), CONTEXT), self._history(live)) if c]
         calib = self.budget.calibration(live)
-        if not self.budget.worth_growing(best_first_score(rows, probs, live.root, calib, chains), kv):
+        if not self.budget.worth_growing(best_first_score(rows, probs, live.root, calib, chains), kv, b):
+            if len(live.plain) >= HAND_OVER:
+                session.update(pending(live))
+                live.recycled = None
             return Grown([live.root], [0], [0], [-1], [1.0])
+        session.update(pending(live))
+        live.recycled = None
         return grow(rows, probs, live.root, calib, chains, template.dynamic)
 
     def _history(self, live: Live) -> Chain | None:

@@ -155,14 +155,19 @@ class TreeBudget:
         return [plain] + [(w, grown.expected(w), w, 0) for w in SIZES if w < grown.n] + [
             (grown.n, grown.expected(grown.n), grown.n, 0)]
 
-    def worth_growing(self, best: float, kv: int) -> bool:
-        """Whether a node scoring `best` (an upper bound of a grown tree's scores) could pay for a row
-        at one request (the cheapest case): some width w whose w - 1 nodes all scoring `best` beat plain
-        decoding under the cost model, the host time of a tree step and the margin."""
+    def worth_growing(self, best: float, kv: int, b: int = 1) -> bool:
+        """Whether a node scoring `best` (an upper bound of a grown tree's scores) could pay for its row
+        in a step of `b` sequences: some tree of w - 1 nodes all scoring `best`, added to b plain rows,
+        beats the plain step's tokens per second under the cost model, with a tree step's host time and
+        the margin. Example, cost(n) = 7.5, 9.3, 12.5 ms at 1, 2, 4 rows, b = 1: a node at 0.3 does not
+        pay (1.3 / 9.3 < 1 / 7.5 x 1.05 + host time), a chain of nodes at 0.7 does (3.1 / 12.5)."""
         extra = max(self.host_s[True] - self.host_s[False], 0.0)
-        one = self.cost(1, kv)
-        return any(1 + (w - 1) * best > (self.cost(w, kv) + extra) / one * (1 + self.config.tree_margin)
-                   for w in (2, 4, 8, 16))
+        plain = b / self.cost(b, kv) * (1 + self.config.tree_margin)
+        for w in (2, 4, 8, 16):
+            total = b + w - 1 if self.packed else b * w  # padded: every row to the tree's width
+            if (b + (w - 1) * best) / (self.cost(total, kv) + extra) > plain:
+                return True
+        return False
 
     def calibration(self, live: Live) -> Calibration:
         """The confidence calibration of `live`'s tenant (created on first use)."""

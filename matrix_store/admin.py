@@ -42,15 +42,17 @@ class StoreAdmin:
     # -- one tenant --------------------------------------------------------------------------
     def describe(self, fingerprint: str, tenant: str) -> dict:
         """The tenant's state; `in_memory` says whether it is loaded (describe reads a tenant only
-        in Redis without loading it). `rows_sha256`: sha256 of its rows as int32 little-endian.
+        in Redis without loading it). `rows_sha256`: sha256 of its rows as int32 little-endian;
+        `probs_sha256`: of its probs as uint8 [V, K]; `memory_bytes`: its rows and probs in memory.
         NotFound if neither memory nor Redis has it."""
         was_loaded = self._table.entry(fingerprint, tenant) is not None
         entry = self._table.named(fingerprint, tenant, load=False)  # only in Redis: read, not loaded
         with entry.lock:
             return {
                 "epoch": entry.epoch,
-                "memory_bytes": int(entry.rows.nbytes) if was_loaded else 0,
+                "memory_bytes": entry.nbytes if was_loaded else 0,
                 "rows_sha256": hashlib.sha256(np.ascontiguousarray(entry.rows, "<i4").tobytes()).hexdigest(),
+                "probs_sha256": hashlib.sha256(np.ascontiguousarray(entry.probs, np.uint8).tobytes()).hexdigest(),
                 "tenant": entry.name,
                 "domain": entry.domain,
                 "fingerprint": entry.spec.fingerprint,
@@ -76,7 +78,7 @@ class StoreAdmin:
         return self._snapshots.snapshot(entry)
 
     def rollback(self, fingerprint: str, tenant: str, version: int) -> int:
-        """Make a kept snapshot current (rows and version); newer snapshots are deleted."""
+        """Make a kept snapshot current (rows, probs and version); newer snapshots are deleted."""
         if not isinstance(version, int) or isinstance(version, bool) or version < 0:
             raise InvalidArgument(f"rollback version must be an int >= 0, got {version!r}")
         backend = require_backend(self._backend, "rollback")
@@ -90,16 +92,17 @@ class StoreAdmin:
                 kept = stored.versions if stored else []
                 raise NotFound(f"tenant {tenant!r} has no good snapshot at version {version}; kept: {kept}")
             backend.drop_versions_above(fingerprint, tenant, version)
-            with entry.lock:  # epoch, rows and version change together: an (epoch, version) pair names one content
+            with entry.lock:  # epoch, rows, probs and version change together: (epoch, version) names one content
                 entry.epoch = epoch
                 entry.rows[...] = stored.snapshot.rows  # in place: view() holders see the rollback
+                entry.probs[...] = stored.snapshot.probs  # zeros when the snapshot is format 1 (ids only)
                 entry.version = entry.snap_version = version
                 entry.dirty_since, entry.pending_restore, entry.written, entry.batches = None, False, None, 0
         log.info("tenant %s/%s rolled back to version %d", fingerprint, tenant, version)
         return version
 
     def fork(self, fingerprint: str, src_tenant: str, dst_tenant: str) -> int:
-        """dst := a copy of src, version included; snapshotted at once when Redis is configured."""
+        """dst := a copy of src (rows, probs and version); snapshotted at once when Redis is configured."""
         validate_tenant_id(dst_tenant, "destination tenant", reserved_ok=True)
         if dst_tenant == src_tenant:
             raise InvalidArgument(f"fork needs two different tenants, got {src_tenant!r} twice")
@@ -115,7 +118,7 @@ class StoreAdmin:
             epoch = self._table.take_epoch(fingerprint, dst_tenant)
             with src.lock:
                 dst = TenantState(
-                    spec=src.spec, name=dst_tenant, domain=src.domain, rows=src.rows.copy(),
+                    spec=src.spec, name=dst_tenant, domain=src.domain, rows=src.rows.copy(), probs=src.probs.copy(),
                     version=src.version, source="tenant", dirty_since=time.monotonic(), epoch=epoch,
                 )
             self._table.insert(dst)
@@ -178,8 +181,8 @@ class StoreAdmin:
         return sorted(out, key=lambda s: (s.fingerprint, s.tenant))
 
     def memory(self) -> list[tuple[str, str, int]]:
-        """(fingerprint, tenant, bytes of its rows) of every tenant in memory; never reads Redis."""
-        return [(e.spec.fingerprint, e.name, int(e.rows.nbytes)) for e in self._table.entries()]
+        """(fingerprint, tenant, bytes of its rows and probs) of every tenant in memory; never reads Redis."""
+        return [(e.spec.fingerprint, e.name, e.nbytes) for e in self._table.entries()]
 
     # -- health ------------------------------------------------------------------------------
     def health(self) -> dict:
@@ -202,7 +205,7 @@ class StoreAdmin:
             "last_snapshot_ok_at": self._snapshots.last_ok_at,
             "tenants_in_memory": len(entries),
             "max_tenants_in_memory": self._config.max_tenants_in_memory,
-            "memory_bytes": sum(int(e.rows.nbytes) for e in entries),
+            "memory_bytes": sum(e.nbytes for e in entries),  # rows and probs
             "side_states": self._side.counts()[0],
             "dirty_tenants": sum(not e.clean for e in entries),
             "models": [m.fingerprint for m in self._models.models()],

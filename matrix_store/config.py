@@ -10,6 +10,16 @@ from core.errors import InvalidArgument
 from core.model_spec import ModelSpec
 
 
+# Bytes one matrix entry takes in memory: an int32 successor id and its uint8 confidence
+# (engine/tr/confidence.py), kept side by side as rows [V, K] int32 and probs [V, K] uint8.
+BYTES_PER_ENTRY = 5
+
+
+def matrix_bytes(spec: ModelSpec) -> int:
+    """Bytes one tenant's matrix of this model takes in memory: V x K x 5 (ids and confidences)."""
+    return spec.vocab_size * spec.k * BYTES_PER_ENTRY
+
+
 def validate_fingerprint(fingerprint: object) -> str:
     if not isinstance(fingerprint, str) or not fingerprint:
         raise InvalidArgument(f"model fingerprint must be a non-empty string, got {fingerprint!r}")
@@ -30,7 +40,7 @@ class StoreConfig:
     # register or are used are served, later ones are refused (FailedPrecondition).
     models: tuple[ModelSpec, ...] = ()
     max_models: int = 2
-    max_matrix_bytes: int = 64 << 20  # one tenant's [V, K] int32 rows; larger models are refused
+    max_matrix_bytes: int = 64 << 20  # one tenant's rows and probs (V x K x 5 bytes); larger models are refused
     max_side_states: int = 256  # side blobs (tuner records) kept in memory, LRU (Redis keeps the rest)
     max_side_bytes: int = 64 << 20  # their total size in memory
     max_tombstones: int = 4096  # deleted tenants remembered in memory (Redis keeps them all)
@@ -60,8 +70,8 @@ class StoreConfig:
         if len({m.fingerprint for m in self.models}) != len(self.models):
             raise ValueError("models lists a fingerprint twice")
         for m in self.models:
-            if m.vocab_size * m.k * 4 > self.max_matrix_bytes:
-                raise ValueError(f"model {m.fingerprint!r} needs {m.vocab_size * m.k * 4} bytes per tenant, "
+            if matrix_bytes(m) > self.max_matrix_bytes:
+                raise ValueError(f"model {m.fingerprint!r} needs {matrix_bytes(m)} bytes per tenant, "
                                  f"above max_matrix_bytes {self.max_matrix_bytes}")
         if not self.snapshot_every_s > 0:
             raise ValueError(f"snapshot_every_s must be > 0 seconds, got {self.snapshot_every_s}")

@@ -47,7 +47,7 @@ _MIN_BACKOFF_S = 0.25
 _MAX_BACKOFF_S = 4.0
 
 
-SIDE_STATES = ("tuner",)  # per-tenant side blobs, deleted with the tenant
+SIDE_STATES = ("tuner", "history")  # per-tenant side blobs (tree tuner, suffix history), deleted with the tenant
 
 
 class Fenced(Exception):

@@ -8,7 +8,7 @@ import threading
 
 from core.errors import FingerprintMismatch, ModelNotServed
 from core.model_spec import ModelSpec
-from matrix_store.config import StoreConfig
+from matrix_store.config import StoreConfig, matrix_bytes
 
 log = logging.getLogger("trserve.matrix_store")
 
@@ -45,7 +45,7 @@ class ModelRegistry:
             raise ModelNotServed(
                 f"model {spec.fingerprint!r} is not served by this matrix service; it serves "
                 f"{sorted(self._models)} (--model)")
-        nbytes = spec.vocab_size * spec.k * 4
+        nbytes = matrix_bytes(spec)  # ids and confidences
         if nbytes > self._config.max_matrix_bytes:
             raise ModelNotServed(
                 f"a matrix of [V={spec.vocab_size}, K={spec.k}] takes {nbytes} bytes per tenant; this service "

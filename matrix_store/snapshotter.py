@@ -117,8 +117,8 @@ class Snapshotter:
 
     # -- one tenant --------------------------------------------------------------------------
     def snapshot(self, entry: TenantState) -> int:
-        """Write the tenant's current rows; returns the version written. The copy is taken under
-        the tenant lock; encoding and the Redis write happen outside it."""
+        """Write the tenant's current rows and probs; returns the version written. The copy is
+        taken under the tenant lock; encoding and the Redis write happen outside it."""
         backend = require_backend(self._backend, "snapshot")
         with entry.io_lock:
             with entry.lock:
@@ -126,14 +126,15 @@ class Snapshotter:
                     raise NotFound(f"tenant {entry.name!r} was deleted or evicted; look it up again")
                 if entry.pending_restore or entry.conflict:
                     raise Unavailable(f"tenant {entry.name!r} is not reconciled with Redis yet")
-                rows, version, taken = entry.rows.copy(), entry.version, time.monotonic()  # [V, K]
+                rows, probs = entry.rows.copy(), entry.probs.copy()  # [V, K] int32, [V, K] uint8
+                version, taken = entry.version, time.monotonic()
                 epoch = entry.epoch
             fp = entry.spec.fingerprint
             if epoch <= 0:  # loaded read-only (an inheritance parent): take the tenant before writing it
                 epoch = self._table.take_epoch(fp, entry.name)
                 with entry.lock:
                     entry.epoch = epoch
-            blob = encode_snapshot(fp, entry.name, version, rows, epoch=epoch)
+            blob = encode_snapshot(fp, entry.name, version, rows, epoch=epoch, probs=probs)
             meta = {"fingerprint": fp, "vocab_size": str(entry.spec.vocab_size), "k": str(entry.spec.k),
                     "domain": entry.domain or ""}
             try:
@@ -175,14 +176,17 @@ class Snapshotter:
                 log.error("tenant %s is kept in memory only: %s", entry.name, exc)
                 return
             if stored is not None and stored.snapshot is not None:
-                base, base_version = stored.snapshot.rows, stored.snapshot.version  # [V, K]
+                base, base_probs = stored.snapshot.rows, stored.snapshot.probs  # [V, K] int32, [V, K] uint8
+                base_version = stored.snapshot.version
                 snap_version: int | None = base_version
             else:
-                base, _ = self._table.inherit(entry.spec, entry.name, entry.domain)  # [V, K]
+                base, base_probs, _ = self._table.inherit(entry.spec, entry.name, entry.domain)  # [V, K] x 2
                 base_version, snap_version = (stored.next_version_floor if stored else 0), None
             with entry.lock:
                 base[entry.written] = entry.rows[entry.written]  # memory's rows are newer
+                base_probs[entry.written] = entry.probs[entry.written]  # and their confidences with them
                 entry.rows[...] = base  # in place: view() holders keep a live array
+                entry.probs[...] = base_probs
                 entry.version = base_version + entry.batches
                 entry.snap_version = snap_version
                 if entry.batches == 0:

@@ -1,5 +1,9 @@
 """MatrixStore: versioned [V, K] adjacency matrices per (model fingerprint, tenant).
 
+A matrix is its successor ids `rows` [V, K] int32 and, beside them, their confidences `probs`
+[V, K] uint8 (engine/tr/confidence.py; 0 = unknown, e.g. rows from an ids-only batch or a
+format-1 snapshot). They are applied, checked out, snapshotted, rolled back and forked together.
+
 Locks, in the only order they are ever nested: TenantState.io_lock -> TenantTable.load_lock ->
 TenantTable.lock -> TenantState.lock. The last two guard the table and one tenant's rows and are
 never held during Redis I/O, so apply()/view() on a loaded tenant never wait on Redis.
@@ -121,12 +125,14 @@ class MatrixStore:
     # -- reads and writes on the hot path ----------------------------------------------------
     def checkout(self, spec: ModelSpec, tenant: str, domain: str | None = None,
                  only_loaded: bool = False) -> Checkout:
-        """A private copy of the tenant's matrix. `source` says where a first use loaded it from
-        ("redis", "domain", "global", "zeros"); "tenant" when it was already loaded. A tenant that
-        does not exist is not created: its inherited matrix comes back at version 0."""
+        """A private copy of the tenant's matrix, rows and probs of one version. `source` says where
+        a first use loaded it from ("redis", "domain", "global", "zeros"); "tenant" when it was
+        already loaded. A tenant that does not exist is not created: its inherited matrix comes
+        back at version 0."""
         entry, created = self._lookup(spec, tenant, domain, create=False, only_loaded=only_loaded)
         with entry.lock:
-            return Checkout(entry.version, entry.rows.copy(), entry.source if created else "tenant", entry.epoch)
+            return Checkout(entry.version, entry.rows.copy(), entry.probs.copy(), entry.source if created else "tenant",
+                            entry.epoch)
 
     def view(self, spec: ModelSpec, tenant: str, domain: str | None = None,
              only_loaded: bool = False) -> tuple[int, np.ndarray]:
@@ -139,30 +145,35 @@ class MatrixStore:
 
     def apply(
         self, spec: ModelSpec, tenant: str, tokens: np.ndarray, topk: np.ndarray, domain: str | None = None,
-        since_epoch: int | None = None, only_loaded: bool = False,
+        since_epoch: int | None = None, only_loaded: bool = False, probs: np.ndarray | None = None,
     ) -> int:
-        """rows[tokens[i]] = topk[i] (a token repeated in the batch: its LAST row wins); returns
-        the new version, exactly one more than before. Concurrent batches on a tenant serialise.
+        """rows[tokens[i]] = topk[i] and probs[tokens[i]] = probs[i] (a token repeated in the batch:
+        its LAST row wins); returns the new version, exactly one more than before. Concurrent
+        batches on a tenant serialise.
+        `probs`: [n, K] uint8 confidence buckets beside `topk` (engine/tr/confidence.py); None =
+        unknown, written as zeros (the rows' old confidences belong to other ids).
         `since_epoch`: the epoch the caller's session opened at (Checkout.epoch; < 0 = unknown, not
         checked); if the tenant was deleted after it, FailedPrecondition (a delete is not undone
         by a late session).
         `only_loaded`: raise NotLoaded instead of loading (an event loop must not wait on Redis)."""
-        return self.apply_versioned(spec, tenant, tokens, topk, domain, since_epoch, only_loaded)[0]
+        return self.apply_versioned(spec, tenant, tokens, topk, domain, since_epoch, only_loaded, probs)[0]
 
     def apply_versioned(
         self, spec: ModelSpec, tenant: str, tokens: np.ndarray, topk: np.ndarray, domain: str | None = None,
-        since_epoch: int | None = None, only_loaded: bool = False,
+        since_epoch: int | None = None, only_loaded: bool = False, probs: np.ndarray | None = None,
     ) -> tuple[int, int]:
         """`apply`, returning (new version, the epoch it was written under), read together under the
-        tenant's lock: a concurrent rollback cannot make one pair name two contents."""
-        tokens, topk = validate_batch(spec, tokens, topk, self._config.max_batch_rows)  # [n], [n, K]
+        tenant's lock: a concurrent rollback cannot make one pair name two contents. A batch that
+        fails validation (probs included) changes nothing."""
+        # [n], [n, K] int32, [n, K] uint8
+        tokens, topk, probs = validate_batch(spec, tokens, topk, self._config.max_batch_rows, probs)
         while True:
             entry, _ = self._lookup(spec, tenant, domain, create=True, only_loaded=only_loaded,
                                     since_epoch=since_epoch)
             with entry.lock:
                 if entry.gone:  # evicted/deleted between lookup and lock: look it up again
                     continue
-                written = apply_rows(entry.rows, tokens, topk)
+                written = apply_rows(entry.rows, tokens, topk, entry.probs, probs)
                 if entry.pending_restore:
                     entry.written[written] = True
                     entry.batches += 1
@@ -212,11 +223,11 @@ class MatrixStore:
         return self._admin.snapshot_now(fingerprint, tenant)
 
     def rollback(self, fingerprint: str, tenant: str, version: int) -> int:
-        """Make a kept snapshot current (rows and version); newer snapshots are deleted."""
+        """Make a kept snapshot current (rows, probs and version); newer snapshots are deleted."""
         return self._admin.rollback(fingerprint, tenant, version)
 
     def fork(self, fingerprint: str, src_tenant: str, dst_tenant: str) -> int:
-        """dst := a copy of src, version included; snapshotted at once when Redis is configured."""
+        """dst := a copy of src (rows, probs and version); snapshotted at once when Redis is configured."""
         return self._admin.fork(fingerprint, src_tenant, dst_tenant)
 
     def delete(self, fingerprint: str, tenant: str) -> None:
@@ -233,7 +244,7 @@ class MatrixStore:
         return self._admin.list_tenants(fingerprint)
 
     def memory(self) -> list[tuple[str, str, int]]:
-        """(fingerprint, tenant, bytes of its rows) of every tenant in memory; never reads Redis."""
+        """(fingerprint, tenant, bytes of its rows and probs) of every tenant in memory; never reads Redis."""
         return self._admin.memory()
 
     def health(self) -> dict:

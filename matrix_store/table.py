@@ -146,7 +146,7 @@ class TenantTable:
 
     def memory_bytes(self) -> int:
         with self.lock:
-            return sum(int(e.rows.nbytes) for e in self._entries.values())
+            return sum(e.nbytes for e in self._entries.values())  # rows and probs
 
     # -- changes -----------------------------------------------------------------------------
     def has_room(self) -> bool:
@@ -241,19 +241,19 @@ class TenantTable:
         floor = 0
         if stored is not None:  # Redis knows the tenant but refused every snapshot of it
             domain, floor = stored.domain or domain, stored.next_version_floor
-        rows, source = self.inherit(spec, tenant, domain)
+        rows, probs, source = self.inherit(spec, tenant, domain)
         if not create:
-            return TenantState(spec, tenant, domain, rows, floor, source, transient=True,
+            return TenantState(spec, tenant, domain, rows, probs, floor, source, transient=True,
                                epoch=self.current_epoch(spec.fingerprint, tenant) if reachable else -1)
         return TenantState(
-            spec, tenant, domain, rows, floor, source, pending_restore=not reachable,
+            spec, tenant, domain, rows, probs, floor, source, pending_restore=not reachable,
             written=None if reachable else np.zeros(spec.vocab_size, bool),  # [V]
             epoch=epoch,
         )
 
-    def inherit(self, spec: ModelSpec, tenant: str, domain: str | None) -> tuple[np.ndarray, str]:
+    def inherit(self, spec: ModelSpec, tenant: str, domain: str | None) -> tuple[np.ndarray, np.ndarray, str]:
         """A copy of the domain's matrix (the reserved tenant `_domain.<domain>`, never another
-        tenant's), else the global one's, else zeros: ([V, K], source)."""
+        tenant's), else the global one's, else zeros: (rows [V, K] int32, probs [V, K] uint8, source)."""
         parents = ((domain_tenant(domain) if domain else None, "domain"), (GLOBAL_TENANT, "global"))
         for name, source in parents:
             if name is None or name == tenant:
@@ -261,8 +261,8 @@ class TenantTable:
             parent = self._existing(spec, name)
             if parent is not None:
                 with parent.lock:
-                    return parent.rows.copy(), source
-        return np.zeros(spec.shape, np.int32), "zeros"
+                    return parent.rows.copy(), parent.probs.copy(), source
+        return np.zeros(spec.shape, np.int32), np.zeros(spec.shape, np.uint8), "zeros"
 
     def _existing(self, spec: ModelSpec, tenant: str) -> TenantState | None:
         """A tenant if it has a matrix in memory or Redis (loading it when there is room, else
@@ -283,4 +283,5 @@ class TenantTable:
 
 
 def _from_snapshot(spec: ModelSpec, tenant: str, domain: str | None, snap: Snapshot, epoch: int) -> TenantState:
-    return TenantState(spec, tenant, domain, snap.rows, snap.version, "redis", snap_version=snap.version, epoch=epoch)
+    return TenantState(spec, tenant, domain, snap.rows, snap.probs, snap.version, "redis", snap_version=snap.version,
+                       epoch=epoch)

@@ -20,14 +20,15 @@ class Checkout:
 
     version: int  # the tenant's version the rows belong to
     rows: np.ndarray  # [V, K] int32, a private copy
+    probs: np.ndarray  # [V, K] uint8 confidences beside the rows (engine/tr/confidence.py; 0 = unknown), a copy
     source: str  # one of SOURCES: "tenant" once it was already loaded, else where it was loaded from
     # The writer epoch (see redis_backend.py): (tenant, epoch, version) names one content. Pass it
     # back as `since_epoch` to apply(): a tenant deleted after this checkout is not resurrected.
     epoch: int = 0
 
     def __repr__(self) -> str:
-        return (f"Checkout(version={self.version}, rows=int32{list(self.rows.shape)}, source={self.source!r}, "
-                f"epoch={self.epoch})")
+        return (f"Checkout(version={self.version}, rows=int32{list(self.rows.shape)}, "
+                f"probs=uint8{list(self.probs.shape)}, source={self.source!r}, epoch={self.epoch})")
 
 
 @dataclass(eq=False)
@@ -39,6 +40,7 @@ class TenantState:
     name: str
     domain: str | None
     rows: np.ndarray  # [V, K] int32; the same array for the entry's life (view() hands it out)
+    probs: np.ndarray  # [V, K] uint8 confidences beside `rows`; changed with them, under `lock`
     version: int  # advances by 1 per applied batch
     source: str  # where the rows came from when the entry was created
     snap_version: int | None = None  # version of the newest snapshot written/read in Redis
@@ -54,6 +56,17 @@ class TenantState:
     transient: bool = False  # a read of a tenant that does not exist: never inserted in the table
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     io_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        probs = self.probs
+        if not isinstance(probs, np.ndarray) or probs.shape != self.rows.shape or probs.dtype != np.uint8:
+            raise ValueError(f"tenant {self.name!r}: probs must be uint8 {list(self.rows.shape)}, got "
+                             f"{getattr(probs, 'dtype', type(probs).__name__)} {getattr(probs, 'shape', '')}")
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes its matrix takes in memory: rows and probs (V x K x 5)."""
+        return int(self.rows.nbytes) + int(self.probs.nbytes)
 
     @property
     def clean(self) -> bool:
@@ -72,7 +85,7 @@ class TenantSummary:
     version: int  # in memory: the current version; only in Redis: its newest snapshot's
     in_memory: bool
     nonzero_rows: int | None  # None when only in Redis: counting would mean loading it
-    memory_bytes: int  # of its rows in memory; 0 when only in Redis
+    memory_bytes: int  # of its rows and probs in memory (V x K x 5); 0 when only in Redis
     last_snapshot_version: int | None  # None = never snapshotted
     last_snapshot_age_s: float | None  # since its snapshots last changed in Redis; None = unknown
 
@@ -82,7 +95,7 @@ class TenantSummary:
         with entry.lock:
             nonzero = int(np.count_nonzero(entry.rows.any(axis=1)))
             return cls(entry.spec.fingerprint, entry.name, entry.domain, entry.version, True, nonzero,
-                       int(entry.rows.nbytes), entry.snap_version, _age(meta, now))
+                       entry.nbytes, entry.snap_version, _age(meta, now))
 
     @classmethod
     def stored(cls, fingerprint: str, tenant: str, meta: dict[str, str], now: float) -> TenantSummary:
@@ -99,9 +112,11 @@ def _age(meta: dict[str, str] | None, now: float) -> float | None:
 
 
 def validate_batch(
-    spec: ModelSpec, tokens: object, topk: object, max_rows: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Check a row batch against the model; return (tokens int64 [n], topk int32 [n, K]).
+    spec: ModelSpec, tokens: object, topk: object, max_rows: int, probs: object = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Check a row batch against the model; return (tokens int64 [n], topk int32 [n, K], probs
+    uint8 [n, K]). `probs`: the confidence buckets beside `topk` (engine/tr/confidence.py), integers
+    in 0..255; None = unknown (zeros).
 
     Raises InvalidArgument saying what was wrong and what is allowed.
     """
@@ -124,24 +139,45 @@ def validate_batch(
             raise InvalidArgument(
                 f"{name} holds ids in [{lo}, {hi}]; ids must lie in [0, {spec.vocab_size}) for this model"
             )
-    return tokens_arr.astype(np.int64), topk_arr.astype(np.int32)
+    return tokens_arr.astype(np.int64), topk_arr.astype(np.int32), validate_probs(probs, n, spec.k)
 
 
-def apply_rows(rows: np.ndarray, tokens: np.ndarray, topk: np.ndarray) -> np.ndarray:
-    """Write `rows[tokens[i]] = topk[i]` in place; for a token repeated in the batch the LAST
-    occurrence wins (it is the most recent verification). Returns the distinct tokens written.
+def validate_probs(probs: object, n: int, k: int) -> np.ndarray:
+    """A batch's confidences: uint8 [n, K] (zeros for None). InvalidArgument unless they are
+    integers in 0..255 of shape [n, K]."""
+    if probs is None:
+        return np.zeros((n, k), np.uint8)
+    arr = np.asarray(probs)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise InvalidArgument(f"probs must hold uint8 confidence buckets (0..255), got dtype {arr.dtype}")
+    if arr.shape != (n, k):
+        raise InvalidArgument(f"probs must be [n={n}, K={k}] like topk, got shape {arr.shape}")
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > 255):
+        raise InvalidArgument(f"probs hold values in [{int(arr.min())}, {int(arr.max())}]; buckets lie in 0..255")
+    return arr.astype(np.uint8)
 
-    rows: [V, K] int32, tokens: [n], topk: [n, K].
+
+def apply_rows(rows: np.ndarray, tokens: np.ndarray, topk: np.ndarray, matrix_probs: np.ndarray | None = None,
+               probs: np.ndarray | None = None) -> np.ndarray:
+    """Write `rows[tokens[i]] = topk[i]` in place, and `matrix_probs[tokens[i]] = probs[i]` (zeros
+    when `probs` is None: the old confidences belong to other ids); for a token repeated in the
+    batch the LAST occurrence wins (it is the most recent verification). Returns the distinct
+    tokens written.
+
+    rows: [V, K] int32, tokens: [n], topk: [n, K]; matrix_probs: [V, K] uint8, probs: [n, K] uint8.
 
     Example:
-        >>> rows = np.zeros((4, 2), np.int32)
-        >>> apply_rows(rows, np.array([1, 3, 1]), np.array([[1, 1], [3, 3], [2, 2]])).tolist()
+        >>> rows, conf = np.zeros((4, 2), np.int32), np.full((4, 2), 9, np.uint8)
+        >>> apply_rows(rows, np.array([1, 3, 1]), np.array([[1, 1], [3, 3], [2, 2]]), conf,
+        ...            np.array([[10, 1], [30, 3], [20, 2]], np.uint8)).tolist()
         [1, 3]
-        >>> rows.tolist()
-        [[0, 0], [2, 2], [0, 0], [3, 3]]
+        >>> rows.tolist(), conf.tolist()
+        ([[0, 0], [2, 2], [0, 0], [3, 3]], [[9, 9], [20, 2], [9, 9], [30, 3]])
     """
     # numpy leaves the winner of duplicate fancy-index assignment unspecified: pick it explicitly.
     uniq, first_in_reversed = np.unique(tokens[::-1], return_index=True)  # [u], [u]
     last = tokens.shape[0] - 1 - first_in_reversed  # [u] index of each token's last occurrence
     rows[uniq] = topk[last]
+    if matrix_probs is not None:
+        matrix_probs[uniq] = probs[last] if probs is not None else 0
     return uniq

@@ -2,9 +2,10 @@
 (services/matrix/) and its clients, the workers' draft sources (services/worker/drafting/), which
 therefore never import the matrix service's package.
 
-Row batches travel as little-endian int32 bytes: `tokens` [m] and `topk` [m, K] row-major.
-Everything read from a request is validated here or by the store, and a bad value raises
-InvalidArgument saying what is allowed.
+Row batches travel as little-endian int32 bytes: `tokens` [m] and `topk` [m, K] row-major, and
+beside them `probs`, the confidence buckets of topk as uint8 [m, K] row-major (engine/tr/confidence.py;
+empty = unknown). Everything read from a request is validated here or by the store, and a bad value
+raises InvalidArgument saying what is allowed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from matrix_store.tenant import TenantSummary
 from trserve.v1 import matrix_pb2 as pb
 
 WIRE_DTYPE = np.dtype("<i4")
+WIRE_PROBS = np.dtype("u1")
 
 
 def spec_from_pb(model: pb.ModelSpec) -> ModelSpec:
@@ -38,9 +40,9 @@ def tenant_from_pb(tenant: str, domain: str = "") -> tuple[str, str | None]:
     return tenant, domain or None
 
 
-def rows_from_pb(rows: pb.RowBatch, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [m] int32, topk [m, K] int32) from a RowBatch; m may be 0. Id ranges are checked
-    by the store (matrix_store/tenant.py:validate_batch)."""
+def rows_from_pb(rows: pb.RowBatch, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(tokens [m] int32, topk [m, K] int32, probs [m, K] uint8 or None when the batch has none)
+    from a RowBatch; m may be 0. Id ranges are checked by the store (matrix_store/tenant.py:validate_batch)."""
     if len(rows.tokens) % 4:
         raise InvalidArgument(f"rows.tokens has {len(rows.tokens)} bytes; it must be int32 little-endian, 4 bytes per id")
     tokens = np.frombuffer(rows.tokens, WIRE_DTYPE)  # [m]
@@ -56,13 +58,25 @@ def rows_from_pb(rows: pb.RowBatch, k: int) -> tuple[np.ndarray, np.ndarray]:
             f"i.e. {m * k} ids"
         )
     topk = np.frombuffer(rows.topk, WIRE_DTYPE).reshape(m, k)  # [m, K]
-    return tokens, topk
+    return tokens, topk, probs_from_pb(rows.probs, m, k)
 
 
-def rows_to_pb(tokens: np.ndarray, topk: np.ndarray) -> pb.RowBatch:
-    """tokens [m], topk [m, K] (any integer dtype) -> RowBatch."""
+def probs_from_pb(probs: bytes, m: int, k: int) -> np.ndarray | None:
+    """A RowBatch's probs: uint8 [m, K], or None when empty (unknown). Any other length than m * K
+    bytes is refused."""
+    if not probs:
+        return None
+    if len(probs) != m * k:
+        raise InvalidArgument(f"rows.probs has {len(probs)} bytes but must hold one uint8 confidence per topk id: "
+                              f"[m={m}, K={k}], i.e. {m * k} bytes, or be empty (unknown)")
+    return np.frombuffer(probs, WIRE_PROBS).reshape(m, k)  # [m, K]
+
+
+def rows_to_pb(tokens: np.ndarray, topk: np.ndarray, probs: np.ndarray | None = None) -> pb.RowBatch:
+    """tokens [m], topk [m, K] (any integer dtype), probs [m, K] uint8 or None (unknown) -> RowBatch."""
     return pb.RowBatch(tokens=np.ascontiguousarray(tokens, WIRE_DTYPE).tobytes(),
-                       topk=np.ascontiguousarray(topk, WIRE_DTYPE).tobytes())
+                       topk=np.ascontiguousarray(topk, WIRE_DTYPE).tobytes(),
+                       probs=b"" if probs is None else np.ascontiguousarray(probs, WIRE_PROBS).tobytes())
 
 
 def check_root(root: int, vocab_size: int) -> int:

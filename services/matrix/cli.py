@@ -190,7 +190,8 @@ def _admin_call(stub, args: argparse.Namespace, fingerprint: str) -> dict:
                 "version": r.version, "nonzero_rows": r.nonzero_rows,
                 "last_snapshot_version": r.last_snapshot_version if r.last_snapshot_version >= 0 else None,
                 "in_memory": r.in_memory, "redis": r.redis, "last_snapshot_error": r.last_snapshot_error or None,
-                "epoch": r.epoch, "rows_sha256": r.rows_sha256 or None, "memory_bytes": r.memory_bytes}
+                "epoch": r.epoch, "rows_sha256": r.rows_sha256 or None, "probs_sha256": r.probs_sha256 or None,
+                "memory_bytes": r.memory_bytes}
     if args.action == "versions":
         return {"tenant": args.tenant, "versions": list(stub.ListVersions(ref, timeout=t).versions)}
     if args.action == "snapshot":

@@ -1,6 +1,6 @@
 """Prometheus metrics of a MatrixStore, read at scrape time (memory only, never Redis): tenants in
-memory and their bound, bytes per tenant and in all, side state. Used by `trserve matrix
---metrics-port` and registered in an embedded worker's /metrics."""
+memory and their bound, bytes per tenant and in all (ids and confidences: V x K x 5 per tenant),
+side state. Used by `trserve matrix --metrics-port` and registered in an embedded worker's /metrics."""
 
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ class StoreCollector(Collector):
                                 value=health["tenants_in_memory"])
         yield GaugeMetricFamily("trserve_matrix_max_tenants_in_memory", "The bound on tenants in memory",
                                 value=health["max_tenants_in_memory"])
-        yield GaugeMetricFamily("trserve_matrix_memory_bytes", "Bytes of every tenant's rows in memory",
+        yield GaugeMetricFamily("trserve_matrix_memory_bytes",
+                                "Bytes of every tenant's matrix (ids and confidences) in memory",
                                 value=health["memory_bytes"])
-        per = GaugeMetricFamily("trserve_matrix_tenant_memory_bytes", "Bytes of one tenant's rows in memory",
+        per = GaugeMetricFamily("trserve_matrix_tenant_memory_bytes",
+                                "Bytes of one tenant's matrix (ids and confidences) in memory",
                                 labels=["fingerprint", "tenant"])
         for fingerprint, tenant, nbytes in self._store.memory():
             per.add_metric([fingerprint, tenant], nbytes)

@@ -30,8 +30,8 @@ class MatrixServiceConfig:
     store: StoreConfig = field(default_factory=StoreConfig)
     limits: ServicerLimits = field(default_factory=ServicerLimits)
     grace_s: float = 5.0  # in-flight calls get this long to finish on shutdown
-    # Largest request/reply: a full PushRows batch (4096 rows at K=64) is ~1.1 MB; a Checkout
-    # chunk of 65536 rows at K=8 is ~2.4 MB. Bigger messages are refused by gRPC itself.
+    # Largest request/reply: a full PushRows batch (4096 rows at K=64, ids and probs) is ~1.3 MB; a
+    # Checkout chunk of 65536 rows at K=8 is ~2.9 MB. Bigger messages are refused by gRPC itself.
     max_message_bytes: int = 4 * 1024 * 1024
     tls: ServerTLS | None = None  # serve TLS with this certificate; None = plaintext
     secret: SharedSecret | None = None  # workers' secret: DraftSession, Checkout, PushRows; None = open

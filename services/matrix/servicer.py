@@ -36,7 +36,7 @@ ADMIN_METHODS = frozenset(f"/{SERVICE_NAME}/{name}" for name in ADMIN_RPCS)
 class ServicerLimits:
     max_tree_nodes: int = 1024  # largest draft tree a session may open
     max_tree_depth: int = 64  # deepest inline tree a session may open
-    checkout_chunk_rows: int = 16384  # default rows per Checkout chunk (~590 KB at K=8)
+    checkout_chunk_rows: int = 16384  # default rows per Checkout chunk (~720 KB at K=8: ids and probs)
     max_checkout_chunk_rows: int = 65536  # a client may ask for smaller chunks, never larger
 
     def __post_init__(self) -> None:
@@ -77,20 +77,20 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
             if request.WhichOneof("kind") != "step":
                 raise InvalidArgument("only the first DraftRequest may carry `open`; later ones carry `step`")
             step = request.step
-            tokens, topk = rows_from_pb(step.rows, k)
+            tokens, topk, probs = rows_from_pb(step.rows, k)  # [m], [m, K], [m, K] uint8 or None
             if step.final:
                 try:
-                    applied = session.apply(tokens, topk, only_loaded=True)
+                    applied = session.apply(tokens, topk, probs, only_loaded=True)
                 except NotLoaded:
-                    applied = await asyncio.to_thread(session.apply, tokens, topk)
+                    applied = await asyncio.to_thread(session.apply, tokens, topk, probs)
                 if applied is None:
                     applied = (await asyncio.to_thread(session.open))[0]
                 yield pb.DraftReply(version=applied)
                 continue
             try:
-                version, tree_tokens = session.step(tokens, topk, step.root, only_loaded=True)
+                version, tree_tokens = session.step(tokens, topk, step.root, probs, only_loaded=True)
             except NotLoaded:  # first write of a new tenant, or evicted mid-session: may wait on Redis
-                version, tree_tokens = await asyncio.to_thread(session.step, tokens, topk, step.root)
+                version, tree_tokens = await asyncio.to_thread(session.step, tokens, topk, step.root, probs)
             yield pb.DraftReply(version=version, tokens=tree_tokens.tolist())
 
     def _open_session(self, msg: pb.DraftOpen) -> RemoteDraft:
@@ -112,20 +112,21 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
         if not 1 <= chunk <= self._limits.max_checkout_chunk_rows:
             raise InvalidArgument(f"max_rows_per_chunk must be in 0..{self._limits.max_checkout_chunk_rows} (0 = default)")
         out = await asyncio.to_thread(self._store.checkout, spec, tenant, domain)
-        nonzero = np.flatnonzero(out.rows.any(axis=1))  # [z]
+        nonzero = np.flatnonzero(out.rows.any(axis=1) | out.probs.any(axis=1))  # [z]: ids or probs learned
         total = int(nonzero.shape[0])
         for start in range(0, max(total, 1), chunk):
             ids = nonzero[start:start + chunk]
             yield pb.CheckoutChunk(version=out.version, source=out.source, total_rows=total,
-                                   rows=rows_to_pb(ids, out.rows[ids]), epoch=out.epoch)
+                                   rows=rows_to_pb(ids, out.rows[ids], out.probs[ids]), epoch=out.epoch)
 
     @grpc_errors
     async def PushRows(self, request: pb.PushRowsRequest, context) -> pb.PushRowsReply:
         tenant, domain = tenant_from_pb(request.tenant, request.domain)
         spec = spec_from_pb(request.model)
-        tokens, topk = rows_from_pb(request.rows, spec.k)
+        tokens, topk, probs = rows_from_pb(request.rows, spec.k)  # [m], [m, K], [m, K] uint8 or None
         since = request.since_epoch if request.HasField("since_epoch") else None
-        version, epoch = await asyncio.to_thread(self._store.apply_versioned, spec, tenant, tokens, topk, domain, since)
+        version, epoch = await asyncio.to_thread(self._store.apply_versioned, spec, tenant, tokens, topk, domain, since,
+                                                 probs=probs)
         return pb.PushRowsReply(version=version, epoch=epoch)
 
     # -- administration ----------------------------------------------------------------------
@@ -140,6 +141,7 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
             last_snapshot_version=-1 if last is None else last, in_memory=info["in_memory"],
             redis=health["redis"], last_snapshot_error=health["last_snapshot_error"] or "",
             epoch=max(info["epoch"], 0), rows_sha256=info["rows_sha256"], memory_bytes=info["memory_bytes"],
+            probs_sha256=info["probs_sha256"],
         )
 
     @grpc_errors

@@ -88,18 +88,21 @@ class RemoteDraft:
         self.epoch = out.epoch
         return out.version, out.epoch
 
-    def apply(self, tokens: np.ndarray, topk: np.ndarray, only_loaded: bool = False) -> int | None:
-        """Apply a non-empty batch; returns the new version (None for an empty batch). A tenant
-        deleted after `open` is not resurrected (FailedPrecondition). `only_loaded`: raise
-        matrix_store.store.NotLoaded instead of loading (the caller then retries in a thread)."""
-        if tokens.shape[0] == 0:
+    def apply(self, tokens: np.ndarray, topk: np.ndarray, probs: np.ndarray | None = None,
+              only_loaded: bool = False) -> int | None:
+        """Apply a non-empty batch (probs [m, K] uint8, None = unknown); returns the new version
+        (None for an empty batch). A tenant deleted after `open` is not resurrected
+        (FailedPrecondition). `only_loaded`: raise matrix_store.store.NotLoaded instead of loading
+        (the caller then retries in a thread)."""
+        if tokens.shape[0] == 0:  # its probs are empty too: rows_from_pb checks m * K bytes
             return None
         return self.store.apply(self.spec, self.tenant, tokens, topk, self.domain,
-                                since_epoch=self.epoch, only_loaded=only_loaded)
+                                since_epoch=self.epoch, only_loaded=only_loaded, probs=probs)
 
-    def step(self, tokens: np.ndarray, topk: np.ndarray, root: int, only_loaded: bool = False) -> tuple[int, np.ndarray]:
-        """tokens [m], topk [m, K], root -> (version drafted from, tree tokens [n])."""
+    def step(self, tokens: np.ndarray, topk: np.ndarray, root: int, probs: np.ndarray | None = None,
+             only_loaded: bool = False) -> tuple[int, np.ndarray]:
+        """tokens [m], topk [m, K], root, probs [m, K] uint8 or None -> (version drafted from, tree tokens [n])."""
         check_root(root, self.spec.vocab_size)
-        self.apply(tokens, topk, only_loaded)
+        self.apply(tokens, topk, probs, only_loaded)
         version, rows = self.store.view(self.spec, self.tenant, self.domain, only_loaded=only_loaded)  # [V, K]
         return version, self.plan.draft(rows, root)

@@ -71,6 +71,8 @@ class WorkerConfig:
     grace_s: float = 10.0  # on SIGTERM: how long in-flight requests may finish
     warmup: bool = True  # one short generation before reporting SERVING
     redis_url: str | None = None  # embedded matrix store snapshots; None = memory only
+    # every tenant's suffix history (drafting/histories.py) in memory, in bytes; 0 = no histories
+    history_bytes: int = 64 << 20
     default_tenant: str = "default"
     tls: ServerTLS | None = None  # serve TLS with this certificate; None = plaintext
     tenant_tokens: TenantTokens | None = None  # require a per-tenant bearer token; None = open
@@ -94,6 +96,8 @@ class WorkerConfig:
             raise ValueError(f"deadline_margin_s must be in [0, 10) seconds, got {self.deadline_margin_s}")
         if self.grace_s < 0:
             raise ValueError(f"grace_s must be >= 0 seconds, got {self.grace_s}")
+        if not isinstance(self.history_bytes, int) or self.history_bytes < 0:
+            raise ValueError(f"history_bytes must be an int >= 0 (0 = no histories), got {self.history_bytes!r}")
 
     def engine_config(self) -> EngineConfig:
         # admission (services/worker/admission.py) lets at most max_batch + max_queue reach the engine

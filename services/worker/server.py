@@ -28,8 +28,9 @@ from services.common.server import (
 from services.matrix.metrics import StoreCollector
 from services.worker.config import WorkerConfig
 from services.worker.drafting.embedded import DraftSourceFactory, embedded_factory
+from services.worker.drafting.histories import HistoryBook
 from services.worker.drafting.split import MatrixServiceSources, watch_matrix_auth
-from services.worker.metrics import WorkerMetrics
+from services.worker.metrics import HistoryCollector, WorkerMetrics
 from services.worker.servicer import GenerateServicer
 from trserve.v1 import generate_pb2, generate_pb2_grpc
 
@@ -53,6 +54,7 @@ class Worker:
     executor: ThreadPoolExecutor
     engine: BatchEngine
     engine_loop: asyncio.Future  # the engine thread's run(), on `executor`
+    histories: HistoryBook | None = None  # the embedded store's tenants' suffix histories; None when off
 
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, drain in-flight calls for `grace_s` (None: the config's grace_s; calls still
@@ -70,6 +72,8 @@ class Worker:
         await asyncio.to_thread(self.executor.shutdown, wait=True)
         if self.servicer.tuners is not None:
             await asyncio.to_thread(self.servicer.tuners.save_all)
+        if self.histories is not None:  # before the store's final snapshot: histories are its side state
+            await asyncio.to_thread(self.histories.close)
         if self.store is not None:
             await asyncio.to_thread(self.store.close)
         self.metrics.stop_http()
@@ -92,16 +96,19 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
         decoder = await loop.run_in_executor(executor, Decoder, decoder_config or DecoderConfig())
     engine = BatchEngine(decoder, config.engine_config(), engine_cost(decoder))
     engine_loop = loop.run_in_executor(executor, engine.run)
-    store = tuner_states = None
+    store = tuner_states = histories = None
     if draft_source_factory is None:
         store = MatrixStore(StoreConfig(redis_url=config.redis_url))
         store.start()
         spec = ModelSpec(decoder.fingerprint, decoder.vocab_size, decoder.config.k)
-        draft_source_factory = embedded_factory(store, spec, decoder.device)
+        histories = HistoryBook(store, config.history_bytes) if config.history_bytes else None
+        draft_source_factory = embedded_factory(store, spec, decoder.device, histories)
         tuner_states = StoreTunerStates(store, decoder.fingerprint)
     metrics = WorkerMetrics()
     if store is not None:  # the embedded store's memory (tenants, bytes per tenant) on this worker's /metrics
         metrics.registry.register(StoreCollector(store))
+    if histories is not None:  # and the tenants' suffix histories (bytes per tenant)
+        metrics.registry.register(HistoryCollector(histories))
     runtime = RuntimeInfo.of(decoder)
     metrics.build.info({"model": decoder.config.model.source, **runtime.labels()})
     log.info("serving %s: %s, batches of up to %d", decoder.config.model.source, runtime, config.max_batch)
@@ -116,7 +123,8 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     await set_status(health, [SERVICE_NAME], serving=False)
     await server.start()
     ready = asyncio.create_task(_warm_up(servicer, health, config.warmup), name="trserve-warmup")
-    return Worker(server, port, metrics_port, health, servicer, metrics, store, ready, executor, engine, engine_loop)
+    return Worker(server, port, metrics_port, health, servicer, metrics, store, ready, executor, engine, engine_loop,
+                  histories)
 
 
 class StoreTunerStates:

@@ -14,7 +14,8 @@ V, K = 1000, 8
 
 
 def _row(store, spec, tenant: str, token: int, value: int) -> int:
-    return store.apply(spec, tenant, np.array([token]), np.full((1, K), value))
+    """Row `token` := `value` everywhere, its confidences `value` too."""
+    return store.apply(spec, tenant, np.array([token]), np.full((1, K), value), probs=np.full((1, K), value, np.uint8))
 
 
 def test_unreachable_redis_serves_from_memory_without_stalling(make_store, spec) -> None:
@@ -70,6 +71,7 @@ def test_delayed_restore_merges_memory_writes_over_the_stored_matrix(make_store,
     out = late.checkout(spec, "t")
     assert out.version == 3 + 2
     assert [out.rows[t, 0] for t in (1, 2, 3, 4)] == [10, 99, 30, 44]  # stored rows + newer memory rows
+    assert [out.probs[t, 0] for t in (1, 2, 3, 4)] == [10, 99, 30, 44]  # and their confidences with them
     assert writer.versions(spec.fingerprint, "t") == [3, 5]
     again = make_store().checkout(spec, "t")
-    assert again.version == 5 and np.array_equal(again.rows, out.rows)
+    assert again.version == 5 and np.array_equal(again.rows, out.rows) and np.array_equal(again.probs, out.probs)

@@ -50,6 +50,46 @@ def test_bad_batches_are_refused_and_change_nothing(store, spec, tokens, topk, m
     assert store.checkout(spec, "t").version == 0
 
 
+def test_probs_round_trip_through_apply_and_checkout(store, spec) -> None:
+    tokens, topk = np.array([5, 9, 5]), np.stack([np.full(K, v) for v in (1, 2, 3)])  # [3, K]
+    probs = np.stack([np.full(K, p, np.uint8) for p in (10, 20, 30)])  # [3, K]: the last 5 wins, as its ids
+    assert store.apply(spec, "t", tokens, topk, probs=probs) == 1
+    out = store.checkout(spec, "t")
+    assert out.probs.dtype == np.uint8 and out.probs.shape == (V, K)
+    assert out.probs[5].tolist() == [30] * K and out.probs[9].tolist() == [20] * K and out.probs.sum() == 50 * K
+    out.probs[5] = 0  # a private copy
+    assert store.checkout(spec, "t").probs[5, 0] == 30
+    store.apply(spec, "t", *_batch([5], 7))  # ids only: the row's confidences become unknown
+    again = store.checkout(spec, "t")
+    assert again.rows[5, 0] == 7 and not again.probs[5].any() and again.probs[9, 0] == 20
+    info = store.describe(spec.fingerprint, "t")
+    assert info["probs_sha256"] == __import__("hashlib").sha256(again.probs.tobytes()).hexdigest()
+    assert store.fork(spec.fingerprint, "t", "t2") == 2 and np.array_equal(store.checkout(spec, "t2").probs, again.probs)
+    store.fork(spec.fingerprint, "t", GLOBAL_TENANT)
+    inherited = store.checkout(spec, "newcomer")  # a new tenant inherits the confidences with the ids
+    assert inherited.source == "global" and np.array_equal(inherited.probs, again.probs)
+
+
+@pytest.mark.parametrize(
+    ("probs", "match"),
+    [
+        (np.zeros((1, K), np.uint8), r"\[n=2, K=8\]"),
+        (np.zeros((2, K - 1), np.uint8), r"\[n=2, K=8\]"),
+        (np.zeros(2 * K, np.uint8), r"\[n=2, K=8\]"),
+        (np.full((2, K), 0.5), "uint8"),
+        (np.full((2, K), 256), "0..255"),
+        (np.full((2, K), -1), "0..255"),
+    ],
+)
+def test_bad_probs_are_refused_and_change_nothing(store, spec, probs, match) -> None:
+    store.apply(spec, "t", *_batch([1, 2], 3), probs=np.full((2, K), 40, np.uint8))
+    before = store.checkout(spec, "t")
+    with pytest.raises(InvalidArgument, match=match):
+        store.apply(spec, "t", *_batch([1, 2], 4), probs=probs)
+    after = store.checkout(spec, "t")
+    assert after.version == 1 and np.array_equal(after.rows, before.rows) and np.array_equal(after.probs, before.probs)
+
+
 @pytest.mark.parametrize("tenant", ["", "a:b", "x" * 65])
 def test_bad_tenant_and_domain_ids_are_refused(store, spec, tenant) -> None:
     with pytest.raises(InvalidArgument):
@@ -148,9 +188,9 @@ def test_describe_fork_delete_without_redis(store, spec) -> None:
         store.describe(spec.fingerprint, "t")
     store.apply(spec, "t", *_batch([1, 2], 3), domain="d")
     info = store.describe(spec.fingerprint, "t")
-    assert {k: v for k, v in info.items() if k not in ("epoch", "rows_sha256")} == {
+    assert {k: v for k, v in info.items() if k not in ("epoch", "rows_sha256", "probs_sha256")} == {
         "tenant": "t", "domain": "d", "fingerprint": spec.fingerprint, "version": 1,
-        "nonzero_rows": 2, "last_snapshot_version": None, "in_memory": True, "memory_bytes": V * K * 4,
+        "nonzero_rows": 2, "last_snapshot_version": None, "in_memory": True, "memory_bytes": V * K * 5,
     }
     assert info["rows_sha256"] == __import__("hashlib").sha256(store.checkout(spec, "t").rows.tobytes()).hexdigest()
     assert store.fork(spec.fingerprint, "t", "t2") == 1
@@ -184,7 +224,7 @@ def test_without_redis_new_tenants_beyond_the_bound_are_refused(spec) -> None:
         with pytest.raises(ResourceExhausted, match="max_tenants_in_memory = 3"):
             store.apply(spec, f"cycle-{i}", *_batch([1], 1))
     health = store.health()
-    assert health["tenants_in_memory"] == 3 and health["memory_bytes"] == 3 * V * K * 4
+    assert health["tenants_in_memory"] == 3 and health["memory_bytes"] == 3 * V * K * 5
     assert store.apply(spec, "a", *_batch([2], 5)) == 2  # existing tenants keep serving, intact
     assert [store.checkout(spec, t).rows[1, 0] for t in "abc"] == [ord(t) for t in "abc"]
     store.delete(spec.fingerprint, "c")
@@ -240,7 +280,7 @@ def test_list_tenants_without_redis_reports_memory_figures(store, spec) -> None:
     listed = store.list_tenants()
     assert [(s.fingerprint, s.tenant) for s in listed] == [("other-fp", "x"), (spec.fingerprint, "t")]
     t = listed[1]
-    assert (t.domain, t.version, t.in_memory, t.nonzero_rows, t.memory_bytes) == ("d", 1, True, 2, V * K * 4)
+    assert (t.domain, t.version, t.in_memory, t.nonzero_rows, t.memory_bytes) == ("d", 1, True, 2, V * K * 5)
     assert t.last_snapshot_version is None and t.last_snapshot_age_s is None
     assert [s.tenant for s in store.list_tenants("other-fp")] == ["x"]
     assert store.list_tenants("no-such-fp") == []

@@ -10,8 +10,9 @@ import pytest
 
 from core.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, NotFound
 from core.model_spec import ModelSpec
-from matrix_store.snapshot import encode_snapshot
+from matrix_store.snapshot import decode_snapshot, encode_snapshot
 from tests.helpers import wait_for
+from tests.matrix_store.test_snapshot import encode_format1
 
 pytestmark = pytest.mark.redis
 V, K = 1000, 8
@@ -21,7 +22,7 @@ def _fill(store, spec, tenant: str, batches: int, seed: int = 0) -> None:
     rng = np.random.default_rng(seed)
     for _ in range(batches):
         tokens = rng.integers(0, V, 16)
-        store.apply(spec, tenant, tokens, rng.integers(0, V, (16, K)))
+        store.apply(spec, tenant, tokens, rng.integers(0, V, (16, K)), probs=rng.integers(1, 256, (16, K), np.uint8))
 
 
 def test_new_store_hot_starts_with_identical_rows_and_version(make_store, spec) -> None:
@@ -36,6 +37,7 @@ def test_new_store_hot_starts_with_identical_rows_and_version(make_store, spec) 
     for tenant in ("a", "b"):
         mine, theirs = first.checkout(spec, tenant), second.checkout(spec, tenant)
         assert theirs.version == mine.version and np.array_equal(theirs.rows, mine.rows)
+        assert mine.probs.any() and np.array_equal(theirs.probs, mine.probs)  # confidences travel with the ids
     assert second.checkout(spec, "c").source == "zeros"
     assert sorted(second.tenants(spec.fingerprint)) == ["a", "b"]  # reading "c" did not create it
 
@@ -55,18 +57,22 @@ def test_rollback_restores_rows_and_version_and_drops_newer(make_store, spec) ->
     for version in (1, 2, 3):
         _fill(store, spec, "t", 1, seed=version)
         store.snapshot_now(spec.fingerprint, "t")
-        saved[version] = store.checkout(spec, "t").rows
+        saved[version] = store.checkout(spec, "t")
     _, live = store.view(spec, "t")
     assert store.rollback(spec.fingerprint, "t", 2) == 2
-    assert np.array_equal(live, saved[2])  # view holders see the rollback too
-    assert store.checkout(spec, "t").version == 2 and store.versions(spec.fingerprint, "t") == [1, 2]
+    assert np.array_equal(live, saved[2].rows)  # view holders see the rollback too
+    back = store.checkout(spec, "t")
+    assert back.version == 2 and store.versions(spec.fingerprint, "t") == [1, 2]
+    assert np.array_equal(back.probs, saved[2].probs) and not np.array_equal(back.probs, saved[3].probs)
     with pytest.raises(NotFound, match="version 3"):
         store.rollback(spec.fingerprint, "t", 3)
     with pytest.raises(InvalidArgument):
         store.rollback(spec.fingerprint, "t", -1)
     assert store.apply(spec, "t", np.array([1]), np.ones((1, K), int)) == 3
     restarted = make_store().checkout(spec, "t")
-    assert restarted.version == 2 and np.array_equal(restarted.rows, saved[2])
+    assert restarted.version == 2 and np.array_equal(restarted.rows, saved[2].rows)
+    assert not restarted.probs[1].any()  # the ids-only batch applied after the rollback: unknown
+    assert np.array_equal(np.delete(restarted.probs, 1, 0), np.delete(saved[2].probs, 1, 0))
 
 
 def test_fork_copies_and_snapshots_the_destination(make_store, spec) -> None:
@@ -78,6 +84,7 @@ def test_fork_copies_and_snapshots_the_destination(make_store, spec) -> None:
     other = make_store()
     dst = other.checkout(spec, "dst")
     assert dst.version == 4 and dst.source == "redis" and dst.rows[0, 0] != 7
+    assert dst.probs.any() and np.array_equal(dst.probs, store.checkout(spec, "dst").probs)
     with pytest.raises(FailedPrecondition, match="already exists"):
         other.fork(spec.fingerprint, "src", "dst")  # exists in Redis, other's memory aside
 
@@ -130,6 +137,30 @@ def test_blob_of_another_fingerprint_is_refused(make_store, spec, redis_client, 
     alien = encode_snapshot("other-model", "t", 2, np.ones((V, K), np.int32))
     redis_client.set(f"{prefix}:snap:{spec.fingerprint}:t:2", alien)
     assert make_store().checkout(spec, "t").version == 1
+
+
+def test_format1_snapshot_in_redis_loads_with_zero_probs_and_is_rewritten_as_format2(
+        make_store, spec, redis_client, prefix) -> None:
+    """A tenant snapshotted before confidences were kept (format 1, ids only) hot-starts with its
+    ids and probs zero (unknown); its next snapshot is format 2 and carries the probs learned since."""
+    store = make_store()
+    _fill(store, spec, "t", 2)
+    store.snapshot_now(spec.fingerprint, "t")  # a format-2 snapshot at version 2, then replaced by a format-1 one
+    ids = store.checkout(spec, "t").rows
+    epoch = int(redis_client.get(f"{prefix}:epoch:{spec.fingerprint}:t"))
+    old = encode_format1(spec.fingerprint, "t", 2, ids, created=time.time(), epoch=epoch)
+    redis_client.set(f"{prefix}:snap:{spec.fingerprint}:t:2", old)
+    fresh = make_store()
+    out = fresh.checkout(spec, "t")
+    assert out.version == 2 and out.source == "redis" and np.array_equal(out.rows, ids) and not out.probs.any()
+    fresh.apply(spec, "t", np.array([3]), np.full((1, K), 4), probs=np.full((1, K), 77, np.uint8))
+    assert fresh.snapshot_now(spec.fingerprint, "t") == 3
+    blob = redis_client.get(f"{prefix}:snap:{spec.fingerprint}:t:3")
+    assert decode_snapshot(blob, spec.fingerprint, spec.shape).probs[3].tolist() == [77] * K
+    assert b'"format": 2' in blob[:400]
+    assert fresh.rollback(spec.fingerprint, "t", 2) == 2  # a rollback to the format-1 one: probs unknown again
+    back = fresh.checkout(spec, "t")
+    assert np.array_equal(back.rows, ids) and not back.probs.any()
 
 
 def test_shape_mismatch_with_stored_tenant_raises(make_store, spec) -> None:
@@ -239,7 +270,7 @@ def test_list_tenants_from_memory_and_redis_without_loading(make_store, spec, re
     _fill(first, spec, "b", 2, seed=3)  # never snapshotted
     listed = {s.tenant: s for s in first.list_tenants(spec.fingerprint)}
     a, b = listed["a"], listed["b"]
-    assert (a.version, a.in_memory, a.last_snapshot_version, a.memory_bytes) == (4, True, 3, V * K * 4)
+    assert (a.version, a.in_memory, a.last_snapshot_version, a.memory_bytes) == (4, True, 3, V * K * 5)
     assert a.nonzero_rows == int(np.count_nonzero(first.checkout(spec, "a").rows.any(axis=1)))
     assert 0 <= a.last_snapshot_age_s < 30
     assert (b.version, b.last_snapshot_version, b.last_snapshot_age_s) == (2, None, None)

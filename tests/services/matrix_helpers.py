@@ -62,8 +62,11 @@ def model(fingerprint: str = FP, vocab_size: int = V, k: int = K) -> pb.ModelSpe
     return pb.ModelSpec(fingerprint=fingerprint, vocab_size=vocab_size, k=k)
 
 
-def random_rows(rng: np.random.Generator, m: int = 16, vocab_size: int = V, k: int = K) -> pb.RowBatch:
-    return rows_to_pb(rng.integers(0, vocab_size, m), rng.integers(0, vocab_size, (m, k)))
+def random_rows(rng: np.random.Generator, m: int = 16, vocab_size: int = V, k: int = K,
+                probs: bool = True) -> pb.RowBatch:
+    """m random rows, with random nonzero confidences unless `probs` is False (an ids-only batch)."""
+    tokens, topk = rng.integers(0, vocab_size, m), rng.integers(0, vocab_size, (m, k))
+    return rows_to_pb(tokens, topk, rng.integers(1, 256, (m, k), np.uint8) if probs else None)
 
 
 def push(stub, tenant: str, rows: pb.RowBatch, spec: pb.ModelSpec | None = None, domain: str = "") -> int:
@@ -73,14 +76,23 @@ def push(stub, tenant: str, rows: pb.RowBatch, spec: pb.ModelSpec | None = None,
 
 def checkout(stub, tenant: str, spec: pb.ModelSpec | None = None) -> tuple[int, np.ndarray]:
     """(version, rows [V, K]) through the Checkout RPC."""
+    version, rows, _ = checkout_probs(stub, tenant, spec)
+    return version, rows
+
+
+def checkout_probs(stub, tenant: str, spec: pb.ModelSpec | None = None) -> tuple[int, np.ndarray, np.ndarray]:
+    """(version, rows [V, K] int32, probs [V, K] uint8) through the Checkout RPC."""
     spec = spec or model()
     rows = np.zeros((spec.vocab_size, spec.k), np.int32)
+    probs = np.zeros((spec.vocab_size, spec.k), np.uint8)
     version = -1
     for chunk in stub.Checkout(pb.CheckoutRequest(tenant=tenant, model=spec, max_rows_per_chunk=100), timeout=10):
         tokens = np.frombuffer(chunk.rows.tokens, "<i4")
         rows[tokens] = np.frombuffer(chunk.rows.topk, "<i4").reshape(-1, spec.k)
+        if chunk.rows.probs:
+            probs[tokens] = np.frombuffer(chunk.rows.probs, "u1").reshape(-1, spec.k)
         version = chunk.version
-    return version, rows
+    return version, rows, probs
 
 
 def ref(tenant: str, fingerprint: str = FP) -> pb.TenantRef:

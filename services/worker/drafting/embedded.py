@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -23,6 +24,9 @@ from engine.tr.recycle import RecycledRows
 from engine.tr.source import DraftSource, MatrixSession
 from engine.tr.tree import CompiledTree
 from matrix_store import MatrixStore
+
+if TYPE_CHECKING:  # histories.py imports this module (its _Throttle)
+    from services.worker.drafting.histories import HistoryBook
 
 log = logging.getLogger("trserve.worker")
 
@@ -41,7 +45,7 @@ class _Throttle:
         self._skipped: dict[str, int] = {}
         self._lock = threading.Lock()
 
-    def failed(self, what: str, tenant: str, exc: Exception) -> None:
+    def failed(self, what: str, tenant: str, exc: Exception, then: str = "drafting locally") -> None:
         kind = f"{what}:{type(exc).__name__}"
         now = time.monotonic()
         with self._lock:
@@ -51,34 +55,39 @@ class _Throttle:
             self._last[kind], skipped = now, self._skipped.pop(kind, 0)
         more = f" ({skipped} more since the last report)" if skipped else ""
         if isinstance(exc, TRServeError):  # an expected refusal (full, unavailable, fenced): no traceback
-            log.warning("matrix %s failed for tenant %s: %s; drafting locally%s", what, tenant, exc, more)
+            log.warning("matrix %s failed for tenant %s: %s; %s%s", what, tenant, exc, then, more)
         else:
-            log.error("matrix %s failed for tenant %s; drafting locally%s", what, tenant, more, exc_info=exc)
+            log.error("matrix %s failed for tenant %s; %s%s", what, tenant, then, more, exc_info=exc)
 
 
 _THROTTLE = _Throttle()
 
 
 class StoreDraftSource:
-    """A DraftSource for one tenant backed by `store`."""
+    """A DraftSource for one tenant backed by `store`; `histories` (a drafting/histories.py
+    HistoryBook, or None) gives its sessions the tenant's suffix history."""
 
     def __init__(self, store: MatrixStore, spec: ModelSpec, tenant: str, domain: str | None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", histories: HistoryBook | None = None) -> None:
         self.store, self.spec, self.tenant, self.domain, self.device = store, spec, tenant, domain, device
+        self.histories = histories
 
     def open(self, tree: CompiledTree, spec: ModelSpec) -> StoreDraftSession:
         self.spec.require(spec, "draft source")
         try:
             checkout = self.store.checkout(self.spec, self.tenant, self.domain)
             rows, version, healthy = torch.from_numpy(checkout.rows), checkout.version, True  # [V, K] int32
+            probs = torch.from_numpy(checkout.probs)  # [V, K] uint8
             epoch: int | None = checkout.epoch
         except InvalidArgument:
             raise
         except Exception as exc:  # noqa: BLE001 - a failing store must not fail the request
             _THROTTLE.failed("checkout", self.tenant, exc)
-            rows, version, healthy, epoch = None, 0, False, None
-        session = StoreDraftSession(self, AdjacencyMatrix(spec, self.device, rows, version), tree)
+            rows, probs, version, healthy, epoch = None, None, 0, False, None
+        session = StoreDraftSession(self, AdjacencyMatrix(spec, self.device, rows, version, probs), tree)
         session.epoch = session.matrix_epoch = epoch
+        if self.histories is not None:  # this tenant's own: never another tenant's
+            session.history = self.histories.get(self.spec.fingerprint, self.tenant)
         if not healthy:
             session.fall_back()
         return session
@@ -106,23 +115,35 @@ class StoreDraftSession(MatrixSession):
         self._close(recycled)
         return super()._step(recycled, root)
 
+    def _push(self, recycled: RecycledRows) -> None:
+        self._close(recycled)
+
+    def remember(self, tokens: list[int]) -> None:
+        """Queued to the history book (added and saved off the engine thread)."""
+        s = self.source
+        if self.history is not None and s.histories is not None:
+            s.histories.remember(s.spec.fingerprint, s.tenant, self.history, tokens)
+
     def _close(self, recycled: RecycledRows | None) -> None:
         if recycled is None or self.mode == "local-fallback":
             return  # after a store failure the rows stay in the private copy (its version is reported)
         s = self.source
         try:
+            probs = None if recycled.probs is None else recycled.probs.cpu().numpy()  # [m, K] uint8
             self.store_version, self.matrix_epoch = s.store.apply_versioned(
                 s.spec, s.tenant, recycled.tokens.cpu().numpy(), recycled.topk.cpu().numpy(), s.domain,
-                since_epoch=self.epoch)
+                since_epoch=self.epoch, probs=probs)
         except Exception as exc:  # noqa: BLE001
             _THROTTLE.failed("store apply", s.tenant, exc)
             self.fall_back()
 
 
-def embedded_factory(store: MatrixStore, spec: ModelSpec, device: torch.device | str = "cpu") -> DraftSourceFactory:
-    """The worker's default factory: every tenant's matrix lives in `store`."""
+def embedded_factory(store: MatrixStore, spec: ModelSpec, device: torch.device | str = "cpu",
+                     histories: HistoryBook | None = None) -> DraftSourceFactory:
+    """The worker's default factory: every tenant's matrix lives in `store`; with `histories`,
+    every tenant's suffix history in that book."""
 
     def factory(tenant: str, domain: str | None) -> DraftSource:
-        return StoreDraftSource(store, spec, tenant, domain, device)
+        return StoreDraftSource(store, spec, tenant, domain, device, histories)
 
     return factory

@@ -171,9 +171,11 @@ def raise_caller_error(exc: grpc.RpcError) -> None:
 
 
 def rows_pb(recycled: RecycledRows | None) -> pb.RowBatch:
+    """Recycled rows as a RowBatch: ids, and their confidences where the engine has them."""
     if recycled is None:
         return pb.RowBatch()
-    return rows_to_pb(recycled.tokens.cpu().numpy(), recycled.topk.cpu().numpy())
+    probs = None if recycled.probs is None else recycled.probs.cpu().numpy()  # [m, K] uint8
+    return rows_to_pb(recycled.tokens.cpu().numpy(), recycled.topk.cpu().numpy(), probs)
 
 
 class ServiceSession(MatrixSession):

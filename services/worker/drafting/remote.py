@@ -1,7 +1,7 @@
 """Remote drafting: the matrix service drafts, one bidi round trip per decoding step (the rows of
-the last verification + the new root -> the next tree's tokens). Every row is also applied to the
-session's private copy (cold at open, ~1.5 MB at V=49152, K=8), so a fallback keeps drafting with
-what this request learned instead of from zeros.
+the last verification with their confidences + the new root -> the next tree's tokens). Every row
+is also applied to the session's private copy (cold at open, ~1.9 MiB of ids and confidences at
+V=49152, K=8), so a fallback keeps drafting with what this request learned instead of from zeros.
 
 Synchronous (the engine's decode loop runs in a thread), and it never stalls decoding on a dead
 service: opens and steps have short timeouts; on failure the session keeps drafting locally
@@ -92,6 +92,8 @@ class RemoteDraftSource:
 
 class RemoteDraftSession(ServiceSession):
     mode = "remote"
+
+    local_drafts = False  # the service drafts; the mirror starts cold (static trees only)
 
     def __init__(self, link: Link, tenant: str, mirror: AdjacencyMatrix, tree: CompiledTree) -> None:
         super().__init__(link, tenant, mirror, tree, version=0)

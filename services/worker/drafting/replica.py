@@ -1,6 +1,6 @@
-"""Replica drafting: check the tenant's matrix out at open, draft locally, push the recycled rows
-back in batches from a background thread; close() flushes what is left. Failures degrade the
-session to local drafting, as in remote.py."""
+"""Replica drafting: check the tenant's matrix (ids and confidences) out at open, draft locally,
+push the recycled rows and their confidences back in batches from a background thread; close()
+flushes what is left. Failures degrade the session to local drafting, as in remote.py."""
 
 from __future__ import annotations
 
@@ -67,15 +67,16 @@ class ReplicaDraftSource:
 
     def open(self, tree: CompiledTree, spec: ModelSpec) -> ReplicaDraftSession:
         failure: BaseException | None = None
-        version, rows, epoch = 0, None, None
+        version, rows, probs, epoch = 0, None, None, None
         if self._link.available():
             try:
-                version, rows, epoch = self._checkout(spec)
+                version, rows, probs, epoch = self._checkout(spec)
             except (grpc.RpcError, ConnectionError) as exc:  # ConnectionError: a malformed reply
                 if isinstance(exc, grpc.RpcError):
                     raise_caller_error(exc)
                 failure = exc
-        matrix = AdjacencyMatrix(spec, tree.parent.device, None if rows is None else torch.from_numpy(rows), version)
+        matrix = AdjacencyMatrix(spec, tree.parent.device, None if rows is None else torch.from_numpy(rows), version,
+                                 None if probs is None else torch.from_numpy(probs))
         session = ReplicaDraftSession(self._link, self._pusher, self.tenant, self.domain, spec, tree, matrix, epoch)
         if rows is None:
             session.fail("checkout", failure)
@@ -83,33 +84,37 @@ class ReplicaDraftSource:
             self._pusher.add(session)
         return session
 
-    def _checkout(self, spec: ModelSpec) -> tuple[int, np.ndarray, int | None]:
-        """(version, rows [V, K] int32, epoch) of the tenant, assembled from the nonzero-row chunks."""
-        rows = np.zeros(spec.shape, np.int32)  # [V, K]
+    def _checkout(self, spec: ModelSpec) -> tuple[int, np.ndarray, np.ndarray, int | None]:
+        """(version, rows [V, K] int32, probs [V, K] uint8, epoch) of the tenant, assembled from the
+        nonzero-row chunks (a chunk without probs: zeros, unknown). Nothing is kept from a reply that
+        fails: the caller drafts from zeros."""
+        rows, probs = np.zeros(spec.shape, np.int32), np.zeros(spec.shape, np.uint8)  # [V, K], [V, K]
         version, epoch = 0, None
         request = pb.CheckoutRequest(tenant=self.tenant, domain=self.domain or "", model=spec_to_pb(spec))
         for chunk in self._link.stub.Checkout(request, timeout=self._link.config.open_timeout_s):
-            tokens, topk = _checked_rows(chunk.rows, spec)  # [m], [m, K]
+            tokens, topk, chunk_probs = _checked_rows(chunk.rows, spec)  # [m], [m, K], [m, K] uint8
             rows[tokens] = topk
+            probs[tokens] = chunk_probs
             version, epoch = chunk.version, chunk.epoch
-        return version, rows, epoch
+        return version, rows, probs, epoch
 
     def close(self) -> None:
         self._pusher.close()
         self._link.close()
 
 
-def _checked_rows(batch: pb.RowBatch, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray]:
-    """A checkout chunk's rows, or ConnectionError when the service sent what it must not (rows
-    of another width, ids outside the vocabulary): the session then drafts locally, as for a
-    service that is down; the caller's request is not at fault."""
+def _checked_rows(batch: pb.RowBatch, spec: ModelSpec) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A checkout chunk's (tokens [m], topk [m, K], probs [m, K] uint8; zeros when it has none), or
+    ConnectionError when the service sent what it must not (rows of another width, ids outside the
+    vocabulary, probs of another length): the session then drafts locally, as for a service that
+    is down; the caller's request is not at fault."""
     try:
-        tokens, topk = rows_from_pb(batch, spec.k)  # [m], [m, K]
-        if tokens.size:
-            validate_batch(spec, tokens, topk, spec.vocab_size)
+        tokens, topk, probs = rows_from_pb(batch, spec.k)  # [m], [m, K], [m, K] or None
+        if tokens.size:  # (probs of an empty chunk must be empty: rows_from_pb checks m * K bytes)
+            validate_batch(spec, tokens, topk, spec.vocab_size, probs)
     except InvalidArgument as exc:
         raise ConnectionError(f"malformed checkout reply: {exc}") from None
-    return tokens, topk
+    return tokens, topk, np.zeros(topk.shape, np.uint8) if probs is None else probs
 
 
 class ReplicaDraftSession(ServiceSession):
@@ -121,7 +126,8 @@ class ReplicaDraftSession(ServiceSession):
         self._epoch = epoch  # of the checkout: a tenant deleted since is not resurrected by our pushes
         self.matrix_epoch = epoch  # then each push's
         self._pusher, self._domain, self._spec = pusher, domain, spec
-        self._pending: list[tuple[np.ndarray, np.ndarray]] = []  # (tokens [m], topk [m, K]), oldest first
+        # (tokens [m], topk [m, K], probs [m, K] uint8; zeros where the engine had none), oldest first
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._lock = threading.Lock()  # guards _pending
         self._push_lock = threading.Lock()  # one push at a time, in order
 
@@ -134,6 +140,9 @@ class ReplicaDraftSession(ServiceSession):
         self._queue(recycled)
         return super()._step(recycled, root)
 
+    def _push(self, recycled: RecycledRows) -> None:
+        self._queue(recycled)
+
     def _close(self, recycled: RecycledRows | None) -> None:
         self._queue(recycled)
         self._pusher.remove(self)
@@ -142,8 +151,10 @@ class ReplicaDraftSession(ServiceSession):
     def _queue(self, recycled: RecycledRows | None) -> None:
         if recycled is None or self.mode == "local-fallback":
             return
+        topk = recycled.topk.cpu().numpy()  # [m, K]
+        probs = np.zeros(topk.shape, np.uint8) if recycled.probs is None else recycled.probs.cpu().numpy()  # [m, K]
         with self._lock:
-            self._pending.append((recycled.tokens.cpu().numpy(), recycled.topk.cpu().numpy()))
+            self._pending.append((recycled.tokens.cpu().numpy(), topk, probs))
 
     def flush(self) -> None:
         """Push the pending rows, oldest first, concatenated into batches of <= push_max_rows
@@ -163,7 +174,7 @@ class ReplicaDraftSession(ServiceSession):
                     self.fail("row push", exc)
                     return
 
-    def _take(self) -> tuple[np.ndarray, np.ndarray] | None:
+    def _take(self) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
         with self._lock:
             taken, rows = 0, 0
             limit = self.link.config.push_max_rows
@@ -173,4 +184,4 @@ class ReplicaDraftSession(ServiceSession):
             items, self._pending = self._pending[:taken], self._pending[taken:]
         if not items:
             return None
-        return np.concatenate([t for t, _ in items]), np.concatenate([r for _, r in items])
+        return tuple(np.concatenate([item[i] for item in items]) for i in range(3))  # [m], [m, K], [m, K]

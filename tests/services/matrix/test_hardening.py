@@ -72,8 +72,8 @@ def test_only_served_models_and_bounded_tenants_without_redis(servers, channel_t
         assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "max_tenants_in_memory = 3" in details
     listed = stub.ListTenants(pb.ListTenantsRequest(), timeout=10)
     assert [t.tenant for t in listed.tenants] == ["a", "b", "c"]
-    assert (listed.tenants_in_memory, listed.max_tenants_in_memory, listed.memory_bytes) == (3, 3, 3 * V * K * 4)
-    assert list(listed.models) == [FP] and all(t.memory_bytes == V * K * 4 for t in listed.tenants)
+    assert (listed.tenants_in_memory, listed.max_tenants_in_memory, listed.memory_bytes) == (3, 3, 3 * V * K * 5)
+    assert list(listed.models) == [FP] and all(t.memory_bytes == V * K * 5 for t in listed.tenants)
     assert push(stub, "a", random_rows(RNG)) == 2  # still serving
 
 
@@ -191,8 +191,8 @@ def test_memory_per_tenant_is_exported_on_metrics(servers) -> None:
         push(stub, "a", random_rows(RNG))
         push(stub, "b", random_rows(RNG))
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.running.metrics_port}/metrics", timeout=10).read().decode()
-    assert f'trserve_matrix_tenant_memory_bytes{{fingerprint="{FP}",tenant="a"}} {float(V * K * 4)}' in text
-    assert f"trserve_matrix_memory_bytes {float(2 * V * K * 4)}" in text
+    assert f'trserve_matrix_tenant_memory_bytes{{fingerprint="{FP}",tenant="a"}} {float(V * K * 5)}' in text
+    assert f"trserve_matrix_memory_bytes {float(2 * V * K * 5)}" in text
     assert "trserve_matrix_tenants_in_memory 2.0" in text and "trserve_matrix_max_tenants_in_memory 4.0" in text
 
 

@@ -38,6 +38,7 @@ from tests.services.matrix_helpers import (  # noqa: F401 - fixtures
     V,
     channel_to,
     checkout,
+    checkout_probs,
     model,
     push,
     random_rows,
@@ -87,13 +88,14 @@ def test_hot_start_across_restart_and_in_a_new_process(start_server, channel_to,
     rng = np.random.default_rng(1)
     for _ in range(5):
         push(stub, "acme", random_rows(rng))
-    version, rows = checkout(stub, "acme")
-    assert version == 5 and rows.any()
+    version, rows, probs = checkout_probs(stub, "acme")
+    assert version == 5 and rows.any() and probs.any()
     first.stop(grace_s=1)  # graceful: final snapshots
 
     second = start_server()
     assert checkout(channel_to(second), "acme")[0] == 5
-    assert np.array_equal(checkout(channel_to(second), "acme")[1], rows)
+    got = checkout_probs(channel_to(second), "acme")
+    assert np.array_equal(got[1], rows) and np.array_equal(got[2], probs)  # confidences came back from Redis
     second.stop(grace_s=1)
 
     proc = subprocess.Popen(
@@ -119,20 +121,21 @@ def test_admin_rollback_fork_delete_and_cli(start_server, channel_to) -> None:
     rng = np.random.default_rng(2)
     push(stub, "t", random_rows(rng))
     assert stub.Snapshot(ref("t"), timeout=10).version == 1
-    good = checkout(stub, "t")[1]
+    _, good, good_probs = checkout_probs(stub, "t")
     push(stub, "t", random_rows(rng))
     assert stub.Snapshot(ref("t"), timeout=10).version == 2
     assert list(stub.ListVersions(ref("t"), timeout=10).versions) == [1, 2]
+    assert not np.array_equal(checkout_probs(stub, "t")[2], good_probs)
 
     assert stub.Rollback(pb.RollbackRequest(ref=ref("t"), version=1), timeout=10).version == 1
-    version, rows = checkout(stub, "t")
-    assert version == 1 and np.array_equal(rows, good)
+    version, rows, probs = checkout_probs(stub, "t")
+    assert version == 1 and np.array_equal(rows, good) and np.array_equal(probs, good_probs)  # both rolled back
     assert list(stub.ListVersions(ref("t"), timeout=10).versions) == [1]
     assert _code(lambda: stub.Rollback(pb.RollbackRequest(ref=ref("t"), version=7), timeout=10))[0] == \
         grpc.StatusCode.NOT_FOUND
 
     assert stub.Fork(pb.ForkRequest(ref=ref("t"), to="t2"), timeout=10).version == 1
-    assert np.array_equal(checkout(stub, "t2")[1], good)
+    assert np.array_equal(checkout(stub, "t2")[1], good) and np.array_equal(checkout_probs(stub, "t2")[2], good_probs)
     push(stub, "t2", random_rows(rng))  # the fork is independent of its source
     assert checkout(stub, "t")[0] == 1
     assert _code(lambda: stub.Fork(pb.ForkRequest(ref=ref("t"), to="t2"), timeout=10))[0] == \
@@ -146,9 +149,10 @@ def test_admin_rollback_fork_delete_and_cli(start_server, channel_to) -> None:
     assert described["tenant"] == "t2" and described["version"] == 2 and described["fingerprint"] == FP
     assert described["nonzero_rows"] > 0 and described["last_snapshot_version"] == 1
     # the digest, epoch and memory the API has (issue 28, defect 8): the digest is the rows' own
-    rows = checkout(stub, "t2")[1]
+    _, rows, probs = checkout_probs(stub, "t2")
     assert described["rows_sha256"] == hashlib.sha256(rows.astype("<i4").tobytes()).hexdigest()
-    assert described["epoch"] >= 0 and described["memory_bytes"] >= rows.nbytes
+    assert described["probs_sha256"] == hashlib.sha256(probs.tobytes()).hexdigest()
+    assert described["epoch"] >= 0 and described["memory_bytes"] == rows.nbytes + probs.nbytes == V * K * 5
 
     stub.Delete(ref("t2"), timeout=10)
     assert _code(lambda: stub.Describe(ref("t2"), timeout=10))[0] == grpc.StatusCode.NOT_FOUND
@@ -173,7 +177,7 @@ def test_list_tenants_rpc_and_cli_and_the_default_fingerprint(start_server, chan
     reply = stub.ListTenants(pb.ListTenantsRequest(), timeout=10)
     assert reply.redis == "ok" and [t.tenant for t in reply.tenants] == ["acme", "globex"]
     acme, globex = reply.tenants
-    assert (acme.version, acme.in_memory, acme.memory_bytes, acme.last_snapshot_version) == (2, True, V * K * 4, 2)
+    assert (acme.version, acme.in_memory, acme.memory_bytes, acme.last_snapshot_version) == (2, True, V * K * 5, 2)
     assert acme.nonzero_rows == int(checkout(stub, "acme")[1].any(axis=1).sum()) and 0 <= acme.last_snapshot_age_s < 30
     assert (globex.domain, globex.last_snapshot_version, globex.last_snapshot_age_s) == ("legal", -1, -1)
 
@@ -183,7 +187,7 @@ def test_list_tenants_rpc_and_cli_and_the_default_fingerprint(start_server, chan
     assert listed["redis"] == "ok" and [t["tenant"] for t in listed["tenants"]] == ["acme", "globex"]
     assert listed["tenants"][1] | {"last_snapshot_age_s": None} == {
         "tenant": "globex", "fingerprint": FP, "domain": "legal", "version": 1, "in_memory": True,
-        "nonzero_rows": listed["tenants"][1]["nonzero_rows"], "memory_bytes": V * K * 4,
+        "nonzero_rows": listed["tenants"][1]["nonzero_rows"], "memory_bytes": V * K * 5,
         "last_snapshot_version": None, "last_snapshot_age_s": None,
     }
     table = _admin("list", "--addr", server.addr, "--table").stdout.splitlines()
@@ -257,6 +261,14 @@ BAD_INPUTS = {
     "negative id": (lambda s: push(s, "t", _rows([-1], np.ones((1, K)))), f"[0, {V})"),
     "mismatched lengths": (lambda s: push(s, "t", _rows([1, 2, 3], np.ones((2, K)))), "must match"),
     "ragged bytes": (lambda s: push(s, "t", pb.RowBatch(tokens=b"\x01\x00\x00", topk=b"")), "4 bytes per id"),
+    "short probs": (lambda s: push(s, "t", pb.RowBatch(tokens=_rows([1], np.ones((1, K))).tokens,
+                                                       topk=_rows([1], np.ones((1, K))).topk, probs=b"\x01" * (K - 1))),
+                    f"{K} bytes"),
+    "probs without rows": (lambda s: _draft(s, OK_OPEN, pb.DraftStep(rows=pb.RowBatch(probs=b"\x05"), root=3)),
+                           "i.e. 0 bytes"),
+    "long probs in a step": (lambda s: _draft(s, OK_OPEN, pb.DraftStep(rows=pb.RowBatch(
+        tokens=_rows([1], np.ones((1, K))).tokens, topk=_rows([1], np.ones((1, K))).topk, probs=b"\x01" * (K + 1)),
+        root=3)), "rows.probs"),
     "empty batch": (lambda s: push(s, "t", pb.RowBatch()), "1..4096 rows"),
     "oversized batch": (lambda s: push(s, "t", _rows(np.arange(5000) % V, np.ones((5000, K)))), "split larger"),
     "empty fingerprint": (lambda s: push(s, "t", _rows([1], np.ones((1, K))), spec=model(fingerprint="")),

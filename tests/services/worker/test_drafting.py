@@ -25,12 +25,12 @@ SOURCES = {"remote": RemoteDraftSource, "replica": ReplicaDraftSource}
 
 @pytest.fixture(scope="module")
 def reference(decoder):
-    """In-process TR from a cold matrix, per prompt: (ids, final matrix rows)."""
+    """In-process TR from a cold matrix, per prompt: (ids, final matrix rows, final matrix probs)."""
     out = []
     for messages in PROMPTS:
         matrix = decoder.new_matrix()
         result = decoder.generate(messages=messages, max_new_tokens=N, matrix=matrix)
-        out.append((result.ids, matrix.rows.numpy().copy()))
+        out.append((result.ids, matrix.rows.numpy().copy(), matrix.probs.numpy().copy()))
     return out
 
 
@@ -38,7 +38,7 @@ def reference(decoder):
 def test_decoding_through_the_service_equals_in_process(decoder, reference, start_server, mode) -> None:
     server = start_server()
     spec = ModelSpec(decoder.fingerprint, decoder.vocab_size, decoder.config.k)
-    for i, (messages, (ids, rows)) in enumerate(zip(PROMPTS, reference)):
+    for i, (messages, (ids, rows, probs)) in enumerate(zip(PROMPTS, reference)):
         source = SOURCES[mode](server.addr, f"{mode}-{i}")
         result = decoder.generate(messages=messages, max_new_tokens=N, matrix=source)
         source.close()
@@ -46,6 +46,7 @@ def test_decoding_through_the_service_equals_in_process(decoder, reference, star
         assert result.stats.draft_mode == mode and source.fallbacks == 0
         served = server.store.checkout(spec, f"{mode}-{i}")
         assert np.array_equal(served.rows, rows)  # every recycled row reached the service
+        assert probs.any() and np.array_equal(served.probs, probs)  # with its confidences
         assert result.stats.matrix_version == served.version > 0
 
 

@@ -1,6 +1,7 @@
-"""A matrix service that answers Checkout with malformed rows (issue 28, defect 3): a replica worker
-drafts locally ("local-fallback") and the caller's request succeeds with the plain-decoding ids; it
-is never INTERNAL or INVALID_ARGUMENT, and the next request is served."""
+"""A matrix service that answers Checkout with malformed rows (issue 28, defect 3), or with probs of
+the wrong length: a replica worker drafts locally ("local-fallback") and the caller's request
+succeeds with the plain-decoding ids; it is never INTERNAL or INVALID_ARGUMENT, the next request is
+served, and nothing of the malformed reply is kept or pushed back."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class _Hostile(matrix_pb2_grpc.MatrixServiceServicer):
 
     def __init__(self, kind: str, vocab_size: int, k: int) -> None:
         self.kind, self.v, self.k = kind, vocab_size, k
+        self.pushes = 0
 
     def Checkout(self, request, context):
         tokens = np.array([5, 6], np.int32)
@@ -38,13 +40,48 @@ class _Hostile(matrix_pb2_grpc.MatrixServiceServicer):
         rows = rows_to_pb(tokens, topk)
         if self.kind == "top-k width":
             rows = rows_to_pb(tokens, np.ones((2, self.k + 3), np.int32))
+        elif self.kind == "probs length":  # ids fine, one confidence byte short
+            rows.probs = b"\x80" * (2 * self.k - 1)
         yield mpb.CheckoutChunk(version=3, total_rows=2, rows=rows, epoch=1)
 
     def PushRows(self, request, context):
+        self.pushes += 1
         return mpb.PushRowsReply(version=4)
 
 
-@pytest.fixture(scope="module", params=["row index >= V", "successor id >= V", "top-k width"])
+KINDS = ["row index >= V", "successor id >= V", "top-k width", "probs length"]
+
+
+def test_malformed_probs_in_a_checkout_are_never_kept_nor_pushed() -> None:
+    """No model needed: the replica session drafts from zeros, and its rows never reach the service."""
+    import torch
+
+    from core.model_spec import ModelSpec
+    from engine.tr.recycle import RecycledRows
+    from engine.tr.tree import TreeTemplate, get_compiled
+
+    hostile = _Hostile("probs length", 1000, 8)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    matrix_pb2_grpc.add_MatrixServiceServicer_to_server(hostile, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    source = ReplicaDraftSource(f"127.0.0.1:{port}", "acme", None, DraftClientConfig(retry_after_s=0.01))
+    try:
+        session = source.open(get_compiled(TreeTemplate.from_paths("t", [[0], [1]]), "cpu", torch.float32),
+                              ModelSpec("fp", 1000, 8))
+        assert session.info().mode == "local-fallback" and source.fallbacks == 1
+        assert not session.matrix.rows.any() and not session.matrix.probs.any()  # nothing of the reply kept
+        recycled = RecycledRows(torch.tensor([5]), torch.ones((1, 8), dtype=torch.int32),
+                                torch.full((1, 8), 9, dtype=torch.uint8))
+        session.step(recycled, 5)
+        session.close(recycled)
+        assert hostile.pushes == 0
+    finally:
+        source.close()
+        server.stop(0)
+
+
+@pytest.fixture(scope="module", params=KINDS)
 def hostile(request, decoder):
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
     matrix_pb2_grpc.add_MatrixServiceServicer_to_server(_Hostile(request.param, decoder.vocab_size, decoder.config.k),

@@ -1,0 +1,69 @@
+"""Dynamic trees in the engine (tiny model): exact output, plain steps where no node pays, drafts
+from a tenant's history, and tenants that never see each other's history."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import GenerationRequest
+from engine.engine import BatchEngine, EngineConfig
+from tests.conftest import tiny_decoder
+from tests.engine.test_engine import _prompt, _run, _submit
+
+V = 64
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield tiny_decoder(V, seed=3, seed_from_prompt=4, tree="dynamic")
+    torch.set_num_threads(threads)
+
+
+def _request(i: int, n: int = 8, new: int = 24, mode: str = "tr") -> GenerationRequest:
+    return GenerationRequest(input_ids=_prompt(i, n), max_new_tokens=new, ignore_eos=True, mode=mode)
+
+
+def test_grown_trees_in_a_batch_decode_as_plain_decoding(tiny):
+    flat = BatchEngine(tiny, EngineConfig(max_batch=4), cost=lambda w, kv: 1.0)  # free width: trees always pay
+    tenant = tiny.new_tenant()
+    trs = [_submit(flat, tiny, _request(i), matrix=tenant) for i in range(6)]
+    _run(flat)
+    plain = BatchEngine(tiny, EngineConfig(max_batch=4))
+    ars = [_submit(plain, tiny, _request(i, mode="ar")) for i in range(6)]
+    _run(plain)
+    for tr, ar in zip(trs, ars):
+        assert tr[-1].ids == ar[-1].ids
+    stats = [o[-1].stats for o in trs]
+    assert sum(s.mat for s in stats) / len(stats) > 1.2  # the trees were verified and drafts accepted
+    assert all(s.tree == "dynamic" for s in stats)
+    drafted = sum(s.drafted.get("matrix", 0) for s in stats)
+    accepted = sum(s.accepted.get("matrix", 0) for s in stats)
+    assert 0 < accepted <= drafted
+
+
+def test_compute_bound_costs_keep_every_step_plain_and_grow_nothing(tiny):
+    engine = BatchEngine(tiny, EngineConfig(max_batch=8, explore_every=10**6), cost=lambda w, kv: float(w))
+    outs = [_submit(engine, tiny, _request(i), matrix=tiny.new_tenant()) for i in range(4)]
+    _run(engine)
+    for o in outs:
+        assert o[-1].stats.mat == 1.0 and o[-1].stats.drafted == {}
+
+
+def test_a_tenant_drafts_from_its_history_and_another_tenant_never_does(tiny):
+    engine = BatchEngine(tiny, EngineConfig(max_batch=2), cost=lambda w, kv: 1.0 + 0.01 * w)
+    a, b = tiny.new_tenant(), tiny.new_tenant()
+    secret = _request(5, n=12, new=32)
+    first = _submit(engine, tiny, secret, matrix=a)
+    _run(engine)
+    again = _submit(engine, tiny, secret, matrix=a)  # the same request again: its history knows the answer
+    other = _submit(engine, tiny, secret, matrix=b)  # the same request from another tenant: it knows nothing
+    _run(engine)
+    assert again[-1].ids == other[-1].ids == first[-1].ids
+    assert again[-1].stats.accepted.get("history", 0) > 8
+    assert again[-1].stats.mat > other[-1].stats.mat
+    assert "history" not in other[-1].stats.drafted
+    assert b.history.documents == 1  # its own request only (remembered at its end)
+    assert b.matrix is not a.matrix and a.history is not b.history
