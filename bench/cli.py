@@ -6,7 +6,7 @@ from core.datasets import PROMPT_SETS, prompt_file
 
 DEFAULT_PROMPTS = str(prompt_file("spec_bench"))  # bundled with the repository (core/data/)
 DECODERS = ("hf", "pld", "ar", "tr", "tr-paper")
-OPTIONAL = ("tr-full", "tr-matrix", "tr-adaptive", "llamacpp")
+OPTIONAL = ("tr-static", "tr-full", "tr-matrix", "tr-adaptive", "llamacpp")
 
 
 def register(sub) -> None:

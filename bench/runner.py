@@ -57,7 +57,7 @@ class BenchConfig:
     warm_per_category: int = 0
 
     def __post_init__(self) -> None:
-        known = {"hf", "pld", "ar", "tr", "tr-full", "tr-paper", "tr-matrix", "tr-adaptive", "llamacpp"}
+        known = {"hf", "pld", "ar", "tr", "tr-static", "tr-full", "tr-paper", "tr-matrix", "tr-adaptive", "llamacpp"}
         if not self.decoders or set(self.decoders) - known:
             raise ValueError(f"decoders must be a non-empty subset of {sorted(known)}, got {list(self.decoders)}")
         if self.per_category < 1 or self.max_new_tokens < 1 or self.warm_per_category < 0:
@@ -237,6 +237,9 @@ def _bundled_gguf() -> str:
     return str(Path(list(spec.submodule_search_locations)[0]) / _GGUF_FILE)
 
 
+STATIC_TREE = "cpu-hybrid"  # `tr-static`: the static template with lookup chains that was the CPU default
+
+
 def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
     from engine import Decoder, DecoderConfig, ModelConfig, load_model
 
@@ -247,7 +250,7 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
         stock = load_model(ModelConfig(source=model_cfg.source, kernels="stock", threads=config.threads))
         runners.update({"hf": _HF(stock, None, config.temperature),
                         "pld": _HF(stock, config.pld_tokens, config.temperature)})
-    if {"ar", "tr", "tr-full", "tr-paper", "tr-matrix", "tr-adaptive"} & set(config.decoders):
+    if {"ar", "tr", "tr-static", "tr-full", "tr-paper", "tr-matrix", "tr-adaptive"} & set(config.decoders):
         from engine.engine import BatchEngine, EngineConfig
         from engine.tuning.cost import engine_cost
 
@@ -257,15 +260,16 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
         runners.update({"ar": _TR(decoder, whole, "ar", None, t), "tr-full": _TR(decoder, whole, "tr", tr_tree, t),
                         "tr-paper": _TR(decoder, whole, "tr", "paper", t),
                         "tr-matrix": _TR(decoder, whole, "tr", "cpu-8", t)})
-        if "tr" in config.decoders:  # as a worker serves one request: per-step tree budgets
+        if {"tr", "tr-static"} & set(config.decoders):  # as a worker serves one request: per-step tree budgets
             served = BatchEngine(decoder, EngineConfig(max_batch=1), engine_cost(decoder, measure=True))
             runners["tr"] = _TR(decoder, served, "tr", tr_tree, t)
+            runners["tr-static"] = _TR(decoder, served, "tr", STATIC_TREE, t)
         if "tr-adaptive" in config.decoders:
             adaptive = Decoder(DecoderConfig(model=model_cfg, tree="adaptive"), loaded=decoder.loaded)
             runners["tr-adaptive"] = _TR(adaptive, adaptive.engine, "tr", None, t)
         meta.update(fingerprint=decoder.fingerprint, kernels=decoder.loaded.kernels, isa=decoder.loaded.isa,
                     forward=decoder.loaded.forward, device=str(decoder.device),
-                    trees={"tr": tr_tree, "tr-full": tr_tree, "tr-paper": "paper", "tr-matrix": "cpu-8",
+                    trees={"tr": tr_tree, "tr-static": STATIC_TREE, "tr-full": tr_tree, "tr-paper": "paper", "tr-matrix": "cpu-8",
                            "tr-adaptive": "adaptive"})
     if "llamacpp" in config.decoders:
         from transformers import AutoTokenizer

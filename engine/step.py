@@ -13,7 +13,7 @@ from engine.tr.accept import Acceptance, accept_greedy
 from engine.tr.dynamic import Grown
 from engine.tr.hybrid import Graft, graft, matched_run
 from engine.tr.lookup import Proposal
-from engine.tr.recycle import RecycledRows, recycle_rows
+from engine.tr.recycle import RecycledRows, recycle_rows, top_probs
 from engine.tr.sampling import choose_in_tree
 from engine.tr.tree import CompiledTree
 from engine.tuning.online import StepPlan
@@ -67,13 +67,13 @@ def grown_draft(grown: Grown, width: int, tree: CompiledTree, device) -> Draft:
 
 
 def accept_step(seq: Sequence, draft: Draft, logits: torch.Tensor, k: int, past: int,
-                topk: torch.Tensor | None = None) -> tuple[Acceptance, RecycledRows]:
+                topk: torch.Tensor | None = None, probs=top_probs) -> tuple[Acceptance, RecycledRows]:
     """logits: [n, V] of the draft's nodes (topk: their top-k ids [n, k] where the forward computed
     them) -> (accepted path and tokens, rows to recycle); records the step for the tuner
     (exploration steps) or the caller's acceptance log."""
     greedy = choose_in_tree(logits, draft.tokens, draft.tree, seq.sampler, len(seq.generated), topk)  # argmax or samples
     acc = accept_greedy(draft.tokens, greedy, draft.tree)
-    rows = recycle_rows(draft.tokens, logits, k, acc.path, topk)
+    rows = recycle_rows(draft.tokens, logits, k, acc.path, topk, probs)
     count_sources(seq, draft, acc.path)
     if draft.grown is not None:  # no template nodes to record: the engine calibrates the growth instead
         pass

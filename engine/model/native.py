@@ -22,7 +22,7 @@ import ctypes
 
 import torch
 
-from engine.model.kernels.build import forward_library
+from engine.model.kernels.build import forward_library, top_probs_library
 from engine.model.kernels.qlinear import QLinear
 
 _i64 = ctypes.c_int64
@@ -100,6 +100,7 @@ class NativeForward:
         self.model = model
         head = model.get_output_embeddings()
         self._fn = forward_library(head.isa)
+        self._probs = top_probs_library(head.isa)
         self.threads = head.threads  # as the linear layers (load_model sets them); None: torch.get_num_threads()
         self.heads = cfg.num_attention_heads
         self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
@@ -140,6 +141,17 @@ class NativeForward:
             cos, sin = self._rotary(torch.zeros(1, dtype=torch.float32), pos)
         self._cos, self._sin = cos[0].contiguous().float(), sin[0].contiguous().float()  # [P, D]
         self.m.cos, self.m.sin, self.m.positions = self._cos.data_ptr(), self._sin.data_ptr(), p
+
+    def top_probs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """logits [m, V] float32, ids [m, K] (column 0 the argmax) -> their softmax probabilities as
+        uint8 buckets [m, K] (csrc/forward.c trserve_top_probs; engine/tr/recycle.py:top_probs is the
+        torch form)."""
+        x = logits.float().contiguous()
+        idx = ids.to(torch.int32).contiguous()
+        q = torch.empty(idx.shape, dtype=torch.uint8)
+        if self._probs(x.data_ptr(), x.shape[0], x.shape[1], idx.shape[1], idx.data_ptr(), q.data_ptr()):
+            raise RuntimeError(f"top_probs refused shapes {tuple(x.shape)}, {tuple(idx.shape)}")
+        return q
 
     def __call__(self, kv_k: list[torch.Tensor], kv_v: list[torch.Tensor], widths: list[int], ids: torch.Tensor,
                  pos: torch.Tensor, kv_rows: list[int], ctx: list[int], start: list[int], vis: torch.Tensor,

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+
 from engine.model.batch_kv import BatchKV
 from engine.model.loader import resolve_batch_step
 from engine.model.native import NativeForward, native_unsupported

@@ -77,14 +77,15 @@ def top_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 
 def recycle_rows(tokens: torch.Tensor, logits: torch.Tensor, k: int, accepted_path: list[int],
-                 topk: torch.Tensor | None = None) -> RecycledRows:
+                 topk: torch.Tensor | None = None, probs=None) -> RecycledRows:
     """tokens: [n], logits: [n, V] -> the deduplicated top-k rows of this verification, with their
-    confidences. topk: [n, k] the nodes' top-k ids where the forward computed them."""
+    confidences. topk: [n, k] the nodes' top-k ids where the forward computed them; probs: what
+    computes the confidences (default `top_probs`; the native forward has a C one)."""
     winners = select_rows(tokens, accepted_path)
     lg = logits[winners]  # [m, V]
     if topk is not None and topk.shape[-1] == k:  # the forward's: no top-k search over the vocabulary
         rows = topk[winners]  # [m, K]
     else:
         rows = top_ids(lg, k)
-    return RecycledRows(tokens=tokens[winners], topk=rows, probs=top_probs(lg, rows))
+    return RecycledRows(tokens=tokens[winners], topk=rows, probs=(probs or top_probs)(lg, rows))
 

@@ -326,6 +326,37 @@ int trserve_topk_rows(const float *x, int64_t m, int64_t V, int64_t K, int32_t *
     return 0;
 }
 
+/* The softmax probability of chosen ids as uint8 buckets (engine/tr/confidence.py): for each of m
+ * rows of x [m, V] and its K ids idx [m, K] (column 0 its argmax, as topk_row gives them; ids outside
+ * [0, V) get 0): q = round(255 * exp(x[id] - max) / sum_j exp(x[j] - max)). One thread; the exp is
+ * exp_poly's, over the row in chunks. What each recycled matrix row keeps beside its ids. */
+int trserve_top_probs(const float *x, int64_t m, int64_t V, int64_t K, const int32_t *idx, uint8_t *q)
+{
+    if (K < 1 || K > 64 || V < 1) return -1;
+    float buf[1024];
+    for (int64_t r = 0; r < m; r++) {
+        const float *row = x + r * V;
+        const int32_t *ids = idx + r * K;
+        float mx = (ids[0] >= 0 && ids[0] < V) ? row[ids[0]] : row[0];
+        double sum = 0.0;
+        for (int64_t c = 0; c < V; c += 1024) {
+            const int64_t n = V - c < 1024 ? V - c : 1024;
+            float s = 0.0f;
+            for (int64_t i = 0; i < n; i++) buf[i] = row[c + i] - mx;
+            exp_poly(buf, n);
+            for (int64_t i = 0; i < n; i++) s += buf[i];
+            sum += s;
+        }
+        for (int64_t k = 0; k < K; k++) {
+            const int32_t id = ids[k];
+            float p = (id >= 0 && id < V && sum > 0.0) ? (float)(exp1(row[id] - mx) / sum) : 0.0f;
+            p = p > 0.0f ? (p < 1.0f ? p : 1.0f) : 0.0f; /* NaN -> 0 */
+            q[r * K + k] = (uint8_t)(p * 255.0f + 0.5f);
+        }
+    }
+    return 0;
+}
+
 #define QBLOCK 4 /* queries per attention work item (a multiple of QPASS) */
 
 /* Checks the model fits the fixed-size parts below; 0 ok. */

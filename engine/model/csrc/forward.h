@@ -35,6 +35,7 @@ int trserve_forward_check(const tr_model *M);
 /* The K largest of each of m rows of x [m, V] -> idx [m, K], largest first (tests). 0, or -1 when K
  * is not 1..64 or above V. */
 int trserve_topk_rows(const float *x, int64_t m, int64_t V, int64_t K, int32_t *idx);
+int trserve_top_probs(const float *x, int64_t m, int64_t V, int64_t K, const int32_t *idx, uint8_t *q);
 
 /* One forward of B sequences' new tokens (packed, tok0 [B + 1] offsets) over their KV rows; logits of
  * the kept tokens (and their top-K ids for K > 0). 0, -1 on a shape the check refuses, -2 without

@@ -173,6 +173,8 @@ def _library(cache_dir: Path, isa: str):
     f.restype = ctypes.c_int
     P, i64 = ctypes.c_void_p, ctypes.c_int64
     f.argtypes = [P, i64, P, P, P, P, P, P, P, P, P, i64, P, i64, P, i64, P, ctypes.c_int]
+    lib.trserve_top_probs.restype = ctypes.c_int
+    lib.trserve_top_probs.argtypes = [P, i64, i64, i64, P, P]
     _libs[isa] = lib
     return fn
 
@@ -181,6 +183,13 @@ def q4_layout(cache_dir: Path, isa: str) -> str:
     """The q4 code layout ("bytes" or "lanes", csrc/qlinear.c) the `isa` library reads."""
     _library(cache_dir, isa)
     return Q4_LAYOUTS[_libs[isa].trserve_qlinear_q4_layout()]
+
+
+def top_probs_library(isa: str):
+    """trserve_top_probs of variant `isa` (csrc/forward.c): softmax probabilities of chosen ids."""
+    if isa not in _libs:
+        raise RuntimeError(f"the {isa} kernel library is not loaded (no QLinear built on it)")
+    return _libs[isa].trserve_top_probs
 
 
 def forward_library(isa: str):

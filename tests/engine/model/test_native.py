@@ -197,3 +197,22 @@ def test_decode_loops_on_the_native_forward_keep_torch_single_threaded():
     with pytest.raises(RuntimeError), quiet_torch_threads(True):
         raise RuntimeError("a failed step")
     assert torch.get_num_threads() == before
+
+
+def test_top_probs_match_torch_softmax(tmp_path):
+    """The C confidences (csrc/forward.c trserve_top_probs) are torch's softmax of the same ids,
+    bucketed as engine/tr/confidence.py does (off by at most one bucket: exp_poly against torch's exp)."""
+    from engine.model.native import NativeForward
+    from engine.tr.recycle import top_probs
+
+    model = quantized_llama(tmp_path)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 3000, generator=g) * 3
+    x[2] = 0.0  # flat: every id 1/3000 -> bucket 0
+    x[3, 17] = 40.0  # sure: bucket 255
+    ids = torch.topk(x, 8).indices.to(torch.int32)
+    q = NativeForward(model).top_probs(x, ids)
+    ref = top_probs(x, ids)
+    assert q.dtype == torch.uint8 and q.shape == (4, 8)
+    assert (q.int() - ref.int()).abs().max() <= 1
+    assert q[2].tolist() == [0] * 8 and q[3, 0] == 255
