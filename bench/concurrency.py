@@ -249,6 +249,8 @@ def fairness(decoder, config: ConcurrencyConfig, prompts, long_tokens: int = 200
 
 def run_concurrency(config: ConcurrencyConfig) -> dict:
     from engine import Decoder, DecoderConfig, ModelConfig
+    from engine.tr.history import SuffixHistory
+    from engine.tr.source import LocalDraftSource
 
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -263,6 +265,9 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
     matrices = {mode: {t: decoder.new_tenant() for t in tenants} for mode in config.modes}  # matrix + history
     for c in config.levels:
         for mode in config.modes:
+            # every level sends the same prompts again: a tenant's history of the last level would hold
+            # their very answers (a cache, not drafting), so each level starts a fresh one; matrices stay hot
+            matrices[mode] = {t: LocalDraftSource(s.matrix, SuffixHistory()) for t, s in matrices[mode].items()}
             row = (_serial(decoder, c, config, convs, matrices[mode]) if mode == "serial"
                    else _batched(decoder, mode, c, config, convs, matrices[mode]))
             log.info("%s", row)

@@ -11,7 +11,7 @@ from engine.tuning.online import AutoTuneConfig
 # makes one for another machine, `trserve bench --tree` compares). A forward's cost per width
 # decides the tree: the compressed kernels make one token much cheaper than the packed ones do.
 DEFAULT_TREES = {"cpu": "cpu-hybrid-packed", "cuda": "paper"}
-KERNEL_TREES = {("cpu", "compressed"): "cpu-hybrid"}  # where the kernels change the best tree
+KERNEL_TREES = {("cpu", "compressed"): "dynamic"}  # where the kernels change the best tree
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ class Drafter:
         seconds its drafting took, with tree sizes chosen for the whole batch (engine/tree_budget.py)."""
         budget = self.budget
         budget.begin_step(running, steps, kv)
+        floor = budget.row_floor(kv, len(running)) if any(self._grows(x) for x in running) else 1.0
         staged, options = [], []
         for live in running:
             if live.session is None:  # an AR-mode request
@@ -42,7 +43,7 @@ class Drafter:
                 options.append([(1, 1.0, 1, 0)])
                 continue
             if self._grows(live):
-                grown = self._grow(live, kv, len(running))
+                grown = self._grow(live, floor)
                 staged.append(grown)
                 options.append(budget.grown_options(live, grown, len(running), kv))
                 continue
@@ -73,20 +74,26 @@ class Drafter:
     def _grows(self, live: Live) -> bool:
         """Whether `live` drafts by growing trees from confidence: a dynamic tree, no tuner, and a
         session whose private copy holds the tenant's rows."""
-        return bool(live.tree.template.dynamic) and live.seq.tuner is None and isinstance(
-            live.session, MatrixSession) and live.session.local_drafts
+        return isinstance(live.session, MatrixSession) and bool(live.tree.template.dynamic) and (
+            live.seq.tuner is None and live.session.local_drafts)
 
-    def _grow(self, live: Live, kv: int, b: int) -> Grown:
-        """This step's grown tree for `live`, or its root alone when no node could pay for a row in a
-        batch of `b` (checked on one matrix row first: a plain step stays nearly as cheap as an AR
-        one). A tree takes the session's pending rows first, so it drafts from them at once; plain
-        steps hand them over only every HAND_OVER rows."""
+    def _grow(self, live: Live, floor: float) -> Grown:
+        """This step's grown tree for `live`, or its root alone when no node can score `floor` (the
+        budget's row floor for this batch): the root's matrix row and the chains are checked first,
+        and a chain source whose calibrated best is below the floor is not even looked up, so a plain
+        step stays nearly as cheap as an AR one. A tree takes the session's pending rows first, so it
+        drafts from them at once; plain steps hand them over only every HAND_OVER rows."""
         session, seq = live.session, live.seq
         m, template = session.matrix, live.tree.template
         rows, probs = m.rows.cpu().numpy(), m.probs.cpu().numpy()  # [V, K] views on a CPU matrix
-        chains = [c for c in (Chain.of(seq.lookup.propose(template.lookup), CONTEXT), self._history(live)) if c]
         calib = self.budget.calibration(live)
-        if not self.budget.worth_growing(best_first_score(rows, probs, live.root, calib, chains), kv, b):
+        chains = []
+        if calib.best_rate(CONTEXT) >= floor:
+            chains.append(Chain.of(seq.lookup.propose(template.lookup), CONTEXT))
+        if calib.best_rate(HISTORY) >= floor:
+            chains.append(self._history(live))
+        chains = [c for c in chains if c is not None]
+        if best_first_score(rows, probs, live.root, calib, chains) < floor:
             if len(live.plain) >= HAND_OVER:
                 session.update(pending(live))
                 live.recycled = None

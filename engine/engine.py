@@ -287,14 +287,14 @@ class BatchEngine:
         budget.measured(budget.last_width, self.scheduler.mean_kv(), time.perf_counter() - t0)
         tops = self.runner.last_topk or [None] * len(logits)  # per row [w_b, k] where the forward computed them
         keep, k = [], self.target.config.k
+        plain_rows = self._plain_rows(running, drafts, logits, tops)
         for live, draft, lg, top, spent in zip(running, drafts, logits, tops, spent_drafting):
             t0 = time.perf_counter()
             seq = live.seq
             if draft is None:  # plain decoding this step
                 new, path = [int(choose(lg, seq.sampler, len(seq.generated), top)[0])], [0]
                 if live.session is not None:  # the root's top-k is recycled like any verified node's
-                    ids = top_ids(lg[:1], k, top[:1] if top is not None else None)  # [1, K]
-                    live.plain.append((live.root, ids[0], self.top_probs(lg[:1], ids)[0]))
+                    live.plain.append((live.root, *plain_rows.pop(0)))
             else:
                 acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row), top, self.top_probs)
                 new, path = acc.tokens, acc.path
@@ -307,6 +307,18 @@ class BatchEngine:
             budget.host(draft is not None, spent + time.perf_counter() - t0)
         budget.trees_verified(sum(live.session is not None for live in running), sum(d is not None for d in drafts))
         self.runner.keep(keep)
+
+    def _plain_rows(self, running: list[Live], drafts: list, logits: list, tops: list) -> list[tuple]:
+        """(top-K ids [K], their confidences [K]) of the root of every TR sequence decoding plain this
+        step, in batch order: the confidences of all of them in one call."""
+        k = self.target.config.k
+        at = [i for i, (live, draft) in enumerate(zip(running, drafts)) if draft is None and live.session is not None]
+        if not at:
+            return []
+        lg = torch.cat([logits[i][:1] for i in at])  # [m, V]
+        known = [tops[i][:1] for i in at] if tops[0] is not None else None
+        ids = top_ids(lg, k, torch.cat(known) if known else None)  # [m, K]
+        return list(zip(ids, self.top_probs(lg, ids)))
 
     def cost(self, width: int, kv: int) -> float:
         """Seconds of a forward of `width` tokens at KV length `kv`, as the tree budget prices it."""

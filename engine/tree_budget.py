@@ -155,19 +155,21 @@ class TreeBudget:
         return [plain] + [(w, grown.expected(w), w, 0) for w in SIZES if w < grown.n] + [
             (grown.n, grown.expected(grown.n), grown.n, 0)]
 
-    def worth_growing(self, best: float, kv: int, b: int = 1) -> bool:
-        """Whether a node scoring `best` (an upper bound of a grown tree's scores) could pay for its row
-        in a step of `b` sequences: some tree of w - 1 nodes all scoring `best`, added to b plain rows,
-        beats the plain step's tokens per second under the cost model, with a tree step's host time and
-        the margin. Example, cost(n) = 7.5, 9.3, 12.5 ms at 1, 2, 4 rows, b = 1: a node at 0.3 does not
-        pay (1.3 / 9.3 < 1 / 7.5 x 1.05 + host time), a chain of nodes at 0.7 does (3.1 / 12.5)."""
+    def row_floor(self, kv: int, b: int = 1) -> float:
+        """The least score (P(accepted)) a node needs for some tree to pay in a step of `b` sequences:
+        a tree of w - 1 nodes all scoring p, beside b plain rows, beats the plain step's tokens per
+        second under the cost model, with a tree step's host time and the margin, for some w in 2..16.
+        A grown tree's best node scores at most its root's best candidate, so a root whose candidates
+        are all below this verifies plain. Example, cost(n) = 7.5, 9.3, 12.5 ms at 1, 2, 4 rows, b = 1,
+        no host time or margin: w = 2 needs p > 9.3 / 7.5 - 1 = 0.24, w = 4 needs (12.5 / 7.5 - 1) / 3
+        = 0.22 -> 0.22."""
         extra = max(self.host_s[True] - self.host_s[False], 0.0)
-        plain = b / self.cost(b, kv) * (1 + self.config.tree_margin)
+        plain = b / self.cost(b, kv) * (1 + self.config.tree_margin)  # tokens per second to beat
+        floor = 1.0
         for w in (2, 4, 8, 16):
             total = b + w - 1 if self.packed else b * w  # padded: every row to the tree's width
-            if (b + (w - 1) * best) / (self.cost(total, kv) + extra) > plain:
-                return True
-        return False
+            floor = min(floor, ((self.cost(total, kv) + extra) * plain - b) / (w - 1))
+        return max(floor, 0.0)
 
     def calibration(self, live: Live) -> Calibration:
         """The confidence calibration of `live`'s tenant (created on first use)."""

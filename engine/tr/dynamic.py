@@ -80,12 +80,24 @@ class Calibration:
         self.accepted = np.zeros(N_BINS)
         self.weight = weight
         self._rates: list[float] | None = None
+        self._best: dict[str, float] | None = None
 
     def rates(self) -> list[float]:
         if self._rates is None:
             r = (self.accepted + _PRIOR * self.weight) / (self.reached + self.weight)
             self._rates = r.tolist()
         return self._rates
+
+    def best_rate(self, source: int) -> float:
+        """The highest calibrated rate of a chain source's bins (CONTEXT or HISTORY): no chain of that
+        source can score more at the root, so one below the row floor need not be looked up."""
+        key = f"best{source}"
+        if self._best is None:
+            r = np.asarray(self.rates())
+            start = _QBINS + _RANKS
+            self._best = {f"best{CONTEXT}": float(r[start: start + _CHAIN_BINS].max()),
+                          f"best{HISTORY}": float(r[start + _CHAIN_BINS:].max())}
+        return self._best[key]
 
     def matrix_rates(self) -> tuple[list[float], list[float]]:
         """(per confidence bucket q // 16, per rank for unknown confidences)."""
@@ -100,7 +112,7 @@ class Calibration:
                 self.reached[bins[i]] += 1
                 if i in on:
                     self.accepted[bins[i]] += 1
-        self._rates = None
+        self._rates = self._best = None
 
 
 @dataclass(frozen=True)

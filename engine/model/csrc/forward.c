@@ -341,11 +341,14 @@ int trserve_top_probs(const float *x, int64_t m, int64_t V, int64_t K, const int
         double sum = 0.0;
         for (int64_t c = 0; c < V; c += 1024) {
             const int64_t n = V - c < 1024 ? V - c : 1024;
-            float s = 0.0f;
+            float s[8] = {0}; /* 8 running sums: one chain of adds would wait on each add's latency */
             for (int64_t i = 0; i < n; i++) buf[i] = row[c + i] - mx;
             exp_poly(buf, n);
-            for (int64_t i = 0; i < n; i++) s += buf[i];
-            sum += s;
+            int64_t i = 0;
+            for (; i + 8 <= n; i += 8)
+                for (int j = 0; j < 8; j++) s[j] += buf[i + j];
+            for (; i < n; i++) s[0] += buf[i];
+            sum += (double)((s[0] + s[1]) + (s[2] + s[3])) + (double)((s[4] + s[5]) + (s[6] + s[7]));
         }
         for (int64_t k = 0; k < K; k++) {
             const int32_t id = ids[k];
