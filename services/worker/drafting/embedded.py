@@ -10,57 +10,28 @@ from its copy and reports draft mode "local-fallback" (output is unaffected: dra
 from __future__ import annotations
 
 import logging
-import threading
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
-from core.errors import InvalidArgument, TRServeError
+from core.errors import InvalidArgument
 from core.model_spec import ModelSpec
 from engine.tr.matrix import AdjacencyMatrix
 from engine.tr.recycle import RecycledRows
 from engine.tr.source import DraftSource, MatrixSession
 from engine.tr.tree import CompiledTree
 from matrix_store import MatrixStore
+from services.worker.drafting.throttle import Throttle
 
-if TYPE_CHECKING:  # histories.py imports this module (its _Throttle)
+if TYPE_CHECKING:
     from services.worker.drafting.histories import HistoryBook
 
 log = logging.getLogger("trserve.worker")
 
 # (tenant, domain) -> the DraftSource for one request of that tenant.
 DraftSourceFactory = Callable[[str, str | None], DraftSource]
-LOG_EVERY_S = 60.0
-
-
-class _Throttle:
-    """Store failures logged at most once per LOG_EVERY_S per kind, with how many were not logged
-    since: a full store refuses every new tenant's request, and one traceback per request floods
-    the log (each such request still counts in trserve_draft_fallbacks)."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, float] = {}
-        self._skipped: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def failed(self, what: str, tenant: str, exc: Exception, then: str = "drafting locally") -> None:
-        kind = f"{what}:{type(exc).__name__}"
-        now = time.monotonic()
-        with self._lock:
-            if now - self._last.get(kind, -LOG_EVERY_S) < LOG_EVERY_S:
-                self._skipped[kind] = self._skipped.get(kind, 0) + 1
-                return
-            self._last[kind], skipped = now, self._skipped.pop(kind, 0)
-        more = f" ({skipped} more since the last report)" if skipped else ""
-        if isinstance(exc, TRServeError):  # an expected refusal (full, unavailable, fenced): no traceback
-            log.warning("matrix %s failed for tenant %s: %s; %s%s", what, tenant, exc, then, more)
-        else:
-            log.error("matrix %s failed for tenant %s; %s%s", what, tenant, then, more, exc_info=exc)
-
-
-_THROTTLE = _Throttle()
+_THROTTLE = Throttle()
 
 
 class StoreDraftSource:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from core.errors import Unavailable
 from engine.tr.history import SuffixHistory
 from matrix_store import MatrixStore
-from services.worker.drafting.embedded import _Throttle
+from services.worker.drafting.throttle import Throttle as _Throttle
 
 SIDE_STATE = "history"  # the store's side-state name of a tenant's history
 _THROTTLE = _Throttle()
