@@ -20,7 +20,7 @@ from bench.cli import DEFAULT_PROMPTS
 
 
 def _start_server() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "--log-level", "WARNING", "serve", "--port", "0", "--http-port", "0",
                              "--metrics-port", "-1"], stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         m = re.search(r"listening on (\S+)", line)

@@ -35,7 +35,10 @@ class Drafter:
         seconds its drafting took, with tree sizes chosen for the whole batch (engine/tree_budget.py)."""
         budget = self.budget
         budget.begin_step(running, steps, kv)
-        floor = budget.row_floor(kv, len(running)) if any(self._grows(x) for x in running) else 1.0
+        # the least score a grown node needs: what pays in this batch; with whole trees (batch_aware off),
+        # any node the grower takes
+        floor = 0.0 if not budget.config.batch_aware else (
+            budget.row_floor(kv, len(running)) if any(self._grows(x) for x in running) else 1.0)
         staged, options = [], []
         for live in running:
             if live.session is None:  # an AR-mode request

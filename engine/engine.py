@@ -251,7 +251,9 @@ class BatchEngine:
         c = min(self.config.prefill_chunk, p - live.done)
         chunk = torch.tensor(ids[live.done : live.done + c], device=d.device)
         if live.done == 0 and live.session is not None:
-            live.seed_n = min(p, round(d.config.seed_from_prompt * self.budget.tree_share))
+            # seeding pays only while trees are verified: scaled by their share under the batch budget
+            share = self.budget.tree_share if self.config.batch_aware else 1.0
+            live.seed_n = min(p, round(d.config.seed_from_prompt * share))
         seed = live.seed_n
         first_seed = max(live.done, p - seed)  # prompt positions whose predictions seed the matrix
         need = list(range(first_seed - live.done, c))

@@ -141,7 +141,8 @@ class LocalCluster:
     def _spawn_worker(self, i: int) -> Proc:
         c = self.config
         args = ["worker", "--matrix-addr", self.matrix_addr, "--draft-mode", c.draft_mode, "--host", HOST,
-                "--port", str(c.port("worker", i)), "--metrics-port", "0", "--grace", str(c.worker_grace_s)]
+                "--port", str(c.port("worker", i)), "--metrics-port", "0", "--grace", str(c.worker_grace_s),
+                "--http-port", "0"]  # no OpenAI HTTP API: N local workers would all want port 8000
         args += ["--threads", str(c.threads)] if c.threads else []
         args += self._tls_args() + (["--matrix-tls-ca", c.client_ca] if c.client_ca else [])
         args += ["--tenant-tokens", c.tenant_tokens] if c.tenant_tokens else []

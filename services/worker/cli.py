@@ -38,6 +38,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = pick a free one and print it)")
     p.add_argument("--metrics-port", type=int, default=9464,
                    help="Prometheus /metrics HTTP port (default 9464; 0 = pick a free one and print it; -1 = off)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API port, /v1/chat/completions etc. (default 8000; 0 = off)")
+    p.add_argument("--http-host", default=None, help="address of the HTTP API (default: the same as --host)")
     p.add_argument("--model", default=None, help="builtin model name, local transformers directory or hub id "
                    "(default: the bundled smollm2-135m-instruct)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
@@ -87,6 +90,7 @@ def build_configs(args: argparse.Namespace):
     tokens = TenantTokens.from_file(args.tenant_tokens) if args.tenant_tokens else None
     worker = WorkerConfig(
         host=args.host, port=args.port, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        http_port=args.http_port or None, http_host=args.http_host,
         max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue, full_trees=args.full_trees, limits=limits, grace_s=args.grace,
         redis_url=args.redis_url,

@@ -48,6 +48,10 @@ class WorkerConfig:
     host: str = "127.0.0.1"
     port: int = 50051  # 0 = any free port (the bound one is reported)
     metrics_port: int | None = 9464  # Prometheus /metrics over HTTP; 0 = any free port, None = off
+    # the OpenAI-compatible HTTP API (services/openai) on the same engine; 0 = any free port, None = off
+    # (the CLI's default is 8000); http_host None = `host`
+    http_port: int | None = None
+    http_host: str | None = None
     # The batching engine (engine/engine.py): requests decoding together in one forward per step, the
     # KV tokens they may reserve (prompt + max_new_tokens + tree each), prompt tokens prefilled per step
     max_batch: int = 16
@@ -84,6 +88,10 @@ class WorkerConfig:
             raise ValueError(f"port must be in [0, 65535] (0 = any free port), got {self.port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535] or None (off), got {self.metrics_port}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535] or None (off), got {self.http_port}")
+        if self.http_host is not None and not self.http_host:
+            raise ValueError("http_host must be a hostname or address, or None for the gRPC host")
         if self.max_batch < 1 or self.max_batch_tokens < 64 or self.prefill_chunk < 1 or self.stream_buffer < 1:
             raise ValueError("max_batch, prefill_chunk and stream_buffer must be >= 1, max_batch_tokens >= 64")
         if not 1024 <= self.max_request_bytes <= 64 << 20:

@@ -6,6 +6,7 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1.health import aio as health_aio
@@ -34,6 +35,9 @@ from services.worker.metrics import HistoryCollector, WorkerMetrics
 from services.worker.servicer import GenerateServicer
 from trserve.v1 import generate_pb2, generate_pb2_grpc
 
+if TYPE_CHECKING:
+    from services.openai.server import HttpServer
+
 log = logging.getLogger("trserve.worker")
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name  # "trserve.v1.Generate"
@@ -55,6 +59,11 @@ class Worker:
     engine: BatchEngine
     engine_loop: asyncio.Future  # the engine thread's run(), on `executor`
     histories: HistoryBook | None = None  # the embedded store's tenants' suffix histories; None when off
+    http: HttpServer | None = None  # the OpenAI-compatible HTTP API (services/openai); None when off
+
+    @property
+    def http_port(self) -> int | None:
+        return self.http.port if self.http is not None else None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, drain in-flight calls for `grace_s` (None: the config's grace_s; calls still
@@ -67,6 +76,8 @@ class Worker:
         """After the server stopped: end warm-up, save the tuners, snapshot the store (if Redis), stop /metrics."""
         if not self.ready.done():
             self.ready.cancel()
+        if self.http is not None:  # its calls were drained with the gRPC ones
+            await self.http.stop()
         self.engine.stop()  # anything still in it ends as cancelled
         await self.engine_loop
         await asyncio.to_thread(self.executor.shutdown, wait=True)
@@ -119,12 +130,21 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
     health = add_standard_services(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port, config.tls)
+    http = await _start_http(servicer, config)
     metrics_port = metrics.serve_http(config.host, config.metrics_port) if config.metrics_port is not None else None
     await set_status(health, [SERVICE_NAME], serving=False)
     await server.start()
     ready = asyncio.create_task(_warm_up(servicer, health, config.warmup), name="trserve-warmup")
     return Worker(server, port, metrics_port, health, servicer, metrics, store, ready, executor, engine, engine_loop,
-                  histories)
+                  histories, http)
+
+
+async def _start_http(servicer: GenerateServicer, config: WorkerConfig) -> HttpServer | None:
+    if config.http_port is None:
+        return None
+    from services.openai.server import start_http  # uvicorn and starlette only when the API is on
+
+    return await start_http(servicer, config.http_host or config.host, config.http_port, config.tls, config.grace_s)
 
 
 class StoreTunerStates:
@@ -155,6 +175,9 @@ async def run(config: WorkerConfig, decoder_config: DecoderConfig, sources: Matr
         log.info("drafting through the matrix service at %s (%s mode)", sources.config.matrix_addr,
                  sources.config.draft_mode)
     print(f"trserve listening on {config.host}:{worker.port}", flush=True)
+    if worker.http is not None:
+        scheme = "https" if config.tls is not None else "http"
+        print(f"trserve OpenAI API on {scheme}://{config.http_host or config.host}:{worker.http.port}/v1", flush=True)
     if worker.metrics_port is not None:
         print(f"trserve metrics on http://{config.host}:{worker.metrics_port}/metrics", flush=True)
 

@@ -23,6 +23,7 @@ elsewhere), a stream ends with a final message with finish_reason SHUTDOWN.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import inspect
 import logging
@@ -30,6 +31,7 @@ import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpc
 
@@ -55,6 +57,28 @@ log = logging.getLogger("trserve.worker")
 
 class DeadlineTooShort(TRServeError):
     status = "DEADLINE_EXCEEDED"
+
+
+class Deadline(Protocol):
+    """What the decode path needs of a call's context: seconds left (None: no deadline)."""
+
+    def time_remaining(self) -> float | None: ...
+
+
+@dataclass(frozen=True)
+class StreamEnd:
+    """The last item of GenerateServicer.stream: the result, the text the chunks carried, the call."""
+
+    result: GenerationResult
+    text_sent: str
+    queue_s: float
+    drained: bool  # stopped by the worker's shutdown
+    call: convert.GenerateCall
+
+    @property
+    def rest(self) -> str:
+        """Text of the result the chunks held back (a stop string's candidate prefix that was not one)."""
+        return self.result.text[len(self.text_sent):] if self.result.text.startswith(self.text_sent) else ""
 
 
 @dataclass(eq=False)
@@ -132,6 +156,26 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     @grpc_errors
     @observed
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
+        result, call = await self.complete(request, context)
+        return convert.result_to_pb(result, call.call, call.queue_s)
+
+    @grpc_errors
+    @observed
+    async def GenerateStream(self, request: pb.GenerateRequest,
+                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateStreamResponse]:
+        async with contextlib.aclosing(self.stream(request, context)) as items:
+            async for item in items:
+                if isinstance(item, StepChunk):
+                    yield pb.GenerateStreamResponse(token_ids=item.tokens, text=item.text)
+                    continue
+                final = convert.final_chunk_to_pb(item.result, item.text_sent, item.queue_s)
+                if item.drained:
+                    final.finish_reason = pb.FINISH_REASON_SHUTDOWN
+                yield final
+
+    # ---- one generation, for the RPCs above and the OpenAI HTTP API (services/openai) -----------
+    async def complete(self, request: pb.GenerateRequest, context: Deadline) -> tuple[GenerationResult, _Call]:
+        """A whole generation; `context` only gives the time left (a gRPC context, or None-returning)."""
         with self.admission.call():
             call = self._new_call(request)
             result = None
@@ -143,31 +187,27 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             if call.drained:
                 raise Unavailable(f"the worker is shutting down: this call was stopped after "
                                   f"{len(result.ids)} tokens; retry on another worker")
-            return convert.result_to_pb(result, call.call, call.queue_s)
+            return result, call
 
-    @grpc_errors
-    @observed
-    async def GenerateStream(self, request: pb.GenerateRequest,
-                             context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateStreamResponse]:
+    async def stream(self, request: pb.GenerateRequest, context: Deadline) -> AsyncIterator[StepChunk | StreamEnd]:
+        """Step chunks whose text never shows part of a stop string too early, then a StreamEnd."""
         with self.admission.call():
             call = self._new_call(request)
-            held = HeldText(call.call.request.stop_strings)  # never stream a part of a stop string too early
+            held = HeldText(call.call.request.stop_strings)
             sent = False
-            async for item in self._decode(call, context):
-                if isinstance(item, StepChunk):
-                    sent = True
-                    yield pb.GenerateStreamResponse(token_ids=item.tokens, text=held.push(item.text))
-                    continue
-                if call.drained and not sent:
-                    raise Unavailable("the worker is shutting down: this call was stopped before its first "
-                                      "token; retry on another worker")
-                if held.rest(item.text) is None:  # sizes only: no user text in logs
-                    log.warning("streamed text (%d characters) is not a prefix of the final text (%d characters)",
-                                len(held.sent), len(item.text))
-                final = convert.final_chunk_to_pb(item, held.sent, call.queue_s)
-                if call.drained:
-                    final.finish_reason = pb.FINISH_REASON_SHUTDOWN
-                yield final
+            async with contextlib.aclosing(self._decode(call, context)) as items:
+                async for item in items:
+                    if isinstance(item, StepChunk):
+                        sent = True
+                        yield StepChunk(item.tokens, held.push(item.text))
+                        continue
+                    if call.drained and not sent:
+                        raise Unavailable("the worker is shutting down: this call was stopped before its first "
+                                          "token; retry on another worker")
+                    if held.rest(item.text) is None:  # sizes only: no user text in logs
+                        log.warning("streamed text (%d characters) is not a prefix of the final text (%d characters)",
+                                    len(held.sent), len(item.text))
+                    yield StreamEnd(item, held.sent, call.queue_s, call.drained, call.call)
 
     @grpc_errors
     @observed
@@ -229,7 +269,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                                    "is not another tenant's matrix")
         return call
 
-    async def _decode(self, call: _Call, context: grpc.aio.ServicerContext) -> AsyncIterator[StepChunk | GenerationResult]:
+    async def _decode(self, call: _Call, context: Deadline) -> AsyncIterator[StepChunk | GenerationResult]:
         self.calls.add(call)
         try:
             async for item in self._decode_admitted(call, context):
@@ -237,7 +277,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         finally:
             self.calls.discard(call)
 
-    async def _decode_admitted(self, call: _Call, context: grpc.aio.ServicerContext
+    async def _decode_admitted(self, call: _Call, context: Deadline
                                ) -> AsyncIterator[StepChunk | GenerationResult]:
         prepared, tuner = await asyncio.to_thread(self._prepare, call.call)
         async with self.admission.slot() as queue_s:
@@ -296,7 +336,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         at least `deadline_margin_s`."""
         return max(self.config.deadline_margin_s, self.engine.longest_step_s(prompt_tokens))
 
-    def _engine_deadline(self, context: grpc.aio.ServicerContext, prompt_tokens: int) -> float | None:
+    def _engine_deadline(self, context: Deadline, prompt_tokens: int) -> float | None:
         """The engine's stop time: the call's deadline less the margin (a step the engine may be in)."""
         remaining = context.time_remaining()
         if remaining is None:

@@ -67,7 +67,7 @@ def test_hot_start_raises_mat(decoder):
     second = [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}]
     hot = decoder.new_matrix()
     decoder.generate(messages=first, max_new_tokens=96, matrix=hot)
-    assert hot.version > 0 and hot.nonzero_rows() > 50
+    assert hot.version > 0 and hot.nonzero_rows() > 40
     warm = decoder.generate(messages=second, max_new_tokens=96, matrix=hot)
     cold = decoder.generate(messages=second, max_new_tokens=96, matrix=decoder.new_matrix())
     assert warm.ids == cold.ids  # lossless either way
@@ -124,7 +124,8 @@ def test_prompt_seeding_writes_the_prompts_rows(decoder):
 
     ids = decoder.prompts.chat_ids(CHAT)
     seeded = decoder.new_matrix()
-    decoder.generate(input_ids=ids, max_new_tokens=1, matrix=seeded)
+    fresh = Decoder(DecoderConfig(), loaded=decoder.loaded)  # seeding scales with the share of steps that
+    fresh.generate(input_ids=ids, max_new_tokens=1, matrix=seeded)  # verified trees: a new engine's is 1
     # one prefill, one batch of rows: every distinct prompt token (within the seed window) got a row
     assert seeded.version == 1
     assert set(torch.nonzero(seeded.rows.any(dim=1)).flatten().tolist()) == set(ids)

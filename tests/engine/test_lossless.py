@@ -36,10 +36,10 @@ def _prompts() -> list[dict]:
 _REFERENCES: dict[tuple[int, ...], tuple] = {}  # the reference per prompt, computed once for every tree
 
 
-def _reference(loaded, ids: list[int]):
-    key = tuple(ids)
+def _reference(loaded, ids: list[int], new_tokens: int = NEW_TOKENS):
+    key = (tuple(ids), new_tokens)
     if key not in _REFERENCES:
-        _REFERENCES[key] = _generate(loaded, ids)
+        _REFERENCES[key] = _generate(loaded, ids, new_tokens)
     return _REFERENCES[key]
 
 
@@ -77,8 +77,10 @@ def _batched_tr(decoder, prompt_ids: list[list[int]], tree: str) -> list:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tree", ["cpu-hybrid", "dynamic"])  # a static template with lookup chains; grown trees
-def test_tr_matches_hf_greedy_on_real_prompts(decoder, hf_reference, tree):
+# a static template with lookup chains; grown trees (their floor: nodes from a cold matrix and calibration
+# score low, so their whole trees are smaller)
+@pytest.mark.parametrize("tree, min_mat", [("cpu-hybrid", 1.3), ("dynamic", 1.2)])
+def test_tr_matches_hf_greedy_on_real_prompts(decoder, hf_reference, tree, min_mat):
     prompt_ids = [decoder.prompts.chat_ids([{"role": "user", "content": q["turns"][0]}]) for q in _prompts()]
     results = _batched_tr(decoder, prompt_ids, tree)
     near_ties, total_mat = [], []
@@ -98,4 +100,4 @@ def test_tr_matches_hf_greedy_on_real_prompts(decoder, hf_reference, tree):
         )
         near_ties.append((q["question_id"], p, margin))
     assert len(near_ties) <= MAX_NEAR_TIES, f"too many near-tie divergences: {near_ties}"
-    assert sum(total_mat) / len(total_mat) > 1.3  # drafts are really being accepted
+    assert sum(total_mat) / len(total_mat) > min_mat  # drafts are really being accepted

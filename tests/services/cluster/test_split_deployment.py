@@ -80,7 +80,7 @@ class Cluster:
     def _spawn_worker(self, name: str) -> None:
         proc = self._start(f"worker-{name}", ["worker", "--matrix-addr", self.matrix_addr, "--draft-mode", MODES[name],
                                               "--port", "0", "--metrics-port", "0", "--grace", "1",
-                                              "--full-trees"])  # hot vs fresh MAT must not hang on the budget
+                                              "--http-port", "0", "--full-trees"])  # hot vs fresh MAT must not hang on the budget
         self.workers[name] = (proc, "", "")
 
     def _await_worker(self, name: str) -> None:

@@ -31,7 +31,7 @@ def trserve(*args: str, **kwargs) -> subprocess.CompletedProcess:
 def test_serve_and_generate_cli(tmp_path):
     log = (tmp_path / "serve.log").open("w")
     server = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", "0", "--metrics-port", "-1",
-                               "--grace", "30"], cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
+                               "--http-port", "0", "--grace", "30"], cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         line = server.stdout.readline()
         assert line.startswith("trserve listening on 127.0.0.1:"), (line, (tmp_path / "serve.log").read_text())

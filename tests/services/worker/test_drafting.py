@@ -20,6 +20,9 @@ PROMPTS = [
     [{"role": "user", "content": "List three uses of a paperclip."}],
 ]
 N = 32
+# a static tree: the same nodes verified on every run (a grown tree also depends on the engine's
+# calibration so far), so the service's rows can be compared with an in-process run's
+TREE = "cpu-hybrid"
 SOURCES = {"remote": RemoteDraftSource, "replica": ReplicaDraftSource}
 
 
@@ -29,7 +32,7 @@ def reference(decoder):
     out = []
     for messages in PROMPTS:
         matrix = decoder.new_matrix()
-        result = decoder.generate(messages=messages, max_new_tokens=N, matrix=matrix)
+        result = decoder.generate(messages=messages, max_new_tokens=N, matrix=matrix, tree=TREE)
         out.append((result.ids, matrix.rows.numpy().copy(), matrix.probs.numpy().copy()))
     return out
 
@@ -40,7 +43,7 @@ def test_decoding_through_the_service_equals_in_process(decoder, reference, star
     spec = ModelSpec(decoder.fingerprint, decoder.vocab_size, decoder.config.k)
     for i, (messages, (ids, rows, probs)) in enumerate(zip(PROMPTS, reference)):
         source = SOURCES[mode](server.addr, f"{mode}-{i}")
-        result = decoder.generate(messages=messages, max_new_tokens=N, matrix=source)
+        result = decoder.generate(messages=messages, max_new_tokens=N, matrix=source, tree=TREE)
         source.close()
         assert result.ids == ids
         assert result.stats.draft_mode == mode and source.fallbacks == 0

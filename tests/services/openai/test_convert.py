@@ -1,0 +1,76 @@
+"""OpenAI JSON -> GenerateRequest and errors -> HTTP, without a model."""
+
+from __future__ import annotations
+
+import pytest
+
+from core.errors import InvalidArgument, PermissionDenied, Unavailable
+from engine.results import GenerationResult, GenerationStats
+from services.openai.app import Unauthenticated, error_body
+from services.openai.convert import BadParam, ModelNotFound, completion, parse_request
+from services.worker.admission import QueueFull
+from services.worker.config import Limits
+from services.worker.convert import generate_call_from_pb
+
+MODEL = "smollm2-135m-instruct"
+CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+
+
+def test_a_chat_request_becomes_the_generate_request_the_worker_validates():
+    req = parse_request({**CHAT, "max_completion_tokens": 12, "temperature": 0.7, "top_p": 0.9, "seed": 3,
+                         "stop": "\n", "stream": True, "stream_options": {"include_usage": True}}, "chat", MODEL, "alice")
+    assert req.stream and req.include_usage and req.request.tenant == "alice"
+    call = generate_call_from_pb(req.request, Limits(), "default")
+    r = call.request
+    assert r.messages == [{"role": "user", "content": "Hi"}] and r.max_new_tokens == 12 and r.stop_strings == ("\n",)
+    assert r.sampling.temperature == pytest.approx(0.7) and r.sampling.top_p == pytest.approx(0.9) and r.sampling.seed == 3
+    greedy = generate_call_from_pb(parse_request(CHAT, "chat", MODEL, "default").request, Limits(), "default")
+    assert greedy.request.sampling is None and greedy.request.max_new_tokens == Limits().default_max_new_tokens
+
+
+def test_prompts_of_a_completion():
+    assert parse_request({"model": MODEL, "prompt": ["Once"]}, "text", MODEL, "t").request.text == "Once"
+    assert list(parse_request({"model": MODEL, "prompt": [1, 2]}, "text", MODEL, "t").request.token_ids.ids) == [1, 2]
+    with pytest.raises(BadParam) as e:
+        parse_request({"model": MODEL, "prompt": ["a", "b"]}, "text", MODEL, "t")
+    assert e.value.param == "prompt"
+
+
+@pytest.mark.parametrize("body, param", [
+    ({**CHAT, "n": 2}, "n"), ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({**CHAT, "temperature": 3}, "temperature"), ({**CHAT, "stop": [1]}, "stop"),
+    ({**CHAT, "max_tokens": 0}, "max_tokens"), ({"messages": CHAT["messages"]}, "model"),
+])
+def test_bad_requests_name_their_parameter(body, param):
+    with pytest.raises(BadParam) as e:
+        parse_request(body, "chat", MODEL, "t")
+    assert e.value.param == param
+    assert error_body(e.value)[0] == 400
+
+
+def test_errors_map_like_grpc_statuses():
+    status, body, _ = error_body(ModelNotFound("no such model", "model"))
+    assert status == 404 and body["error"]["code"] == "model_not_found" and body["error"]["param"] == "model"
+    status, body, headers = error_body(QueueFull("busy", retry_after_s=2.2))
+    assert status == 429 and headers == {"Retry-After": "3", "retry-after-ms": "2200"}
+    assert [error_body(e)[0] for e in (Unauthenticated("x"), PermissionDenied("x"), Unavailable("x"),
+                                       InvalidArgument("x"), RuntimeError("secret"))] == [401, 403, 503, 400, 500]
+    assert "secret" not in error_body(RuntimeError("secret"))[1]["error"]["message"]
+
+
+def test_usage_sums_draft_sources():
+    stats = GenerationStats(prompt_tokens=5, generated_tokens=7, steps=3, accepted_per_step=[3, 2, 2], mat=7 / 3,
+                            prefill_s=0.1, decode_s=0.2, tokens_per_s=20, matrix_version=3, matrix_epoch=1,
+                            draft_mode="embedded", tree="dynamic", drafted={"matrix": 6, "context": 4},
+                            accepted={"matrix": 2, "context": 2})
+    result = GenerationResult(ids=[1, 2, 3, 4, 5, 6, 7], text="hello", finish_reason="eos", stats=stats)
+    out = completion(parse_request(CHAT, "chat", MODEL, "t"), result, 0.0, "fp")
+    assert out["choices"][0] == {"index": 0, "finish_reason": "stop", "logprobs": None,
+                                 "message": {"role": "assistant", "content": "hello"}}
+    assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+                            "completion_tokens_details": {"accepted_prediction_tokens": 4,
+                                                          "rejected_prediction_tokens": 6}}
+    assert out["trserve"]["draft_sources"] == {"context": {"drafted": 4, "accepted": 2},
+                                               "matrix": {"drafted": 6, "accepted": 2}}
+    assert out["trserve"]["mat"] == pytest.approx(7 / 3)

@@ -1,0 +1,148 @@
+"""The OpenAI-compatible HTTP API of a real `trserve serve` (loopback, free ports, tenant tokens),
+driven by the official `openai` package and curl, and checked against the gRPC API."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import openai
+import pytest
+
+from services.client.client import TRServeClient
+
+REPO = Path(__file__).resolve().parents[3]
+TOKENS = {"alice": "alice-token-0123456789abcdef", "bob": "bob-token-0123456789abcdef"}
+CHAT = [{"role": "user", "content": "Write one sentence about the ocean."}]
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A `trserve serve` process: (gRPC address, OpenAI base URL)."""
+    tmp = tmp_path_factory.mktemp("openai")
+    (tmp / "tokens.json").write_text(json.dumps(TOKENS))
+    log = (tmp / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", "0", "--metrics-port", "-1",
+                             "--http-port", str(free_port()), "--tenant-tokens", str(tmp / "tokens.json")],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        grpc_line, http_line = proc.stdout.readline(), proc.stdout.readline()
+        assert grpc_line.startswith("trserve listening on 127.0.0.1:"), (grpc_line, (tmp / "serve.log").read_text())
+        assert http_line.startswith("trserve OpenAI API on http://127.0.0.1:"), http_line
+        yield grpc_line.split()[-1], http_line.split()[-1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server[1], api_key=TOKENS["alice"], max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def model_id(server):
+    with TRServeClient(server[0], timeout=60, token=TOKENS["alice"]) as c:
+        return c.model_info().model
+
+
+def test_models_lists_the_served_model(client, model_id):
+    assert [m.id for m in client.models.list()] == [model_id]
+
+
+def test_chat_streamed_and_grpc_agree(client, server, model_id):
+    reply = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=24, temperature=0)
+    text = reply.choices[0].message.content
+    assert text and reply.choices[0].finish_reason in ("stop", "length")
+    usage, extra = reply.usage, reply.model_extra["trserve"]
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.completion_tokens == len(extra["token_ids"]) > 0
+    details = usage.completion_tokens_details
+    drafted = sum(s["drafted"] for s in extra["draft_sources"].values())
+    assert details.accepted_prediction_tokens + details.rejected_prediction_tokens == drafted
+    assert extra["mat"] >= 1.0 and extra["tenant"] == "alice"
+
+    chunks = list(client.chat.completions.create(model=model_id, messages=CHAT, max_completion_tokens=24,
+                                                 temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reply.choices[0].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == usage.completion_tokens
+
+    with TRServeClient(server[0], timeout=60, token=TOKENS["alice"]) as grpc_client:
+        same = grpc_client.generate(messages=CHAT, max_new_tokens=24, tenant="alice", return_token_ids=True)
+    assert list(same.token_ids) == extra["token_ids"] and same.text == text
+
+
+def test_completion_matches_grpc(client, server, model_id):
+    prompt = "The capital of France is"
+    reply = client.completions.create(model=model_id, prompt=prompt, max_tokens=8, temperature=0)
+    assert reply.object == "text_completion" and reply.choices[0].text
+    streamed = client.completions.create(model=model_id, prompt=[prompt], max_tokens=8, temperature=0, stream=True)
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == reply.choices[0].text
+    with TRServeClient(server[0], timeout=60, token=TOKENS["alice"]) as grpc_client:
+        same = grpc_client.generate(prompt, max_new_tokens=8, tenant="alice", return_token_ids=True)
+    assert same.text == reply.choices[0].text and list(same.token_ids) == reply.model_extra["trserve"]["token_ids"]
+
+
+def test_errors_are_openai_shaped(client, server, model_id):
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.chat.completions.create(model=model_id, messages=CHAT, n=2)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "n" and "n must be 1" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as too_many:  # the worker's own limits, as over gRPC
+        client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=100000)
+    assert "max_new_tokens must be in" in too_many.value.message
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.chat.completions.create(model="gpt-nothing", messages=CHAT)
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.InternalServerError) as late:  # too little time left to start decoding
+        client.chat.completions.create(model=model_id, messages=CHAT, extra_headers={"X-Request-Timeout": "0.001"})
+    assert late.value.status_code == 504 and late.value.code == "deadline_exceeded"
+    # greedy, this prompt runs the whole 1000 tokens (~5 s on 2 cores): the deadline cuts it short
+    count = [{"role": "user", "content": "Count from one to five hundred, in words, one number per line."}]
+    reply = client.chat.completions.create(model=model_id, messages=count, max_tokens=1000, temperature=0,
+                                           extra_headers={"X-Request-Timeout": "1.5"})  # stops early, partial
+    assert reply.model_extra["trserve"]["finish_reason"] == "time_limit"
+    assert reply.choices[0].finish_reason == "length" and reply.choices[0].message.content
+
+
+def test_tenant_tokens(client, server, model_id):
+    stranger = openai.OpenAI(base_url=server[1], api_key="not-a-token-0123456789", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        stranger.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4)
+    with pytest.raises(openai.PermissionDeniedError):
+        client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, user="bob")
+    bob = openai.OpenAI(base_url=server[1], api_key=TOKENS["bob"], max_retries=0)
+    reply = bob.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, extra_headers={"X-Tenant": "bob"})
+    assert reply.model_extra["trserve"]["tenant"] == "bob"
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="no curl on PATH")
+def test_curl(client, server, model_id):
+    body = {"model": model_id, "messages": CHAT, "max_tokens": 24, "temperature": 0}
+    out = subprocess.run(["curl", "-sS", f"{server[1]}/chat/completions", "-H", "Content-Type: application/json",
+                          "-H", f"Authorization: Bearer {TOKENS['alice']}", "-d", json.dumps(body)],
+                         capture_output=True, text=True, timeout=120, check=True)
+    text = json.loads(out.stdout)["choices"][0]["message"]["content"]
+    assert text == client.chat.completions.create(**body).choices[0].message.content
+    unauthorised = subprocess.run(["curl", "-sS", "-w", "%{http_code}", "-o", "/dev/null", f"{server[1]}/models"],
+                                  capture_output=True, text=True, timeout=60)
+    assert unauthorised.stdout == "401"
