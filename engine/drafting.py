@@ -37,15 +37,15 @@ class Drafter:
         budget.begin_step(running, steps, kv)
         # the least score a grown node needs: what pays in this batch; with whole trees (batch_aware off),
         # any node the grower takes
-        floor = 0.0 if not budget.config.batch_aware else (
-            budget.row_floor(kv, len(running)) if any(self._grows(x) for x in running) else 1.0)
+        grows = [self._grows(live) for live in running]
+        floor = 0.0 if not budget.config.batch_aware else (budget.row_floor(kv, len(running)) if any(grows) else 1.0)
         staged, options = [], []
-        for live in running:
+        for live, growing in zip(running, grows):
             if live.session is None:  # an AR-mode request
                 staged.append(None)
                 options.append([(1, 1.0, 1, 0)])
                 continue
-            if self._grows(live):
+            if growing:
                 grown = self._grow(live, floor)
                 staged.append(grown)
                 options.append(budget.grown_options(live, grown, len(running), kv))
@@ -99,10 +99,8 @@ class Drafter:
         if best_first_score(rows, probs, live.root, calib, chains) < floor:
             if len(live.plain) >= HAND_OVER:
                 session.update(pending(live))
-                live.recycled = None
             return Grown([live.root], [0], [0], [-1], [1.0])
         session.update(pending(live))
-        live.recycled = None
         return grow(rows, probs, live.root, calib, chains, template.dynamic)
 
     def _history(self, live: Live) -> Chain | None:
@@ -117,7 +115,6 @@ class Drafter:
         and `chain` tokens of its lookup proposal. Only a sequence that verifies a tree drafts (and
         hands over its pending rows) this step: a plain step costs a TR request no more than an AR one."""
         drafted = live.session.step(pending(live), live.root)  # [n_draft]
-        live.recycled = None
         if size is not None and size < plan.tree.n:
             sub = self.budget.subtree(plan.tree, size)
             plan = StepPlan(sub, torch.arange(sub.n, device=self.device), explore=False)
@@ -132,19 +129,17 @@ class Drafter:
 
 
 def pending(live: Live) -> RecycledRows | None:
-    """The rows `live` has not handed to its session yet: its last tree step's, then its plain steps'
-    (for a token in both, the later row wins)."""
-    if not live.plain:
-        return live.recycled
-    topk = torch.stack([r for _, r, _ in live.plain])  # [m, K]
-    probs = torch.stack([p for _, _, p in live.plain])  # [m, K]
-    tokens = torch.tensor([t for t, _, _ in live.plain], dtype=torch.long, device=topk.device)  # [m]
-    live.plain = []
-    last = live.recycled
-    if last is not None:
-        last_probs = last.probs if last.probs is not None else torch.zeros_like(last.topk, dtype=torch.uint8)
-        tokens, topk = torch.cat([last.tokens, tokens]), torch.cat([last.topk, topk])
-        probs = torch.cat([last_probs, probs])
+    """Takes the rows `live` has not handed to its session yet: its last tree step's, then its plain
+    steps' (for a token in both, the later row wins); `live` holds none afterwards."""
+    last, plain = live.recycled, live.plain
+    live.recycled, live.plain = None, []
+    if not plain:
+        return last
+    topk = torch.stack([r for _, r, _ in plain])  # [m, K]
+    probs = torch.stack([p for _, _, p in plain])  # [m, K]
+    tokens = torch.tensor([t for t, _, _ in plain], dtype=torch.long, device=topk.device)  # [m]
+    if last is not None:  # engine rows always carry confidences (engine/tr/recycle.py)
+        tokens, topk, probs = (torch.cat(pair) for pair in ((last.tokens, tokens), (last.topk, topk), (last.probs, probs)))
     return latest_rows(tokens, topk, probs)
 
 

@@ -289,14 +289,14 @@ class BatchEngine:
         budget.measured(budget.last_width, self.scheduler.mean_kv(), time.perf_counter() - t0)
         tops = self.runner.last_topk or [None] * len(logits)  # per row [w_b, k] where the forward computed them
         keep, k = [], self.target.config.k
-        plain_rows = self._plain_rows(running, drafts, logits, tops)
+        plain_rows = iter(self._plain_rows(running, drafts, logits, tops))
         for live, draft, lg, top, spent in zip(running, drafts, logits, tops, spent_drafting):
             t0 = time.perf_counter()
             seq = live.seq
             if draft is None:  # plain decoding this step
                 new, path = [int(choose(lg, seq.sampler, len(seq.generated), top)[0])], [0]
                 if live.session is not None:  # the root's top-k is recycled like any verified node's
-                    live.plain.append((live.root, *plain_rows.pop(0)))
+                    live.plain.append((live.root, *next(plain_rows)))
             else:
                 acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row), top, self.top_probs)
                 new, path = acc.tokens, acc.path

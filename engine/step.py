@@ -76,8 +76,8 @@ def accept_step(seq: Sequence, draft: Draft, logits: torch.Tensor, k: int, past:
     rows = recycle_rows(draft.tokens, logits, k, acc.path, topk, probs)
     count_sources(seq, draft, acc.path)
     if draft.grown is not None:  # no template nodes to record: the engine calibrates the growth instead
-        pass
-    elif draft.plan.explore:
+        return acc, rows
+    if draft.plan.explore:
         _record(seq.tuner.log, acc, draft.plan.tree.n, draft.grafted, past)
         seq.tuner.recorded()
     elif seq.log is not None:

@@ -144,16 +144,16 @@ class TreeBudget:
         plain: Option = (1, 1.0, 1, 0)
         if grown.n == 1:
             return [plain]
+        whole: Option = (grown.n, grown.expected(grown.n), grown.n, 0)
         if live is self.explorer:  # its whole grown tree now and then: bins the budget never picks stay measured
             price = self._explore_price(grown.n, b, kv)
             if price <= self._explore_credit:
                 self._explore_credit -= price
-                return [(grown.n, grown.expected(grown.n), grown.n, 0)]
+                return [whole]
             self.explorer = None
         if not self.config.batch_aware:
-            return [(grown.n, grown.expected(grown.n), grown.n, 0)]
-        return [plain] + [(w, grown.expected(w), w, 0) for w in SIZES if w < grown.n] + [
-            (grown.n, grown.expected(grown.n), grown.n, 0)]
+            return [whole]
+        return [plain] + [(w, grown.expected(w), w, 0) for w in SIZES if w < grown.n] + [whole]
 
     def row_floor(self, kv: int, b: int = 1) -> float:
         """The least score (P(accepted)) a node needs for some tree to pay in a step of `b` sequences:

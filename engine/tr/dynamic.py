@@ -28,6 +28,7 @@ parents [0, 0, 1, 1, 0], expected tokens of the first 3 nodes: 1 + 0.9 + 0.54 = 
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
 from dataclasses import dataclass
 
 import numpy as np
@@ -44,8 +45,8 @@ FLOOR = 0.08  # candidates scoring below this are never worth a row (one costs >
 
 
 def _chain_bin(source: int, ngram: int, pos: int) -> int:
-    n = int(np.searchsorted(_NGRAM_EDGES, ngram, side="right")) - 1
-    p = int(np.searchsorted(_POS_EDGES, pos, side="right")) - 1
+    n = bisect_right(_NGRAM_EDGES, ngram) - 1  # per candidate while growing: stdlib, not a numpy call
+    p = bisect_right(_POS_EDGES, pos) - 1
     return _QBINS + _RANKS + (source - CONTEXT) * _CHAIN_BINS + max(n, 0) * len(_POS_EDGES) + p
 
 
@@ -80,7 +81,7 @@ class Calibration:
         self.accepted = np.zeros(N_BINS)
         self.weight = weight
         self._rates: list[float] | None = None
-        self._best: dict[str, float] | None = None
+        self._best: dict[int, float] | None = None
 
     def rates(self) -> list[float]:
         if self._rates is None:
@@ -91,13 +92,11 @@ class Calibration:
     def best_rate(self, source: int) -> float:
         """The highest calibrated rate of a chain source's bins (CONTEXT or HISTORY): no chain of that
         source can score more at the root, so one below the row floor need not be looked up."""
-        key = f"best{source}"
         if self._best is None:
-            r = np.asarray(self.rates())
+            r = self.rates()
             start = _QBINS + _RANKS
-            self._best = {f"best{CONTEXT}": float(r[start: start + _CHAIN_BINS].max()),
-                          f"best{HISTORY}": float(r[start + _CHAIN_BINS:].max())}
-        return self._best[key]
+            self._best = {CONTEXT: max(r[start: start + _CHAIN_BINS]), HISTORY: max(r[start + _CHAIN_BINS:])}
+        return self._best[source]
 
     def matrix_rates(self) -> tuple[list[float], list[float]]:
         """(per confidence bucket q // 16, per rank for unknown confidences)."""

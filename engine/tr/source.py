@@ -71,18 +71,23 @@ class MatrixSession:
         """The matrix version reported in stats: the copy's here; a store's where rows go to one."""
         return self.matrix.version
 
-    def step(self, recycled: RecycledRows | None, root: int) -> torch.Tensor:
+    def _take(self, recycled: RecycledRows | None) -> RecycledRows | None:
+        """The rows into the copy, confidences averaged with the copy's (AdjacencyMatrix.blended):
+        what the copy and everything onwards store."""
         if recycled is not None:
-            recycled = self.matrix.blended(recycled)  # what the copy and everything onwards store
+            recycled = self.matrix.blended(recycled)
             self.matrix.apply(recycled)
+        return recycled
+
+    def step(self, recycled: RecycledRows | None, root: int) -> torch.Tensor:
+        recycled = self._take(recycled)
         return self._checked(self._step(recycled, root), root)  # [n]
 
     def update(self, recycled: RecycledRows | None) -> None:
         """Apply the last verification's rows (to the copy, then onwards) without drafting a static
         tree: for an engine that grows its tree from `matrix` itself (engine/tr/dynamic.py)."""
+        recycled = self._take(recycled)
         if recycled is not None:
-            recycled = self.matrix.blended(recycled)
-            self.matrix.apply(recycled)
             self._push(recycled)
 
     def _push(self, recycled: RecycledRows) -> None:
@@ -106,10 +111,7 @@ class MatrixSession:
         return out
 
     def close(self, recycled: RecycledRows | None) -> None:
-        if recycled is not None:
-            recycled = self.matrix.blended(recycled)
-            self.matrix.apply(recycled)
-        self._close(recycled)
+        self._close(self._take(recycled))
 
     def info(self) -> DraftInfo:
         epoch = self.matrix_epoch if self.matrix_epoch is not None and self.matrix_epoch >= 0 else None
