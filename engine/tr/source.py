@@ -71,7 +71,7 @@ class MatrixSession:
         """The matrix version reported in stats: the copy's here; a store's where rows go to one."""
         return self.matrix.version
 
-    def _take(self, recycled: RecycledRows | None) -> RecycledRows | None:
+    def _apply_rows(self, recycled: RecycledRows | None) -> RecycledRows | None:
         """The rows into the copy, confidences averaged with the copy's (AdjacencyMatrix.blended):
         what the copy and everything onwards store."""
         if recycled is not None:
@@ -80,13 +80,13 @@ class MatrixSession:
         return recycled
 
     def step(self, recycled: RecycledRows | None, root: int) -> torch.Tensor:
-        recycled = self._take(recycled)
+        recycled = self._apply_rows(recycled)
         return self._checked(self._step(recycled, root), root)  # [n]
 
     def update(self, recycled: RecycledRows | None) -> None:
         """Apply the last verification's rows (to the copy, then onwards) without drafting a static
         tree: for an engine that grows its tree from `matrix` itself (engine/tr/dynamic.py)."""
-        recycled = self._take(recycled)
+        recycled = self._apply_rows(recycled)
         if recycled is not None:
             self._push(recycled)
 
@@ -111,7 +111,7 @@ class MatrixSession:
         return out
 
     def close(self, recycled: RecycledRows | None) -> None:
-        self._close(self._take(recycled))
+        self._close(self._apply_rows(recycled))
 
     def info(self) -> DraftInfo:
         epoch = self.matrix_epoch if self.matrix_epoch is not None and self.matrix_epoch >= 0 else None
