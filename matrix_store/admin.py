@@ -48,11 +48,13 @@ class StoreAdmin:
         was_loaded = self._table.entry(fingerprint, tenant) is not None
         entry = self._table.named(fingerprint, tenant, load=False)  # only in Redis: read, not loaded
         with entry.lock:
+            if entry.digests is None or entry.digests[:2] != (entry.epoch, entry.version):
+                entry.digests = (entry.epoch, entry.version, _sha256(entry.rows, "<i4"), _sha256(entry.probs, np.uint8))
             return {
                 "epoch": entry.epoch,
                 "memory_bytes": entry.nbytes if was_loaded else 0,
-                "rows_sha256": hashlib.sha256(np.ascontiguousarray(entry.rows, "<i4").tobytes()).hexdigest(),
-                "probs_sha256": hashlib.sha256(np.ascontiguousarray(entry.probs, np.uint8).tobytes()).hexdigest(),
+                "rows_sha256": entry.digests[2],
+                "probs_sha256": entry.digests[3],
                 "tenant": entry.name,
                 "domain": entry.domain,
                 "fingerprint": entry.spec.fingerprint,
@@ -210,3 +212,9 @@ class StoreAdmin:
             "dirty_tenants": sum(not e.clean for e in entries),
             "models": [m.fingerprint for m in self._models.models()],
         }
+
+
+def _sha256(array: np.ndarray, dtype) -> str:
+    """sha256 of the array's bytes as `dtype`, hashed in place (no copy) where it already is that."""
+    flat = np.ascontiguousarray(array, dtype)  # the same array when it is already contiguous `dtype`
+    return hashlib.sha256(memoryview(flat).cast("B")).hexdigest()

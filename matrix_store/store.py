@@ -134,6 +134,27 @@ class MatrixStore:
             return Checkout(entry.version, entry.rows.copy(), entry.probs.copy(), entry.source if created else "tenant",
                             entry.epoch)
 
+    def shared_checkout(self, spec: ModelSpec, tenant: str, domain: str | None = None) -> Checkout:
+        """As checkout(), but READ-ONLY arrays shared by every caller of the same (epoch, version):
+        concurrent bulk readers (the service's Checkout calls) hold one copy of a large matrix, not
+        one each. The copy lives as long as some caller holds it (a weak reference on the entry)."""
+        entry, created = self._lookup(spec, tenant, domain, create=False)
+        with entry.lock:
+            shared = entry.shared() if not created else None
+            if shared is not None and (shared.epoch, shared.version) == (entry.epoch, entry.version):
+                return shared
+            rows, probs = entry.rows.copy(), entry.probs.copy()
+            rows.flags.writeable = probs.flags.writeable = False
+            out = Checkout(entry.version, rows, probs, entry.source if created else "tenant", entry.epoch)
+            entry.share(out)
+            return out
+
+    def head(self, spec: ModelSpec, tenant: str, domain: str | None = None) -> tuple[int, int]:
+        """(version, epoch) of the tenant without copying its matrix (not created by asking)."""
+        entry, _ = self._lookup(spec, tenant, domain, create=False)
+        with entry.lock:
+            return entry.version, entry.epoch
+
     def view(self, spec: ModelSpec, tenant: str, domain: str | None = None,
              only_loaded: bool = False) -> tuple[int, np.ndarray]:
         """(version, live [V, K] array): no copy, for drafting in place. Read only; rows may

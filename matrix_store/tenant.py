@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -56,6 +57,16 @@ class TenantState:
     transient: bool = False  # a read of a tenant that does not exist: never inserted in the table
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     io_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    # the read-only Checkout bulk readers share while any holds it (MatrixStore.shared_checkout), and
+    # the digests of one (epoch, version) (admin describe): set and read under `lock`
+    _shared: weakref.ref | None = field(default=None, repr=False)
+    digests: tuple[int, int, str, str] | None = field(default=None, repr=False)  # (epoch, version, rows, probs)
+
+    def shared(self) -> Checkout | None:
+        return None if self._shared is None else self._shared()
+
+    def share(self, checkout: Checkout) -> None:
+        self._shared = weakref.ref(checkout)
 
     def __post_init__(self) -> None:
         probs = self.probs

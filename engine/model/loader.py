@@ -194,6 +194,22 @@ def load_model(config: ModelConfig) -> LoadedModel:
                        isa, forward, batch_step)
 
 
+def model_spec_of(config: ModelConfig, k: int):
+    """The ModelSpec (fingerprint, V, K) a worker serving this model with K successors drafts with, from
+    its tokenizer and config alone (no weights loaded): what a matrix service is told to serve."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from core.model_spec import ModelSpec
+
+    path = resolve_source(config)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model_config = AutoConfig.from_pretrained(path)
+    except OSError as e:
+        raise NotFound(f"cannot load model {config.source!r}: {e}") from None
+    return ModelSpec(model_fingerprint(tokenizer, model_config), int(model_config.vocab_size), k)
+
+
 def _forward_kind(model, config: ModelConfig) -> str:
     from engine.model.native import native_unsupported
 

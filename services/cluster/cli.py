@@ -28,6 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     up.add_argument("--workers", type=int, default=2, help="number of workers (default 2)")
     up.add_argument("--draft-mode", choices=DRAFT_MODES, default="remote")
     up.add_argument("--threads", type=int, default=None, help="torch CPU threads per worker (default torch's)")
+    up.add_argument("--model", default="smollm2-135m-instruct",
+                    help="the workers' model (builtin name or local directory); the matrix service serves only it")
     up.add_argument("--base-port", type=int, default=0, help="workers on P..P+N-1, matrix P+N, Redis P+N+1 "
                     "(default 0: free ports, printed)")
     up.add_argument("--redis-url", default=None, help="use this Redis instead of starting one (AOF on) in the run dir")
@@ -72,7 +74,7 @@ def run_up(args: argparse.Namespace) -> int:
         return 1
     try:
         config = ClusterConfig(
-            run_dir=run_dir, workers=args.workers, draft_mode=args.draft_mode, threads=args.threads,
+            run_dir=run_dir, workers=args.workers, draft_mode=args.draft_mode, threads=args.threads, model=args.model,
             base_port=args.base_port, redis_url=args.redis_url, key_prefix=args.key_prefix,
             snapshot_every_versions=args.snapshot_every_versions, snapshot_every_s=args.snapshot_every_s,
             tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca, tenant_tokens=args.tenant_tokens,

@@ -16,6 +16,8 @@ class ClusterConfig:
     workers: int = 2
     draft_mode: str = "remote"  # how workers draft through the matrix service
     threads: int | None = None  # torch CPU threads per worker; None = torch's default
+    # the workers' model (builtin name or local directory); the matrix service serves only this one
+    model: str = "smollm2-135m-instruct"
     # 0 = free ports; else workers listen on base_port..base_port+workers-1, the matrix service on
     # base_port+workers and a started Redis on base_port+workers+1
     base_port: int = 0
@@ -36,6 +38,8 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if not 1 <= self.workers <= 16:
             raise ValueError(f"workers must be in 1..16 on one machine, got {self.workers}")
+        if not self.model:
+            raise ValueError("model must be a builtin name or a local model directory")
         if self.draft_mode not in DRAFT_MODES:
             raise ValueError(f"draft mode must be one of {DRAFT_MODES}, got {self.draft_mode!r}")
         if self.threads is not None and self.threads < 1:

@@ -120,7 +120,7 @@ class LocalCluster:
         c = self.config
         args = ["matrix", "--host", HOST, "--port", str(self.matrix_port), "--redis-url", self.redis_url,
                 "--key-prefix", c.key_prefix, "--snapshot-every-versions", str(c.snapshot_every_versions),
-                "--snapshot-every-s", str(c.snapshot_every_s)]
+                "--snapshot-every-s", str(c.snapshot_every_s), "--model", c.model]
         args += self._tls_args() + (["--secret-file", c.matrix_secret] if c.matrix_secret else [])
         args += ["--admin-secret-file", c.matrix_admin_secret] if c.matrix_admin_secret else []
         self.matrix = Proc.trserve("matrix", args, self.log_dir)
@@ -142,7 +142,7 @@ class LocalCluster:
         c = self.config
         args = ["worker", "--matrix-addr", self.matrix_addr, "--draft-mode", c.draft_mode, "--host", HOST,
                 "--port", str(c.port("worker", i)), "--metrics-port", "0", "--grace", str(c.worker_grace_s),
-                "--http-port", "0"]  # no OpenAI HTTP API: N local workers would all want port 8000
+                "--http-port", "0", "--model", c.model]  # no HTTP API: N local workers would all want port 8000
         args += ["--threads", str(c.threads)] if c.threads else []
         args += self._tls_args() + (["--matrix-tls-ca", c.client_ca] if c.client_ca else [])
         args += ["--tenant-tokens", c.tenant_tokens] if c.tenant_tokens else []

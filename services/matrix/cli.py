@@ -30,12 +30,24 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="file holding the admin secret: admin RPCs need it (the workers' secret does not suffice); "
                           "without it admin RPCs are refused when --secret-file is set, and reserved tenants "
                           "(_global, _domain.*) cannot be written")
-    run.add_argument("--model", action="append", default=[], metavar="FINGERPRINT:V:K",
-                     help="serve only this model (repeatable); default: the first --max-models that are used")
+    run.add_argument("--model", action="append", default=[], metavar="MODEL",
+                     help="serve only this model (repeatable): FINGERPRINT:V:K as `trserve model-spec` prints it, "
+                          "or the workers' --model (a builtin name or local directory; K = the workers' default). "
+                          "Without it: the first --max-models that callers name, which needs a loopback --host, "
+                          "--secret-file or --open-registration")
     run.add_argument("--max-models", type=int, default=2, help="models served when no --model is given (default 2)")
+    run.add_argument("--open-registration", action="store_true",
+                     help="without --model and --secret-file, still listen beyond loopback (anyone who reaches the "
+                          "service can then fill its --max-models with models of their own)")
     run.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
     run.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     run.set_defaults(func=run_service)
+
+    spec = sub.add_parser("model-spec", help="print a model's FINGERPRINT:V:K (what `trserve matrix --model` takes)")
+    spec.add_argument("--model", default=None, help="the workers' --model (builtin name or local directory; "
+                                                    "default: the bundled model)")
+    spec.add_argument("--k", type=int, default=None, help="successors per row, if not the workers' default")
+    spec.set_defaults(func=run_model_spec)
 
     admin = sub.add_parser("matrix-admin", help="admin calls on a matrix service; prints JSON")
     admin.add_argument("action", choices=ADMIN_ACTIONS, help="list: every tenant; the others act on --tenant")
@@ -59,7 +71,6 @@ def run_service(args: argparse.Namespace) -> int:
     import asyncio
 
     from matrix_store import StoreConfig
-    from matrix_store.config import parse_model
     from services.common.security import SharedSecret, server_tls
     from services.matrix.server import MatrixServiceConfig, serve
 
@@ -67,16 +78,52 @@ def run_service(args: argparse.Namespace) -> int:
         store = StoreConfig(redis_url=args.redis_url, key_prefix=args.key_prefix,
                             snapshot_every_versions=args.snapshot_every_versions,
                             snapshot_every_s=args.snapshot_every_s, max_tenants_in_memory=args.max_tenants,
-                            models=tuple(parse_model(m) for m in args.model), max_models=args.max_models)
+                            models=tuple(_served_model(m) for m in args.model), max_models=args.max_models)
         secret = SharedSecret.from_file(args.secret_file) if args.secret_file else None
         admin = SharedSecret.from_file(args.admin_secret_file) if args.admin_secret_file else None
         config = MatrixServiceConfig(host=args.host, port=args.port, store=store, grace_s=args.grace_s,
                                      tls=server_tls(args.tls_cert, args.tls_key), secret=secret, admin_secret=admin,
-                                     metrics_port=None if args.metrics_port < 0 else args.metrics_port)
-    except ValueError as exc:
+                                     metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                                     open_registration=args.open_registration)
+    except (ValueError, LookupError) as exc:
         print(f"trserve matrix: {exc}", file=sys.stderr)
         return 2
     asyncio.run(serve(config))
+    return 0
+
+
+def _served_model(text: str):
+    """A --model value: FINGERPRINT:V:K as is, else a model source (builtin name, directory) whose spec
+    is read from its tokenizer and config, with the workers' default K."""
+    from matrix_store.config import parse_model
+
+    try:
+        return parse_model(text)
+    except ValueError:
+        pass
+    if ":" in text:  # meant as FINGERPRINT:V:K: parse_model's message says what is wrong
+        return parse_model(text)
+    from engine.config import DecoderConfig
+    from engine.model.loader import ModelConfig, model_spec_of
+
+    return model_spec_of(ModelConfig(source=text), DecoderConfig().k)
+
+
+def run_model_spec(args: argparse.Namespace) -> int:
+    """Print FINGERPRINT:V:K of a model, as `trserve matrix --model` takes it."""
+    from core.errors import NotFound
+    from engine.model.loader import BUILTIN_MODEL
+
+    try:
+        spec = _served_model(args.model or BUILTIN_MODEL)
+    except (ValueError, NotFound) as exc:
+        print(f"trserve model-spec: {exc}", file=sys.stderr)
+        return 2
+    if args.k is not None:
+        from core.model_spec import ModelSpec
+
+        spec = ModelSpec(spec.fingerprint, spec.vocab_size, args.k)
+    print(f"{spec.fingerprint}:{spec.vocab_size}:{spec.k}")
     return 0
 
 
@@ -147,7 +194,7 @@ def _list(stub, args: argparse.Namespace) -> int:
         if reply.redis == "failing":
             print("(Redis unreachable: tenants only in Redis are missing)")
     else:
-        print(json.dumps({"redis": reply.redis, "tenants": rows}, indent=2))
+        print(json.dumps({"redis": reply.redis, "models": list(reply.models), "tenants": rows}, indent=2))
     return 0
 
 

@@ -15,7 +15,7 @@ import grpc
 from grpc_health.v1.health import aio as health_aio
 
 from matrix_store import MatrixStore, StoreConfig
-from services.common.security import ServerTLS, SharedSecret, SharedSecretAuth
+from services.common.security import ServerTLS, SharedSecret, SharedSecretAuth, is_loopback
 from services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
 from services.matrix.metrics import serve_metrics
 from services.matrix.servicer import ADMIN_METHODS, SERVICE_NAME, MatrixServicer, ServicerLimits, add_to_server
@@ -37,6 +37,10 @@ class MatrixServiceConfig:
     secret: SharedSecret | None = None  # workers' secret: DraftSession, Checkout, PushRows; None = open
     admin_secret: SharedSecret | None = None  # admin RPCs need it (the worker secret does not suffice)
     metrics_port: int | None = None  # Prometheus /metrics of the store (memory per tenant); None = off
+    # Without a model list (store.models) the service serves the first `max_models` models any caller
+    # names: whoever reaches it first can fill that list and lock the real model out. That is allowed
+    # on loopback or behind the workers' secret; anywhere else only when asked for (--open-registration).
+    open_registration: bool = False
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -47,6 +51,13 @@ class MatrixServiceConfig:
             raise ValueError(f"max_message_bytes must be >= 65536, got {self.max_message_bytes}")
         if self.secret is not None and self.admin_secret is not None and self.admin_secret.value == self.secret.value:
             raise ValueError("the admin secret must differ from the worker secret")
+        if (not self.store.models and self.secret is None and not self.open_registration
+                and not is_loopback(f"{self.host}:0")):
+            raise ValueError(
+                f"an open matrix service on {self.host} without --model would serve the first "
+                f"{self.store.max_models} models anyone who reaches it names, so a stranger could lock your model "
+                "out: pass --model (the workers' model: a builtin name or directory, or FINGERPRINT:V:K as "
+                "`trserve model-spec` prints it), or --secret-file, or --open-registration to accept that")
 
 
 @dataclass
@@ -60,6 +71,7 @@ class MatrixServer:
     owns_store: bool  # stop() closes (final snapshots) only a store it created
     metrics_http: object | None = None  # the /metrics HTTP server, when metrics_port is set
     metrics_port: int | None = None
+    servicer: MatrixServicer | None = None
 
     async def start(self) -> None:
         await set_status(self.health, [SERVICE_NAME], serving=False)  # health answers before the store is up
@@ -91,10 +103,11 @@ def create_server(config: MatrixServiceConfig, store: MatrixStore | None = None)
         log.warning("no admin secret: admin RPCs are %s, and reserved tenants (_global, _domain.*) cannot be written",
                     "refused" if config.secret is not None else "open to anyone who reaches this port")
     server = new_server(config.max_message_bytes, interceptors=auth)
-    add_to_server(MatrixServicer(store, config.limits, admin_secured=config.admin_secret is not None), server)
+    servicer = MatrixServicer(store, config.limits, admin_secured=config.admin_secret is not None)
+    add_to_server(servicer, server)
     health = add_standard_services(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port, config.tls)
-    running = MatrixServer(server, port, health, store, owns)
+    running = MatrixServer(server, port, health, store, owns, servicer=servicer)
     if config.metrics_port is not None:
         running.metrics_http, running.metrics_port = serve_metrics(store, config.host, config.metrics_port)
     return running

@@ -11,13 +11,14 @@ service has an admin secret (which the auth interceptor then required): else PER
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
 import numpy as np
 
-from core.errors import InvalidArgument, PermissionDenied
+from core.errors import InvalidArgument, PermissionDenied, ResourceExhausted
 from core.tenants import is_reserved
 from matrix_store import MatrixStore
 from matrix_store.store import NotLoaded
@@ -38,8 +39,14 @@ class ServicerLimits:
     max_tree_depth: int = 64  # deepest inline tree a session may open
     checkout_chunk_rows: int = 16384  # default rows per Checkout chunk (~720 KB at K=8: ids and probs)
     max_checkout_chunk_rows: int = 65536  # a client may ask for smaller chunks, never larger
+    # Bulk calls (Checkout, Describe, Snapshot, Rollback, Fork) read or copy whole matrices: at most
+    # this many run at once, at most `max_bulk_waiting` more wait; beyond, RESOURCE_EXHAUSTED.
+    max_bulk_calls: int = 2
+    max_bulk_waiting: int = 32
 
     def __post_init__(self) -> None:
+        if self.max_bulk_calls < 1 or self.max_bulk_waiting < 0:
+            raise ValueError("max_bulk_calls must be >= 1 and max_bulk_waiting >= 0")
         if not 1 <= self.checkout_chunk_rows <= self.max_checkout_chunk_rows:
             raise ValueError(f"checkout_chunk_rows must be in 1..{self.max_checkout_chunk_rows}")
         if self.max_tree_nodes < 2:
@@ -48,11 +55,42 @@ class ServicerLimits:
             raise ValueError("max_tree_depth must be >= 1")
 
 
+class BulkGate:
+    """At most `running` bulk calls at once and `waiting` more queued (FIFO, on one event loop);
+    a call beyond both gets ResourceExhausted at once rather than holding memory while it waits."""
+
+    def __init__(self, running: int, waiting: int) -> None:
+        self._slots = asyncio.Semaphore(running)
+        self._running, self._waiting = running, waiting
+        self.queued = 0  # calls waiting for a slot now
+        self.in_flight = 0  # calls holding a slot now
+        self.peak = 0  # most calls ever holding a slot at once
+
+    @contextlib.asynccontextmanager
+    async def slot(self, what: str):
+        if self._slots.locked() and self.queued >= self._waiting:
+            raise ResourceExhausted(f"{what}: {self._running} bulk calls (Checkout, Describe, Snapshot, Rollback, "
+                                    f"Fork) are running and {self.queued} waiting on this matrix service; retry later")
+        self.queued += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.queued -= 1
+        self.in_flight += 1
+        self.peak = max(self.peak, self.in_flight)
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+            self._slots.release()
+
+
 class MatrixServicer(pb_grpc.MatrixServiceServicer):
     def __init__(self, store: MatrixStore, limits: ServicerLimits = ServicerLimits(), admin_secured: bool = False) -> None:
         self._store = store
         self._limits = limits
         self._admin_secured = admin_secured  # an admin secret is configured (the interceptor checks it)
+        self.bulk = BulkGate(limits.max_bulk_calls, limits.max_bulk_waiting)
 
     def _guard_reserved(self, tenant: str, what: str) -> None:
         if is_reserved(tenant) and not self._admin_secured:
@@ -111,13 +149,21 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
         chunk = request.max_rows_per_chunk or self._limits.checkout_chunk_rows
         if not 1 <= chunk <= self._limits.max_checkout_chunk_rows:
             raise InvalidArgument(f"max_rows_per_chunk must be in 0..{self._limits.max_checkout_chunk_rows} (0 = default)")
-        out = await asyncio.to_thread(self._store.checkout, spec, tenant, domain)
-        nonzero = np.flatnonzero(out.rows.any(axis=1) | out.probs.any(axis=1))  # [z]: ids or probs learned
-        total = int(nonzero.shape[0])
-        for start in range(0, max(total, 1), chunk):
-            ids = nonzero[start:start + chunk]
-            yield pb.CheckoutChunk(version=out.version, source=out.source, total_rows=total,
-                                   rows=rows_to_pb(ids, out.rows[ids], out.probs[ids]), epoch=out.epoch)
+        async with self.bulk.slot("Checkout"):
+            # one read-only copy shared by concurrent checkouts of a version; scans and chunk encoding
+            # run in a thread, so a large matrix never stalls the draft steps on the event loop
+            out, nonzero = await asyncio.to_thread(self._checkout, spec, tenant, domain)
+            total = int(nonzero.shape[0])
+            for start in range(0, max(total, 1), chunk):
+                ids = nonzero[start:start + chunk]
+                rows = await asyncio.to_thread(rows_to_pb, ids, out.rows[ids], out.probs[ids]) if ids.size > 4096 \
+                    else rows_to_pb(ids, out.rows[ids], out.probs[ids])
+                yield pb.CheckoutChunk(version=out.version, source=out.source, total_rows=total, rows=rows,
+                                       epoch=out.epoch)
+
+    def _checkout(self, spec, tenant: str, domain: str | None):
+        out = self._store.shared_checkout(spec, tenant, domain)
+        return out, np.flatnonzero(out.rows.any(axis=1) | out.probs.any(axis=1))  # [z]: ids or probs learned
 
     @grpc_errors
     async def PushRows(self, request: pb.PushRowsRequest, context) -> pb.PushRowsReply:
@@ -132,7 +178,8 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
     # -- administration ----------------------------------------------------------------------
     @grpc_errors
     async def Describe(self, request: pb.TenantRef, context) -> pb.DescribeReply:
-        info = await asyncio.to_thread(self._store.describe, request.fingerprint, request.tenant)
+        async with self.bulk.slot("Describe"):
+            info = await asyncio.to_thread(self._store.describe, request.fingerprint, request.tenant)
         health = await asyncio.to_thread(self._store.health)
         last = info["last_snapshot_version"]
         return pb.DescribeReply(
@@ -152,21 +199,24 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
     @grpc_errors
     async def Snapshot(self, request: pb.TenantRef, context) -> pb.VersionReply:
         self._guard_reserved(request.tenant, "snapshotting")
-        version = await asyncio.to_thread(self._store.snapshot_now, request.fingerprint, request.tenant)
+        async with self.bulk.slot("Snapshot"):
+            version = await asyncio.to_thread(self._store.snapshot_now, request.fingerprint, request.tenant)
         return pb.VersionReply(version=version)
 
     @grpc_errors
     async def Rollback(self, request: pb.RollbackRequest, context) -> pb.VersionReply:
         ref = request.ref
         self._guard_reserved(ref.tenant, "rolling back")
-        version = await asyncio.to_thread(self._store.rollback, ref.fingerprint, ref.tenant, int(request.version))
+        async with self.bulk.slot("Rollback"):
+            version = await asyncio.to_thread(self._store.rollback, ref.fingerprint, ref.tenant, int(request.version))
         return pb.VersionReply(version=version)
 
     @grpc_errors
     async def Fork(self, request: pb.ForkRequest, context) -> pb.VersionReply:
         ref = request.ref
         self._guard_reserved(request.to, "forking into")
-        version = await asyncio.to_thread(self._store.fork, ref.fingerprint, ref.tenant, request.to)
+        async with self.bulk.slot("Fork"):
+            version = await asyncio.to_thread(self._store.fork, ref.fingerprint, ref.tenant, request.to)
         return pb.VersionReply(version=version)
 
     @grpc_errors

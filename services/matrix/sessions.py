@@ -84,9 +84,8 @@ class RemoteDraft:
 
     def open(self) -> tuple[int, int]:
         """(version, epoch) of the tenant (not created by opening). May read Redis: call off the loop."""
-        out = self.store.checkout(self.spec, self.tenant, self.domain)
-        self.epoch = out.epoch
-        return out.version, out.epoch
+        version, self.epoch = self.store.head(self.spec, self.tenant, self.domain)
+        return version, self.epoch
 
     def apply(self, tokens: np.ndarray, topk: np.ndarray, probs: np.ndarray | None = None,
               only_loaded: bool = False) -> int | None:

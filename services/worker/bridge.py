@@ -1,9 +1,10 @@
 """From the engine thread to the event loop: one request's StepChunks and GenerationResult.
 
 The batching engine (engine/engine.py) calls `emit` on its own thread; items reach the request's
-coroutine through an asyncio.Queue. A reader that falls more than `limit` chunks behind (a stream
-whose client stopped reading) gets its request cancelled: the engine drops it at the next step
-and goes on with the others. `finish` waits for the engine's final result, so a caller releases
+coroutine through an asyncio.Queue. A reader that falls more than `limit` chunks behind, or that
+takes nothing for `stall_s` seconds while chunks wait (a stream whose client stopped reading: gRPC's
+flow-control window may first absorb thousands of small chunks), gets its request cancelled: the
+engine drops it at the next step and goes on with the others. `finish` waits for the engine's final result, so a caller releases
 its admission place only once the engine has freed the request's KV row.
 """
 
@@ -11,16 +12,22 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 
 from engine.results import GenerationResult, StepChunk
 
 
 class EngineStream:
-    def __init__(self, loop: asyncio.AbstractEventLoop, cancelled: threading.Event, limit: int) -> None:
-        self._loop, self.cancelled, self._limit = loop, cancelled, limit
+    def __init__(self, loop: asyncio.AbstractEventLoop, cancelled: threading.Event, limit: int,
+                 stall_s: float = float("inf"), on_cut: Callable[[str], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._loop, self.cancelled, self._limit, self._stall_s, self._clock = loop, cancelled, limit, stall_s, clock
+        self._on_cut = on_cut  # called once, on the loop, with "behind" or "stalled", when the reader is cut off
         self._queue: asyncio.Queue[StepChunk | GenerationResult | Exception] = asyncio.Queue()
         self._result: asyncio.Future[GenerationResult] = loop.create_future()
+        self._waiting_since: float | None = None  # since when chunks wait and the reader took none
+        self.stalled: str | None = None  # why the reader's request was cancelled: "behind" or "stalled"
 
     def emit(self, item: StepChunk | GenerationResult | Exception) -> None:
         """Engine thread: hand an item to the event loop."""
@@ -38,14 +45,27 @@ class EngineStream:
             if not self._result.done():
                 self._result.set_result(item)
         elif self._queue.qsize() >= self._limit:
-            self.cancelled.set()  # the reader stopped reading: free the engine's place
+            self._stop("behind")  # the reader stopped reading: free the engine's place
+            return
+        elif self._waiting_since is None:
+            self._waiting_since = self._clock()
+        elif self._clock() - self._waiting_since > self._stall_s:
+            self._stop("stalled")
             return
         self._queue.put_nowait(item)
+
+    def _stop(self, why: str) -> None:
+        if self.stalled is None:
+            self.stalled = why
+            if self._on_cut is not None:
+                self._on_cut(why)
+        self.cancelled.set()
 
     async def items(self) -> AsyncIterator[StepChunk | GenerationResult]:
         """The request's chunks, then its result."""
         while True:
             item = await self._queue.get()
+            self._waiting_since = None if self._queue.empty() else self._clock()  # the reader made progress
             if isinstance(item, Exception):
                 raise item
             yield item

@@ -62,6 +62,7 @@ class WorkerConfig:
     # batch under the measured cost model (engine/tuning/budget.py), down to plain one-token steps
     full_trees: bool = False
     stream_buffer: int = 256  # chunks a stream's reader may fall behind before its request is cancelled
+    stream_stall_s: float = 15.0  # ...or seconds it may take none of the chunks waiting for it
     limits: Limits = Limits()
     # Work before admission is bounded: a request body larger than this is refused by gRPC itself
     # (RESOURCE_EXHAUSTED, grpc.max_receive_message_length), and beyond max_concurrent_rpcs calls of
@@ -94,6 +95,8 @@ class WorkerConfig:
             raise ValueError("http_host must be a hostname or address, or None for the gRPC host")
         if self.max_batch < 1 or self.max_batch_tokens < 64 or self.prefill_chunk < 1 or self.stream_buffer < 1:
             raise ValueError("max_batch, prefill_chunk and stream_buffer must be >= 1, max_batch_tokens >= 64")
+        if not self.stream_stall_s > 0:
+            raise ValueError(f"stream_stall_s must be > 0, got {self.stream_stall_s}")
         if not 1024 <= self.max_request_bytes <= 64 << 20:
             raise ValueError(f"max_request_bytes must be in [1024, 64 MiB], got {self.max_request_bytes}")
         if self.max_concurrent_rpcs < 1:

@@ -30,6 +30,9 @@ class WorkerMetrics:
         self.draft_fallbacks = Counter(
             "trserve_draft_fallbacks",
             "Requests that drafted from a local matrix because the matrix store/service failed", registry=r)
+        self.stalled_streams = Counter(
+            "trserve_stalled_streams", "Streams cancelled because the reader fell behind (behind) or took no "
+            "chunk for stream_stall_s (stalled)", ["reason"], registry=r)
         # trserve_build_info{device, kernels, attention, tree, threads, model} 1: what this worker runs on
         self.build = Info("trserve_build", "What this worker decodes with", registry=r)
         self._http = None

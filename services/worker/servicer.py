@@ -286,7 +286,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             call.queue_s = queue_s
             self.metrics.queue_seconds.observe(queue_s)
             deadline = self._engine_deadline(context, len(prepared.ids))
-            stream = EngineStream(asyncio.get_running_loop(), call.cancelled, self.config.stream_buffer)
+            stream = EngineStream(asyncio.get_running_loop(), call.cancelled, self.config.stream_buffer,
+                                  self.config.stream_stall_s, self._reader_cut_off)
             c = call.call
             source = self.draft_sources(c.tenant, c.domain) if prepared.request.mode == "tr" else None
             await asyncio.to_thread(self.engine.submit, prepared, stream.emit, matrix=source,
@@ -303,6 +304,13 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 result = await stream.finish()
                 if result is not None:
                     self._observe_result(result)
+
+    def _reader_cut_off(self, why: str) -> None:
+        """A stream's reader fell `stream_buffer` chunks behind or took none for `stream_stall_s`:
+        its request was cancelled (the engine frees its place at the next step)."""
+        self.metrics.stalled_streams.labels(why).inc()
+        log.info("a stream's reader %s: its request is cancelled", "fell behind" if why == "behind" else
+                 f"took nothing for {self.config.stream_stall_s:g} s")
 
     def _observe_result(self, result: GenerationResult) -> None:
         m, s = self.metrics, result.stats

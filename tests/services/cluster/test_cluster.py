@@ -36,6 +36,25 @@ def load(addrs: list[str], prefix: str, *security: str, requests: int = 12) -> s
                    "--tenants", "3", "--tenant-prefix", prefix, "--max-new-tokens", str(N), "--json", *security)
 
 
+def _push_another_model(matrix: str, tls_ca: str, secret_file: Path) -> grpc.RpcError:
+    """PushRows of a model the cluster's workers do not run; returns the error it must get."""
+    import numpy as np
+
+    from services.common.matrix_convert import rows_to_pb
+    from services.common.security import SharedSecret, client_channel
+    from trserve.v1 import matrix_pb2 as mpb
+    from trserve.v1 import matrix_pb2_grpc
+
+    with client_channel(matrix, tls_ca, SharedSecret.from_file(secret_file)) as channel:
+        stub = matrix_pb2_grpc.MatrixServiceStub(channel)
+        request = mpb.PushRowsRequest(tenant="squatter", model=mpb.ModelSpec(fingerprint="junk-model", vocab_size=64,
+                                                                              k=8),
+                                      rows=rows_to_pb(np.array([1], np.int32), np.ones((1, 8), np.int32)))
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.PushRows(request, timeout=30)
+    return refused.value
+
+
 def secured(directory: Path) -> tuple[list[str], list[str]]:
     """(`cluster up` flags, `load` flags) for TLS, tenant tokens and a matrix secret."""
     tls = self_signed(directory)
@@ -93,12 +112,17 @@ def test_two_workers_share_the_load_with_no_failed_request(tmp_path) -> None:
                          "--secret-file", str(tmp_path / "matrix-admin-secret"))
         assert listed.returncode == 0, listed.stdout + listed.stderr
         tenants = {t["tenant"]: t for t in json.loads(listed.stdout)["tenants"]}
+        served = json.loads(listed.stdout)["models"]  # `cluster up` names the workers' model: only it is served
+        junk = _push_another_model(matrix, client_flags[1], tmp_path / "matrix-secret")
     finally:
         down = trserve("cluster", "down", "--run-dir", run_dir)
     assert down.returncode == 0 and "stopped: worker-1, worker-0, matrix, redis" in down.stdout, down.stdout
     assert not any(pid_runs(p["pid"], "") for p in state["processes"])
 
     assert two["failed"] == 0 and two["ok"] == 12 and two["errors_by_code"] == {}, two
+    assert served == [t["fingerprint"] for t in tenants.values()][:1] and len(served) == 1, (served, tenants)
+    # a caller with the workers' secret still cannot make the service serve another model (issue 28, defect 2)
+    assert junk.code() == grpc.StatusCode.FAILED_PRECONDITION and "not served" in junk.details(), junk.details()
     assert set(two["mat_by_tenant"]) == {f"two-{i}" for i in range(3)}
     # MAT >= 1.0 holds by construction (and under this load the batch budgets mostly verify one-token
     # steps): what shows that drafting went through the matrix service is each tenant's rows there

@@ -68,3 +68,22 @@ def test_the_image_copies_every_package_of_the_project() -> None:
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
     missing = [p.rstrip("*") for p in find["include"] if f"COPY {p.rstrip('*')} {p.rstrip('*')}" not in dockerfile]
     assert missing == []
+
+
+def test_every_matrix_service_in_the_manifests_serves_exactly_the_bundled_model() -> None:
+    """Issue 28, defect 2: they listen on 0.0.0.0, so without --model anyone reaching them could
+    register models first. The spec they name must be the bundled model's (`trserve model-spec`)."""
+    from services.matrix.cli import _served_model
+
+    spec = _served_model("smollm2-135m-instruct")
+    expected = f"{spec.fingerprint}:{spec.vocab_size}:{spec.k}"
+    compose = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())["services"]["matrix"]["command"]
+    k8s = k8s_objects()[("Deployment", "trserve-matrix")]["spec"]["template"]["spec"]["containers"][0]["args"]
+    cmd = [line for line in (REPO / "docker" / "Dockerfile").read_text().splitlines()
+           if line.startswith('CMD ["matrix"')]
+    import json
+
+    (docker,) = [json.loads(line[len("CMD "):]) for line in cmd]
+    for argv in (compose, k8s, docker):
+        args = build_parser().parse_args(argv)
+        assert args.model == [expected], argv

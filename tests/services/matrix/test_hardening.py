@@ -288,3 +288,39 @@ def test_a_slow_reload_mid_session_does_not_stall_other_sessions(redis_prefix, c
     finally:
         server.stop(0, final_snapshot=False)
         proxy.close()
+
+
+def test_an_open_service_beyond_loopback_needs_a_model_list_or_a_secret(tmp_path) -> None:
+    """Issue 28, defect 2: without --model, a service serves the first `max_models` models anyone names.
+    Listening beyond loopback with neither a model list nor the workers' secret is refused at start."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    store = StoreConfig()
+    with pytest.raises(ValueError, match="stranger could lock your model out"):
+        MatrixServiceConfig(host="0.0.0.0", port=0, store=store)
+    secret = SharedSecret(secrets.token_urlsafe(24))
+    for fine in (dict(host="127.0.0.1"), dict(host="::1"), dict(host="0.0.0.0", secret=secret),
+                 dict(host="0.0.0.0", open_registration=True),
+                 dict(host="0.0.0.0", store=StoreConfig(models=(ModelSpec(FP, V, K),)))):
+        MatrixServiceConfig(**{"port": 0, "store": store, **fine})  # type: ignore[arg-type]
+
+    repo = Path(__file__).resolve().parents[3]
+    run = subprocess.run([sys.executable, "-m", "services.cli", "matrix", "--host", "0.0.0.0", "--port", "0"],
+                         cwd=repo, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--model" in run.stderr and "--open-registration" in run.stderr, run.stderr
+
+
+def test_a_service_with_a_model_list_never_admits_another_model(servers, channel_to) -> None:
+    """The squatter's push is FAILED_PRECONDITION, the served model's push is applied, and the
+    squatter's model is not in the list afterwards."""
+    served = ModelSpec(FP, V, K)
+    server = _memory_server(models=(served,))
+    servers.append(server)
+    stub = channel_to(server)
+    squatter = pb.ModelSpec(fingerprint="junk", vocab_size=64, k=K)
+    code, details = _code(lambda: push(stub, "squatter", random_rows(RNG, 2, vocab_size=64), squatter))
+    assert code == grpc.StatusCode.FAILED_PRECONDITION and "not served" in details, details
+    assert push(stub, "t", random_rows(RNG, 4)) == 1
+    assert list(stub.ListTenants(pb.ListTenantsRequest(), timeout=10).models) == [FP]
