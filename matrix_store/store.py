@@ -138,7 +138,7 @@ class MatrixStore:
         """As checkout(), but READ-ONLY arrays shared by every caller of the same (epoch, version):
         concurrent bulk readers (the service's Checkout calls) hold one copy of a large matrix, not
         one each. The copy lives as long as some caller holds it (a weak reference on the entry)."""
-        entry, created = self._lookup(spec, tenant, domain, create=False)
+        entry, created = self._lookup(spec, tenant, domain, create=False, only_loaded=False)
         with entry.lock:
             shared = entry.shared() if not created else None
             if shared is not None and (shared.epoch, shared.version) == (entry.epoch, entry.version):
@@ -151,7 +151,7 @@ class MatrixStore:
 
     def head(self, spec: ModelSpec, tenant: str, domain: str | None = None) -> tuple[int, int]:
         """(version, epoch) of the tenant without copying its matrix (not created by asking)."""
-        entry, _ = self._lookup(spec, tenant, domain, create=False)
+        entry, _ = self._lookup(spec, tenant, domain, create=False, only_loaded=False)
         with entry.lock:
             return entry.version, entry.epoch
 
