@@ -96,7 +96,7 @@ class Drafter:
         if calib.best_rate(HISTORY) >= floor:
             chains.append(self._history(live))
         chains = [c for c in chains if c is not None]
-        if best_first_score(rows, probs, live.root, calib, chains) < floor:
+        if best_first_score(rows, probs, live.root, calib, chains) * self.budget.trust(live) < floor:
             if len(live.plain) >= HAND_OVER:
                 session.update(pending(live))
             return Grown([live.root], [0], [0], [-1], [1.0])

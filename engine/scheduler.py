@@ -69,6 +69,9 @@ class Live:
     text: TextStream | None = None
     seed: list = field(default_factory=list)  # (tokens [c], topk [c, K], probs [c, K]) of prompt seeding, per chunk
     seed_n: int = 0  # prompt positions whose predictions seed its matrix (fixed when its prefill starts)
+    # its grown trees' drafted tokens: expected (the calibrated scores of the nodes verified) and accepted
+    predicted: float = 0.0
+    realized: float = 0.0
 
     @property
     def reserved(self) -> int:

@@ -20,6 +20,8 @@ from engine.tuning.budget import NodeRates, choose_options, choose_packed
 from engine.tuning.online import StepPlan
 
 SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # subtree sizes (root included) a step may pick
+TRUST_PRIOR = 4.0  # drafted tokens a request's trees are assumed to have met before it has verified any
+TRUST_CAP = 1.25  # a request that beats its calibration is priced at most this much above it
 Option = tuple[int, float, int | None, int]  # (width, expected tokens, base nodes or None = the plan, chain)
 
 
@@ -144,7 +146,8 @@ class TreeBudget:
         plain: Option = (1, 1.0, 1, 0)
         if grown.n == 1:
             return [plain]
-        whole: Option = (grown.n, grown.expected(grown.n), grown.n, 0)
+        trust = self.trust(live)
+        whole: Option = (grown.n, 1 + trust * (grown.expected(grown.n) - 1), grown.n, 0)
         if live is self.explorer:  # its whole grown tree now and then: bins the budget never picks stay measured
             price = self._explore_price(grown.n, b, kv)
             if price <= self._explore_credit:
@@ -153,7 +156,16 @@ class TreeBudget:
             self.explorer = None
         if not self.config.batch_aware:
             return [whole]
-        return [plain] + [(w, grown.expected(w), w, 0) for w in SIZES if w < grown.n] + [whole]
+        return [plain] + [(w, 1 + trust * (grown.expected(w) - 1), w, 0) for w in SIZES if w < grown.n] + [whole]
+
+    def trust(self, live: Live) -> float:
+        """How far `live`'s own grown trees met their calibrated expectation: accepted over expected
+        drafted tokens, with a prior of TRUST_PRIOR tokens met in full, at most TRUST_CAP. The tenant's
+        calibration averages over all its traffic; one request (a math question in a tenant that mostly
+        chats) may accept far less, and its trees are then priced at what it actually accepts.
+        Example: 12 tokens expected and 4 accepted over its trees so far -> (4 + 4) / (12 + 4) = 0.5:
+        a tree expected to add 1.2 tokens is priced at 0.6."""
+        return min((live.realized + TRUST_PRIOR) / (live.predicted + TRUST_PRIOR), TRUST_CAP)
 
     def row_floor(self, kv: int, b: int = 1) -> float:
         """The least score (P(accepted)) a node needs for some tree to pay in a step of `b` sequences:
@@ -200,6 +212,8 @@ class TreeBudget:
         if draft.grown is not None:
             w = draft.tokens.shape[0]
             self.calibration(live).record(draft.grown.bins[:w], draft.grown.parent[:w], acc.path)
+            live.predicted += draft.grown.expected(w) - 1
+            live.realized += len(acc.path) - 1
             return
         if live.seq.tuner is not None:
             return

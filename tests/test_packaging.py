@@ -98,3 +98,11 @@ def test_the_source_distribution_carries_the_protos(tmp_path: Path) -> None:
         names = archive.getnames()
     assert any(n.endswith("protos/trserve/v1/generate.proto") for n in names)
     assert any(n.endswith("protos/trserve/v1/matrix.proto") for n in names)
+
+
+def test_the_version_the_cli_reports_is_the_packages() -> None:
+    import tomllib
+
+    from core.version import __version__
+
+    assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"] == __version__

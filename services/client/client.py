@@ -12,11 +12,29 @@ with the status code and an actionable message from the server.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from services.common.security import bearer_metadata, check_plaintext_tokens, client_channel
 from trserve.v1 import generate_pb2 as pb
 from trserve.v1 import generate_pb2_grpc
+
+# The standard gRPC service config for Generate clients in any language (services/client/service_config.json):
+# round_robin over every address the target resolves to (a headless Service's pods), client-side health
+# checks, and retries of UNAVAILABLE and RESOURCE_EXHAUSTED that honour the server's grpc-retry-pushback-ms.
+SERVICE_CONFIG_FILE = Path(__file__).with_name("service_config.json")
+
+
+def service_config() -> str:
+    """The service config as the JSON string the `grpc.service_config` channel option takes."""
+    return json.dumps(json.loads(SERVICE_CONFIG_FILE.read_text()))
+
+
+def channel_options() -> list[tuple[str, object]]:
+    """Channel options that apply the service config (retries on, health checks on)."""
+    return [("grpc.service_config", service_config()), ("grpc.enable_retries", 1)]
+
 
 _MODES = {None: pb.DECODING_MODE_UNSPECIFIED, "tr": pb.DECODING_MODE_TR, "ar": pb.DECODING_MODE_AR}
 
@@ -71,15 +89,18 @@ class TRServeClient:
     """One channel to a worker; methods mirror the rpcs. `timeout` (seconds) is the default deadline.
     `tls_ca_file`: PEM CA to trust, for a worker serving TLS; `token`: the tenant's bearer token, for
     a worker with --tenant-tokens (never sent without TLS to a non-loopback address unless
-    `allow_plaintext_token`)."""
+    `allow_plaintext_token`). `retries`: the standard service config (SERVICE_CONFIG_FILE): a busy
+    (RESOURCE_EXHAUSTED) or unreachable (UNAVAILABLE) worker is retried after its pushback, up to 4
+    attempts within the deadline; a stream only until its first message. `addr` may be any gRPC target,
+    e.g. dns:///trserve-worker:50051, whose addresses the calls then go round."""
 
     def __init__(self, addr: str = "127.0.0.1:50051", timeout: float | None = None, *, tls_ca_file: str | None = None,
-                 token: str | None = None, allow_plaintext_token: bool = False) -> None:
+                 token: str | None = None, allow_plaintext_token: bool = False, retries: bool = True) -> None:
         check_plaintext_tokens([addr], tls_ca_file, token is not None, allow_plaintext_token)
         self.addr = addr
         self.timeout = timeout
         self._metadata = bearer_metadata(token)
-        self._channel = client_channel(addr, tls_ca_file)
+        self._channel = client_channel(addr, tls_ca_file, options=channel_options() if retries else ())
         self._stub = generate_pb2_grpc.GenerateStub(self._channel)
 
     def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> pb.GenerateResponse:

@@ -22,13 +22,20 @@ MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 def new_server(max_message_bytes: int = MAX_MESSAGE_BYTES,
                interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
-               max_receive_bytes: int | None = None) -> grpc.aio.Server:
+               max_receive_bytes: int | None = None, max_connection_age_s: float | None = None,
+               max_connection_age_grace_s: float | None = None) -> grpc.aio.Server:
     """`max_receive_bytes` (default `max_message_bytes`): larger requests are refused by gRPC with
-    RESOURCE_EXHAUSTED before any handler runs."""
+    RESOURCE_EXHAUSTED before any handler runs. `max_connection_age_s`: a client connection is closed
+    (GOAWAY: the client reconnects, and re-resolves, so it reaches replicas added since) after about
+    this long; calls in flight then get `max_connection_age_grace_s` to finish. None = never."""
     options = [
         ("grpc.max_receive_message_length", max_receive_bytes or max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
     ]
+    if max_connection_age_s is not None:
+        options.append(("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)))
+        if max_connection_age_grace_s is not None:
+            options.append(("grpc.max_connection_age_grace_ms", int(max_connection_age_grace_s * 1000)))
     return grpc.aio.server(options=options, interceptors=list(interceptors))
 
 
@@ -41,9 +48,13 @@ def add_standard_services(server: grpc.aio.Server, service_names: list[str]) -> 
     return health
 
 
-async def set_status(health: health_aio.HealthServicer, service_names: list[str], serving: bool) -> None:
+async def set_status(health: health_aio.HealthServicer, service_names: list[str], serving: bool,
+                     overall: bool = True) -> None:
+    """The health of `service_names` and, with `overall`, of the server ("": liveness probes ask that one;
+    readiness probes ask a named service, which alone goes NOT_SERVING when the process is alive but
+    should leave rotation)."""
     status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    for name in ["", *service_names]:
+    for name in (["", *service_names] if overall else service_names):
         await health.set(name, status)
 
 

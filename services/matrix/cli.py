@@ -112,7 +112,7 @@ def _served_model(text: str):
 def run_model_spec(args: argparse.Namespace) -> int:
     """Print FINGERPRINT:V:K of a model, as `trserve matrix --model` takes it."""
     from core.errors import NotFound
-    from engine.model.loader import BUILTIN_MODEL
+    from engine.model.choices import BUILTIN_MODEL
 
     try:
         spec = _served_model(args.model or BUILTIN_MODEL)

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    from engine.model.loader import BATCH_STEPS, KERNELS
+    from engine.model.choices import BATCH_STEPS, KERNELS
 
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = pick a free one and print it)")
@@ -61,6 +61,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="largest request body, bytes (default 1 MiB; gRPC refuses larger ones with RESOURCE_EXHAUSTED)")
     p.add_argument("--max-concurrent-rpcs", type=int, default=64,
                    help="Generate/GenerateStream/Tokenize calls in flight; beyond it RESOURCE_EXHAUSTED (default 64)")
+    p.add_argument("--max-connection-age-s", type=float, default=300.0,
+                   help="close client connections after about this long, so clients re-resolve and reach workers "
+                        "added since; calls in flight get 600 s to finish (0 = never; default 300)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests may finish on SIGTERM")
     p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
     p.add_argument("--kernels", choices=KERNELS, default="auto",
@@ -95,6 +98,7 @@ def build_configs(args: argparse.Namespace):
         max_queue=args.max_queue, full_trees=args.full_trees, limits=limits, grace_s=args.grace,
         redis_url=args.redis_url,
         max_request_bytes=args.max_request_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_connection_age_s=args.max_connection_age_s or None,
         tls=server_tls(args.tls_cert, args.tls_key), tenant_tokens=tokens,
     )
     return worker, DecoderConfig(model=model, tree=args.tree)

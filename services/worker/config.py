@@ -70,6 +70,10 @@ class WorkerConfig:
     # retry hint) before anything is tokenized. Health, reflection and ModelInfo are not counted.
     max_request_bytes: int = 1 << 20
     max_concurrent_rpcs: int = 64
+    # Client connections are closed after about this long (GOAWAY; clients reconnect and re-resolve, so
+    # load spreads to workers the autoscaler added); calls in flight get the grace to finish. None = never.
+    max_connection_age_s: float | None = 300.0
+    max_connection_age_grace_s: float = 600.0
     # A gRPC deadline stops decoding this long (or two recent steps, if longer) before it, so the
     # partial result (TIME_LIMIT) reaches the caller in time.
     deadline_margin_s: float = 0.25
@@ -99,6 +103,10 @@ class WorkerConfig:
             raise ValueError(f"stream_stall_s must be > 0, got {self.stream_stall_s}")
         if not 1024 <= self.max_request_bytes <= 64 << 20:
             raise ValueError(f"max_request_bytes must be in [1024, 64 MiB], got {self.max_request_bytes}")
+        if self.max_connection_age_s is not None and self.max_connection_age_s <= 0:
+            raise ValueError(f"max_connection_age_s must be > 0 or None (never), got {self.max_connection_age_s}")
+        if self.max_connection_age_grace_s < 0:
+            raise ValueError(f"max_connection_age_grace_s must be >= 0, got {self.max_connection_age_grace_s}")
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
         if self.max_queue < 0:

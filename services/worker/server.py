@@ -126,7 +126,9 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     servicer = GenerateServicer(decoder, engine, config, draft_source_factory, metrics, tuner_states)
 
     auth = [TenantAuth(config.tenant_tokens, config.default_tenant)] if config.tenant_tokens is not None else []
-    server = new_server(interceptors=auth, max_receive_bytes=config.max_request_bytes)
+    server = new_server(interceptors=auth, max_receive_bytes=config.max_request_bytes,
+                        max_connection_age_s=config.max_connection_age_s,
+                        max_connection_age_grace_s=config.max_connection_age_grace_s)
     generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
     health = add_standard_services(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port, config.tls)
@@ -181,9 +183,11 @@ async def run(config: WorkerConfig, decoder_config: DecoderConfig, sources: Matr
     if worker.metrics_port is not None:
         print(f"trserve metrics on http://{config.host}:{worker.metrics_port}/metrics", flush=True)
 
-    # A split worker whose matrix service refuses its secret says NOT_SERVING (not a silent fallback).
-    watcher = asyncio.create_task(watch_matrix_auth(sources, lambda ok: set_status(worker.health, [SERVICE_NAME], ok))
-                                  ) if sources is not None else None
+    # A split worker whose matrix service refuses its secret says NOT_SERVING for Generate (not a silent
+    # fallback): readiness takes it out of rotation; the server's own health ("", liveness) stays SERVING,
+    # so it is not restarted for a secret a restart cannot fix.
+    watcher = asyncio.create_task(watch_matrix_auth(
+        sources, lambda ok: set_status(worker.health, [SERVICE_NAME], ok, overall=False))) if sources is not None else None
 
     async def stop() -> None:
         if watcher is not None:

@@ -91,6 +91,13 @@ class _Call:
     drained: bool = False  # stopped by the worker's shutdown, not by its caller
 
 
+def _retry_trailers(retry_after_s: float) -> tuple[tuple[str, str], ...]:
+    """A busy worker's hint, twice: `grpc-retry-pushback-ms` is the standard one that gRPC's own retry
+    policy (services/client/service_config.json) waits for in any language; `retry-after-ms` is ours."""
+    ms = str(max(int(retry_after_s * 1000), 1))
+    return (("grpc-retry-pushback-ms", ms), ("retry-after-ms", ms))
+
+
 def observed(method):
     """Count each RPC by final status code; refuse a full queue with a retry-after trailer.
 
@@ -104,7 +111,7 @@ def observed(method):
         if isinstance(exc, QueueFull):
             self.metrics.requests.labels(name, "RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
-                                trailing_metadata=(("retry-after-ms", str(int(exc.retry_after_s * 1000))),))
+                                trailing_metadata=_retry_trailers(exc.retry_after_s))
         return "ABORTED" if isinstance(exc, grpc.aio.AbortError) else status_for(exc).name
 
     if inspect.isasyncgenfunction(method):

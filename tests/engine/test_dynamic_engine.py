@@ -67,3 +67,40 @@ def test_a_tenant_drafts_from_its_history_and_another_tenant_never_does(tiny):
     assert "history" not in other[-1].stats.drafted
     assert b.history.documents == 1  # its own request only (remembered at its end)
     assert b.matrix is not a.matrix and a.history is not b.history
+
+
+def test_a_request_whose_trees_miss_their_calibration_is_priced_at_what_it_accepts():
+    """The per-request trust (engine/tree_budget.py: TreeBudget.trust): a tenant's calibration averages
+    its traffic, so a request whose grown trees accept less than calibrated has its trees priced down."""
+    from types import SimpleNamespace
+
+    from engine.tr.dynamic import Grown
+    from engine.tree_budget import TRUST_CAP, TRUST_PRIOR, TreeBudget
+
+    budget = TreeBudget(EngineConfig(), target=None, cost=lambda w, kv: 1.0, packed=True)
+    fresh = SimpleNamespace(predicted=0.0, realized=0.0)
+    missing = SimpleNamespace(predicted=12.0, realized=4.0)  # 12 tokens expected, 4 accepted
+    beating = SimpleNamespace(predicted=4.0, realized=40.0)
+    assert budget.trust(fresh) == 1.0
+    assert budget.trust(missing) == (4 + TRUST_PRIOR) / (12 + TRUST_PRIOR) == 0.5
+    assert budget.trust(beating) == TRUST_CAP
+    grown = Grown(tokens=[1, 2, 3], parent=[0, 0, 1], source=[0, 1, 1], bins=[-1, 0, 0], score=[1.0, 0.8, 0.4])
+    fresh_opts, missing_opts = budget.grown_options(fresh, grown, 1, 0), budget.grown_options(missing, grown, 1, 0)
+    assert [o[1] for o in fresh_opts] == pytest.approx([1.0, 1.8, 2.2])  # plain, 2 nodes, the whole tree
+    assert [o[1] for o in missing_opts] == pytest.approx([1.0, 1.4, 1.6])  # drafted tokens at half
+
+
+def test_a_request_learns_its_trust_from_its_own_verified_trees(tiny):
+    engine = BatchEngine(tiny, EngineConfig(max_batch=2), cost=lambda w, kv: 1.0)  # free width: trees always pay
+    seen = []
+    learn = engine.budget.learn
+
+    def spy(live, draft, acc):
+        learn(live, draft, acc)
+        seen.append((live.predicted, live.realized))
+
+    engine.budget.learn = spy
+    _submit(engine, tiny, _request(1), matrix=tiny.new_tenant())
+    _run(engine)
+    assert seen and seen[-1][0] > 0 and 0 <= seen[-1][1]
+    assert all(b[0] >= a[0] and b[1] >= a[1] for a, b in zip(seen, seen[1:]))  # sums over the request's trees

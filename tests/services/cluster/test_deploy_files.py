@@ -56,6 +56,16 @@ def test_kubernetes_workers_probe_grpc_health_request_a_gpu_and_scale() -> None:
         for probe in ("readinessProbe", "livenessProbe"):
             assert "grpc" in container[probe], (container["name"], probe)
     assert worker["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # readiness asks the Generate service (NOT_SERVING alone while the matrix service refuses the secret),
+    # liveness the server's own health: such a worker leaves rotation and is not restarted
+    assert worker["readinessProbe"]["grpc"]["service"] == "trserve.v1.Generate"
+    assert "service" not in worker["livenessProbe"]["grpc"]
+    assert worker["lifecycle"]["preStop"]["exec"]["command"][0] == "python"
+    for name in ("trserve-worker", "trserve-matrix"):
+        pod = objects[("Deployment", name)]["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 10001
+        assert pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"] is False
+    assert objects[("PodDisruptionBudget", "trserve-worker")]["spec"]["minAvailable"] == 1
     assert objects[("Service", "trserve-worker")]["spec"]["clusterIP"] == "None"  # headless: per-call balancing
     hpa = objects[("HorizontalPodAutoscaler", "trserve-worker")]["spec"]
     assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "trserve-worker"}

@@ -241,3 +241,23 @@ def test_trserve_client_sends_its_token_over_tls(worker, tls) -> None:
         with pytest.raises(grpc.RpcError) as denied:
             anonymous.generate(messages=HI, tenant="acme", max_new_tokens=4)
         assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_leaving_rotation_keeps_the_server_alive_for_liveness_probes() -> None:
+    """What the worker does while its matrix service refuses the secret (services/worker/server.py):
+    the Generate service is NOT_SERVING (readiness), the server's own health stays SERVING (liveness)."""
+    import asyncio
+
+    from grpc_health.v1 import health_pb2
+    from grpc_health.v1.health import aio as health_aio
+
+    from services.common.server import set_status
+
+    async def run():
+        health = health_aio.HealthServicer()
+        await set_status(health, ["trserve.v1.Generate"], serving=True)
+        await set_status(health, ["trserve.v1.Generate"], serving=False, overall=False)
+        return [(await health.Check(health_pb2.HealthCheckRequest(service=s), None)).status
+                for s in ("", "trserve.v1.Generate")]
+
+    assert asyncio.run(run()) == [health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING]

@@ -24,7 +24,7 @@ def worker(decoder):
 
 @pytest.fixture(scope="module")
 def client(worker):
-    with TRServeClient(worker.addr, timeout=60) as c:
+    with TRServeClient(worker.addr, timeout=60, retries=False) as c:  # the refusals themselves are under test
         yield c
 
 
@@ -101,3 +101,32 @@ def test_queue_full_then_cancel_stops_decoding(client, worker):
     # The cancelled call decoded only a few steps past what its caller read (not on to 256 tokens).
     cancelled_tokens = metrics.value("trserve_generated_tokens_total") - generated_before - 4
     assert received <= cancelled_tokens <= received + 8, (received, cancelled_tokens)
+
+
+def test_a_plain_grpc_channel_with_the_shipped_service_config_retries_a_busy_worker(client, worker):
+    """Issue 30 item 3: RESOURCE_EXHAUSTED carries the standard grpc-retry-pushback-ms trailer, and a
+    channel with services/client/service_config.json (what any gRPC language can load) retries it after
+    that pause: the first attempt is refused, the call itself succeeds once the worker has room."""
+    from services.client.client import channel_options
+    from trserve.v1 import generate_pb2_grpc
+
+    metrics, admission = worker.metrics, worker.worker.servicer.admission
+    refused = {"method": "Generate", "code": "RESOURCE_EXHAUSTED"}
+    running = client.stream(messages=STORY, max_new_tokens=256, tenant="busy", mode="ar")
+    next(running)
+    queued = client.stub.Generate.future(build_request("Hello", max_new_tokens=4), timeout=60)
+    wait_for(lambda: admission.waiting == 1, timeout=30)
+    e = rpc_error(client.generate, "Hello", max_new_tokens=4)  # no retries: refused, with both hints
+    trailers = dict(e.trailing_metadata())
+    assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert int(trailers["grpc-retry-pushback-ms"]) == int(trailers["retry-after-ms"]) > 0
+
+    before = metrics.value("trserve_requests_total", refused)
+    with grpc.insecure_channel(worker.addr, options=channel_options()) as channel:
+        retried = generate_pb2_grpc.GenerateStub(channel).Generate.future(build_request("Hello", max_new_tokens=4),
+                                                                         timeout=60)
+        wait_for(lambda: metrics.value("trserve_requests_total", refused) >= before + 1, timeout=30)
+        running.cancel()  # room again: the retry after the pushback is served
+        assert retried.result().stats.generated_tokens == 4
+    assert queued.result().stats.generated_tokens == 4
+    wait_for(lambda: admission.active == 0 and admission.waiting == 0, timeout=30)

@@ -1,0 +1,6 @@
+"""The names a model configuration takes, without importing torch (the CLI's parser reads them)."""
+
+BUILTIN_MODEL = "smollm2-135m-instruct"
+KERNELS = ("auto", "stock", "packed", "compressed")
+FORWARDS = ("auto", "native", "transformers")
+BATCH_STEPS = ("auto", "eager", "static", "graphs")

@@ -1,0 +1,83 @@
+"""The command line as configuration (issue 30 item 5): TRSERVE_* environment variables for every
+flag, `--version`, log flags after the command, JSON logs, and a parser that never imports torch
+(so `trserve health` answers in a fraction of a second)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from core.version import __version__
+from services.cli import build_parser, main
+from services.envconfig import apply_env, environment_doc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def parse(argv: list[str], env: dict[str, str]):
+    parser = build_parser()
+    apply_env(parser, env)
+    return parser.parse_args(argv)
+
+
+def test_every_flag_may_come_from_the_environment_and_the_command_line_wins() -> None:
+    args = parse(["serve"], {"TRSERVE_MAX_BATCH": "8", "TRSERVE_FULL_TREES": "yes", "TRSERVE_DEVICE": "cpu"})
+    assert (args.max_batch, args.full_trees, args.device) == (8, True, "cpu")
+    assert parse(["serve", "--max-batch", "4"], {"TRSERVE_MAX_BATCH": "8"}).max_batch == 4
+    assert parse(["serve"], {}).max_batch == 16  # the built-in default
+    # a required flag given by the environment; a repeatable one as a comma list
+    assert parse(["worker"], {"TRSERVE_MATRIX_ADDR": "m:50052"}).matrix_addr == "m:50052"
+    models = parse(["matrix"], {"TRSERVE_MODEL": "a:10:8, b:20:8"}).model
+    assert models == ["a:10:8", "b:20:8"]
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"TRSERVE_MAX_BATCH": "many"}, "TRSERVE_MAX_BATCH='many' is not a valid value for --max-batch"),
+    ({"TRSERVE_FULL_TREES": "maybe"}, "TRSERVE_FULL_TREES='maybe': a switch takes one of"),
+    ({"TRSERVE_KERNELS": "fast"}, "TRSERVE_KERNELS='fast': choose from auto"),
+])
+def test_a_value_a_flag_cannot_take_is_a_usage_error_naming_the_variable(env, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        parse(["serve"], env)
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_documented_table_is_current() -> None:
+    assert (REPO / "docs" / "environment.md").read_text() == environment_doc(build_parser()), \
+        "regenerate docs/environment.md (see services/envconfig.py:environment_doc)"
+
+
+def test_version_log_flags_after_the_command_and_json_logs(capsys) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--version"])
+    assert capsys.readouterr().out.strip() == f"trserve {__version__}"
+    args = build_parser().parse_args(["--log-level", "WARNING", "health", "--log-level", "DEBUG"])
+    assert args.log_level == "DEBUG"
+    assert build_parser().parse_args(["--log-level", "WARNING", "health"]).log_level == "WARNING"
+
+
+def test_json_logs_are_one_object_per_line() -> None:
+    code = ("import logging; from services.cli import main; "
+            "main(['--log-format', 'json', 'health', '--addr', '127.0.0.1:1', '--timeout-s', '0.2'], {}); "
+            "logging.getLogger('trserve.test').warning('hello %s', 'there')")
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    lines = [line for line in run.stderr.splitlines() if line.startswith("{")]
+    assert [json.loads(line)["message"] for line in lines] == ["hello there"], run.stderr
+    assert set(json.loads(lines[0])) == {"time", "level", "logger", "message"}
+
+
+def test_building_the_parser_imports_no_torch_and_health_answers_fast() -> None:
+    code = "import sys; from services.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert run.stdout.strip() == "False", run.stderr
+    health = subprocess.run([sys.executable, "-m", "services.cli", "health", "--addr", "127.0.0.1:1", "--timeout-s", "0.2"],
+                            cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert health.returncode == 1 and "UNREACHABLE" in health.stdout
+
+
+def test_main_reads_the_environment_it_is_given() -> None:
+    assert main(["health", "--timeout-s", "0.2"], {"TRSERVE_ADDR": "127.0.0.1:1"}) == 1
