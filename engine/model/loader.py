@@ -102,8 +102,21 @@ def builtin_model_dir(cache_dir: str | Path | None = None) -> Path:
     return target
 
 
+def _quiet_unless_terminal() -> None:
+    """transformers' progress bars (weights loading, GGUF conversion) only on a terminal: in a log file
+    or a container's log stream they are thousands of carriage-return fragments."""
+    import sys
+
+    if not sys.stderr.isatty():
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def _convert_gguf(gguf_dir: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _quiet_unless_terminal()
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
@@ -171,6 +184,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise InvalidArgument(f"batch_step graphs needs a CUDA device; the model is on {device}")
     batch_step = resolve_batch_step(config.batch_step, device)
     path = resolve_source(config)
+    _quiet_unless_terminal()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
