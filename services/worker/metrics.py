@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+    start_http_server,
+)
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 MAT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
+# latency buckets past 10 s: long generations on CPUs take minutes (names and shapes close to vLLM's)
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
+TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
 
 
@@ -30,6 +43,22 @@ class WorkerMetrics:
         self.draft_fallbacks = Counter(
             "trserve_draft_fallbacks",
             "Requests that drafted from a local matrix because the matrix store/service failed", registry=r)
+        self.ttft_seconds = Histogram("trserve_time_to_first_token_seconds",
+                                      "From the call's arrival to its first token (queue and prefill included)",
+                                      buckets=TTFT_BUCKETS, registry=r)
+        self.tpot_seconds = Histogram("trserve_time_per_output_token_seconds",
+                                      "Decode time per generated token after the first, per request",
+                                      buckets=TPOT_BUCKETS, registry=r)
+        self.e2e_seconds = Histogram("trserve_e2e_request_latency_seconds",
+                                     "From the call's arrival to its last token", buckets=LATENCY_BUCKETS, registry=r)
+        self.kv_usage = Gauge("trserve_kv_cache_usage_ratio",
+                              "KV tokens reserved by running requests over --max-batch-tokens", registry=r)
+        self.drafted_tokens = Counter("trserve_draft_tokens", "Draft tokens verified, by draft source "
+                                      "(matrix, context, history)", ["source"], registry=r)
+        self.accepted_tokens = Counter("trserve_draft_accepted_tokens", "Draft tokens accepted, by draft source",
+                                       ["source"], registry=r)
+        ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
+        PlatformCollector(registry=r)
         self.stalled_streams = Counter(
             "trserve_stalled_streams", "Streams cancelled because the reader fell behind (behind) or took no "
             "chunk for stream_stall_s (stalled)", ["reason"], registry=r)

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1.health import aio as health_aio
 
 from core.model_spec import ModelSpec
+from core.version import __version__
 from engine import Decoder, DecoderConfig
 from engine.engine import BatchEngine
 from engine.runtime import RuntimeInfo
@@ -121,7 +122,7 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     if histories is not None:  # and the tenants' suffix histories (bytes per tenant)
         metrics.registry.register(HistoryCollector(histories))
     runtime = RuntimeInfo.of(decoder)
-    metrics.build.info({"model": decoder.config.model.source, **runtime.labels()})
+    metrics.build.info({"model": decoder.config.model.source, "version": __version__, **runtime.labels()})
     log.info("serving %s: %s, batches of up to %d", decoder.config.model.source, runtime, config.max_batch)
     servicer = GenerateServicer(decoder, engine, config, draft_source_factory, metrics, tuner_states)
 

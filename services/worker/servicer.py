@@ -89,6 +89,7 @@ class _Call:
     cancelled: threading.Event = field(default_factory=threading.Event)
     queue_s: float = 0.0
     drained: bool = False  # stopped by the worker's shutdown, not by its caller
+    t0: float = field(default_factory=time.perf_counter)  # when the call arrived (latency metrics)
 
 
 def _retry_trailers(retry_after_s: float) -> tuple[tuple[str, str], ...]:
@@ -154,6 +155,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         self._token_tenants = frozenset(config.tenant_tokens.by_digest.values()) if config.tenant_tokens else frozenset()
         metrics.queue_depth.set_function(lambda: self.admission.waiting)  # read at scrape time
         metrics.active.set_function(lambda: self.admission.active)
+        metrics.kv_usage.set_function(lambda: self.engine.reserved / config.max_batch_tokens)
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to encode concurrently
         # tree "adaptive": each tenant's tree is re-tuned online from its own acceptance; with
         # `tuner_states` (load/save by tenant) the records are kept with the tenant's matrix
@@ -305,12 +307,15 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                     now = time.perf_counter()
                     if isinstance(item, StepChunk) and last is not None:  # the first chunk comes from the prefill
                         self.metrics.step_seconds.observe(now - last)
+                    elif isinstance(item, StepChunk):
+                        self.metrics.ttft_seconds.observe(now - call.t0)
                     last = now
                     yield item
             finally:  # also when the caller went away: the engine frees the request's place first
                 result = await stream.finish()
                 if result is not None:
                     self._observe_result(result)
+                    self.metrics.e2e_seconds.observe(time.perf_counter() - call.t0)
 
     def _reader_cut_off(self, why: str) -> None:
         """A stream's reader fell `stream_buffer` chunks behind or took none for `stream_stall_s`:
@@ -325,6 +330,12 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         m.prompt_tokens.inc(s.prompt_tokens)
         m.generated_tokens.inc(s.generated_tokens)
         m.decode_seconds.observe(s.prefill_s + s.decode_s)
+        if s.generated_tokens > 1:
+            m.tpot_seconds.observe(s.decode_s / (s.generated_tokens - 1))
+        for source, n in s.drafted.items():
+            m.drafted_tokens.labels(source).inc(n)
+        for source, n in s.accepted.items():
+            m.accepted_tokens.labels(source).inc(n)
         if s.draft_mode != "none" and s.steps:
             m.mat.observe(s.mat)
         if s.draft_mode == "local-fallback":

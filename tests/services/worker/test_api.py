@@ -151,10 +151,23 @@ def test_metrics_endpoint(client, worker):
                  "trserve_mean_accepted_tokens_bucket", "trserve_step_seconds_bucket", "trserve_queue_depth",
                  "trserve_active_requests", "trserve_draft_fallbacks_total", 'trserve_finish_total{reason="length"}'):
         assert name in body, name
+    # the families dashboards are built on (issue 30 item 4), names close to vLLM's
+    for name in ("trserve_time_to_first_token_seconds_bucket", "trserve_time_per_output_token_seconds_bucket",
+                 'trserve_e2e_request_latency_seconds_bucket{le="300.0"}', "trserve_queue_seconds_bucket",
+                 "trserve_kv_cache_usage_ratio", "trserve_prompt_tokens_total", "process_resident_memory_bytes",
+                 "process_cpu_seconds_total", "python_info"):
+        assert name in body, name
+    assert worker.metrics.value("trserve_time_to_first_token_seconds_count") >= 1
+    assert worker.metrics.value("trserve_e2e_request_latency_seconds_count") >= 1
+    drafted = [line for line in body.splitlines() if line.startswith("trserve_draft_tokens_total{")]
+    accepted = [line for line in body.splitlines() if line.startswith("trserve_draft_accepted_tokens_total{")]
+    assert drafted and accepted and all('source="' in line for line in drafted + accepted), (drafted, accepted)
     assert worker.metrics.value("trserve_generated_tokens_total") >= 8
     (build,) = [line for line in body.splitlines() if line.startswith("trserve_build_info{")]
     info = client.model_info()
+    from core.version import __version__
+
     for label in (f'kernels="{info.kernels}"', f'attention="{info.attention}"', f'tree="{info.default_tree}"',
-                  f'device="{info.device}"', f'threads="{info.threads}"'):
+                  f'device="{info.device}"', f'threads="{info.threads}"', f'version="{__version__}"'):
         assert label in build, (label, build)
     assert build.endswith(" 1.0")
