@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 PREFIX = "TRSERVE_"
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
@@ -65,6 +66,14 @@ def _value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, 
     return out if isinstance(action, argparse._AppendAction) else out[0]
 
 
+def _shown(default) -> str:
+    """A default as the table shows it: paths inside the repository relative to it (a checkout's
+    location must not change the documented table)."""
+    text = str(default)
+    root = str(Path(__file__).resolve().parents[1]) + "/"
+    return text[len(root):] if text.startswith(root) else text
+
+
 def env_table(parser: argparse.ArgumentParser) -> str:
     """A markdown table: variable, flag, commands that have it, default."""
     rows: dict[str, dict] = {}
@@ -78,7 +87,7 @@ def env_table(parser: argparse.ArgumentParser) -> str:
             default = action.default
             if isinstance(action, argparse._StoreTrueAction):
                 default = "off"
-            row["defaults"].add("" if default in (None, argparse.SUPPRESS, []) else str(default))
+            row["defaults"].add("" if default in (None, argparse.SUPPRESS, []) else _shown(default))
     lines = ["| variable | flag | commands | default |", "|---|---|---|---|"]
     for name in sorted(rows):
         row = rows[name]
