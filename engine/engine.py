@@ -312,15 +312,15 @@ class BatchEngine:
 
     def _plain_rows(self, running: list[Live], drafts: list, logits: list, tops: list) -> list[tuple]:
         """(top-K ids [K], their confidences [K]) of the root of every TR sequence decoding plain this
-        step, in batch order: the confidences of all of them in one call."""
+        step, in batch order: with the native forward, its top-k and a C call per row in place; else the
+        rows stacked and one call for all."""
         k = self.target.config.k
         at = [i for i, (live, draft) in enumerate(zip(running, drafts)) if draft is None and live.session is not None]
         if not at:
             return []
         if tops[0] is not None and tops[0].shape[-1] == k and self.top_probs is not top_probs:
-            # the native forward's top-k, confidences by its C call row by row: a torch.cat of the rows
-            # ([m, V], a two-thread copy right after the forward, while the kernels' pool still spins on
-            # the other core) measured ~0.75 ms a step at B = 6-8, the C calls ~0.05 ms a row
+            # no torch.cat of the rows here: a two-thread copy right after the forward, while the kernels'
+            # pool still spins on the other core, measured ~0.75 ms a step at B = 6-8; the C calls ~0.05 ms a row
             return [(tops[i][0], self.top_probs(logits[i][:1], tops[i][:1])[0]) for i in at]  # ([K], [K]) each
         lg = torch.cat([logits[i][:1] for i in at])  # [m, V]
         known = [tops[i][:1] for i in at] if tops[0] is not None else None

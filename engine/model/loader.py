@@ -116,8 +116,6 @@ def _quiet_unless_terminal() -> None:
 def _convert_gguf(gguf_dir: Path, target: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    _quiet_unless_terminal()
-
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
     # The dequantized weights are plain fp32: drop the GGUF quantizer so the model can be saved.
@@ -139,6 +137,7 @@ def _convert_gguf(gguf_dir: Path, target: Path) -> None:
 
 
 def resolve_source(config: ModelConfig) -> str:
+    _quiet_unless_terminal()  # before any conversion or load prints its bars
     if config.source == BUILTIN_MODEL:
         return str(builtin_model_dir(config.cache_dir))
     return config.source
@@ -184,7 +183,6 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise InvalidArgument(f"batch_step graphs needs a CUDA device; the model is on {device}")
     batch_step = resolve_batch_step(config.batch_step, device)
     path = resolve_source(config)
-    _quiet_unless_terminal()
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")

@@ -97,11 +97,7 @@ def _served_model(text: str):
     is read from its tokenizer and config, with the workers' default K."""
     from matrix_store.config import parse_model
 
-    try:
-        return parse_model(text)
-    except ValueError:
-        pass
-    if ":" in text:  # meant as FINGERPRINT:V:K: parse_model's message says what is wrong
+    if ":" in text:  # FINGERPRINT:V:K (parse_model says what is wrong with a bad one)
         return parse_model(text)
     from engine.config import DecoderConfig
     from engine.model.loader import ModelConfig, model_spec_of

@@ -156,8 +156,7 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
             total = int(nonzero.shape[0])
             for start in range(0, max(total, 1), chunk):
                 ids = nonzero[start:start + chunk]
-                rows = await asyncio.to_thread(rows_to_pb, ids, out.rows[ids], out.probs[ids]) if ids.size > 4096 \
-                    else rows_to_pb(ids, out.rows[ids], out.probs[ids])
+                rows = await asyncio.to_thread(rows_to_pb, ids, out.rows[ids], out.probs[ids])
                 yield pb.CheckoutChunk(version=out.version, source=out.source, total_rows=total, rows=rows,
                                        epoch=out.epoch)
 

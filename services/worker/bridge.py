@@ -27,7 +27,7 @@ class EngineStream:
         self._queue: asyncio.Queue[StepChunk | GenerationResult | Exception] = asyncio.Queue()
         self._result: asyncio.Future[GenerationResult] = loop.create_future()
         self._waiting_since: float | None = None  # since when chunks wait and the reader took none
-        self.stalled: str | None = None  # why the reader's request was cancelled: "behind" or "stalled"
+        self.cut_off: str | None = None  # why the reader's request was cancelled: "behind" or "stalled"
 
     def emit(self, item: StepChunk | GenerationResult | Exception) -> None:
         """Engine thread: hand an item to the event loop."""
@@ -55,8 +55,8 @@ class EngineStream:
         self._queue.put_nowait(item)
 
     def _stop(self, why: str) -> None:
-        if self.stalled is None:
-            self.stalled = why
+        if self.cut_off is None:
+            self.cut_off = why
             if self._on_cut is not None:
                 self._on_cut(why)
         self.cancelled.set()

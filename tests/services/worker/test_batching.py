@@ -96,7 +96,7 @@ def test_a_reader_that_takes_nothing_for_stall_s_is_cancelled_though_not_far_beh
         stream.emit(StepChunk(tokens=[i], text=str(i)))
         loop.run_until_complete(asyncio.sleep(0))
         now[0] += 4.0
-    assert cancelled.is_set() and cut == ["stalled"] and stream.stalled == "stalled"
+    assert cancelled.is_set() and cut == ["stalled"] and stream.cut_off == "stalled"
     loop.close()
 
 
