@@ -66,9 +66,12 @@ class AdjacencyMatrix:
         old ones belong to other ids); tokens are unique, so the write is deterministic. Returns the
         new version."""
         with self._lock:
-            at = rows.tokens.to(self.rows.device)
-            self.rows[at] = rows.topk.to(self.rows.device)
-            self.probs[at] = rows.probs.to(self.rows.device) if rows.probs is not None else 0
+            at = rows.tokens.to(self.rows.device, torch.long)
+            self.rows.index_copy_(0, at, rows.topk.to(self.rows.device, torch.int32))
+            if rows.probs is not None:
+                self.probs.index_copy_(0, at, rows.probs.to(self.probs.device, torch.uint8))
+            else:
+                self.probs.index_fill_(0, at, 0)
             self.version += 1
             return self.version
 
