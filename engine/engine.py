@@ -26,6 +26,7 @@ import torch
 
 from core.errors import InvalidArgument
 from engine.model.runner import ModelRunner, quiet_torch_threads, uses_kernel_pool
+from engine.prefix_cache import PrefixCache
 from engine.request.request import PreparedRequest
 from engine.request.stops import StopChecker
 from engine.request.text import TextStream
@@ -83,6 +84,10 @@ class BatchEngine:
         native = self.runner.native
         self.top_probs = native.top_probs if native is not None and target.device.type == "cpu" else top_probs
         self.drafter = Drafter(self.budget, target.device, self.runner.dtype, packed=self.runner.native is not None)
+        # finished sequences' KV for their tenant's later prompts: only with the native forward, whose keys
+        # and values are the same bits whatever the width of the forward that computed them
+        mb = config.prefix_cache_mb
+        self.prefix = PrefixCache(mb << 20, config.prefix_min_tokens) if mb and self.runner.native is not None else None
         self.steps = 0
         self.times = StepTimes()
         self._looping = False  # a thread is in `run`
@@ -197,6 +202,8 @@ class BatchEngine:
     def _fail_all(self, exc: Exception) -> None:
         """After a failed step: every request in the engine gets `exc` (its caller maps it to a status)
         instead of a result, and the engine starts again empty."""
+        if self.prefix is not None:  # what a failed step's rows held is not trusted again
+            self.prefix.clear()
         for live in self.scheduler.clear():
             if live.session is not None:
                 try:
@@ -245,15 +252,17 @@ class BatchEngine:
         return chunk
 
     def _prefill_chunk(self, live: Live) -> int:
-        """The next chunk of `live`'s prompt; returns its length."""
+        """The next chunk of `live`'s prompt (the first one after any cached prefix); returns its length."""
         ids, d = live.seq.prepared.ids, self.target
         p = len(ids)
+        if live.done == 0:
+            self._reuse_prefix(live)
+            if live.session is not None:
+                # seeding pays only while trees are verified: scaled by their share under the batch budget
+                share = self.budget.tree_share if self.config.batch_aware else 1.0
+                live.seed_n = min(p, round(d.config.seed_from_prompt * share))
         c = min(self.config.prefill_chunk, p - live.done)
         chunk = torch.tensor(ids[live.done : live.done + c], device=d.device)
-        if live.done == 0 and live.session is not None:
-            # seeding pays only while trees are verified: scaled by their share under the batch budget
-            share = self.budget.tree_share if self.config.batch_aware else 1.0
-            live.seed_n = min(p, round(d.config.seed_from_prompt * share))
         seed = live.seed_n
         first_seed = max(live.done, p - seed)  # prompt positions whose predictions seed the matrix
         need = list(range(first_seed - live.done, c))
@@ -269,6 +278,30 @@ class BatchEngine:
         if live.done == p:
             self._start(live, logits[-1:])
         return c
+
+    def _reuse_prefix(self, live: Live) -> int:
+        """Before `live`'s first chunk: the longest cached prefix of its tenant's that its prompt starts
+        with, loaded into its KV row (engine/prefix_cache.py). Returns the tokens reused."""
+        if self.prefix is None:
+            return 0
+        hit = self.prefix.lookup(live.tenant, live.seq.prepared.ids)
+        if hit is None:
+            return 0
+        self.runner.kv.load_prefix(live.row, hit.entry.kv, hit.tokens)
+        live.done = live.cached = hit.tokens
+        return hit.tokens
+
+    def _keep_prefix(self, live: Live) -> None:
+        """A running sequence about to leave: its KV row (prompt and committed tokens but the last) into
+        the prefix cache, for its tenant's next prompt that starts the same way."""
+        if self.prefix is None or live.row < 0:
+            return
+        # the row's column i holds the i-th token of prompt + committed tokens; it may hold more than were
+        # committed (a last step's accepted path cut at max_new_tokens or a stop) and lacks the last one
+        tokens = list(live.seq.prepared.ids) + live.seq.generated
+        n = min(self.runner.kv.length(live.row), len(tokens))
+        if n >= self.prefix.min_tokens:
+            self.prefix.store(live.tenant, tokens[:n], self.runner.kv.read_prefix(live.row, n))
 
     def _start(self, live: Live, last: torch.Tensor) -> None:
         """The prompt is in: first token, draft session, and the sequence joins the batch."""
@@ -338,6 +371,8 @@ class BatchEngine:
             live.emit(StepChunk(tokens=new, text=live.text.delta(seq.generated, cut=seq.stops.cut_text)))
 
     def _retire(self, done: list[Live]) -> None:
+        for live in done:
+            self._keep_prefix(live)
         self.scheduler.retire(done)
         for live in done:
             self._finish(live)
@@ -367,6 +402,6 @@ class BatchEngine:
         decode_s = time.perf_counter() - live.t0 - live.prefill_s
         text = seq.stops.cut_text(d.tokenizer.decode(seq.generated, skip_special_tokens=True))
         tree = d.tree_name(live.tree, seq.tuner) if live.session is not None else "none"
-        stats = GenerationStats.build(seq, live.prefill_s, decode_s, info, tree)
+        stats = GenerationStats.build(seq, live.prefill_s, decode_s, info, tree, live.cached)
         live.emit(GenerationResult(ids=seq.generated, text=text, finish_reason=seq.finish_reason or "cancelled",
                                    stats=stats))

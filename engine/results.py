@@ -31,9 +31,10 @@ class GenerationStats:
     # requests): draft tokens verified, and of those accepted (the root and bonus tokens are in neither)
     drafted: dict[str, int] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (engine/prefix_cache.py)
 
     @classmethod
-    def build(cls, seq, prefill_s: float, decode_s: float, info, tree: str) -> GenerationStats:
+    def build(cls, seq, prefill_s: float, decode_s: float, info, tree: str, cached_tokens: int = 0) -> GenerationStats:
         """From a finished engine.sequence.Sequence and its draft session's DraftInfo (None for AR)."""
         steps = len(seq.accepted_per_step)
         total = prefill_s + decode_s
@@ -52,6 +53,7 @@ class GenerationStats:
             tree=tree,
             drafted=dict(seq.drafted),
             accepted=dict(seq.accepted),
+            cached_tokens=cached_tokens,
         )
 
 

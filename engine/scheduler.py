@@ -36,6 +36,11 @@ class EngineConfig:
     # batch-aware: a step with trees must promise this much more than plain decoding (a share of tok/s) under
     # the cost model, whose calibration is noisy (engine/tuning/budget.py)
     tree_margin: float = 0.05
+    # prefix caching (engine/prefix_cache.py): MiB of finished sequences' keys and values kept for their
+    # tenant's later prompts that start the same way (multi-turn chats, agent loops); 0 = off. Used
+    # with the native forward only (its KV is the same bits whatever the forward's width)
+    prefix_cache_mb: int = 512
+    prefix_min_tokens: int = 32  # shorter shared prefixes are prefilled again
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_batch_tokens < 64 or self.max_waiting < 0 or self.prefill_chunk < 1:
@@ -44,6 +49,8 @@ class EngineConfig:
             raise ValueError(f"explore_every must be >= 1, got {self.explore_every}")
         if not 0 < self.explore_budget <= 1:
             raise ValueError(f"explore_budget must be in (0, 1], got {self.explore_budget}")
+        if self.prefix_cache_mb < 0 or self.prefix_min_tokens < 1:
+            raise ValueError("prefix_cache_mb must be >= 0 and prefix_min_tokens >= 1")
         if not 0 <= self.tree_margin < 1:
             raise ValueError(f"tree_margin must be in [0, 1), got {self.tree_margin}")
 
@@ -61,6 +68,7 @@ class Live:
     t0: float = field(default_factory=time.perf_counter)
     prefill_s: float = 0.0
     done: int = 0  # prompt tokens prefilled
+    cached: int = 0  # of those, taken from the prefix cache (engine/prefix_cache.py)
     row: int = -1
     session: DraftSession | None = None  # None for plain decoding
     recycled: RecycledRows | None = None
@@ -72,6 +80,10 @@ class Live:
     # its grown trees' drafted tokens: expected (the calibrated scores of the nodes verified) and accepted
     predicted: float = 0.0
     realized: float = 0.0
+
+    @property
+    def tenant(self) -> str:
+        return self.rates_key[0]
 
     @property
     def reserved(self) -> int:

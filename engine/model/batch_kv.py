@@ -199,6 +199,20 @@ class BatchKV:
         r.active -= 1
         return moved
 
+    def read_prefix(self, row: int, n: int) -> torch.Tensor:
+        """A copy of `row`'s first n entries: [2, layers, Hkv, n, D] (keys, values)."""
+        r = self.rows
+        assert n <= r.lens[row] and r.buf is not None
+        return r.buf[:, :, row, :, :n].clone()
+
+    def load_prefix(self, row: int, kv: torch.Tensor, n: int) -> None:
+        """The first n entries of `kv` [2, layers, Hkv, >= n, D] become empty `row`'s context."""
+        r = self.rows
+        assert r.lens[row] == 0, "a prefix goes into an empty row"
+        self.reserve(n)
+        r.buf[:, :, row, :, :n].copy_(kv[:, :, :, :n])
+        r.lens[row] = n
+
     def move_row(self, src: int, dst: int) -> None:
         """Copy an inactive row's entries (a prefill in progress) to another inactive row."""
         r = self.rows

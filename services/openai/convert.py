@@ -171,6 +171,7 @@ def usage(stats: GenerationStats) -> dict:
     accepted, drafted = sum(stats.accepted.values()), sum(stats.drafted.values())
     return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
             "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
             "completion_tokens_details": {"accepted_prediction_tokens": accepted,
                                           "rejected_prediction_tokens": drafted - accepted}}
 

@@ -50,6 +50,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="KV tokens the requests of a batch may reserve, prompt + max_new_tokens + tree each (default 65536)")
     p.add_argument("--prefill-chunk", type=int, default=128,
                    help="prompt tokens prefilled per step: a long prompt delays the others by one chunk per step")
+    p.add_argument("--prefix-cache-mb", type=int, default=512,
+                   help="MiB of finished requests' keys and values kept per worker for later prompts of the same "
+                        "tenant that start the same way: multi-turn chats, agent loops (default 512; 0 = off)")
     p.add_argument("--full-trees", action="store_true",
                    help="every TR request verifies its whole tree each step (default: trees sized per step for the "
                         "batch under the measured forward cost, down to plain one-token steps)")
@@ -95,7 +98,8 @@ def build_configs(args: argparse.Namespace):
         host=args.host, port=args.port, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         http_port=args.http_port or None, http_host=args.http_host,
         max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
-        max_queue=args.max_queue, full_trees=args.full_trees, limits=limits, grace_s=args.grace,
+        max_queue=args.max_queue, full_trees=args.full_trees, prefix_cache_mb=args.prefix_cache_mb, limits=limits,
+        grace_s=args.grace,
         redis_url=args.redis_url,
         max_request_bytes=args.max_request_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
         max_connection_age_s=args.max_connection_age_s or None,

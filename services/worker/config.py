@@ -58,6 +58,9 @@ class WorkerConfig:
     max_batch_tokens: int = 65536
     prefill_chunk: int = 128
     max_queue: int = 16  # requests waiting for a batch place; beyond -> RESOURCE_EXHAUSTED
+    # finished requests' keys and values kept for the same tenant's later prompts that start the same way
+    # (engine/prefix_cache.py), MiB; 0 = off
+    prefix_cache_mb: int = 512
     # Every TR request verifies its whole tree each step; default (False): trees sized per step for the
     # batch under the measured cost model (engine/tuning/budget.py), down to plain one-token steps
     full_trees: bool = False
@@ -109,6 +112,8 @@ class WorkerConfig:
             raise ValueError(f"max_connection_age_grace_s must be >= 0, got {self.max_connection_age_grace_s}")
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
+        if self.prefix_cache_mb < 0:
+            raise ValueError(f"prefix_cache_mb must be >= 0 (0 = off), got {self.prefix_cache_mb}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if not 0 <= self.deadline_margin_s < 10:
@@ -122,4 +127,4 @@ class WorkerConfig:
         # admission (services/worker/admission.py) lets at most max_batch + max_queue reach the engine
         return EngineConfig(max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens,
                             max_waiting=self.max_batch + self.max_queue, prefill_chunk=self.prefill_chunk,
-                            batch_aware=not self.full_trees)
+                            batch_aware=not self.full_trees, prefix_cache_mb=self.prefix_cache_mb)

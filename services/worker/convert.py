@@ -143,7 +143,7 @@ def stats_to_pb(stats: GenerationStats, queue_s: float) -> pb.GenerationStats:
         prompt_tokens=stats.prompt_tokens, generated_tokens=stats.generated_tokens, steps=stats.steps,
         mean_accepted_tokens=stats.mat, tokens_per_second=stats.tokens_per_s,
         prefill_ms=stats.prefill_s * 1e3, decode_ms=stats.decode_s * 1e3, queue_ms=queue_s * 1e3,
-        draft_mode=stats.draft_mode, tree=stats.tree,
+        draft_mode=stats.draft_mode, tree=stats.tree, cached_prompt_tokens=stats.cached_tokens,
     )
     if stats.matrix_version is not None:
         out.matrix_version = stats.matrix_version

@@ -32,6 +32,12 @@ class WorkerMetrics:
         self.finished = Counter("trserve_finish", "Generations by finish reason", ["reason"], registry=r)
         self.prompt_tokens = Counter("trserve_prompt_tokens", "Prompt tokens prefilled", registry=r)
         self.generated_tokens = Counter("trserve_generated_tokens", "Tokens generated", registry=r)
+        self.prompt_cached_tokens = Counter(
+            "trserve_prompt_cached_tokens", "Prompt tokens whose keys and values came from the prefix cache "
+            "(an earlier request of the same tenant that started the same way) instead of a prefill", registry=r)
+        self.prefix_cache_bytes = Gauge("trserve_prefix_cache_bytes",
+                                        "Bytes of finished requests' keys and values kept for prefix caching",
+                                        registry=r)
         self.mat = Histogram("trserve_mean_accepted_tokens", "Mean accepted tokens per step, per TR request",
                              buckets=MAT_BUCKETS, registry=r)
         self.step_seconds = Histogram("trserve_step_seconds", "Wall time of one decoding step",

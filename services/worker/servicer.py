@@ -156,6 +156,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         metrics.queue_depth.set_function(lambda: self.admission.waiting)  # read at scrape time
         metrics.active.set_function(lambda: self.admission.active)
         metrics.kv_usage.set_function(lambda: self.engine.reserved / config.max_batch_tokens)
+        metrics.prefix_cache_bytes.set_function(lambda: self.engine.prefix.bytes if self.engine.prefix else 0)
         self._tokenizer_lock = threading.Lock()  # HF fast tokenizers are not safe to encode concurrently
         # tree "adaptive": each tenant's tree is re-tuned online from its own acceptance; with
         # `tuner_states` (load/save by tenant) the records are kept with the tenant's matrix
@@ -328,6 +329,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         m, s = self.metrics, result.stats
         m.finished.labels(result.finish_reason).inc()
         m.prompt_tokens.inc(s.prompt_tokens)
+        m.prompt_cached_tokens.inc(s.cached_tokens)
         m.generated_tokens.inc(s.generated_tokens)
         m.decode_seconds.observe(s.prefill_s + s.decode_s)
         if s.generated_tokens > 1:

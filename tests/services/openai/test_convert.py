@@ -63,12 +63,13 @@ def test_usage_sums_draft_sources():
     stats = GenerationStats(prompt_tokens=5, generated_tokens=7, steps=3, accepted_per_step=[3, 2, 2], mat=7 / 3,
                             prefill_s=0.1, decode_s=0.2, tokens_per_s=20, matrix_version=3, matrix_epoch=1,
                             draft_mode="embedded", tree="dynamic", drafted={"matrix": 6, "context": 4},
-                            accepted={"matrix": 2, "context": 2})
+                            accepted={"matrix": 2, "context": 2}, cached_tokens=3)
     result = GenerationResult(ids=[1, 2, 3, 4, 5, 6, 7], text="hello", finish_reason="eos", stats=stats)
     out = completion(parse_request(CHAT, "chat", MODEL, "t"), result, 0.0, "fp")
     assert out["choices"][0] == {"index": 0, "finish_reason": "stop", "logprobs": None,
                                  "message": {"role": "assistant", "content": "hello"}}
     assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
+                            "prompt_tokens_details": {"cached_tokens": 3},
                             "completion_tokens_details": {"accepted_prediction_tokens": 4,
                                                           "rejected_prediction_tokens": 6}}
     assert out["trserve"]["draft_sources"] == {"context": {"drafted": 4, "accepted": 2},
