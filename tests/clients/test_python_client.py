@@ -4,7 +4,10 @@ stream whose chunks add up to the unary answer, the token and plaintext rule, an
 
 from __future__ import annotations
 
+import glob
 import json
+import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -25,10 +28,23 @@ def worker(decoder):
     yield from serving(WorkerConfig(port=0, metrics_port=None, limits=Limits(max_new_tokens_cap=64, default_max_new_tokens=16)), decoder)
 
 
-@pytest.fixture(scope="module")
-def client_venv(tmp_path_factory) -> Path:
-    venv = tmp_path_factory.mktemp("client-venv")
-    base = getattr(sys, "_base_executable", sys.executable)  # not the project's venv: a fresh one
+@pytest.fixture(scope="module", params=["3.11", "3.12"])
+def client_venv(request, tmp_path_factory) -> Path:
+    """A fresh venv with the client installed: on the interpreter the project runs on (3.11), and on
+    Python 3.12 where this machine has one."""
+    venv = tmp_path_factory.mktemp(f"client-venv-{request.param}")
+    if request.param == "3.11":
+        base = getattr(sys, "_base_executable", sys.executable)  # not the project's venv: a fresh one
+    else:
+        found = [shutil.which(f"python{request.param}")] + sorted(
+            glob.glob(os.path.expanduser(f"~/.pyenv/versions/{request.param}*/bin/python{request.param}")))
+        base = next((p for p in found if p and not subprocess.run([p, "--version"], capture_output=True,
+                                                                  timeout=60).returncode), None)
+        if base is None:  # (a pyenv shim of a version that is not selected fails to run)
+            pytest.skip(f"no python{request.param} on this machine")
+    version = subprocess.run([base, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"], capture_output=True,
+                             text=True, timeout=60).stdout.strip()
+    assert version == request.param
     subprocess.run([base, "-m", "venv", str(venv)], check=True, timeout=120)
     install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(REPO / "clients" / "python")],
                              capture_output=True, text=True, timeout=600)
