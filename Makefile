@@ -20,7 +20,7 @@ RUN_ARGS ?=
 
 install: $(STAMP)
 
-$(STAMP): requirements.txt pyproject.toml setup.py
+$(STAMP): requirements.txt requirements-runtime.txt pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_INDEX) "$(TORCH_SPEC)"

@@ -256,7 +256,8 @@ class BatchEngine:
         ids, d = live.seq.prepared.ids, self.target
         p = len(ids)
         if live.done == 0:
-            self._reuse_prefix(live)
+            if self.prefix is not None:  # a cached prefix of its tenant's, loaded into its row
+                live.done = live.cached = self.prefix.reuse(live.tenant, ids, self.runner.kv, live.row)
             if live.session is not None:
                 # seeding pays only while trees are verified: scaled by their share under the batch budget
                 share = self.budget.tree_share if self.config.batch_aware else 1.0
@@ -278,30 +279,6 @@ class BatchEngine:
         if live.done == p:
             self._start(live, logits[-1:])
         return c
-
-    def _reuse_prefix(self, live: Live) -> int:
-        """Before `live`'s first chunk: the longest cached prefix of its tenant's that its prompt starts
-        with, loaded into its KV row (engine/prefix_cache.py). Returns the tokens reused."""
-        if self.prefix is None:
-            return 0
-        hit = self.prefix.lookup(live.tenant, live.seq.prepared.ids)
-        if hit is None:
-            return 0
-        self.runner.kv.load_prefix(live.row, hit.entry.kv, hit.tokens)
-        live.done = live.cached = hit.tokens
-        return hit.tokens
-
-    def _keep_prefix(self, live: Live) -> None:
-        """A running sequence about to leave: its KV row (prompt and committed tokens but the last) into
-        the prefix cache, for its tenant's next prompt that starts the same way."""
-        if self.prefix is None or live.row < 0:
-            return
-        # the row's column i holds the i-th token of prompt + committed tokens; it may hold more than were
-        # committed (a last step's accepted path cut at max_new_tokens or a stop) and lacks the last one
-        tokens = list(live.seq.prepared.ids) + live.seq.generated
-        n = min(self.runner.kv.length(live.row), len(tokens))
-        if n >= self.prefix.min_tokens:
-            self.prefix.store(live.tenant, tokens[:n], self.runner.kv.read_prefix(live.row, n))
 
     def _start(self, live: Live, last: torch.Tensor) -> None:
         """The prompt is in: first token, draft session, and the sequence joins the batch."""
@@ -371,8 +348,9 @@ class BatchEngine:
             live.emit(StepChunk(tokens=new, text=live.text.delta(seq.generated, cut=seq.stops.cut_text)))
 
     def _retire(self, done: list[Live]) -> None:
-        for live in done:
-            self._keep_prefix(live)
+        if self.prefix is not None:  # their rows (prompt and committed tokens) for their tenants' next prompts
+            for live in done:
+                self.prefix.keep(live.tenant, list(live.seq.prepared.ids) + live.seq.generated, self.runner.kv, live.row)
         self.scheduler.retire(done)
         for live in done:
             self._finish(live)

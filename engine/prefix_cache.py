@@ -15,6 +15,11 @@ tree's chain), so cached entries are bit-identical to what a prefill would write
 (tests/engine/test_prefix_cache.py checks the bits and the outputs). The engine uses the cache only
 with that forward.
 
+A TR request seeds its matrix from the model's predictions at its prompt's last positions
+(`DecoderConfig.seed_from_prompt`); with a cached prefix only the positions it prefills seed it. The
+tenant's matrix then already holds the earlier request's rows, so this costs little (measured: the
+same MAT with and without prompt seeding on a warm tenant, docs/benchmarks.md).
+
 Bounded: entries are evicted least recently used once their bytes exceed `max_bytes`; an entry that
 a newer one extends (the same tenant's previous turn) is dropped when the newer one comes. Entries
 are never read across tenants. Engine thread only.
@@ -111,6 +116,25 @@ class PrefixCache:
         self._next += 1
         self.bytes += entry.nbytes
         return True
+
+    def reuse(self, tenant: str, prompt: list[int], kv, row: int) -> int:
+        """Before a prompt's first chunk: the longest cached prefix of `tenant`'s that `prompt` starts
+        with, loaded into empty KV `row` (engine/model/batch_kv.py:BatchKV). Returns the tokens reused."""
+        hit = self.lookup(tenant, prompt)
+        if hit is None:
+            return 0
+        kv.load_prefix(row, hit.entry.kv, hit.tokens)
+        return hit.tokens
+
+    def keep(self, tenant: str, tokens: list[int], kv, row: int) -> None:
+        """A running sequence about to leave: KV `row` under `tenant`. `tokens`: its prompt and committed
+        tokens; column i of the row holds the i-th of them. The row may hold more than were committed
+        (a last step's accepted path cut at max_new_tokens or a stop) and lacks the last one."""
+        if row < 0:
+            return
+        n = min(kv.length(row), len(tokens))
+        if n >= self.min_tokens:
+            self.store(tenant, tokens[:n], kv.read_prefix(row, n))
 
     def clear(self) -> None:
         self._entries.clear()

@@ -25,13 +25,30 @@ def _pyproject() -> dict:
     return tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
+def _lines(name: str) -> list[str]:
+    return [ln for ln in (ln.split("#")[0].strip() for ln in (REPO / name).read_text().splitlines()) if ln]
+
+
 def _pins() -> list[Requirement]:
-    """requirements.txt's runtime lines, plus the torch pin the Makefile installs first."""
-    lines = [ln.split("#")[0].strip() for ln in (REPO / "requirements.txt").read_text().splitlines()]
-    pins = [Requirement(ln) for ln in lines if ln]
+    """requirements-runtime.txt's lines, plus the torch pin the Makefile installs first."""
+    pins = [Requirement(ln) for ln in _lines("requirements-runtime.txt")]
     torch = re.search(r"^TORCH_SPEC\s*\?=\s*(\S+)", (REPO / "Makefile").read_text(), re.MULTILINE)
     pins.append(Requirement(torch.group(1)))
-    return [r for r in pins if not r.name.startswith("pytest") and r.name not in BUILD_ONLY | TEST_ONLY]
+    return pins
+
+
+def test_requirements_are_the_runtime_ones_plus_build_and_test_tools_and_the_image_installs_only_the_runtime():
+    full = _lines("requirements.txt")
+    assert full[0] == "-r requirements-runtime.txt"
+    extra = {canonicalize_name(Requirement(ln).name) for ln in full[1:]}
+    assert extra == BUILD_ONLY | TEST_ONLY | {"pytest", "pytest-timeout"}
+    runtime = {canonicalize_name(r.name) for r in _pins()}
+    assert not runtime & extra
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    assert "requirements.txt" not in dockerfile and "pip install -r requirements-runtime.txt" in dockerfile
+    # the image's stages that run the services (FROM base) never install the code generator
+    runtime_stages = dockerfile[dockerfile.index("AS base"):]
+    assert "grpcio-tools" not in runtime_stages and "grpc_tools" not in runtime_stages
 
 
 def test_every_pinned_runtime_requirement_is_declared_with_a_range_that_admits_it() -> None:

@@ -65,6 +65,13 @@ def test_kubernetes_workers_probe_grpc_health_request_a_gpu_and_scale() -> None:
         pod = objects[("Deployment", name)]["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] and pod["securityContext"]["runAsUser"] == 10001
         assert pod["containers"][0]["securityContext"]["allowPrivilegeEscalation"] is False
+    # read-only root filesystems; the worker's writable paths are volumes of the pod
+    assert worker["securityContext"]["readOnlyRootFilesystem"] and matrix["securityContext"]["readOnlyRootFilesystem"]
+    volumes = {v["name"]: v for v in objects[("Deployment", "trserve-worker")]["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in worker["volumeMounts"]}
+    assert {"/tmp", "/var/cache/trserve/calibration"} <= set(mounts)
+    assert all("emptyDir" in volumes[name] for name in mounts.values())
+    assert {"name": "HOME", "value": "/tmp"} in worker["env"]
     assert objects[("PodDisruptionBudget", "trserve-worker")]["spec"]["minAvailable"] == 1
     assert objects[("Service", "trserve-worker")]["spec"]["clusterIP"] == "None"  # headless: per-call balancing
     hpa = objects[("HorizontalPodAutoscaler", "trserve-worker")]["spec"]
@@ -97,3 +104,28 @@ def test_every_matrix_service_in_the_manifests_serves_exactly_the_bundled_model(
     for argv in (compose, k8s, docker):
         args = build_parser().parse_args(argv)
         assert args.model == [expected], argv
+
+
+def test_the_custom_metrics_overlay_scales_workers_on_gauges_they_export() -> None:
+    """deploy/k8s/custom-metrics: the base plus an autoscaler on the workers' own load gauges (through
+    prometheus-adapter), CPU kept; every metric it names is a family the worker exports, and every
+    rule of the adapter exposes one of them per pod."""
+    from services.worker.metrics import WorkerMetrics
+
+    exported = {family.name for family in WorkerMetrics().registry.collect()}
+    overlay = REPO / "deploy" / "k8s" / "custom-metrics"
+    kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
+    assert kustomization["resources"] == ["../"]
+    (patch,) = kustomization["patches"]
+    assert (patch["target"]["kind"], patch["target"]["name"]) in k8s_objects()
+    hpa = yaml.safe_load((overlay / patch["path"]).read_text())
+    assert hpa["kind"] == patch["target"]["kind"] and hpa["metadata"]["name"] == patch["target"]["name"]
+    pods = [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"] if m["type"] == "Pods"]
+    assert pods == ["trserve_active_requests", "trserve_queue_depth"] and set(pods) <= exported
+    assert any(m["type"] == "Resource" and m["resource"]["name"] == "cpu" for m in hpa["spec"]["metrics"])
+    rules = yaml.safe_load((overlay / "prometheus-adapter-rules.yaml").read_text())["rules"]
+    served = [rule["name"]["as"] for rule in rules]
+    assert served == pods
+    for rule in rules:
+        assert rule["seriesQuery"].split("{")[0] == rule["name"]["as"]
+        assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}

@@ -26,11 +26,19 @@ TREE = "cpu-hybrid"
 SOURCES = {"remote": RemoteDraftSource, "replica": ReplicaDraftSource}
 
 
+def _no_cached_prefix(decoder) -> None:
+    """Runs compared row for row must prefill the same prompt positions: a prompt whose KV comes from
+    the prefix cache seeds its matrix only from the positions it prefills (engine/prefix_cache.py)."""
+    if decoder.engine.prefix is not None:
+        decoder.engine.prefix.clear()
+
+
 @pytest.fixture(scope="module")
 def reference(decoder):
     """In-process TR from a cold matrix, per prompt: (ids, final matrix rows, final matrix probs)."""
     out = []
     for messages in PROMPTS:
+        _no_cached_prefix(decoder)
         matrix = decoder.new_matrix()
         result = decoder.generate(messages=messages, max_new_tokens=N, matrix=matrix, tree=TREE)
         out.append((result.ids, matrix.rows.numpy().copy(), matrix.probs.numpy().copy()))
@@ -43,6 +51,7 @@ def test_decoding_through_the_service_equals_in_process(decoder, reference, star
     spec = ModelSpec(decoder.fingerprint, decoder.vocab_size, decoder.config.k)
     for i, (messages, (ids, rows, probs)) in enumerate(zip(PROMPTS, reference)):
         source = SOURCES[mode](server.addr, f"{mode}-{i}")
+        _no_cached_prefix(decoder)
         result = decoder.generate(messages=messages, max_new_tokens=N, matrix=source, tree=TREE)
         source.close()
         assert result.ids == ids
