@@ -33,8 +33,8 @@ class EngineConfig:
     # ... and at most this share of the step time goes to those explorations (their extra width under the
     # calibrated costs: steep width costs, e.g. AVX2 CPUs, explore less often)
     explore_budget: float = 0.04
-    # batch-aware: a step's trees pay their forward time beyond the all-plain step's 1 + tree_margin times
-    # under the cost model, whose calibration is noisy (engine/tuning/budget.py:priced)
+    # batch-aware: a step with trees must promise this much more than plain decoding (a share of tok/s) under
+    # the cost model, whose calibration is noisy (engine/tuning/budget.py)
     tree_margin: float = 0.05
     # prefix caching (engine/prefix_cache.py): MiB of finished sequences' keys and values kept for their
     # tenant's later prompts that start the same way (multi-turn chats, agent loops); 0 = off. Used

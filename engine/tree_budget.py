@@ -16,7 +16,7 @@ from engine.scheduler import EngineConfig, Live
 from engine.target import TargetModel
 from engine.tr.dynamic import Calibration, Grown
 from engine.tr.tree import CompiledTree, TreeTemplate
-from engine.tuning.budget import NodeRates, choose_options, choose_packed, priced
+from engine.tuning.budget import NodeRates, choose_options, choose_packed
 from engine.tuning.online import StepPlan
 
 SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # subtree sizes (root included) a step may pick
@@ -169,19 +169,18 @@ class TreeBudget:
 
     def row_floor(self, kv: int, b: int = 1) -> float:
         """The least score (P(accepted)) a node needs for some tree to pay in a step of `b` sequences:
-        a tree of w - 1 nodes all scoring p, beside b - 1 plain rows, beats the plain step's tokens per
-        second under the cost model, its extra forward time weighted 1 + margin and with a tree step's
-        host time (engine/tuning/budget.py:priced), for some w in 2..16. A grown tree's best node
-        scores at most its root's best candidate, so a root whose candidates are all below this
-        verifies plain. Example, cost(n) = 7.5, 9.3, 12.5 ms at 1, 2, 4 rows, b = 1, no host time or
-        margin: w = 2 needs p > 9.3 / 7.5 - 1 = 0.24, w = 4 needs (12.5 / 7.5 - 1) / 3 = 0.22 -> 0.22."""
+        a tree of w - 1 nodes all scoring p, beside b plain rows, beats the plain step's tokens per
+        second under the cost model, with a tree step's host time and the margin, for some w in 2..16.
+        A grown tree's best node scores at most its root's best candidate, so a root whose candidates
+        are all below this verifies plain. Example, cost(n) = 7.5, 9.3, 12.5 ms at 1, 2, 4 rows, b = 1,
+        no host time or margin: w = 2 needs p > 9.3 / 7.5 - 1 = 0.24, w = 4 needs (12.5 / 7.5 - 1) / 3
+        = 0.22 -> 0.22."""
         extra = max(self.host_s[True] - self.host_s[False], 0.0)
-        base = self.cost(b, kv)
-        rate = b / base  # tokens per second to beat
+        plain = b / self.cost(b, kv) * (1 + self.config.tree_margin)  # tokens per second to beat
         floor = 1.0
         for w in (2, 4, 8, 16):
             total = b + w - 1 if self.packed else b * w  # padded: every row to the tree's width
-            floor = min(floor, (priced(self.cost(total, kv), base, 1, extra, self.config.tree_margin) * rate - b) / (w - 1))
+            floor = min(floor, ((self.cost(total, kv) + extra) * plain - b) / (w - 1))
         return max(floor, 0.0)
 
     def calibration(self, live: Live) -> Calibration:

@@ -24,15 +24,9 @@ serving). Example, one sequence, cost(1) = 8.2 ms, cost(3) = 10.3 ms, a 3-node t
 without it 1.2 / 10.3 = 0.117 < 1 / 8.2 = 0.122 already says plain; a 2-node tree worth 1.15 at
 cost(2) = 9.0 ms gives 0.128 (tree) without the host time but 1.15 / 9.6 = 0.120 (plain wins) with
 0.6 ms of it, which is what decoding measures.
-And a pick with trees pays its forward time beyond the all-plain step's `1 + margin` times (the
-engine's `tree_margin`, 5%): the cost model is measured on a shared host (5-10% noise) and
-interpolated between widths, so a tree that only ties plain decoding under it is as likely to lose
-as to win. The margin is on the trees' extra time, not on the whole step's: at one request the two
-are about the same, but at eight a margin on the whole step asked one request's small tree to add 5%
-of all eight requests' tokens, which no tree could (measured: chains accepted at 96% were never
-verified at 8 requests). Example, cost(1) = 8 ms, cost(3) = 9.8 ms, a tree worth 1.23 tokens: without
-the margin 1.23 / 9.8 = 0.1255 tok/ms beats plain's 1 / 8 = 0.125; with it 1.23 / (8 + 1.05 x 1.8)
-= 0.1244 does not -> plain.
+And a pick with trees must beat the others by `margin` (the engine's `tree_margin`, 5%): the cost model
+is measured on a shared host (5-10% noise) and interpolated between widths, so a tree that only ties
+plain decoding under it is as likely to lose as to win; verifying it would only add the risk.
 
 The native forward (engine/model/native.py) packs the rows without pads: a step of total width
 N = sum_b w_b costs about cost(N). `choose_packed` then maximises sum_b E_b / cost(sum_b w_b): for a
@@ -54,29 +48,20 @@ import numpy as np
 Option = tuple[int, float]  # (width, expected committed tokens)
 
 
-def priced(seconds: float, plain: float, trees: int, extra: float, margin: float) -> float:
-    """What a step is priced at: its forward `seconds`, its trees' extra forward time over the all-plain
-    step's `plain` weighted 1 + margin, and `extra` host seconds per tree."""
-    if not trees:
-        return seconds
-    return plain + (1 + margin) * max(seconds - plain, 0.0) + extra * trees
-
-
 def choose_options(options: Sequence[Sequence[Option]], cost: Callable[[int], float], extra: float = 0.0,
                    margin: float = 0.0) -> list[int]:
     """options[b]: ascending widths (a sequence with one option must take it) -> the chosen index per
     sequence. `cost(total)`: seconds of a forward of `total` tokens (rows x padded width); `extra`:
     seconds each sequence verifying a tree (width > 1) adds on the host (drafting, acceptance, recycling);
-    `margin`: a pick with trees pays its forward time beyond the all-plain step's 1 + margin times."""
+    `margin`: a pick with trees must beat the others by this share of its rate."""
     floor = max(opts[0][0] for opts in options)  # every sequence's narrowest option must fit
-    plain = cost(len(options) * floor)
     best, best_rate = None, -1.0
     for cap in sorted({w for opts in options for w, _ in opts if w >= floor}):
         picks = [max((j for j, (w, _) in enumerate(opts) if w <= cap), key=lambda j, o=opts: o[j][1]) for opts in options]
         width = max(opts[j][0] for opts, j in zip(options, picks))
         trees = sum(opts[j][0] > 1 for opts, j in zip(options, picks))
-        rate = sum(opts[j][1] for opts, j in zip(options, picks)) / priced(cost(len(options) * width), plain, trees,
-                                                                         extra, margin)
+        rate = sum(opts[j][1] for opts, j in zip(options, picks)) / (cost(len(options) * width) + extra * trees)
+        rate /= 1 + margin if trees else 1.0
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = picks, rate
     return best
@@ -89,12 +74,11 @@ def choose_packed(options: Sequence[Sequence[Option]], cost: Callable[[int], flo
                   margin: float = 0.0) -> list[int]:
     """options[b]: ascending widths -> the chosen index per sequence, for a forward whose cost is
     `cost(total)` of the summed widths (no pads), plus `extra` seconds of host work per sequence
-    that verifies a tree (width > 1); a pick with trees pays its forward time beyond the all-plain
-    step's 1 + `margin` times. See the module docstring."""
+    that verifies a tree (width > 1); a pick with trees must beat the others by `margin` (a share of
+    its rate) to be taken. See the module docstring."""
     if len(options) == 1:  # one sequence: its option with the most tokens per second (ties: narrower)
         opts = options[0]
-        plain = cost(opts[0][0])
-        rates = [t / priced(cost(w), plain, int(w > 1), extra, margin) for w, t in opts]
+        rates = [t / (cost(w) + (extra if w > 1 else 0.0)) / (1 + margin if w > 1 else 1.0) for w, t in opts]
         return [max(range(len(opts)), key=lambda i: (rates[i], -opts[i][0]))]
     b, j = len(options), max(len(o) for o in options)
     e = np.full((b, j), -np.inf)  # [B, J] expected tokens (-inf: no such option)
@@ -105,12 +89,11 @@ def choose_packed(options: Sequence[Sequence[Option]], cost: Callable[[int], flo
     prices = np.asarray(_PRICES)[:, None, None]  # [M, 1, 1]
     picks = np.argmax(e[None] - prices * w[None], axis=2)  # [M, B]
     rows = np.arange(b)
-    plain = cost(int(w[:, 0].sum()))
     best, best_key = None, None
     for p in {tuple(x) for x in picks.tolist()}:
         total = int(w[rows, p].sum())
         trees = int((w[rows, p] > 1).sum())
-        rate = float(e[rows, p].sum()) / priced(cost(total), plain, trees, extra, margin)
+        rate = float(e[rows, p].sum()) / (cost(total) + extra * trees) / (1 + margin if trees else 1.0)
         key = (rate, -total)
         if best_key is None or key[0] > best_key[0] * (1 + 1e-9) or (
                 abs(key[0] - best_key[0]) <= best_key[0] * 1e-9 and key[1] > best_key[1]):
