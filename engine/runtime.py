@@ -30,8 +30,9 @@ class RuntimeInfo:
 
         loaded = decoder.loaded
         # torch.get_num_threads() answers for the calling OS thread (OpenMP), which need not be a
-        # decode thread; the configured count is what load_model set for them.
-        threads = decoder.config.model.threads or torch.get_num_threads()
+        # decode thread (a gRPC handler's thread may have started while a decode loop held its count at
+        # 1); the configured count, else the count at load, is what the decode threads use.
+        threads = decoder.config.model.threads or getattr(loaded, "threads", None) or torch.get_num_threads()
         return cls(device=str(decoder.device), kernels=loaded.kernels, isa=getattr(loaded, "isa", None) or "none",
                    attention=attention_in_use(loaded.model),
                    tree=decoder.default_tree.template.name, threads=threads)

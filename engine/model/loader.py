@@ -165,6 +165,10 @@ class LoadedModel:
     isa: str | None = None  # the compressed kernels' variant (avx512, avx2, scalar); None without them
     forward: str = "transformers"  # what runs a forward: "native" (engine/model/native.py) or "transformers"
     batch_step: str = "eager"  # transformers' forward, batch steps: eager, static or graphs (ModelConfig)
+    # torch intra-op threads the decode threads use: the configured count, else the loading thread's at
+    # load (read per call, torch's count belongs to the calling OS thread, and a thread that first
+    # touches torch while a decode loop holds its threads at 1 answers 1)
+    threads: int | None = None
 
     @property
     def native(self) -> bool:
@@ -200,7 +204,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     forward = _forward_kind(model, config)
     name = BUILTIN_MODEL if config.source == BUILTIN_MODEL else Path(config.source).name or config.source
     return LoadedModel(model, tokenizer, model_fingerprint(tokenizer, model.config), name, device, dtype, kernels,
-                       isa, forward, batch_step)
+                       isa, forward, batch_step, config.threads or torch.get_num_threads())
 
 
 def model_spec_of(config: ModelConfig, k: int):

@@ -112,6 +112,8 @@ class ModelRunner:
         # the last forward's top-k ids: [m, topk] int32 per row for `step`, one tensor for `prefill` and
         # `single_step`; None where the forward did not compute them (consumers then use torch.topk)
         self.last_topk: list[torch.Tensor] | torch.Tensor | None = None
+        # the last native batch step's logits [N, V] and top-k ids [N, topk] unsplit (None before one)
+        self.last_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None
         self.step_s, self.steps = 0.0, 0  # time inside `step` (the batch forwards), for profiles
 
     @property
@@ -226,6 +228,7 @@ class ModelRunner:
         logits, top = self.native(r.k, r.v, widths, ids, pos, list(range(b)), lens, [r.offset] * b, vis, None,
                                   self.topk)
         self.last_topk = list(torch.split(top, widths)) if top is not None else None
+        self.last_rows = (logits, top)  # the same step unsplit: [N, V], [N, k] (N = the summed widths)
         return list(torch.split(logits, widths))
 
     def keep(self, offsets: list[list[int]]) -> None:
