@@ -13,7 +13,7 @@ from engine.scheduler import Live
 from engine.step import draft_step, grown_draft
 from engine.tr.dynamic import CONTEXT, HISTORY, Chain, Grown, best_first_score, grow
 from engine.tr.lookup import Proposal
-from engine.tr.recycle import RecycledRows, select_rows
+from engine.tr.recycle import RecycledRows, distinct_rows
 from engine.tr.source import MatrixSession
 from engine.tr.tree import CompiledTree, compile_parents
 from engine.tree_budget import TreeBudget
@@ -161,11 +161,7 @@ def pending(live: Live) -> RecycledRows | None:
 
 def latest_rows(tokens: torch.Tensor, topk: torch.Tensor, probs: torch.Tensor) -> RecycledRows:
     """tokens [m], topk [m, K], probs [m, K] in step order -> one row per token: a repeated token's latest."""
-    if tokens.device.type != "cpu":
-        winners = select_rows(tokens, list(range(tokens.shape[0])))
-    else:  # on host ints; no gathers at all when no token repeats (the usual case)
-        latest = {t: i for i, t in enumerate(tokens.tolist())}
-        if len(latest) == tokens.shape[0]:
-            return RecycledRows(tokens, topk, probs)
-        winners = torch.tensor(sorted(latest.values()), dtype=torch.long)
+    winners = distinct_rows(tokens, list(range(tokens.shape[0])))  # every row on the "path": the latest wins
+    if winners is None:  # no token repeats (the usual case): no gathers
+        return RecycledRows(tokens, topk, probs)
     return RecycledRows(*(torch.index_select(x, 0, winners) for x in (tokens, topk, probs)))

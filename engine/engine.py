@@ -332,10 +332,8 @@ class BatchEngine:
             # no torch.cat of the rows here: a two-thread copy right after the forward, while the kernels'
             # pool still spins on the other core, measured ~0.75 ms a step at B = 6-8; the C calls ~0.05 ms a
             # row, and one call over the step's own buffer when every row is plain (one row per sequence)
-            rows = self.runner.last_rows
-            if rows is not None and rows[1] is not None and rows[0].shape[0] == len(running) and all(
-                    d is None for d in drafts):
-                probs = self.top_probs(*rows)  # [B, K]
+            if all(d is None for d in drafts):  # the step's logits [B, V] and top-k [B, K], one row a sequence
+                probs = self.top_probs(*self.runner.last_rows)  # [B, K]
                 return [(tops[i][0], probs[i]) for i in at]
             return [(tops[i][0], self.top_probs(logits[i][:1], tops[i][:1])[0]) for i in at]  # ([K], [K]) each
         lg = torch.cat([logits[i][:1] for i in at])  # [m, V]

@@ -37,6 +37,15 @@ def select_rows(tokens: torch.Tensor, accepted_path: list[int]) -> torch.Tensor:
     return _select_tensor(tokens, accepted_path)
 
 
+def distinct_rows(tokens: torch.Tensor, accepted_path: list[int]) -> torch.Tensor | None:
+    """select_rows, or None when every node is its token's only one (then every row is kept as it is,
+    with no gathers: an indexed copy of [m, V] logits cost ~0.13 ms at m = 4 right after a forward).
+    Host tensors only answer None; device tensors always get their winners (no host sync)."""
+    if tokens.device.type == "cpu" and len(set(tokens.tolist())) == tokens.shape[0]:
+        return None
+    return select_rows(tokens, accepted_path)
+
+
 def _select_tensor(tokens: torch.Tensor, accepted_path: list[int]) -> torch.Tensor:
     """select_rows on the device: a sort by (token, priority), no host loop."""
     n = tokens.shape[0]
@@ -81,15 +90,12 @@ def recycle_rows(tokens: torch.Tensor, logits: torch.Tensor, k: int, accepted_pa
     """tokens: [n], logits: [n, V] -> the deduplicated top-k rows of this verification, with their
     confidences. topk: [n, k] the nodes' top-k ids where the forward computed them; probs: what
     computes the confidences (default `top_probs`; the native forward has a C one)."""
-    if tokens.device.type == "cpu" and len(set(host := tokens.tolist())) == len(host):
-        # every node its token's only one (the usual tree): all rows in node order, no gathers (an
-        # indexed copy of [m, V] logits cost ~0.13 ms at m = 4, ~4% of a step, right after the forward)
-        lg, rows, tokens = logits, topk, tokens
-    else:
-        winners = select_rows(tokens, accepted_path)  # [m]
+    lg, rows = logits, topk
+    winners = distinct_rows(tokens, accepted_path)  # [m], or None: every node's row
+    if winners is not None:
         lg = torch.index_select(logits, 0, winners)  # [m, V]
         rows = torch.index_select(topk, 0, winners) if topk is not None else None  # [m, K]
-        tokens = tokens[winners]
+        tokens = torch.index_select(tokens, 0, winners)
     if rows is None or rows.shape[-1] != k:  # the forward's top-k where it has one: no search over the vocabulary
         rows = top_ids(lg, k)
     return RecycledRows(tokens=tokens, topk=rows, probs=(probs or top_probs)(lg, rows))

@@ -30,7 +30,8 @@ class WorkerMetrics:
         self.requests = Counter("trserve_requests", "Finished RPCs by method and gRPC status code",
                                 ["method", "code"], registry=r)
         self.finished = Counter("trserve_finish", "Generations by finish reason", ["reason"], registry=r)
-        self.prompt_tokens = Counter("trserve_prompt_tokens", "Prompt tokens prefilled", registry=r)
+        self.prompt_tokens = Counter("trserve_prompt_tokens", "Prompt tokens (prefilled or from the prefix cache)",
+                                     registry=r)
         self.generated_tokens = Counter("trserve_generated_tokens", "Tokens generated", registry=r)
         self.prompt_cached_tokens = Counter(
             "trserve_prompt_cached_tokens", "Prompt tokens whose keys and values came from the prefix cache "

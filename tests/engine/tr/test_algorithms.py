@@ -6,7 +6,7 @@ from core.model_spec import ModelSpec
 from engine.tr.accept import accept_greedy
 from engine.tr.draft import draft_tokens
 from engine.tr.matrix import AdjacencyMatrix
-from engine.tr.recycle import RecycledRows, recycle_rows, select_rows
+from engine.tr.recycle import RecycledRows, distinct_rows, recycle_rows, select_rows
 from engine.tr.tree import TreeTemplate, compile_tree
 
 TREE = compile_tree(TreeTemplate.from_paths("ex", [[0], [1], [0, 0]]))
@@ -54,6 +54,9 @@ def test_select_rows_rule():
     assert sorted(select_rows(torch.tensor([5, 7, 7, 5]), [0]).tolist()) == [0, 1]
     # the path holds a token twice: the deeper one wins
     assert select_rows(torch.tensor([5, 5, 5]), [0, 1]).tolist() == [1]
+    # no token repeated: no winners to gather (every row is kept); repeated: the same rule
+    assert distinct_rows(torch.tensor([5, 7, 9]), [0, 2]) is None
+    assert distinct_rows(torch.tensor([5, 7, 7, 5]), [0, 2]).tolist() == select_rows(torch.tensor([5, 7, 7, 5]), [0, 2]).tolist()
 
 
 def test_recycle_and_apply():
