@@ -38,11 +38,19 @@ trserve/v1/%_pb2.py: protos/trserve/v1/%.proto $(STAMP)
 run: proto
 	$(VENV)/bin/trserve serve $(RUN_ARGS)
 
-test: proto
+test: proto tools
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-test-fast: proto
+test-fast: proto tools
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
+
+# promtool (Prometheus' checker) for the tests of the metrics and alert rules: taken out of Debian's
+# prometheus package, nothing installed or started. Where it cannot be fetched the make goes on and
+# those tests skip, except under CI=true, where they fail.
+PROMTOOL := .cache/tools/promtool
+.PHONY: tools
+tools:
+	@test -x $(PROMTOOL) || ./tests/fetch_promtool.sh $(PROMTOOL) || echo "make: no promtool (see tests/fetch_promtool.sh)"
 
 bench: proto
 	$(VENV)/bin/trserve bench $(BENCH_ARGS)
@@ -55,7 +63,7 @@ bench-peers: proto
 	$(VENV)/bin/trserve bench --decoders hf,pld,ar,tr,llamacpp --json bench-results/bench-peers.json $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) trserve .pytest_cache
+	rm -rf $(VENV) trserve/v1 .pytest_cache
 
 # The split deployment as local processes (Redis, matrix service, N workers) on loopback:
 #   make cluster CLUSTER_ARGS="--workers 2 --threads 1"; then trserve cluster status|down

@@ -4,18 +4,33 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from core.datasets import prompt_file
+from trserve.core.datasets import prompt_file
 
 REPO = Path(__file__).resolve().parent.parent
+PROMTOOL = REPO / ".cache" / "tools" / "promtool"
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    """Prometheus' own checker: `make test` fetches it (tests/fetch_promtool.sh). Where it could not be
+    fetched the test skips, except under CI=true, where a missing promtool fails."""
+    found = shutil.which("promtool") or (str(PROMTOOL) if PROMTOOL.exists() else None)
+    if found is None:
+        message = f"no promtool on PATH or at {PROMTOOL}: run tests/fetch_promtool.sh {PROMTOOL}"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    return found
 
 
 def load_prompts(name: str) -> list[dict]:
-    """A bundled prompt set (core/data/), as question dicts."""
+    """A bundled prompt set (trserve/core/data/), as question dicts."""
     return [json.loads(line) for line in prompt_file(name).read_text().splitlines() if line.strip()]
 
 
@@ -27,14 +42,14 @@ def _threads():
 @pytest.fixture(scope="session")
 def loaded_smollm2():
     """The real default model with this installation's kernels (packed on CPU)."""
-    from engine.model.loader import ModelConfig, load_model
+    from trserve.engine.model.loader import ModelConfig, load_model
 
     return load_model(ModelConfig())
 
 
 @pytest.fixture(scope="session")
 def decoder(loaded_smollm2):
-    from engine import Decoder, DecoderConfig
+    from trserve.engine import Decoder, DecoderConfig
 
     return Decoder(DecoderConfig(), loaded=loaded_smollm2)
 
@@ -42,7 +57,7 @@ def decoder(loaded_smollm2):
 @pytest.fixture(scope="session")
 def hf_reference():
     """SmolLM2 with stock kernels: the reference for plain greedy `generate`."""
-    from engine.model.loader import ModelConfig, load_model
+    from trserve.engine.model.loader import ModelConfig, load_model
 
     return load_model(ModelConfig(kernels="stock"))
 
@@ -70,8 +85,8 @@ class DigitsTokenizer:
 
 def tiny_decoder(vocab_size: int, seed: int, batch_step: str = "eager", **config):
     """A Decoder over a tiny random llama with peaked next-token laws (drafts get accepted)."""
-    from engine import Decoder, DecoderConfig
-    from engine.model.loader import LoadedModel
+    from trserve.engine import Decoder, DecoderConfig
+    from trserve.engine.model.loader import LoadedModel
 
     model = tiny_llama(vocab_size=vocab_size, seed=seed)
     with torch.no_grad():

@@ -1,23 +1,23 @@
 """A serial reference decode loop (one request, one KV row, the whole tree every TR step, the
 prompt prefilled at once), kept as a test oracle for the engine: the product decodes only through
-engine/engine.py:BatchEngine. Same forward, drafting and acceptance functions, none of the engine's
+trserve/engine/engine.py:BatchEngine. Same forward, drafting and acceptance functions, none of the engine's
 scheduling, chunking or budgets."""
 
 from __future__ import annotations
 
 import torch
 
-from engine.model.runner import ModelRunner, RowInput
-from engine.request.request import GenerationRequest
-from engine.request.stops import StopChecker
-from engine.results import GenerationResult
-from engine.sequence import Sequence
-from engine.step import accept_step, draft_step
-from engine.target import TargetModel
-from engine.tr.lookup import ContextLookup
-from engine.tr.recycle import recycle_rows
-from engine.tr.sampling import choose, new_sampler
-from engine.tuning.online import StepPlan
+from trserve.engine.model.runner import ModelRunner, RowInput
+from trserve.engine.request.request import GenerationRequest
+from trserve.engine.request.stops import StopChecker
+from trserve.engine.results import GenerationResult
+from trserve.engine.sequence import Sequence
+from trserve.engine.step import accept_step, draft_step
+from trserve.engine.target import TargetModel
+from trserve.engine.tr.lookup import ContextLookup
+from trserve.engine.tr.recycle import recycle_rows
+from trserve.engine.tr.sampling import choose, new_sampler
+from trserve.engine.tuning.online import StepPlan
 
 
 def serial_generate(target: TargetModel, request: GenerationRequest, matrix=None) -> GenerationResult:

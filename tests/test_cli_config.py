@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from core.version import __version__
-from services.cli import build_parser, main
-from services.envconfig import apply_env, environment_doc
+from trserve.core.version import __version__
+from trserve.services.cli import build_parser, main
+from trserve.services.envconfig import apply_env, environment_doc
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -48,7 +48,7 @@ def test_a_value_a_flag_cannot_take_is_a_usage_error_naming_the_variable(env, me
 
 def test_the_documented_table_is_current() -> None:
     assert (REPO / "docs" / "environment.md").read_text() == environment_doc(build_parser()), \
-        "regenerate docs/environment.md (see services/envconfig.py:environment_doc)"
+        "regenerate docs/environment.md (see trserve/services/envconfig.py:environment_doc)"
 
 
 def test_version_log_flags_after_the_command_and_json_logs(capsys) -> None:
@@ -61,7 +61,7 @@ def test_version_log_flags_after_the_command_and_json_logs(capsys) -> None:
 
 
 def test_json_logs_are_one_object_per_line() -> None:
-    code = ("import logging; from services.cli import main; "
+    code = ("import logging; from trserve.services.cli import main; "
             "main(['--log-format', 'json', 'health', '--addr', '127.0.0.1:1', '--timeout-s', '0.2'], {}); "
             "logging.getLogger('trserve.test').warning('hello %s', 'there')")
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
@@ -71,10 +71,10 @@ def test_json_logs_are_one_object_per_line() -> None:
 
 
 def test_building_the_parser_imports_no_torch_and_health_answers_fast() -> None:
-    code = "import sys; from services.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    code = "import sys; from trserve.services.cli import build_parser; build_parser(); print('torch' in sys.modules)"
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert run.stdout.strip() == "False", run.stderr
-    health = subprocess.run([sys.executable, "-m", "services.cli", "health", "--addr", "127.0.0.1:1", "--timeout-s", "0.2"],
+    health = subprocess.run([sys.executable, "-m", "trserve.services.cli", "health", "--addr", "127.0.0.1:1", "--timeout-s", "0.2"],
                             cwd=REPO, capture_output=True, text=True, timeout=60)
     assert health.returncode == 1 and "UNREACHABLE" in health.stdout
 

@@ -1,5 +1,5 @@
-"""Import boundaries (STYLE.md): core/ needs nothing heavy; engine/ and matrix_store/ never reach
-into the service stack; matrix_store/ never into the device stack or the engine."""
+"""Import boundaries (STYLE.md): trserve/core/ needs nothing heavy; trserve/engine/ and trserve/matrix_store/ never reach
+into the service stack; trserve/matrix_store/ never into the device stack or the engine."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ import sys
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+_T = "trserve."
 FORBIDDEN = {
-    "core": ("grpc", "google.protobuf", "redis", "torch", "numpy", "engine", "matrix_store", "services", "bench"),
-    "engine": ("grpc", "google.protobuf", "redis", "services", "matrix_store", "bench", "trserve"),
-    "matrix_store": ("grpc", "google.protobuf", "torch", "engine", "services", "bench", "trserve"),
+    "core": ("grpc", "google.protobuf", "redis", "torch", "numpy", *(_T + p for p in ("engine", "matrix_store", "services",
+                                                                                        "bench", "v1"))),
+    "engine": ("grpc", "google.protobuf", "redis", *(_T + p for p in ("services", "matrix_store", "bench", "v1"))),
+    "matrix_store": ("grpc", "google.protobuf", "torch", *(_T + p for p in ("engine", "services", "bench", "v1"))),
 }
 
 
@@ -30,7 +32,7 @@ def _imports(path: pathlib.Path) -> list[str]:
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_no_forbidden_imports_in_source(package: str) -> None:
-    files = sorted((REPO / package).rglob("*.py"))
+    files = sorted((REPO / "trserve" / package).rglob("*.py"))
     assert files, f"no sources found for {package}"
     for path in files:
         bad = [n for n in _imports(path) if any(n == f or n.startswith(f + ".") for f in FORBIDDEN[package])]
@@ -39,10 +41,10 @@ def test_no_forbidden_imports_in_source(package: str) -> None:
 
 @pytest.mark.parametrize("package, heavy", [
     ("core", ("torch", "grpc", "numpy", "redis")),
-    ("engine", ("torch", "grpc", "redis")),  # lazy exports: `import engine` loads nothing heavy
+    ("engine", ("torch", "grpc", "redis")),  # lazy exports: `import trserve.engine` loads nothing heavy
     ("matrix_store", ("grpc", "google.protobuf", "torch")),
 ])
 def test_importing_the_package_stays_light(package: str, heavy: tuple[str, ...]) -> None:
-    code = f"import sys, {package}; print(','.join(m for m in {heavy!r} if m in sys.modules))"
+    code = f"import sys, trserve.{package}; print(','.join(m for m in {heavy!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == ""

@@ -82,7 +82,7 @@ def _clean_copy(dest: Path) -> Path:
         if (REPO / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             (dest / name).write_bytes((REPO / name).read_bytes())
-    assert not (dest / "trserve").exists()
+    assert not (dest / "trserve" / "v1").exists()
     return dest
 
 
@@ -95,12 +95,16 @@ def test_a_wheel_built_from_a_clean_copy_carries_the_grpc_code(tmp_path: Path) -
     names = set(zipfile.ZipFile(wheel).namelist())
     for module in ("generate_pb2", "generate_pb2_grpc", "matrix_pb2", "matrix_pb2_grpc"):
         assert f"trserve/v1/{module}.py" in names
-    assert {"core/data/spec_bench/dev.jsonl", "engine/tr/trees/paper.json", "engine/model/csrc/qlinear.c"} <= names
+    assert {"trserve/core/data/spec_bench/dev.jsonl", "trserve/engine/tr/trees/paper.json",
+            "trserve/engine/model/csrc/qlinear.c"} <= names
+    # one name in site-packages, no generic ones (core, engine, services, bench) beside other packages'
+    top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
+    assert top == {"trserve"}
 
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), str(wheel)],
                    check=True, capture_output=True, timeout=300)
-    code = "import services.cli, trserve.v1.generate_pb2 as g, trserve.v1.matrix_pb2_grpc; print(g.__file__)"
+    code = "import trserve.services.cli, trserve.v1.generate_pb2 as g, trserve.v1.matrix_pb2_grpc; print(g.__file__)"
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env={"PYTHONPATH": str(target)},
                          capture_output=True, text=True, check=True)
     assert Path(out.stdout.strip()).is_relative_to(target)
@@ -120,6 +124,6 @@ def test_the_source_distribution_carries_the_protos(tmp_path: Path) -> None:
 def test_the_version_the_cli_reports_is_the_packages() -> None:
     import tomllib
 
-    from core.version import __version__
+    from trserve.core.version import __version__
 
     assert tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"] == __version__

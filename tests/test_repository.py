@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import subprocess
 
-from core.datasets import PROMPT_SETS, prompt_file
+from trserve.core.datasets import PROMPT_SETS, prompt_file
 from tests.conftest import REPO
 
 OUTSIDE = ("../shared", "TRSERVE_SHARED_DATA", "parent.parent.parent")

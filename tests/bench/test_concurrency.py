@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.concurrency import _summary, format_sources, format_table
+from trserve.bench.concurrency import _summary, format_sources, format_table
 
 
 def test_summary_splits_prefill_from_decode():
@@ -17,7 +17,7 @@ def test_summary_splits_prefill_from_decode():
 
 
 def test_summary_aggregates_draft_sources_of_tr_requests():
-    from bench.concurrency import _done
+    from trserve.bench.concurrency import _done
 
     class Stats:
         mat, drafted, accepted = 2.0, {"matrix": 6, "context": 4}, {"matrix": 1, "context": 3}
@@ -38,7 +38,7 @@ def test_summary_aggregates_draft_sources_of_tr_requests():
 
 
 def _config(path, **kw):
-    from bench.concurrency import ConcurrencyConfig
+    from trserve.bench.concurrency import ConcurrencyConfig
 
     return ConcurrencyConfig(prompts=str(path), **kw)
 
@@ -47,7 +47,7 @@ def test_conversations_tenants_and_turns(tmp_path):
     import itertools
     import json
 
-    from bench.concurrency import _follow, _opening, conversations
+    from trserve.bench.concurrency import _follow, _opening, conversations
 
     path = tmp_path / "p.jsonl"
     rows = [{"question_id": i, "category": cat, "turns": [f"{cat}{i} a", f"{cat}{i} b"]}
@@ -72,8 +72,8 @@ def test_conversations_tenants_and_turns(tmp_path):
 def test_cli_workload_picks_the_bundled_file_and_prompts_wins(tmp_path):
     import argparse
 
-    from bench.cli import prompts_of, register
-    from core.datasets import prompt_file
+    from trserve.bench.cli import prompts_of, register
+    from trserve.core.datasets import prompt_file
 
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers())

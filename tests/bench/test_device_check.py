@@ -4,7 +4,7 @@ import json
 
 import torch
 
-from bench.device_check import main
+from trserve.bench.device_check import main
 
 
 def test_device_check_runs_and_its_checks_pass(tmp_path, capsys):
@@ -24,7 +24,7 @@ def test_device_check_runs_and_its_checks_pass(tmp_path, capsys):
 
 
 def test_a_failing_check_is_reported_and_the_others_still_run(tmp_path, monkeypatch):
-    import bench.device_check as dc
+    import trserve.bench.device_check as dc
 
     def broken(*args):
         raise RuntimeError("operation not permitted when stream is capturing")

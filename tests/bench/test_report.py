@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.report import draft_sources, format_table, summarise
+from trserve.bench.report import draft_sources, format_table, summarise
 
 
 def _rec(decoder, category, qid, drafted=None, accepted=None, turn=0):

@@ -2,8 +2,8 @@
 
 import pytest
 
-from bench.cli import DEFAULT_PROMPTS
-from bench.runner import BenchConfig, select_questions
+from trserve.bench.cli import DEFAULT_PROMPTS
+from trserve.bench.runner import BenchConfig, select_questions
 
 
 def test_warm_questions_follow_the_measured_ones_and_never_overlap():

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from core.datasets import PROMPT_SETS, prompt_file
+from trserve.core.datasets import PROMPT_SETS, prompt_file
 
 TWO_TURNS = {"code-edit", "agent"}  # turn 2 re-asks for / re-sends what turn 1 produced
 

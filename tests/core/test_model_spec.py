@@ -2,8 +2,8 @@
 
 import pytest
 
-from core.errors import FingerprintMismatch, InvalidArgument
-from core.model_spec import ModelSpec
+from trserve.core.errors import FingerprintMismatch, InvalidArgument
+from trserve.core.model_spec import ModelSpec
 
 
 def test_spec_validates_its_fields() -> None:

@@ -1,4 +1,4 @@
-"""core.progress: the figures (done/total, tokens/s per decoder, time left) under a fake clock,
+"""trserve.core.progress: the figures (done/total, tokens/s per decoder, time left) under a fake clock,
 plain log lines off a terminal and one rewritten line on one."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from core.progress import Progress, format_duration
+from trserve.core.progress import Progress, format_duration
 
 
 class FakeClock:

@@ -5,10 +5,10 @@ import time
 import pytest
 import torch
 
-from core.errors import FingerprintMismatch, NotFound
-from core.model_spec import ModelSpec
-from engine import AdjacencyMatrix, GenerationRequest, InvalidArgument
-from engine.results import GenerationResult, StepChunk
+from trserve.core.errors import FingerprintMismatch, NotFound
+from trserve.core.model_spec import ModelSpec
+from trserve.engine import AdjacencyMatrix, GenerationRequest, InvalidArgument
+from trserve.engine.results import GenerationResult, StepChunk
 
 CHAT = [{"role": "user", "content": "List the planets of the solar system in order, one per line."}]
 
@@ -112,7 +112,7 @@ def test_unknown_tree_and_bad_matrix(decoder):
 
 
 def test_fingerprint_is_stable_and_model_specific(decoder, loaded_smollm2):
-    from engine.model.loader import model_fingerprint
+    from trserve.engine.model.loader import model_fingerprint
     from tests.conftest import tiny_llama
 
     assert decoder.fingerprint == model_fingerprint(decoder.tokenizer, decoder.model.config)
@@ -120,7 +120,7 @@ def test_fingerprint_is_stable_and_model_specific(decoder, loaded_smollm2):
 
 
 def test_prompt_seeding_writes_the_prompts_rows(decoder):
-    from engine import Decoder, DecoderConfig
+    from trserve.engine import Decoder, DecoderConfig
 
     ids = decoder.prompts.chat_ids(CHAT)
     seeded = decoder.new_matrix()
@@ -138,7 +138,7 @@ def test_prompt_seeding_writes_the_prompts_rows(decoder):
 def test_tree_ranks_must_fit_the_matrix(decoder):
     """A node of rank r reads successor r of its parent's row: with K=4 the paper tree (ranks up to
     7) is refused up front instead of failing inside a step."""
-    from engine import Decoder, DecoderConfig
+    from trserve.engine import Decoder, DecoderConfig
 
     with pytest.raises(InvalidArgument, match="rank 7 but the matrix keeps K=4"):
         Decoder(DecoderConfig(k=4, tree="paper"), loaded=decoder.loaded)

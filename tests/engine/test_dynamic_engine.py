@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import GenerationRequest
-from engine.engine import BatchEngine, EngineConfig
+from trserve.engine import GenerationRequest
+from trserve.engine.engine import BatchEngine, EngineConfig
 from tests.conftest import tiny_decoder
 from tests.engine.test_engine import _prompt, _run, _submit
 
@@ -70,12 +70,12 @@ def test_a_tenant_drafts_from_its_history_and_another_tenant_never_does(tiny):
 
 
 def test_a_request_whose_trees_miss_their_calibration_is_priced_at_what_it_accepts():
-    """The per-request trust (engine/tree_budget.py: TreeBudget.trust): a tenant's calibration averages
+    """The per-request trust (trserve/engine/tree_budget.py: TreeBudget.trust): a tenant's calibration averages
     its traffic, so a request whose grown trees accept less than calibrated has its trees priced down."""
     from types import SimpleNamespace
 
-    from engine.tr.dynamic import Grown
-    from engine.tree_budget import TRUST_CAP, TRUST_PRIOR, TreeBudget
+    from trserve.engine.tr.dynamic import Grown
+    from trserve.engine.tree_budget import TRUST_CAP, TRUST_PRIOR, TreeBudget
 
     budget = TreeBudget(EngineConfig(), target=None, cost=lambda w, kv: 1.0, packed=True)
     fresh = SimpleNamespace(predicted=0.0, realized=0.0)

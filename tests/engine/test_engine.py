@@ -11,9 +11,9 @@ import time
 import pytest
 import torch
 
-from engine import Decoder, GenerationRequest, SamplingParams
-from engine.engine import BatchEngine, EngineConfig
-from engine.results import GenerationResult, StepChunk
+from trserve.engine import Decoder, GenerationRequest, SamplingParams
+from trserve.engine.engine import BatchEngine, EngineConfig
+from trserve.engine.results import GenerationResult, StepChunk
 from tests.conftest import load_prompts, tiny_decoder
 from tests.engine.test_lossless import NEAR_TIE_EPS, _reference
 from tests.serial_oracle import serial_generate
@@ -124,7 +124,7 @@ def test_cancel_and_deadline_free_the_row_at_the_next_step(tiny):
 
 
 def test_full_queue_and_oversized_requests_are_refused(tiny):
-    from core.errors import ResourceExhausted
+    from trserve.core.errors import ResourceExhausted
 
     engine = BatchEngine(tiny, EngineConfig(max_batch=1, max_waiting=1, max_batch_tokens=64))
     with pytest.raises(ResourceExhausted, match="KV tokens"):
@@ -206,7 +206,7 @@ def test_real_prompts_on_the_gpu_code_path_decode_as_greedy(hf_reference):
     trees, each output equal to plain greedy `generate` (near-tie rule as in the lossless test)."""
     from dataclasses import replace
 
-    from engine import DecoderConfig
+    from trserve.engine import DecoderConfig
 
     decoder = Decoder(DecoderConfig(), loaded=replace(hf_reference, batch_step="static"))
     ids = [decoder.prompts.chat_ids([{"role": "user", "content": p}]) for p in _mixed_prompts(12)[::4]]
@@ -244,7 +244,7 @@ def test_stepping_holds_what_the_engine_loop_holds(decoder):
     """A caller driving `step` itself (the concurrency bench) gets what `run` holds: inference mode,
     and torch's intra-op threads at 1 while the compressed kernels' pool runs (the bench once ran
     batched steps without it, ~2x slow); the caller's setting comes back after."""
-    from engine.model.runner import uses_kernel_pool
+    from trserve.engine.model.runner import uses_kernel_pool
 
     engine = BatchEngine(decoder, EngineConfig(max_batch=2))
     pool = uses_kernel_pool(decoder.model)

@@ -12,8 +12,8 @@ must be a numerical near-tie: below NEAR_TIE_EPS. Any other divergence is a bug.
 import pytest
 import torch
 
-from engine import GenerationRequest
-from engine.engine import BatchEngine, EngineConfig
+from trserve.engine import GenerationRequest
+from trserve.engine.engine import BatchEngine, EngineConfig
 from tests.conftest import load_prompts
 
 NEAR_TIE_EPS = 5e-3

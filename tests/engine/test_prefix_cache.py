@@ -1,4 +1,4 @@
-"""Prefix caching (engine/prefix_cache.py): the cache's rules on tiny tensors, then on the real model
+"""Prefix caching (trserve/engine/prefix_cache.py): the cache's rules on tiny tensors, then on the real model
 that cached keys and values are the bits a prefill writes and that outputs do not change."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.prefix_cache import PrefixCache, common_prefix
+from trserve.engine.prefix_cache import PrefixCache, common_prefix
 
 
 def _kv(n: int, fill: float = 0.0) -> torch.Tensor:
@@ -62,7 +62,7 @@ def _chat(turns: list[str], answers: list[str]) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def engines(decoder):
-    from engine.engine import BatchEngine, EngineConfig
+    from trserve.engine.engine import BatchEngine, EngineConfig
 
     if decoder.engine.runner.native is None:
         pytest.skip("prefix caching runs with the native forward only")
@@ -75,7 +75,7 @@ def engines(decoder):
 def test_cached_keys_and_values_are_the_bits_a_prefill_writes(decoder, engines):
     """After a TR request (trees with branches and chains, kept paths moved down the row), its cached
     entry equals what prefilling the same tokens in one go writes."""
-    from engine import GenerationRequest
+    from trserve.engine import GenerationRequest
 
     cached, _ = engines
     cached.prefix.clear()
@@ -107,7 +107,7 @@ def test_cached_keys_and_values_are_the_bits_a_prefill_writes(decoder, engines):
 
 
 def test_a_second_turn_reuses_the_first_and_decodes_the_same_tokens(decoder, engines):
-    from engine import GenerationRequest
+    from trserve.engine import GenerationRequest
 
     cached, cold = engines
     cached.prefix.clear()

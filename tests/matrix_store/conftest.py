@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 import pytest
 import redis
 
-from core.model_spec import ModelSpec
-from matrix_store import MatrixStore, StoreConfig
+from trserve.core.model_spec import ModelSpec
+from trserve.matrix_store import MatrixStore, StoreConfig
 
 REDIS_HOST, REDIS_PORT = "127.0.0.1", 6379
 REDIS_URL = f"redis://{REDIS_HOST}:{REDIS_PORT}/0"

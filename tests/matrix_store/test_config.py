@@ -1,10 +1,10 @@
 import pytest
 
-from core.errors import InvalidArgument
-from core.model_spec import ModelSpec
-from core.tenants import validate_tenant_id
-from matrix_store import StoreConfig
-from matrix_store.config import parse_model
+from trserve.core.errors import InvalidArgument
+from trserve.core.model_spec import ModelSpec
+from trserve.core.tenants import validate_tenant_id
+from trserve.matrix_store import StoreConfig
+from trserve.matrix_store.config import parse_model
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from core.errors import FailedPrecondition, ResourceExhausted, Unavailable
+from trserve.core.errors import FailedPrecondition, ResourceExhausted, Unavailable
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.redis

@@ -6,7 +6,7 @@ import time
 import numpy as np
 import pytest
 
-from core.errors import Unavailable
+from trserve.core.errors import Unavailable
 from tests.helpers import wait_for
 
 pytestmark = pytest.mark.redis

@@ -7,9 +7,9 @@ import zlib
 import numpy as np
 import pytest
 
-import matrix_store.snapshot
-import matrix_store.tenant
-from matrix_store.snapshot import SnapshotError, decode_snapshot, encode_snapshot
+import trserve.matrix_store.snapshot
+import trserve.matrix_store.tenant
+from trserve.matrix_store.snapshot import SnapshotError, decode_snapshot, encode_snapshot
 
 V, K = 1000, 8
 
@@ -22,7 +22,7 @@ def _rows(seed: int = 0, filled: int = 50) -> np.ndarray:
 
 
 def test_doctests_hold() -> None:
-    for module in (matrix_store.snapshot, matrix_store.tenant):
+    for module in (trserve.matrix_store.snapshot, trserve.matrix_store.tenant):
         assert doctest.testmod(module).failed == 0
 
 
@@ -106,7 +106,7 @@ def test_probs_roundtrip_exactly_and_default_to_zeros() -> None:
         encode_snapshot("fp", "t", 2, rows, probs=probs.astype(np.int32))
 
 
-# Written by the format-1 code (matrix_store/snapshot.py before confidences, commit 8642678):
+# Written by the format-1 code (trserve/matrix_store/snapshot.py before confidences, commit 8642678):
 # encode_snapshot("fp-v1", "acme", 7, rows, created=1700000000.0, epoch=3) with V=16, K=4,
 # rows[3] = [5, 1, 2, 0], rows[9] = [15, 14, 0, 7], every other row zeros.
 FORMAT1_BLOB = bytes.fromhex(

@@ -5,7 +5,7 @@ import threading
 import numpy as np
 import pytest
 
-from core.errors import (
+from trserve.core.errors import (
     FailedPrecondition,
     FingerprintMismatch,
     InvalidArgument,
@@ -13,8 +13,8 @@ from core.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from core.model_spec import ModelSpec
-from matrix_store import GLOBAL_TENANT, MatrixStore, StoreConfig
+from trserve.core.model_spec import ModelSpec
+from trserve.matrix_store import GLOBAL_TENANT, MatrixStore, StoreConfig
 
 V, K = 1000, 8
 

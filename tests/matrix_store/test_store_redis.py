@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from core.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, NotFound
-from core.model_spec import ModelSpec
-from matrix_store.snapshot import decode_snapshot, encode_snapshot
+from trserve.core.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, NotFound
+from trserve.core.model_spec import ModelSpec
+from trserve.matrix_store.snapshot import decode_snapshot, encode_snapshot
 from tests.helpers import wait_for
 from tests.matrix_store.test_snapshot import encode_format1
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.client.client import TRServeClient
-from services.cluster.runner import LocalCluster
-from services.common.security import ServerTLS
-from services.load.report import RequestRecord
+from trserve.services.client.client import TRServeClient
+from trserve.services.cluster.runner import LocalCluster
+from trserve.services.common.security import ServerTLS
+from trserve.services.load.report import RequestRecord
 from trserve.v1 import matrix_pb2 as pb
 from trserve.v1 import matrix_pb2_grpc
 

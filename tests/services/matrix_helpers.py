@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import redis
 
-from matrix_store import MatrixStore, StoreConfig
-from services.common.matrix_convert import rows_to_pb
-from services.matrix.server import MatrixServer, MatrixServiceConfig, create_server
+from trserve.matrix_store import MatrixStore, StoreConfig
+from trserve.services.common.matrix_convert import rows_to_pb
+from trserve.services.matrix.server import MatrixServer, MatrixServiceConfig, create_server
 from trserve.v1 import matrix_pb2 as pb
 from trserve.v1 import matrix_pb2_grpc as pb_grpc
 

@@ -7,8 +7,8 @@ import threading
 
 import grpc
 
-from services.worker.config import WorkerConfig
-from services.worker.server import Worker, create_server
+from trserve.services.worker.config import WorkerConfig
+from trserve.services.worker.server import Worker, create_server
 
 
 class BackgroundWorker:

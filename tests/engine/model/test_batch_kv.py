@@ -2,7 +2,7 @@
 
 import torch
 
-from engine.model.batch_kv import BatchKV
+from trserve.engine.model.batch_kv import BatchKV
 from tests.conftest import tiny_llama
 
 

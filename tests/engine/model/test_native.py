@@ -1,14 +1,14 @@
-"""The native forward (engine/model/native.py, csrc/forward.c) on a tiny llama whose weights are
+"""The native forward (trserve/engine/model/native.py, csrc/forward.c) on a tiny llama whose weights are
 exact Q4_1 / Q8_0 blocks: it computes transformers' function, each token's logits do not depend on
 the batch around it (tree == per-path, batch == alone), and its ISA builds give the same bits."""
 
 import pytest
 import torch
 
-from engine.model.kernels.build import available_isas
-from engine.model.kernels.qlinear import quantize_linears
-from engine.model.native import native_unsupported
-from engine.model.runner import ModelRunner, RowInput
+from trserve.engine.model.kernels.build import available_isas
+from trserve.engine.model.kernels.qlinear import quantize_linears
+from trserve.engine.model.native import native_unsupported
+from trserve.engine.model.runner import ModelRunner, RowInput
 from tests.engine.model.test_qlinear import isa_params, needs_kernel, q4_weights, q8_weights
 
 pytestmark = needs_kernel
@@ -83,7 +83,7 @@ def test_topk_rows_orders_ties_by_id_and_skips_nans(tmp_path):
     logits by lower id, so column 0 is torch.argmax's pick; NaNs never taken."""
     import ctypes
 
-    from engine.model.kernels.build import _libs, kernel_isa
+    from trserve.engine.model.kernels.build import _libs, kernel_isa
 
     quantized_llama(tmp_path)  # loads this CPU's library
     fn = _libs[kernel_isa()].trserve_topk_rows
@@ -163,8 +163,8 @@ def test_isa_builds_give_the_same_bits(tmp_path, isa):
 
 
 def test_tr_equals_ar_on_the_native_forward(tmp_path):
-    from engine import Decoder, DecoderConfig, GenerationRequest
-    from engine.model.loader import LoadedModel
+    from trserve.engine import Decoder, DecoderConfig, GenerationRequest
+    from trserve.engine.model.loader import LoadedModel
     from tests.conftest import DigitsTokenizer
 
     model = quantized_llama(tmp_path, vocab=256, seed=3)
@@ -186,7 +186,7 @@ def test_decode_loops_on_the_native_forward_keep_torch_single_threaded():
     """Inside a native decode loop torch's intra-op threads are 1 (its OpenMP workers, woken by a
     parallel host op, would spin on the kernels' cores), and the caller's setting comes back after;
     on transformers' forward nothing changes."""
-    from engine.model.runner import quiet_torch_threads
+    from trserve.engine.model.runner import quiet_torch_threads
 
     before = torch.get_num_threads()
     with quiet_torch_threads(True):
@@ -201,9 +201,9 @@ def test_decode_loops_on_the_native_forward_keep_torch_single_threaded():
 
 def test_top_probs_match_torch_softmax(tmp_path):
     """The C confidences (csrc/forward.c trserve_top_probs) are torch's softmax of the same ids,
-    bucketed as engine/tr/confidence.py does (off by at most one bucket: exp_poly against torch's exp)."""
-    from engine.model.native import NativeForward
-    from engine.tr.recycle import top_probs
+    bucketed as trserve/engine/tr/confidence.py does (off by at most one bucket: exp_poly against torch's exp)."""
+    from trserve.engine.model.native import NativeForward
+    from trserve.engine.tr.recycle import top_probs
 
     model = quantized_llama(tmp_path)
     g = torch.Generator().manual_seed(5)

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from engine.model.kernels import build, pack
-from engine.model.kernels.build import ISAS, available_isas, kernel_isa, qlinear_supported
-from engine.model.kernels.qlinear import QLinear, quantize_linears
-from engine.model.kernels.recover import recover_q4, recover_q8
+from trserve.engine.model.kernels import build, pack
+from trserve.engine.model.kernels.build import ISAS, available_isas, kernel_isa, qlinear_supported
+from trserve.engine.model.kernels.qlinear import QLinear, quantize_linears
+from trserve.engine.model.kernels.recover import recover_q4, recover_q8
 
 # Any x86-64 Linux host with gcc runs the kernels (scalar at least); a variant's own tests skip only
 # where the CPU lacks its instructions (avx512 on most, avx2 on pre-2013 CPUs).
@@ -291,7 +291,7 @@ def test_quantize_linears_keeps_layers_that_do_not_recover(kernel_dir):
 def test_loader_prefers_packed_over_scalar_under_auto(monkeypatch, tmp_path):
     """Under auto a CPU that only runs the scalar variant gets oneDNN kernels (faster); asking for
     compressed kernels still gets them, on scalar."""
-    from engine.model.loader import ModelConfig, _compress
+    from trserve.engine.model.loader import ModelConfig, _compress
 
     monkeypatch.setattr(build, "available_isas", lambda: ["scalar"])
     make = lambda: nn.Sequential(nn.Linear(64, 8))  # noqa: E731
@@ -320,7 +320,7 @@ def test_builtin_model_runs_entirely_on_compressed_kernels(loaded_smollm2, hf_re
 
 @needs_kernel
 def test_kernel_libraries_are_built_once_per_variant_and_loadable_by_other_users(kernel_dir):
-    from engine.model.kernels.build import build_kernels
+    from trserve.engine.model.kernels.build import build_kernels
 
     libs = {isa: build_kernels(kernel_dir, isa) for isa in ISAS}  # any variant builds on any x86-64 host
     assert len(set(libs.values())) == len(ISAS)
@@ -333,9 +333,9 @@ def test_kernel_libraries_are_built_once_per_variant_and_loadable_by_other_users
 
 
 def test_kernel_bench_weights_recover_as_blocks():
-    """bench/qlinear_isa.py times the compressed kernels on its own block weights: they must recover
+    """trserve/bench/qlinear_isa.py times the compressed kernels on its own block weights: they must recover
     (it once timed oneDNN's nn.Linear under every kernel's name because they did not)."""
-    from bench.qlinear_isa import block_weights
+    from trserve.bench.qlinear_isa import block_weights
 
     assert recover_q4(block_weights("q4", 64, 96)) is not None
     assert recover_q8(block_weights("q8", 64, 96)) is not None
@@ -350,7 +350,7 @@ def test_kernels_called_from_many_threads_and_a_forked_child_give_the_same_bits(
     import os
     import threading
 
-    from engine.model.kernels.build import _library
+    from trserve.engine.model.kernels.build import _library
 
     lin, q = compressed("q4-panels-bias", kernel_isa("auto"), kernel_dir)
     x = wide_range_x(11, lin.in_features, seed=21)

@@ -3,10 +3,10 @@
 import pytest
 import torch
 
-from core.errors import InvalidArgument
-from engine.model.runner import ModelRunner, RowInput
-from engine.model.static_step import StaticStep, bucket, spare_rows
-from engine.tr.tree import compile_tree, load_template
+from trserve.core.errors import InvalidArgument
+from trserve.engine.model.runner import ModelRunner, RowInput
+from trserve.engine.model.static_step import StaticStep, bucket, spare_rows
+from trserve.engine.tr.tree import compile_tree, load_template
 from tests.conftest import tiny_llama
 
 TREES = [compile_tree(load_template(name)) for name in ("cpu-4", "cpu-8", "cpu-12")]
@@ -147,7 +147,7 @@ def test_graphs_need_cuda():
     runner = ModelRunner(model, 2, torch.float32, batch_step="static")
     with pytest.raises(ValueError, match="CUDA"):
         StaticStep(runner._body, runner.kv, torch.float32, torch.device("cpu"), graphs=True)
-    from engine.model.loader import ModelConfig, load_model
+    from trserve.engine.model.loader import ModelConfig, load_model
 
     with pytest.raises(ValueError, match="batch_step"):
         ModelConfig(batch_step="warp")

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from engine.model.forward import forward_one, verify_tree
-from engine.model.kv import KVCache
-from engine.model.packed import pack_linears
-from engine.model.kernels.qlinear import quantize_linears
-from engine.tr.tree import compile_tree, load_template
+from trserve.engine.model.forward import forward_one, verify_tree
+from trserve.engine.model.kv import KVCache
+from trserve.engine.model.packed import pack_linears
+from trserve.engine.model.kernels.qlinear import quantize_linears
+from trserve.engine.tr.tree import compile_tree, load_template
 from tests.conftest import tiny_llama
 from tests.engine.model.test_qlinear import KERNELS_RUN, q4_weights
 
@@ -64,7 +64,7 @@ def test_compaction_keeps_exactly_the_accepted_path():
 
 @torch.inference_mode()
 def test_grafted_lookup_chain_sees_its_stem_and_chain_only():
-    from engine.tr.hybrid import attach_chain
+    from trserve.engine.tr.hybrid import attach_chain
 
     model = tiny_llama()
     base, context, tokens, cache = _prefilled(model, seed=3, context_len=7)
@@ -80,10 +80,10 @@ def test_grafted_lookup_chain_sees_its_stem_and_chain_only():
 
 @torch.inference_mode()
 def test_grouped_sdpa_gives_the_stock_tree_logits_without_repeating_kv(monkeypatch):
-    """engine/model/attention.py: query heads folded per KV head == transformers' repeat_kv path (float rounding)."""
+    """trserve/engine/model/attention.py: query heads folded per KV head == transformers' repeat_kv path (float rounding)."""
     import transformers.integrations.sdpa_attention as hf_sdpa
 
-    from engine.model.attention import NAME, use_grouped_sdpa
+    from trserve.engine.model.attention import NAME, use_grouped_sdpa
 
     model = tiny_llama()  # 4 query heads over 2 KV heads
     tree, context, tokens, cache = _prefilled(model, seed=4, context_len=11)
@@ -99,7 +99,7 @@ def test_grouped_sdpa_gives_the_stock_tree_logits_without_repeating_kv(monkeypat
 
 
 def test_attention_in_use_names_grouped_sdpa_once_it_is_registered():
-    from engine.model.attention import attention_in_use, use_grouped_sdpa
+    from trserve.engine.model.attention import attention_in_use, use_grouped_sdpa
 
     assert attention_in_use(tiny_llama(attn="eager")) == "eager"
     model = tiny_llama()

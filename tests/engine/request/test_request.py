@@ -2,10 +2,10 @@
 
 import pytest
 
-from core.errors import InvalidArgument
-from engine.request.prompt import check_token_ids
-from engine.request.request import GenerationRequest
-from engine.tr.sampling import SamplingParams
+from trserve.core.errors import InvalidArgument
+from trserve.engine.request.prompt import check_token_ids
+from trserve.engine.request.request import GenerationRequest
+from trserve.engine.tr.sampling import SamplingParams
 
 
 def test_request_checks_what_needs_no_model() -> None:
@@ -40,7 +40,7 @@ def test_a_chat_template_that_refuses_messages_is_the_callers_error(decoder) -> 
     """Strict templates (e.g. roles must alternate) raise; that is INVALID_ARGUMENT, not INTERNAL."""
     import copy
 
-    from engine.request.prompt import PromptBuilder
+    from trserve.engine.request.prompt import PromptBuilder
 
     tokenizer = copy.deepcopy(decoder.tokenizer)
     tokenizer.chat_template = ("{% for m in messages %}{% if m['role'] == 'assistant' and loop.first %}"

@@ -2,12 +2,12 @@
 
 import torch
 
-from core.model_spec import ModelSpec
-from engine.tr.accept import accept_greedy
-from engine.tr.draft import draft_tokens
-from engine.tr.matrix import AdjacencyMatrix
-from engine.tr.recycle import RecycledRows, distinct_rows, recycle_rows, select_rows
-from engine.tr.tree import TreeTemplate, compile_tree
+from trserve.core.model_spec import ModelSpec
+from trserve.engine.tr.accept import accept_greedy
+from trserve.engine.tr.draft import draft_tokens
+from trserve.engine.tr.matrix import AdjacencyMatrix
+from trserve.engine.tr.recycle import RecycledRows, distinct_rows, recycle_rows, select_rows
+from trserve.engine.tr.tree import TreeTemplate, compile_tree
 
 TREE = compile_tree(TreeTemplate.from_paths("ex", [[0], [1], [0, 0]]))
 
@@ -73,9 +73,9 @@ def test_recycle_and_apply():
 def test_host_and_tensor_rules_agree_on_random_trees():
     """accept_greedy and select_rows run on Python ints for host tensors and as tensor ops on a
     device; both must give the same answer (here: random trees, chains, small vocabularies)."""
-    from engine.tr.accept import _accept_host, _accept_tensor
-    from engine.tr.hybrid import attach_chain
-    from engine.tr.recycle import _select_host, _select_tensor
+    from trserve.engine.tr.accept import _accept_host, _accept_tensor
+    from trserve.engine.tr.hybrid import attach_chain
+    from trserve.engine.tr.recycle import _select_host, _select_tensor
 
     g = torch.Generator().manual_seed(0)
     for trial in range(60):

@@ -3,10 +3,10 @@
 import numpy as np
 import torch
 
-from core.model_spec import ModelSpec
-from engine.tr.confidence import decode, encode
-from engine.tr.matrix import AdjacencyMatrix
-from engine.tr.recycle import RecycledRows, recycle_rows
+from trserve.core.model_spec import ModelSpec
+from trserve.engine.tr.confidence import decode, encode
+from trserve.engine.tr.matrix import AdjacencyMatrix
+from trserve.engine.tr.recycle import RecycledRows, recycle_rows
 
 
 def test_encode_decode_numpy_and_torch_agree():

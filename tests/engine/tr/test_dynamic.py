@@ -1,13 +1,13 @@
-"""Trees grown by confidence (engine/tr/dynamic.py) on tiny matrices, and their compiled form."""
+"""Trees grown by confidence (trserve/engine/tr/dynamic.py) on tiny matrices, and their compiled form."""
 
 import numpy as np
 import pytest
 import torch
 
-from engine.tr.accept import accept_greedy
-from engine.tr.dynamic import CONTEXT, HISTORY, MATRIX, N_BINS, Calibration, Chain, best_first_score, grow
-from engine.tr.lookup import Proposal
-from engine.tr.tree import compile_parents, load_template
+from trserve.engine.tr.accept import accept_greedy
+from trserve.engine.tr.dynamic import CONTEXT, HISTORY, MATRIX, N_BINS, Calibration, Chain, best_first_score, grow
+from trserve.engine.tr.lookup import Proposal
+from trserve.engine.tr.tree import compile_parents, load_template
 
 V, K = 16, 2
 

@@ -5,8 +5,8 @@ import threading
 
 import pytest
 
-from engine.tr.history import SuffixHistory
-from engine.tr.lookup import Proposal
+from trserve.engine.tr.history import SuffixHistory
+from trserve.engine.tr.lookup import Proposal
 
 
 def _history(*docs, **kw) -> SuffixHistory:
@@ -143,10 +143,10 @@ def test_concurrent_adds_and_proposals():
 
 
 def test_local_source_keeps_one_history_across_requests():
-    from core.model_spec import ModelSpec
-    from engine.tr.matrix import AdjacencyMatrix
-    from engine.tr.source import LocalDraftSource, MatrixSession
-    from engine.tr.tree import TreeTemplate, compile_tree
+    from trserve.core.model_spec import ModelSpec
+    from trserve.engine.tr.matrix import AdjacencyMatrix
+    from trserve.engine.tr.source import LocalDraftSource, MatrixSession
+    from trserve.engine.tr.tree import TreeTemplate, compile_tree
 
     spec, tree = ModelSpec("fp", 50, 2), compile_tree(TreeTemplate.from_paths("ex", [[0], [1], [0, 0]]))
     history = SuffixHistory(min_ngram=2)

@@ -4,12 +4,12 @@ import numpy as np
 import pytest
 import torch
 
-from core.errors import InvalidArgument
-from engine.tr.accept import accept_greedy
-from engine.tr.hybrid import attach_chain, graft, graft_point, matched_run
-from engine.tr.lookup import ContextLookup, find_continuation
-from engine.tr.tree import TreeTemplate, compile_tree, load_template
-from engine.tuning.records import AcceptanceLog
+from trserve.core.errors import InvalidArgument
+from trserve.engine.tr.accept import accept_greedy
+from trserve.engine.tr.hybrid import attach_chain, graft, graft_point, matched_run
+from trserve.engine.tr.lookup import ContextLookup, find_continuation
+from trserve.engine.tr.tree import TreeTemplate, compile_tree, load_template
+from trserve.engine.tuning.records import AcceptanceLog
 
 TREE = compile_tree(TreeTemplate.from_paths("ex", [[0], [1], [0, 0]]))
 

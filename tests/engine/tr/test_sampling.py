@@ -8,10 +8,10 @@ import math
 import pytest
 import torch
 
-from engine import InvalidArgument, SamplingParams
-from engine.tr.accept import accept_greedy
-from engine.tr.sampling import Sampler, choose, choose_in_tree, inverse_cdf, processed_probs
-from engine.tr.tree import TreeTemplate, compile_tree
+from trserve.engine import InvalidArgument, SamplingParams
+from trserve.engine.tr.accept import accept_greedy
+from trserve.engine.tr.sampling import Sampler, choose, choose_in_tree, inverse_cdf, processed_probs
+from trserve.engine.tr.tree import TreeTemplate, compile_tree
 from tests.conftest import tiny_decoder
 
 V = 16  # tiny vocabulary: exact distributions of 3 tokens are V**3 = 4096 cells

@@ -5,13 +5,13 @@ import numpy as np
 import pytest
 import torch
 
-from core.errors import FingerprintMismatch
-from core.model_spec import ModelSpec
-from engine.tr.draft import draft_tokens, fill_levels
-from engine.tr.matrix import AdjacencyMatrix
-from engine.tr.recycle import RecycledRows
-from engine.tr.source import LocalDraftSource, MatrixSession
-from engine.tr.tree import TreeTemplate, compile_tree
+from trserve.core.errors import FingerprintMismatch
+from trserve.core.model_spec import ModelSpec
+from trserve.engine.tr.draft import draft_tokens, fill_levels
+from trserve.engine.tr.matrix import AdjacencyMatrix
+from trserve.engine.tr.recycle import RecycledRows
+from trserve.engine.tr.source import LocalDraftSource, MatrixSession
+from trserve.engine.tr.tree import TreeTemplate, compile_tree
 
 SPEC = ModelSpec("fp", 10, 2)
 TREE = compile_tree(TreeTemplate.from_paths("ex", [[0], [1], [0, 0]]))

@@ -3,8 +3,8 @@ import json
 import pytest
 import torch
 
-from core.errors import InvalidArgument, NotFound
-from engine.tr.tree import TreeTemplate, builtin_trees, compile_tree, grow_tree, load_template
+from trserve.core.errors import InvalidArgument, NotFound
+from trserve.engine.tr.tree import TreeTemplate, builtin_trees, compile_tree, grow_tree, load_template
 
 
 def test_compile_worked_example():

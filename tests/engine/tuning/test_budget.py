@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from engine.tuning.budget import NodeRates, choose_options, choose_packed
+from trserve.engine.tuning.budget import NodeRates, choose_options, choose_packed
 
 TWO = [[(1, 1.0), (3, 2.0)], [(1, 1.0), (3, 2.0)]]
 

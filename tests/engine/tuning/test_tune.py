@@ -5,9 +5,9 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from engine.tr.tree import TreeTemplate, compile_tree
-from engine.tuning.calibrate import CostModel, load_or_measure, measure
-from engine.tuning.optimise import evaluate, tune
+from trserve.engine.tr.tree import TreeTemplate, compile_tree
+from trserve.engine.tuning.calibrate import CostModel, load_or_measure, measure
+from trserve.engine.tuning.optimise import evaluate, tune
 from tests.conftest import tiny_llama
 
 UNIVERSE = TreeTemplate.from_paths("u", [[0], [1], [0, 0]])  # nodes: 1=[0], 2=[1], 3=[0,0]
@@ -79,7 +79,7 @@ def test_cost_model_interpolates():
 
 
 def test_online_tuner_explores_then_retunes():
-    from engine.tuning.online import AutoTuneConfig, OnlineTuner
+    from trserve.engine.tuning.online import AutoTuneConfig, OnlineTuner
 
     universe = TreeTemplate.from_paths("u", [[0], [1], [0, 0]])
     tuner = OnlineTuner(AutoTuneConfig(explore_every=2, explore_budget=None, retune_every=4, min_records=4, max_ngram=0),
@@ -95,7 +95,7 @@ def test_online_tuner_explores_then_retunes():
 
 
 def test_exploration_stays_within_its_share_of_verification_time():
-    from engine.tuning.online import AutoTuneConfig, OnlineTuner
+    from trserve.engine.tuning.online import AutoTuneConfig, OnlineTuner
 
     # a forward of w tokens costs w ms: universe 4 nodes + 16 chain = 20 ms, current 2 nodes = 2 ms
     cost = CostModel("k", (1, 128), (100, 1000), ((0.001, 0.128), (0.001, 0.128)))
@@ -110,9 +110,9 @@ def test_exploration_stays_within_its_share_of_verification_time():
 
 
 def test_adaptive_decoder_is_lossless_and_retunes(loaded_smollm2, decoder, tmp_path):
-    from engine import Decoder, DecoderConfig
-    from engine.tuning.calibrate import CostModel, cost_model_path, save_cost_model
-    from engine.tuning.online import AutoTuneConfig
+    from trserve.engine import Decoder, DecoderConfig
+    from trserve.engine.tuning.calibrate import CostModel, cost_model_path, save_cost_model
+    from trserve.engine.tuning.online import AutoTuneConfig
 
     widths = (1, 128)  # a made-up, cheap-to-write cost curve: the test checks mechanics, not speed
     save_cost_model(CostModel("t", widths, (128,), ((0.04, 0.30),)), cost_model_path(loaded_smollm2, tmp_path))
@@ -126,7 +126,7 @@ def test_adaptive_decoder_is_lossless_and_retunes(loaded_smollm2, decoder, tmp_p
 
 
 def test_finalists_one_per_size_band():
-    from engine.tuning.optimise import TuneResult
+    from trserve.engine.tuning.optimise import TuneResult
 
     rows = [(TreeTemplate.from_paths("t", [[r] for r in range(n)]), float(tps), 1.0)
             for n, tps in [(1, 5), (2, 9), (5, 8), (6, 7), (12, 1)]]

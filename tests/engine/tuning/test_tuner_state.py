@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from engine.tr.tree import TreeTemplate
-from engine.tuning.calibrate import CostModel
-from engine.tuning.online import AutoTuneConfig, OnlineTuner, TunerBook
+from trserve.engine.tr.tree import TreeTemplate
+from trserve.engine.tuning.calibrate import CostModel
+from trserve.engine.tuning.online import AutoTuneConfig, OnlineTuner, TunerBook
 
 UNIVERSE = TreeTemplate.from_paths("u", [[0], [1], [0, 0]])
 COST = CostModel("t", (1, 64), (100,), ((1.0, 1.5),))

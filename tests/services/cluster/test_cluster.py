@@ -15,10 +15,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.client.balanced import BalancedClient
-from services.cluster.procs import free_port, pid_runs
-from services.load.runner import LoadConfig
-from services.worker.config import WorkerConfig
+from trserve.services.client.balanced import BalancedClient
+from trserve.services.cluster.procs import free_port, pid_runs
+from trserve.services.load.runner import LoadConfig
+from trserve.services.worker.config import WorkerConfig
 from tests.services.cluster_helpers import N, self_signed
 from tests.services.worker_harness import serving
 
@@ -27,7 +27,7 @@ HI = [{"role": "user", "content": "Say hello."}]
 
 
 def trserve(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "trserve.services.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout)
 
 
@@ -40,8 +40,8 @@ def _push_another_model(matrix: str, tls_ca: str, secret_file: Path) -> grpc.Rpc
     """PushRows of a model the cluster's workers do not run; returns the error it must get."""
     import numpy as np
 
-    from services.common.matrix_convert import rows_to_pb
-    from services.common.security import SharedSecret, client_channel
+    from trserve.services.common.matrix_convert import rows_to_pb
+    from trserve.services.common.security import SharedSecret, client_channel
     from trserve.v1 import matrix_pb2 as mpb
     from trserve.v1 import matrix_pb2_grpc
 

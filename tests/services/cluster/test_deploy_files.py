@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from services.cli import build_parser
+from trserve.services.cli import build_parser
 
 yaml = pytest.importorskip("yaml")
 REPO = Path(__file__).resolve().parents[3]
@@ -40,7 +40,7 @@ def test_compose_services_are_health_checked_restarted_and_parse() -> None:
     for name in ("matrix", "worker"):
         parses(services[name]["command"])
         probe = services[name]["healthcheck"]["test"]
-        assert probe[:4] == ["CMD", "python", "-m", "services.cli"]
+        assert probe[:4] == ["CMD", "python", "-m", "trserve.services.cli"]
         parses(probe[4:])
     gpu = yaml.safe_load((REPO / "docker" / "compose.gpu.yaml").read_text())["services"]["worker"]
     parses(gpu["command"])
@@ -90,7 +90,7 @@ def test_the_image_copies_every_package_of_the_project() -> None:
 def test_every_matrix_service_in_the_manifests_serves_exactly_the_bundled_model() -> None:
     """Issue 28, defect 2: they listen on 0.0.0.0, so without --model anyone reaching them could
     register models first. The spec they name must be the bundled model's (`trserve model-spec`)."""
-    from services.matrix.cli import _served_model
+    from trserve.services.matrix.cli import _served_model
 
     spec = _served_model("smollm2-135m-instruct")
     expected = f"{spec.fingerprint}:{spec.vocab_size}:{spec.k}"
@@ -110,7 +110,7 @@ def test_the_custom_metrics_overlay_scales_workers_on_gauges_they_export() -> No
     """deploy/k8s/custom-metrics: the base plus an autoscaler on the workers' own load gauges (through
     prometheus-adapter), CPU kept; every metric it names is a family the worker exports, and every
     rule of the adapter exposes one of them per pod."""
-    from services.worker.metrics import WorkerMetrics
+    from trserve.services.worker.metrics import WorkerMetrics
 
     exported = {family.name for family in WorkerMetrics().registry.collect()}
     overlay = REPO / "deploy" / "k8s" / "custom-metrics"

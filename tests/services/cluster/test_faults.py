@@ -19,12 +19,12 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from services.client.balanced import BalancedClient
-from services.cluster.config import ClusterConfig
-from services.cluster.runner import LocalCluster
-from services.load.prompts import PROMPTS
-from services.load.report import LoadReport, RequestRecord
-from services.load.runner import LoadConfig, run_load
+from trserve.services.client.balanced import BalancedClient
+from trserve.services.cluster.config import ClusterConfig
+from trserve.services.cluster.runner import LocalCluster
+from trserve.services.load.prompts import PROMPTS
+from trserve.services.load.report import LoadReport, RequestRecord
+from trserve.services.load.runner import LoadConfig, run_load
 from tests.helpers import wait_for
 from tests.services.cluster_helpers import Admin, N, assert_same_text_per_prompt, fallbacks
 

@@ -1,19 +1,20 @@
 """deploy/monitoring/ (alert rules and the Grafana dashboard) names only metrics trserve exports: the
 worker's families (WorkerMetrics, with the store and history collectors) and the matrix service's.
-(No promtool here: the rules' shape is checked as Prometheus reads it, and every expression's metric
-names against the registries.)"""
+The rules' shape and every expression's metric names are checked against the registries, and
+Prometheus' own `promtool check rules` parses them (`make test` fetches promtool)."""
 
 from __future__ import annotations
 
 import json
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
 
-from matrix_store import MatrixStore, StoreConfig
-from services.matrix.metrics import StoreCollector
-from services.worker.metrics import WorkerMetrics
+from trserve.matrix_store import MatrixStore, StoreConfig
+from trserve.services.matrix.metrics import StoreCollector
+from trserve.services.worker.metrics import WorkerMetrics
 
 yaml = pytest.importorskip("yaml")
 MONITORING = Path(__file__).resolve().parents[3] / "deploy" / "monitoring"
@@ -58,3 +59,17 @@ def test_every_dashboard_panel_queries_exported_metrics() -> None:
     titles = " ".join(p["title"] for p in dashboard["panels"])
     for what in ("first token", "per output token", "End-to-end", "Queue", "KV cache", "acceptance"):
         assert what in titles, what
+
+
+def test_the_alert_rules_pass_promtool_and_a_broken_rule_does_not(promtool: str, tmp_path: Path) -> None:
+    rules = MONITORING / "alerts.yaml"
+    count = sum(len(g["rules"]) for g in yaml.safe_load(rules.read_text())["groups"])
+    ok = subprocess.run([promtool, "check", "rules", str(rules)], capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0 and f"SUCCESS: {count} rules found" in ok.stdout, ok.stdout + ok.stderr
+    # the check can fail: the same file with one expression cut short
+    broken = tmp_path / "alerts.yaml"
+    text = rules.read_text()
+    first = yaml.safe_load(text)["groups"][0]["rules"][0]["expr"].strip().splitlines()[0]
+    broken.write_text(text.replace(first, first + " > (", 1))
+    bad = subprocess.run([promtool, "check", "rules", str(broken)], capture_output=True, text=True, timeout=60)
+    assert bad.returncode != 0, bad.stdout

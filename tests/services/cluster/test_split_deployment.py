@@ -22,11 +22,11 @@ import grpc
 import pytest
 import redis
 
-from services.client.client import TRServeClient
-from services.cluster.procs import Proc, wait_serving
-from services.worker.drafting.remote import RemoteDraftSource
-from services.worker.drafting.replica import ReplicaDraftSource
-from services.worker.drafting.split import MatrixServiceSources, SplitConfig
+from trserve.services.client.client import TRServeClient
+from trserve.services.cluster.procs import Proc, wait_serving
+from trserve.services.worker.drafting.remote import RemoteDraftSource
+from trserve.services.worker.drafting.replica import ReplicaDraftSource
+from trserve.services.worker.drafting.split import MatrixServiceSources, SplitConfig
 from trserve.v1 import generate_pb2, matrix_pb2, matrix_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[3]
@@ -262,6 +262,6 @@ def test_matrix_service_sources_keep_one_source_per_tenant(mode, cls) -> None:
 
 
 def test_worker_cli_refuses_a_bad_matrix_address() -> None:
-    out = subprocess.run([sys.executable, "-m", "services.cli", "worker", "--matrix-addr", "nowhere", "--port", "0"],
+    out = subprocess.run([sys.executable, "-m", "trserve.services.cli", "worker", "--matrix-addr", "nowhere", "--port", "0"],
                          cwd=REPO, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "matrix address must be HOST:PORT" in out.stderr

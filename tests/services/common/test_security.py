@@ -14,15 +14,15 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from matrix_store import StoreConfig
-from services.cli import build_parser
-from services.client.balanced import BalancedClient
-from services.common.security import ServerTLS, SharedSecret, TenantTokens, client_channel
-from services.matrix.server import MatrixServiceConfig
-from services.worker.cli import build_configs
-from services.worker.config import Limits, WorkerConfig
-from services.worker.drafting.link import DraftClientConfig
-from services.worker.drafting.remote import RemoteDraftSource
+from trserve.matrix_store import StoreConfig
+from trserve.services.cli import build_parser
+from trserve.services.client.balanced import BalancedClient
+from trserve.services.common.security import ServerTLS, SharedSecret, TenantTokens, client_channel
+from trserve.services.matrix.server import MatrixServiceConfig
+from trserve.services.worker.cli import build_configs
+from trserve.services.worker.config import Limits, WorkerConfig
+from trserve.services.worker.drafting.link import DraftClientConfig
+from trserve.services.worker.drafting.remote import RemoteDraftSource
 from tests.conftest import REPO
 from tests.services.cluster_helpers import self_signed
 from tests.services.matrix_helpers import ServerThread, model, random_rows
@@ -112,7 +112,7 @@ def test_generate_cli_with_token_file_and_tls(worker, tls, tmp_path) -> None:
     """`trserve generate --token-file F --tls-ca CA` as a process of its own, as a user runs it."""
     token = tmp_path / "acme.token"
     token.write_text(TOKENS["acme"] + "\n")
-    args = [sys.executable, "-m", "services.cli", "generate", "--addr", worker.addr, "--tls-ca", tls.cert_file,
+    args = [sys.executable, "-m", "trserve.services.cli", "generate", "--addr", worker.addr, "--tls-ca", tls.cert_file,
             "--token-file", str(token), "--max-new-tokens", "4", "Hi"]
     run = functools.partial(subprocess.run, cwd=REPO, capture_output=True, text=True, timeout=60)
     ok = run([*args, "--tenant", "acme"])
@@ -173,7 +173,7 @@ def test_matrix_service_requires_the_shared_secret(matrix, tls, secret) -> None:
 def test_a_worker_refused_by_the_matrix_service_reports_not_serving(matrix, tls, secret, caplog) -> None:
     import asyncio
 
-    from services.worker.drafting.split import MatrixServiceSources, SplitConfig, watch_matrix_auth
+    from trserve.services.worker.drafting.split import MatrixServiceSources, SplitConfig, watch_matrix_auth
 
     def watch(given: SharedSecret) -> list[bool]:
         sources = MatrixServiceSources(SplitConfig(matrix.addr, client=DraftClientConfig(tls_ca_file=tls.cert_file,
@@ -215,7 +215,7 @@ def test_worker_drafts_through_a_secured_matrix_service(decoder, matrix, tls, se
 
 def test_tenant_tokens_are_never_sent_in_plaintext_to_another_host(tmp_path) -> None:
     """Issue 28, defect 6: like the matrix secrets, bearer tokens need TLS off loopback."""
-    from services.client.client import TRServeClient
+    from trserve.services.client.client import TRServeClient
 
     with pytest.raises(ValueError, match="without TLS to 10.1.2.3:50051"):
         TRServeClient("10.1.2.3:50051", token="t")
@@ -226,13 +226,13 @@ def test_tenant_tokens_are_never_sent_in_plaintext_to_another_host(tmp_path) -> 
     TRServeClient("10.1.2.3:50051").close()  # no token: nothing to protect
     token = tmp_path / "acme.token"
     token.write_text("t\n")
-    refused = subprocess.run([sys.executable, "-m", "services.cli", "generate", "--addr", "10.1.2.3:50051",
+    refused = subprocess.run([sys.executable, "-m", "trserve.services.cli", "generate", "--addr", "10.1.2.3:50051",
                               "--token-file", str(token), "Hi"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert refused.returncode != 0 and "refusing to send tenant tokens without TLS" in refused.stderr
 
 
 def test_trserve_client_sends_its_token_over_tls(worker, tls) -> None:
-    from services.client.client import TRServeClient
+    from trserve.services.client.client import TRServeClient
 
     with TRServeClient(worker.addr, timeout=60, tls_ca_file=tls.cert_file, token=TOKENS["acme"]) as client:
         assert client.generate(messages=HI, tenant="acme", max_new_tokens=4).stats.generated_tokens > 0
@@ -244,14 +244,14 @@ def test_trserve_client_sends_its_token_over_tls(worker, tls) -> None:
 
 
 def test_leaving_rotation_keeps_the_server_alive_for_liveness_probes() -> None:
-    """What the worker does while its matrix service refuses the secret (services/worker/server.py):
+    """What the worker does while its matrix service refuses the secret (trserve/services/worker/server.py):
     the Generate service is NOT_SERVING (readiness), the server's own health stays SERVING (liveness)."""
     import asyncio
 
     from grpc_health.v1 import health_pb2
     from grpc_health.v1.health import aio as health_aio
 
-    from services.common.server import set_status
+    from trserve.services.common.server import set_status
 
     async def run():
         health = health_aio.HealthServicer()

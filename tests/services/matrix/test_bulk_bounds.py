@@ -14,11 +14,11 @@ import grpc
 import numpy as np
 import pytest
 
-from core.errors import ResourceExhausted
-from core.model_spec import ModelSpec
-from matrix_store import MatrixStore, StoreConfig
-from services.matrix.server import MatrixServiceConfig
-from services.matrix.servicer import BulkGate, ServicerLimits
+from trserve.core.errors import ResourceExhausted
+from trserve.core.model_spec import ModelSpec
+from trserve.matrix_store import MatrixStore, StoreConfig
+from trserve.services.matrix.server import MatrixServiceConfig
+from trserve.services.matrix.servicer import BulkGate, ServicerLimits
 from tests.helpers import wait_for
 from tests.services.matrix_helpers import ServerThread
 from trserve.v1 import matrix_pb2 as pb

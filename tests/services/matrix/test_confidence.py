@@ -8,12 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from core.model_spec import ModelSpec
-from engine.tr.recycle import RecycledRows
-from engine.tr.tree import TreeTemplate, get_compiled
-from services.common.matrix_convert import rows_from_pb, rows_to_pb
-from services.worker.drafting.remote import RemoteDraftSource
-from services.worker.drafting.replica import ReplicaDraftSource
+from trserve.core.model_spec import ModelSpec
+from trserve.engine.tr.recycle import RecycledRows
+from trserve.engine.tr.tree import TreeTemplate, get_compiled
+from trserve.services.common.matrix_convert import rows_from_pb, rows_to_pb
+from trserve.services.worker.drafting.remote import RemoteDraftSource
+from trserve.services.worker.drafting.replica import ReplicaDraftSource
 from tests.helpers import wait_for
 from tests.services.matrix_helpers import (  # noqa: F401 - fixtures
     FP,

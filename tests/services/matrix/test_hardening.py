@@ -12,10 +12,10 @@ import grpc
 import numpy as np
 import pytest
 
-from core.model_spec import ModelSpec
-from matrix_store import StoreConfig
-from services.common.security import SharedSecret, client_channel
-from services.matrix.server import MatrixServiceConfig
+from trserve.core.model_spec import ModelSpec
+from trserve.matrix_store import StoreConfig
+from trserve.services.common.security import SharedSecret, client_channel
+from trserve.services.matrix.server import MatrixServiceConfig
 from tests.services.matrix_helpers import (  # noqa: F401 - fixtures
     FP,
     K,
@@ -131,8 +131,8 @@ def test_a_secret_is_never_sent_in_plaintext_to_another_host() -> None:
     client_channel("127.0.0.1:50052", None, secret).close()
     client_channel("localhost:50052", None, secret).close()
     client_channel("10.1.2.3:50052", None, None).close()  # no secret: nothing to leak
-    from services.worker.drafting.link import DraftClientConfig
-    from services.worker.drafting.split import SplitConfig
+    from trserve.services.worker.drafting.link import DraftClientConfig
+    from trserve.services.worker.drafting.split import SplitConfig
 
     with pytest.raises(ValueError, match="without TLS"):  # a split worker refuses to start
         SplitConfig("matrix.internal:50052", client=DraftClientConfig(secret=secret))
@@ -180,7 +180,8 @@ def test_a_step_on_a_tenant_evicted_mid_session_reloads_it_off_the_loop(start_se
     assert stub.Describe(ref("a"), timeout=10).version == 2
 
 
-def test_memory_per_tenant_is_exported_on_metrics(servers) -> None:
+def test_memory_per_tenant_is_exported_on_metrics(servers, promtool) -> None:
+    import subprocess
     import urllib.request
 
     config = MatrixServiceConfig(host="127.0.0.1", port=0, store=StoreConfig(max_tenants_in_memory=4), metrics_port=0)
@@ -194,6 +195,8 @@ def test_memory_per_tenant_is_exported_on_metrics(servers) -> None:
     assert f'trserve_matrix_tenant_memory_bytes{{fingerprint="{FP}",tenant="a"}} {float(V * K * 5)}' in text
     assert f"trserve_matrix_memory_bytes {float(2 * V * K * 5)}" in text
     assert "trserve_matrix_tenants_in_memory 2.0" in text and "trserve_matrix_max_tenants_in_memory 4.0" in text
+    lint = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0 and not lint.stdout.strip() and not lint.stderr.strip(), lint.stdout + lint.stderr
 
 
 class _SlowProxy:
@@ -307,7 +310,7 @@ def test_an_open_service_beyond_loopback_needs_a_model_list_or_a_secret(tmp_path
         MatrixServiceConfig(**{"port": 0, "store": store, **fine})  # type: ignore[arg-type]
 
     repo = Path(__file__).resolve().parents[3]
-    run = subprocess.run([sys.executable, "-m", "services.cli", "matrix", "--host", "0.0.0.0", "--port", "0"],
+    run = subprocess.run([sys.executable, "-m", "trserve.services.cli", "matrix", "--host", "0.0.0.0", "--port", "0"],
                          cwd=repo, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--model" in run.stderr and "--open-registration" in run.stderr, run.stderr
 

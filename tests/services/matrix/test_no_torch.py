@@ -1,5 +1,5 @@
 """The matrix service runs without torch: importing its server loads neither torch nor transformers
-(its trees come from engine/tr/template.py, its drafting is the numpy gather of engine/tr/gather.py).
+(its trees come from trserve/engine/tr/template.py, its drafting is the numpy gather of trserve/engine/tr/gather.py).
 Checked in a fresh interpreter; on failure the message names the import chain that pulled them in."""
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ print(json.dumps({{name: chains.get(name, ["(no repository frame)"]) for name in
 
 
 def test_importing_the_matrix_server_loads_no_torch() -> None:
-    code = PROBE.format(heavy=HEAVY, repo=str(REPO), module="services.matrix.server")
+    code = PROBE.format(heavy=HEAVY, repo=str(REPO), module="trserve.services.matrix.server")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert out.returncode == 0, out.stderr
     loaded = json.loads(out.stdout.strip().splitlines()[-1])
     chains = "\n".join(f"{name}: " + " -> ".join(chain) for name, chain in loaded.items())
-    assert not loaded, f"import services.matrix.server loads {sorted(loaded)}; imported via:\n{chains}"
+    assert not loaded, f"import trserve.services.matrix.server loads {sorted(loaded)}; imported via:\n{chains}"

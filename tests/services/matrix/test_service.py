@@ -21,14 +21,14 @@ import redis
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from core.model_spec import ModelSpec
-from engine.tr.draft import draft_tokens
-from engine.tr.matrix import AdjacencyMatrix
-from engine.tr.recycle import RecycledRows
-from engine.tr.tree import TreeTemplate, get_compiled, load_template
-from services.matrix.servicer import SERVICE_NAME
-from services.matrix.sessions import plan_for
-from services.worker.drafting.remote import RemoteDraftSource
+from trserve.core.model_spec import ModelSpec
+from trserve.engine.tr.draft import draft_tokens
+from trserve.engine.tr.matrix import AdjacencyMatrix
+from trserve.engine.tr.recycle import RecycledRows
+from trserve.engine.tr.tree import TreeTemplate, get_compiled, load_template
+from trserve.services.matrix.servicer import SERVICE_NAME
+from trserve.services.matrix.sessions import plan_for
+from trserve.services.worker.drafting.remote import RemoteDraftSource
 from tests.helpers import wait_for
 from tests.matrix_store.conftest import TcpProxy
 from tests.services.matrix_helpers import (  # noqa: F401 - fixtures
@@ -99,7 +99,7 @@ def test_hot_start_across_restart_and_in_a_new_process(start_server, channel_to,
     second.stop(grace_s=1)
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "matrix", "--host", "127.0.0.1", "--port", "0",
+        [sys.executable, "-m", "trserve.services.cli", "matrix", "--host", "127.0.0.1", "--port", "0",
          "--redis-url", REDIS_URL, "--key-prefix", redis_prefix],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
     )
@@ -142,7 +142,7 @@ def test_admin_rollback_fork_delete_and_cli(start_server, channel_to) -> None:
         grpc.StatusCode.FAILED_PRECONDITION
 
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "matrix-admin", "describe", "--addr", server.addr,
+        [sys.executable, "-m", "trserve.services.cli", "matrix-admin", "describe", "--addr", server.addr,
          "--tenant", "t2", "--fingerprint", FP], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     described = json.loads(out.stdout)
@@ -159,7 +159,7 @@ def test_admin_rollback_fork_delete_and_cli(start_server, channel_to) -> None:
 
 
 def _admin(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", "matrix-admin", *args], cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "trserve.services.cli", "matrix-admin", *args], cwd=REPO,
                           capture_output=True, text=True, timeout=60)
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from core.errors import InvalidArgument, PermissionDenied, Unavailable
-from engine.results import GenerationResult, GenerationStats
-from services.openai.app import Unauthenticated, error_body
-from services.openai.convert import BadParam, ModelNotFound, completion, parse_request
-from services.worker.admission import QueueFull
-from services.worker.config import Limits
-from services.worker.convert import generate_call_from_pb
+from trserve.core.errors import InvalidArgument, PermissionDenied, Unavailable
+from trserve.engine.results import GenerationResult, GenerationStats
+from trserve.services.openai.app import Unauthenticated, error_body
+from trserve.services.openai.convert import BadParam, ModelNotFound, completion, parse_request
+from trserve.services.worker.admission import QueueFull
+from trserve.services.worker.config import Limits
+from trserve.services.worker.convert import generate_call_from_pb
 
 MODEL = "smollm2-135m-instruct"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}

@@ -14,7 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from services.client.client import TRServeClient
+from trserve.services.client.client import TRServeClient
 
 REPO = Path(__file__).resolve().parents[3]
 TOKENS = {"alice": "alice-token-0123456789abcdef", "bob": "bob-token-0123456789abcdef"}
@@ -35,7 +35,7 @@ def server(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("openai")
     (tmp / "tokens.json").write_text(json.dumps(TOKENS))
     log = (tmp / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", "0", "--metrics-port", "-1",
+    proc = subprocess.Popen([sys.executable, "-m", "trserve.services.cli", "serve", "--port", "0", "--metrics-port", "-1",
                              "--http-port", str(free_port()), "--tenant-tokens", str(tmp / "tokens.json")],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
     try:

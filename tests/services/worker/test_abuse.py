@@ -8,9 +8,9 @@ import secrets
 
 import pytest
 
-from services.common.security import TenantTokens
-from services.load.abuse import AbuseConfig, run_abuse
-from services.worker.config import Limits, WorkerConfig
+from trserve.services.common.security import TenantTokens
+from trserve.services.load.abuse import AbuseConfig, run_abuse
+from trserve.services.worker.config import Limits, WorkerConfig
 from tests.services.worker_harness import serving
 
 TOKENS = {f"ab-{i}": secrets.token_urlsafe(24) for i in range(3)}

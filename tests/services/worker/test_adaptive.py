@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine import Decoder, DecoderConfig
-from engine.tuning.calibrate import CostModel, cost_model_path, save_cost_model
-from engine.tuning.online import AutoTuneConfig
-from services.client.client import TRServeClient
-from services.worker.config import WorkerConfig
+from trserve.engine import Decoder, DecoderConfig
+from trserve.engine.tuning.calibrate import CostModel, cost_model_path, save_cost_model
+from trserve.engine.tuning.online import AutoTuneConfig
+from trserve.services.client.client import TRServeClient
+from trserve.services.worker.config import WorkerConfig
 from tests.services.worker_harness import serving
 
 PROMPT = [{"role": "user", "content": "Name three colours of the rainbow and one fruit of each colour."}]
@@ -45,7 +45,7 @@ def test_tuner_records_are_kept_with_the_tenant_matrix_across_restarts(loaded_sm
 
     import redis
 
-    from matrix_store import MatrixStore, StoreConfig
+    from trserve.matrix_store import MatrixStore, StoreConfig
     from tests.services.matrix_helpers import REDIS_URL
 
     cache = tmp_path / "cache"

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.client.balanced import BalancedClient, rendezvous
-from services.worker.config import Limits, WorkerConfig
+from trserve.services.client.balanced import BalancedClient, rendezvous
+from trserve.services.worker.config import Limits, WorkerConfig
 from tests.services.worker_harness import serving
 
 TURN1 = "Write a Python function that checks whether a string is a palindrome."

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import subprocess
 import urllib.request
 
 import grpc
@@ -11,9 +12,9 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from core.model_spec import ModelSpec
-from services.client.client import TRServeClient
-from services.worker.config import Limits, WorkerConfig
+from trserve.core.model_spec import ModelSpec
+from trserve.services.client.client import TRServeClient
+from trserve.services.worker.config import Limits, WorkerConfig
 from tests.services.worker_harness import BackgroundWorker, serving
 from trserve.v1 import generate_pb2 as pb
 
@@ -144,9 +145,11 @@ def test_tokenize_and_model_info(client, decoder):
     assert info.attention == ("grouped_sdpa" if grouped else "sdpa") and info.threads == torch.get_num_threads()
 
 
-def test_metrics_endpoint(client, worker):
+def test_metrics_endpoint(client, worker, promtool):
     client.generate(REPEATING, max_new_tokens=8, tenant="metrics")
     body = urllib.request.urlopen(f"http://127.0.0.1:{worker.worker.metrics_port}/metrics", timeout=5).read().decode()
+    lint = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, text=True, timeout=60)
+    assert lint.returncode == 0 and not lint.stdout.strip() and not lint.stderr.strip(), lint.stdout + lint.stderr
     for name in ('trserve_requests_total{code="OK",method="Generate"}', "trserve_generated_tokens_total",
                  "trserve_mean_accepted_tokens_bucket", "trserve_step_seconds_bucket", "trserve_queue_depth",
                  "trserve_active_requests", "trserve_draft_fallbacks_total", 'trserve_finish_total{reason="length"}'):
@@ -165,7 +168,7 @@ def test_metrics_endpoint(client, worker):
     assert worker.metrics.value("trserve_generated_tokens_total") >= 8
     (build,) = [line for line in body.splitlines() if line.startswith("trserve_build_info{")]
     info = client.model_info()
-    from core.version import __version__
+    from trserve.core.version import __version__
 
     for label in (f'kernels="{info.kernels}"', f'attention="{info.attention}"', f'tree="{info.default_tree}"',
                   f'device="{info.device}"', f'threads="{info.threads}"', f'version="{__version__}"'):

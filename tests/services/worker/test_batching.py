@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from engine.results import GenerationResult, StepChunk
-from services.client.client import TRServeClient
-from services.worker.bridge import EngineStream
-from services.worker.config import Limits, WorkerConfig
+from trserve.engine.results import GenerationResult, StepChunk
+from trserve.services.client.client import TRServeClient
+from trserve.services.worker.bridge import EngineStream
+from trserve.services.worker.config import Limits, WorkerConfig
 from tests.helpers import wait_for
 from tests.services.worker_harness import BackgroundWorker, serving
 

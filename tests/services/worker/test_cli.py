@@ -11,26 +11,26 @@ from pathlib import Path
 
 import pytest
 
-from core.errors import Unavailable
-from core.model_spec import ModelSpec
-from matrix_store import MatrixStore, StoreConfig
-from services.client.client import TRServeClient
-from services.worker.admission import Admission, QueueFull
-from services.worker.drafting.embedded import StoreDraftSource
+from trserve.core.errors import Unavailable
+from trserve.core.model_spec import ModelSpec
+from trserve.matrix_store import MatrixStore, StoreConfig
+from trserve.services.client.client import TRServeClient
+from trserve.services.worker.admission import Admission, QueueFull
+from trserve.services.worker.drafting.embedded import StoreDraftSource
 from trserve.v1 import generate_pb2 as pb
 
 REPO = Path(__file__).resolve().parents[3]
 
 
 def trserve(*args: str, **kwargs) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], cwd=REPO, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "trserve.services.cli", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=120, **kwargs)
 
 
 @pytest.mark.timeout(300)
 def test_serve_and_generate_cli(tmp_path):
     log = (tmp_path / "serve.log").open("w")
-    server = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", "--port", "0", "--metrics-port", "-1",
+    server = subprocess.Popen([sys.executable, "-m", "trserve.services.cli", "serve", "--port", "0", "--metrics-port", "-1",
                                "--http-port", "0", "--grace", "30"], cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
     try:
         line = server.stdout.readline()
@@ -128,8 +128,8 @@ def test_admission_bounds_the_queue():
 
 
 def test_full_trees_flag_turns_batch_aware_sizing_off():
-    from services.cli import build_parser
-    from services.worker.cli import build_configs
+    from trserve.services.cli import build_parser
+    from trserve.services.worker.cli import build_configs
 
     default, _ = build_configs(build_parser().parse_args(["serve"]))
     full, _ = build_configs(build_parser().parse_args(["serve", "--full-trees"]))

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from core.model_spec import ModelSpec
-from services.worker.drafting.link import DraftClientConfig, fallback_count
-from services.worker.drafting.remote import RemoteDraftSource
-from services.worker.drafting.replica import ReplicaDraftSource
+from trserve.core.model_spec import ModelSpec
+from trserve.services.worker.drafting.link import DraftClientConfig, fallback_count
+from trserve.services.worker.drafting.remote import RemoteDraftSource
+from trserve.services.worker.drafting.replica import ReplicaDraftSource
 from tests.services.matrix_helpers import redis_prefix, start_server  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.slow, pytest.mark.redis]
@@ -28,7 +28,7 @@ SOURCES = {"remote": RemoteDraftSource, "replica": ReplicaDraftSource}
 
 def _no_cached_prefix(decoder) -> None:
     """Runs compared row for row must prefill the same prompt positions: a prompt whose KV comes from
-    the prefix cache seeds its matrix only from the positions it prefills (engine/prefix_cache.py)."""
+    the prefix cache seeds its matrix only from the positions it prefills (trserve/engine/prefix_cache.py)."""
     if decoder.engine.prefix is not None:
         decoder.engine.prefix.clear()
 

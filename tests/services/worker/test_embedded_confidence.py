@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from core.model_spec import ModelSpec
-from engine.tr.recycle import RecycledRows
-from engine.tr.tree import TreeTemplate, get_compiled
-from matrix_store import MatrixStore, StoreConfig
-from services.worker.drafting.embedded import StoreDraftSource
+from trserve.core.model_spec import ModelSpec
+from trserve.engine.tr.recycle import RecycledRows
+from trserve.engine.tr.tree import TreeTemplate, get_compiled
+from trserve.matrix_store import MatrixStore, StoreConfig
+from trserve.services.worker.drafting.embedded import StoreDraftSource
 
 SPEC = ModelSpec("fp", 1000, 8)
 TREE = get_compiled(TreeTemplate.from_paths("t", [[0], [1], [0, 0]]), "cpu", torch.float32)
@@ -29,7 +29,7 @@ def test_embedded_sessions_check_out_and_apply_probs() -> None:
     out = store.checkout(SPEC, "t")
     assert out.version == 3 and session.info().mode == "embedded"
     # row 7 was unknown: its new confidences as they came; row 3 had some, which the session may
-    # blend in (engine/tr/source.py); either way the store holds what the session's copy holds
+    # blend in (trserve/engine/tr/source.py); either way the store holds what the session's copy holds
     assert out.probs[7].tolist() == [200] * 8 and out.probs[3].any() and not out.probs[4].any()
     assert np.array_equal(out.probs, session.matrix.probs.numpy()) and np.array_equal(out.rows, session.matrix.rows)
     store.close()

@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from services.client.client import TRServeClient, build_request
-from services.worker.config import Limits, WorkerConfig
+from trserve.services.client.client import TRServeClient, build_request
+from trserve.services.worker.config import Limits, WorkerConfig
 from tests.helpers import wait_for
 from tests.services.worker_harness import rpc_error, serving
 from trserve.v1 import generate_pb2 as pb
@@ -105,9 +105,9 @@ def test_queue_full_then_cancel_stops_decoding(client, worker):
 
 def test_a_plain_grpc_channel_with_the_shipped_service_config_retries_a_busy_worker(client, worker):
     """Issue 30 item 3: RESOURCE_EXHAUSTED carries the standard grpc-retry-pushback-ms trailer, and a
-    channel with services/client/service_config.json (what any gRPC language can load) retries it after
+    channel with trserve/services/client/service_config.json (what any gRPC language can load) retries it after
     that pause: the first attempt is refused, the call itself succeeds once the worker has room."""
-    from services.client.client import channel_options
+    from trserve.services.client.client import channel_options
     from trserve.v1 import generate_pb2_grpc
 
     metrics, admission = worker.metrics, worker.worker.servicer.admission

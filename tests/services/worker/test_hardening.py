@@ -12,9 +12,9 @@ import time
 import grpc
 import pytest
 
-from services.client.balanced import BalancedClient
-from services.client.client import TRServeClient, build_request
-from services.worker.config import Limits, WorkerConfig
+from trserve.services.client.balanced import BalancedClient
+from trserve.services.client.client import TRServeClient, build_request
+from trserve.services.worker.config import Limits, WorkerConfig
 from tests.helpers import wait_for
 from tests.services.worker_harness import BackgroundWorker, rpc_error, serving
 from trserve.v1 import generate_pb2 as pb

@@ -7,13 +7,13 @@ import logging
 
 import pytest
 
-from core.model_spec import ModelSpec
-from engine.tr.history import SuffixHistory
-from engine.tr.tree import TreeTemplate, compile_tree
-from matrix_store import MatrixStore, StoreConfig
-from services.worker.drafting.embedded import embedded_factory
-from services.worker.drafting.histories import SIDE_STATE, HistoryBook
-from services.worker.metrics import HistoryCollector, WorkerMetrics
+from trserve.core.model_spec import ModelSpec
+from trserve.engine.tr.history import SuffixHistory
+from trserve.engine.tr.tree import TreeTemplate, compile_tree
+from trserve.matrix_store import MatrixStore, StoreConfig
+from trserve.services.worker.drafting.embedded import embedded_factory
+from trserve.services.worker.drafting.histories import SIDE_STATE, HistoryBook
+from trserve.services.worker.metrics import HistoryCollector, WorkerMetrics
 from tests.services.matrix_helpers import redis_prefix  # noqa: F401 - fixture
 
 SPEC = ModelSpec("fp-history", 1000, 4)
@@ -130,8 +130,8 @@ def test_sessions_without_a_book_have_no_history():
 def test_a_worker_keeps_each_tenants_history_reports_it_and_saves_it_on_stop(decoder):
     import urllib.request
 
-    from services.client.client import TRServeClient
-    from services.worker.config import WorkerConfig
+    from trserve.services.client.client import TRServeClient
+    from trserve.services.worker.config import WorkerConfig
     from tests.services.worker_harness import BackgroundWorker
 
     w = BackgroundWorker(WorkerConfig(port=0, metrics_port=0, warmup=False), decoder)

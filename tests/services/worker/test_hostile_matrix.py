@@ -11,11 +11,11 @@ import grpc
 import numpy as np
 import pytest
 
-from services.client.client import TRServeClient
-from services.common.matrix_convert import rows_to_pb
-from services.worker.config import WorkerConfig
-from services.worker.drafting.link import DraftClientConfig
-from services.worker.drafting.replica import ReplicaDraftSource
+from trserve.services.client.client import TRServeClient
+from trserve.services.common.matrix_convert import rows_to_pb
+from trserve.services.worker.config import WorkerConfig
+from trserve.services.worker.drafting.link import DraftClientConfig
+from trserve.services.worker.drafting.replica import ReplicaDraftSource
 from tests.services.worker_harness import serving
 from trserve.v1 import matrix_pb2 as mpb
 from trserve.v1 import matrix_pb2_grpc
@@ -56,9 +56,9 @@ def test_malformed_probs_in_a_checkout_are_never_kept_nor_pushed() -> None:
     """No model needed: the replica session drafts from zeros, and its rows never reach the service."""
     import torch
 
-    from core.model_spec import ModelSpec
-    from engine.tr.recycle import RecycledRows
-    from engine.tr.tree import TreeTemplate, get_compiled
+    from trserve.core.model_spec import ModelSpec
+    from trserve.engine.tr.recycle import RecycledRows
+    from trserve.engine.tr.tree import TreeTemplate, get_compiled
 
     hostile = _Hostile("probs length", 1000, 8)
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
@@ -121,11 +121,11 @@ def test_a_matrix_service_serving_other_models_leaves_requests_served(decoder, m
     """Issue 28, defect 2: a matrix service whose model list lacks the worker's model (or that a
     stranger filled first) failed every TR request with FAILED_PRECONDITION; the worker drafts
     locally instead, each request complete and exact, and counts the fallback."""
-    from core.model_spec import ModelSpec
-    from matrix_store import StoreConfig
-    from services.matrix.server import MatrixServiceConfig
-    from services.worker.drafting.link import fallback_count
-    from services.worker.drafting.remote import RemoteDraftSource
+    from trserve.core.model_spec import ModelSpec
+    from trserve.matrix_store import StoreConfig
+    from trserve.services.matrix.server import MatrixServiceConfig
+    from trserve.services.worker.drafting.link import fallback_count
+    from trserve.services.worker.drafting.remote import RemoteDraftSource
     from tests.services.matrix_helpers import ServerThread
 
     other = ModelSpec("someone-elses-model", 1000, decoder.config.k)
@@ -154,9 +154,9 @@ def test_a_full_embedded_store_logs_once_per_interval_and_serves_every_tenant(de
     (drafting locally, counted as a fallback)."""
     import logging
 
-    from core.model_spec import ModelSpec
-    from matrix_store import MatrixStore, StoreConfig
-    from services.worker.drafting.embedded import embedded_factory
+    from trserve.core.model_spec import ModelSpec
+    from trserve.matrix_store import MatrixStore, StoreConfig
+    from trserve.services.worker.drafting.embedded import embedded_factory
 
     store = MatrixStore(StoreConfig(max_tenants_in_memory=2))
     spec = ModelSpec(decoder.fingerprint, decoder.vocab_size, decoder.config.k)

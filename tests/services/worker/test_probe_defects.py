@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.client.client import TRServeClient
-from services.worker.config import Limits, WorkerConfig
+from trserve.services.client.client import TRServeClient
+from trserve.services.worker.config import Limits, WorkerConfig
 from tests.services.worker_harness import serving
 from trserve.v1 import generate_pb2 as pb
 

@@ -8,9 +8,9 @@ import math
 import grpc
 import pytest
 
-from engine import SamplingParams
-from services.client.client import TRServeClient, build_request
-from services.worker.config import Limits, WorkerConfig
+from trserve.engine import SamplingParams
+from trserve.services.client.client import TRServeClient, build_request
+from trserve.services.worker.config import Limits, WorkerConfig
 from tests.services.worker_harness import rpc_error, serving
 
 LIMITS = Limits(max_new_tokens_cap=64, default_max_new_tokens=8, max_prompt_tokens=128)
@@ -50,7 +50,7 @@ def test_same_seed_same_output_through_the_service_and_in_process(client, decode
 
 
 def test_generate_cli_sampling_flags(worker, client, capsys):
-    from services.cli import main
+    from trserve.services.cli import main
 
     argv = ["generate", "--addr", worker.addr, "--json", "--raw", "--max-new-tokens", "8", "--temperature", "0.75",
             "--top-p", "0.875", "--top-k", "40", "--seed", "7", "Once upon a time"]

@@ -1,0 +1,340 @@
+"""`trserve bench --concurrency 1,2,4,8,16`: throughput and latency of the batching engine under
+closed-loop load, in one process (no gRPC: the engine is what is measured).
+
+At concurrency c, c clients each send a request, and the next one as soon as theirs finishes,
+until `requests(c)` have run; 4 tenants in turn, each with its own hot matrix. First turns only,
+unless `all_turns` (a client then sends a question's next turn after its own answer to the last,
+each turn one request), and `tenant_per_category` makes every category one tenant instead
+(`trserve bench --workload repetitive` sets both). Modes:
+`tr` (batched, batch-aware trees), `ar` (batched plain decoding, the same kernels), `serial`
+(one request at a time: a FIFO queue in front of `Decoder.generate`, whose engine takes one
+request and verifies its whole tree each step), and on
+request `tr-full` (batched TR with the budget off: every request verifies its whole tree each
+step, as `trserve serve --full-trees`; what the budget gains or loses). Per level:
+aggregate tokens/s, requests/s, latency and time-to-first-token percentiles, mean accepted tokens,
+the share of the level's time spent in prompt forwards and the tokens/s of the rest (decoding), and
+for TR modes the draft tokens per source (drafted, accepted).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from trserve.bench.report import draft_sources, source_lines
+
+log = logging.getLogger("trserve.bench")
+MODES = ("tr", "ar", "serial", "tr-full")
+Turn = tuple[str, list[dict], list[str]]  # (tenant, messages of this request, the conversation's user turns left)
+
+
+@dataclass(frozen=True)
+class ConcurrencyConfig:
+    prompts: str
+    levels: tuple[int, ...] = (1, 2, 4, 8, 16)
+    modes: tuple[str, ...] = ("tr", "ar", "serial")
+    max_new_tokens: int = 64
+    min_requests: int = 32  # per level: max(min_requests, 2 * concurrency) requests, the same prompts every level
+    prefill_chunk: int = 128
+    tenants: int = 4
+    kernels: str = "auto"
+    threads: int | None = None
+    json_path: str = "bench-results/concurrency.json"
+    all_turns: bool = False  # send every turn of a question (each after the client's own answer), not only the first
+    tenant_per_category: bool = False  # a tenant per category (its requests share a matrix), not `tenants` in turn
+
+    def __post_init__(self) -> None:
+        if not self.levels or min(self.levels) < 1 or set(self.modes) - set(MODES) or not self.modes:
+            raise ValueError(f"levels must be >= 1 and modes a subset of {MODES}")
+        if not Path(self.prompts).exists():
+            raise ValueError(f"prompts file {self.prompts!r} not found")
+
+    def requests(self, c: int) -> int:
+        return max(self.min_requests, 2 * c)
+
+
+def _mixed(path: str) -> list[dict]:
+    """The questions, categories interleaved (the file is sorted by category): every level sees a mix."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    by_cat: dict[str, list[dict]] = {}
+    for r in rows:
+        by_cat.setdefault(r.get("category", ""), []).append(r)
+    return [r for group in itertools.zip_longest(*by_cat.values()) for r in group if r is not None]
+
+
+def _prompts(path: str) -> list[list[dict]]:
+    """First turns, categories interleaved."""
+    return [[{"role": "user", "content": r["turns"][0]}] for r in _mixed(path)]
+
+
+def conversations(path: str, config: ConcurrencyConfig) -> list[tuple[str, list[str]]]:
+    """(tenant, user turns) per question, categories interleaved: the tenant is the category
+    (config.tenant_per_category) or the n-th question's n % config.tenants; every turn (config.all_turns)
+    or the first."""
+    return [(r.get("category", "") if config.tenant_per_category else str(i % config.tenants),
+             list(r["turns"]) if config.all_turns else [r["turns"][0]]) for i, r in enumerate(_mixed(path))]
+
+
+def _opening(feed) -> Turn:
+    tenant, turns = next(feed)
+    return tenant, [{"role": "user", "content": turns[0]}], turns[1:]
+
+
+def _follow(feed, turn: Turn, answer: str) -> Turn:
+    """A client's next request: its conversation's next turn after its own answer, else a new conversation."""
+    tenant, messages, rest = turn
+    if not rest:
+        return _opening(feed)
+    return tenant, [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": rest[0]}], rest[1:]
+
+
+def _done(stats, tokens: int, latency: float, ttft: float, sources: bool) -> dict:
+    """One finished request; `sources`: with its draft tokens per source (TR modes)."""
+    out = {"tokens": tokens, "latency": latency, "ttft": ttft, "mat": stats.mat}
+    if sources:
+        out.update(drafted=dict(stats.drafted), accepted=dict(stats.accepted))
+    return out
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    return float(np.percentile(xs, q)) if xs else 0.0
+
+
+def _summary(mode: str, c: int, done: list[dict], wall: float, prefill_s: float) -> dict:
+    """prefill_s: seconds of the level spent in prompt forwards (the serial decoder's own prefill
+    times); decode tok/s is the level's tokens over the rest, the part batching can share."""
+    tokens = sum(r["tokens"] for r in done)
+    lat = [r["latency"] for r in done]
+    ttft = [r["ttft"] for r in done]
+    row = {"mode": mode, "concurrency": c, "requests": len(done), "tokens": tokens, "seconds": round(wall, 3),
+          "tokens_per_s": round(tokens / wall, 2), "prefill_share": round(prefill_s / wall, 3),
+          "decode_tokens_per_s": round(tokens / max(wall - prefill_s, 1e-9), 2), "requests_per_s": round(len(done) / wall, 3),
+          "latency_p50_s": round(_percentile(lat, 50), 3), "latency_p99_s": round(_percentile(lat, 99), 3),
+          "ttft_p50_s": round(_percentile(ttft, 50), 3), "ttft_p99_s": round(_percentile(ttft, 99), 3),
+          "mat": round(float(np.mean([r["mat"] for r in done])), 3)}
+    sources = draft_sources(done)  # TR modes: draft tokens per source over the level's requests
+    if sources is not None:
+        row["draft_sources"] = sources
+    return row
+
+
+def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, convs, matrices: dict) -> dict:
+    from trserve.engine import GenerationRequest
+    from trserve.engine.engine import BatchEngine, EngineConfig
+    from trserve.engine.tuning.cost import engine_cost
+    from trserve.engine.results import GenerationResult
+
+    engine = BatchEngine(decoder, EngineConfig(max_batch=max(config.levels), prefill_chunk=config.prefill_chunk,
+                                               batch_aware=mode != "tr-full"), engine_cost(decoder, measure=True))
+    feed = itertools.cycle(convs)
+    total, started, done = config.requests(c), 0, []
+
+    def send(turn: Turn) -> None:
+        nonlocal started
+        tenant, messages, _ = turn
+        t0, first = time.perf_counter(), []
+        request = GenerationRequest(messages=messages, max_new_tokens=config.max_new_tokens,
+                                    mode="ar" if mode == "ar" else "tr")
+
+        def emit(item) -> None:
+            now = time.perf_counter()
+            if not first:
+                first.append(now - t0)
+            if isinstance(item, GenerationResult):
+                done.append(_done(item.stats, len(item.ids), now - t0, first[0], sources=mode != "ar"))
+                if started < total:
+                    send(_follow(feed, turn, item.text))
+
+        started += 1
+        engine.submit(decoder.prepare(request), emit, matrix=matrices[tenant], tenant=tenant)
+
+    t0 = time.perf_counter()
+    for _ in range(min(c, total)):
+        send(_opening(feed))
+    with engine.stepping(), _prefill_timed(engine.runner) as chunk_s:
+        while engine.running or engine.waiting or engine.prefilling:
+            engine.step()
+    return _summary(mode, c, done, time.perf_counter() - t0, sum(chunk_s))
+
+
+@contextmanager
+def _prefill_timed(runner):
+    """While open, `runner.prefill` appends each chunk's seconds to the list it yields."""
+    prefill, chunk_s = runner.prefill, []
+
+    def timed(*args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return prefill(*args, **kwargs)
+        finally:
+            chunk_s.append(time.perf_counter() - t)
+
+    runner.prefill = timed
+    try:
+        yield chunk_s
+    finally:
+        runner.prefill = prefill
+
+
+def _serial(decoder, c: int, config: ConcurrencyConfig, convs, matrices: dict) -> dict:
+    """c clients in front of a one-at-a-time server: each request waits for those ahead of it."""
+    feed = itertools.cycle(convs)
+    total, done, prefill_s = config.requests(c), [], 0.0
+    queue: deque[tuple[float, Turn]] = deque()
+    t0 = time.perf_counter()
+    for _ in range(min(c, total)):
+        queue.append((time.perf_counter(), _opening(feed)))
+    started = len(queue)
+    while queue:
+        sent, turn = queue.popleft()
+        tenant, messages, _ = turn
+        begin = time.perf_counter()
+        r = decoder.generate(messages=messages, max_new_tokens=config.max_new_tokens, matrix=matrices[tenant])
+        now = time.perf_counter()
+        done.append(_done(r.stats, len(r.ids), now - sent, begin - sent + r.stats.prefill_s,
+                          sources=r.stats.draft_mode != "none"))
+        prefill_s += r.stats.prefill_s
+        if started < total:
+            queue.append((now, _follow(feed, turn, r.text)))
+            started += 1
+    return _summary("serial", c, done, time.perf_counter() - t0, prefill_s)
+
+
+def fairness(decoder, config: ConcurrencyConfig, prompts, long_tokens: int = 2000) -> dict:
+    """While 4 requests decode, a request with a `long_tokens` prompt arrives: the running requests'
+    p99 inter-token gap before vs while it is prefilled, and the cost of one prefill chunk."""
+    from trserve.engine import GenerationRequest
+    from trserve.engine.engine import BatchEngine, EngineConfig
+    from trserve.engine.tuning.cost import engine_cost
+    from trserve.engine.results import StepChunk
+
+    engine = BatchEngine(decoder, EngineConfig(max_batch=8, prefill_chunk=config.prefill_chunk), engine_cost(decoder, measure=True))
+    stamps: list[list[float]] = [[] for _ in range(4)]
+    for i in range(4):
+        def emit(item, mine=stamps[i]) -> None:
+            if isinstance(item, StepChunk):
+                mine.append(time.perf_counter())
+        request = GenerationRequest(messages=prompts[i], max_new_tokens=200, ignore_eos=True)
+        engine.submit(decoder.prepare(request), emit, matrix=decoder.new_matrix())
+    text = " ".join(m[0]["content"] for m in prompts)
+    ids = decoder.tokenizer(text, add_special_tokens=False)["input_ids"][:long_tokens]
+    with engine.stepping():
+        while min(map(len, stamps)) < 30:
+            engine.step()
+        with _prefill_timed(engine.runner) as chunk_s:
+            engine.submit(decoder.prepare(GenerationRequest(input_ids=ids, max_new_tokens=8)), lambda item: None,
+                          matrix=decoder.new_matrix())
+            start = time.perf_counter()
+            while engine.waiting or engine.prefilling:
+                engine.step()
+            end = time.perf_counter()
+        for _ in range(20):
+            engine.step()
+    before = [b - a for s in stamps for a, b in zip(s, s[1:]) if b < start]
+    during = [b - a for s in stamps for a, b in zip(s, s[1:]) if a >= start and b <= end]
+    return {"prompt_tokens": len(ids), "prefill_chunk": config.prefill_chunk, "chunks": len(chunk_s),
+            "chunk_s_mean": round(float(np.mean(chunk_s)), 4), "chunk_s_max": round(max(chunk_s), 4),
+            "gap_p99_before_s": round(_percentile(before, 99), 4), "gap_p99_during_s": round(_percentile(during, 99), 4),
+            "gap_p50_before_s": round(_percentile(before, 50), 4), "gap_p50_during_s": round(_percentile(during, 50), 4)}
+
+
+def run_concurrency(config: ConcurrencyConfig) -> dict:
+    from trserve.engine import Decoder, DecoderConfig, ModelConfig
+    from trserve.engine.tr.history import SuffixHistory
+    from trserve.engine.tr.source import LocalDraftSource
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    decoder = Decoder(DecoderConfig(model=ModelConfig(kernels=config.kernels, threads=config.threads)))
+    prompts, convs = _prompts(config.prompts), conversations(config.prompts, config)
+    decoder.generate(messages=prompts[0], max_new_tokens=16)  # warm-up
+    rows = []
+    # each mode's matrices stay hot per tenant across levels; the modes take turns at each level, so a
+    # shared host's slow minutes fall on all of them alike (run one after the other, a mode that ran in
+    # a slow spell looked up to 20% slower than one that did not)
+    tenants = list(dict.fromkeys(tenant for tenant, _ in convs))
+    matrices = {mode: {t: decoder.new_tenant() for t in tenants} for mode in config.modes}  # matrix + history
+    for c in config.levels:
+        for mode in config.modes:
+            # every level sends the same prompts again: a tenant's history of the last level would hold
+            # their very answers (a cache, not drafting), so each level starts a fresh one; matrices stay hot
+            matrices[mode] = {t: LocalDraftSource(s.matrix, SuffixHistory()) for t, s in matrices[mode].items()}
+            row = (_serial(decoder, c, config, convs, matrices[mode]) if mode == "serial"
+                   else _batched(decoder, mode, c, config, convs, matrices[mode]))
+            log.info("%s", row)
+            rows.append(row)
+    rows.sort(key=lambda r: config.modes.index(r["mode"]))  # stable: levels ascending within a mode
+    fair = fairness(decoder, config, prompts)
+    log.info("fairness: %s", fair)
+    report = {"config": asdict(config), "kernels": decoder.loaded.kernels, "isa": decoder.loaded.isa, "rows": rows,
+              "fairness": fair,
+              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    path = Path(config.json_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1))
+    table = format_table(rows) + (
+        f"\nfairness: a {fair['prompt_tokens']}-token prompt arrives while 4 requests decode: their p99 "
+        f"inter-token gap {fair['gap_p99_before_s'] * 1e3:.0f} ms before, {fair['gap_p99_during_s'] * 1e3:.0f} ms "
+        f"during its prefill ({fair['chunks']} chunks of {fair['prefill_chunk']}, "
+        f"{fair['chunk_s_mean'] * 1e3:.0f} ms each, max {fair['chunk_s_max'] * 1e3:.0f} ms)") + format_sources(rows)
+    path.with_suffix(".txt").write_text(table + "\n")
+    print(table)
+    plot(rows, path.with_suffix(".png"))
+    return report
+
+
+def format_table(rows: list[dict]) -> str:
+    head = f"{'mode':<8}{'conc':>5}{'reqs':>6}{'tok/s':>9}{'req/s':>8}{'p50 lat':>9}{'p99 lat':>9}{'p50 ttft':>10}{'p99 ttft':>10}{'MAT':>6}{'prefill':>9}{'decode tok/s':>14}"
+    lines = [head]
+    for r in rows:
+        lines.append(f"{r['mode']:<8}{r['concurrency']:>5}{r['requests']:>6}{r['tokens_per_s']:>9.1f}"
+                     f"{r['requests_per_s']:>8.2f}{r['latency_p50_s']:>8.2f}s{r['latency_p99_s']:>8.2f}s"
+                     f"{r['ttft_p50_s']:>9.2f}s{r['ttft_p99_s']:>9.2f}s{r['mat']:>6.2f}"
+                     f"{r['prefill_share'] * 100:>8.0f}%{r['decode_tokens_per_s']:>14.1f}")
+    return "\n".join(lines)
+
+
+def format_sources(rows: list[dict]) -> str:
+    """Draft tokens per source of the TR modes' levels, after a blank line, to append to a table ("" when
+    no row has them)."""
+    sources = [(f"{r['mode']:<8}{r['concurrency']:>5}", r["draft_sources"]) for r in rows if "draft_sources" in r]
+    if not sources:
+        return ""
+    return "\n\n" + "\n".join(["draft sources: accepted / drafted tokens (acceptance)",
+                                *source_lines(sources, f"{'mode':<8}{'conc':>5}")])
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    """Throughput and p99 latency against concurrency, per mode (PNG; needs matplotlib, else skipped)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.info("matplotlib is not installed: no plot (pip install matplotlib)")
+        return
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    for mode in dict.fromkeys(r["mode"] for r in rows):
+        mine = [r for r in rows if r["mode"] == mode]
+        xs = [r["concurrency"] for r in mine]
+        a.plot(xs, [r["tokens_per_s"] for r in mine], marker="o", label=mode)
+        b.plot(xs, [r["latency_p99_s"] for r in mine], marker="o", label=mode)
+    for ax, title in ((a, "aggregate tokens/s"), (b, "p99 request latency (s)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent requests")
+        ax.set_title(title)
+        ax.grid(True, alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,140 @@
+"""Matrix service benchmark: draft round trip on loopback, and end-to-end tokens/s in-process vs
+remote vs replica drafting. The service runs as a separate process (as in the split deployment),
+so client and server do not share a GIL.
+
+    python -m trserve.bench.matrix_service [--steps 2000] [--prompts 3] [--max-new-tokens 64] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+PROMPTS = [
+    "Write a short poem about the sea.",
+    "List three uses of a paperclip and explain each in one sentence.",
+    "Explain what a hash table is to a beginner.",
+    "Give me a recipe for pancakes.",
+    "Summarise the plot of Romeo and Juliet in a few sentences.",
+]
+
+
+def start_service(redis_url: str | None) -> tuple[subprocess.Popen, str]:
+    cmd = [sys.executable, "-m", "trserve.services.cli", "--log-level", "WARNING", "matrix", "--host", "127.0.0.1", "--port", "0"]
+    if redis_url:
+        cmd += ["--redis-url", redis_url, "--key-prefix", f"trbench:{int(time.time())}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    match = re.search(r":(\d+)$", line.strip())
+    if match is None:
+        proc.kill()
+        raise RuntimeError(f"matrix service did not start: {line!r}")
+    return proc, f"127.0.0.1:{match.group(1)}"
+
+
+def round_trips(addr: str, tree_name: str, steps: int, vocab_size: int = 49152, k: int = 8) -> dict:
+    """Latency of RemoteDraftSession.step (send the rows of one verification + root, get a tree)."""
+    import torch
+
+    from trserve.core.model_spec import ModelSpec
+    from trserve.engine.tr.recycle import RecycledRows
+    from trserve.engine.tr.tree import get_compiled, load_template
+    from trserve.services.worker.drafting.remote import RemoteDraftSource
+
+    tree = get_compiled(load_template(tree_name), "cpu", torch.float32)
+    source = RemoteDraftSource(addr, f"bench-rtt-{tree_name}")
+    session = source.open(tree, ModelSpec("bench-fp", vocab_size, k))
+    rng = np.random.default_rng(0)
+    rows = [RecycledRows(torch.tensor(rng.choice(vocab_size, tree.n, replace=False)),
+                         torch.tensor(rng.integers(0, vocab_size, (tree.n, k)), dtype=torch.int32)) for _ in range(64)]
+    times = []
+    for i in range(steps + 200):
+        t0 = time.perf_counter()
+        session.step(rows[i % 64], int(rows[i % 64].tokens[0]))
+        if i >= 200:  # warm-up excluded
+            times.append(time.perf_counter() - t0)
+    mode = session.info().mode
+    session.close(None)
+    source.close()
+    us = np.array(times) * 1e6
+    return {"tree": tree_name, "nodes": tree.n, "steps": steps, "mode": mode,
+            "p50_us": float(np.percentile(us, 50)), "p99_us": float(np.percentile(us, 99)),
+            "mean_us": float(us.mean())}
+
+
+def end_to_end(addr: str, prompts: list[str], max_new_tokens: int) -> list[dict]:
+    """Tokens/s per drafting mode over the same prompts; each mode's matrix carries over prompts."""
+    from trserve.engine import Decoder, DecoderConfig
+    from trserve.services.worker.drafting.remote import RemoteDraftSource
+    from trserve.services.worker.drafting.replica import ReplicaDraftSource
+
+    decoder = Decoder(DecoderConfig())
+    stamp = int(time.time())
+    sources = {"in-process": lambda: decoder.new_matrix(),
+               "remote": lambda: RemoteDraftSource(addr, f"bench-remote-{stamp}"),
+               "replica": lambda: ReplicaDraftSource(addr, f"bench-replica-{stamp}")}
+    decoder.generate(messages=[{"role": "user", "content": "Hi"}], max_new_tokens=8)  # warm-up
+    results, reference = [], None
+    for mode, make in sources.items():
+        source = make()
+        ids, tokens, seconds, mat = [], 0, 0.0, []
+        for prompt in prompts:
+            r = decoder.generate(messages=[{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens,
+                                 matrix=source)
+            ids.append(r.ids)
+            tokens += r.stats.generated_tokens
+            seconds += r.stats.prefill_s + r.stats.decode_s
+            mat.append(r.stats.mat)
+        if hasattr(source, "close"):
+            source.close()
+        reference = reference or ids
+        results.append({"mode": mode, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+                        "mean_mat": float(np.mean(mat)), "tree": decoder.default_tree.template.name,
+                        "same_ids_as_in_process": ids == reference})
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=2000, help="round trips measured per tree")
+    parser.add_argument("--trees", default="paper", help="comma-separated builtin trees for the round trip")
+    parser.add_argument("--prompts", type=int, default=3, help=f"prompts for end-to-end (max {len(PROMPTS)}); 0 = skip")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--redis-url", default=None, help="snapshot to this Redis (default: memory only)")
+    parser.add_argument("--out", default="bench-results/matrix-bench.json")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    torch.set_num_threads(2)
+    proc, addr = start_service(args.redis_url)
+    try:
+        rtt = [round_trips(addr, name, args.steps) for name in args.trees.split(",")]
+        e2e = end_to_end(addr, PROMPTS[: args.prompts], args.max_new_tokens) if args.prompts else []
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    print(f"\n{'tree':<14}{'nodes':>6}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}  mode")
+    for r in rtt:
+        print(f"{r['tree']:<14}{r['nodes']:>6}{r['p50_us']:>10.0f}{r['p99_us']:>10.0f}{r['mean_us']:>10.0f}  {r['mode']}")
+    if e2e:
+        print(f"\n{'drafting':<12}{'tokens':>8}{'tok/s':>9}{'MAT':>7}  same ids")
+        for r in e2e:
+            print(f"{r['mode']:<12}{r['tokens']:>8}{r['tokens_per_s']:>9.2f}{r['mean_mat']:>7.2f}  {r['same_ids_as_in_process']}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"round_trip": rtt, "end_to_end": e2e, "max_new_tokens": args.max_new_tokens,
+                               "cpu_threads": torch.get_num_threads()}, indent=2))
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""`trserve bench --profile`: where a decoding step's time goes, per forward kind.
+
+For each forward kind this host runs (`transformers`: the eager modules; `native`: the one-call
+forward of trserve/engine/model/native.py), on the kernels `auto` picks here: the cost of one forward per
+width (1, 2, 4, 8, 16 new tokens over 512 cached ones, through the runner the decoders use), then
+a few prompts decoded serially in `ar` and `tr` mode with the time inside the runner's forwards
+and the time outside them (drafting, acceptance, recycling, sampling, streaming) per step.
+Written as JSON (bench-results/profile.json) and a table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from trserve.bench.runner import WARMUP, _avx512, select_questions
+
+log = logging.getLogger("trserve.bench")
+
+
+@dataclass(frozen=True)
+class ProfileConfig:
+    prompts: str
+    n_prompts: int = 6
+    max_new_tokens: int = 64
+    forwards: tuple[str, ...] = ("transformers", "native")
+    widths: tuple[int, ...] = (1, 2, 4, 8, 16)
+    kv: int = 512
+    kernels: str = "auto"
+    threads: int | None = None
+    json_path: str = "bench-results/profile.json"
+
+    def __post_init__(self) -> None:
+        if not self.forwards or set(self.forwards) - {"transformers", "native"}:
+            raise ValueError(f"forwards must be a subset of transformers, native; got {list(self.forwards)}")
+        if self.n_prompts < 1 or self.max_new_tokens < 1 or self.kv < 1:
+            raise ValueError("n_prompts, max_new_tokens and kv must be >= 1")
+
+
+def _profile_one(loaded, config: ProfileConfig, questions: list[dict]) -> dict:
+    from trserve.engine import Decoder, DecoderConfig
+    from trserve.engine.tuning.calibrate import measure
+
+    cost = measure(loaded.model, widths=config.widths, kv_lens=(config.kv,), reps=3, passes=2, native=loaded.native)
+    out = {"forward": loaded.forward, "kernels": loaded.kernels, "isa": loaded.isa,
+           "width_ms": {str(w): round(1000 * s, 2) for w, s in zip(cost.widths, cost.seconds[0])}, "modes": {}}
+    decoder = Decoder(DecoderConfig(model=_model_config(config, loaded.forward)), loaded=loaded)
+    runner = decoder.engine.runner
+    for mode in ("ar", "tr"):
+        matrix = decoder.new_matrix() if mode == "tr" else None
+        decoder.generate(messages=WARMUP, max_new_tokens=32, mode=mode, matrix=matrix)
+        runner.step_s, runner.steps = 0.0, 0
+        steps = tokens = 0
+        decode_s = prefill_s = 0.0
+        for q in questions:
+            r = decoder.generate(messages=[{"role": "user", "content": q["turns"][0]}],
+                                 max_new_tokens=config.max_new_tokens, mode=mode, matrix=matrix)
+            steps += r.stats.steps
+            tokens += r.stats.generated_tokens
+            decode_s += r.stats.decode_s
+            prefill_s += r.stats.prefill_s
+        forward_s = runner.step_s
+        out["modes"][mode] = {
+            "steps": steps, "tokens": tokens, "tokens_per_s": round(tokens / (prefill_s + decode_s), 2),
+            "forward_ms_per_step": round(1000 * forward_s / max(steps, 1), 2),
+            "other_ms_per_step": round(1000 * (decode_s - forward_s) / max(steps, 1), 2),
+            "prefill_ms_per_prompt": round(1000 * prefill_s / len(questions), 1),
+            "tokens_per_step": round(tokens / max(steps, 1), 2)}
+    return out
+
+
+def _model_config(config: ProfileConfig, forward: str):
+    from trserve.engine import ModelConfig
+
+    return ModelConfig(kernels=config.kernels, threads=config.threads, forward=forward)
+
+
+def run_profile(config: ProfileConfig) -> dict:
+    from trserve.engine import load_model
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    questions = select_questions(config.prompts, 1)[: config.n_prompts]
+    report = {"config": asdict(config), "environment": {
+        "threads": torch.get_num_threads(), "avx512": _avx512(), "torch": torch.__version__,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, "runs": []}
+    loaded = None
+    for forward in config.forwards:
+        loaded = load_model(_model_config(config, forward))
+        if loaded.forward != forward:
+            log.warning("forward %s does not apply to this model here; skipped", forward)
+            continue
+        report["runs"].append(_profile_one(loaded, config, questions))
+    path = Path(config.json_path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    text = format_profile(report)
+    path.with_suffix(".txt").write_text(text + "\n")
+    print(text)
+    return report
+
+
+def format_profile(report: dict) -> str:
+    env = report["environment"]
+    lines = [f"per-step profile ({env['threads']} threads, AVX-512: {'yes' if env['avx512'] else 'no'})", ""]
+    widths = list(report["runs"][0]["width_ms"]) if report["runs"] else []
+    lines.append(f"{'forward':<14}{'kernels':<22}" + "".join(f"{'w=' + w:>8}" for w in widths) + "   (ms per forward)")
+    for r in report["runs"]:
+        kern = f"{r['kernels']}{'-' + r['isa'] if r['isa'] else ''}"
+        lines.append(f"{r['forward']:<14}{kern:<22}" + "".join(f"{r['width_ms'][w]:>8.1f}" for w in widths))
+    lines += ["", f"{'forward':<14}{'mode':<6}{'tok/s':>8}{'tok/step':>10}{'fwd ms':>9}{'other ms':>10}"
+              f"{'prefill ms':>12}"]
+    for r in report["runs"]:
+        for mode, m in r["modes"].items():
+            lines.append(f"{r['forward']:<14}{mode:<6}{m['tokens_per_s']:>8.1f}{m['tokens_per_step']:>10.2f}"
+                         f"{m['forward_ms_per_step']:>9.2f}{m['other_ms_per_step']:>10.2f}"
+                         f"{m['prefill_ms_per_prompt']:>12.1f}")
+    return "\n".join(lines)

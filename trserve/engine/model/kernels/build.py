@@ -1,0 +1,199 @@
+"""The kernels' C library: which ISA variant this CPU runs (/proc/cpuinfo), the gcc build of
+csrc/*.c into one shared library per variant, its on-disk cache (one file per source version), and
+loading it with ctypes."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from trserve.engine.model.kernels.pack import PANEL, Q4_LAYOUTS
+
+log = logging.getLogger("trserve.engine")
+
+_CSRC = Path(__file__).resolve().parent.parent / "csrc"
+_libs: dict[str, ctypes.CDLL] = {}  # isa -> the loaded library
+
+# Kernel variants, best first: the /proc/cpuinfo flags each needs, and its compile flags. The flags
+# are explicit ISA subsets over baseline x86-64 (never -march=native, nor the compiler's default
+# -march, which some distributions raise), so a library built on one host runs on any other host
+# with those flags, e.g. one built into an image. -ffp-contract=off: the compiler must not fuse or
+# split multiply-adds by itself; csrc/qlinear.c writes out every one, the same in all variants.
+_ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
+    "avx512": (frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma", "f16c"}),
+               ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c")),
+    "avx2": (frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
+    "scalar": (frozenset(), ()),
+}
+ISAS = tuple(_ISAS)
+_BASE_CFLAGS = ("-O3", "-march=x86-64", "-mtune=generic", "-ffp-contract=off", "-pthread", "-shared", "-fPIC")
+
+
+# ---- which variant this host runs ----------------------------------------------------------------
+@functools.lru_cache(maxsize=1)  # read once, at first use (not at import); flags do not change
+def _cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def _x86_64_linux() -> bool:
+    return platform.system() == "Linux" and platform.machine() in ("x86_64", "AMD64")
+
+
+def _check_isa(isa: str) -> None:
+    if isa != "auto" and isa not in _ISAS:
+        raise ValueError(f"isa must be auto or one of {', '.join(ISAS)}; got {isa!r}")
+
+
+def available_isas() -> list[str]:
+    """The kernel variants this host runs, best first ([] off x86-64 Linux; else at least scalar)."""
+    if not _x86_64_linux():
+        return []
+    flags = _cpu_flags()
+    return [isa for isa, (needs, _) in _ISAS.items() if needs <= flags]
+
+
+def kernel_isa(isa: str = "auto") -> str:
+    """The variant `isa` resolves to here: "avx512", "avx2" or "scalar" ("auto": the best this CPU
+    runs). ValueError for an unknown name, RuntimeError where this host cannot run it."""
+    _check_isa(isa)
+    runs = available_isas()
+    if not runs:
+        raise RuntimeError("the compressed kernels need Linux on x86-64")
+    if isa == "auto":
+        return runs[0]
+    if isa not in runs:
+        raise RuntimeError(f"this CPU lacks {', '.join(sorted(_ISAS[isa][0] - _cpu_flags()))} for the {isa} kernels")
+    return isa
+
+
+def qlinear_supported(isa: str = "auto") -> bool:
+    """Whether this host runs the `isa` kernels: for "auto", any x86-64 Linux host (scalar at worst).
+    The library itself is built (needs gcc) or found by `build_kernels`."""
+    try:
+        kernel_isa(isa)
+    except RuntimeError:
+        return False
+    return True
+
+
+# ---- the build and its cache ---------------------------------------------------------------------
+def _compiler() -> str | None:
+    from shutil import which
+
+    return os.environ.get("CC") or which("gcc") or which("cc")
+
+
+def _cflags(isa: str) -> list[str]:
+    return [*_BASE_CFLAGS, *_ISAS[isa][1]]
+
+
+def _sources() -> list[Path]:
+    """Every source file of the library, headers included (the build key hashes them all, so any
+    edit rebuilds). Its .c files are the compilation units: linear kernels, native forward, pool."""
+    return sorted(p for p in _CSRC.iterdir() if p.suffix in (".c", ".h"))
+
+
+def kernel_build_key(isa: str) -> str:
+    """16 hex digits naming one build of the kernel sources for `isa` (a resolved variant): it changes
+    with any source file (name or text) and the flags, so caches of measured speeds (calibrations)
+    follow the kernels."""
+    h = hashlib.sha256()
+    for p in _sources():
+        text = p.read_bytes()
+        h.update(f"{p.name}\0{len(text)}\0".encode() + text)
+    h.update(" ".join(_cflags(isa)).encode())
+    return h.hexdigest()[:16]
+
+
+def build_kernels(cache_dir: Path | None = None, isa: str = "auto") -> Path:
+    """Compile csrc/*.c into one library for `isa` ("auto": this CPU's best) once per source version
+    into `cache_dir`/kernels; returns the library. Any variant builds on any x86-64 host (an image can
+    hold all three); running it needs the CPU flags."""
+    from trserve.engine.model.paths import default_cache_dir
+
+    _check_isa(isa)
+    isa = kernel_isa() if isa == "auto" else isa
+    key = kernel_build_key(isa)
+    out = Path(cache_dir or default_cache_dir()) / "kernels" / f"qlinear-{isa}-{key}.so"
+    if not out.exists():
+        if _compiler() is None:
+            raise RuntimeError("no C compiler (gcc) to build the compressed kernels")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        units = [p for p in _sources() if p.suffix == ".c"]
+        cmd = [_compiler(), *_cflags(isa), "-o", tmp, *map(str, units), "-lm"]  # each unit compiled, then linked
+        log.warning("building the compressed kernels for %s (once per source version; ~30-60 s on 2 cores)", isa)
+        t0 = time.perf_counter()
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        if res.returncode != 0:
+            os.unlink(tmp)
+            names = ", ".join(p.name for p in units)
+            raise RuntimeError(f"compiling {names} for {isa} failed: {res.stderr.strip()[:500]}")
+        log.info("built %s in %.1f s", out.name, time.perf_counter() - t0)
+        os.chmod(tmp, 0o755)  # mkstemp makes it private; other users (a container's) must load it
+        os.replace(tmp, out)  # atomic: concurrent loaders see a whole library or none
+    return out
+
+
+# ---- loading -------------------------------------------------------------------------------------
+def _library(cache_dir: Path, isa: str):
+    """The kernel entry point of variant `isa` (already resolved and runnable here), loaded once."""
+    if isa in _libs:
+        return _libs[isa].trserve_qlinear
+    lib = ctypes.CDLL(str(build_kernels(cache_dir, isa)))
+    lib.trserve_qlinear_isa.restype = ctypes.c_char_p
+    built = lib.trserve_qlinear_isa().decode()
+    if built != isa:  # the source picks its code path from the compile flags
+        raise RuntimeError(f"kernel library built for {isa} reports {built}")
+    if lib.trserve_qlinear_panel() != PANEL:  # QLinear packs outputs in panels of this size
+        raise RuntimeError(f"kernel library panels are not {PANEL} outputs")
+    if lib.trserve_qlinear_q4_layout() not in range(len(Q4_LAYOUTS)):
+        raise RuntimeError("kernel library reads an unknown q4 code layout")
+    fn = lib.trserve_qlinear
+    fn.restype = ctypes.c_int  # 0, or -1 when the kernel could not allocate its scale buffers
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_int]
+    f = lib.trserve_forward
+    f.restype = ctypes.c_int
+    P, i64 = ctypes.c_void_p, ctypes.c_int64
+    f.argtypes = [P, i64, P, P, P, P, P, P, P, P, P, i64, P, i64, P, i64, P, ctypes.c_int]
+    lib.trserve_top_probs.restype = ctypes.c_int
+    lib.trserve_top_probs.argtypes = [P, i64, i64, i64, P, P]
+    _libs[isa] = lib
+    return fn
+
+
+def q4_layout(cache_dir: Path, isa: str) -> str:
+    """The q4 code layout ("bytes" or "lanes", csrc/qlinear.c) the `isa` library reads."""
+    _library(cache_dir, isa)
+    return Q4_LAYOUTS[_libs[isa].trserve_qlinear_q4_layout()]
+
+
+def top_probs_library(isa: str):
+    """trserve_top_probs of variant `isa` (csrc/forward.c): softmax probabilities of chosen ids."""
+    if isa not in _libs:
+        raise RuntimeError(f"the {isa} kernel library is not loaded (no QLinear built on it)")
+    return _libs[isa].trserve_top_probs
+
+
+def forward_library(isa: str):
+    """trserve_forward of variant `isa` (csrc/forward.c), from the library its QLinear layers loaded."""
+    if isa not in _libs:
+        raise RuntimeError(f"the {isa} kernel library is not loaded (no QLinear built on it)")
+    return _libs[isa].trserve_forward

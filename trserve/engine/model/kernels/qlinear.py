@@ -1,0 +1,98 @@
+"""The `QLinear` torch module (an `nn.Linear` on the exact compressed kernels) and
+`quantize_linears`, which swaps it in for every linear layer whose weights recover exactly."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from trserve.engine.model.kernels.build import _library, kernel_isa, q4_layout
+from trserve.engine.model.kernels.pack import pack_q4, pack_q8
+from trserve.engine.model.kernels.recover import recover_q4, recover_q8
+
+log = logging.getLogger("trserve.engine")
+
+
+def _half(v: torch.Tensor) -> torch.Tensor:
+    """v: float32 scales that are float16 values -> the same values as float16 (exact, checked)."""
+    h = v.to(torch.float16)
+    if not torch.equal(h.to(torch.float32), v):
+        raise ValueError("block scales must be float16 values (as recover_q4 / recover_q8 return them)")
+    return h.contiguous()
+
+
+class QLinear(nn.Module):
+    """`nn.Linear` replacement over exactly recovered 4-bit (kind 4) or 8-bit (kind 8) blocks.
+
+    codes: [O, I/2] (kind 4) or [O, I] (kind 8) uint8 as recover_q4 / recover_q8 give them; d, m:
+    [O, I/32] float32 holding float16 values (m None for kind 8). Held in the kernels' panel layout
+    (`pack_q4` / `pack_q8`), scales as float16; isa: the kernel variant ("auto": this CPU's best)."""
+
+    def __init__(self, kind: int, codes, d, m, bias, in_features: int, out_features: int, cache_dir: Path,
+                 isa: str = "auto") -> None:
+        super().__init__()
+        if kind not in (4, 8) or in_features % 32 or out_features < 1:
+            raise ValueError(f"QLinear takes q4/q8 blocks of 32 and at least one output; got q{kind} "
+                             f"{in_features} -> {out_features}")
+        nb = in_features // 32
+        if codes.shape != (out_features, in_features // (2 if kind == 4 else 1)) or d.shape != (out_features, nb):
+            raise ValueError(f"codes {tuple(codes.shape)} / scales {tuple(d.shape)} do not match q{kind} "
+                             f"{in_features} -> {out_features}")
+        self.kind, self.in_features, self.out_features = kind, in_features, out_features
+        self.isa = kernel_isa(isa)
+        if kind == 4:
+            codes, d, m = pack_q4(codes, _half(d), _half(m), q4_layout(cache_dir, self.isa))
+        else:
+            codes, d = pack_q8(codes, _half(d))
+        self.register_buffer("codes", codes, persistent=False)  # [P, nb, 16 or 32, 16] uint8
+        self.register_buffer("d", d, persistent=False)  # [P, nb, 16] float16
+        self.register_buffer("m", m if kind == 4 else torch.zeros(0, dtype=torch.float16), persistent=False)
+        self.register_buffer("bias", bias, persistent=False)
+        self._fn = _library(cache_dir, self.isa)
+        self.threads: int | None = None  # the kernels' threads (csrc/pool.h); None: torch.get_num_threads()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features).contiguous()  # [n, I]
+        if x2.dtype != torch.float32:
+            raise TypeError(f"QLinear takes float32 input, got {x2.dtype}")
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)  # [n, O]
+        bias = self.bias.data_ptr() if self.bias is not None else None
+        m = self.m.data_ptr() if self.kind == 4 else None
+        if self._fn(self.kind, x2.data_ptr(), x2.shape[0], self.in_features, self.out_features, self.codes.data_ptr(),
+                    self.d.data_ptr(), m, bias, y.data_ptr(), self.threads or torch.get_num_threads()):
+            raise MemoryError("compressed kernel: no memory for its scale buffers")
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, exact q{self.kind} blocks, {self.isa}"
+
+
+def quantize_linears(model: nn.Module, cache_dir: Path, isa: str = "auto") -> tuple[int, int]:
+    """Swap every nn.Linear whose weight recovers exactly for a QLinear on kernel variant `isa`
+    ("auto": this CPU's best; others for tests and measurements); returns (swapped, kept)."""
+    isa = kernel_isa(isa)
+    swapped = kept = 0
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if not isinstance(child, nn.Linear):
+                continue
+            w = child.weight.detach()
+            bias = child.bias.detach().contiguous() if child.bias is not None else None
+            q4 = recover_q4(w)
+            if q4 is not None:
+                new = QLinear(4, *q4, bias, child.in_features, child.out_features, cache_dir, isa)
+            else:
+                q8 = recover_q8(w)
+                if q8 is None:
+                    kept += 1
+                    continue
+                new = QLinear(8, q8[0].view(torch.uint8), q8[1], None, bias, child.in_features, child.out_features,
+                              cache_dir, isa)
+            setattr(module, name, new)
+            swapped += 1
+    log.info("exact compressed kernels (%s): %d linear layers swapped, %d kept", isa, swapped, kept)
+    return swapped, kept

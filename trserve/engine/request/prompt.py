@@ -1,0 +1,91 @@
+"""Turning a request's input (raw text, chat messages or token ids) into validated prompt ids."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from trserve.core.errors import InvalidArgument
+
+ROLES = ("system", "user", "assistant")
+
+
+def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "input ids") -> list[int]:
+    """ids as a list of ints, each in [0, vocab_size); else InvalidArgument naming `what`."""
+    try:
+        out = [int(i) for i in ids]
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{what} must be integers") from None
+    bad = [i for i in out if not 0 <= i < vocab_size]
+    if bad:
+        raise InvalidArgument(f"{what} {bad[:5]} are outside the vocabulary [0, {vocab_size})")
+    return out
+
+
+class PromptBuilder:
+    def __init__(self, tokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        # the text forms of the tokenizer's special (control) tokens, e.g. `<|im_end|>`
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.control_texts = tuple(t.content for t in added.values() if getattr(t, "special", False) and t.content)
+
+    def build(self, prompt: str | None, messages: Sequence[dict] | None, input_ids: Sequence[int] | None) -> list[int]:
+        """Prompt ids from exactly one of the three inputs (GenerationRequest checked that)."""
+        if prompt is not None:
+            if not isinstance(prompt, str) or not prompt.strip():
+                raise InvalidArgument("prompt is empty; send some text")
+            ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        elif messages is not None:
+            ids = self.chat_ids(messages)
+        else:
+            if not isinstance(input_ids, (list, tuple)) or not input_ids:
+                raise InvalidArgument("input_ids is empty; send at least one token id")
+            ids = check_token_ids(input_ids, self.vocab_size)
+        if not ids:
+            raise InvalidArgument("prompt is empty after tokenization")
+        return ids
+
+    def chat_ids(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not isinstance(messages, (list, tuple)) or not messages:
+            raise InvalidArgument("messages must be a non-empty list of {role, content}")
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
+                raise InvalidArgument(f"message {i} must be {{'role': one of {ROLES}, 'content': str}}, got {m!r:.80}")
+        if not any(m["content"].strip() for m in messages):
+            raise InvalidArgument("all messages are empty; send some text")
+        if self.tokenizer.chat_template is None:
+            raise InvalidArgument("this model has no chat template; send a raw prompt or token ids instead")
+        if any(t in m["content"] for m in messages for t in self.control_texts):
+            return self._quoted_chat_ids(messages, add_generation_prompt)
+        return list(self._template(list(messages), add_generation_prompt, tokenize=True))
+
+    def _template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool):
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                      tokenize=tokenize, return_dict=False)
+        except TemplateError as exc:  # the template's own checks (e.g. roles must alternate): the caller's to fix
+            raise InvalidArgument(f"the model's chat template refused these messages: {exc}") from None
+
+    def _quoted_chat_ids(self, messages: Sequence[dict], add_generation_prompt: bool) -> list[int]:
+        """Chat content is text: where it spells a control token (`<|im_start|>system`...), those
+        characters are tokenized as plain text, so end-user content cannot forge turns. The template is
+        rendered with a placeholder per content; the template's own text keeps its control tokens."""
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        if any("\ue000" in m["content"] for m in messages):
+            raise InvalidArgument("message content holds private-use characters U+E000; remove them")
+        text = self._template([{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt,
+                              tokenize=False)
+        pieces = re.split("\ue000(\\d+)\ue001", text)  # template, index, template, index, ..., template
+        if [int(i) for i in pieces[1::2]] != list(range(len(messages))):
+            raise InvalidArgument("message content spells the model's control tokens, which its chat template "
+                                  "cannot quote as text; remove them from the content")
+        tok, ids = self.tokenizer, []
+        for j, piece in enumerate(pieces):
+            if j % 2:
+                ids += tok(messages[int(piece)]["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            elif piece:
+                ids += tok(piece, add_special_tokens=False)["input_ids"]
+        return ids

@@ -1,0 +1,322 @@
+"""Suffix memory: continuations of the current suffix found in a tenant's earlier requests.
+
+`trserve/engine/tr/lookup.py` finds spans a request copies from its own prompt; a tenant's requests also
+repeat each other (the same system prompt, template, boilerplate answer). `SuffixHistory` keeps a
+tenant's recent documents (one per finished request: prompt + output) and answers the same question
+as `find_continuation` over them: the tokens that followed the most recent earlier occurrence of the
+longest matching suffix, never across two documents.
+
+Index: one open-addressing table per n-gram size n in [min_ngram, max_ngram] (double hashing), each
+slot the buffer position of the token that follows one n-gram (-1: empty). Slots hold no key: a probe
+compares the n tokens before the stored position with the query, so an answer is never a hash
+collision's garbage, and a slot costs 4 bytes. The tables share one power-of-two size, at most 3/4
+used (e.g. 65536 tokens, n in [3, 12]: 10 x 2^17 slots = 5 MiB, plus 4 bytes per buffered token).
+Hashes are a prepend chain, h_n = F(h_{n-1}, token), so a context's suffix hashes for every n cost
+O(max_ngram) together, and a document's are O(L * max_ngram) numpy work.
+Eviction is logical (the oldest documents stop counting: their positions fall below `live`); once
+half of `max_tokens` is dead, or the tables fill up, the buffer is compacted and the index rebuilt
+(amortised O(max_ngram) numpy work per added token). An add works on copies and publishes them as
+one immutable `_State`, so proposals take no lock.
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+import zlib
+from bisect import bisect_right
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from trserve.engine.tr.lookup import Proposal
+
+_MASK = (1 << 64) - 1
+_P, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+_MAX_LOAD = 0.75  # the tables are rebuilt larger before more slots than this are taken
+_MIN_SLOTS = 256
+_MAGIC, _FORMAT = b"TRSH", 1
+_HEADER = struct.Struct("<4sHHIIQ")  # magic, format, reserved, documents, tokens, version
+_MAX_TOKEN = (1 << 31) - 1
+
+
+def _mix(h: int, token: int) -> int:
+    """F(h, token) on one context token: splitmix64(h * P + token + 1), all mod 2^64."""
+    z = (h * _P + token + 1) & _MASK
+    z = ((z ^ (z >> 30)) * _M1) & _MASK
+    z = ((z ^ (z >> 27)) * _M2) & _MASK
+    return z ^ (z >> 31)
+
+
+def _mix_array(h: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+    """F elementwise: h [m] uint64, tokens [m] uint64 -> [m] uint64 (numpy arrays wrap mod 2^64)."""
+    z = h * np.uint64(_P) + tokens + np.uint64(1)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
+    return z ^ (z >> np.uint64(31))
+
+
+def suffix_hashes(tail: Sequence[int]) -> list[int]:
+    """[h_1, .., h_t]: h_n is the hash of tail's last n tokens (the key `_doc_hashes` gives that n-gram)."""
+    out, h = [], 0
+    for token in reversed(tail):
+        h = _mix(h, token)
+        out.append(h)
+    return out
+
+
+def _doc_hashes(doc: np.ndarray, max_ngram: int) -> list[np.ndarray]:
+    """doc [L] int32 -> per n = 1..max_ngram, [L - n + 1] uint64: the hash of doc[s: s + n] at s."""
+    d = doc.astype(np.uint64)
+    h = np.zeros(d.shape[0] + 1, np.uint64)  # h_0 of the empty n-gram at every s in [0, L]
+    out = []
+    for n in range(1, min(max_ngram, d.shape[0]) + 1):
+        h = _mix_array(h[1:], d[: d.shape[0] - n + 1])  # h_n[s] = F(h_{n-1}[s + 1], d[s])
+        out.append(h)
+    return out
+
+
+def _probe(h: int, mask: int) -> tuple[int, int]:
+    """(first slot, odd stride) of a hash in a table of mask + 1 slots (double hashing)."""
+    return h & mask, ((h >> 40) * 2 + 1) & mask
+
+
+def _insert(table: np.ndarray, buf: np.ndarray, rows: np.ndarray, ns: np.ndarray, hashes: np.ndarray,
+            vals: np.ndarray) -> None:
+    """Insert m n-grams: entry i is the ns[i]-gram ending before buffer position vals[i] (its hash
+    hashes[i]) into table row rows[i]; rows, ns, vals [m] int64, hashes [m] uint64, table [N, S].
+
+    Positions grow with recency, so for an n-gram already present the larger position wins: the
+    most recent occurrence, whatever the order of the batch. Each round moves every pending entry
+    one probe (claim an empty slot, update its own n-gram's slot, or step on): O(m * max_ngram)
+    numpy work per round, rounds = the longest probe sequence (short: load <= 3/4, double hashing)."""
+    size = table.shape[1]
+    flat = table.reshape(-1)  # a view: [N * S]
+    slot = (hashes & np.uint64(size - 1)).astype(np.int64)  # [m]
+    stride = (((hashes >> np.uint64(40)) * np.uint64(2) + np.uint64(1)) & np.uint64(size - 1)).astype(np.int64)
+    base = rows * size
+    offsets = np.arange(-int(ns.max(initial=1)), 0)  # [W] the widest n-gram's token offsets
+    pend = np.arange(vals.shape[0])
+    while pend.size:
+        at = base[pend] + slot[pend]
+        cur = flat[at].astype(np.int64)
+        empty = cur < 0
+        mine, took = pend[empty], at[empty]
+        flat[took] = vals[mine]  # several may claim one slot: whichever write landed owns it
+        lost = mine[flat[took] != vals[mine]]  # they look at the same slot again next round
+        other, seen = pend[~empty], cur[~empty]
+        cols = offsets >= -ns[other][:, None]  # [o, W] the columns inside each n-gram
+        same = ((buf[np.maximum(seen[:, None] + offsets, 0)] == buf[np.maximum(vals[other][:, None] + offsets, 0)])
+                | ~cols).all(axis=1)
+        np.maximum.at(flat, at[~empty][same], vals[other[same]].astype(flat.dtype))
+        step = other[~same]
+        slot[step] = (slot[step] + stride[step]) & (size - 1)
+        pend = np.concatenate([lost, step])
+
+
+@dataclass(frozen=True)
+class _State:
+    """What readers see: never changed once published (a writer builds the next one)."""
+
+    buf: np.ndarray  # [B] int32, every token kept, dead ones (below `live`) included
+    ends: tuple[int, ...]  # buffer end of each live document, oldest first
+    live: int  # buffer position of the first live token
+    table: np.ndarray  # [N, S] int32, row n - min_ngram: the n-gram index (see the module docstring)
+
+
+class SuffixHistory:
+    """A bounded index of a tenant's recent documents (see the module docstring). Thread-safe:
+    writers (add) are serialised and publish a new state when done, so a proposal never waits on
+    an add (a full history's index rebuild takes ~0.1 s) and always sees a whole state."""
+
+    def __init__(self, max_tokens: int = 65536, max_ngram: int = 12, min_ngram: int = 3) -> None:
+        if not 1 <= min_ngram <= max_ngram:
+            raise ValueError(f"need 1 <= min_ngram <= max_ngram, got {min_ngram}, {max_ngram}")
+        if not 1 <= max_tokens <= 1 << 28:
+            raise ValueError(f"max_tokens must lie in [1, 2^28], got {max_tokens}")
+        self.max_tokens, self.max_ngram, self.min_ngram = max_tokens, max_ngram, min_ngram
+        self._write = threading.Lock()
+        table = np.full((max_ngram - min_ngram + 1, _MIN_SLOTS), -1, np.int32)
+        self._state = _State(np.zeros(0, np.int32), (), 0, table)
+        self._version = 0
+
+    # -- what it holds -----------------------------------------------------------------------
+    @property
+    def version(self) -> int:
+        """Documents added since creation (restored with a blob)."""
+        return self._version
+
+    @property
+    def tokens(self) -> int:
+        st = self._state
+        return st.buf.shape[0] - st.live
+
+    @property
+    def documents(self) -> int:
+        return len(self._state.ends)
+
+    def memory_bytes(self) -> int:
+        """Bytes held: token buffer (dead tokens included), index tables, document list, object
+        (an add briefly holds a second table besides)."""
+        st = self._state
+        return int(st.buf.nbytes + st.table.nbytes) + 40 * len(st.ends) + 512
+
+    # -- adding ------------------------------------------------------------------------------
+    def add(self, tokens: Sequence[int]) -> None:
+        """Append one document (its last max_tokens tokens); the oldest documents make room.
+        ValueError for ids outside [0, 2^31). Amortised O(L * max_ngram) numpy work, plus a copy
+        of the index (the state readers hold is not changed)."""
+        doc = _as_tokens(tokens)[-self.max_tokens:]
+        hashes = _doc_hashes(doc, self.max_ngram)  # depends on the document only
+        with self._write:
+            self._version += 1
+            if doc.shape[0] == 0:
+                return
+            st = self._state
+            ends, live = self._evicted(st, doc.shape[0])
+            full = st.buf.shape[0] + doc.shape[0] > _MAX_LOAD * st.table.shape[1]
+            if (live and live >= self.max_tokens // 2) or full:
+                buf, ends, table = self._rebuilt(st.buf[live:], tuple(e - live for e in ends), doc.shape[0])
+                live = 0
+            else:
+                buf, table = st.buf, st.table.copy()
+            start = buf.shape[0]
+            buf = np.concatenate([buf, doc])
+            entries = self._entries(start, hashes)
+            if entries:  # () for a document of at most min_ngram tokens
+                _insert(table, buf, *entries)
+            self._state = _State(buf, ends + (buf.shape[0],), live, table)
+
+    def _evicted(self, st: _State, incoming: int) -> tuple[tuple[int, ...], int]:
+        """(ends, live) once the oldest documents are dropped until `incoming` more tokens fit."""
+        drop, live = 0, st.live
+        while drop < len(st.ends) and st.buf.shape[0] - live + incoming > self.max_tokens:
+            live = st.ends[drop]
+            drop += 1
+        return st.ends[drop:], live
+
+    def _rebuilt(self, buf: np.ndarray, ends: tuple[int, ...], incoming: int):
+        """(buf, ends, table) indexing the documents of `buf` (ends: theirs, from 0) again, in
+        tables sized for them plus `incoming` tokens (at most half full afterwards)."""
+        slots = _MIN_SLOTS
+        while slots * 0.5 < buf.shape[0] + incoming:
+            slots *= 2
+        table = np.full((self.max_ngram - self.min_ngram + 1, slots), -1, np.int32)
+        parts = [self._entries(start, _doc_hashes(buf[start:end], self.max_ngram))
+                 for start, end in zip((0,) + ends[:-1], ends)]
+        parts = [p for p in parts if p]
+        if parts:
+            _insert(table, buf, *(np.concatenate(c) for c in zip(*parts)))
+        return buf, ends, table
+
+    def _entries(self, start: int, hashes: list[np.ndarray]) -> tuple[np.ndarray, ...]:
+        """(rows, ns, hashes, vals) of the document at buffer[start:] (see _doc_hashes, _insert)."""
+        length = hashes[0].shape[0] if hashes else 0
+        parts = []
+        for n in range(self.min_ngram, len(hashes) + 1):
+            m = length - n  # n-grams followed by a token of the same document
+            if m > 0:
+                parts.append((np.full(m, n - self.min_ngram), np.full(m, n), hashes[n - 1][:m],
+                              start + n + np.arange(m, dtype=np.int64)))
+        return tuple(np.concatenate(c) for c in zip(*parts)) if parts else ()
+
+    # -- proposing ---------------------------------------------------------------------------
+    def propose(self, context: Sequence[int], length: int) -> Proposal | None:
+        """The tokens (at most `length`, within their document) that followed the most recent
+        occurrence of the longest suffix of `context` of size n in [min_ngram, max_ngram] that occurs
+        with a following token; None when there is none. Only the last max_ngram tokens are read.
+        O(max_ngram) table probes (each compares <= n tokens), expected O(1) slots per probe.
+        Example: documents [5, 1, 2, 3, 4] then [1, 2, 3, 9]; context [7, 1, 2, 3], min_ngram 2:
+        the 3-gram [1, 2, 3] occurs in both, the newer wins -> Proposal([9], ngram=3)."""
+        if length < 1:
+            return None
+        tail = [int(t) for t in context[-self.max_ngram:]]
+        t = len(tail)
+        if t < self.min_ngram:
+            return None
+        hashes = suffix_hashes(tail)
+        st = self._state  # one whole state, whatever an add publishes meanwhile
+        for n in range(t, self.min_ngram - 1, -1):
+            pos = self._find(st, n, hashes[n - 1], tail[t - n:])
+            if pos >= st.live:
+                end = st.ends[bisect_right(st.ends, pos)]
+                return Proposal(st.buf[pos: min(pos + length, end)].tolist(), n)
+        return None
+
+    def _find(self, st: _State, n: int, h: int, gram: list[int]) -> int:
+        """Buffer position after the most recent occurrence of `gram` (size n), -1 when absent."""
+        row, buf = st.table[n - self.min_ngram], st.buf
+        mask = row.shape[0] - 1
+        slot, stride = _probe(h, mask)
+        while (pos := int(row[slot])) >= 0:
+            if buf[pos - n: pos].tolist() == gram:
+                return pos  # the most recent one, or a dead one: then every occurrence is dead
+            slot = (slot + stride) & mask
+        return -1
+
+    # -- persistence -------------------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        """The live documents: header, zlib(document lengths <u4, tokens <i4), crc32 of all before it."""
+        with self._write:  # the version of this state
+            st, version = self._state, self._version
+        starts = (st.live,) + st.ends[:-1]
+        lengths = np.asarray([e - s for s, e in zip(starts, st.ends)], "<u4")
+        tokens = st.buf[st.live:].astype("<i4")
+        header = _HEADER.pack(_MAGIC, _FORMAT, 0, lengths.shape[0], tokens.shape[0], version)
+        body = header + zlib.compress(lengths.tobytes() + tokens.tobytes(), 1)
+        return body + struct.pack("<I", zlib.crc32(body))
+
+    @classmethod
+    def from_bytes(cls, blob: bytes, max_tokens: int = 65536, max_ngram: int = 12,
+                   min_ngram: int = 3) -> SuffixHistory:
+        """A history holding the newest documents of `blob` that fit max_tokens, index rebuilt.
+        ValueError (never a partial history) when the blob is not a whole, intact one of this format."""
+        lengths, tokens, version = _decode(bytes(blob))
+        history = cls(max_tokens, max_ngram, min_ngram)
+        ends = np.cumsum(lengths).tolist()
+        keep, total = 0, 0
+        for length in reversed(lengths.tolist()):  # newest first, as many whole ones as fit
+            if total + length > max_tokens:
+                break
+            keep, total = keep + 1, total + length
+        first = ends[len(ends) - keep - 1] if keep < len(ends) else 0
+        if not keep and ends:  # the newest document alone is too long: its last max_tokens tokens, as add()
+            first, keep = ends[-1] - max_tokens, 1
+        kept = tuple(e - first for e in ends[len(ends) - keep:])
+        buf, kept, table = history._rebuilt(tokens[first:].astype(np.int32), kept, 0)
+        history._state = _State(buf, kept, 0, table)
+        history._version = version
+        return history
+
+
+def _as_tokens(tokens: Sequence[int]) -> np.ndarray:
+    """tokens as [L] int32; ValueError for ids outside [0, 2^31)."""
+    arr = np.asarray(tokens if len(tokens) else [], dtype=np.int64).reshape(-1)
+    if arr.size and (int(arr.min()) < 0 or int(arr.max()) > _MAX_TOKEN):
+        raise ValueError(f"token ids must lie in [0, 2^31), got [{int(arr.min())}, {int(arr.max())}]")
+    return arr.astype(np.int32)
+
+
+def _decode(blob: bytes) -> tuple[np.ndarray, np.ndarray, int]:
+    """(lengths [D] int64, tokens [T] int32, version) of a `to_bytes` blob; ValueError if it is not one."""
+    if len(blob) < _HEADER.size + 4 or blob[:4] != _MAGIC:
+        raise ValueError("not a suffix history blob (bad magic or too short)")
+    magic, fmt, _, docs, count, version = _HEADER.unpack_from(blob)
+    if fmt != _FORMAT:
+        raise ValueError(f"suffix history format {fmt} is not supported (this build reads {_FORMAT})")
+    if zlib.crc32(blob[:-4]) != struct.unpack("<I", blob[-4:])[0]:
+        raise ValueError("suffix history blob is corrupt (checksum mismatch)")
+    want = 4 * (docs + count)
+    try:
+        inflater = zlib.decompressobj()
+        raw = inflater.decompress(blob[_HEADER.size:-4], want + 1)
+    except zlib.error as e:
+        raise ValueError(f"suffix history blob is corrupt ({e})") from None
+    if len(raw) != want or not inflater.eof or inflater.unused_data:
+        raise ValueError("suffix history blob is corrupt (wrong payload size)")
+    lengths = np.frombuffer(raw[: 4 * docs], "<u4").astype(np.int64)
+    tokens = np.frombuffer(raw[4 * docs:], "<i4").astype(np.int32)
+    if int(lengths.sum()) != count or (docs and int(lengths.min()) < 1) or (count and int(tokens.min()) < 0):
+        raise ValueError("suffix history blob is inconsistent (document lengths or token ids)")
+    return lengths, tokens, int(version)

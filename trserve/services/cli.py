@@ -1,0 +1,98 @@
+"""`trserve` command line: one entry point, subcommands registered by the packages that own them.
+
+Each module in COMMAND_MODULES defines `register(subparsers)`, adding its subcommands with
+`set_defaults(func=callable(args) -> int)`. Those modules keep heavy imports (torch, grpc)
+inside the functions so `trserve --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+
+COMMAND_MODULES = (
+    "trserve.services.worker.cli",  # serve, worker
+    "trserve.services.client.cli",  # generate
+    "trserve.services.matrix.cli",  # matrix, matrix-admin
+    "trserve.services.cluster.cli",  # cluster up|down|status, health
+    "trserve.services.load.cli",  # load
+    "trserve.bench.cli",  # bench
+    "trserve.engine.tuning.cli",  # tune
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from trserve.core.version import __version__
+
+    parser = argparse.ArgumentParser(prog="trserve", description="Lossless speculative decoding with Token Recycling",
+                                     epilog="Every flag may also be set by a TRSERVE_* environment variable "
+                                            "(docs/environment.md).")
+    parser.add_argument("--version", action="version", version=f"trserve {__version__}")
+    _log_flags(parser)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as e:
+            if e.name and name.startswith(e.name):  # that subcommand package is not built yet
+                continue
+            raise
+        module.register(sub)
+    _each_command_takes_log_flags(sub)
+    return parser
+
+
+def _log_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    parser.add_argument("--log-format", default="text", choices=("text", "json"),
+                        help="text (default) or json: one JSON object per log line")
+
+
+def _each_command_takes_log_flags(sub: argparse._SubParsersAction) -> None:
+    """`trserve serve --log-level DEBUG` as well as `trserve --log-level DEBUG serve`: the flags after
+    the command override the ones before it only when given (SUPPRESS leaves the earlier value)."""
+    for command in sub.choices.values():
+        for action in command._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _each_command_takes_log_flags(action)
+        if not any("--log-level" in a.option_strings for a in command._actions):
+            command.add_argument("--log-level", default=argparse.SUPPRESS, help="as before the command")
+            command.add_argument("--log-format", default=argparse.SUPPRESS, choices=("text", "json"),
+                                 help="as before the command")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, logger, message (and the traceback, when there is one)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        import json
+
+        out = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+               "message": record.getMessage()}
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> int:
+    import os
+
+    from trserve.services.envconfig import apply_env
+
+    parser = build_parser()
+    apply_env(parser, os.environ if environ is None else environ)
+    args = parser.parse_args(argv)
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter() if args.log_format == "json"
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO), handlers=[handler])
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

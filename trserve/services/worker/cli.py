@@ -1,0 +1,149 @@
+"""`trserve serve` (embedded all-in-one: worker + in-process matrix store) and `trserve worker`
+(a stateless worker of a split deployment, drafting through `trserve matrix`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the Generate API (embedded: worker + in-process matrix store)",
+                       description="Serve the Generate API with an in-process matrix store (Redis only with --redis-url).")
+    _add_worker_flags(p)
+    p.add_argument("--redis-url", default=None, help="snapshot tenant matrices to this Redis (redis://host:6379/0)")
+    p.set_defaults(func=run_serve)
+
+    w = sub.add_parser("worker", help="serve the Generate API, drafting through a matrix service (split deployment)",
+                       description="A stateless worker: tenant matrices live in the matrix service (`trserve matrix`). "
+                                   "If it is unreachable, requests still complete, drafting locally (counted in metrics).")
+    w.add_argument("--matrix-addr", required=True, help="HOST:PORT of the matrix service")
+    w.add_argument("--draft-mode", choices=("remote", "replica"), default="replica",
+                   help="replica (default): check the tenant's matrix out, draft locally, push recycled rows back; "
+                        "remote: the service drafts each step (one round trip per request per step, in series "
+                        "within a batch: slower under load)")
+    w.add_argument("--matrix-secret-file", default=None,
+                   help="file holding the matrix service's shared secret (when it requires one)")
+    w.add_argument("--matrix-tls-ca", default=None, help="PEM CA file: reach the matrix service over TLS")
+    w.add_argument("--matrix-allow-plaintext-secret", action="store_true",
+                   help="send --matrix-secret-file without TLS to a non-loopback matrix service (refused otherwise)")
+    _add_worker_flags(w)
+    w.set_defaults(func=run_worker, redis_url=None)  # stateless: matrices live in the matrix service
+
+
+def _add_worker_flags(p: argparse.ArgumentParser) -> None:
+    from trserve.engine.model.choices import BATCH_STEPS, KERNELS
+
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
+    p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = pick a free one and print it)")
+    p.add_argument("--metrics-port", type=int, default=9464,
+                   help="Prometheus /metrics HTTP port (default 9464; 0 = pick a free one and print it; -1 = off)")
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API port, /v1/chat/completions etc. (default 8000; 0 = off)")
+    p.add_argument("--http-host", default=None, help="address of the HTTP API (default: the same as --host)")
+    p.add_argument("--model", default=None, help="builtin model name, local transformers directory or hub id "
+                   "(default: the bundled smollm2-135m-instruct)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    p.add_argument("--tree", default="auto", help="draft tree template name or file (default: best known for the device)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoding together, one forward per step (default 16)")
+    p.add_argument("--max-batch-tokens", type=int, default=65536,
+                   help="KV tokens the requests of a batch may reserve, prompt + max_new_tokens + tree each (default 65536)")
+    p.add_argument("--prefill-chunk", type=int, default=128,
+                   help="prompt tokens prefilled per step: a long prompt delays the others by one chunk per step")
+    p.add_argument("--prefix-cache-mb", type=int, default=512,
+                   help="MiB of finished requests' keys and values kept per worker for later prompts of the same "
+                        "tenant that start the same way: multi-turn chats, agent loops (default 512; 0 = off)")
+    p.add_argument("--full-trees", action="store_true",
+                   help="every TR request verifies its whole tree each step (default: trees sized per step for the "
+                        "batch under the measured forward cost, down to plain one-token steps)")
+    p.add_argument("--max-queue", type=int, default=16, help="requests waiting for a batch place before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-new-tokens-cap", type=int, default=2048, help="largest max_new_tokens a request may ask")
+    p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted, in tokens")
+    p.add_argument("--max-messages", type=int, default=256, help="chat messages a request may have (default 256)")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20,
+                   help="largest request body, bytes (default 1 MiB; gRPC refuses larger ones with RESOURCE_EXHAUSTED)")
+    p.add_argument("--max-concurrent-rpcs", type=int, default=64,
+                   help="Generate/GenerateStream/Tokenize calls in flight; beyond it RESOURCE_EXHAUSTED (default 64)")
+    p.add_argument("--max-connection-age-s", type=float, default=300.0,
+                   help="close client connections after about this long, so clients re-resolve and reach workers "
+                        "added since; calls in flight get 600 s to finish (0 = never; default 300)")
+    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests may finish on SIGTERM")
+    p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
+    p.add_argument("--kernels", choices=KERNELS, default="auto",
+                   help="linear-layer kernels: auto (default: exact compressed on AVX-512 / AVX2 CPUs for "
+                        "block-quantised weights, else oneDNN pre-packed on CPU float32), stock, packed or "
+                        "compressed (also on the slow portable scalar variant)")
+    p.add_argument("--batch-step", choices=BATCH_STEPS, default="auto",
+                   help="transformers' forward, batch steps: auto (default: fixed-shape buckets with a CUDA graph "
+                        "each on CUDA, else eager), eager, static (the buckets without graphs) or graphs")
+    p.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
+    p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    p.add_argument("--tenant-tokens", default=None, help='JSON file {"tenant": "token" or ["token", ...]}: require '
+                   "'authorization: Bearer <token>' and serve each token its own tenant only")
+
+
+def build_configs(args: argparse.Namespace):
+    """(WorkerConfig, DecoderConfig) from the parsed flags; raises ValueError on bad values."""
+    from trserve.engine import DecoderConfig, ModelConfig
+    from trserve.services.common.security import TenantTokens, server_tls
+    from trserve.services.worker.config import Limits, WorkerConfig
+
+    source = {} if args.model is None else {"source": args.model}
+    model = ModelConfig(**source, device=args.device, threads=args.threads, kernels=args.kernels,
+                        batch_step=args.batch_step)
+    limits = Limits(max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
+                    default_max_new_tokens=min(128, args.max_new_tokens_cap), max_messages=args.max_messages)
+    tokens = TenantTokens.from_file(args.tenant_tokens) if args.tenant_tokens else None
+    worker = WorkerConfig(
+        host=args.host, port=args.port, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+        http_port=args.http_port or None, http_host=args.http_host,
+        max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
+        max_queue=args.max_queue, full_trees=args.full_trees, prefix_cache_mb=args.prefix_cache_mb, limits=limits,
+        grace_s=args.grace,
+        redis_url=args.redis_url,
+        max_request_bytes=args.max_request_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
+        max_connection_age_s=args.max_connection_age_s or None,
+        tls=server_tls(args.tls_cert, args.tls_key), tenant_tokens=tokens,
+    )
+    return worker, DecoderConfig(model=model, tree=args.tree)
+
+
+def build_split_config(args: argparse.Namespace, max_batch: int):
+    """The worker's SplitConfig; raises ValueError on a bad address or secret."""
+    from trserve.services.common.security import SharedSecret
+    from trserve.services.worker.drafting.link import DraftClientConfig
+    from trserve.services.worker.drafting.split import SplitConfig
+
+    secret = SharedSecret.from_file(args.matrix_secret_file) if args.matrix_secret_file else None
+    client = DraftClientConfig(tls_ca_file=args.matrix_tls_ca, secret=secret,
+                               allow_plaintext_secret=args.matrix_allow_plaintext_secret)
+    split = SplitConfig(matrix_addr=args.matrix_addr, draft_mode=args.draft_mode, client=client)
+    if split.max_sources <= max_batch:  # see SplitConfig.max_sources
+        raise ValueError(f"max_sources ({split.max_sources}) must exceed max_batch ({max_batch})")
+    return split
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    return _run("serve", args, split=False)
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    return _run("worker", args, split=True)
+
+
+def _run(command: str, args: argparse.Namespace, split: bool) -> int:
+    try:
+        worker_config, decoder_config = build_configs(args)
+        split_config = build_split_config(args, worker_config.max_batch) if split else None
+    except ValueError as e:
+        print(f"trserve {command}: {e}", file=sys.stderr)
+        return 2
+    from trserve.services.worker.drafting.split import MatrixServiceSources
+    from trserve.services.worker.server import serve
+
+    sources = MatrixServiceSources(split_config) if split_config is not None else None
+    try:
+        return serve(worker_config, decoder_config, sources)
+    except OSError as e:  # a port in use: say which and how to pick another
+        print(f"trserve {command}: {e}", file=sys.stderr)
+        return 1
