@@ -187,11 +187,11 @@ def test_list_tenants_rpc_and_cli_and_the_default_fingerprint(start_server, chan
     assert listed["redis"] == "ok" and [t["tenant"] for t in listed["tenants"]] == ["acme", "globex"]
     assert listed["tenants"][1] | {"last_snapshot_age_s": None} == {
         "tenant": "globex", "fingerprint": FP, "domain": "legal", "version": 1, "in_memory": True,
-        "nonzero_rows": listed["tenants"][1]["nonzero_rows"], "memory_bytes": V * K * 5,
+        "nonzero_rows": listed["tenants"][1]["nonzero_rows"], "memory_bytes": V * K * 5, "history_bytes": 0,
         "last_snapshot_version": None, "last_snapshot_age_s": None,
     }
     table = _admin("list", "--addr", server.addr, "--table").stdout.splitlines()
-    assert table[0].split() == ["tenant", "fingerprint", "version", "rows", "memory", "snapshot", "age"]
+    assert table[0].split() == ["tenant", "fingerprint", "version", "rows", "memory", "history", "snapshot", "age"]
     assert table[1].split()[:3] == ["acme", FP, "2"] and "MiB" in table[1]
 
     described = _admin("describe", "--addr", server.addr, "--tenant", "acme")  # the one model held

@@ -12,8 +12,8 @@ from trserve.engine.tr.history import SuffixHistory
 from trserve.engine.tr.tree import TreeTemplate, compile_tree
 from trserve.matrix_store import MatrixStore, StoreConfig
 from trserve.services.worker.drafting.embedded import embedded_factory
-from trserve.services.worker.drafting.histories import SIDE_STATE, HistoryBook
-from trserve.services.worker.metrics import HistoryCollector, WorkerMetrics
+from trserve.services.common.histories import SIDE_STATE, HistoryBook, HistoryCollector
+from trserve.services.worker.metrics import WorkerMetrics
 from tests.services.matrix_helpers import redis_prefix  # noqa: F401 - fixture
 
 SPEC = ModelSpec("fp-history", 1000, 4)

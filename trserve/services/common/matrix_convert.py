@@ -85,11 +85,31 @@ def check_root(root: int, vocab_size: int) -> int:
     return root
 
 
-def summary_to_pb(s: TenantSummary) -> pb.TenantSummary:
+def documents_from_pb(documents, spec: ModelSpec, max_documents: int) -> list[np.ndarray]:
+    """PushHistory's documents as [L] int32 arrays, every id in [0, V); InvalidArgument otherwise."""
+    if len(documents) > max_documents:
+        raise InvalidArgument(f"{len(documents)} documents in one PushHistory; send at most {max_documents} per call")
+    out = []
+    for i, doc in enumerate(documents):
+        if len(doc.tokens) % 4:
+            raise InvalidArgument(f"documents[{i}].tokens has {len(doc.tokens)} bytes; it must be int32 little-endian")
+        ids = np.frombuffer(doc.tokens, WIRE_DTYPE)  # [L]
+        if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= spec.vocab_size):
+            raise InvalidArgument(f"documents[{i}] holds ids outside the vocabulary [0, {spec.vocab_size})")
+        out.append(ids.astype(np.int32))
+    return out
+
+
+def documents_to_pb(documents) -> list[pb.TokenDocument]:
+    return [pb.TokenDocument(tokens=np.asarray(d, WIRE_DTYPE).tobytes()) for d in documents]
+
+
+def summary_to_pb(s: TenantSummary, history_bytes: int = 0) -> pb.TenantSummary:
     """Unknowns become the proto's sentinels: -1 (rows, snapshot version and age), "" (domain)."""
     return pb.TenantSummary(
         tenant=s.tenant, fingerprint=s.fingerprint, domain=s.domain or "", version=s.version, in_memory=s.in_memory,
         nonzero_rows=-1 if s.nonzero_rows is None else s.nonzero_rows, memory_bytes=s.memory_bytes,
         last_snapshot_version=-1 if s.last_snapshot_version is None else s.last_snapshot_version,
         last_snapshot_age_s=-1.0 if s.last_snapshot_age_s is None else s.last_snapshot_age_s,
+        history_bytes=history_bytes,
     )

@@ -39,6 +39,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--open-registration", action="store_true",
                      help="without --model and --secret-file, still listen beyond loopback (anyone who reaches the "
                           "service can then fill its --max-models with models of their own)")
+    run.add_argument("--history-mb", type=int, default=64,
+                     help="the tenants' suffix histories handed to replica workers, in memory (LRU beyond; saved "
+                          "with each tenant's matrix); 0 = keep none (default 64)")
     run.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
     run.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     run.set_defaults(func=run_service)
@@ -84,7 +87,8 @@ def run_service(args: argparse.Namespace) -> int:
         config = MatrixServiceConfig(host=args.host, port=args.port, store=store, grace_s=args.grace_s,
                                      tls=server_tls(args.tls_cert, args.tls_key), secret=secret, admin_secret=admin,
                                      metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                                     open_registration=args.open_registration)
+                                     open_registration=args.open_registration,
+                                     history_bytes=args.history_mb << 20 if args.history_mb >= 0 else args.history_mb)
     except (ValueError, LookupError) as exc:
         print(f"trserve matrix: {exc}", file=sys.stderr)
         return 2
@@ -190,7 +194,8 @@ def _list(stub, args: argparse.Namespace) -> int:
         if reply.redis == "failing":
             print("(Redis unreachable: tenants only in Redis are missing)")
     else:
-        print(json.dumps({"redis": reply.redis, "models": list(reply.models), "tenants": rows}, indent=2))
+        print(json.dumps({"redis": reply.redis, "models": list(reply.models), "memory_bytes": reply.memory_bytes,
+                          "history_bytes": reply.history_bytes, "tenants": rows}, indent=2))
     return 0
 
 
@@ -199,7 +204,7 @@ def _summary(t) -> dict:
     age = _known(t.last_snapshot_age_s)
     return {"tenant": t.tenant, "fingerprint": t.fingerprint, "domain": t.domain or None, "version": t.version,
             "in_memory": t.in_memory, "nonzero_rows": _known(t.nonzero_rows), "memory_bytes": t.memory_bytes,
-            "last_snapshot_version": _known(t.last_snapshot_version),
+            "history_bytes": t.history_bytes, "last_snapshot_version": _known(t.last_snapshot_version),
             "last_snapshot_age_s": None if age is None else round(age, 1)}
 
 
@@ -213,12 +218,13 @@ def _tenant_table(rows: list[dict]) -> str:
     def show(value) -> str:
         return "-" if value is None else str(value)
 
-    lines = [f"{'tenant':<20} {'fingerprint':<36} {'version':>8} {'rows':>7} {'memory':>9} {'snapshot':>8} {'age':>7}"]
+    lines = [f"{'tenant':<20} {'fingerprint':<36} {'version':>8} {'rows':>7} {'memory':>9} {'history':>9} "
+             f"{'snapshot':>8} {'age':>7}"]
     for r in rows:
         age = r["last_snapshot_age_s"]
         memory = f"{r['memory_bytes'] / 2**20:.1f} MiB" if r["in_memory"] else "redis"
         lines.append(f"{r['tenant']:<20} {r['fingerprint']:<36} {r['version']:>8} {show(r['nonzero_rows']):>7} "
-                     f"{memory:>9} {show(r['last_snapshot_version']):>8} "
+                     f"{memory:>9} {r['history_bytes'] / 2**10:>6.0f} KiB {show(r['last_snapshot_version']):>8} "
                      f"{'-' if age is None else format_duration(age):>7}")
     return "\n".join(lines)
 

@@ -35,10 +35,15 @@ class StoreCollector(Collector):
         yield GaugeMetricFamily("trserve_matrix_side_state_bytes", "Bytes of side state in memory", value=nbytes)
 
 
-def serve_metrics(store: MatrixStore, host: str, port: int):
-    """Expose /metrics for `store` on host:port (0 = any free port); returns (http server, port)."""
+def serve_metrics(store: MatrixStore, host: str, port: int, histories=None):
+    """Expose /metrics for `store` (and `histories`, a HistoryBook) on host:port (0 = any free port);
+    returns (http server, port)."""
     registry = CollectorRegistry()
     registry.register(StoreCollector(store))
+    if histories is not None:
+        from trserve.services.common.histories import HistoryCollector
+
+        registry.register(HistoryCollector(histories))
     try:
         server, _ = start_http_server(port, addr=host, registry=registry)
     except OSError as e:

@@ -15,6 +15,7 @@ import grpc
 from grpc_health.v1.health import aio as health_aio
 
 from trserve.matrix_store import MatrixStore, StoreConfig
+from trserve.services.common.histories import HistoryBook
 from trserve.services.common.security import ServerTLS, SharedSecret, SharedSecretAuth, is_loopback
 from trserve.services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
 from trserve.services.matrix.metrics import serve_metrics
@@ -41,8 +42,13 @@ class MatrixServiceConfig:
     # names: whoever reaches it first can fill that list and lock the real model out. That is allowed
     # on loopback or behind the workers' secret; anywhere else only when asked for (--open-registration).
     open_registration: bool = False
+    # the tenants' suffix histories it hands replica workers (GetHistory, PushHistory), in memory, in
+    # bytes (LRU beyond; saved as side state with the matrix); 0 = it keeps none
+    history_bytes: int = 64 << 20
 
     def __post_init__(self) -> None:
+        if not isinstance(self.history_bytes, int) or self.history_bytes < 0:
+            raise ValueError(f"history_bytes must be an int >= 0 (0 = no histories), got {self.history_bytes!r}")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in 0..65535 (0 = any free port), got {self.port}")
         if self.grace_s < 0:
@@ -72,6 +78,7 @@ class MatrixServer:
     metrics_http: object | None = None  # the /metrics HTTP server, when metrics_port is set
     metrics_port: int | None = None
     servicer: MatrixServicer | None = None
+    histories: HistoryBook | None = None
 
     async def start(self) -> None:
         await set_status(self.health, [SERVICE_NAME], serving=False)  # health answers before the store is up
@@ -88,8 +95,14 @@ class MatrixServer:
             self.metrics_http.shutdown()
             self.metrics_http.server_close()
             self.metrics_http = None
+        await asyncio.to_thread(self.close_store, final_snapshot)
+
+    def close_store(self, final_snapshot: bool = True) -> None:
+        """Save the histories (side state of the store), then close the store if this server made it."""
+        if self.histories is not None:
+            self.histories.close()
         if self.owns_store:
-            await asyncio.to_thread(self.store.close, final_snapshot)
+            self.store.close(final_snapshot)
 
 
 def create_server(config: MatrixServiceConfig, store: MatrixStore | None = None) -> MatrixServer:
@@ -103,13 +116,14 @@ def create_server(config: MatrixServiceConfig, store: MatrixStore | None = None)
         log.warning("no admin secret: admin RPCs are %s, and reserved tenants (_global, _domain.*) cannot be written",
                     "refused" if config.secret is not None else "open to anyone who reaches this port")
     server = new_server(config.max_message_bytes, interceptors=auth)
-    servicer = MatrixServicer(store, config.limits, admin_secured=config.admin_secret is not None)
+    histories = HistoryBook(store, config.history_bytes) if config.history_bytes else None
+    servicer = MatrixServicer(store, config.limits, admin_secured=config.admin_secret is not None, histories=histories)
     add_to_server(servicer, server)
     health = add_standard_services(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port, config.tls)
-    running = MatrixServer(server, port, health, store, owns, servicer=servicer)
+    running = MatrixServer(server, port, health, store, owns, servicer=servicer, histories=histories)
     if config.metrics_port is not None:
-        running.metrics_http, running.metrics_port = serve_metrics(store, config.host, config.metrics_port)
+        running.metrics_http, running.metrics_port = serve_metrics(store, config.host, config.metrics_port, histories)
     return running
 
 
@@ -120,4 +134,4 @@ async def serve(config: MatrixServiceConfig) -> None:
     if running.metrics_port is not None:
         print(f"matrix service metrics on http://{config.host}:{running.metrics_port}/metrics", flush=True)
     await serve_until_signal(running.server, running.health, config.grace_s,
-                             on_stop=lambda: asyncio.to_thread(running.store.close, True))
+                             on_stop=lambda: asyncio.to_thread(running.close_store, True))

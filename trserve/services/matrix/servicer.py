@@ -18,12 +18,20 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from trserve.core.errors import InvalidArgument, PermissionDenied, ResourceExhausted
+from trserve.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
 from trserve.core.tenants import is_reserved
 from trserve.matrix_store import MatrixStore
 from trserve.matrix_store.store import NotLoaded
 from trserve.services.common.errors import grpc_errors
-from trserve.services.common.matrix_convert import rows_from_pb, rows_to_pb, spec_from_pb, summary_to_pb, tenant_from_pb
+from trserve.services.common.histories import HistoryBook
+from trserve.services.common.matrix_convert import (
+    documents_from_pb,
+    rows_from_pb,
+    rows_to_pb,
+    spec_from_pb,
+    summary_to_pb,
+    tenant_from_pb,
+)
 from trserve.services.matrix.sessions import RemoteDraft, plan_for, resolve_tree
 from trserve.v1 import matrix_pb2 as pb
 from trserve.v1 import matrix_pb2_grpc as pb_grpc
@@ -43,6 +51,7 @@ class ServicerLimits:
     # this many run at once, at most `max_bulk_waiting` more wait; beyond, RESOURCE_EXHAUSTED.
     max_bulk_calls: int = 2
     max_bulk_waiting: int = 32
+    max_history_documents: int = 256  # documents (finished requests) in one PushHistory
 
     def __post_init__(self) -> None:
         if self.max_bulk_calls < 1 or self.max_bulk_waiting < 0:
@@ -86,8 +95,10 @@ class BulkGate:
 
 
 class MatrixServicer(pb_grpc.MatrixServiceServicer):
-    def __init__(self, store: MatrixStore, limits: ServicerLimits = ServicerLimits(), admin_secured: bool = False) -> None:
+    def __init__(self, store: MatrixStore, limits: ServicerLimits = ServicerLimits(), admin_secured: bool = False,
+                 histories: HistoryBook | None = None) -> None:
         self._store = store
+        self._histories = histories  # the tenants' suffix histories; None = the service keeps none
         self._limits = limits
         self._admin_secured = admin_secured  # an admin secret is configured (the interceptor checks it)
         self.bulk = BulkGate(limits.max_bulk_calls, limits.max_bulk_waiting)
@@ -174,6 +185,34 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
                                                  probs=probs)
         return pb.PushRowsReply(version=version, epoch=epoch)
 
+    # -- the tenants' suffix histories (replica drafting) --------------------------------------
+    @grpc_errors
+    async def GetHistory(self, request: pb.HistoryRequest, context) -> pb.HistoryReply:
+        tenant, _ = tenant_from_pb(request.tenant)
+        spec = spec_from_pb(request.model)
+        if self._histories is None:
+            return pb.HistoryReply()
+        history = await asyncio.to_thread(self._history_of, spec, tenant)
+        blob = await asyncio.to_thread(history.to_bytes) if history.documents else b""
+        return pb.HistoryReply(history=blob, tokens=history.tokens, documents=history.documents)
+
+    @grpc_errors
+    async def PushHistory(self, request: pb.PushHistoryRequest, context) -> pb.PushHistoryReply:
+        tenant, _ = tenant_from_pb(request.tenant)
+        self._guard_reserved(tenant, "adding history to")
+        spec = spec_from_pb(request.model)
+        if self._histories is None:
+            raise FailedPrecondition("this matrix service keeps no suffix histories (started with --history-mb 0)")
+        documents = documents_from_pb(request.documents, spec, self._limits.max_history_documents)
+        history = await asyncio.to_thread(self._history_of, spec, tenant)
+        for doc in documents:  # O(L x max_ngram) numpy work each: off the event loop
+            await asyncio.to_thread(self._histories.add, spec.fingerprint, tenant, history, doc)
+        return pb.PushHistoryReply(tokens=history.tokens, memory_bytes=history.memory_bytes())
+
+    def _history_of(self, spec, tenant: str):
+        self._store.register(spec)  # FailedPrecondition for a model this service does not serve
+        return self._histories.get(spec.fingerprint, tenant)
+
     # -- administration ----------------------------------------------------------------------
     @grpc_errors
     async def Describe(self, request: pb.TenantRef, context) -> pb.DescribeReply:
@@ -228,9 +267,12 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
     async def ListTenants(self, request: pb.ListTenantsRequest, context) -> pb.ListTenantsReply:
         summaries = await asyncio.to_thread(self._store.list_tenants, request.fingerprint or None)
         health = await asyncio.to_thread(self._store.health)
-        return pb.ListTenantsReply(tenants=[summary_to_pb(s) for s in summaries], redis=health["redis"],
-                                   memory_bytes=health["memory_bytes"], tenants_in_memory=health["tenants_in_memory"],
-                                   max_tenants_in_memory=health["max_tenants_in_memory"], models=health["models"])
+        histories = {(fp, t): n for fp, t, n in (self._histories.memory() if self._histories is not None else [])}
+        tenants = [summary_to_pb(s, histories.get((s.fingerprint, s.tenant), 0)) for s in summaries]
+        return pb.ListTenantsReply(tenants=tenants, redis=health["redis"], memory_bytes=health["memory_bytes"],
+                                   tenants_in_memory=health["tenants_in_memory"],
+                                   max_tenants_in_memory=health["max_tenants_in_memory"], models=health["models"],
+                                   history_bytes=sum(histories.values()))
 
 
 def add_to_server(servicer: MatrixServicer, server: grpc.aio.Server) -> None:

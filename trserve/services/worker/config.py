@@ -83,7 +83,7 @@ class WorkerConfig:
     grace_s: float = 10.0  # on SIGTERM: how long in-flight requests may finish
     warmup: bool = True  # one short generation before reporting SERVING
     redis_url: str | None = None  # embedded matrix store snapshots; None = memory only
-    # every tenant's suffix history (drafting/histories.py) in memory, in bytes; 0 = no histories
+    # every tenant's suffix history (trserve/services/common/histories.py) in memory, in bytes; 0 = no histories
     history_bytes: int = 64 << 20
     default_tenant: str = "default"
     tls: ServerTLS | None = None  # serve TLS with this certificate; None = plaintext

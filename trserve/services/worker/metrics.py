@@ -12,8 +12,6 @@ from prometheus_client import (
     ProcessCollector,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily
-from prometheus_client.registry import Collector
 
 MAT_BUCKETS = (1.0, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0, 3.5, 4.0, 5.0, 6.0, 8.0)
 # latency buckets past 10 s: long generations on CPUs take minutes (names and shapes close to vLLM's)
@@ -91,23 +89,3 @@ class WorkerMetrics:
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """Current value of a sample (0 when absent), for tests and logs."""
         return self.registry.get_sample_value(name, labels or {}) or 0.0
-
-
-class HistoryCollector(Collector):
-    """The tenants' suffix histories in memory (trserve/services/worker/drafting/histories.py), read at
-    scrape time: bytes per tenant and in all, beside the store's trserve_matrix_tenant_memory_bytes."""
-
-    def __init__(self, book) -> None:  # a HistoryBook
-        self._book = book
-
-    def collect(self):
-        rows = self._book.memory()
-        yield GaugeMetricFamily("trserve_history_tenants", "Tenants whose suffix history is in memory",
-                                value=len(rows))
-        yield GaugeMetricFamily("trserve_history_memory_bytes", "Bytes of every tenant's suffix history in memory",
-                                value=sum(nbytes for _, _, nbytes in rows))
-        per = GaugeMetricFamily("trserve_history_tenant_memory_bytes", "Bytes of one tenant's suffix history in memory",
-                                labels=["fingerprint", "tenant"])
-        for fingerprint, tenant, nbytes in rows:
-            per.add_metric([fingerprint, tenant], nbytes)
-        yield per

@@ -30,9 +30,9 @@ from trserve.services.common.server import (
 from trserve.services.matrix.metrics import StoreCollector
 from trserve.services.worker.config import WorkerConfig
 from trserve.services.worker.drafting.embedded import DraftSourceFactory, embedded_factory
-from trserve.services.worker.drafting.histories import HistoryBook
+from trserve.services.common.histories import HistoryBook, HistoryCollector
 from trserve.services.worker.drafting.split import MatrixServiceSources, watch_matrix_auth
-from trserve.services.worker.metrics import HistoryCollector, WorkerMetrics
+from trserve.services.worker.metrics import WorkerMetrics
 from trserve.services.worker.servicer import GenerateServicer
 from trserve.v1 import generate_pb2, generate_pb2_grpc
 

@@ -25,7 +25,7 @@ from trserve.matrix_store import MatrixStore
 from trserve.services.worker.drafting.throttle import Throttle
 
 if TYPE_CHECKING:
-    from trserve.services.worker.drafting.histories import HistoryBook
+    from trserve.services.common.histories import HistoryBook
 
 log = logging.getLogger("trserve.worker")
 
@@ -35,7 +35,7 @@ _THROTTLE = Throttle()
 
 
 class StoreDraftSource:
-    """A DraftSource for one tenant backed by `store`; `histories` (a drafting/histories.py
+    """A DraftSource for one tenant backed by `store`; `histories` (a services/common/histories.py
     HistoryBook, or None) gives its sessions the tenant's suffix history."""
 
     def __init__(self, store: MatrixStore, spec: ModelSpec, tenant: str, domain: str | None,

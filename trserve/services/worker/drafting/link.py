@@ -47,6 +47,8 @@ class DraftClientConfig:
     push_interval_s: float = 0.05  # replica: rows wait at most this long before a push
     push_timeout_s: float = 2.0  # replica: one PushRows call
     push_max_rows: int = 4096  # replica: rows per PushRows (the service's max_batch_rows)
+    history: bool = True  # replica: draft from the tenant's suffix history on the service, and feed it
+    history_refresh_s: float = 30.0  # replica: fetch the tenant's history again when older than this
     tls_ca_file: str | None = None  # PEM CA to trust: reach the service over TLS; None = plaintext
     secret: SharedSecret | None = None  # sent on every call when the service requires it
     allow_plaintext_secret: bool = False  # send `secret` without TLS to a non-loopback address
@@ -54,7 +56,8 @@ class DraftClientConfig:
     def __post_init__(self) -> None:
         if self.tls_ca_file is not None and not Path(self.tls_ca_file).is_file():
             raise ValueError(f"TLS CA file {self.tls_ca_file!r} does not exist")
-        for name in ("open_timeout_s", "step_timeout_s", "retry_after_s", "push_interval_s", "push_timeout_s"):
+        for name in ("open_timeout_s", "step_timeout_s", "retry_after_s", "push_interval_s", "push_timeout_s",
+                     "history_refresh_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0 seconds, got {getattr(self, name)}")
         if self.push_max_rows < 1:

@@ -1,6 +1,7 @@
 """Replica drafting: check the tenant's matrix (ids and confidences) out at open, draft locally,
 push the recycled rows and their confidences back in batches from a background thread; close()
-flushes what is left. Failures degrade the session to local drafting, as in remote.py."""
+flushes what is left. Failures degrade the session to local drafting, as in remote.py. The tenant's
+suffix history comes from the service too, and finished requests go back to it (replica_history.py)."""
 
 from __future__ import annotations
 
@@ -18,14 +19,16 @@ from trserve.engine.tr.tree import CompiledTree
 from trserve.matrix_store.tenant import validate_batch
 from trserve.services.common.matrix_convert import rows_from_pb, rows_to_pb, spec_to_pb, tenant_from_pb
 from trserve.services.worker.drafting.link import DraftClientConfig, Link, ServiceSession, raise_caller_error
+from trserve.services.worker.drafting.replica_history import ReplicaHistory
 from trserve.v1 import matrix_pb2 as pb
 
 
 class _Pusher:
     """A background thread that flushes every open replica session each `interval_s`."""
 
-    def __init__(self, interval_s: float) -> None:
+    def __init__(self, interval_s: float, history: ReplicaHistory | None = None) -> None:
         self._interval = interval_s
+        self._history = history  # its finished requests are pushed on this thread too
         self._sessions: set[ReplicaDraftSession] = set()
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -43,6 +46,8 @@ class _Pusher:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=5)
+        if self._history is not None:
+            self._history.flush()
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):
@@ -50,6 +55,8 @@ class _Pusher:
                 sessions = list(self._sessions)
             for session in sessions:
                 session.flush()
+            if self._history is not None:
+                self._history.flush()
 
 
 class ReplicaDraftSource:
@@ -59,7 +66,8 @@ class ReplicaDraftSource:
                  config: DraftClientConfig = DraftClientConfig()) -> None:
         self.tenant, self.domain = tenant_from_pb(tenant, domain or "")
         self._link = Link(addr, config)
-        self._pusher = _Pusher(config.push_interval_s)
+        self.history = ReplicaHistory(self._link, self.tenant, config.history_refresh_s) if config.history else None
+        self._pusher = _Pusher(config.push_interval_s, self.history)
 
     @property
     def fallbacks(self) -> int:
@@ -78,6 +86,8 @@ class ReplicaDraftSource:
         matrix = AdjacencyMatrix(spec, tree.parent.device, None if rows is None else torch.from_numpy(rows), version,
                                  None if probs is None else torch.from_numpy(probs))
         session = ReplicaDraftSession(self._link, self._pusher, self.tenant, self.domain, spec, tree, matrix, epoch)
+        if self.history is not None:  # this tenant's own: the service never hands out another tenant's
+            session.history, session.replica_history = self.history.current(spec), self.history
         if rows is None:
             session.fail("checkout", failure)
         else:
@@ -130,6 +140,12 @@ class ReplicaDraftSession(ServiceSession):
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._lock = threading.Lock()  # guards _pending
         self._push_lock = threading.Lock()  # one push at a time, in order
+        self.replica_history: ReplicaHistory | None = None  # where finished requests go (set at open)
+
+    def remember(self, tokens: list[int]) -> None:
+        """Queued for the source's pusher thread, which adds it to the copy and pushes it."""
+        if self.replica_history is not None:
+            self.replica_history.remember(tokens)
 
     def _detach(self) -> None:
         with self._lock:

@@ -1,4 +1,5 @@
-"""Every tenant's suffix memory on an embedded worker (trserve/engine/tr/history.py): one SuffixHistory per
+"""Every tenant's suffix memory, in an embedded worker's store or in the matrix service's (which hands
+it to replica workers: GetHistory, PushHistory) (trserve/engine/tr/history.py): one SuffixHistory per
 (model fingerprint, tenant), never shared between tenants, kept in memory up to a byte bound (least
 recently used dropped first) and persisted as the store's side state "history" (in Redis with the
 tenant's matrix when the store has Redis; deleted with the tenant).
@@ -7,7 +8,7 @@ A history is loaded when its tenant's first request opens a session (on the call
 engine hands finished requests over on its own thread, so `remember` only queues them: one thread
 of the book adds them, and saves a tenant's history when `save_every_adds` requests or
 `save_every_s` seconds have passed since its last save (a full history is a blob of up to ~256 KB:
-not one write per request), when it is dropped from memory, and on `close` (worker shutdown). Loading or
+not one write per request), when it is dropped from memory, and on `close` (shutdown). Loading or
 saving failures are logged (throttled) and only cost what the history would have drafted.
 """
 
@@ -19,6 +20,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from trserve.core.errors import Unavailable
 from trserve.engine.tr.history import SuffixHistory
@@ -98,6 +102,10 @@ class HistoryBook:
             self._tasks.put_nowait(task)
         except queue.Full:
             _THROTTLE.failed("history add", tenant, Unavailable("the history queue is full"), "request not kept")
+
+    def add(self, fingerprint: str, tenant: str, history: SuffixHistory, tokens: Sequence[int]) -> None:
+        """`remember` at once, on the caller's thread (the matrix service's PushHistory, off its loop)."""
+        self._add((fingerprint, tenant), history, list(tokens))
 
     # -- the book's thread -----------------------------------------------------------------------
     def _start(self) -> None:
@@ -193,3 +201,23 @@ class HistoryBook:
     def memory_bytes(self) -> int:
         with self._lock:
             return self._total
+
+
+class HistoryCollector(Collector):
+    """A HistoryBook's histories in memory, read at scrape time: bytes per tenant and in all, beside
+    the store's trserve_matrix_tenant_memory_bytes (an embedded worker's and the matrix service's)."""
+
+    def __init__(self, book: HistoryBook) -> None:
+        self._book = book
+
+    def collect(self):
+        rows = self._book.memory()
+        yield GaugeMetricFamily("trserve_history_tenants", "Tenants whose suffix history is in memory",
+                                value=len(rows))
+        yield GaugeMetricFamily("trserve_history_memory_bytes", "Bytes of every tenant's suffix history in memory",
+                                value=sum(nbytes for _, _, nbytes in rows))
+        per = GaugeMetricFamily("trserve_history_tenant_memory_bytes", "Bytes of one tenant's suffix history in memory",
+                                labels=["fingerprint", "tenant"])
+        for fingerprint, tenant, nbytes in rows:
+            per.add_metric([fingerprint, tenant], nbytes)
+        yield per

@@ -1,0 +1,118 @@
+"""A replica worker's copy of one tenant's suffix history (trserve/engine/tr/history.py), kept on the
+matrix service (GetHistory, PushHistory) so that every worker drafts from what the tenant wrote
+through any of them.
+
+A session opening takes the copy, fetched again when older than `refresh_s`; finished requests are
+queued on the engine thread and, from the source's pusher thread, added to the copy (this worker's
+next request sees them at once) and pushed to the service in batches. A failing service costs only
+the history's drafts: the copy is kept, pushes are dropped and logged (throttled), requests never
+fail. A service that keeps no histories (FAILED_PRECONDITION on a push) is not asked again.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import grpc
+import numpy as np
+
+from trserve.core.errors import TRServeError
+from trserve.core.model_spec import ModelSpec
+from trserve.engine.tr.history import SuffixHistory
+from trserve.services.common.matrix_convert import documents_to_pb, spec_to_pb
+from trserve.services.worker.drafting.link import Link, describe
+from trserve.services.worker.drafting.throttle import Throttle
+from trserve.v1 import matrix_pb2 as pb
+
+log = logging.getLogger("trserve.matrix.client")
+_THROTTLE = Throttle()
+MAX_PENDING = 1024  # finished requests waiting for a push; beyond, the oldest are not pushed
+PUSH_DOCUMENTS = 64  # documents per PushHistory (the service takes at most 256)
+
+
+class ReplicaHistory:
+    """One tenant's history on a replica worker (see the module docstring); thread-safe."""
+
+    def __init__(self, link: Link, tenant: str, refresh_s: float = 30.0,
+                 clock=time.monotonic) -> None:
+        self.link, self.tenant, self.refresh_s, self._clock = link, tenant, refresh_s, clock
+        self.history: SuffixHistory | None = None
+        self._spec: ModelSpec | None = None
+        self._fetched_at = float("-inf")
+        self._pending: list[np.ndarray] = []  # [L] int32 each, oldest first
+        self._lock = threading.Lock()
+        self._push_lock = threading.Lock()
+        self.kept_by_service = True  # False once the service says it keeps no histories
+        self.pushed = 0  # documents the service took
+
+    def current(self, spec: ModelSpec) -> SuffixHistory:
+        """The copy for a session opening now (on the caller's thread), fetched when older than refresh_s."""
+        self._spec = spec
+        now = self._clock()
+        if self.kept_by_service and now - self._fetched_at >= self.refresh_s and self.link.available():
+            self._fetched_at = now
+            fetched = self._fetch(spec)
+            if fetched is not None:
+                self.history = fetched
+        if self.history is None:
+            self.history = SuffixHistory()  # until the service answers: this worker's own requests
+        return self.history
+
+    def _fetch(self, spec: ModelSpec) -> SuffixHistory | None:
+        request = pb.HistoryRequest(tenant=self.tenant, model=spec_to_pb(spec))
+        try:
+            reply = self.link.stub.GetHistory(request, timeout=self.link.config.open_timeout_s)
+            return SuffixHistory.from_bytes(reply.history) if reply.history else SuffixHistory()
+        except (grpc.RpcError, ValueError) as exc:  # ValueError: not an intact history blob
+            _THROTTLE.failed("history fetch", self.tenant, _Described(exc), "drafting from the copy it has")
+            return None
+
+    def remember(self, tokens: Sequence[int]) -> None:
+        """A finished request (prompt + output): queued, O(1) for the engine thread."""
+        doc = np.asarray(tokens, np.int32)
+        with self._lock:
+            self._pending.append(doc)
+            del self._pending[:-MAX_PENDING]
+
+    def flush(self) -> None:
+        """Add the queued requests to the copy and push them to the service (the pusher's thread)."""
+        with self._push_lock:
+            with self._lock:
+                docs, self._pending = self._pending, []
+            if not docs:
+                return
+            history = self.history
+            for doc in docs:
+                if history is not None:
+                    history.add(doc)
+            if not self.kept_by_service or self._spec is None:
+                return
+            for start in range(0, len(docs), PUSH_DOCUMENTS):
+                if not self._push(docs[start:start + PUSH_DOCUMENTS]):
+                    return
+
+    def _push(self, docs: list[np.ndarray]) -> bool:
+        request = pb.PushHistoryRequest(tenant=self.tenant, model=spec_to_pb(self._spec),
+                                        documents=documents_to_pb(docs))
+        try:
+            self.link.stub.PushHistory(request, timeout=self.link.config.push_timeout_s)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+                self.kept_by_service = False
+                log.info("matrix service %s keeps no suffix histories: tenant %s's history stays on this worker",
+                         self.link.addr, self.tenant)
+            else:
+                _THROTTLE.failed("history push", self.tenant, _Described(exc), f"{len(docs)} requests not pushed")
+            return False
+        self.pushed += len(docs)
+        return True
+
+
+class _Described(TRServeError):
+    """`describe(exc)` (a status and its details) as an expected failure: logged without a traceback."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(describe(exc))
