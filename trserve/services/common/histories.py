@@ -27,7 +27,7 @@ from prometheus_client.registry import Collector
 from trserve.core.errors import Unavailable
 from trserve.engine.tr.history import SuffixHistory
 from trserve.matrix_store import MatrixStore
-from trserve.services.worker.drafting.throttle import Throttle as _Throttle
+from trserve.services.common.throttle import Throttle as _Throttle
 
 SIDE_STATE = "history"  # the store's side-state name of a tenant's history
 _THROTTLE = _Throttle()

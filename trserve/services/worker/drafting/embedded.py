@@ -22,7 +22,7 @@ from trserve.engine.tr.recycle import RecycledRows
 from trserve.engine.tr.source import DraftSource, MatrixSession
 from trserve.engine.tr.tree import CompiledTree
 from trserve.matrix_store import MatrixStore
-from trserve.services.worker.drafting.throttle import Throttle
+from trserve.services.common.throttle import Throttle
 
 if TYPE_CHECKING:
     from trserve.services.common.histories import HistoryBook

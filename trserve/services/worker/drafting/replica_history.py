@@ -24,7 +24,7 @@ from trserve.core.model_spec import ModelSpec
 from trserve.engine.tr.history import SuffixHistory
 from trserve.services.common.matrix_convert import documents_to_pb, spec_to_pb
 from trserve.services.worker.drafting.link import Link, describe
-from trserve.services.worker.drafting.throttle import Throttle
+from trserve.services.common.throttle import Throttle
 from trserve.v1 import matrix_pb2 as pb
 
 log = logging.getLogger("trserve.matrix.client")
