@@ -1,6 +1,7 @@
 # trserve: `make run` starts the service, `make test` runs the tests, `make bench` measures.
 # Every target sets itself up (venv, pinned deps, generated protos) and is quick when nothing changed.
 
+# Python 3.11 or 3.12 (the full suite passed on both; 3.11 is what CI runs)
 PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV   ?= .venv
 PY     := $(VENV)/bin/python

@@ -30,10 +30,10 @@ def worker(decoder):
 
 @pytest.fixture(scope="module", params=["3.11", "3.12"])
 def client_venv(request, tmp_path_factory) -> Path:
-    """A fresh venv with the client installed: on the interpreter the project runs on (3.11), and on
-    Python 3.12 where this machine has one."""
+    """A fresh venv with the client installed, on Python 3.11 and 3.12: the interpreter the tests run
+    on, and the other where this machine has one."""
     venv = tmp_path_factory.mktemp(f"client-venv-{request.param}")
-    if request.param == "3.11":
+    if request.param == "%d.%d" % sys.version_info[:2]:
         base = getattr(sys, "_base_executable", sys.executable)  # not the project's venv: a fresh one
     else:
         found = [shutil.which(f"python{request.param}")] + sorted(
