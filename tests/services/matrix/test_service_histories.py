@@ -136,6 +136,10 @@ def test_replica_workers_share_a_tenants_history_through_the_service_and_never_a
     assert worker_1.history.history.documents == 1  # worker 1's own copy has it at once
 
     worker_2 = ReplicaDraftSource(server.addr, "alice", config=config)  # another worker, same tenant
+    first = worker_2.open(tree, SPEC)  # never waits on the service: its first request drafts without
+    assert first.history.documents == 0
+    first.close(None)
+    wait_for(lambda: worker_2.history.history.documents == 1)  # fetched by its pusher thread meanwhile
     on_2 = worker_2.open(tree, SPEC)
     assert _leaks(on_2.history) and on_2.history.propose(SECRET[:12], 6).tokens == SECRET[12:18]
     other = ReplicaDraftSource(server.addr, "bob", config=config)  # another tenant, on either worker
@@ -143,6 +147,8 @@ def test_replica_workers_share_a_tenants_history_through_the_service_and_never_a
     on_other.remember([1, 2, 3, 4, 5, 6, 7, 8])  # bob's own request
     on_other.close(None)
     wait_for(lambda: other.history.pushed == 1)
+    other.open(tree, SPEC).close(None)
+    wait_for(lambda: other.history._fetched_at > 0 and not other.history._refresh_due)
     assert not _leaks(other.open(tree, SPEC).history) and not _leaks(_history(stub, "bob"))
     # the history is the store's side state: a new service on the same Redis serves it after a restart
     for source in (worker_1, worker_2, other):

@@ -48,7 +48,7 @@ class DraftClientConfig:
     push_timeout_s: float = 2.0  # replica: one PushRows call
     push_max_rows: int = 4096  # replica: rows per PushRows (the service's max_batch_rows)
     history: bool = True  # replica: draft from the tenant's suffix history on the service, and feed it
-    history_refresh_s: float = 30.0  # replica: fetch the tenant's history again when older than this
+    history_refresh_s: float = 60.0  # replica: fetch the tenant's history again (in the background) when older
     tls_ca_file: str | None = None  # PEM CA to trust: reach the service over TLS; None = plaintext
     secret: SharedSecret | None = None  # sent on every call when the service requires it
     allow_plaintext_secret: bool = False  # send `secret` without TLS to a non-loopback address

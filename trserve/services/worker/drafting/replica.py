@@ -47,7 +47,7 @@ class _Pusher:
         self._stop.set()
         self._thread.join(timeout=5)
         if self._history is not None:
-            self._history.flush()
+            self._history.flush(refresh=False)  # the last pushes; no fetch for a source being closed
 
     def _run(self) -> None:
         while not self._stop.wait(self._interval):

@@ -2,11 +2,15 @@
 matrix service (GetHistory, PushHistory) so that every worker drafts from what the tenant wrote
 through any of them.
 
-A session opening takes the copy, fetched again when older than `refresh_s`; finished requests are
-queued on the engine thread and, from the source's pusher thread, added to the copy (this worker's
-next request sees them at once) and pushed to the service in batches. A failing service costs only
-the history's drafts: the copy is kept, pushes are dropped and logged (throttled), requests never
-fail. A service that keeps no histories (FAILED_PRECONDITION on a push) is not asked again.
+A session opening takes the copy as it is: never a wait on the service. Finished requests are queued
+on the engine thread; the source's pusher thread adds them to the copy (this worker's next request
+sees them at once) and pushes them to the service in batches, and, once a session found the copy
+older than `refresh_s`, fetches the service's whole history and swaps it in for later sessions
+(rebuilding the index of a full 65536-token history takes ~0.3-0.5 s of CPU on these hosts: hence
+in the background, and not often). A tenant's first request on a worker drafts without its history.
+A failing service costs only the history's drafts: the copy is kept, pushes are dropped and logged
+(throttled), requests never fail. A service that keeps no histories (FAILED_PRECONDITION on a push)
+is not asked again.
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ PUSH_DOCUMENTS = 64  # documents per PushHistory (the service takes at most 256)
 class ReplicaHistory:
     """One tenant's history on a replica worker (see the module docstring); thread-safe."""
 
-    def __init__(self, link: Link, tenant: str, refresh_s: float = 30.0,
+    def __init__(self, link: Link, tenant: str, refresh_s: float = 60.0,
                  clock=time.monotonic) -> None:
         self.link, self.tenant, self.refresh_s, self._clock = link, tenant, refresh_s, clock
         self.history: SuffixHistory | None = None
         self._spec: ModelSpec | None = None
         self._fetched_at = float("-inf")
+        self._refresh_due = False  # a session found the copy stale: the pusher thread fetches
         self._pending: list[np.ndarray] = []  # [L] int32 each, oldest first
         self._lock = threading.Lock()
         self._push_lock = threading.Lock()
@@ -49,17 +54,23 @@ class ReplicaHistory:
         self.pushed = 0  # documents the service took
 
     def current(self, spec: ModelSpec) -> SuffixHistory:
-        """The copy for a session opening now (on the caller's thread), fetched when older than refresh_s."""
+        """The copy for a session opening now (on the caller's thread, without waiting); a stale one
+        is fetched again by the pusher thread."""
         self._spec = spec
-        now = self._clock()
-        if self.kept_by_service and now - self._fetched_at >= self.refresh_s and self.link.available():
-            self._fetched_at = now
-            fetched = self._fetch(spec)
-            if fetched is not None:
-                self.history = fetched
+        if self.kept_by_service and self._clock() - self._fetched_at >= self.refresh_s:
+            self._refresh_due = True
         if self.history is None:
             self.history = SuffixHistory()  # until the service answers: this worker's own requests
         return self.history
+
+    def _refresh(self) -> None:
+        """The service's history in place of the copy (the pusher thread, after its pushes)."""
+        if not (self._refresh_due and self.kept_by_service and self._spec is not None and self.link.available()):
+            return
+        self._refresh_due, self._fetched_at = False, self._clock()
+        fetched = self._fetch(self._spec)
+        if fetched is not None:
+            self.history = fetched
 
     def _fetch(self, spec: ModelSpec) -> SuffixHistory | None:
         request = pb.HistoryRequest(tenant=self.tenant, model=spec_to_pb(spec))
@@ -77,22 +88,22 @@ class ReplicaHistory:
             self._pending.append(doc)
             del self._pending[:-MAX_PENDING]
 
-    def flush(self) -> None:
-        """Add the queued requests to the copy and push them to the service (the pusher's thread)."""
+    def flush(self, refresh: bool = True) -> None:
+        """Add the queued requests to the copy and push them to the service, then (with `refresh`)
+        fetch the service's history if a session found the copy stale (the pusher's thread)."""
         with self._push_lock:
             with self._lock:
                 docs, self._pending = self._pending, []
-            if not docs:
-                return
             history = self.history
             for doc in docs:
                 if history is not None:
                     history.add(doc)
-            if not self.kept_by_service or self._spec is None:
-                return
-            for start in range(0, len(docs), PUSH_DOCUMENTS):
-                if not self._push(docs[start:start + PUSH_DOCUMENTS]):
-                    return
+            if docs and self.kept_by_service and self._spec is not None:
+                for start in range(0, len(docs), PUSH_DOCUMENTS):
+                    if not self._push(docs[start:start + PUSH_DOCUMENTS]):
+                        break
+            if refresh:
+                self._refresh()
 
     def _push(self, docs: list[np.ndarray]) -> bool:
         request = pb.PushHistoryRequest(tenant=self.tenant, model=spec_to_pb(self._spec),
