@@ -192,8 +192,7 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
         spec = spec_from_pb(request.model)
         if self._histories is None:
             return pb.HistoryReply()
-        history = await asyncio.to_thread(self._history_of, spec, tenant)
-        blob = await asyncio.to_thread(history.to_bytes) if history.documents else b""
+        history, blob = await asyncio.to_thread(self._history_blob, spec, tenant)
         return pb.HistoryReply(history=blob, tokens=history.tokens, documents=history.documents)
 
     @grpc_errors
@@ -204,14 +203,23 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
         if self._histories is None:
             raise FailedPrecondition("this matrix service keeps no suffix histories (started with --history-mb 0)")
         documents = documents_from_pb(request.documents, spec, self._limits.max_history_documents)
-        history = await asyncio.to_thread(self._history_of, spec, tenant)
-        for doc in documents:  # O(L x max_ngram) numpy work each: off the event loop
-            await asyncio.to_thread(self._histories.add, spec.fingerprint, tenant, history, doc)
+        history = await asyncio.to_thread(self._add_history, spec, tenant, documents)
         return pb.PushHistoryReply(tokens=history.tokens, memory_bytes=history.memory_bytes())
 
+    # in a thread: loading a history from Redis and adding documents (O(L x max_ngram) numpy work each)
     def _history_of(self, spec, tenant: str):
         self._store.register(spec)  # FailedPrecondition for a model this service does not serve
         return self._histories.get(spec.fingerprint, tenant)
+
+    def _history_blob(self, spec, tenant: str):
+        history = self._history_of(spec, tenant)
+        return history, history.to_bytes() if history.documents else b""
+
+    def _add_history(self, spec, tenant: str, documents):
+        history = self._history_of(spec, tenant)
+        for doc in documents:
+            self._histories.add(spec.fingerprint, tenant, history, doc)
+        return history
 
     # -- administration ----------------------------------------------------------------------
     @grpc_errors

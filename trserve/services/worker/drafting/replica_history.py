@@ -94,10 +94,8 @@ class ReplicaHistory:
         with self._push_lock:
             with self._lock:
                 docs, self._pending = self._pending, []
-            history = self.history
-            for doc in docs:
-                if history is not None:
-                    history.add(doc)
+            for doc in docs:  # (a session opened, so the copy exists, before any request finished)
+                self.history.add(doc)
             if docs and self.kept_by_service and self._spec is not None:
                 for start in range(0, len(docs), PUSH_DOCUMENTS):
                     if not self._push(docs[start:start + PUSH_DOCUMENTS]):
@@ -111,10 +109,10 @@ class ReplicaHistory:
         try:
             self.link.stub.PushHistory(request, timeout=self.link.config.push_timeout_s)
         except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:
+            if exc.code() == grpc.StatusCode.FAILED_PRECONDITION:  # no histories kept, or not this model
                 self.kept_by_service = False
-                log.info("matrix service %s keeps no suffix histories: tenant %s's history stays on this worker",
-                         self.link.addr, self.tenant)
+                log.info("matrix service %s takes no history (%s): tenant %s's history stays on this worker",
+                         self.link.addr, describe(exc), self.tenant)
             else:
                 _THROTTLE.failed("history push", self.tenant, _Described(exc), f"{len(docs)} requests not pushed")
             return False
