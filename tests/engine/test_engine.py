@@ -158,6 +158,27 @@ def test_heavy_load_shrinks_trees_to_plain_steps(tiny):
     assert sum(o[-1].stats.mat for o in outs) / 6 > 1.0
 
 
+def test_prompt_seeding_skips_rows_the_tenant_already_knows(tiny):
+    """Prompt seeding costs an LM-head row per position: only rows the tenant's matrix lacks are seeded."""
+    engine = BatchEngine(tiny, EngineConfig(max_batch=2), cost=lambda w, kv: 1.0)
+    matrix = tiny.new_matrix()
+
+    def seeded(prompt: list[int]) -> list[int]:
+        out = _submit(engine, tiny, GenerationRequest(input_ids=prompt, max_new_tokens=3, ignore_eos=True),
+                      matrix=matrix)
+        with torch.inference_mode():
+            engine.step()  # the whole prompt in one chunk: it joins the batch
+        at = engine.running[-1].seed_at
+        _run(engine)
+        assert out[-1].stats.generated_tokens == 3
+        return [prompt[q] for q in at]
+
+    first = [11, 12, 13, 14, 15, 16]
+    assert seeded(first) == first[-4:]  # a cold matrix: the last seed_from_prompt positions
+    assert seeded([40, 41] + first[-4:]) == []  # the same last tokens: their rows are known now
+    assert seeded([40, 41, 14, 30, 31, 30]) == [31, 30]  # 14 is known since the first; 30 once, at its last
+
+
 # ---- the real model -------------------------------------------------------------------------------
 def _mixed_prompts(n: int) -> list[str]:
     spec = load_prompts("spec_bench")

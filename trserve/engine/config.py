@@ -27,6 +27,8 @@ class DecoderConfig:
     # a tenant's first request a warm matrix (the batch budget learns node rates from it). Each
     # seeded position costs an LM-head row (~25% of a prefilled token): 512 cost TR 10-17% of its
     # throughput on the dev prompts (2-core AVX-512 host) and made prefill chunks up to 4x slower.
+    # Only positions whose token's row the tenant's matrix lacks are seeded (a token's last
+    # occurrence): on a warm tenant a prompt seeds next to nothing (tr/recycle.py:seed_positions).
     seed_from_prompt: int = 64
     autotune: AutoTuneConfig = field(default_factory=AutoTuneConfig)
     cache_dir: str | None = None  # calibration cache for adaptive trees; default ~/.cache/trserve

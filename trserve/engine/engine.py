@@ -36,7 +36,7 @@ from trserve.engine.sequence import Sequence
 from trserve.engine.step import accept_step
 from trserve.engine.target import TargetModel
 from trserve.engine.tr.lookup import ContextLookup
-from trserve.engine.tr.recycle import top_ids, top_probs
+from trserve.engine.tr.recycle import seed_positions, top_ids, top_probs
 from trserve.engine.tr.sampling import choose, new_sampler
 from trserve.engine.drafting import Drafter, latest_rows, pending
 from trserve.engine.tree_budget import TreeBudget
@@ -262,15 +262,15 @@ class BatchEngine:
                 # seeding pays only while trees are verified: scaled by their share under the batch budget
                 share = self.budget.tree_share if self.config.batch_aware else 1.0
                 live.seed_n = min(p, round(d.config.seed_from_prompt * share))
+                first = max(live.done, p - live.seed_n)  # after any cached prefix
+                tail = list(ids[first:p])
+                live.seed_at = [first + i for i in seed_positions(tail, self._known_rows(live.session, tail))]
         c = min(self.config.prefill_chunk, p - live.done)
         chunk = torch.tensor(ids[live.done : live.done + c], device=d.device)
-        seed = live.seed_n
-        first_seed = max(live.done, p - seed)  # prompt positions whose predictions seed the matrix
-        need = list(range(first_seed - live.done, c))
-        if live.done + c == p and (not need or need[-1] != c - 1):
-            need.append(c - 1)
+        # the chunk's positions whose predictions seed the matrix, then its last one (the first token's)
+        seeded = [q - live.done for q in live.seed_at if live.done <= q < live.done + c]
+        need = seeded + ([c - 1] if live.done + c == p and (not seeded or seeded[-1] != c - 1) else [])
         logits = self.runner.prefill(live.row, chunk, torch.tensor(need, dtype=torch.long, device=d.device))  # [m, V]
-        seeded = [i for i in need if live.done + i >= p - seed] if seed else []
         if seeded:
             known = self.runner.last_topk[: len(seeded)] if self.runner.last_topk is not None else None
             ids = top_ids(logits[: len(seeded)], d.config.k, known)  # [s, K]
@@ -279,6 +279,17 @@ class BatchEngine:
         if live.done == p:
             self._start(live, logits[-1:])
         return c
+
+    @staticmethod
+    def _known_rows(session, tokens: list[int]) -> list[bool]:
+        """Per token: whether the session's matrix copy already holds its row with confidences (then
+        seeding it from this prompt adds nothing measurable: docs/benchmarks.md). A source drafting
+        without a copy here: none known."""
+        matrix = getattr(session, "matrix", None)
+        if matrix is None or not tokens:
+            return [False] * len(tokens)
+        at = torch.tensor(tokens, dtype=torch.long, device=matrix.probs.device)
+        return (matrix.probs.index_select(0, at) > 0).any(1).tolist()
 
     def _start(self, live: Live, last: torch.Tensor) -> None:
         """The prompt is in: first token, draft session, and the sequence joins the batch."""

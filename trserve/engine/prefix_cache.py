@@ -16,9 +16,9 @@ tree's chain), so cached entries are bit-identical to what a prefill would write
 with that forward.
 
 A TR request seeds its matrix from the model's predictions at its prompt's last positions
-(`DecoderConfig.seed_from_prompt`); with a cached prefix only the positions it prefills seed it. The
-tenant's matrix then already holds the earlier request's rows, so this costs little (measured: the
-same MAT with and without prompt seeding on a warm tenant, docs/benchmarks.md).
+(`DecoderConfig.seed_from_prompt`); with a cached prefix only the positions it prefills seed it, and
+only where the tenant's matrix lacks the token's row (measured: the same MAT with and without prompt
+seeding on a warm tenant, docs/benchmarks.md).
 
 Bounded: entries are evicted least recently used once their bytes exceed `max_bytes`; an entry that
 a newer one extends (the same tenant's previous turn) is dropped when the newer one comes. Entries

@@ -76,7 +76,8 @@ class Live:
     root: int = 0
     text: TextStream | None = None
     seed: list = field(default_factory=list)  # (tokens [c], topk [c, K], probs [c, K]) of prompt seeding, per chunk
-    seed_n: int = 0  # prompt positions whose predictions seed its matrix (fixed when its prefill starts)
+    seed_n: int = 0  # the prompt's last positions that may seed its matrix (fixed when its prefill starts)
+    seed_at: list[int] = field(default_factory=list)  # of those, the ones that do (tr/recycle.py:seed_positions)
     # its grown trees' drafted tokens: expected (the calibrated scores of the nodes verified) and accepted
     predicted: float = 0.0
     realized: float = 0.0

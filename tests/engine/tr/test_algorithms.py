@@ -6,7 +6,7 @@ from trserve.core.model_spec import ModelSpec
 from trserve.engine.tr.accept import accept_greedy
 from trserve.engine.tr.draft import draft_tokens
 from trserve.engine.tr.matrix import AdjacencyMatrix
-from trserve.engine.tr.recycle import RecycledRows, distinct_rows, recycle_rows, select_rows
+from trserve.engine.tr.recycle import RecycledRows, distinct_rows, recycle_rows, seed_positions, select_rows
 from trserve.engine.tr.tree import TreeTemplate, compile_tree
 
 TREE = compile_tree(TreeTemplate.from_paths("ex", [[0], [1], [0, 0]]))
@@ -57,6 +57,16 @@ def test_select_rows_rule():
     # no token repeated: no winners to gather (every row is kept); repeated: the same rule
     assert distinct_rows(torch.tensor([5, 7, 9]), [0, 2]) is None
     assert distinct_rows(torch.tensor([5, 7, 7, 5]), [0, 2]).tolist() == select_rows(torch.tensor([5, 7, 7, 5]), [0, 2]).tolist()
+
+
+def test_seed_positions_skip_known_rows_and_earlier_repeats():
+    # the docstring's example: 5's last occurrence and 7; 9's row is known
+    assert seed_positions([5, 7, 5, 9], [False, False, False, True]) == [1, 2]
+    # a repeat whose last occurrence is known is not seeded at an earlier position either
+    assert seed_positions([5, 7, 5], [False, False, True]) == [1]
+    assert seed_positions([3, 4], [False, False]) == [0, 1]
+    assert seed_positions([3, 4], [True, True]) == []
+    assert seed_positions([], []) == []
 
 
 def test_recycle_and_apply():

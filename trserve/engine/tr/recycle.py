@@ -70,6 +70,22 @@ def _select_host(tokens: list[int], accepted_path: list[int]) -> list[int]:
     return [best[t] for t in sorted(best)]
 
 
+def seed_positions(tokens: list[int], known: list[bool]) -> list[int]:
+    """Which of a prompt's last positions seed the matrix (prompt seeding, trserve/engine/engine.py): the
+    indices i of `tokens` whose row the tenant's matrix does not know yet (`known[i]` False) and whose
+    token does not occur again later in `tokens` (the matrix keeps a token's latest row, so an earlier
+    one would be overwritten unread). Each seeded position costs an LM-head row in the prefill.
+    Example: tokens [5, 7, 5, 9], known [F, F, F, T] -> [1, 2] (5's last occurrence, and 7; 9 is known)."""
+    later: set[int] = set()
+    out = []
+    for i in range(len(tokens) - 1, -1, -1):
+        t = tokens[i]
+        if t not in later and not known[i]:
+            out.append(i)
+        later.add(t)
+    return out[::-1]
+
+
 def top_ids(logits: torch.Tensor, k: int, known: torch.Tensor | None = None) -> torch.Tensor:
     """logits [m, V] -> their top-k ids [m, k] int32, largest first: `known` where the forward already
     computed them (the native forward's, ties by lower id), else torch.topk."""
