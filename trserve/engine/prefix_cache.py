@@ -67,7 +67,7 @@ def common_prefix(a: np.ndarray, b: np.ndarray) -> int:
 class PrefixCache:
     """Finished sequences' KV per tenant, least recently used first out (see the module docstring)."""
 
-    def __init__(self, max_bytes: int, min_tokens: int = 32) -> None:
+    def __init__(self, max_bytes: int, min_tokens: int = 16) -> None:
         if max_bytes < 0 or min_tokens < 1:
             raise ValueError("max_bytes must be >= 0 and min_tokens >= 1")
         self.max_bytes, self.min_tokens = max_bytes, min_tokens

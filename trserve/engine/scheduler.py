@@ -40,7 +40,9 @@ class EngineConfig:
     # tenant's later prompts that start the same way (multi-turn chats, agent loops); 0 = off. Used
     # with the native forward only (its KV is the same bits whatever the forward's width)
     prefix_cache_mb: int = 512
-    prefix_min_tokens: int = 32  # shorter shared prefixes are prefilled again
+    # shorter shared prefixes are prefilled again; 16 lets the chat template's system turn (24 tokens for
+    # the bundled model) be reused: 36 Spec-Bench first turns of one tenant prefilled in 3.9 s against 4.8-5.4 s
+    prefix_min_tokens: int = 16
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_batch_tokens < 64 or self.max_waiting < 0 or self.prefill_chunk < 1:
