@@ -123,6 +123,27 @@ def test_cancel_and_deadline_free_the_row_at_the_next_step(tiny):
     assert len(keep[-1].ids) == 300
 
 
+def test_a_prompt_whose_next_chunk_would_end_past_its_deadline_stops_before_the_deadline(tiny):
+    engine = BatchEngine(tiny, EngineConfig(max_batch=2, prefill_chunk=8))
+    out = _submit(engine, tiny, GenerationRequest(input_ids=_prompt(4, 40), max_new_tokens=4, ignore_eos=True),
+                  deadline=time.monotonic() + 3600)
+    with torch.inference_mode():
+        engine.step()  # its first chunk: its per-token rate is measured
+    live = engine.prefilling
+    assert live.done == 8 and live.prefill_token_s > 0
+    # the deadline falls inside the next chunk (as the rate measured): it stops now, before the deadline
+    live.prefill_token_s = 1.0  # the next 8 tokens would take 8 s
+    live.deadline = time.monotonic() + 4.0
+    _run(engine, limit=1)
+    assert out[-1].finish_reason == "time_limit" and out[-1].ids == []
+    assert time.monotonic() < live.deadline and engine.prefilling is None and engine.runner.kv.active == 0
+    # with room for the next chunk it goes on
+    out = _submit(engine, tiny, GenerationRequest(input_ids=_prompt(4, 40), max_new_tokens=4, ignore_eos=True),
+                  deadline=time.monotonic() + 3600)
+    _run(engine)
+    assert out[-1].finish_reason == "length" and len(out[-1].ids) == 4
+
+
 def test_full_queue_and_oversized_requests_are_refused(tiny):
     from trserve.core.errors import ResourceExhausted
 

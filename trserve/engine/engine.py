@@ -73,6 +73,7 @@ class BatchEngine:
 
     def __init__(self, target: TargetModel, config: EngineConfig = EngineConfig(), cost: CostFn | None = None) -> None:
         self.target, self.config = target, config
+        self._kernel_pool: bool | None = None  # whether its linear layers run on the kernels' pool (`stepping`)
         self.runner = ModelRunner(target.model, config.max_batch + 1, target.loaded.dtype,
                                   native=target.loaded.native, topk=target.config.k,
                                   batch_step=target.loaded.batch_step)
@@ -175,7 +176,9 @@ class BatchEngine:
         """What a thread calling `step` must hold around its steps (`run` does): inference mode, and
         torch's intra-op threads quiet while the compressed kernels' pool runs (without it, torch's
         OpenMP workers spin on the cores the kernels need: 4 rows' steps took 19 ms instead of ~9)."""
-        with torch.inference_mode(), quiet_torch_threads(uses_kernel_pool(self.target.model)):
+        if self._kernel_pool is None:  # the model's layers are set when it loads: walked once, not per step
+            self._kernel_pool = uses_kernel_pool(self.target.model)
+        with torch.inference_mode(), quiet_torch_threads(self._kernel_pool):
             yield
 
     def run(self) -> None:
@@ -238,7 +241,10 @@ class BatchEngine:
         self.steps += 1
         chunk = 0
         self._retire([x for x in sched.running if x.stopping()])
-        if (gone := sched.drop_prefilling()) is not None:
+        # a prompt whose next chunk would end past its deadline stops now: the caller's margin covers
+        # a step the engine is in when the deadline passes, not a long prompt's chunk started just before
+        # (a chunk deep in a 2000-token prompt took over 1.5x the mean chunk on a loaded host)
+        if (gone := sched.drop_prefilling(self._next_chunk_s(sched.prefilling))) is not None:
             self._finish(gone)
         for live in sched.admit():
             self._finish(live)
@@ -250,6 +256,13 @@ class BatchEngine:
             self._decode()
         self._retire([x for x in sched.running if x.seq.finish_reason is not None])
         return chunk
+
+    def _next_chunk_s(self, live: Live | None) -> float:
+        """What `live`'s next prefill chunk should take, at the rate its last chunk ran (chunks only get
+        deeper); 0 before its first."""
+        if live is None or not live.prefill_token_s:
+            return 0.0
+        return live.prefill_token_s * min(self.config.prefill_chunk, len(live.seq.prepared.ids) - live.done)
 
     def _prefill_chunk(self, live: Live) -> int:
         """The next chunk of `live`'s prompt (the first one after any cached prefix); returns its length."""
@@ -270,7 +283,9 @@ class BatchEngine:
         # the chunk's positions whose predictions seed the matrix, then its last one (the first token's)
         seeded = [q - live.done for q in live.seed_at if live.done <= q < live.done + c]
         need = seeded + ([c - 1] if live.done + c == p and (not seeded or seeded[-1] != c - 1) else [])
+        t0 = time.perf_counter()
         logits = self.runner.prefill(live.row, chunk, torch.tensor(need, dtype=torch.long, device=d.device))  # [m, V]
+        live.prefill_token_s = (time.perf_counter() - t0) / c
         if seeded:
             known = self.runner.last_topk[: len(seeded)] if self.runner.last_topk is not None else None
             ids = top_ids(logits[: len(seeded)], d.config.k, known)  # [s, K]

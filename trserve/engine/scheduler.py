@@ -69,6 +69,7 @@ class Live:
     rates_key: tuple
     t0: float = field(default_factory=time.perf_counter)
     prefill_s: float = 0.0
+    prefill_token_s: float = 0.0  # seconds per token of its last prefill chunk (0 before the first)
     done: int = 0  # prompt tokens prefilled
     cached: int = 0  # of those, taken from the prefix cache (trserve/engine/prefix_cache.py)
     row: int = -1
@@ -93,14 +94,15 @@ class Live:
         width = self.tree.template.max_width if self.tree is not None else 1
         return self.seq.prompt_len + self.seq.max_new_tokens + width
 
-    def stopping(self) -> bool:
-        """Finished, or cancelled / past its deadline (then its finish reason is set here)."""
+    def stopping(self, ahead: float = 0.0) -> bool:
+        """Finished, or cancelled / past its deadline, or past it `ahead` seconds from now (what its
+        next step would take): then its finish reason is set here."""
         seq = self.seq
         if seq.finish_reason is not None:
             return True
         if self.cancelled is not None and self.cancelled():
             seq.finish_reason = "cancelled"
-        elif self.deadline is not None and time.monotonic() > self.deadline:
+        elif self.deadline is not None and time.monotonic() + ahead > self.deadline:
             seq.finish_reason = "time_limit"
         return seq.finish_reason is not None
 
@@ -190,10 +192,11 @@ class Scheduler:
         self.prefilling = None
         self.running.append(live)
 
-    def drop_prefilling(self) -> Live | None:
-        """The sequence being prefilled, if it was cancelled or timed out (it leaves)."""
+    def drop_prefilling(self, ahead: float = 0.0) -> Live | None:
+        """The sequence being prefilled, if it was cancelled or timed out, or would be by the end of its
+        next chunk (`ahead` seconds): it leaves."""
         live = self.prefilling
-        if live is None or not live.stopping():
+        if live is None or not live.stopping(ahead):
             return None
         self.prefilling = None
         return live
