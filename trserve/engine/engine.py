@@ -31,7 +31,7 @@ from trserve.engine.request.request import PreparedRequest
 from trserve.engine.request.stops import StopChecker
 from trserve.engine.request.text import TextStream
 from trserve.engine.results import GenerationResult, GenerationStats, StepChunk
-from trserve.engine.scheduler import EngineConfig, Live, Scheduler
+from trserve.engine.scheduler import EngineConfig, Live, Scheduler, StepTimes
 from trserve.engine.sequence import Sequence
 from trserve.engine.step import accept_step
 from trserve.engine.target import TargetModel
@@ -47,24 +47,6 @@ from trserve.engine.tuning.records import AcceptanceLog
 __all__ = ["BatchEngine", "EngineConfig"]
 log = logging.getLogger("trserve.engine")
 Emit = Callable[[StepChunk | GenerationResult | Exception], None]
-
-
-class StepTimes:
-    """What the engine's steps take (EMAs, 0.2 a sample): a decoding step without a prompt chunk,
-    and a step with a full prefill chunk in it. Each starts from a guess that its first sample
-    replaces. Read by callers sizing deadline margins (any thread: plain floats)."""
-
-    def __init__(self) -> None:
-        self.step_s, self.chunk_s = 0.1, 0.3
-        self._steps = self._chunks = 0
-
-    def step(self, seconds: float) -> None:
-        self.step_s = seconds if not self._steps else 0.8 * self.step_s + 0.2 * seconds
-        self._steps += 1
-
-    def chunk(self, seconds: float) -> None:
-        self.chunk_s = seconds if not self._chunks else 0.8 * self.chunk_s + 0.2 * seconds
-        self._chunks += 1
 
 
 class BatchEngine:
@@ -277,7 +259,8 @@ class BatchEngine:
                 live.seed_n = min(p, round(d.config.seed_from_prompt * share))
                 first = max(live.done, p - live.seed_n)  # after any cached prefix
                 tail = list(ids[first:p])
-                live.seed_at = [first + i for i in seed_positions(tail, self._known_rows(live.session, tail))]
+                known = getattr(live.session, "known_rows", None)  # a source without a local copy: none known
+                live.seed_at = [first + i for i in seed_positions(tail, known(tail) if known else [False] * len(tail))]
         c = min(self.config.prefill_chunk, p - live.done)
         chunk = torch.tensor(ids[live.done : live.done + c], device=d.device)
         # the chunk's positions whose predictions seed the matrix, then its last one (the first token's)
@@ -294,17 +277,6 @@ class BatchEngine:
         if live.done == p:
             self._start(live, logits[-1:])
         return c
-
-    @staticmethod
-    def _known_rows(session, tokens: list[int]) -> list[bool]:
-        """Per token: whether the session's matrix copy already holds its row with confidences (then
-        seeding it from this prompt adds nothing measurable: docs/benchmarks.md). A source drafting
-        without a copy here: none known."""
-        matrix = getattr(session, "matrix", None)
-        if matrix is None or not tokens:
-            return [False] * len(tokens)
-        at = torch.tensor(tokens, dtype=torch.long, device=matrix.probs.device)
-        return (matrix.probs.index_select(0, at) > 0).any(1).tolist()
 
     def _start(self, live: Live, last: torch.Tensor) -> None:
         """The prompt is in: first token, draft session, and the sequence joins the batch."""

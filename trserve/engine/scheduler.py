@@ -107,6 +107,24 @@ class Live:
         return seq.finish_reason is not None
 
 
+class StepTimes:
+    """What the engine's steps take (EMAs, 0.2 a sample): a decoding step without a prompt chunk,
+    and a step with a full prefill chunk in it. Each starts from a guess that its first sample
+    replaces. Read by callers sizing deadline margins (any thread: plain floats)."""
+
+    def __init__(self) -> None:
+        self.step_s, self.chunk_s = 0.1, 0.3
+        self._steps = self._chunks = 0
+
+    def step(self, seconds: float) -> None:
+        self.step_s = seconds if not self._steps else 0.8 * self.step_s + 0.2 * seconds
+        self._steps += 1
+
+    def chunk(self, seconds: float) -> None:
+        self.chunk_s = seconds if not self._chunks else 0.8 * self.chunk_s + 0.2 * seconds
+        self._chunks += 1
+
+
 class Scheduler:
     """waiting -> prefilling -> running, within the batch size and the KV token budget."""
 

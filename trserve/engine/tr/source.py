@@ -113,6 +113,14 @@ class MatrixSession:
     def close(self, recycled: RecycledRows | None) -> None:
         self._close(self._apply_rows(recycled))
 
+    def known_rows(self, tokens: list[int]) -> list[bool]:
+        """Per token: whether the copy holds its row with confidences (prompt seeding skips those:
+        one more context's row adds nothing measurable, docs/benchmarks.md)."""
+        if not tokens:
+            return []
+        at = torch.tensor(tokens, dtype=torch.long, device=self.matrix.probs.device)
+        return (self.matrix.probs.index_select(0, at) > 0).any(1).tolist()
+
     def info(self) -> DraftInfo:
         epoch = self.matrix_epoch if self.matrix_epoch is not None and self.matrix_epoch >= 0 else None
         return DraftInfo(matrix_version=self.version, mode=self.mode, matrix_epoch=epoch)
