@@ -83,3 +83,22 @@ def test_cli_workload_picks_the_bundled_file_and_prompts_wins(tmp_path):
     assert prompts_of(args) == str(prompt_file("repetitive"))
     args = parser.parse_args(["bench", "--workload", "mbpp", "--prompts", str(tmp_path / "mine.jsonl")])
     assert prompts_of(args) == str(tmp_path / "mine.jsonl")
+
+
+def test_repeated_runs_sum_into_one_row_and_each_runs_ratio_is_shown(tmp_path):
+    from trserve.bench.concurrency import _merged, format_runs
+
+    def run(tokens, wall):
+        return [{"tokens": tokens, "latency": 1.0, "ttft": 0.1, "mat": 1.0}], wall, 0.5
+
+    tr = _merged("tr", 8, [run(100, 2.0), run(100, 4.0)])
+    ar = _merged("ar", 8, [run(100, 2.5), run(100, 2.5)])
+    assert tr["tokens_per_s"] == 33.33 and tr["runs_tokens_per_s"] == [50.0, 25.0]  # 200 tokens / 6 s
+    assert tr["requests"] == 2 and tr["seconds"] == 6.0
+    lines = format_runs([tr, ar]).splitlines()
+    assert lines[:4] == ["", "", "tr/ar tokens/s per run", " conc  runs"]
+    assert lines[4].split() == ["8", "1.25", "0.62", "(min", "0.62)"]  # 50/40 and 25/40
+    once = _merged("tr", 8, [run(100, 2.0)])
+    assert "runs_tokens_per_s" not in once and format_runs([once, ar]) == ""
+    with pytest.raises(ValueError, match="repeats"):
+        _config(tmp_path, repeats=0)

@@ -46,6 +46,9 @@ def register(sub) -> None:
     p.add_argument("--concurrency", default=None,
                    help="e.g. 1,2,4,8,16: instead of the decoder comparison, closed-loop load on the batching engine "
                         "(modes tr, ar, serial) with throughput, latency and TTFT per level (trserve/bench/concurrency.py)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --concurrency: runs per level, the modes taking turns each time (rows sum them and "
+                        "the table adds each run's tr/ar ratio)")
     p.add_argument("--modes", default="tr,ar,serial",
                    help="with --concurrency: the modes to run, of tr, ar, serial and tr-full (batched TR verifying "
                         "every request's whole tree each step: the batch budget off)")
@@ -89,7 +92,7 @@ def _run_concurrency(args) -> int:
         max_new_tokens=args.max_new_tokens, kernels=args.kernels, threads=args.threads,
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         json_path=args.json or "bench-results/concurrency.json",
-        all_turns=repetitive and not args.first_turn_only, tenant_per_category=repetitive,
+        all_turns=repetitive and not args.first_turn_only, tenant_per_category=repetitive, repeats=args.repeats,
     )
     run_concurrency(config)
     return 0

@@ -13,7 +13,11 @@ request `tr-full` (batched TR with the budget off: every request verifies its wh
 step, as `trserve serve --full-trees`; what the budget gains or loses). Per level:
 aggregate tokens/s, requests/s, latency and time-to-first-token percentiles, mean accepted tokens,
 the share of the level's time spent in prompt forwards and the tokens/s of the rest (decoding), and
-for TR modes the draft tokens per source (drafted, accepted).
+for TR modes the draft tokens per source (drafted, accepted). With `repeats` > 1 every level runs
+that many times, the modes taking turns each time, each run from the matrices the level started
+with (a copy: the same prompts sent again must not find their own answers in them); a row sums its
+runs and lists each run's tokens/s, and the table ends with each run's `tr`/`ar` ratio (on these
+shared hosts one run's ratio moves by 5% or more from the next).
 """
 
 from __future__ import annotations
@@ -51,10 +55,13 @@ class ConcurrencyConfig:
     json_path: str = "bench-results/concurrency.json"
     all_turns: bool = False  # send every turn of a question (each after the client's own answer), not only the first
     tenant_per_category: bool = False  # a tenant per category (its requests share a matrix), not `tenants` in turn
+    repeats: int = 1  # runs per level (the modes take turns each time); rows sum them
 
     def __post_init__(self) -> None:
         if not self.levels or min(self.levels) < 1 or set(self.modes) - set(MODES) or not self.modes:
             raise ValueError(f"levels must be >= 1 and modes a subset of {MODES}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if not Path(self.prompts).exists():
             raise ValueError(f"prompts file {self.prompts!r} not found")
 
@@ -127,7 +134,27 @@ def _summary(mode: str, c: int, done: list[dict], wall: float, prefill_s: float)
     return row
 
 
-def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, convs, matrices: dict) -> dict:
+Run = tuple[list[dict], float, float]  # one run of a level: (finished requests, wall seconds, prefill seconds)
+
+
+def _merged(mode: str, c: int, runs: list[Run]) -> dict:
+    """A level's row over its runs: their requests together, their seconds summed; with more than one
+    run, each run's tokens/s too (`runs_tokens_per_s`)."""
+    row = _summary(mode, c, [d for done, _, _ in runs for d in done], sum(r[1] for r in runs), sum(r[2] for r in runs))
+    if len(runs) > 1:
+        row["runs_tokens_per_s"] = [round(sum(d["tokens"] for d in done) / wall, 2) for done, wall, _ in runs]
+    return row
+
+
+def _copied(matrix):
+    """A copy of an adjacency matrix (rows, confidences, version)."""
+    from trserve.engine.tr.matrix import AdjacencyMatrix
+
+    return AdjacencyMatrix(matrix.spec, matrix.rows.device, rows=matrix.rows.clone(), version=matrix.version,
+                           probs=matrix.probs.clone())
+
+
+def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, convs, matrices: dict) -> Run:
     from trserve.engine import GenerationRequest
     from trserve.engine.engine import BatchEngine, EngineConfig
     from trserve.engine.tuning.cost import engine_cost
@@ -163,7 +190,7 @@ def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, convs, matri
     with engine.stepping(), _prefill_timed(engine.runner) as chunk_s:
         while engine.running or engine.waiting or engine.prefilling:
             engine.step()
-    return _summary(mode, c, done, time.perf_counter() - t0, sum(chunk_s))
+    return done, time.perf_counter() - t0, sum(chunk_s)
 
 
 @contextmanager
@@ -185,7 +212,7 @@ def _prefill_timed(runner):
         runner.prefill = prefill
 
 
-def _serial(decoder, c: int, config: ConcurrencyConfig, convs, matrices: dict) -> dict:
+def _serial(decoder, c: int, config: ConcurrencyConfig, convs, matrices: dict) -> Run:
     """c clients in front of a one-at-a-time server: each request waits for those ahead of it."""
     feed = itertools.cycle(convs)
     total, done, prefill_s = config.requests(c), [], 0.0
@@ -206,7 +233,7 @@ def _serial(decoder, c: int, config: ConcurrencyConfig, convs, matrices: dict) -
         if started < total:
             queue.append((now, _follow(feed, turn, r.text)))
             started += 1
-    return _summary("serial", c, done, time.perf_counter() - t0, prefill_s)
+    return done, time.perf_counter() - t0, prefill_s
 
 
 def fairness(decoder, config: ConcurrencyConfig, prompts, long_tokens: int = 2000) -> dict:
@@ -264,14 +291,20 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
     tenants = list(dict.fromkeys(tenant for tenant, _ in convs))
     matrices = {mode: {t: decoder.new_tenant() for t in tenants} for mode in config.modes}  # matrix + history
     for c in config.levels:
-        for mode in config.modes:
-            # every level sends the same prompts again: a tenant's history of the last level would hold
-            # their very answers (a cache, not drafting), so each level starts a fresh one; matrices stay hot
-            matrices[mode] = {t: LocalDraftSource(s.matrix, SuffixHistory()) for t, s in matrices[mode].items()}
-            row = (_serial(decoder, c, config, convs, matrices[mode]) if mode == "serial"
-                   else _batched(decoder, mode, c, config, convs, matrices[mode]))
-            log.info("%s", row)
-            rows.append(row)
+        runs: dict[str, list[Run]] = {mode: [] for mode in config.modes}
+        start = {mode: {t: s.matrix for t, s in matrices[mode].items()} for mode in config.modes}
+        for r in range(config.repeats):
+            for mode in config.modes:
+                # every run sends the same prompts again: a tenant's history of the last run would hold
+                # their very answers (a cache, not drafting), so each run starts a fresh one; matrices stay
+                # hot across levels, and each repeat of a level starts from the level's (a copy of them)
+                matrices[mode] = {t: LocalDraftSource(_copied(m) if r < config.repeats - 1 else m, SuffixHistory())
+                                  for t, m in start[mode].items()}
+                run = (_serial(decoder, c, config, convs, matrices[mode]) if mode == "serial"
+                       else _batched(decoder, mode, c, config, convs, matrices[mode]))
+                runs[mode].append(run)
+                log.info("%s", _summary(mode, c, *run))
+        rows += [_merged(mode, c, runs[mode]) for mode in config.modes]
     rows.sort(key=lambda r: config.modes.index(r["mode"]))  # stable: levels ascending within a mode
     fair = fairness(decoder, config, prompts)
     log.info("fairness: %s", fair)
@@ -285,7 +318,7 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
         f"\nfairness: a {fair['prompt_tokens']}-token prompt arrives while 4 requests decode: their p99 "
         f"inter-token gap {fair['gap_p99_before_s'] * 1e3:.0f} ms before, {fair['gap_p99_during_s'] * 1e3:.0f} ms "
         f"during its prefill ({fair['chunks']} chunks of {fair['prefill_chunk']}, "
-        f"{fair['chunk_s_mean'] * 1e3:.0f} ms each, max {fair['chunk_s_max'] * 1e3:.0f} ms)") + format_sources(rows)
+        f"{fair['chunk_s_mean'] * 1e3:.0f} ms each, max {fair['chunk_s_max'] * 1e3:.0f} ms)") + format_sources(rows) + format_runs(rows)
     path.with_suffix(".txt").write_text(table + "\n")
     print(table)
     plot(rows, path.with_suffix(".png"))
@@ -311,6 +344,19 @@ def format_sources(rows: list[dict]) -> str:
         return ""
     return "\n\n" + "\n".join(["draft sources: accepted / drafted tokens (acceptance)",
                                 *source_lines(sources, f"{'mode':<8}{'conc':>5}")])
+
+
+def format_runs(rows: list[dict]) -> str:
+    """Each run's tr/ar tokens/s ratio per level, after a blank line ("" unless rows list their runs
+    and both modes ran): the spread that one summed figure hides."""
+    per = {(r["mode"], r["concurrency"]): r.get("runs_tokens_per_s") for r in rows}
+    lines = []
+    for c in dict.fromkeys(r["concurrency"] for r in rows):
+        tr, ar = per.get(("tr", c)), per.get(("ar", c))
+        if tr and ar:
+            ratios = [t / a for t, a in zip(tr, ar)]
+            lines.append(f"{c:>5}  " + " ".join(f"{x:.2f}" for x in ratios) + f"   (min {min(ratios):.2f})")
+    return "\n\ntr/ar tokens/s per run\n conc  runs\n" + "\n".join(lines) if lines else ""
 
 
 def plot(rows: list[dict], path: Path) -> None:
