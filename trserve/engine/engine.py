@@ -55,7 +55,8 @@ class BatchEngine:
 
     def __init__(self, target: TargetModel, config: EngineConfig = EngineConfig(), cost: CostFn | None = None) -> None:
         self.target, self.config = target, config
-        self._kernel_pool: bool | None = None  # whether its linear layers run on the kernels' pool (`stepping`)
+        # whether its linear layers run on the kernels' pool (`stepping`): set when the model loaded, walked once
+        self._kernel_pool = uses_kernel_pool(target.model)
         self.runner = ModelRunner(target.model, config.max_batch + 1, target.loaded.dtype,
                                   native=target.loaded.native, topk=target.config.k,
                                   batch_step=target.loaded.batch_step)
@@ -158,8 +159,6 @@ class BatchEngine:
         """What a thread calling `step` must hold around its steps (`run` does): inference mode, and
         torch's intra-op threads quiet while the compressed kernels' pool runs (without it, torch's
         OpenMP workers spin on the cores the kernels need: 4 rows' steps took 19 ms instead of ~9)."""
-        if self._kernel_pool is None:  # the model's layers are set when it loads: walked once, not per step
-            self._kernel_pool = uses_kernel_pool(self.target.model)
         with torch.inference_mode(), quiet_torch_threads(self._kernel_pool):
             yield
 
