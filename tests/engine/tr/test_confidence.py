@@ -35,3 +35,20 @@ def test_matrix_apply_writes_probs_and_zeroes_unknown_ones():
     assert m.probs[3].tolist() == [200, 30]
     m.apply(RecycledRows(torch.tensor([3]), torch.tensor([[4, 5]], dtype=torch.int32)))  # an ids-only peer
     assert m.rows[3].tolist() == [4, 5] and m.probs[3].tolist() == [0, 0]
+
+
+def test_blended_averages_each_new_confidence_with_the_old_one_of_the_same_successor():
+    spec = ModelSpec("fp", 16, 2)
+    m = AdjacencyMatrix(spec)
+    m.apply(RecycledRows(torch.tensor([4, 5]), torch.tensor([[7, 9], [1, 2]], dtype=torch.int32),
+                         torch.tensor([[200, 40], [0, 0]], dtype=torch.uint8)))  # 5: ids without confidences
+    new = RecycledRows(torch.tensor([4, 5, 6]), torch.tensor([[9, 3], [2, 1], [8, 7]], dtype=torch.int32),
+                       torch.tensor([[180, 60], [90, 11], [33, 255]], dtype=torch.uint8))
+    out = m.blended(new)
+    # 4: 9 was at 40 -> (180 + 40) / 2, 3 was absent -> 60 / 2; 5 and 6 had no confidences: kept as they are
+    assert out.probs.tolist() == [[110, 30], [90, 11], [33, 255]]
+    assert out.topk is new.topk and out.tokens is new.tokens and out.probs.dtype == torch.uint8
+    assert m.blended(RecycledRows(new.tokens, new.topk)).probs is None  # ids only: nothing to blend
+    odd = m.blended(RecycledRows(torch.tensor([4]), torch.tensor([[7, 1]], dtype=torch.int32),
+                                 torch.tensor([[1, 2]], dtype=torch.uint8)))
+    assert odd.probs.tolist() == [[100, 1]]  # halves round to even: (1 + 200) / 2 = 100.5 -> 100, 2 / 2 = 1

@@ -82,6 +82,7 @@ class Calibration:
         self.weight = weight
         self._rates: list[float] | None = None
         self._best: dict[int, float] | None = None
+        self._matrix: tuple[list[float], list[float]] | None = None
 
     def rates(self) -> list[float]:
         if self._rates is None:
@@ -99,9 +100,11 @@ class Calibration:
         return self._best[source]
 
     def matrix_rates(self) -> tuple[list[float], list[float]]:
-        """(per confidence bucket q // 16, per rank for unknown confidences)."""
-        r = self.rates()
-        return r[:_QBINS], r[_QBINS: _QBINS + _RANKS]
+        """(per confidence bucket q // 16, per rank for unknown confidences); read only."""
+        if self._matrix is None:
+            r = self.rates()
+            self._matrix = (r[:_QBINS], r[_QBINS: _QBINS + _RANKS])
+        return self._matrix
 
     def record(self, bins: list[int], parent: list[int], path: list[int]) -> None:
         """A verified prefix of a grown tree: bins/parent per node (root first), path = accepted nodes."""
@@ -111,7 +114,7 @@ class Calibration:
                 self.reached[bins[i]] += 1
                 if i in on:
                     self.accepted[bins[i]] += 1
-        self._rates = self._best = None
+        self._rates = self._best = self._matrix = None
 
 
 @dataclass(frozen=True)
@@ -152,7 +155,7 @@ def best_first_score(rows: np.ndarray, probs: np.ndarray, root: int, calib: Cali
     row), so a caller can skip growing when even that is not worth a row."""
     q_rates, rank_rates = calib.matrix_rates()
     best = 0.0
-    if rows[root].any():  # a cold row (all zeros) drafts nothing
+    if any(rows[root].tolist()):  # a cold row (all zeros) drafts nothing (lists: no numpy reduction, run cold)
         best = max(q_rates[q >> 4] if q else rank_rates[min(r, _RANKS - 1)] for r, q in enumerate(probs[root].tolist()))
     rates = calib.rates()
     for c in chains:

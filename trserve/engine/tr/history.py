@@ -57,15 +57,6 @@ def _mix_array(h: np.ndarray, tokens: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
-def suffix_hashes(tail: Sequence[int]) -> list[int]:
-    """[h_1, .., h_t]: h_n is the hash of tail's last n tokens (the key `_doc_hashes` gives that n-gram)."""
-    out, h = [], 0
-    for token in reversed(tail):
-        h = _mix(h, token)
-        out.append(h)
-    return out
-
-
 def _doc_hashes(doc: np.ndarray, max_ngram: int) -> list[np.ndarray]:
     """doc [L] int32 -> per n = 1..max_ngram, [L - n + 1] uint64: the hash of doc[s: s + n] at s."""
     d = doc.astype(np.uint64)
@@ -226,7 +217,8 @@ class SuffixHistory:
         """The tokens (at most `length`, within their document) that followed the most recent
         occurrence of the longest suffix of `context` of size n in [min_ngram, max_ngram] that occurs
         with a following token; None when there is none. Only the last max_ngram tokens are read.
-        O(max_ngram) table probes (each compares <= n tokens), expected O(1) slots per probe.
+        Probes sizes from min_ngram up, to the first absent one (one probe when nothing matches), each
+        comparing <= n tokens, expected O(1) slots per probe.
         Example: documents [5, 1, 2, 3, 4] then [1, 2, 3, 9]; context [7, 1, 2, 3], min_ngram 2:
         the 3-gram [1, 2, 3] occurs in both, the newer wins -> Proposal([9], ngram=3)."""
         if length < 1:
@@ -235,14 +227,24 @@ class SuffixHistory:
         t = len(tail)
         if t < self.min_ngram:
             return None
-        hashes = suffix_hashes(tail)
         st = self._state  # one whole state, whatever an add publishes meanwhile
-        for n in range(t, self.min_ngram - 1, -1):
-            pos = self._find(st, n, hashes[n - 1], tail[t - n:])
-            if pos >= st.live:
-                end = st.ends[bisect_right(st.ends, pos)]
-                return Proposal(st.buf[pos: min(pos + length, end)].tolist(), n)
-        return None
+        # shortest first, each n-gram's hash from the last one's (the chain `_doc_hashes` builds): a live
+        # occurrence of the (n + 1)-gram ends with a live occurrence of its last n tokens, so the first
+        # absent size ends the search, and most steps, matching nothing, stop at min_ngram (one probe)
+        found, h = None, 0
+        for n in range(1, t + 1):
+            h = _mix(h, tail[t - n])
+            if n < self.min_ngram:
+                continue
+            pos = self._find(st, n, h, tail[t - n:])
+            if pos < st.live:
+                break
+            found = (pos, n)
+        if found is None:
+            return None
+        pos, n = found
+        end = st.ends[bisect_right(st.ends, pos)]
+        return Proposal(st.buf[pos: min(pos + length, end)].tolist(), n)
 
     def _find(self, st: _State, n: int, h: int, gram: list[int]) -> int:
         """Buffer position after the most recent occurrence of `gram` (size n), -1 when absent."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import threading
 
-import numpy as np
 import torch
 
 from trserve.core.errors import InvalidArgument
@@ -85,14 +84,25 @@ class AdjacencyMatrix:
         Example, keep 0.5: old row [7, 9] at [200, 40], new [9, 3] at [180, 60] -> [110, 30]."""
         if rows.probs is None:
             return rows
-        at = rows.tokens.cpu().numpy()  # on host arrays: a few rows, where torch's per-op cost dominates
-        old_ids, old_p = self.rows.cpu().numpy()[at], self.probs.cpu().numpy()[at].astype(np.float32)  # [m, K]
-        new_ids, new_p = rows.topk.cpu().numpy(), rows.probs.cpu().numpy().astype(np.float32)  # [m, K]
-        same = new_ids[:, :, None] == old_ids[:, None, :]  # [m, K, K]
-        prev = (same * old_p[:, None, :]).sum(-1)  # [m, K] the old confidence of each new id
-        known = (old_p > 0).any(-1, keepdims=True)  # [m, 1]
-        avg = np.where(known, (1 - keep) * new_p + keep * prev, new_p)
-        probs = torch.from_numpy(np.rint(avg).clip(0, 255).astype(np.uint8)).to(rows.probs.device)
+        # plain Python over the few rows: right after a forward the caches are cold, and there numpy's
+        # dozen small calls on [m, K, K] measured 2.6x slower (~100 against ~40 us a call, engine steps)
+        tokens = rows.tokens.tolist()
+        if self.rows.device.type == "cpu":
+            held, conf = self.rows.numpy(), self.probs.numpy()  # views [V, K]
+            old = [(held[t].tolist(), conf[t].tolist()) for t in tokens]
+        else:
+            at = rows.tokens.to(self.rows.device, torch.long)
+            old = list(zip(self.rows.index_select(0, at).tolist(), self.probs.index_select(0, at).tolist()))
+        out = []
+        for (old_ids, old_p), ids, new_p in zip(old, rows.topk.tolist(), rows.probs.tolist()):
+            if not any(old_p):
+                out.append(new_p)
+                continue
+            prev: dict[int, int] = {}  # the old confidence of each id (summed, should a row repeat one)
+            for i, q in zip(old_ids, old_p):
+                prev[i] = prev.get(i, 0) + q
+            out.append([min(255, round((1 - keep) * q + keep * prev.get(i, 0))) for i, q in zip(ids, new_p)])
+        probs = torch.tensor(out, dtype=torch.uint8).reshape(rows.probs.shape).to(rows.probs.device)
         return RecycledRows(rows.tokens, rows.topk, probs)
 
     def draft(self, root: int, tree: CompiledTree) -> torch.Tensor:
