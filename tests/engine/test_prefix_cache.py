@@ -23,7 +23,7 @@ def test_common_prefix():
 
 
 def test_lookup_takes_the_longest_prefix_of_the_same_tenant_and_runs_the_last_prompt_token():
-    cache = PrefixCache(max_bytes=1 << 20, min_tokens=4)
+    cache = PrefixCache(max_bytes=1 << 20, min_tokens=4, block_tokens=1)
     assert cache.store("a", [1, 2, 3, 4, 5, 6], _kv(6))
     assert cache.store("a", [1, 2, 3, 7, 8, 9], _kv(6, 1.0))
     hit = cache.lookup("a", [1, 2, 3, 4, 5, 9, 9])
@@ -36,7 +36,7 @@ def test_lookup_takes_the_longest_prefix_of_the_same_tenant_and_runs_the_last_pr
 
 
 def test_an_entry_extending_another_replaces_it_and_the_least_recently_used_go_first():
-    cache = PrefixCache(max_bytes=3 * (6 * 16 + 6 * 8), min_tokens=2)  # three 6-token entries
+    cache = PrefixCache(max_bytes=3 * (6 * 16 + 6 * 8), min_tokens=2, block_tokens=1)  # three 6-token entries
     cache.store("a", [1, 2, 3], _kv(3))
     cache.store("a", [1, 2, 3, 4, 5, 6], _kv(6))  # turn 2 extends turn 1: turn 1 goes
     assert len(cache) == 1 and cache.lookup("a", [1, 2, 3, 9]).entry.tokens.shape[0] == 6
@@ -49,6 +49,25 @@ def test_an_entry_extending_another_replaces_it_and_the_least_recently_used_go_f
     assert cache.bytes == 3 * (6 * 16 + 6 * 8)
     assert not cache.store("e", [1], _kv(1))  # shorter than min_tokens
     assert not PrefixCache(max_bytes=10).store("a", list(range(40)), _kv(40))  # larger than the cache
+
+
+def test_evicted_entries_blocks_hold_the_next_ones_and_never_more_than_max_bytes_are_allocated():
+    block = 4 * 16  # 4 columns of 16 bytes
+    cache = PrefixCache(max_bytes=5 * block + 2 * 10 * 8, min_tokens=2, block_tokens=4)
+    ramp = torch.arange(2 * 10 * 2, dtype=torch.float32).reshape(2, 1, 1, 10, 2)  # [2, layers, Hkv, 10, D]
+    assert cache.store("a", list(range(10)), ramp)  # 10 columns: 3 blocks, the last one half used
+    assert cache.allocated == 3 * block and cache.bytes == 3 * block + 10 * 8
+    assert torch.equal(cache.lookup("a", list(range(10)) + [99]).entry.kv, ramp)
+    first = set(map(id, cache.lookup("a", list(range(10)) + [99]).entry.blocks))
+    assert cache.store("b", list(range(10)), ramp + 1)  # 3 more blocks would pass max_bytes: a goes, b takes its blocks
+    assert len(cache) == 1 and cache.lookup("a", list(range(10)) + [99]) is None
+    hit = cache.lookup("b", list(range(10)) + [99])
+    assert set(map(id, hit.entry.blocks)) == first and torch.equal(hit.entry.kv, ramp + 1)
+    assert cache.allocated == 3 * block
+    assert cache.store("c", [7, 7], ramp[:, :, :, :2])  # one block: two left free to allocate
+    assert cache.allocated == 4 * block and len(cache) == 2
+    cache.clear()
+    assert (len(cache), cache.bytes, cache.allocated) == (0, 0, 0)
 
 
 def _chat(turns: list[str], answers: list[str]) -> list[dict]:

@@ -205,12 +205,21 @@ class BatchKV:
         assert n <= r.lens[row] and r.buf is not None
         return r.buf[:, :, row, :, :n].clone()
 
-    def load_prefix(self, row: int, kv: torch.Tensor, n: int) -> None:
-        """The first n entries of `kv` [2, layers, Hkv, >= n, D] become empty `row`'s context."""
+    def row_view(self, row: int) -> torch.Tensor:
+        """`row`'s entries in place: [2, layers, Hkv, capacity, D] (its first length(row) columns valid)."""
+        assert self.rows.buf is not None
+        return self.rows.buf[:, :, row]
+
+    def load_prefix(self, row: int, blocks: tuple[torch.Tensor, ...], n: int) -> None:
+        """The first n columns of `blocks` ([2, layers, Hkv, B, D] each, columns in order:
+        trserve/engine/prefix_cache.py) become empty `row`'s context."""
         r = self.rows
         assert r.lens[row] == 0, "a prefix goes into an empty row"
         self.reserve(n)
-        r.buf[:, :, row, :, :n].copy_(kv[:, :, :, :n])
+        dst, width = r.buf[:, :, row], blocks[0].shape[3]  # [2, layers, Hkv, capacity, D]
+        for i, block in enumerate(blocks[: -(-n // width)]):
+            s, e = i * width, min(n, (i + 1) * width)
+            dst[:, :, :, s:e].copy_(block[:, :, :, : e - s])
         r.lens[row] = n
 
     def move_row(self, src: int, dst: int) -> None:
