@@ -25,15 +25,12 @@ a newer one extends (the same tenant's previous turn) is dropped when the newer 
 are never read across tenants. Engine thread only.
 
 Pooled: an entry's keys and values live in fixed-size blocks of `block_tokens` columns, and an
-evicted entry's blocks hold the next ones. Memory fresh from the OS costs a page fault per 4 KiB the
-first time it is written (~2.6 ms/MB measured on a 2-core VM), and a copy of each finished request
-into new tensors paid that again and again: at eight concurrent requests up to 3 ms a decode step,
-a tenth of the run, and glibc hands chunks this large back to the OS when freed. The blocks, once
-touched, are written at copy speed; at most `max_bytes` of them are ever allocated.
-
-Worked example, min_tokens 4: cached for tenant a: [1, 2, 3, 4, 5, 6]; a prompt [1, 2, 3, 4, 9] of
-tenant a shares 4 tokens -> reuse 4, prefill [9]; the same prompt of tenant b -> nothing; a prompt
-[1, 2, 3, 4, 5, 6] -> reuse 5 (its last token is run).
+evicted entry's blocks hold the next ones; at most `max_bytes` of them are ever allocated. Memory
+fresh from the OS costs a page fault per 4 KiB the first time it is written (~2.6 ms/MB measured on
+a 2-core VM), and glibc hands chunks this large back to the OS when they are freed. With one tensor
+per entry, storing finished requests took 140-465 us per decode step at eight concurrent requests
+in a long-running engine; with the blocks, 120-146 us (copies only; the concurrency bench,
+docs/benchmarks.md).
 """
 
 from __future__ import annotations
