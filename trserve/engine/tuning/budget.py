@@ -80,25 +80,31 @@ def choose_packed(options: Sequence[Sequence[Option]], cost: Callable[[int], flo
         opts = options[0]
         rates = [t / (cost(w) + (extra if w > 1 else 0.0)) / (1 + margin if w > 1 else 1.0) for w, t in opts]
         return [max(range(len(opts)), key=lambda i: (rates[i], -opts[i][0]))]
-    b, j = len(options), max(len(o) for o in options)
-    e = np.full((b, j), -np.inf)  # [B, J] expected tokens (-inf: no such option)
-    w = np.zeros((b, j))  # [B, J] widths
-    for i, opts in enumerate(options):
-        e[i, : len(opts)] = [t for _, t in opts]
-        w[i, : len(opts)] = [x for x, _ in opts]
-    prices = np.asarray(_PRICES)[:, None, None]  # [M, 1, 1]
-    picks = np.argmax(e[None] - prices * w[None], axis=2)  # [M, B]
-    rows = np.arange(b)
-    best, best_key = None, None
-    for p in {tuple(x) for x in picks.tolist()}:
-        total = int(w[rows, p].sum())
-        trees = int((w[rows, p] > 1).sum())
-        rate = float(e[rows, p].sum()) / (cost(total) + extra * trees) / (1 + margin if trees else 1.0)
+    # only the sequences with a choice take part (on lists: a busy batch has one or two, and numpy's calls
+    # on [M, B, J] cost more than the loop right after a forward, with cold caches)
+    free = [i for i, opts in enumerate(options) if len(opts) > 1]
+    picks = [0] * len(options)
+    if not free:
+        return picks
+    fixed = [options[i][0] for i, opts in enumerate(options) if len(opts) == 1]
+    fixed_w, fixed_t, fixed_trees = sum(w for w, _ in fixed), sum(t for _, t in fixed), sum(w > 1 for w, _ in fixed)
+    best, best_key, seen = None, None, set()
+    for price in _PRICES:  # each sequence's option maximising t - price * w (the first of equal ones)
+        p = tuple(max(range(len(options[i])), key=lambda j, o=options[i]: o[j][1] - price * o[j][0]) for i in free)
+        if p in seen:
+            continue
+        seen.add(p)
+        chosen = [options[i][j] for i, j in zip(free, p)]
+        total = fixed_w + sum(w for w, _ in chosen)
+        trees = fixed_trees + sum(w > 1 for w, _ in chosen)
+        rate = (fixed_t + sum(t for _, t in chosen)) / (cost(total) + extra * trees) / (1 + margin if trees else 1.0)
         key = (rate, -total)
         if best_key is None or key[0] > best_key[0] * (1 + 1e-9) or (
                 abs(key[0] - best_key[0]) <= best_key[0] * 1e-9 and key[1] > best_key[1]):
-            best, best_key = list(p), key
-    return best
+            best, best_key = p, key
+    for i, j in zip(free, best):
+        picks[i] = j
+    return picks
 
 
 class NodeRates:
