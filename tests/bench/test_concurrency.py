@@ -102,3 +102,21 @@ def test_repeated_runs_sum_into_one_row_and_each_runs_ratio_is_shown(tmp_path):
     assert "runs_tokens_per_s" not in once and format_runs([once, ar]) == ""
     with pytest.raises(ValueError, match="repeats"):
         _config(tmp_path, repeats=0)
+
+
+def test_one_engine_per_mode_whose_prefix_cache_starts_each_run_empty_with_its_blocks_kept(decoder, tmp_path):
+    import torch
+
+    from trserve.bench.concurrency import _engine
+
+    config = _config(tmp_path)
+    engines: dict = {}
+    tr = _engine(decoder, "tr", config, engines)
+    assert _engine(decoder, "tr", config, engines) is tr and _engine(decoder, "ar", config, engines) is not tr
+    if tr.prefix is None:
+        pytest.skip("no native forward on this host: its engines keep no prefix cache")
+    tr.prefix.store("t", list(range(40)), torch.zeros(2, 1, 1, 40, 2))
+    allocated = tr.prefix.allocated
+    assert len(tr.prefix) == 1 and allocated > 0
+    assert _engine(decoder, "tr", config, engines) is tr
+    assert len(tr.prefix) == 0 and tr.prefix.bytes == 0 and tr.prefix.allocated == allocated  # blocks kept, free
