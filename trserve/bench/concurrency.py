@@ -155,25 +155,22 @@ def _copied(matrix):
 
 
 def _engine(decoder, mode: str, config: ConcurrencyConfig, engines: dict):
-    """`mode`'s engine, one for the whole bench as a worker keeps one: a new engine per run faulted in
-    fresh memory for its KV rows and prefix cache every run (~2.6 ms/MB on a 2-core VM: up to a tenth of a
-    run at eight requests, and more in some runs than others). Its prefix cache starts each run empty
-    (the runs send the same prompts: their entries would be the answers), its blocks kept."""
+    """`mode`'s engine, kept for the whole bench as a worker keeps one (an engine per run faulted in fresh KV
+    and cache memory, ~2.6 ms/MB: up to a tenth of a run at eight requests, more in some runs than others);
+    its prefix cache starts each run empty (every run sends the same prompts), its blocks kept."""
     from trserve.engine.engine import BatchEngine, EngineConfig
     from trserve.engine.tuning.cost import engine_cost
 
-    engine = engines.get(mode)
-    if engine is None:
-        engine = engines[mode] = BatchEngine(decoder, EngineConfig(
-            max_batch=max(config.levels), prefill_chunk=config.prefill_chunk, batch_aware=mode != "tr-full"),
-            engine_cost(decoder, measure=True))
+    if mode not in engines:
+        engines[mode] = BatchEngine(decoder, EngineConfig(max_batch=max(config.levels), prefill_chunk=config.prefill_chunk,
+                                                          batch_aware=mode != "tr-full"), engine_cost(decoder, measure=True))
+    engine = engines[mode]
     if engine.prefix is not None:
         engine.prefix.clear(release=False)
     return engine
 
 
-def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, convs, matrices: dict,
-             engines: dict | None = None) -> Run:
+def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, convs, matrices: dict, engines=None) -> Run:
     from trserve.engine import GenerationRequest
     from trserve.engine.results import GenerationResult
 
