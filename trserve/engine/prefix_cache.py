@@ -28,9 +28,9 @@ Pooled: an entry's keys and values live in fixed-size blocks of `block_tokens` c
 evicted entry's blocks hold the next ones; at most `max_bytes` of them are ever allocated. Memory
 fresh from the OS costs a page fault per 4 KiB the first time it is written (~2.6 ms/MB measured on
 a 2-core VM), and glibc hands chunks this large back to the OS when they are freed. With one tensor
-per entry, storing finished requests took 140-465 us per decode step at eight concurrent requests
-in a long-running engine; with the blocks, 120-148 us (copies only; the concurrency bench,
-docs/benchmarks.md).
+per entry, storing finished requests took 140-304 us per decode step at eight concurrent requests
+in a long-running engine after its first run; with the blocks, 120-148 us (copies only; the
+concurrency bench, docs/benchmarks.md).
 
 Worked example, min_tokens 4: cached for tenant a: [1, 2, 3, 4, 5, 6]; a prompt [1, 2, 3, 4, 9] of
 tenant a shares 4 tokens -> reuse 4, prefill [9]; the same prompt of tenant b -> nothing; a prompt
