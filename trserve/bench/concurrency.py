@@ -170,11 +170,11 @@ def _engine(decoder, mode: str, config: ConcurrencyConfig, engines: dict):
     return engine
 
 
-def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, convs, matrices: dict, engines=None) -> Run:
+def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, convs, matrices: dict, engines: dict) -> Run:
     from trserve.engine import GenerationRequest
     from trserve.engine.results import GenerationResult
 
-    engine = _engine(decoder, mode, config, {} if engines is None else engines)
+    engine = _engine(decoder, mode, config, engines)
     feed = itertools.cycle(convs)
     total, started, done = config.requests(c), 0, []
 

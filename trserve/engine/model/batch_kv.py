@@ -199,12 +199,6 @@ class BatchKV:
         r.active -= 1
         return moved
 
-    def read_prefix(self, row: int, n: int) -> torch.Tensor:
-        """A copy of `row`'s first n entries: [2, layers, Hkv, n, D] (keys, values)."""
-        r = self.rows
-        assert n <= r.lens[row] and r.buf is not None
-        return r.buf[:, :, row, :, :n].clone()
-
     def row_view(self, row: int) -> torch.Tensor:
         """`row`'s entries in place: [2, layers, Hkv, capacity, D] (its first length(row) columns valid)."""
         assert self.rows.buf is not None

@@ -83,9 +83,6 @@ def choose_packed(options: Sequence[Sequence[Option]], cost: Callable[[int], flo
     # only the sequences with a choice take part (on lists: a busy batch has one or two, and numpy's calls
     # on [M, B, J] cost more than the loop right after a forward, with cold caches)
     free = [i for i, opts in enumerate(options) if len(opts) > 1]
-    picks = [0] * len(options)
-    if not free:
-        return picks
     fixed = [options[i][0] for i, opts in enumerate(options) if len(opts) == 1]
     fixed_w, fixed_t, fixed_trees = sum(w for w, _ in fixed), sum(t for _, t in fixed), sum(w > 1 for w, _ in fixed)
     best, best_key, seen = None, None, set()
@@ -102,6 +99,7 @@ def choose_packed(options: Sequence[Sequence[Option]], cost: Callable[[int], flo
         if best_key is None or key[0] > best_key[0] * (1 + 1e-9) or (
                 abs(key[0] - best_key[0]) <= best_key[0] * 1e-9 and key[1] > best_key[1]):
             best, best_key = p, key
+    picks = [0] * len(options)
     for i, j in zip(free, best):
         picks[i] = j
     return picks
