@@ -63,6 +63,25 @@ def test_serialisation_round_trip():
     assert SuffixHistory.from_bytes(SuffixHistory().to_bytes()).tokens == 0
 
 
+def test_adds_index_in_place_and_a_state_read_before_an_add_never_answers_from_it():
+    h = _history([1, 2, 3, 4], [7, 7, 7], max_tokens=1000)
+    before = h._state
+    h.add([1, 2, 3, 9])  # [2, 3] and [1, 2, 3] now point at this newer occurrence, in the same tables
+    assert h._state.young.table is before.young.table  # no copy of the index
+    assert h.propose([1, 2, 3], 1) == Proposal([9], 3)
+    h._state = before  # a reader that took its state before the add: the newer slots are past its tokens
+    assert h.propose([1, 2, 3], 1) is None and h.propose([7, 7], 1) == Proposal([7], 2)
+
+
+def test_the_younger_generation_turns_older_and_the_older_one_goes_whole():
+    h = _history([1, 2, 3, 4], [5, 6, 7], max_tokens=20)  # generations of up to 10 tokens
+    h.add([8, 9, 10, 11])  # 11 > 10: [1..4] and [5..7] become the older generation
+    assert h._state.old.ends == (4, 7) and (h.documents, h.tokens) == (3, 11)
+    h.add([12, 13, 14, 15, 16, 17, 18])  # 4 + 7 > 10: the older generation goes, with room left for it
+    assert (h.documents, h.tokens) == (2, 11) and h.propose([1, 2], 1) is None
+    assert h.propose([9, 10], 1) == Proposal([11], 2) and h.propose([13, 14], 2) == Proposal([15, 16], 2)
+
+
 def test_corrupt_or_truncated_blob_is_refused():
     blob = _history([1, 2, 3, 4], [5, 6, 7]).to_bytes()
     flipped = bytearray(blob)
@@ -94,18 +113,23 @@ def test_matches_a_brute_force_scan(seed):
     max_tokens, max_ngram, min_ngram = rng.choice([(60, 5, 2), (300, 8, 3), (2000, 12, 3)])
     vocab = rng.choice([3, 6, 50])
     h = SuffixHistory(max_tokens, max_ngram, min_ngram)
-    kept: list[list[int]] = []
+    old: list[list[int]] = []  # the two generations' documents, as the module docstring keeps them
+    young: list[list[int]] = []
     for step in range(120):
+        kept = old + young
         doc = [rng.randrange(vocab) for _ in range(rng.randrange(0, max_tokens // 4))]
         if step % 7 == 0 and kept:  # copy a span of an earlier document: long matches happen
             src = rng.choice(kept)
             doc += src[rng.randrange(len(src)):]
         h.add(doc)
         doc = doc[-max_tokens:]
-        while kept and sum(map(len, kept)) + len(doc) > max_tokens:
-            kept.pop(0)
         if doc:
-            kept.append(doc)
+            if young and sum(map(len, young)) + len(doc) > max_tokens // 2:
+                old, young = young, []
+            while old and sum(map(len, old + young)) + len(doc) > max_tokens:
+                old.pop(0)
+            young.append(doc)
+        kept = old + young
         assert (h.documents, h.tokens) == (len(kept), sum(map(len, kept)))
         for _ in range(5):
             src = rng.choice(kept) if kept and rng.random() < 0.7 else [rng.randrange(vocab) for _ in range(20)]
@@ -115,6 +139,7 @@ def test_matches_a_brute_force_scan(seed):
             want = _brute(kept, context, max_ngram, min_ngram, length) if length else None
             assert h.propose(context, length) == want
     back = SuffixHistory.from_bytes(h.to_bytes(), max_tokens, max_ngram, min_ngram)
+    assert (back.documents, back.tokens) == (h.documents, h.tokens)
     for doc in kept:
         assert back.propose(doc[:-1], 3) == h.propose(doc[:-1], 3)
     assert h.memory_bytes() >= 4 * h.tokens

@@ -7,16 +7,20 @@ as `find_continuation` over them: the tokens that followed the most recent earli
 longest matching suffix, never across two documents.
 
 Index: one open-addressing table per n-gram size n in [min_ngram, max_ngram] (double hashing), each
-slot the buffer position of the token that follows one n-gram (-1: empty). Slots hold no key: a probe
+slot the position of the token that follows one n-gram (-1: empty). Slots hold no key: a probe
 compares the n tokens before the stored position with the query, so an answer is never a hash
 collision's garbage, and a slot costs 4 bytes. The tables share one power-of-two size, at most 3/4
-used (e.g. 65536 tokens, n in [3, 12]: 10 x 2^17 slots = 5 MiB, plus 4 bytes per buffered token).
-Hashes are a prepend chain, h_n = F(h_{n-1}, token), so a context's suffix hashes for every n cost
-O(max_ngram) together, and a document's are O(L * max_ngram) numpy work.
-Eviction is logical (the oldest documents stop counting: their positions fall below `live`); once
-half of `max_tokens` is dead, or the tables fill up, the buffer is compacted and the index rebuilt
-(amortised O(max_ngram) numpy work per added token). An add works on copies and publishes them as
-one immutable `_State`, so proposals take no lock.
+used. Hashes are a prepend chain, h_n = F(h_{n-1}, token), so a context's suffix hashes for every n
+cost O(max_ngram) together, and a document's are O(L * max_ngram) numpy work.
+
+Two generations, each its own tokens and tables: adds go to the younger one, in place (O(L * max_ngram)
+numpy work, no copy of the index); once it would pass max_tokens / 2 tokens it becomes the older one,
+and the older one is dropped whole: no rebuild. Within max_tokens, the oldest documents are evicted
+logically first (the older generation's `live` moves past them). E.g. 65536 tokens, n in [3, 12]:
+2 x 10 x 2^16 slots = 5 MiB, plus 4 bytes per token. Only a tenant's first generation grows its
+tables, re-indexing itself at each doubling (the last, at ~24K tokens, ~50-80 ms once), so a small
+history stays small. Measured with 200-900-token documents: ~0.9 ms an add once full, where copying
+the whole index on every add and rebuilding it every ~50 documents took ~6 ms an add on average.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ _MASK = (1 << 64) - 1
 _P, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _MAX_LOAD = 0.75  # the tables are rebuilt larger before more slots than this are taken
 _MIN_SLOTS = 256
+_FEW = 48  # pending entries `_insert` finishes one by one
 _MAGIC, _FORMAT = b"TRSH", 1
 _HEADER = struct.Struct("<4sHHIIQ")  # magic, format, reserved, documents, tokens, version
 _MAX_TOKEN = (1 << 31) - 1
@@ -90,6 +95,10 @@ def _insert(table: np.ndarray, buf: np.ndarray, rows: np.ndarray, ns: np.ndarray
     offsets = np.arange(-int(ns.max(initial=1)), 0)  # [W] the widest n-gram's token offsets
     pend = np.arange(vals.shape[0])
     while pend.size:
+        if pend.size <= _FEW:  # the last few: one by one (a numpy round costs ~35 us however few it moves)
+            for i in pend.tolist():
+                _insert_one(flat, buf, int(base[i]), int(slot[i]), int(stride[i]), size - 1, int(ns[i]), int(vals[i]))
+            return
         at = base[pend] + slot[pend]
         cur = flat[at].astype(np.int64)
         empty = cur < 0
@@ -106,20 +115,57 @@ def _insert(table: np.ndarray, buf: np.ndarray, rows: np.ndarray, ns: np.ndarray
         pend = np.concatenate([lost, step])
 
 
+def _insert_one(flat: np.ndarray, buf: np.ndarray, base: int, slot: int, stride: int, mask: int, n: int,
+                val: int) -> None:
+    """`_insert` for one entry: the n-gram ending before buffer position `val`, first slot `slot`."""
+    gram = buf[val - n: val].tolist()
+    while True:
+        cur = int(flat[base + slot])
+        if cur < 0:
+            flat[base + slot] = val
+            return
+        if buf[cur - n: cur].tolist() == gram:
+            flat[base + slot] = max(cur, val)
+            return
+        slot = (slot + stride) & mask
+
+
+@dataclass(frozen=True)
+class _Gen:
+    """One generation of documents: its tokens and its n-gram index, positions counted from its start.
+    Never changed where a reader can see: an add writes only past `buf`'s end (in `store`) and table
+    slots for those positions, then publishes a new `_Gen` (see SuffixHistory)."""
+
+    store: np.ndarray  # [C] int32: the generation's tokens, then room for more
+    size: int  # tokens held: store[:size]
+    ends: tuple[int, ...]  # end of each document, oldest first
+    table: np.ndarray  # [N, S] int32, row n - min_ngram: the n-gram index (see the module docstring)
+
+    @property
+    def buf(self) -> np.ndarray:
+        return self.store[: self.size]
+
+    def room(self, incoming: int) -> bool:
+        """Whether `incoming` more tokens fit its store and keep its tables at most 3/4 full."""
+        total = self.size + incoming
+        return total <= self.store.shape[0] and total <= _MAX_LOAD * self.table.shape[1]
+
+
 @dataclass(frozen=True)
 class _State:
-    """What readers see: never changed once published (a writer builds the next one)."""
+    """What readers see: the older generation (None: none) with its first live position, and the
+    younger one, which takes the adds."""
 
-    buf: np.ndarray  # [B] int32, every token kept, dead ones (below `live`) included
-    ends: tuple[int, ...]  # buffer end of each live document, oldest first
-    live: int  # buffer position of the first live token
-    table: np.ndarray  # [N, S] int32, row n - min_ngram: the n-gram index (see the module docstring)
+    old: _Gen | None
+    live: int  # old.buf[:live] holds evicted documents
+    young: _Gen
 
 
 class SuffixHistory:
     """A bounded index of a tenant's recent documents (see the module docstring). Thread-safe:
-    writers (add) are serialised and publish a new state when done, so a proposal never waits on
-    an add (a full history's index rebuild takes ~0.1 s) and always sees a whole state."""
+    writers (add) are serialised; readers take no lock and see one published state, whose tokens an
+    add never changes (see `_Gen`). A proposal racing an add in another thread may miss an n-gram
+    whose slot the add moves to its newer occurrence (the engine adds and proposes on one thread)."""
 
     def __init__(self, max_tokens: int = 65536, max_ngram: int = 12, min_ngram: int = 3) -> None:
         if not 1 <= min_ngram <= max_ngram:
@@ -127,9 +173,9 @@ class SuffixHistory:
         if not 1 <= max_tokens <= 1 << 28:
             raise ValueError(f"max_tokens must lie in [1, 2^28], got {max_tokens}")
         self.max_tokens, self.max_ngram, self.min_ngram = max_tokens, max_ngram, min_ngram
+        self.generation = max(1, max_tokens // 2)  # a younger generation past this many tokens becomes the older
         self._write = threading.Lock()
-        table = np.full((max_ngram - min_ngram + 1, _MIN_SLOTS), -1, np.int32)
-        self._state = _State(np.zeros(0, np.int32), (), 0, table)
+        self._state = _State(None, 0, self._empty(0))
         self._version = 0
 
     # -- what it holds -----------------------------------------------------------------------
@@ -141,65 +187,74 @@ class SuffixHistory:
     @property
     def tokens(self) -> int:
         st = self._state
-        return st.buf.shape[0] - st.live
+        return st.young.size + (st.old.size - st.live if st.old is not None else 0)
 
     @property
     def documents(self) -> int:
-        return len(self._state.ends)
+        st = self._state
+        return len(st.young.ends) + (len(st.old.ends) - bisect_right(st.old.ends, st.live) if st.old else 0)
 
     def memory_bytes(self) -> int:
-        """Bytes held: token buffer (dead tokens included), index tables, document list, object
-        (an add briefly holds a second table besides)."""
+        """Bytes held: both generations' token stores (evicted tokens included) and index tables,
+        document lists, object."""
         st = self._state
-        return int(st.buf.nbytes + st.table.nbytes) + 40 * len(st.ends) + 512
+        gens = [g for g in (st.old, st.young) if g is not None]
+        return sum(int(g.store.nbytes + g.table.nbytes) + 40 * len(g.ends) for g in gens) + 512
 
     # -- adding ------------------------------------------------------------------------------
     def add(self, tokens: Sequence[int]) -> None:
-        """Append one document (its last max_tokens tokens); the oldest documents make room.
-        ValueError for ids outside [0, 2^31). Amortised O(L * max_ngram) numpy work, plus a copy
-        of the index (the state readers hold is not changed)."""
+        """Append one document (its last max_tokens tokens) to the younger generation; the oldest
+        documents make room. ValueError for ids outside [0, 2^31). O(L * max_ngram) numpy work, in
+        place: no copy of the index, and no rebuild once the first generation has grown its tables.
+        When the younger generation would pass max_tokens / 2 tokens, it becomes the older one and the
+        older one's documents go: the newest documents stay, about max_tokens / 2 to max_tokens tokens."""
         doc = _as_tokens(tokens)[-self.max_tokens:]
         hashes = _doc_hashes(doc, self.max_ngram)  # depends on the document only
+        n = doc.shape[0]
         with self._write:
             self._version += 1
-            if doc.shape[0] == 0:
+            if n == 0:
                 return
             st = self._state
-            ends, live = self._evicted(st, doc.shape[0])
-            full = st.buf.shape[0] + doc.shape[0] > _MAX_LOAD * st.table.shape[1]
-            if (live and live >= self.max_tokens // 2) or full:
-                buf, ends, table = self._rebuilt(st.buf[live:], tuple(e - live for e in ends), doc.shape[0])
-                live = 0
-            else:
-                buf, table = st.buf, st.table.copy()
-            start = buf.shape[0]
-            buf = np.concatenate([buf, doc])
+            old, live, young = st.old, st.live, st.young
+            if young.size and young.size + n > self.generation:  # rotate (the older one's documents go)
+                old, live, young = young, 0, self._empty(max(self.generation, n))
+            while old is not None and old.size - live + young.size + n > self.max_tokens:  # oldest first
+                live = old.ends[bisect_right(old.ends, live)]
+            if old is not None and live == old.size:
+                old, live = None, 0
+            if not young.room(n):  # grows in its first generation (later ones start at full size)
+                young = self._regrown(young, n)
+            start = young.size
+            young.store[start: start + n] = doc  # past every reader's buf
             entries = self._entries(start, hashes)
             if entries:  # () for a document of at most min_ngram tokens
-                _insert(table, buf, *entries)
-            self._state = _State(buf, ends + (buf.shape[0],), live, table)
+                _insert(young.table, young.store[: start + n], *entries)
+            young = _Gen(young.store, start + n, young.ends + (start + n,), young.table)
+            self._state = _State(old, live, young)
 
-    def _evicted(self, st: _State, incoming: int) -> tuple[tuple[int, ...], int]:
-        """(ends, live) once the oldest documents are dropped until `incoming` more tokens fit."""
-        drop, live = 0, st.live
-        while drop < len(st.ends) and st.buf.shape[0] - live + incoming > self.max_tokens:
-            live = st.ends[drop]
-            drop += 1
-        return st.ends[drop:], live
-
-    def _rebuilt(self, buf: np.ndarray, ends: tuple[int, ...], incoming: int):
-        """(buf, ends, table) indexing the documents of `buf` (ends: theirs, from 0) again, in
-        tables sized for them plus `incoming` tokens (at most half full afterwards)."""
+    def _empty(self, tokens: int) -> _Gen:
+        """An empty generation with room for `tokens` tokens (0: the smallest tables)."""
         slots = _MIN_SLOTS
-        while slots * 0.5 < buf.shape[0] + incoming:
+        while slots * _MAX_LOAD < tokens:
             slots *= 2
         table = np.full((self.max_ngram - self.min_ngram + 1, slots), -1, np.int32)
-        parts = [self._entries(start, _doc_hashes(buf[start:end], self.max_ngram))
-                 for start, end in zip((0,) + ends[:-1], ends)]
+        return _Gen(np.zeros(max(tokens, _MIN_SLOTS // 2), np.int32), 0, (), table)
+
+    def _regrown(self, gen: _Gen, incoming: int) -> _Gen:
+        """`gen` re-indexed in new arrays (readers keep the old ones) with room for twice its tokens
+        plus `incoming`."""
+        return self._built(gen.buf, gen.ends, 2 * (gen.size + incoming))
+
+    def _built(self, buf: np.ndarray, ends: tuple[int, ...], room: int) -> _Gen:
+        """A generation indexing the documents of `buf` (ends: theirs), with room for `room` tokens."""
+        gen = self._empty(max(room, buf.shape[0]))
+        gen.store[: buf.shape[0]] = buf
+        parts = [self._entries(s, _doc_hashes(buf[s:e], self.max_ngram)) for s, e in zip((0,) + ends[:-1], ends)]
         parts = [p for p in parts if p]
         if parts:
-            _insert(table, buf, *(np.concatenate(c) for c in zip(*parts)))
-        return buf, ends, table
+            _insert(gen.table, gen.store[: buf.shape[0]], *(np.concatenate(c) for c in zip(*parts)))
+        return _Gen(gen.store, buf.shape[0], ends, gen.table)
 
     def _entries(self, start: int, hashes: list[np.ndarray]) -> tuple[np.ndarray, ...]:
         """(rows, ns, hashes, vals) of the document at buffer[start:] (see _doc_hashes, _insert)."""
@@ -218,7 +273,7 @@ class SuffixHistory:
         occurrence of the longest suffix of `context` of size n in [min_ngram, max_ngram] that occurs
         with a following token; None when there is none. Only the last max_ngram tokens are read.
         Probes sizes from min_ngram up, to the first absent one (one probe when nothing matches), each
-        comparing <= n tokens, expected O(1) slots per probe.
+        comparing <= n tokens, expected O(1) slots per probe and generation.
         Example: documents [5, 1, 2, 3, 4] then [1, 2, 3, 9]; context [7, 1, 2, 3], min_ngram 2:
         the 3-gram [1, 2, 3] occurs in both, the newer wins -> Proposal([9], ngram=3)."""
         if length < 1:
@@ -230,50 +285,68 @@ class SuffixHistory:
         st = self._state  # one whole state, whatever an add publishes meanwhile
         # shortest first, each n-gram's hash from the last one's (the chain `_doc_hashes` builds): a live
         # occurrence of the (n + 1)-gram ends with a live occurrence of its last n tokens, so the first
-        # absent size ends the search, and most steps, matching nothing, stop at min_ngram (one probe)
+        # absent size ends the search, and most steps, matching nothing, stop at min_ngram (one probe
+        # per generation); the younger generation's occurrences are the more recent
         found, h = None, 0
         for n in range(1, t + 1):
             h = _mix(h, tail[t - n])
             if n < self.min_ngram:
                 continue
-            pos = self._find(st, n, h, tail[t - n:])
-            if pos < st.live:
+            gram = tail[t - n:]
+            if (pos := self._find(st.young, n, h, gram)) >= 0:
+                found = (st.young, pos, n)
+            elif st.old is not None and (pos := self._find(st.old, n, h, gram)) > st.live:
+                found = (st.old, pos, n)
+            else:
                 break
-            found = (pos, n)
         if found is None:
             return None
-        pos, n = found
-        end = st.ends[bisect_right(st.ends, pos)]
-        return Proposal(st.buf[pos: min(pos + length, end)].tolist(), n)
+        gen, pos, n = found
+        end = gen.ends[bisect_right(gen.ends, pos)]
+        return Proposal(gen.store[pos: min(pos + length, end)].tolist(), n)
 
-    def _find(self, st: _State, n: int, h: int, gram: list[int]) -> int:
-        """Buffer position after the most recent occurrence of `gram` (size n), -1 when absent."""
-        row, buf = st.table[n - self.min_ngram], st.buf
+    def _find(self, gen: _Gen, n: int, h: int, gram: list[int]) -> int:
+        """Position in `gen` after the most recent occurrence of `gram` (size n) there, -1 when absent.
+        A slot past `gen`'s tokens belongs to a newer add: skipped."""
+        row, buf, size = gen.table[n - self.min_ngram], gen.store, gen.size
         mask = row.shape[0] - 1
         slot, stride = _probe(h, mask)
         while (pos := int(row[slot])) >= 0:
-            if buf[pos - n: pos].tolist() == gram:
-                return pos  # the most recent one, or a dead one: then every occurrence is dead
+            if pos <= size and buf[pos - n: pos].tolist() == gram:
+                return pos  # the most recent one (in the old generation, maybe an evicted one)
             slot = (slot + stride) & mask
         return -1
 
     # -- persistence -------------------------------------------------------------------------
+    def _live_documents(self, st: _State) -> tuple[np.ndarray, list[int]]:
+        """(tokens [T] int32, document lengths) of what `st` holds, oldest first."""
+        parts, lengths = [], []
+        if st.old is not None:
+            first = bisect_right(st.old.ends, st.live)
+            starts = (st.live,) + st.old.ends[first:-1]
+            lengths += [e - s for s, e in zip(starts, st.old.ends[first:])]
+            parts.append(st.old.buf[st.live:])
+        y = st.young
+        lengths += [e - s for s, e in zip((0,) + y.ends[:-1], y.ends)]
+        parts.append(y.buf)
+        return np.concatenate(parts), lengths
+
     def to_bytes(self) -> bytes:
         """The live documents: header, zlib(document lengths <u4, tokens <i4), crc32 of all before it."""
         with self._write:  # the version of this state
             st, version = self._state, self._version
-        starts = (st.live,) + st.ends[:-1]
-        lengths = np.asarray([e - s for s, e in zip(starts, st.ends)], "<u4")
-        tokens = st.buf[st.live:].astype("<i4")
+        tokens, lengths = self._live_documents(st)
+        lengths = np.asarray(lengths, "<u4")
         header = _HEADER.pack(_MAGIC, _FORMAT, 0, lengths.shape[0], tokens.shape[0], version)
-        body = header + zlib.compress(lengths.tobytes() + tokens.tobytes(), 1)
+        body = header + zlib.compress(lengths.tobytes() + tokens.astype("<i4").tobytes(), 1)
         return body + struct.pack("<I", zlib.crc32(body))
 
     @classmethod
     def from_bytes(cls, blob: bytes, max_tokens: int = 65536, max_ngram: int = 12,
                    min_ngram: int = 3) -> SuffixHistory:
-        """A history holding the newest documents of `blob` that fit max_tokens, index rebuilt.
-        ValueError (never a partial history) when the blob is not a whole, intact one of this format."""
+        """A history holding the newest documents of `blob` that fit max_tokens (index rebuilt), the
+        newest within max_tokens / 2 in the younger generation. ValueError (never a partial history) when the blob is not a whole, intact one
+        of this format."""
         lengths, tokens, version = _decode(bytes(blob))
         history = cls(max_tokens, max_ngram, min_ngram)
         ends = np.cumsum(lengths).tolist()
@@ -285,9 +358,15 @@ class SuffixHistory:
         first = ends[len(ends) - keep - 1] if keep < len(ends) else 0
         if not keep and ends:  # the newest document alone is too long: its last max_tokens tokens, as add()
             first, keep = ends[-1] - max_tokens, 1
-        kept = tuple(e - first for e in ends[len(ends) - keep:])
-        buf, kept, table = history._rebuilt(tokens[first:].astype(np.int32), kept, 0)
-        history._state = _State(buf, kept, 0, table)
+        kept = [e - first for e in ends[len(ends) - keep:]]
+        buf = tokens[first:].astype(np.int32)
+        # the younger generation: the newest documents within max_tokens / 2 (at least one); the older: the rest
+        split = next((i for i in range(len(kept)) if kept[-1] - (kept[i - 1] if i else 0) <= history.generation),
+                     max(len(kept) - 1, 0))
+        cut = kept[split - 1] if split else 0
+        young = history._built(buf[cut:], tuple(e - cut for e in kept[split:]), history.generation)
+        old = history._built(buf[:cut], tuple(kept[:split]), 0) if split else None
+        history._state = _State(old, 0, young)
         history._version = version
         return history
 
