@@ -106,12 +106,12 @@ def test_a_request_learns_its_trust_from_its_own_verified_trees(tiny):
     assert all(b[0] >= a[0] and b[1] >= a[1] for a, b in zip(seen, seen[1:]))  # sums over the request's trees
 
 
-def test_a_batch_of_plain_rows_gets_each_rows_own_confidences_from_one_call(decoder):
-    """Where every row of a step is plain, the plain rows' confidences come from one C call over the
-    step's logits buffer: the same values, in the same order, as one call per row (an AR request's row
-    in the middle is skipped)."""
+def test_plain_rows_get_each_rows_own_confidences_from_the_forward(decoder):
+    """The plain rows' confidences come from the native forward's pool (probs=True): the same values,
+    in the same order, as one C call per row on the step's logits (an AR request's row in the middle
+    is skipped)."""
     if decoder.engine.runner.native is None:
-        pytest.skip("the one-call path is the native forward's")
+        pytest.skip("the forward's confidences are the native forward's")
     engine = BatchEngine(decoder, EngineConfig(max_batch=3, prefix_cache_mb=0), cost=lambda w, kv: float(w))
     outs = [_submit(engine, decoder, GenerationRequest(messages=[{"role": "user", "content": f"Count to {i + 3}."}],
                                                        max_new_tokens=16, mode=mode), matrix=decoder.new_tenant())
@@ -119,9 +119,9 @@ def test_a_batch_of_plain_rows_gets_each_rows_own_confidences_from_one_call(deco
     _run(engine, until=lambda: len(engine.running) == 3)
     running = engine.running
     with engine.stepping():
-        logits = engine.runner.step([engine.drafter._plain_input(live.root) for live in running])
+        logits = engine.runner.step([engine.drafter._plain_input(live.root) for live in running], probs=True)
         tops = engine.runner.last_topk
-        got = engine._plain_rows(running, [None] * 3, logits, tops)
+        got = engine._plain_rows(running, [None] * 3, logits, tops, engine.runner.last_probs)
         engine.runner.keep([[0]] * 3)
     tr = [i for i, live in enumerate(running) if live.session is not None]
     assert len(tr) == 2 and len(got) == 2

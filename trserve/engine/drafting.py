@@ -102,7 +102,7 @@ class Drafter:
         drafts from them at once; plain steps hand them over only every HAND_OVER rows."""
         session, seq = live.session, live.seq
         m, template = session.matrix, live.tree.template
-        rows, probs = m.rows.cpu().numpy(), m.probs.cpu().numpy()  # [V, K] views on a CPU matrix
+        rows, probs = m.host_views()  # [V, K] each
         calib = self.budget.calibration(live)
         chains = []
         if calib.best_rate(CONTEXT) >= floor:

@@ -292,12 +292,13 @@ class BatchEngine:
         running, budget = self.scheduler.running, self.budget
         drafts, inputs, spent_drafting = self.drafter.drafts(running, self.steps, self.scheduler.mean_kv())
         t0 = time.perf_counter()
-        logits = self.runner.step(inputs)  # per row [w_b, V]
+        logits = self.runner.step(inputs, probs=any(live.session is not None for live in running))  # per row [w_b, V]
         budget.measured(budget.last_width, self.scheduler.mean_kv(), time.perf_counter() - t0)
         tops = self.runner.last_topk or [None] * len(logits)  # per row [w_b, k] where the forward computed them
+        probs = self.runner.last_probs or [None] * len(logits)  # per row [w_b, k]: their confidences, likewise
         keep, k = [], self.target.config.k
-        plain_rows = iter(self._plain_rows(running, drafts, logits, tops))
-        for live, draft, lg, top, spent in zip(running, drafts, logits, tops, spent_drafting):
+        plain_rows = iter(self._plain_rows(running, drafts, logits, tops, probs))
+        for live, draft, lg, top, q, spent in zip(running, drafts, logits, tops, probs, spent_drafting):
             t0 = time.perf_counter()
             seq = live.seq
             if draft is None:  # plain decoding this step
@@ -305,7 +306,8 @@ class BatchEngine:
                 if live.session is not None:  # the root's top-k is recycled like any verified node's
                     live.plain.append((live.root, *next(plain_rows)))
             else:
-                acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row), top, self.top_probs)
+                acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row), top,
+                                                 self.top_probs if q is None else q)
                 new, path = acc.tokens, acc.path
                 budget.learn(live, draft, acc)
             keep.append(path)
@@ -317,22 +319,17 @@ class BatchEngine:
         budget.trees_verified(sum(live.session is not None for live in running), sum(d is not None for d in drafts))
         self.runner.keep(keep)
 
-    def _plain_rows(self, running: list[Live], drafts: list, logits: list, tops: list) -> list[tuple]:
+    def _plain_rows(self, running: list[Live], drafts: list, logits: list, tops: list, probs: list) -> list[tuple]:
         """(top-K ids [K], their confidences [K]) of the root of every TR sequence decoding plain this
-        step, in batch order: with the native forward, its top-k and a C call per row in place; else the
+        step, in batch order: the forward's own where it computed them (the native forward, in its pool
+        while each row was in cache: a C call per row afterwards took ~35 us a row at B = 8); else the
         rows stacked and one call for all."""
         k = self.target.config.k
         at = [i for i, (live, draft) in enumerate(zip(running, drafts)) if draft is None and live.session is not None]
         if not at:
             return []
-        if tops[0] is not None and tops[0].shape[-1] == k and self.top_probs is not top_probs:
-            # no torch.cat of the rows here: a two-thread copy right after the forward, while the kernels'
-            # pool still spins on the other core, measured ~0.75 ms a step at B = 6-8; the C calls ~0.05 ms a
-            # row, and one call over the step's own buffer when every row is plain (one row per sequence)
-            if all(d is None for d in drafts):  # the step's logits [B, V] and top-k [B, K], one row a sequence
-                probs = self.top_probs(*self.runner.last_rows)  # [B, K]
-                return [(tops[i][0], probs[i]) for i in at]
-            return [(tops[i][0], self.top_probs(logits[i][:1], tops[i][:1])[0]) for i in at]  # ([K], [K]) each
+        if probs[0] is not None and tops[0] is not None and tops[0].shape[-1] == k:
+            return [(tops[i][0], probs[i][0]) for i in at]  # ([K], [K]) each
         lg = torch.cat([logits[i][:1] for i in at])  # [m, V]
         known = [tops[i][:1] for i in at] if tops[0] is not None else None
         ids = top_ids(lg, k, torch.cat(known) if known else None)  # [m, K]

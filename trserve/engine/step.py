@@ -69,8 +69,9 @@ def grown_draft(grown: Grown, width: int, tree: CompiledTree, device) -> Draft:
 def accept_step(seq: Sequence, draft: Draft, logits: torch.Tensor, k: int, past: int,
                 topk: torch.Tensor | None = None, probs=top_probs) -> tuple[Acceptance, RecycledRows]:
     """logits: [n, V] of the draft's nodes (topk: their top-k ids [n, k] where the forward computed
-    them) -> (accepted path and tokens, rows to recycle); records the step for the tuner
-    (exploration steps) or the caller's acceptance log."""
+    them; probs: those ids' confidences [n, k] where it computed them too, else what computes them)
+    -> (accepted path and tokens, rows to recycle); records the step for the tuner (exploration
+    steps) or the caller's acceptance log."""
     greedy = choose_in_tree(logits, draft.tokens, draft.tree, seq.sampler, len(seq.generated), topk)  # argmax or samples
     acc = accept_greedy(draft.tokens, greedy, draft.tree)
     rows = recycle_rows(draft.tokens, logits, k, acc.path, topk, probs)

@@ -121,10 +121,31 @@ def test_runner_topk_equals_torch_topk_of_its_logits(tmp_path):
         for i, anc in enumerate([[0], [0, 1], [0, 2]]):
             tree[i, anc] = 0.0
         out = r.step([_row([3, 9, 4], [0, 1, 1], tree), _row([11])])
-        assert [t.shape for t in r.last_topk] == [(3, 8), (1, 8)]
+        assert [t.shape for t in r.last_topk] == [(3, 8), (1, 8)] and r.last_probs is None  # not asked
         for lg, top in zip(out, r.last_topk):
             assert torch.equal(top[:, 0].long(), lg.argmax(-1))
             assert torch.equal(lg.gather(1, top.long()), torch.topk(lg, 8).values)
+
+
+def test_runner_confidences_from_the_forward_equal_the_c_call_on_its_logits(tmp_path):
+    """probs=True: the forward's pool computes each row's top-k confidences (csrc/forward.c
+    top_probs_row) bit for bit as trserve_top_probs does on the logits it returned."""
+    model = quantized_llama(tmp_path)
+    g = torch.Generator().manual_seed(3)
+    with torch.inference_mode():
+        r = ModelRunner(model, 3, torch.float32, native=True, topk=8)
+        for n in (20, 9, 14):
+            row = r.kv.open_row()
+            r.prefill(row, torch.randint(0, 256, (n,), generator=g), torch.tensor([n - 1]))
+            r.kv.activate(row)
+        tree = torch.full((3, 3), HIDE)
+        for i, anc in enumerate([[0], [0, 1], [0, 2]]):
+            tree[i, anc] = 0.0
+        out = r.step([_row([3, 9, 4], [0, 1, 1], tree), _row([11]), _row([7])], probs=True)
+        assert [q.shape for q in r.last_probs] == [(3, 8), (1, 8), (1, 8)]
+        for lg, top, q in zip(out, r.last_topk, r.last_probs):
+            assert q.dtype == torch.uint8 and torch.equal(q, r.native.top_probs(lg, top))
+        assert any(q.max() > 0 for q in r.last_probs)  # not all empty buckets
 
 
 def test_tree_nodes_equal_tokens_decoded_alone(tmp_path):

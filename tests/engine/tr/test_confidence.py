@@ -52,3 +52,21 @@ def test_blended_averages_each_new_confidence_with_the_old_one_of_the_same_succe
     odd = m.blended(RecycledRows(torch.tensor([4]), torch.tensor([[7, 1]], dtype=torch.int32),
                                  torch.tensor([[1, 2]], dtype=torch.uint8)))
     assert odd.probs.tolist() == [[100, 1]]  # halves round to even: (1 + 200) / 2 = 100.5 -> 100, 2 / 2 = 1
+
+
+def test_host_views_share_the_matrix_memory_and_are_made_once():
+    m = AdjacencyMatrix(ModelSpec("fp", 6, 2))
+    rows, probs = m.host_views()
+    assert rows.shape == probs.shape == (6, 2) and m.host_views()[0] is rows
+    m.apply(RecycledRows(torch.tensor([4]), torch.tensor([[5, 1]]), torch.tensor([[200, 30]], dtype=torch.uint8)))
+    assert rows[4].tolist() == [5, 1] and probs[4].tolist() == [200, 30]  # written through
+
+
+def test_recycled_rows_take_the_forwards_own_confidences_with_their_winning_rows():
+    logits = torch.tensor([[2.0, 0.0, 1.0, -1.0], [0.5, 3.0, 0.0, -0.5], [0.0, 0.0, 4.0, 1.0]])  # [3, V=4]
+    topk = torch.topk(logits, 2).indices.to(torch.int32)  # as the forward gives them
+    known = torch.tensor([[11, 12], [21, 22], [31, 32]], dtype=torch.uint8)  # not the softmax: must be taken as is
+    rows = recycle_rows(torch.tensor([5, 6, 5]), logits, 2, accepted_path=[0, 1], topk=topk, probs=known)
+    assert sorted(zip(rows.tokens.tolist(), rows.probs.tolist())) == [(5, [11, 12]), (6, [21, 22])]  # path row wins
+    plain = recycle_rows(torch.tensor([5, 6]), logits[:2], 2, accepted_path=[0], topk=topk[:2], probs=known[:2])
+    assert plain.probs is known[:2] or plain.probs.tolist() == [[11, 12], [21, 22]]

@@ -155,12 +155,15 @@ class NativeForward:
 
     def __call__(self, kv_k: list[torch.Tensor], kv_v: list[torch.Tensor], widths: list[int], ids: torch.Tensor,
                  pos: torch.Tensor, kv_rows: list[int], ctx: list[int], start: list[int], vis: torch.Tensor,
-                 keep: torch.Tensor | None, topk: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+                 keep: torch.Tensor | None, topk: int = 0,
+                 probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """One forward. ids, pos: [N] int64 (sequences back to back, widths[b] each); vis: the
         sequences' [w_b, w_b] visibility (uint8) concatenated; keep: [m] token indices (None: all)
         -> (logits [m, V], each kept row's top-`topk` ids [m, topk] int32 or None for topk 0:
-        largest first, equal logits by lower id, so column 0 is the argmax). Writes each sequence's
-        keys/values into kv row kv_rows[b] from column start[b]; it sees context columns [0, ctx[b])."""
+        largest first, equal logits by lower id, so column 0 is the argmax; with `probs` and topk > 0,
+        their confidences [m, topk] uint8 as `top_probs` gives them, computed in the forward's pool
+        while each row is in cache, else None). Writes each sequence's keys/values into kv row
+        kv_rows[b] from column start[b]; it sees context columns [0, ctx[b])."""
         b, n = len(widths), int(ids.shape[0])
         self._grow_rope(int(pos.max()) + 1 if n else 1)
         tok0 = torch.zeros(b + 1, dtype=torch.int64)
@@ -170,6 +173,7 @@ class NativeForward:
         m = int(keep.shape[0])
         out = torch.empty(m, self.vocab, dtype=torch.float32)
         top = torch.empty(m, topk, dtype=torch.int32) if topk else None
+        q = torch.empty(m, topk, dtype=torch.uint8) if topk and probs else None
         key = (kv_k[0].data_ptr(), kv_v[0].data_ptr(), len(kv_k))  # the buffers change only when they grow
         if self._ptrs is None or self._ptrs[0] != key:
             self._ptrs = (key, (_P * len(kv_k))(*(t.data_ptr() for t in kv_k)),
@@ -180,9 +184,9 @@ class NativeForward:
         rc = self._fn(ctypes.byref(self.m), b, tok0.data_ptr(), ids.data_ptr(), pos.data_ptr(), meta[0].data_ptr(),
                       meta[1].data_ptr(), meta[2].data_ptr(), vis.data_ptr(), kp, vp, cap, keep.data_ptr(), m,
                       out.data_ptr(), topk, top.data_ptr() if top is not None else None,
-                      self.threads or torch.get_num_threads())
+                      q.data_ptr() if q is not None else None, self.threads or torch.get_num_threads())
         if rc == -2:
             raise MemoryError("native forward: out of memory")
         if rc:
             raise RuntimeError(f"native forward refused its input (code {rc})")
-        return out, top
+        return out, top, q

@@ -112,8 +112,9 @@ class ModelRunner:
         # the last forward's top-k ids: [m, topk] int32 per row for `step`, one tensor for `prefill` and
         # `single_step`; None where the forward did not compute them (consumers then use torch.topk)
         self.last_topk: list[torch.Tensor] | torch.Tensor | None = None
-        # the last native batch step's logits [N, V] and top-k ids [N, topk] unsplit (None before one)
-        self.last_rows: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        # the last `step`'s confidences of those ids: [w_b, topk] uint8 per row, where it was asked for them
+        # and the native forward computed them; else None (consumers then call top_probs)
+        self.last_probs: list[torch.Tensor] | None = None
         self.step_s, self.steps = 0.0, 0  # time inside `step` (the batch forwards), for profiles
 
     @property
@@ -164,8 +165,8 @@ class ModelRunner:
             else:
                 vis = mask == 0
             r = self.kv.rows
-            logits, self.last_topk = self.native(r.k, r.v, [c], tokens, depth + start, [row], [start], [start], vis,
-                                                 need, self.topk)
+            logits, self.last_topk, _ = self.native(r.k, r.v, [c], tokens, depth + start, [row], [start], [start],
+                                                    vis, need, self.topk)
             return logits
         self.last_topk = None
         if c == 1:  # one token sees its whole row: transformers' own single-token path, no mask
@@ -178,21 +179,23 @@ class ModelRunner:
         keep = need if need is not None else torch.arange(c, device=self.device)
         return self._logits(cache, tokens[None], full, positions, keep)
 
-    def step(self, rows: list[RowInput]) -> list[torch.Tensor]:
-        """One forward over the active rows (rows[b] is KV row b) -> per row logits [w_b, V]."""
+    def step(self, rows: list[RowInput], probs: bool = False) -> list[torch.Tensor]:
+        """One forward over the active rows (rows[b] is KV row b) -> per row logits [w_b, V]. probs: the
+        native forward also computes the top-k ids' confidences (`last_probs`), in its pool."""
         assert len(rows) == self.kv.active, "a batch step takes every active row"
         t0 = time.perf_counter()
+        self.last_probs = None
         try:
-            return self._step(rows)
+            return self._step(rows, probs)
         finally:
             self.step_s += time.perf_counter() - t0
             self.steps += 1
 
-    def _step(self, rows: list[RowInput]) -> list[torch.Tensor]:
+    def _step(self, rows: list[RowInput], probs: bool) -> list[torch.Tensor]:
         b = len(rows)
         widths = [r.tokens.shape[0] for r in rows]
         if self.native is not None:
-            return self._native_step(rows, widths)
+            return self._native_step(rows, widths, probs)
         self.last_topk = None
         if self.static is not None:
             return list(torch.split(self._head_logits(self.static.forward(rows, widths)), widths))
@@ -216,7 +219,7 @@ class ModelRunner:
         logits = self._logits(cache, ids, mask, positions, keep)  # [sum w_b, V]
         return list(torch.split(logits, widths))
 
-    def _native_step(self, rows: list[RowInput], widths: list[int]) -> list[torch.Tensor]:
+    def _native_step(self, rows: list[RowInput], widths: list[int], probs: bool) -> list[torch.Tensor]:
         b = len(rows)
         self.kv.for_batch(max(widths))
         r = self.kv.rows
@@ -225,10 +228,10 @@ class ModelRunner:
         depth = torch.cat([x.depth for x in rows]) if b > 1 else rows[0].depth  # [N]
         pos = depth + torch.repeat_interleave(torch.tensor(lens), torch.tensor(widths)) if b > 1 else depth + lens[0]
         vis = torch.cat([(x.mask == 0).reshape(-1) for x in rows])  # the rows' [w_b, w_b] concatenated
-        logits, top = self.native(r.k, r.v, widths, ids, pos, list(range(b)), lens, [r.offset] * b, vis, None,
-                                  self.topk)
+        logits, top, q = self.native(r.k, r.v, widths, ids, pos, list(range(b)), lens, [r.offset] * b, vis, None,
+                                     self.topk, probs)
         self.last_topk = list(torch.split(top, widths)) if top is not None else None
-        self.last_rows = (logits, top)  # the same step unsplit: [N, V], [N, k] (N = the summed widths)
+        self.last_probs = list(torch.split(q, widths)) if q is not None else None
         return list(torch.split(logits, widths))
 
     def keep(self, offsets: list[list[int]]) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 
+import numpy as np
 import torch
 
 from trserve.core.errors import InvalidArgument
@@ -47,6 +48,7 @@ class AdjacencyMatrix:
         self.probs = probs.to(device=device).contiguous()  # [V, K] uint8
         self.version = version
         self._lock = threading.Lock()
+        self._views: tuple | None = None  # (rows, probs, their numpy views): see host_views
 
     @property
     def fingerprint(self) -> str:
@@ -59,6 +61,17 @@ class AdjacencyMatrix:
     @property
     def k(self) -> int:
         return self.spec.k
+
+    def host_views(self) -> tuple[np.ndarray, np.ndarray]:
+        """(rows, probs) as numpy arrays [V, K] for reading row by row (dynamic trees): views of a
+        CPU matrix's own memory, made once (two conversions cost ~8 us a request a step, right after a
+        forward); a device matrix's are copies, made at each call."""
+        views = self._views
+        if views is None or views[0] is not self.rows or views[1] is not self.probs:
+            views = (self.rows, self.probs, self.rows.cpu().numpy(), self.probs.cpu().numpy())
+            if self.rows.device.type == "cpu" and self.probs.device.type == "cpu":
+                self._views = views
+        return views[2], views[3]
 
     def apply(self, rows: RecycledRows) -> int:
         """Write `rows[tokens[i]] = topk[i]` and its confidences (zeros where the batch has none: the

@@ -104,15 +104,21 @@ def top_probs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 def recycle_rows(tokens: torch.Tensor, logits: torch.Tensor, k: int, accepted_path: list[int],
                  topk: torch.Tensor | None = None, probs=None) -> RecycledRows:
     """tokens: [n], logits: [n, V] -> the deduplicated top-k rows of this verification, with their
-    confidences. topk: [n, k] the nodes' top-k ids where the forward computed them; probs: what
-    computes the confidences (default `top_probs`; the native forward has a C one)."""
+    confidences. topk: [n, k] the nodes' top-k ids where the forward computed them; probs: their
+    confidences [n, k] where the forward computed them too (with topk), or what computes them
+    (default `top_probs`; the native forward has a C one)."""
     lg, rows = logits, topk
+    known = probs if isinstance(probs, torch.Tensor) and topk is not None and topk.shape[-1] == k else None
     winners = distinct_rows(tokens, accepted_path)  # [m], or None: every node's row
     if winners is not None:
         lg = torch.index_select(logits, 0, winners)  # [m, V]
         rows = torch.index_select(topk, 0, winners) if topk is not None else None  # [m, K]
+        known = torch.index_select(known, 0, winners) if known is not None else None  # [m, K]
         tokens = torch.index_select(tokens, 0, winners)
+    if known is not None:
+        return RecycledRows(tokens=tokens, topk=rows, probs=known)
     if rows is None or rows.shape[-1] != k:  # the forward's top-k where it has one: no search over the vocabulary
         rows = top_ids(lg, k)
-    return RecycledRows(tokens=tokens, topk=rows, probs=(probs or top_probs)(lg, rows))
+    compute = probs if callable(probs) else top_probs
+    return RecycledRows(tokens=tokens, topk=rows, probs=compute(lg, rows))
 

@@ -326,37 +326,40 @@ int trserve_topk_rows(const float *x, int64_t m, int64_t V, int64_t K, int32_t *
     return 0;
 }
 
-/* The softmax probability of chosen ids as uint8 buckets (trserve/engine/tr/confidence.py): for each of m
- * rows of x [m, V] and its K ids idx [m, K] (column 0 its argmax, as topk_row gives them; ids outside
- * [0, V) get 0): q = round(255 * exp(x[id] - max) / sum_j exp(x[j] - max)). One thread; the exp is
- * exp_poly's, over the row in chunks. What each recycled matrix row keeps beside its ids. */
+/* The softmax probability of chosen ids as uint8 buckets (trserve/engine/tr/confidence.py): for a row x
+ * [V] and its K ids idx [K] (idx[0] its argmax, as topk_row gives them; ids outside [0, V) get 0):
+ * q = round(255 * exp(x[id] - max) / sum_j exp(x[j] - max)). The exp is exp_poly's, over the row in
+ * chunks. What each recycled matrix row keeps beside its ids. */
+static void top_probs_row(const float *row, int64_t V, int64_t K, const int32_t *ids, uint8_t *q)
+{
+    float buf[1024];
+    float mx = (ids[0] >= 0 && ids[0] < V) ? row[ids[0]] : row[0];
+    double sum = 0.0;
+    for (int64_t c = 0; c < V; c += 1024) {
+        const int64_t n = V - c < 1024 ? V - c : 1024;
+        float s[8] = {0}; /* 8 running sums: one chain of adds would wait on each add's latency */
+        for (int64_t i = 0; i < n; i++) buf[i] = row[c + i] - mx;
+        exp_poly(buf, n);
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int j = 0; j < 8; j++) s[j] += buf[i + j];
+        for (; i < n; i++) s[0] += buf[i];
+        sum += (double)((s[0] + s[1]) + (s[2] + s[3])) + (double)((s[4] + s[5]) + (s[6] + s[7]));
+    }
+    for (int64_t k = 0; k < K; k++) {
+        const int32_t id = ids[k];
+        float p = (id >= 0 && id < V && sum > 0.0) ? (float)(exp1(row[id] - mx) / sum) : 0.0f;
+        p = p > 0.0f ? (p < 1.0f ? p : 1.0f) : 0.0f; /* NaN -> 0 */
+        q[k] = (uint8_t)(p * 255.0f + 0.5f);
+    }
+}
+
+/* top_probs_row over m rows of x [m, V] and their ids idx [m, K] -> q [m, K], one thread (the forward
+ * computes them itself, in its pool, when asked). */
 int trserve_top_probs(const float *x, int64_t m, int64_t V, int64_t K, const int32_t *idx, uint8_t *q)
 {
     if (K < 1 || K > 64 || V < 1) return -1;
-    float buf[1024];
-    for (int64_t r = 0; r < m; r++) {
-        const float *row = x + r * V;
-        const int32_t *ids = idx + r * K;
-        float mx = (ids[0] >= 0 && ids[0] < V) ? row[ids[0]] : row[0];
-        double sum = 0.0;
-        for (int64_t c = 0; c < V; c += 1024) {
-            const int64_t n = V - c < 1024 ? V - c : 1024;
-            float s[8] = {0}; /* 8 running sums: one chain of adds would wait on each add's latency */
-            for (int64_t i = 0; i < n; i++) buf[i] = row[c + i] - mx;
-            exp_poly(buf, n);
-            int64_t i = 0;
-            for (; i + 8 <= n; i += 8)
-                for (int j = 0; j < 8; j++) s[j] += buf[i + j];
-            for (; i < n; i++) s[0] += buf[i];
-            sum += (double)((s[0] + s[1]) + (s[2] + s[3])) + (double)((s[4] + s[5]) + (s[6] + s[7]));
-        }
-        for (int64_t k = 0; k < K; k++) {
-            const int32_t id = ids[k];
-            float p = (id >= 0 && id < V && sum > 0.0) ? (float)(exp1(row[id] - mx) / sum) : 0.0f;
-            p = p > 0.0f ? (p < 1.0f ? p : 1.0f) : 0.0f; /* NaN -> 0 */
-            q[r * K + k] = (uint8_t)(p * 255.0f + 0.5f);
-        }
-    }
+    for (int64_t r = 0; r < m; r++) top_probs_row(x + r * V, V, K, idx + r * K, q + r * K);
     return 0;
 }
 
@@ -377,6 +380,7 @@ typedef struct { /* trserve_forward's arguments and buffers, for the threads of 
     float *const *kc, *const *vc;
     float *logits, *x, *hs, *tmp, *q, *k, *v, *att, *gt, *up, *hk, *scs;
     int32_t *topk;
+    uint8_t *probs;
 } fwd_job_t;
 
 /* One thread's part of a forward (id of nt; pool_barrier where every thread must have finished a phase). */
@@ -456,7 +460,10 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
     if (n_keep) qmat_part(&M->head, hk, n_keep, logits, id, nt, &o0, &o1);
     if (K > 0) {
         pool_barrier(nt);
-        for (int64_t i = id; i < n_keep; i += nt) topk_row(logits + i * M->vocab, M->vocab, K, topk + i * K);
+        for (int64_t i = id; i < n_keep; i += nt) {
+            topk_row(logits + i * M->vocab, M->vocab, K, topk + i * K);
+            if (jb->probs) top_probs_row(logits + i * M->vocab, M->vocab, K, topk + i * K, jb->probs + i * K);
+        }
     }
 }
 
@@ -497,12 +504,13 @@ static void attention_split(int64_t B, const int64_t *tok0, const int64_t *ctx, 
  * keys/values are written from; vis: per sequence a [w_b, w_b] uint8 matrix (1 = token i sees new
  * token j), concatenated. kc[l], vc[l]: layer l's buffers [R, Hkv, cap, D]. keep: [n_keep] token
  * indices whose logits are wanted -> logits [n_keep, V]; K > 0: also each kept row's top-K ids
- * (topk_row) -> topk [n_keep, K]. Returns 0, -1 on a shape the check refuses,
+ * (topk_row) -> topk [n_keep, K], and with probs, their confidences (top_probs_row) -> probs [n_keep, K]
+ * (while the row is still in cache, on the pool's threads). Returns 0, -1 on a shape the check refuses,
  * -2 without memory, -3 on a position beyond the rotary tables. */
 int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int64_t *ids, const int64_t *pos,
                     const int64_t *kv_row, const int64_t *ctx, const int64_t *start, const uint8_t *vis,
                     float *const *kc, float *const *vc, int64_t cap, const int64_t *keep, int64_t n_keep,
-                    float *logits, int64_t K, int32_t *topk, int threads)
+                    float *logits, int64_t K, int32_t *topk, uint8_t *probs, int threads)
 {
     if (trserve_forward_check(M) || threads < 1 || K < 0 || K > 64 || K > M->vocab || (K && n_keep && !topk)) return -1;
     const int64_t N = tok0[B], H = M->hidden, D = M->head_dim, Hq = M->heads, Hkv = M->kv_heads, F = M->inter;
@@ -541,7 +549,7 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
     {
         fwd_job_t job = {M, B, cap, n_keep, K, N, H, D, Hq, Hkv, F, sc_len, sc_floats, tok0, ids, pos, kv_row, ctx,
                          start, keep, vis0, item0, split, vis, kc, vc, logits, x, hs, tmp, q, k, v, att, gt, up, hk,
-                         scs, topk};
+                         scs, topk, K > 0 ? probs : NULL};
         pool_run(fwd_job, &job, threads);
     }
 done:

@@ -38,11 +38,11 @@ int trserve_topk_rows(const float *x, int64_t m, int64_t V, int64_t K, int32_t *
 int trserve_top_probs(const float *x, int64_t m, int64_t V, int64_t K, const int32_t *idx, uint8_t *q);
 
 /* One forward of B sequences' new tokens (packed, tok0 [B + 1] offsets) over their KV rows; logits of
- * the kept tokens (and their top-K ids for K > 0). 0, -1 on a shape the check refuses, -2 without
+ * the kept tokens (and their top-K ids for K > 0, and those ids' confidences where probs is not NULL). 0, -1 on a shape the check refuses, -2 without
  * memory, -3 on a position beyond the rotary tables. forward.c says what every argument holds. */
 int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int64_t *ids, const int64_t *pos,
                     const int64_t *kv_row, const int64_t *ctx, const int64_t *start, const uint8_t *vis,
                     float *const *kc, float *const *vc, int64_t cap, const int64_t *keep, int64_t n_keep,
-                    float *logits, int64_t K, int32_t *topk, int threads);
+                    float *logits, int64_t K, int32_t *topk, uint8_t *probs, int threads);
 
 #endif

@@ -172,7 +172,7 @@ def _library(cache_dir: Path, isa: str):
     f = lib.trserve_forward
     f.restype = ctypes.c_int
     P, i64 = ctypes.c_void_p, ctypes.c_int64
-    f.argtypes = [P, i64, P, P, P, P, P, P, P, P, P, i64, P, i64, P, i64, P, ctypes.c_int]
+    f.argtypes = [P, i64, P, P, P, P, P, P, P, P, P, i64, P, i64, P, i64, P, P, ctypes.c_int]
     lib.trserve_top_probs.restype = ctypes.c_int
     lib.trserve_top_probs.argtypes = [P, i64, i64, i64, P, P]
     _libs[isa] = lib
