@@ -123,6 +123,39 @@ def test_cancel_and_deadline_free_the_row_at_the_next_step(tiny):
     assert len(keep[-1].ids) == 300
 
 
+def test_a_failing_finish_reaches_its_caller_and_a_failing_session_close_loses_no_output(tiny, monkeypatch):
+    """Whatever raises while a request finishes, its caller hears back (it once waited forever: the
+    request had left every list the failed step's clean-up reads), and the engine serves on. A draft
+    session whose close raises costs only its last rows: the result still comes, whole."""
+    from trserve.engine import engine as engine_module
+    from trserve.engine.tr.source import MatrixSession
+
+    request = GenerationRequest(input_ids=_prompt(4, 6), max_new_tokens=12, ignore_eos=True)
+    want = serial_generate(tiny, request).ids
+    engine = BatchEngine(tiny, EngineConfig(max_batch=2))
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("stats exploded")
+
+    with monkeypatch.context() as m:
+        m.setattr(engine_module.GenerationStats, "build", refuse)
+        broken = _submit(engine, tiny, request, matrix=tiny.new_matrix())
+        _run(engine, limit=200)
+    assert len(broken) >= 1 and isinstance(broken[-1], RuntimeError) and "stats exploded" in str(broken[-1])
+
+    def close_fails(self, recycled):
+        raise ConnectionError("matrix store gone")
+
+    with monkeypatch.context() as m:
+        m.setattr(MatrixSession, "close", close_fails)
+        unclosed = _submit(engine, tiny, request, matrix=tiny.new_matrix())
+        _run(engine, limit=200)
+    assert isinstance(unclosed[-1], GenerationResult) and unclosed[-1].ids == want
+    after = _submit(engine, tiny, request, matrix=tiny.new_matrix())
+    _run(engine, limit=200)
+    assert isinstance(after[-1], GenerationResult) and after[-1].ids == want and not engine.running
+
+
 def test_a_prompt_whose_next_chunk_would_end_past_its_deadline_stops_before_the_deadline(tiny):
     engine = BatchEngine(tiny, EngineConfig(max_batch=2, prefill_chunk=8))
     out = _submit(engine, tiny, GenerationRequest(input_ids=_prompt(4, 40), max_new_tokens=4, ignore_eos=True),

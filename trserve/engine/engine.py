@@ -366,18 +366,30 @@ class BatchEngine:
             log.exception("adding a request to its tenant's history failed")
 
     def _finish(self, live: Live) -> None:
-        seq, d = live.seq, self.target
+        """`live` leaves the engine and its caller gets its result, or the error that building the result
+        raised: a caller always hears back (a finish that raised once left its caller waiting forever,
+        its request already gone from every list the failed step's clean-up reads)."""
         self.scheduler.release(live)
+        try:
+            result = self._result(live)
+        except Exception as exc:  # noqa: BLE001 - the caller maps it to a status
+            log.exception("finishing a request failed; its caller gets the error")
+            result = exc
+        live.emit(result)
+
+    def _result(self, live: Live) -> GenerationResult:
+        seq, d = live.seq, self.target
         info = None
         if live.session is not None:
             self._remember(live)
             try:
                 live.session.close(pending(live))
-            finally:
-                info = live.session.info()
+            except Exception:  # noqa: BLE001 - the output is whole; only its last rows go unrecycled
+                log.exception("closing a request's draft session failed; its last rows are not recycled")
+            info = live.session.info()
         decode_s = time.perf_counter() - live.t0 - live.prefill_s
         text = seq.stops.cut_text(d.tokenizer.decode(seq.generated, skip_special_tokens=True))
         tree = d.tree_name(live.tree, seq.tuner) if live.session is not None else "none"
         stats = GenerationStats.build(seq, live.prefill_s, decode_s, info, tree, live.cached)
-        live.emit(GenerationResult(ids=seq.generated, text=text, finish_reason=seq.finish_reason or "cancelled",
-                                   stats=stats))
+        return GenerationResult(ids=seq.generated, text=text, finish_reason=seq.finish_reason or "cancelled",
+                                stats=stats)
