@@ -87,10 +87,15 @@ class ContextLookup:
         if not usable or t < 2:
             return None
         self._ensure(len(caps))
-        for n in range(min(len(caps), t - 1), usable[0] - 1, -1):
+        # shortest first, to the first size absent: an earlier occurrence of the (n + 1)-token suffix ends
+        # with one of the n-token suffix, so the sizes present are 1..longest (most steps match 1-3 tokens:
+        # 2-4 probes, where longest first took len(caps))
+        longest, at = 0, 0
+        for n in range(1, min(len(caps), t - 1) + 1):
             s = self._index[n - 1].get(tuple(toks[t - n:]))
-            if s is not None:
-                if caps[n - 1] == 0:
-                    return None
-                return Proposal(toks[s + n: s + n + caps[n - 1]], n)
-        return None
+            if s is None:
+                break
+            longest, at = n, s
+        if longest < usable[0] or caps[longest - 1] == 0:
+            return None
+        return Proposal(toks[at + longest: at + longest + caps[longest - 1]], longest)
