@@ -223,8 +223,8 @@ class SuffixHistory:
                 live = old.ends[bisect_right(old.ends, live)]
             if old is not None and live == old.size:
                 old, live = None, 0
-            if not young.room(n):  # grows in its first generation (later ones start at full size)
-                young = self._regrown(young, n)
+            if not young.room(n):  # re-indexed in new arrays (readers keep theirs) with room for twice as much:
+                young = self._built(young.buf, young.ends, 2 * (young.size + n))  # a first generation grows
             start = young.size
             young.store[start: start + n] = doc  # past every reader's buf
             entries = self._entries(start, hashes)
@@ -241,13 +241,8 @@ class SuffixHistory:
         table = np.full((self.max_ngram - self.min_ngram + 1, slots), -1, np.int32)
         return _Gen(np.zeros(max(tokens, _MIN_SLOTS // 2), np.int32), 0, (), table)
 
-    def _regrown(self, gen: _Gen, incoming: int) -> _Gen:
-        """`gen` re-indexed in new arrays (readers keep the old ones) with room for twice its tokens
-        plus `incoming`."""
-        return self._built(gen.buf, gen.ends, 2 * (gen.size + incoming))
-
     def _built(self, buf: np.ndarray, ends: tuple[int, ...], room: int) -> _Gen:
-        """A generation indexing the documents of `buf` (ends: theirs), with room for `room` tokens."""
+        """A new generation indexing the documents of `buf` (ends: theirs), with room for `room` tokens."""
         gen = self._empty(max(room, buf.shape[0]))
         gen.store[: buf.shape[0]] = buf
         parts = [self._entries(s, _doc_hashes(buf[s:e], self.max_ngram)) for s, e in zip((0,) + ends[:-1], ends)]
