@@ -6,12 +6,9 @@ tenant's recent documents (one per finished request: prompt + output) and answer
 as `find_continuation` over them: the tokens that followed the most recent earlier occurrence of the
 longest matching suffix, never across two documents.
 
-Index: one open-addressing table per n-gram size n in [min_ngram, max_ngram] (double hashing), each
-slot the position of the token that follows one n-gram (-1: empty). Slots hold no key: a probe
-compares the n tokens before the stored position with the query, so an answer is never a hash
-collision's garbage, and a slot costs 4 bytes. The tables share one power-of-two size, at most 3/4
-used. Hashes are a prepend chain, h_n = F(h_{n-1}, token), so a context's suffix hashes for every n
-cost O(max_ngram) together, and a document's are O(L * max_ngram) numpy work.
+Index: one open-addressing table per n-gram size n in [min_ngram, max_ngram], each slot the position
+of the token that follows one n-gram (-1: empty; 4 bytes, no key: `trserve/engine/tr/ngram_table.py`).
+The tables share one power-of-two size, at most 3/4 used.
 
 Two generations, each its own tokens and tables: adds go to the younger one, in place (O(L * max_ngram)
 numpy work, no copy of the index); once it would pass max_tokens / 2 tokens it becomes the older one,
@@ -19,8 +16,8 @@ and the older one is dropped whole: no rebuild. Within max_tokens, the oldest do
 logically first (the older generation's `live` moves past them). E.g. 65536 tokens, n in [3, 12]:
 2 x 10 x 2^16 slots = 5 MiB, plus 4 bytes per token. Only a tenant's first generation grows its
 tables, re-indexing itself at each doubling (the last, at ~24K tokens, ~50-80 ms once), so a small
-history stays small. Measured with 200-900-token documents: ~0.9 ms an add once full, where copying
-the whole index on every add and rebuilding it every ~50 documents took ~6 ms an add on average.
+history stays small. With 200-900-token documents: ~0.9 ms an add once full (was ~6 ms: a whole-index
+copy per add, a rebuild every ~50 documents).
 """
 
 from __future__ import annotations
@@ -35,99 +32,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from trserve.engine.tr.lookup import Proposal
+from trserve.engine.tr.ngram_table import doc_hashes, insert, mix, probe
 
-_MASK = (1 << 64) - 1
-_P, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _MAX_LOAD = 0.75  # the tables are rebuilt larger before more slots than this are taken
 _MIN_SLOTS = 256
-_FEW = 48  # pending entries `_insert` finishes one by one
 _MAGIC, _FORMAT = b"TRSH", 1
 _HEADER = struct.Struct("<4sHHIIQ")  # magic, format, reserved, documents, tokens, version
 _MAX_TOKEN = (1 << 31) - 1
-
-
-def _mix(h: int, token: int) -> int:
-    """F(h, token) on one context token: splitmix64(h * P + token + 1), all mod 2^64."""
-    z = (h * _P + token + 1) & _MASK
-    z = ((z ^ (z >> 30)) * _M1) & _MASK
-    z = ((z ^ (z >> 27)) * _M2) & _MASK
-    return z ^ (z >> 31)
-
-
-def _mix_array(h: np.ndarray, tokens: np.ndarray) -> np.ndarray:
-    """F elementwise: h [m] uint64, tokens [m] uint64 -> [m] uint64 (numpy arrays wrap mod 2^64)."""
-    z = h * np.uint64(_P) + tokens + np.uint64(1)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(_M1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(_M2)
-    return z ^ (z >> np.uint64(31))
-
-
-def _doc_hashes(doc: np.ndarray, max_ngram: int) -> list[np.ndarray]:
-    """doc [L] int32 -> per n = 1..max_ngram, [L - n + 1] uint64: the hash of doc[s: s + n] at s."""
-    d = doc.astype(np.uint64)
-    h = np.zeros(d.shape[0] + 1, np.uint64)  # h_0 of the empty n-gram at every s in [0, L]
-    out = []
-    for n in range(1, min(max_ngram, d.shape[0]) + 1):
-        h = _mix_array(h[1:], d[: d.shape[0] - n + 1])  # h_n[s] = F(h_{n-1}[s + 1], d[s])
-        out.append(h)
-    return out
-
-
-def _probe(h: int, mask: int) -> tuple[int, int]:
-    """(first slot, odd stride) of a hash in a table of mask + 1 slots (double hashing)."""
-    return h & mask, ((h >> 40) * 2 + 1) & mask
-
-
-def _insert(table: np.ndarray, buf: np.ndarray, rows: np.ndarray, ns: np.ndarray, hashes: np.ndarray,
-            vals: np.ndarray) -> None:
-    """Insert m n-grams: entry i is the ns[i]-gram ending before buffer position vals[i] (its hash
-    hashes[i]) into table row rows[i]; rows, ns, vals [m] int64, hashes [m] uint64, table [N, S].
-
-    Positions grow with recency, so for an n-gram already present the larger position wins: the
-    most recent occurrence, whatever the order of the batch. Each round moves every pending entry
-    one probe (claim an empty slot, update its own n-gram's slot, or step on): O(m * max_ngram)
-    numpy work per round, rounds = the longest probe sequence (short: load <= 3/4, double hashing)."""
-    size = table.shape[1]
-    flat = table.reshape(-1)  # a view: [N * S]
-    slot = (hashes & np.uint64(size - 1)).astype(np.int64)  # [m]
-    stride = (((hashes >> np.uint64(40)) * np.uint64(2) + np.uint64(1)) & np.uint64(size - 1)).astype(np.int64)
-    base = rows * size
-    offsets = np.arange(-int(ns.max(initial=1)), 0)  # [W] the widest n-gram's token offsets
-    pend = np.arange(vals.shape[0])
-    while pend.size:
-        if pend.size <= _FEW:  # the last few: one by one (a numpy round costs ~35 us however few it moves)
-            for i in pend.tolist():
-                _insert_one(flat, buf, int(base[i]), int(slot[i]), int(stride[i]), size - 1, int(ns[i]), int(vals[i]))
-            return
-        at = base[pend] + slot[pend]
-        cur = flat[at].astype(np.int64)
-        empty = cur < 0
-        mine, took = pend[empty], at[empty]
-        flat[took] = vals[mine]  # several may claim one slot: whichever write landed owns it
-        lost = mine[flat[took] != vals[mine]]  # they look at the same slot again next round
-        other, seen = pend[~empty], cur[~empty]
-        cols = offsets >= -ns[other][:, None]  # [o, W] the columns inside each n-gram
-        same = ((buf[np.maximum(seen[:, None] + offsets, 0)] == buf[np.maximum(vals[other][:, None] + offsets, 0)])
-                | ~cols).all(axis=1)
-        np.maximum.at(flat, at[~empty][same], vals[other[same]].astype(flat.dtype))
-        step = other[~same]
-        slot[step] = (slot[step] + stride[step]) & (size - 1)
-        pend = np.concatenate([lost, step])
-
-
-def _insert_one(flat: np.ndarray, buf: np.ndarray, base: int, slot: int, stride: int, mask: int, n: int,
-                val: int) -> None:
-    """`_insert` for one entry: the n-gram ending before buffer position `val`, first slot `slot`."""
-    gram = buf[val - n: val].tolist()
-    while True:
-        cur = int(flat[base + slot])
-        if cur < 0:
-            flat[base + slot] = val
-            return
-        if buf[cur - n: cur].tolist() == gram:
-            flat[base + slot] = max(cur, val)
-            return
-        slot = (slot + stride) & mask
 
 
 @dataclass(frozen=True)
@@ -209,7 +120,7 @@ class SuffixHistory:
         When the younger generation would pass max_tokens / 2 tokens, it becomes the older one and the
         older one's documents go: the newest documents stay, about max_tokens / 2 to max_tokens tokens."""
         doc = _as_tokens(tokens)[-self.max_tokens:]
-        hashes = _doc_hashes(doc, self.max_ngram)  # depends on the document only
+        hashes = doc_hashes(doc, self.max_ngram)  # depends on the document only
         n = doc.shape[0]
         with self._write:
             self._version += 1
@@ -229,7 +140,7 @@ class SuffixHistory:
             young.store[start: start + n] = doc  # past every reader's buf
             entries = self._entries(start, hashes)
             if entries:  # () for a document of at most min_ngram tokens
-                _insert(young.table, young.store[: start + n], *entries)
+                insert(young.table, young.store[: start + n], *entries)
             young = _Gen(young.store, start + n, young.ends + (start + n,), young.table)
             self._state = _State(old, live, young)
 
@@ -245,14 +156,14 @@ class SuffixHistory:
         """A new generation indexing the documents of `buf` (ends: theirs), with room for `room` tokens."""
         gen = self._empty(max(room, buf.shape[0]))
         gen.store[: buf.shape[0]] = buf
-        parts = [self._entries(s, _doc_hashes(buf[s:e], self.max_ngram)) for s, e in zip((0,) + ends[:-1], ends)]
+        parts = [self._entries(s, doc_hashes(buf[s:e], self.max_ngram)) for s, e in zip((0,) + ends[:-1], ends)]
         parts = [p for p in parts if p]
         if parts:
-            _insert(gen.table, gen.store[: buf.shape[0]], *(np.concatenate(c) for c in zip(*parts)))
+            insert(gen.table, gen.store[: buf.shape[0]], *(np.concatenate(c) for c in zip(*parts)))
         return _Gen(gen.store, buf.shape[0], ends, gen.table)
 
     def _entries(self, start: int, hashes: list[np.ndarray]) -> tuple[np.ndarray, ...]:
-        """(rows, ns, hashes, vals) of the document at buffer[start:] (see _doc_hashes, _insert)."""
+        """(rows, ns, hashes, vals) of the document at buffer[start:] (see ngram_table.doc_hashes, insert)."""
         length = hashes[0].shape[0] if hashes else 0
         parts = []
         for n in range(self.min_ngram, len(hashes) + 1):
@@ -267,8 +178,8 @@ class SuffixHistory:
         """The tokens (at most `length`, within their document) that followed the most recent
         occurrence of the longest suffix of `context` of size n in [min_ngram, max_ngram] that occurs
         with a following token; None when there is none. Only the last max_ngram tokens are read.
-        Probes sizes from min_ngram up, to the first absent one (one probe when nothing matches), each
-        comparing <= n tokens, expected O(1) slots per probe and generation.
+        Sizes from min_ngram up, to the first absent one (one probe when nothing matches; <= n tokens
+        compared, expected O(1) slots, per probe and generation).
         Example: documents [5, 1, 2, 3, 4] then [1, 2, 3, 9]; context [7, 1, 2, 3], min_ngram 2:
         the 3-gram [1, 2, 3] occurs in both, the newer wins -> Proposal([9], ngram=3)."""
         if length < 1:
@@ -278,25 +189,32 @@ class SuffixHistory:
         if t < self.min_ngram:
             return None
         st = self._state  # one whole state, whatever an add publishes meanwhile
-        # shortest first, each n-gram's hash from the last one's (the chain `_doc_hashes` builds): a live
+        # shortest first, each n-gram's hash from the last one's (the chain `doc_hashes` builds): a live
         # occurrence of the (n + 1)-gram ends with a live occurrence of its last n tokens, so the first
         # absent size ends the search, and most steps, matching nothing, stop at min_ngram (one probe
         # per generation); the younger generation's occurrences are the more recent
-        found, h = None, 0
+        # (the most recent occurrence of the n-gram, if it extends within its document, is the most recent
+        # of the (n + 1)-gram too: one token compared instead of a probe, while it does)
+        found, h = None, 0  # (generation, position after the occurrence, n, its document's start)
         for n in range(1, t + 1):
-            h = _mix(h, tail[t - n])
+            h = mix(h, tail[t - n])
             if n < self.min_ngram:
                 continue
+            if found is not None and found[1] - n >= found[3] and int(found[0].store[found[1] - n]) == tail[t - n]:
+                found = (found[0], found[1], n, found[3])
+                continue
             gram = tail[t - n:]
-            if (pos := self._find(st.young, n, h, gram)) >= 0:
-                found = (st.young, pos, n)
-            elif st.old is not None and (pos := self._find(st.old, n, h, gram)) > st.live:
-                found = (st.old, pos, n)
-            else:
+            pos = self._find(gen := st.young, n, h, gram)
+            if pos < 0 and st.old is not None:
+                pos = self._find(gen := st.old, n, h, gram)
+                pos = pos if pos > st.live else -1  # an evicted occurrence: every older one is too
+            if pos < 0:
                 break
+            doc = bisect_right(gen.ends, pos)
+            found = (gen, pos, n, gen.ends[doc - 1] if doc else 0)
         if found is None:
             return None
-        gen, pos, n = found
+        gen, pos, n, _ = found
         end = gen.ends[bisect_right(gen.ends, pos)]
         return Proposal(gen.store[pos: min(pos + length, end)].tolist(), n)
 
@@ -305,7 +223,7 @@ class SuffixHistory:
         A slot past `gen`'s tokens belongs to a newer add: skipped."""
         row, buf, size = gen.table[n - self.min_ngram], gen.store, gen.size
         mask = row.shape[0] - 1
-        slot, stride = _probe(h, mask)
+        slot, stride = probe(h, mask)
         while (pos := int(row[slot])) >= 0:
             if pos <= size and buf[pos - n: pos].tolist() == gram:
                 return pos  # the most recent one (in the old generation, maybe an evicted one)
