@@ -40,18 +40,39 @@ class HeldText:
         return final_text[len(self.sent):] if final_text.startswith(self.sent) else None
 
 
+CONTEXT = 5  # ids decoded again before the new ones (TextStream)
+
+
 class TextStream:
-    """Turns growing token ids into text deltas, holding back incomplete UTF-8 sequences."""
+    """Turns growing token ids into text deltas, holding back incomplete UTF-8 sequences.
+
+    Incremental: each call decodes only the ids since the last text it produced, with the CONTEXT ids
+    before them (`_prefix:_read`), and appends the difference. Decoding the whole output every
+    step cost O(length) a step (0.4 ms at 2048 tokens, per request) where this costs two short
+    decodes. The text equals decoding every id at once where the tokenizer decodes ids independently
+    of what precedes the context (byte-level BPE, SentencePiece); the final result decodes everything
+    once anyway, and a stream never contradicts what it sent (below)."""
 
     def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
         self.sent = ""
+        self._text = ""  # the text of ids[:_read]
+        self._prefix = self._read = 0  # ids[_prefix:_read]: the context the next ids are decoded after
 
     def delta(self, ids: list[int], final: bool = False, cut=None) -> str:
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        decode = self.tokenizer.decode
+        before = decode(ids[self._prefix: self._read], skip_special_tokens=True) if self._read else ""
+        after = decode(ids[self._prefix:], skip_special_tokens=True)
+        if after.startswith(before):
+            text = self._text + after[len(before):]
+        else:  # the new ids changed how the context decodes (rare): decode them all
+            text = decode(ids, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # whole characters: the next call decodes after these, the last
+            # CONTEXT ids as context (a SentencePiece decode drops the space that starts its first token)
+            self._text, self._prefix, self._read = text, max(len(ids) - CONTEXT, 0), len(ids)
         if cut is not None:
             text = cut(text)
-        if not final and text.endswith("\ufffd"):
+        if not final and text.endswith("\ufffd"):  # an incomplete character: held until the next ids
             return ""
         if not text.startswith(self.sent):
             # A merge changed earlier characters (rare); send nothing rather than contradict the past.
