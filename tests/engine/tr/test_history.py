@@ -82,6 +82,16 @@ def test_the_younger_generation_turns_older_and_the_older_one_goes_whole():
     assert h.propose([9, 10], 1) == Proposal([11], 2) and h.propose([13, 14], 2) == Proposal([15, 16], 2)
 
 
+def test_a_full_history_holds_two_generations_of_tables_at_most():
+    rng = random.Random(1)
+    h = SuffixHistory(max_tokens=4096, max_ngram=4, min_ngram=2)  # generations of 2048 tokens
+    for _ in range(200):
+        h.add([rng.randrange(1000) for _ in range(rng.randrange(50, 150))])
+        gens = [g for g in (h._state.old, h._state.young) if g is not None]
+        assert all(g.table.shape[1] * 0.75 <= 2 * 2048 for g in gens)  # never a table for twice a generation
+    assert 2048 <= h.tokens <= 4096 and h.memory_bytes() <= 2 * (3 * 4096 * 4 + 4096 * 4) + 40 * 200 + 512
+
+
 def test_corrupt_or_truncated_blob_is_refused():
     blob = _history([1, 2, 3, 4], [5, 6, 7]).to_bytes()
     flipped = bytearray(blob)

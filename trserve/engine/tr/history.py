@@ -134,8 +134,9 @@ class SuffixHistory:
                 live = old.ends[bisect_right(old.ends, live)]
             if old is not None and live == old.size:
                 old, live = None, 0
-            if not young.room(n):  # re-indexed in new arrays (readers keep theirs) with room for twice as much:
-                young = self._built(young.buf, young.ends, 2 * (young.size + n))  # a first generation grows
+            if not young.room(n):  # a first generation grows: re-indexed in new arrays (readers keep theirs),
+                need = young.size + n  # with room for twice as much, up to a generation's tables
+                young = self._built(young.buf, young.ends, max(min(2 * need, self.generation), need))
             start = young.size
             young.store[start: start + n] = doc  # past every reader's buf
             entries = self._entries(start, hashes)
