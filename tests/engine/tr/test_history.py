@@ -123,10 +123,11 @@ def test_matches_a_brute_force_scan(seed):
     max_tokens, max_ngram, min_ngram = rng.choice([(60, 5, 2), (300, 8, 3), (2000, 12, 3)])
     vocab = rng.choice([3, 6, 50])
     h = SuffixHistory(max_tokens, max_ngram, min_ngram)
-    old: list[list[int]] = []  # the two generations' documents, as the module docstring keeps them
-    young: list[list[int]] = []
+    old: dict[int, list[int]] = {}  # the two generations' documents by version, as the module docstring keeps them
+    young: dict[int, list[int]] = {}
+    gone = 0  # the newest version whose document went
     for step in range(120):
-        kept = old + young
+        kept = [*old.values(), *young.values()]
         doc = [rng.randrange(vocab) for _ in range(rng.randrange(0, max_tokens // 4))]
         if step % 7 == 0 and kept:  # copy a span of an earlier document: long matches happen
             src = rng.choice(kept)
@@ -134,13 +135,20 @@ def test_matches_a_brute_force_scan(seed):
         h.add(doc)
         doc = doc[-max_tokens:]
         if doc:
-            if young and sum(map(len, young)) + len(doc) > max_tokens // 2:
-                old, young = young, []
-            while old and sum(map(len, old + young)) + len(doc) > max_tokens:
-                old.pop(0)
-            young.append(doc)
-        kept = old + young
+            if young and sum(map(len, young.values())) + len(doc) > max_tokens // 2:
+                gone = max([gone, *old])
+                old, young = young, {}
+            while old and sum(map(len, [*old.values(), *young.values()])) + len(doc) > max_tokens:
+                gone = max(gone, next(iter(old)))
+                old.pop(next(iter(old)))
+            young[step + 1] = doc  # its version: adds so far, empty ones included
+        held = {**old, **young}
+        kept = list(held.values())
         assert (h.documents, h.tokens) == (len(kept), sum(map(len, kept)))
+        since = rng.randrange(step + 3)  # what a replica that last saw version `since` gets
+        want = ([d for v, d in held.items() if v > since], step + 1) if gone <= since <= step + 1 else None
+        got = h.documents_since(since)
+        assert (got if got is None else ([d.tolist() for d in got[0]], got[1])) == want
         for _ in range(5):
             src = rng.choice(kept) if kept and rng.random() < 0.7 else [rng.randrange(vocab) for _ in range(20)]
             cut = rng.randrange(len(src) + 1)
@@ -150,6 +158,7 @@ def test_matches_a_brute_force_scan(seed):
             assert h.propose(context, length) == want
     back = SuffixHistory.from_bytes(h.to_bytes(), max_tokens, max_ngram, min_ngram)
     assert (back.documents, back.tokens) == (h.documents, h.tokens)
+    assert back.documents_since(back.version) == ([], back.version) and back.documents_since(back.version - 1) is None
     for doc in kept:
         assert back.propose(doc[:-1], 3) == h.propose(doc[:-1], 3)
     assert h.memory_bytes() >= 4 * h.tokens

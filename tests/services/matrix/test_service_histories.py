@@ -156,3 +156,41 @@ def test_replica_workers_share_a_tenants_history_through_the_service_and_never_a
     server.stop(0, final_snapshot=True)
     again = start_server()
     assert _leaks(_history(channel_to(again), "alice")) and not _leaks(_history(channel_to(again), "bob"))
+
+
+def test_a_replica_catches_up_by_the_documents_added_since_its_last_fetch(start_server, channel_to) -> None:
+    server = start_server()
+    stub = channel_to(server)
+    tree = get_compiled(TREE, "cpu", torch.float32)
+    docs = [[int(t) for t in np.random.default_rng(20 + i).integers(10, V, 30)] for i in range(3)]
+    config = DraftClientConfig(history_refresh_s=0.01)
+    one, two = (ReplicaDraftSource(server.addr, "carol", config=config) for _ in range(2))
+
+    def finish(source, doc, pushed):
+        session = source.open(tree, SPEC)
+        session.remember(doc)
+        session.close(None)
+        wait_for(lambda: source.history.pushed == pushed)
+
+    finish(one, docs[0], 1)
+    two.open(tree, SPEC).close(None)
+    wait_for(lambda: two.history.fetches["whole"] == 1 and two.history.history.documents == 1)
+    finish(two, docs[1], 1)  # in two's copy at once, and on the service
+    finish(one, docs[2], 2)
+    two.open(tree, SPEC).close(None)  # stale: its pusher catches up
+    wait_for(lambda: two.history.fetches["delta"] >= 1 and two.history.history.documents == 3)
+    copy = two.history.history
+    assert two.history.fetches["whole"] == 1 and copy.documents == 3  # its own document not added twice
+    for doc in docs:
+        assert copy.propose(doc[:10], 5).tokens == doc[10:15]
+    # the protocol itself: nothing new since the current version; a version the service never had: whole
+    now = stub.GetHistory(pb.HistoryRequest(tenant="carol", model=model()), timeout=10).version
+    assert now == 3
+    same = stub.GetHistory(pb.HistoryRequest(tenant="carol", model=model(), since_version=now), timeout=10)
+    assert same.delta and list(same.added) == [] and not same.history
+    late = stub.GetHistory(pb.HistoryRequest(tenant="carol", model=model(), since_version=1), timeout=10)
+    assert late.delta and [np.frombuffer(d.tokens, "<i4").tolist() for d in late.added] == docs[1:]  # push order
+    ahead = stub.GetHistory(pb.HistoryRequest(tenant="carol", model=model(), since_version=now + 5), timeout=10)
+    assert not ahead.delta and SuffixHistory.from_bytes(ahead.history).documents == 3
+    for source in (one, two):
+        source.close()

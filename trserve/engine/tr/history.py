@@ -51,6 +51,7 @@ class _Gen:
     size: int  # tokens held: store[:size]
     ends: tuple[int, ...]  # end of each document, oldest first
     table: np.ndarray  # [N, S] int32, row n - min_ngram: the n-gram index (see the module docstring)
+    versions: tuple[int, ...] = ()  # the history's version once each document was added (documents_since)
 
     @property
     def buf(self) -> np.ndarray:
@@ -70,6 +71,7 @@ class _State:
     old: _Gen | None
     live: int  # old.buf[:live] holds evicted documents
     young: _Gen
+    gone: int = 0  # the newest version whose document the history no longer holds (0: none gone)
 
 
 class SuffixHistory:
@@ -127,23 +129,25 @@ class SuffixHistory:
             if n == 0:
                 return
             st = self._state
-            old, live, young = st.old, st.live, st.young
+            old, live, young, gone = st.old, st.live, st.young, st.gone
             if young.size and young.size + n > self.generation:  # rotate (the older one's documents go)
+                gone = max((gone, *old.versions)) if old is not None else gone
                 old, live, young = young, 0, self._empty(max(self.generation, n))
             while old is not None and old.size - live + young.size + n > self.max_tokens:  # oldest first
-                live = old.ends[bisect_right(old.ends, live)]
+                i = bisect_right(old.ends, live)
+                live, gone = old.ends[i], max(gone, old.versions[i])
             if old is not None and live == old.size:
                 old, live = None, 0
             if not young.room(n):  # a first generation grows: re-indexed in new arrays (readers keep theirs),
                 need = young.size + n  # with room for twice as much, up to a generation's tables
-                young = self._built(young.buf, young.ends, max(min(2 * need, self.generation), need))
+                young = self._built(young.buf, young.ends, max(min(2 * need, self.generation), need), young.versions)
             start = young.size
             young.store[start: start + n] = doc  # past every reader's buf
             entries = self._entries(start, hashes)
             if entries:  # () for a document of at most min_ngram tokens
                 insert(young.table, young.store[: start + n], *entries)
-            young = _Gen(young.store, start + n, young.ends + (start + n,), young.table)
-            self._state = _State(old, live, young)
+            young = _Gen(young.store, start + n, young.ends + (start + n,), young.table, young.versions + (self._version,))
+            self._state = _State(old, live, young, gone)
 
     def _empty(self, tokens: int) -> _Gen:
         """An empty generation with room for `tokens` tokens (0: the smallest tables)."""
@@ -153,15 +157,15 @@ class SuffixHistory:
         table = np.full((self.max_ngram - self.min_ngram + 1, slots), -1, np.int32)
         return _Gen(np.zeros(max(tokens, _MIN_SLOTS // 2), np.int32), 0, (), table)
 
-    def _built(self, buf: np.ndarray, ends: tuple[int, ...], room: int) -> _Gen:
-        """A new generation indexing the documents of `buf` (ends: theirs), with room for `room` tokens."""
+    def _built(self, buf: np.ndarray, ends: tuple[int, ...], room: int, versions: tuple[int, ...]) -> _Gen:
+        """A new generation indexing the documents of `buf` (ends, versions: theirs), with room for `room` tokens."""
         gen = self._empty(max(room, buf.shape[0]))
         gen.store[: buf.shape[0]] = buf
         parts = [self._entries(s, doc_hashes(buf[s:e], self.max_ngram)) for s, e in zip((0,) + ends[:-1], ends)]
         parts = [p for p in parts if p]
         if parts:
             insert(gen.table, gen.store[: buf.shape[0]], *(np.concatenate(c) for c in zip(*parts)))
-        return _Gen(gen.store, buf.shape[0], ends, gen.table)
+        return _Gen(gen.store, buf.shape[0], ends, gen.table, versions)
 
     def _entries(self, start: int, hashes: list[np.ndarray]) -> tuple[np.ndarray, ...]:
         """(rows, ns, hashes, vals) of the document at buffer[start:] (see ngram_table.doc_hashes, insert)."""
@@ -255,12 +259,29 @@ class SuffixHistory:
         body = header + zlib.compress(lengths.tobytes() + tokens.astype("<i4").tobytes(), 1)
         return body + struct.pack("<I", zlib.crc32(body))
 
+    def documents_since(self, version: int) -> tuple[list[np.ndarray], int] | None:
+        """(the documents added after `version`, oldest first, as [L] int32 arrays; the version now), or
+        None when the history no longer holds all of them (evicted, or `version` is not one of its own):
+        what a replica that last saw `version` needs instead of the whole history."""
+        with self._write:  # a state and its version
+            st, now = self._state, self._version
+        if not st.gone <= version <= now:
+            return None
+        docs = []
+        for gen, first in ((st.old, st.live), (st.young, 0)):
+            if gen is not None:
+                for start, end, v in zip((0,) + gen.ends[:-1], gen.ends, gen.versions):
+                    if start >= first and v > version:
+                        docs.append(gen.store[start:end].copy())
+        return docs, now
+
     @classmethod
     def from_bytes(cls, blob: bytes, max_tokens: int = 65536, max_ngram: int = 12,
                    min_ngram: int = 3) -> SuffixHistory:
         """A history holding the newest documents of `blob` that fit max_tokens (index rebuilt), the
-        newest within max_tokens / 2 in the younger generation. ValueError (never a partial history) when the blob is not a whole, intact one
-        of this format."""
+        newest within max_tokens / 2 in the younger generation; `documents_since` answers only from its
+        version on (the blob keeps no version per document). ValueError (never a partial history) when
+        the blob is not a whole, intact one of this format."""
         lengths, tokens, version = _decode(bytes(blob))
         history = cls(max_tokens, max_ngram, min_ngram)
         ends = np.cumsum(lengths).tolist()
@@ -278,9 +299,10 @@ class SuffixHistory:
         split = next((i for i in range(len(kept)) if kept[-1] - (kept[i - 1] if i else 0) <= history.generation),
                      max(len(kept) - 1, 0))
         cut = kept[split - 1] if split else 0
-        young = history._built(buf[cut:], tuple(e - cut for e in kept[split:]), history.generation)
-        old = history._built(buf[:cut], tuple(kept[:split]), 0) if split else None
-        history._state = _State(old, 0, young)
+        young = history._built(buf[cut:], tuple(e - cut for e in kept[split:]), history.generation,
+                               (version,) * (len(kept) - split))
+        old = history._built(buf[:cut], tuple(kept[:split]), 0, (version,) * split) if split else None
+        history._state = _State(old, 0, young, version)
         history._version = version
         return history
 

@@ -25,7 +25,7 @@ from trserve.matrix_store.store import NotLoaded
 from trserve.services.common.errors import grpc_errors
 from trserve.services.common.histories import HistoryBook
 from trserve.services.common.matrix_convert import (
-    documents_from_pb,
+    documents_from_pb, documents_to_pb,
     rows_from_pb,
     rows_to_pb,
     spec_from_pb,
@@ -192,8 +192,7 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
         spec = spec_from_pb(request.model)
         if self._histories is None:
             return pb.HistoryReply()
-        history, blob = await asyncio.to_thread(self._history_blob, spec, tenant)
-        return pb.HistoryReply(history=blob, tokens=history.tokens, documents=history.documents)
+        return await asyncio.to_thread(self._history_reply, spec, tenant, request.since_version)
 
     @grpc_errors
     async def PushHistory(self, request: pb.PushHistoryRequest, context) -> pb.PushHistoryReply:
@@ -211,9 +210,17 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
         self._store.register(spec)  # FailedPrecondition for a model this service does not serve
         return self._histories.get(spec.fingerprint, tenant)
 
-    def _history_blob(self, spec, tenant: str):
+    def _history_reply(self, spec, tenant: str, since: int) -> pb.HistoryReply:
+        """The documents added after version `since` (> 0) where the history still holds them all, else
+        the whole history."""
         history = self._history_of(spec, tenant)
-        return history, history.to_bytes() if history.documents else b""
+        added = history.documents_since(since) if since > 0 else None
+        if added is not None:
+            return pb.HistoryReply(delta=True, added=documents_to_pb(added[0]), version=added[1],
+                                   tokens=history.tokens, documents=history.documents)
+        version = history.version  # read first: the blob holds at least what this version had
+        return pb.HistoryReply(history=history.to_bytes() if history.documents else b"", version=version,
+                               tokens=history.tokens, documents=history.documents)
 
     def _add_history(self, spec, tenant: str, documents):
         history = self._history_of(spec, tenant)
