@@ -147,7 +147,7 @@ def test_matches_a_brute_force_scan(seed):
         assert (h.documents, h.tokens) == (len(kept), sum(map(len, kept)))
         since = rng.randrange(step + 3)  # what a replica that last saw version `since` gets
         want = ([d for v, d in held.items() if v > since], step + 1) if gone <= since <= step + 1 else None
-        got = h.documents_since(since)
+        got = h.documents_since(since, h.epoch)
         assert (got if got is None else ([d.tolist() for d in got[0]], got[1])) == want
         for _ in range(5):
             src = rng.choice(kept) if kept and rng.random() < 0.7 else [rng.randrange(vocab) for _ in range(20)]
@@ -158,7 +158,9 @@ def test_matches_a_brute_force_scan(seed):
             assert h.propose(context, length) == want
     back = SuffixHistory.from_bytes(h.to_bytes(), max_tokens, max_ngram, min_ngram)
     assert (back.documents, back.tokens) == (h.documents, h.tokens)
-    assert back.documents_since(back.version) == ([], back.version) and back.documents_since(back.version - 1) is None
+    assert back.documents_since(back.version, back.epoch) == ([], back.version)
+    assert back.documents_since(back.version - 1, back.epoch) is None  # a blob keeps no version per document
+    assert back.epoch != h.epoch and back.documents_since(back.version, h.epoch) is None  # another history's
     for doc in kept:
         assert back.propose(doc[:-1], 3) == h.propose(doc[:-1], 3)
     assert h.memory_bytes() >= 4 * h.tokens

@@ -184,13 +184,19 @@ def test_a_replica_catches_up_by_the_documents_added_since_its_last_fetch(start_
     for doc in docs:
         assert copy.propose(doc[:10], 5).tokens == doc[10:15]
     # the protocol itself: nothing new since the current version; a version the service never had: whole
-    now = stub.GetHistory(pb.HistoryRequest(tenant="carol", model=model()), timeout=10).version
-    assert now == 3
-    same = stub.GetHistory(pb.HistoryRequest(tenant="carol", model=model(), since_version=now), timeout=10)
+    whole = stub.GetHistory(pb.HistoryRequest(tenant="carol", model=model()), timeout=10)
+    now, epoch = whole.version, whole.epoch
+    assert now == 3 and not whole.delta
+
+    def since(version, at=epoch):
+        return stub.GetHistory(pb.HistoryRequest(tenant="carol", model=model(), since_version=version,
+                                                 since_epoch=at), timeout=10)
+
+    same = since(now)
     assert same.delta and list(same.added) == [] and not same.history
-    late = stub.GetHistory(pb.HistoryRequest(tenant="carol", model=model(), since_version=1), timeout=10)
+    late = since(1)
     assert late.delta and [np.frombuffer(d.tokens, "<i4").tolist() for d in late.added] == docs[1:]  # push order
-    ahead = stub.GetHistory(pb.HistoryRequest(tenant="carol", model=model(), since_version=now + 5), timeout=10)
-    assert not ahead.delta and SuffixHistory.from_bytes(ahead.history).documents == 3
+    for other in (since(now + 5), since(1, epoch + 1)):  # a version it never had; another history's epoch
+        assert not other.delta and SuffixHistory.from_bytes(other.history).documents == 3
     for source in (one, two):
         source.close()

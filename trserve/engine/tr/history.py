@@ -22,6 +22,7 @@ copy per add, a rebuild every ~50 documents).
 
 from __future__ import annotations
 
+import secrets
 import struct
 import threading
 import zlib
@@ -90,6 +91,9 @@ class SuffixHistory:
         self._write = threading.Lock()
         self._state = _State(None, 0, self._empty(0))
         self._version = 0
+        # this object's identity in `documents_since`: a history rebuilt from a blob (a restart, a reload)
+        # may reach a version it had before with other documents
+        self.epoch = secrets.randbits(62) + 1
 
     # -- what it holds -----------------------------------------------------------------------
     @property
@@ -259,13 +263,13 @@ class SuffixHistory:
         body = header + zlib.compress(lengths.tobytes() + tokens.astype("<i4").tobytes(), 1)
         return body + struct.pack("<I", zlib.crc32(body))
 
-    def documents_since(self, version: int) -> tuple[list[np.ndarray], int] | None:
-        """(the documents added after `version`, oldest first, as [L] int32 arrays; the version now), or
-        None when the history no longer holds all of them (evicted, or `version` is not one of its own):
-        what a replica that last saw `version` needs instead of the whole history."""
+    def documents_since(self, version: int, epoch: int) -> tuple[list[np.ndarray], int] | None:
+        """(the documents added after `version` of this history (`epoch`), oldest first, as [L] int32
+        arrays; the version now), or None when it no longer holds all of them (evicted, or `version` and
+        `epoch` are not its own): what a replica that last saw `version` needs instead of the whole history."""
         with self._write:  # a state and its version
             st, now = self._state, self._version
-        if not st.gone <= version <= now:
+        if epoch != self.epoch or not st.gone <= version <= now:
             return None
         docs = []
         for gen, first in ((st.old, st.live), (st.young, 0)):

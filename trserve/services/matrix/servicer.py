@@ -192,7 +192,7 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
         spec = spec_from_pb(request.model)
         if self._histories is None:
             return pb.HistoryReply()
-        return await asyncio.to_thread(self._history_reply, spec, tenant, request.since_version)
+        return await asyncio.to_thread(self._history_reply, spec, tenant, request.since_version, request.since_epoch)
 
     @grpc_errors
     async def PushHistory(self, request: pb.PushHistoryRequest, context) -> pb.PushHistoryReply:
@@ -210,17 +210,17 @@ class MatrixServicer(pb_grpc.MatrixServiceServicer):
         self._store.register(spec)  # FailedPrecondition for a model this service does not serve
         return self._histories.get(spec.fingerprint, tenant)
 
-    def _history_reply(self, spec, tenant: str, since: int) -> pb.HistoryReply:
-        """The documents added after version `since` (> 0) where the history still holds them all, else
-        the whole history."""
+    def _history_reply(self, spec, tenant: str, since: int, epoch: int) -> pb.HistoryReply:
+        """The documents added after version `since` (> 0) of history `epoch` where it still holds them
+        all, else the whole history."""
         history = self._history_of(spec, tenant)
-        added = history.documents_since(since) if since > 0 else None
+        added = history.documents_since(since, epoch) if since > 0 else None
         if added is not None:
-            return pb.HistoryReply(delta=True, added=documents_to_pb(added[0]), version=added[1],
+            return pb.HistoryReply(delta=True, added=documents_to_pb(added[0]), version=added[1], epoch=history.epoch,
                                    tokens=history.tokens, documents=history.documents)
         version = history.version  # read first: the blob holds at least what this version had
         return pb.HistoryReply(history=history.to_bytes() if history.documents else b"", version=version,
-                               tokens=history.tokens, documents=history.documents)
+                               epoch=history.epoch, tokens=history.tokens, documents=history.documents)
 
     def _add_history(self, spec, tenant: str, documents):
         history = self._history_of(spec, tenant)

@@ -54,7 +54,7 @@ class ReplicaHistory:
         self._push_lock = threading.Lock()
         self.kept_by_service = True  # False once the service says it keeps no histories
         self.pushed = 0  # documents the service took
-        self._seen = 0  # the service history's version the copy last caught up with (0: fetch it whole)
+        self._seen = (0, 0)  # the service history's (version, epoch) the copy last caught up with (0: whole)
         self._mine: dict[bytes, int] = {}  # documents this worker added to its copy since: a delta skips them
         self.fetches = {"whole": 0, "delta": 0}
 
@@ -80,10 +80,11 @@ class ReplicaHistory:
         (those this worker added itself skipped); the whole history in place of the copy where the
         service no longer holds them all (or on the first fetch): a full history's index rebuild took
         ~0.1-0.5 s, where a delta costs ~1 ms a document."""
-        request = pb.HistoryRequest(tenant=self.tenant, model=spec_to_pb(spec), since_version=self._seen)
+        request = pb.HistoryRequest(tenant=self.tenant, model=spec_to_pb(spec), since_version=self._seen[0],
+                                    since_epoch=self._seen[1])
         try:
             reply = self.link.stub.GetHistory(request, timeout=self.link.config.open_timeout_s)
-            if reply.delta and self._seen and self.history is not None:
+            if reply.delta and self._seen[0] and self.history is not None:
                 for doc in documents_from_pb(reply.added, spec, len(reply.added)):
                     key = doc.tobytes()
                     if self._mine.get(key):
@@ -95,7 +96,7 @@ class ReplicaHistory:
                 self.history = SuffixHistory.from_bytes(reply.history) if reply.history else SuffixHistory()
                 self._mine.clear()
                 self.fetches["whole"] += 1
-            self._seen = reply.version
+            self._seen = (reply.version, reply.epoch)
             self._mine = {k: c for k, c in self._mine.items() if c}
         except (grpc.RpcError, ValueError, TRServeError) as exc:  # ValueError: not an intact history blob
             _THROTTLE.failed("history fetch", self.tenant, _Described(exc), "drafting from the copy it has")
@@ -115,7 +116,7 @@ class ReplicaHistory:
                 docs, self._pending = self._pending, []
             for doc in docs:  # (a session opened, so the copy exists, before any request finished)
                 self.history.add(doc)
-                if self._seen and len(self._mine) < 4 * MAX_PENDING:  # a later delta brings it back: skipped
+                if self._seen[0] and len(self._mine) < 4 * MAX_PENDING:  # a later delta brings it back: skipped
                     key = doc.tobytes()
                     self._mine[key] = self._mine.get(key, 0) + 1
             if docs and self.kept_by_service and self._spec is not None:
