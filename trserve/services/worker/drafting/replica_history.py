@@ -17,6 +17,7 @@ is not asked again.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -55,7 +56,7 @@ class ReplicaHistory:
         self.kept_by_service = True  # False once the service says it keeps no histories
         self.pushed = 0  # documents the service took
         self._seen = (0, 0)  # the service history's (version, epoch) the copy last caught up with (0: whole)
-        self._mine: dict[bytes, int] = {}  # documents this worker added to its copy since: a delta skips them
+        self._mine: dict[bytes, int] = {}  # digests of documents this worker added since: a delta skips them
         self.fetches = {"whole": 0, "delta": 0}
 
     def current(self, spec: ModelSpec) -> SuffixHistory:
@@ -86,7 +87,7 @@ class ReplicaHistory:
             reply = self.link.stub.GetHistory(request, timeout=self.link.config.open_timeout_s)
             if reply.delta and self._seen[0] and self.history is not None:
                 for doc in documents_from_pb(reply.added, spec, len(reply.added)):
-                    key = doc.tobytes()
+                    key = _digest(doc)
                     if self._mine.get(key):
                         self._mine[key] -= 1  # this worker's own, already in the copy
                         continue
@@ -117,7 +118,7 @@ class ReplicaHistory:
             for doc in docs:  # (a session opened, so the copy exists, before any request finished)
                 self.history.add(doc)
                 if self._seen[0] and len(self._mine) < 4 * MAX_PENDING:  # a later delta brings it back: skipped
-                    key = doc.tobytes()
+                    key = _digest(doc)
                     self._mine[key] = self._mine.get(key, 0) + 1
             if docs and self.kept_by_service and self._spec is not None:
                 for start in range(0, len(docs), PUSH_DOCUMENTS):
@@ -141,6 +142,11 @@ class ReplicaHistory:
             return False
         self.pushed += len(docs)
         return True
+
+
+def _digest(doc: np.ndarray) -> bytes:
+    """A document's identity in `_mine`: 16 bytes, whatever its length."""
+    return hashlib.blake2b(doc.tobytes(), digest_size=16).digest()
 
 
 class _Described(TRServeError):
