@@ -204,28 +204,27 @@ class SuffixHistory:
         # per generation); the younger generation's occurrences are the more recent
         # (the most recent occurrence of the n-gram, if it extends within its document, is the most recent
         # of the (n + 1)-gram too: one token compared instead of a probe, while it does)
-        found, h = None, 0  # (generation, position after the occurrence, n, its document's start)
+        gen, h = None, 0  # the longest match so far: its generation, position after it, size, document span
+        pos = size = start = end = 0
         for n in range(1, t + 1):
             h = mix(h, tail[t - n])
             if n < self.min_ngram:
                 continue
-            if found is not None and found[1] - n >= found[3] and int(found[0].store[found[1] - n]) == tail[t - n]:
-                found = (found[0], found[1], n, found[3])
+            if gen is not None and pos - n >= start and int(gen.store[pos - n]) == tail[t - n]:
+                size = n  # the same occurrence, one token longer
                 continue
             gram = tail[t - n:]
-            pos = self._find(gen := st.young, n, h, gram)
-            if pos < 0 and st.old is not None:
-                pos = self._find(gen := st.old, n, h, gram)
-                pos = pos if pos > st.live else -1  # an evicted occurrence: every older one is too
-            if pos < 0:
+            g, p = st.young, self._find(st.young, n, h, gram)
+            if p < 0 and st.old is not None:
+                g, p = st.old, self._find(st.old, n, h, gram)
+                p = p if p > st.live else -1  # an evicted occurrence: every older one is too
+            if p < 0:
                 break
-            doc = bisect_right(gen.ends, pos)
-            found = (gen, pos, n, gen.ends[doc - 1] if doc else 0)
-        if found is None:
+            doc = bisect_right(g.ends, p)
+            gen, pos, size, start, end = g, p, n, g.ends[doc - 1] if doc else 0, g.ends[doc]
+        if gen is None:
             return None
-        gen, pos, n, _ = found
-        end = gen.ends[bisect_right(gen.ends, pos)]
-        return Proposal(gen.store[pos: min(pos + length, end)].tolist(), n)
+        return Proposal(gen.store[pos: min(pos + length, end)].tolist(), size)
 
     def _find(self, gen: _Gen, n: int, h: int, gram: list[int]) -> int:
         """Position in `gen` after the most recent occurrence of `gram` (size n) there, -1 when absent.

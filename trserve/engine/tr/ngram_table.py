@@ -7,16 +7,16 @@ from __future__ import annotations
 
 import numpy as np
 
-MASK = (1 << 64) - 1
+_MASK = (1 << 64) - 1
 _P, _M1, _M2 = 0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
 _FEW = 48  # pending entries `insert` finishes one by one
 
 
 def mix(h: int, token: int) -> int:
     """F(h, token) on one context token: splitmix64(h * P + token + 1), all mod 2^64."""
-    z = (h * _P + token + 1) & MASK
-    z = ((z ^ (z >> 30)) * _M1) & MASK
-    z = ((z ^ (z >> 27)) * _M2) & MASK
+    z = (h * _P + token + 1) & _MASK
+    z = ((z ^ (z >> 30)) * _M1) & _MASK
+    z = ((z ^ (z >> 27)) * _M2) & _MASK
     return z ^ (z >> 31)
 
 

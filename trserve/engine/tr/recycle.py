@@ -111,10 +111,11 @@ def recycle_rows(tokens: torch.Tensor, logits: torch.Tensor, k: int, accepted_pa
     known = probs if isinstance(probs, torch.Tensor) and topk is not None and topk.shape[-1] == k else None
     winners = distinct_rows(tokens, accepted_path)  # [m], or None: every node's row
     if winners is not None:
-        lg = torch.index_select(logits, 0, winners)  # [m, V]
-        rows = torch.index_select(topk, 0, winners) if topk is not None else None  # [m, K]
-        known = torch.index_select(known, 0, winners) if known is not None else None  # [m, K]
         tokens = torch.index_select(tokens, 0, winners)
+        rows = torch.index_select(topk, 0, winners) if topk is not None else None  # [m, K]
+        if known is not None:  # no logits needed (an indexed copy of [m, V] cost ~0.13 ms at m = 4)
+            return RecycledRows(tokens=tokens, topk=rows, probs=torch.index_select(known, 0, winners))
+        lg = torch.index_select(logits, 0, winners)  # [m, V]
     if known is not None:
         return RecycledRows(tokens=tokens, topk=rows, probs=known)
     if rows is None or rows.shape[-1] != k:  # the forward's top-k where it has one: no search over the vocabulary
