@@ -3,6 +3,7 @@ remote vs replica drafting. The service runs as a separate process (as in the sp
 so client and server do not share a GIL.
 
     python -m trserve.bench.matrix_service [--steps 2000] [--prompts 3] [--max-new-tokens 64] [--out FILE]
+    python -m trserve.bench.matrix_service --steps 0 --workload repetitive --per-category 2 --max-new-tokens 256
 """
 
 from __future__ import annotations
@@ -69,35 +70,81 @@ def round_trips(addr: str, tree_name: str, steps: int, vocab_size: int = 49152, 
             "mean_us": float(us.mean())}
 
 
-def end_to_end(addr: str, prompts: list[str], max_new_tokens: int) -> list[dict]:
-    """Tokens/s per drafting mode over the same prompts; each mode's matrix carries over prompts."""
-    from trserve.engine import Decoder, DecoderConfig
+MODES = ("in-process", "remote", "remote-no-history", "replica")
+
+
+def conversations(workload: str | None, per_category: int, prompts: int) -> list[tuple[str, list[str]]]:
+    """(category, user turns) per conversation: the bundled `workload`'s, `per_category` of each
+    category, every turn; or (no workload) the first `prompts` of PROMPTS, one turn each."""
+    if workload is None:
+        return [("", [p]) for p in PROMPTS[:prompts]]
+    from trserve.bench.runner import select_questions
+    from trserve.core.datasets import prompt_file
+
+    return [(q["category"], list(q["turns"])) for q in select_questions(str(prompt_file(workload)), per_category)]
+
+
+def _source(decoder, mode: str, addr: str, tenant: str):
+    """One tenant's draft source in `mode` (a tenant per category: its history is its own)."""
+    from trserve.services.worker.drafting.link import DraftClientConfig
     from trserve.services.worker.drafting.remote import RemoteDraftSource
     from trserve.services.worker.drafting.replica import ReplicaDraftSource
 
+    if mode == "in-process":
+        return decoder.new_tenant()  # its matrix and history, as an embedded worker keeps them
+    if mode == "replica":
+        return ReplicaDraftSource(addr, tenant)
+    return RemoteDraftSource(addr, tenant, config=DraftClientConfig(history=mode == "remote"))
+
+
+def end_to_end(addr: str, convs: list[tuple[str, list[str]]], max_new_tokens: int,
+               modes: tuple[str, ...] = MODES) -> list[dict]:
+    """Tokens/s, MAT and draft tokens per source, per drafting mode over the same conversations
+    (each turn after the mode's own answer to the last), one request at a time through a served engine
+    (tree sizes from this host's forward costs, as `trserve bench`'s `tr`); each mode's tenants carry
+    over conversations."""
+    from trserve.engine import Decoder, DecoderConfig, GenerationRequest
+    from trserve.engine.engine import BatchEngine, EngineConfig
+    from trserve.engine.tuning.cost import engine_cost
+
     decoder = Decoder(DecoderConfig())
+    engine = BatchEngine(decoder, EngineConfig(max_batch=1), engine_cost(decoder, measure=True))
     stamp = int(time.time())
-    sources = {"in-process": lambda: decoder.new_matrix(),
-               "remote": lambda: RemoteDraftSource(addr, f"bench-remote-{stamp}"),
-               "replica": lambda: ReplicaDraftSource(addr, f"bench-replica-{stamp}")}
-    decoder.generate(messages=[{"role": "user", "content": "Hi"}], max_new_tokens=8)  # warm-up
+
+    def generate(messages, source):
+        return engine.generate(decoder.prepare(GenerationRequest(messages=messages, max_new_tokens=max_new_tokens)),
+                               matrix=source)
+
+    generate([{"role": "user", "content": "Hi"}], decoder.new_matrix())  # warm-up
     results, reference = [], None
-    for mode, make in sources.items():
-        source = make()
+    for mode in modes:
+        sources: dict[str, object] = {}
         ids, tokens, seconds, mat = [], 0, 0.0, []
-        for prompt in prompts:
-            r = decoder.generate(messages=[{"role": "user", "content": prompt}], max_new_tokens=max_new_tokens,
-                                 matrix=source)
-            ids.append(r.ids)
-            tokens += r.stats.generated_tokens
-            seconds += r.stats.prefill_s + r.stats.decode_s
-            mat.append(r.stats.mat)
-        if hasattr(source, "close"):
-            source.close()
+        drafted: dict[str, int] = {}
+        accepted: dict[str, int] = {}
+        for category, turns in convs:
+            if category not in sources:
+                sources[category] = _source(decoder, mode, addr, f"bench-{mode}-{category or 'all'}-{stamp}")
+            messages: list[dict] = []
+            for turn in turns:
+                messages.append({"role": "user", "content": turn})
+                r = generate(messages, sources[category])
+                messages.append({"role": "assistant", "content": r.text})
+                ids.append(r.ids)
+                tokens += r.stats.generated_tokens
+                seconds += r.stats.prefill_s + r.stats.decode_s
+                mat.append(r.stats.mat)
+                for total, counts in ((drafted, r.stats.drafted), (accepted, r.stats.accepted)):
+                    for name, n in counts.items():
+                        total[name] = total.get(name, 0) + n
+            time.sleep(0.2)  # a split worker's pusher thread takes the finished requests meanwhile
+        for source in sources.values():
+            if hasattr(source, "close"):
+                source.close()
         reference = reference or ids
         results.append({"mode": mode, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                         "mean_mat": float(np.mean(mat)), "tree": decoder.default_tree.template.name,
-                        "same_ids_as_in_process": ids == reference})
+                        "drafted": drafted, "accepted": accepted, "same_ids_as_in_process": ids == reference})
     return results
 
 
@@ -106,6 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2000, help="round trips measured per tree")
     parser.add_argument("--trees", default="paper", help="comma-separated builtin trees for the round trip")
     parser.add_argument("--prompts", type=int, default=3, help=f"prompts for end-to-end (max {len(PROMPTS)}); 0 = skip")
+    parser.add_argument("--workload", default=None, help="end to end over this bundled workload's conversations "
+                        "(every turn; e.g. repetitive) instead of --prompts")
+    parser.add_argument("--per-category", type=int, default=1, help="--workload: conversations per category")
+    parser.add_argument("--modes", default=",".join(MODES), help=f"end-to-end drafting modes, of {', '.join(MODES)}")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--redis-url", default=None, help="snapshot to this Redis (default: memory only)")
     parser.add_argument("--out", default="bench-results/matrix-bench.json")
@@ -116,21 +167,26 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(2)
     proc, addr = start_service(args.redis_url)
     try:
-        rtt = [round_trips(addr, name, args.steps) for name in args.trees.split(",")]
-        e2e = end_to_end(addr, PROMPTS[: args.prompts], args.max_new_tokens) if args.prompts else []
+        rtt = [round_trips(addr, name, args.steps) for name in args.trees.split(",")] if args.steps else []
+        convs = conversations(args.workload, args.per_category, args.prompts)
+        modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+        e2e = end_to_end(addr, convs, args.max_new_tokens, modes) if convs else []
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    print(f"\n{'tree':<14}{'nodes':>6}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}  mode")
+    if rtt:
+        print(f"\n{'tree':<14}{'nodes':>6}{'p50 us':>10}{'p99 us':>10}{'mean us':>10}  mode")
     for r in rtt:
         print(f"{r['tree']:<14}{r['nodes']:>6}{r['p50_us']:>10.0f}{r['p99_us']:>10.0f}{r['mean_us']:>10.0f}  {r['mode']}")
     if e2e:
-        print(f"\n{'drafting':<12}{'tokens':>8}{'tok/s':>9}{'MAT':>7}  same ids")
+        print(f"\n{'drafting':<18}{'tokens':>8}{'tok/s':>9}{'MAT':>7}  same ids  accepted/drafted per source")
         for r in e2e:
-            print(f"{r['mode']:<12}{r['tokens']:>8}{r['tokens_per_s']:>9.2f}{r['mean_mat']:>7.2f}  {r['same_ids_as_in_process']}")
+            sources = ", ".join(f"{name} {r['accepted'].get(name, 0)}/{n}" for name, n in sorted(r["drafted"].items()))
+            print(f"{r['mode']:<18}{r['tokens']:>8}{r['tokens_per_s']:>9.2f}{r['mean_mat']:>7.2f}  "
+                  f"{str(r['same_ids_as_in_process']):<8}  {sources}")
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"round_trip": rtt, "end_to_end": e2e, "max_new_tokens": args.max_new_tokens,
+    out.write_text(json.dumps({"round_trip": rtt, "end_to_end": e2e, "max_new_tokens": args.max_new_tokens, "workload": args.workload,
                                "cpu_threads": torch.get_num_threads()}, indent=2))
     print(f"\nwrote {out}")
     return 0

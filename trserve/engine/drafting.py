@@ -12,7 +12,8 @@ from trserve.engine.model.runner import RowInput
 from trserve.engine.scheduler import Live
 from trserve.engine.step import draft_step, grown_draft
 from trserve.engine.tr.dynamic import CONTEXT, HISTORY, Chain, Grown, best_first_score, grow
-from trserve.engine.tr.lookup import Proposal
+from trserve.engine.tr.history import SuffixHistory
+from trserve.engine.tr.lookup import ContextLookup, Proposal
 from trserve.engine.tr.recycle import RecycledRows, distinct_rows
 from trserve.engine.tr.source import MatrixSession
 from trserve.engine.tr.tree import CompiledTree, compile_parents
@@ -54,8 +55,9 @@ class Drafter:
                 options.append(budget.grown_options(live, grown, len(running), kv))
                 continue
             plan = live.seq.tuner.plan() if live.seq.tuner is not None else StepPlan(live.tree, None, explore=False)
-            proposal = live.seq.lookup.propose(plan.tree.template.lookup)
-            staged.append((plan, proposal))
+            proposal, source = static_chain(live.seq.lookup, getattr(live.session, "history", None),
+                                            plan.tree.template.lookup)
+            staged.append((plan, proposal, source))
             options.append(budget.options(live, plan, proposal, len(running), kv))
         chosen = budget.choose(options, kv)
         drafts, inputs, spent = [], [], []
@@ -124,17 +126,18 @@ class Drafter:
             return None
         return Chain.of(history.propose(live.seq.lookup.tail(history.max_ngram), live.tree.template.dynamic), HISTORY)
 
-    def _draft(self, live: Live, plan: StepPlan, proposal, size: int | None, chain: int):
+    def _draft(self, live: Live, plan: StepPlan, proposal, source: int, size: int | None, chain: int):
         """What `live` verifies this step: its base tree cut to `size` nodes (None: the plan as it is)
-        and `chain` tokens of its lookup proposal. Only a sequence that verifies a tree drafts (and
-        hands over its pending rows) this step: a plain step costs a TR request no more than an AR one."""
+        and `chain` tokens of its chain's proposal (from `source`). Only a sequence that verifies a tree
+        drafts (and hands over its pending rows) this step: a plain step costs a TR request no more than
+        an AR one."""
         drafted = live.session.step(pending(live), live.root)  # [n_draft]
         if size is not None and size < plan.tree.n:
             sub = self.budget.subtree(plan.tree, size)
             plan = StepPlan(sub, torch.arange(sub.n, device=self.device), explore=False)
         if proposal is not None and chain and chain < len(proposal.tokens):
             proposal = Proposal(proposal.tokens[:chain], proposal.ngram)
-        return draft_step(live.seq, drafted, plan, proposal, lookup=bool(chain))
+        return draft_step(live.seq, drafted, plan, proposal, lookup=bool(chain), source=source)
 
     def _plain_input(self, root: int) -> RowInput:
         """One token at depth 0 seeing itself: the depth and mask are the same every step (read only)."""
@@ -142,6 +145,22 @@ class Drafter:
             dev = self.device
             self._plain = (torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(1, 1, dtype=self.dtype, device=dev))
         return RowInput(torch.tensor([root], device=self.device), *self._plain)
+
+
+def static_chain(lookup: ContextLookup, history: SuffixHistory | None, caps: tuple[int, ...]
+                 ) -> tuple[Proposal | None, int]:
+    """A static tree's chain (TreeTemplate.lookup: `caps`): the request's own proposal (`lookup`) or its
+    tenant's `history`'s, whichever matched the longer suffix (a tie: the request's own), each cut to
+    caps[n - 1] for its match size n, with the source it came from (CONTEXT or HISTORY). Sizes past
+    the template's longest count as its longest, as the request's own are (the tuner's records too)."""
+    own = lookup.propose(caps)
+    if history is None or not caps:
+        return own, CONTEXT
+    earlier = history.propose(lookup.tail(history.max_ngram), max(caps))
+    n = 0 if earlier is None else min(earlier.ngram, len(caps))
+    if n == 0 or (own is not None and own.ngram >= n) or caps[n - 1] == 0:
+        return own, CONTEXT
+    return Proposal(earlier.tokens[:caps[n - 1]], n), HISTORY
 
 
 def pending(live: Live) -> RecycledRows | None:

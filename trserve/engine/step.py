@@ -33,21 +33,22 @@ class Draft:
     grafted: Graft | None
     sources: tuple[int, ...] | None = None  # [n] index into SOURCES per node; None: base nodes matrix, chain context
     grown: Grown | None = None  # a tree grown by confidence (trserve/engine/tr/dynamic.py): its first n nodes
+    chain_source: int = 2  # where a static tree's grafted chain came from: the context (2) or the history (3)
 
     def source_of(self, node: int) -> int:
         if self.sources is not None:
             return self.sources[node]
-        return 0 if node == 0 else 1 if node < self.plan.tree.n else 2
+        return 0 if node == 0 else 1 if node < self.plan.tree.n else self.chain_source
 
     def __repr__(self) -> str:
         return f"Draft(n={self.tokens.shape[0]}, base={self.plan.tree.n}, chain={self.grafted is not None})"
 
 
 def draft_step(seq: Sequence, drafted: torch.Tensor, plan: StepPlan, proposal: Proposal | None = None,
-               lookup: bool = True) -> Draft:
+               lookup: bool = True, source: int = 2) -> Draft:
     """drafted: [n_draft] the session's tree tokens -> the tokens and tree to verify. `proposal`: the
-    lookup chain if the caller already looked it up (else looked up here for the plan's tree);
-    `lookup=False`: no chain this step."""
+    chain if the caller already looked it up (else the context's, looked up here for the plan's tree),
+    from `source` (an index into SOURCES); `lookup=False`: no chain this step."""
     base = plan.tree
     tokens = drafted if plan.select is None else drafted[plan.select]  # [n] the tree verified this step
     if not lookup:
@@ -57,7 +58,7 @@ def draft_step(seq: Sequence, drafted: torch.Tensor, plan: StepPlan, proposal: P
     if proposal is None:
         return Draft(tokens, base, plan, None)
     tokens, verify, grafted = graft(tokens, base, proposal.tokens, proposal.ngram)  # [n + chain]
-    return Draft(tokens, verify, plan, grafted)
+    return Draft(tokens, verify, plan, grafted, chain_source=source)
 
 
 def grown_draft(grown: Grown, width: int, tree: CompiledTree, device) -> Draft:

@@ -1,7 +1,7 @@
-"""Tenants' suffix histories on the matrix service (GetHistory, PushHistory), and replica workers
-drafting from them: what one worker's finished request taught reaches another worker of the same
+"""Tenants' suffix histories on the matrix service (GetHistory, PushHistory), and split workers
+(replica and remote) drafting from them: what one worker's finished request taught reaches another worker of the same
 tenant, never another tenant; admin list and /metrics report the bytes; bad pushes are refused
-with the stored history unchanged. A real service on Redis, real gRPC, real replica sources."""
+with the stored history unchanged. A real service on Redis, real gRPC, real replica and remote sources."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from trserve.engine.tr.history import SuffixHistory
 from trserve.engine.tr.tree import TreeTemplate, get_compiled
 from trserve.services.common.matrix_convert import documents_to_pb
 from trserve.services.worker.drafting.link import DraftClientConfig
+from trserve.services.worker.drafting.remote import RemoteDraftSource
 from trserve.services.worker.drafting.replica import ReplicaDraftSource
 from trserve.v1 import matrix_pb2 as pb
 
@@ -121,13 +122,16 @@ def test_a_service_without_histories_says_so_and_replicas_stop_pushing(start_ser
     source.close()
 
 
-def test_replica_workers_share_a_tenants_history_through_the_service_and_never_across_tenants(
-        start_server, channel_to, redis_prefix) -> None:
+@pytest.mark.parametrize("source_cls", [ReplicaDraftSource, RemoteDraftSource], ids=["replica", "remote"])
+def test_split_workers_share_a_tenants_history_through_the_service_and_never_across_tenants(
+        start_server, channel_to, redis_prefix, source_cls) -> None:
+    """Replica and remote workers alike (a remote one's trees come from the service, its history
+    chains from its copy of the tenant's history)."""
     server = start_server()
     stub = channel_to(server)
     tree = get_compiled(TREE, "cpu", torch.float32)
     config = DraftClientConfig(history_refresh_s=0.01)
-    worker_1 = ReplicaDraftSource(server.addr, "alice", config=config)
+    worker_1 = source_cls(server.addr, "alice", config=config)
     session = worker_1.open(tree, SPEC)
     assert session.history is not None and session.history.documents == 0
     session.remember(SECRET)  # a finished request of alice's on worker 1
@@ -135,14 +139,14 @@ def test_replica_workers_share_a_tenants_history_through_the_service_and_never_a
     wait_for(lambda: worker_1.history.pushed == 1)
     assert worker_1.history.history.documents == 1  # worker 1's own copy has it at once
 
-    worker_2 = ReplicaDraftSource(server.addr, "alice", config=config)  # another worker, same tenant
+    worker_2 = source_cls(server.addr, "alice", config=config)  # another worker, same tenant
     first = worker_2.open(tree, SPEC)  # never waits on the service: its first request drafts without
     assert first.history.documents == 0
     first.close(None)
     wait_for(lambda: worker_2.history.history.documents == 1)  # fetched by its pusher thread meanwhile
     on_2 = worker_2.open(tree, SPEC)
     assert _leaks(on_2.history) and on_2.history.propose(SECRET[:12], 6).tokens == SECRET[12:18]
-    other = ReplicaDraftSource(server.addr, "bob", config=config)  # another tenant, on either worker
+    other = source_cls(server.addr, "bob", config=config)  # another tenant, on either worker
     on_other = other.open(tree, SPEC)
     on_other.remember([1, 2, 3, 4, 5, 6, 7, 8])  # bob's own request
     on_other.close(None)

@@ -9,6 +9,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 
@@ -22,6 +23,9 @@ from trserve.services.common.matrix_convert import rows_to_pb
 from trserve.services.common.security import SharedSecret, client_channel
 from trserve.v1 import matrix_pb2 as pb
 from trserve.v1 import matrix_pb2_grpc as pb_grpc
+
+if TYPE_CHECKING:  # (replica_history imports this module)
+    from trserve.services.worker.drafting.replica_history import ReplicaHistory
 
 log = logging.getLogger("trserve.matrix.client")
 
@@ -44,11 +48,12 @@ class DraftClientConfig:
     open_timeout_s: float = 2.0  # connect + open (remote) or checkout (replica); may load from Redis
     step_timeout_s: float = 0.5  # one remote draft round trip; then the session drafts locally
     retry_after_s: float = 5.0  # after a failure, sessions skip the service this long
-    push_interval_s: float = 0.05  # replica: rows wait at most this long before a push
+    push_interval_s: float = 0.05  # rows (replica) and finished requests (replica, remote) wait at most this long to be pushed
     push_timeout_s: float = 2.0  # replica: one PushRows call
     push_max_rows: int = 4096  # replica: rows per PushRows (the service's max_batch_rows)
-    history: bool = True  # replica: draft from the tenant's suffix history on the service, and feed it
-    history_refresh_s: float = 60.0  # replica: fetch the tenant's history again (in the background) when older
+    history: bool = True  # replica and remote: draft from the tenant's suffix history on the service, and feed it
+    # replica and remote: fetch the tenant's history again (in the background) when older
+    history_refresh_s: float = 60.0
     tls_ca_file: str | None = None  # PEM CA to trust: reach the service over TLS; None = plaintext
     secret: SharedSecret | None = None  # sent on every call when the service requires it
     allow_plaintext_secret: bool = False  # send `secret` without TLS to a non-loopback address
@@ -189,10 +194,16 @@ class ServiceSession(MatrixSession):
         super().__init__(matrix, tree)
         self.link, self.tenant = link, tenant
         self.service_version = version  # the service's, from its replies; kept through a fallback
+        self.replica_history: ReplicaHistory | None = None  # where finished requests go (set at open)
 
     @property
     def version(self) -> int:
         return self.service_version
+
+    def remember(self, tokens: list[int]) -> None:
+        """Queued for the source's pusher thread, which adds it to the tenant's history copy and pushes it."""
+        if self.replica_history is not None:
+            self.replica_history.remember(tokens)
 
     def fail(self, what: str, exc: BaseException | None) -> None:
         self._detach()

@@ -8,6 +8,10 @@ service: opens and steps have short timeouts; on failure the session keeps draft
 (`info().mode == "local-fallback"`), logs a warning and counts it (`fallback_count()`, per source
 `.fallbacks`), and the source skips the service for `retry_after_s` before trying it again.
 Caller errors at open (INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND) are raised, not hidden.
+
+The tenant's suffix history comes from the service as a replica's does (replica_history.py: a copy
+caught up in the background, finished requests pushed back by the source's pusher thread); the
+engine grafts its continuations into the service's static trees as chains (trserve/engine/drafting.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,8 @@ from trserve.engine.tr.recycle import RecycledRows
 from trserve.engine.tr.tree import CompiledTree
 from trserve.services.common.matrix_convert import spec_to_pb, tenant_from_pb
 from trserve.services.worker.drafting.link import DraftClientConfig, Link, ServiceSession, describe, raise_caller_error, rows_pb
+from trserve.services.worker.drafting.replica import Pusher
+from trserve.services.worker.drafting.replica_history import ReplicaHistory
 from trserve.v1 import matrix_pb2 as pb
 
 log = logging.getLogger("trserve.matrix.client")
@@ -61,6 +67,8 @@ class RemoteDraftSource:
                  config: DraftClientConfig = DraftClientConfig()) -> None:
         self.tenant, self.domain = tenant_from_pb(tenant, domain or "")
         self._link = Link(addr, config)
+        self.history = ReplicaHistory(self._link, self.tenant, config.history_refresh_s) if config.history else None
+        self._pusher = Pusher(config.push_interval_s, self.history) if self.history is not None else None
 
     @property
     def fallbacks(self) -> int:
@@ -68,6 +76,8 @@ class RemoteDraftSource:
 
     def open(self, tree: CompiledTree, spec: ModelSpec) -> RemoteDraftSession:
         session = RemoteDraftSession(self._link, self.tenant, AdjacencyMatrix(spec, tree.parent.device), tree)
+        if self.history is not None:  # this tenant's own: the service never hands out another tenant's
+            session.history, session.replica_history = self.history.current(spec), self.history
         if not self._link.available():
             session.fail("open", None)
             return session
@@ -87,6 +97,8 @@ class RemoteDraftSource:
         return session
 
     def close(self) -> None:
+        if self._pusher is not None:
+            self._pusher.close()  # its last history pushes first
         self._link.close()
 
 

@@ -23,8 +23,9 @@ from trserve.services.worker.drafting.replica_history import ReplicaHistory
 from trserve.v1 import matrix_pb2 as pb
 
 
-class _Pusher:
-    """A background thread that flushes every open replica session each `interval_s`."""
+class Pusher:
+    """A background thread that flushes every open replica session, then the source's history (replica
+    and remote sources), each `interval_s`."""
 
     def __init__(self, interval_s: float, history: ReplicaHistory | None = None) -> None:
         self._interval = interval_s
@@ -67,7 +68,7 @@ class ReplicaDraftSource:
         self.tenant, self.domain = tenant_from_pb(tenant, domain or "")
         self._link = Link(addr, config)
         self.history = ReplicaHistory(self._link, self.tenant, config.history_refresh_s) if config.history else None
-        self._pusher = _Pusher(config.push_interval_s, self.history)
+        self._pusher = Pusher(config.push_interval_s, self.history)
 
     @property
     def fallbacks(self) -> int:
@@ -130,7 +131,7 @@ def _checked_rows(batch: pb.RowBatch, spec: ModelSpec) -> tuple[np.ndarray, np.n
 class ReplicaDraftSession(ServiceSession):
     mode = "replica"
 
-    def __init__(self, link: Link, pusher: _Pusher, tenant: str, domain: str | None, spec: ModelSpec,
+    def __init__(self, link: Link, pusher: Pusher, tenant: str, domain: str | None, spec: ModelSpec,
                  tree: CompiledTree, matrix: AdjacencyMatrix, epoch: int | None = None) -> None:
         super().__init__(link, tenant, matrix, tree, version=matrix.version)  # checkout, then each push's ack
         self._epoch = epoch  # of the checkout: a tenant deleted since is not resurrected by our pushes
@@ -140,12 +141,6 @@ class ReplicaDraftSession(ServiceSession):
         self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
         self._lock = threading.Lock()  # guards _pending
         self._push_lock = threading.Lock()  # one push at a time, in order
-        self.replica_history: ReplicaHistory | None = None  # where finished requests go (set at open)
-
-    def remember(self, tokens: list[int]) -> None:
-        """Queued for the source's pusher thread, which adds it to the copy and pushes it."""
-        if self.replica_history is not None:
-            self.replica_history.remember(tokens)
 
     def _detach(self) -> None:
         with self._lock:
