@@ -9,10 +9,11 @@ import torch
 
 from trserve.engine import GenerationRequest
 from trserve.engine.engine import BatchEngine, EngineConfig
-from trserve.engine.tr.history import SuffixHistory
 from trserve.engine.drafting import static_chain
 from trserve.engine.tr.dynamic import CONTEXT, HISTORY
+from trserve.engine.tr.history import SuffixHistory
 from trserve.engine.tr.lookup import ContextLookup, Proposal
+from trserve.engine.tuning.budget import chain_kind
 from tests.conftest import tiny_decoder
 from tests.engine.test_engine import _prompt, _run, _submit
 
@@ -45,6 +46,9 @@ def test_a_static_tree_grafts_its_tenants_history_and_another_tenant_never_does(
     assert again[-1].stats.accepted.get("history", 0) >= 20
     assert "history" not in other[-1].stats.drafted and "history" not in first[-1].stats.drafted
     assert again[-1].stats.mat > other[-1].stats.mat
+    # the budget measured the history's chains (matches of 3-4 or 5+ tokens) apart from the context's
+    rates = list(engine.budget._rates.values())
+    assert sum(r.chain_verified[chain_kind(True, n), 0] for r in rates for n in (3, 5)) >= 1
 
 
 def test_the_longer_match_wins_and_is_cut_to_the_templates_cap():

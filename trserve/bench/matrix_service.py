@@ -108,16 +108,19 @@ def end_to_end(addr: str, convs: list[tuple[str, list[str]]], max_new_tokens: in
     from trserve.engine.tuning.cost import engine_cost
 
     decoder = Decoder(DecoderConfig())
-    engine = BatchEngine(decoder, EngineConfig(max_batch=1), engine_cost(decoder, measure=True))
+    cost = engine_cost(decoder, measure=True)
     stamp = int(time.time())
 
     def generate(messages, source):
         return engine.generate(decoder.prepare(GenerationRequest(messages=messages, max_new_tokens=max_new_tokens)),
                                matrix=source)
 
-    generate([{"role": "user", "content": "Hi"}], decoder.new_matrix())  # warm-up
     results, reference = [], None
     for mode in modes:
+        # an engine per mode, as a worker has one per draft mode: what its budget measured (forward speed,
+        # each tree step's host time, a remote round trip included) must not carry into another mode's
+        engine = BatchEngine(decoder, EngineConfig(max_batch=1), cost)
+        generate([{"role": "user", "content": "Hi"}], decoder.new_matrix())  # warm-up
         sources: dict[str, object] = {}
         ids, tokens, seconds, mat = [], 0, 0.0, []
         drafted: dict[str, int] = {}

@@ -58,7 +58,7 @@ class Drafter:
             proposal, source = static_chain(live.seq.lookup, getattr(live.session, "history", None),
                                             plan.tree.template.lookup)
             staged.append((plan, proposal, source))
-            options.append(budget.options(live, plan, proposal, len(running), kv))
+            options.append(budget.options(live, plan, proposal, len(running), kv, source == HISTORY))
         chosen = budget.choose(options, kv)
         drafts, inputs, spent = [], [], []
         for live, stage, opts, j in zip(running, staged, options, chosen):

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 from trserve.engine.scheduler import EngineConfig, Live
 from trserve.engine.target import TargetModel
-from trserve.engine.tr.dynamic import Calibration, Grown
+from trserve.engine.tr.dynamic import HISTORY, Calibration, Grown
 from trserve.engine.tr.tree import CompiledTree, TreeTemplate
-from trserve.engine.tuning.budget import NodeRates, choose_options, choose_packed
+from trserve.engine.tuning.budget import NodeRates, chain_kind, choose_options, choose_packed
 from trserve.engine.tuning.online import StepPlan
 
 SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # subtree sizes (root included) a step may pick
@@ -123,9 +123,10 @@ class TreeBudget:
             wider = b * max(self.last_width // b, width)
         return max(self.cost(wider, kv) - last, 0.0)
 
-    def options(self, live: Live, plan: StepPlan, proposal, b: int, kv: int) -> list[Option]:
-        """(width, expected tokens, base nodes or None = the plan as it is, lookup chain tokens) per
-        option; the first is plain decoding."""
+    def options(self, live: Live, plan: StepPlan, proposal, b: int, kv: int, history: bool = False) -> list[Option]:
+        """(width, expected tokens, base nodes or None = the plan as it is, chain tokens) per option; the
+        first is plain decoding. The chain (`proposal`) is priced at its kind's rates: its source (the
+        request's own context, or with `history` the tenant's history) and its suffix match's size."""
         chain = len(proposal.tokens) if proposal is not None else 0
         if live.seq.tuner is not None or not self.config.batch_aware:  # the tuner's (or the full) plan, always
             return [(plan.tree.n + chain, 1.0, None, chain)]
@@ -138,7 +139,8 @@ class TreeBudget:
                 return [(plan.tree.n + chain, 1.0, None, chain)]
             self.explorer = None
         rates = self._node_rates(live)
-        return rates.options([s for s in SIZES if s < plan.tree.n] + [plan.tree.n], chain)
+        kind = chain_kind(history, proposal.ngram) if proposal is not None else 0
+        return rates.options([s for s in SIZES if s < plan.tree.n] + [plan.tree.n], chain, kind)
 
     def grown_options(self, live: Live, grown: Grown, b: int, kv: int) -> list[Option]:
         """Options of a tree grown by confidence: plain decoding, then its first w nodes for the sizes
@@ -223,7 +225,8 @@ class TreeBudget:
         n_base = draft.plan.tree.n
         base_path = [i for i in acc.path if i < n_base]
         chain = draft.tokens.shape[0] - n_base
-        rates.record(n_base, base_path, chain, sum(i >= n_base for i in acc.path))  # chain nodes accepted
+        kind = chain_kind(draft.chain_source == HISTORY, draft.grafted.ngram) if draft.grafted is not None else 0
+        rates.record(n_base, base_path, chain, sum(i >= n_base for i in acc.path), kind)  # chain nodes accepted
 
     def _node_rates(self, live: Live) -> NodeRates:
         """The acceptance records of `live`'s tenant and base tree (created on first use)."""

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from trserve.engine.tuning.budget import NodeRates, choose_options, choose_packed
+from trserve.engine.tuning.budget import NodeRates, chain_kind, choose_options, choose_packed
 
 TWO = [[(1, 1.0), (3, 2.0)], [(1, 1.0), (3, 2.0)]]
 
@@ -74,6 +74,25 @@ def test_chain_rates_per_position_and_cut_options():
     base = 1.0 + rates.rates()[1]
     assert np.isclose(opts[3][1], base + q[:2].sum()) and np.isclose(opts[5][1], base + q[:6].sum())
 
+
+def test_each_chain_kind_is_priced_at_its_own_rates():
+    """Chains are measured per source and suffix-match size: history chains that miss do not shorten
+    the context's, nor short matches' misses long matches' chains."""
+    assert [chain_kind(False, n) for n in (1, 2, 3, 4, 5, 12)] == [0, 1, 2, 2, 3, 3]
+    assert [chain_kind(True, n) for n in (1, 2, 3, 5)] == [4, 5, 6, 7]
+    rates = NodeRates(2, weight=2.0, chain_prior=0.5)
+    long_own, short_own, long_history = chain_kind(False, 8), chain_kind(False, 1), chain_kind(True, 8)
+    for _ in range(10):
+        rates.record(verified=2, path=[0], chain=4, chain_hits=4, kind=long_own)  # long own matches always hit
+        rates.record(verified=2, path=[0], chain=4, chain_hits=0, kind=short_own)  # short ones never
+        rates.record(verified=2, path=[0], chain=4, chain_hits=0, kind=long_history)  # nor the history's
+    assert np.isclose(rates.chain_rates(long_own)[0], 11 / 12) and np.isclose(rates.chain_rates(short_own)[0], 1 / 12)
+    assert rates.chain_steps == 30 and rates.chain_worth(4, long_history) < 0.5 < 3 < rates.chain_worth(4, long_own)
+    untried = chain_kind(False, 3)  # still at its prior
+    assert np.isclose(rates.chain_worth(1, untried), 0.5)
+    sure, unsure = rates.options([2], chain=4, kind=long_own), rates.options([2], chain=4, kind=long_history)
+    assert [(w, c) for w, _, _, c in sure] == [(w, c) for w, _, _, c in unsure]  # the same cuts
+    assert sure[-1][1] > unsure[-1][1] + 2.5  # worth: what each kind's chains were accepted
 
 
 def test_host_time_per_tree_moves_marginal_trees_to_plain():

@@ -105,6 +105,21 @@ def choose_packed(options: Sequence[Sequence[Option]], cost: Callable[[int], flo
     return picks
 
 
+CHAIN_SOURCES = ("context", "history")  # where a static tree's chain comes from
+NGRAM_GROUPS = (1, 2, 4)  # a chain's suffix match of n tokens: group 0 (n = 1), 1 (2), 2 (3-4), 3 (5 and more)
+
+
+def chain_kind(history: bool, ngram: int) -> int:
+    """The kind of chain NodeRates measures apart: its source (the request's own context or the tenant's
+    history) and the size of the suffix match it continues (a long match is far surer than a 1-2 token
+    one: priced together, a cold start's short misses kept every chain out, measured in remote mode)."""
+    group = next((g for g, top in enumerate(NGRAM_GROUPS) if ngram <= top), len(NGRAM_GROUPS))
+    return int(history) * (len(NGRAM_GROUPS) + 1) + group
+
+
+CHAIN_KINDS = len(CHAIN_SOURCES) * (len(NGRAM_GROUPS) + 1)
+
+
 class NodeRates:
     """Acceptance rate of each node of one base tree, from the steps that verified it:
     P(node on the accepted path | the node was verified), with a prior of `prior` per node worth
@@ -113,7 +128,8 @@ class NodeRates:
     at least j tokens was verified), with a prior of `chain_prior` x 0.85^j. A chain of c tokens is
     worth the sum of its first c positions' rates, so short chains (cheap: c extra width) are tried,
     measured and kept where their first tokens hit, and longer ones only where the deeper positions
-    keep hitting."""
+    keep hitting. Chains are measured per kind (`chain_kind`: their source and the size of the suffix
+    match they continue), whose acceptance differs: one kind's misses must not shorten another's chains."""
 
     MAX_CHAIN = 64
 
@@ -121,25 +137,25 @@ class NodeRates:
         self.verified = np.zeros(n_nodes)  # [n] root included (index 0, always accepted)
         self.accepted = np.zeros(n_nodes)
         self.prior, self.weight = prior, weight
-        self.chain_verified = np.zeros(self.MAX_CHAIN)  # [C] per chain position
-        self.chain_accepted = np.zeros(self.MAX_CHAIN)
+        self.chain_verified = np.zeros((CHAIN_KINDS, self.MAX_CHAIN))  # [S, C] per kind and position
+        self.chain_accepted = np.zeros((CHAIN_KINDS, self.MAX_CHAIN))
         self.chain_prior = chain_prior * 0.85 ** np.arange(self.MAX_CHAIN)  # [C]
         self._cache: dict[str, np.ndarray] = {}  # rates, chain rates and chain worth until the next record
 
     @property
     def chain_steps(self) -> float:
-        """Steps that verified a lookup chain."""
-        return float(self.chain_verified[0])
+        """Steps that verified a chain (of any kind)."""
+        return float(self.chain_verified[:, 0].sum())
 
-    def record(self, verified: int, path: list[int], chain: int = 0, chain_hits: int = 0) -> None:
-        """A step verified nodes 0..verified-1 (a BFS prefix) and a chain of `chain` tokens, of which the
-        first `chain_hits` were accepted; `path` = accepted base nodes."""
+    def record(self, verified: int, path: list[int], chain: int = 0, chain_hits: int = 0, kind: int = 0) -> None:
+        """A step verified nodes 0..verified-1 (a BFS prefix) and a chain of `chain` tokens of `kind`
+        (`chain_kind`), of which the first `chain_hits` were accepted; `path` = accepted base nodes."""
         self._cache.clear()
         self.verified[:verified] += 1
         self.accepted[path] += 1
         chain = min(chain, self.MAX_CHAIN)
-        self.chain_verified[:chain] += 1
-        self.chain_accepted[: min(chain_hits, chain)] += 1
+        self.chain_verified[kind, :chain] += 1
+        self.chain_accepted[kind, : min(chain_hits, chain)] += 1
 
     def rates(self) -> np.ndarray:
         r = self._cache.get("rates")
@@ -147,18 +163,18 @@ class NodeRates:
             r = self._cache["rates"] = (self.accepted + self.prior * self.weight) / (self.verified + self.weight)  # [n]
         return r
 
-    def chain_rates(self) -> np.ndarray:
-        r = self._cache.get("chain")
+    def chain_rates(self, kind: int = 0) -> np.ndarray:
+        r = self._cache.get(f"chain{kind}")
         if r is None:
-            r = self._cache["chain"] = (self.chain_accepted + self.chain_prior * self.weight) / (
-                self.chain_verified + self.weight)  # [C]
+            r = self._cache[f"chain{kind}"] = (self.chain_accepted[kind] + self.chain_prior * self.weight) / (
+                self.chain_verified[kind] + self.weight)  # [C]
         return r
 
-    def _worth(self) -> np.ndarray:
+    def _worth(self, kind: int = 0) -> np.ndarray:
         """[C + 1] expected tokens of the first c chain tokens, c = 0 .. C."""
-        w = self._cache.get("worth")
+        w = self._cache.get(f"worth{kind}")
         if w is None:
-            w = self._cache["worth"] = np.concatenate([[0.0], np.cumsum(self.chain_rates())])
+            w = self._cache[f"worth{kind}"] = np.concatenate([[0.0], np.cumsum(self.chain_rates(kind))])
         return w
 
     def _base_tokens(self) -> np.ndarray:
@@ -168,15 +184,15 @@ class NodeRates:
             t = self._cache["base"] = 1.0 + np.concatenate([[0.0, 0.0], np.cumsum(self.rates()[1:])])
         return t
 
-    def chain_worth(self, chain: int) -> float:
-        """Expected tokens the first `chain` tokens of a chain add."""
-        return float(self.chain_rates()[: min(chain, self.MAX_CHAIN)].sum())
+    def chain_worth(self, chain: int, kind: int = 0) -> float:
+        """Expected tokens the first `chain` tokens of a chain of `kind` add."""
+        return float(self.chain_rates(kind)[: min(chain, self.MAX_CHAIN)].sum())
 
-    def options(self, sizes: Sequence[int], chain: int) -> list[tuple[int, float, int, int]]:
+    def options(self, sizes: Sequence[int], chain: int, kind: int = 0) -> list[tuple[int, float, int, int]]:
         """(width, expected tokens, base nodes, chain tokens) of plain decoding, then of the BFS
         prefixes of `sizes` nodes (root included), each also with the first 1, 2, 4, 8 ... tokens of a
-        lookup chain of `chain` tokens where one is proposed (chain > 0); sorted by width."""
-        base, worth = self._base_tokens(), self._worth()  # [n + 1], [C + 1]
+        chain of `chain` tokens of `kind` where one is proposed (chain > 0); sorted by width."""
+        base, worth = self._base_tokens(), self._worth(kind)  # [n + 1], [C + 1]
         cuts = sorted({c for c in (1, 2, 4, 8, 16, 32) if c < chain} | ({min(chain, self.MAX_CHAIN)} if chain else set()))
         out = [(1, 1.0, 1, 0)]
         for s in sizes:
