@@ -106,6 +106,9 @@ class _TR:
     def __init__(self, decoder, engine, mode: str, tree: str | None, temperature: float) -> None:
         self.decoder, self.engine, self.mode, self.tree, self.temperature = decoder, engine, mode, tree, temperature
         self.matrix = decoder.new_tenant() if mode == "tr" else None  # one tenant: its matrix and history
+        # the tenant's name in the engine (set to the decoder's name): decoders sharing an engine must not
+        # share its prefix cache (one's prompts prefilled, the next one's reused them for free) nor its rates
+        self.tenant = ""
         self.calls = itertools.count()
 
     def __call__(self, messages, max_new_tokens):
@@ -114,7 +117,7 @@ class _TR:
         sampling = SamplingParams(temperature=self.temperature, seed=next(self.calls))
         prepared = self.decoder.prepare(GenerationRequest(messages=messages, max_new_tokens=max_new_tokens,
                                                           mode=self.mode, tree=self.tree, sampling=sampling))
-        r = self.engine.generate(prepared, matrix=self.matrix)
+        r = self.engine.generate(prepared, matrix=self.matrix, tenant=self.tenant)
         return r.ids, r.stats
 
 
@@ -267,6 +270,9 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
         if "tr-adaptive" in config.decoders:
             adaptive = Decoder(DecoderConfig(model=model_cfg, tree="adaptive"), loaded=decoder.loaded)
             runners["tr-adaptive"] = _TR(adaptive, adaptive.engine, "tr", None, t)
+        for name, runner in runners.items():
+            if isinstance(runner, _TR):
+                runner.tenant = name
         meta.update(fingerprint=decoder.fingerprint, kernels=decoder.loaded.kernels, isa=decoder.loaded.isa,
                     forward=decoder.loaded.forward, device=str(decoder.device),
                     trees={"tr": tr_tree, "tr-static": STATIC_TREE, "tr-full": tr_tree, "tr-paper": "paper", "tr-matrix": "cpu-8",
