@@ -137,7 +137,7 @@ class NodeRates:
         self.verified = np.zeros(n_nodes)  # [n] root included (index 0, always accepted)
         self.accepted = np.zeros(n_nodes)
         self.prior, self.weight = prior, weight
-        self.chain_verified = np.zeros((CHAIN_KINDS, self.MAX_CHAIN))  # [S, C] per kind and position
+        self.chain_verified = np.zeros((CHAIN_KINDS, self.MAX_CHAIN))  # [kinds, C] per kind and position
         self.chain_accepted = np.zeros((CHAIN_KINDS, self.MAX_CHAIN))
         self.chain_prior = chain_prior * 0.85 ** np.arange(self.MAX_CHAIN)  # [C]
         self._cache: dict[str, np.ndarray] = {}  # rates, chain rates and chain worth until the next record

@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
@@ -23,9 +23,6 @@ from trserve.services.common.matrix_convert import rows_to_pb
 from trserve.services.common.security import SharedSecret, client_channel
 from trserve.v1 import matrix_pb2 as pb
 from trserve.v1 import matrix_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:  # (replica_history imports this module)
-    from trserve.services.worker.drafting.replica_history import ReplicaHistory
 
 log = logging.getLogger("trserve.matrix.client")
 
@@ -186,6 +183,12 @@ def rows_pb(recycled: RecycledRows | None) -> pb.RowBatch:
     return rows_to_pb(recycled.tokens.cpu().numpy(), recycled.topk.cpu().numpy(), probs)
 
 
+class TenantHistory(Protocol):
+    """Where a split worker's finished requests go (replica_history.py:ReplicaHistory)."""
+
+    def remember(self, tokens: list[int]) -> None: ...
+
+
 class ServiceSession(MatrixSession):
     """A MatrixSession whose rows go to the matrix service; `fail` degrades it to drafting from its
     private copy, logged and counted once."""
@@ -194,7 +197,7 @@ class ServiceSession(MatrixSession):
         super().__init__(matrix, tree)
         self.link, self.tenant = link, tenant
         self.service_version = version  # the service's, from its replies; kept through a fallback
-        self.replica_history: ReplicaHistory | None = None  # where finished requests go (set at open)
+        self.replica_history: TenantHistory | None = None  # where finished requests go (set at open)
 
     @property
     def version(self) -> int:
