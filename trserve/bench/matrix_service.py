@@ -103,6 +103,7 @@ def end_to_end(addr: str, convs: list[tuple[str, list[str]]], max_new_tokens: in
     (each turn after the mode's own answer to the last), one request at a time through a served engine
     (tree sizes from this host's forward costs, as `trserve bench`'s `tr`); each mode's tenants carry
     over conversations."""
+    from trserve.bench.report import draft_sources
     from trserve.engine import Decoder, DecoderConfig, GenerationRequest
     from trserve.engine.engine import BatchEngine, EngineConfig
     from trserve.engine.tuning.cost import engine_cost
@@ -122,9 +123,7 @@ def end_to_end(addr: str, convs: list[tuple[str, list[str]]], max_new_tokens: in
         engine = BatchEngine(decoder, EngineConfig(max_batch=1), cost)
         generate([{"role": "user", "content": "Hi"}], decoder.new_matrix())  # warm-up
         sources: dict[str, object] = {}
-        ids, tokens, seconds, mat = [], 0, 0.0, []
-        drafted: dict[str, int] = {}
-        accepted: dict[str, int] = {}
+        ids, tokens, seconds, mat, counts = [], 0, 0.0, [], []
         for category, turns in convs:
             if category not in sources:
                 sources[category] = _source(decoder, mode, addr, f"bench-{mode}-{category or 'all'}-{stamp}")
@@ -137,9 +136,7 @@ def end_to_end(addr: str, convs: list[tuple[str, list[str]]], max_new_tokens: in
                 tokens += r.stats.generated_tokens
                 seconds += r.stats.prefill_s + r.stats.decode_s
                 mat.append(r.stats.mat)
-                for total, counts in ((drafted, r.stats.drafted), (accepted, r.stats.accepted)):
-                    for name, n in counts.items():
-                        total[name] = total.get(name, 0) + n
+                counts.append({"drafted": dict(r.stats.drafted), "accepted": dict(r.stats.accepted)})
             time.sleep(0.2)  # a split worker's pusher thread takes the finished requests meanwhile
         for source in sources.values():
             if hasattr(source, "close"):
@@ -147,7 +144,7 @@ def end_to_end(addr: str, convs: list[tuple[str, list[str]]], max_new_tokens: in
         reference = reference or ids
         results.append({"mode": mode, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                         "mean_mat": float(np.mean(mat)), "tree": decoder.default_tree.template.name,
-                        "drafted": drafted, "accepted": accepted, "same_ids_as_in_process": ids == reference})
+                        "draft_sources": draft_sources(counts), "same_ids_as_in_process": ids == reference})
     return results
 
 
@@ -184,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     if e2e:
         print(f"\n{'drafting':<18}{'tokens':>8}{'tok/s':>9}{'MAT':>7}  same ids  accepted/drafted per source")
         for r in e2e:
-            sources = ", ".join(f"{name} {r['accepted'].get(name, 0)}/{n}" for name, n in sorted(r["drafted"].items()))
+            by_source = (r["draft_sources"] or {}).get("by_source", {})
+            sources = ", ".join(f"{name} {e['accepted']}/{e['drafted']}" for name, e in by_source.items())
             print(f"{r['mode']:<18}{r['tokens']:>8}{r['tokens_per_s']:>9.2f}{r['mean_mat']:>7.2f}  "
                   f"{str(r['same_ids_as_in_process']):<8}  {sources}")
     out = Path(args.out)

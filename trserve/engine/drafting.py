@@ -154,7 +154,7 @@ def static_chain(lookup: ContextLookup, history: SuffixHistory | None, caps: tup
     caps[n - 1] for its match size n, with the source it came from (CONTEXT or HISTORY). Sizes past
     the template's longest count as its longest, as the request's own are (the tuner's records too)."""
     own = lookup.propose(caps)
-    if history is None or not caps:
+    if history is None or not caps or (own is not None and own.ngram >= len(caps)):  # nothing can match longer
         return own, CONTEXT
     earlier = history.propose(lookup.tail(history.max_ngram), max(caps))
     n = 0 if earlier is None else min(earlier.ngram, len(caps))

@@ -10,7 +10,7 @@ import torch
 
 from trserve.engine.sequence import Sequence
 from trserve.engine.tr.accept import Acceptance, accept_greedy
-from trserve.engine.tr.dynamic import Grown
+from trserve.engine.tr.dynamic import CONTEXT, Grown
 from trserve.engine.tr.hybrid import Graft, graft, matched_run
 from trserve.engine.tr.lookup import Proposal
 from trserve.engine.tr.recycle import RecycledRows, recycle_rows, top_probs
@@ -33,7 +33,7 @@ class Draft:
     grafted: Graft | None
     sources: tuple[int, ...] | None = None  # [n] index into SOURCES per node; None: base nodes matrix, chain context
     grown: Grown | None = None  # a tree grown by confidence (trserve/engine/tr/dynamic.py): its first n nodes
-    chain_source: int = 2  # where a static tree's grafted chain came from: the context (2) or the history (3)
+    chain_source: int = CONTEXT  # where a static tree's grafted chain came from: CONTEXT or HISTORY
 
     def source_of(self, node: int) -> int:
         if self.sources is not None:
@@ -45,7 +45,7 @@ class Draft:
 
 
 def draft_step(seq: Sequence, drafted: torch.Tensor, plan: StepPlan, proposal: Proposal | None = None,
-               lookup: bool = True, source: int = 2) -> Draft:
+               lookup: bool = True, source: int = CONTEXT) -> Draft:
     """drafted: [n_draft] the session's tree tokens -> the tokens and tree to verify. `proposal`: the
     chain if the caller already looked it up (else the context's, looked up here for the plan's tree),
     from `source` (an index into SOURCES); `lookup=False`: no chain this step."""

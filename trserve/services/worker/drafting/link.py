@@ -45,7 +45,7 @@ class DraftClientConfig:
     open_timeout_s: float = 2.0  # connect + open (remote) or checkout (replica); may load from Redis
     step_timeout_s: float = 0.5  # one remote draft round trip; then the session drafts locally
     retry_after_s: float = 5.0  # after a failure, sessions skip the service this long
-    push_interval_s: float = 0.05  # rows (replica) and finished requests (replica, remote) wait at most this long to be pushed
+    push_interval_s: float = 0.05  # rows (replica), finished requests (replica, remote): the most they wait to go
     push_timeout_s: float = 2.0  # replica: one PushRows call
     push_max_rows: int = 4096  # replica: rows per PushRows (the service's max_batch_rows)
     history: bool = True  # replica and remote: draft from the tenant's suffix history on the service, and feed it
