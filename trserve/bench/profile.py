@@ -43,33 +43,40 @@ class ProfileConfig:
 
 
 def _profile_one(loaded, config: ProfileConfig, questions: list[dict]) -> dict:
-    from trserve.engine import Decoder, DecoderConfig
+    from trserve.engine import Decoder, DecoderConfig, GenerationRequest
     from trserve.engine.tuning.calibrate import measure
 
     cost = measure(loaded.model, widths=config.widths, kv_lens=(config.kv,), reps=3, passes=2, native=loaded.native)
     out = {"forward": loaded.forward, "kernels": loaded.kernels, "isa": loaded.isa,
            "width_ms": {str(w): round(1000 * s, 2) for w, s in zip(cost.widths, cost.seconds[0])}, "modes": {}}
     decoder = Decoder(DecoderConfig(model=_model_config(config, loaded.forward)), loaded=loaded)
-    runner = decoder.engine.runner
+    engine = decoder.engine
+    runner = engine.runner
     for mode in ("ar", "tr"):
         matrix = decoder.new_matrix() if mode == "tr" else None
-        decoder.generate(messages=WARMUP, max_new_tokens=32, mode=mode, matrix=matrix)
+
+        def run(messages, max_new_tokens, mode=mode, matrix=matrix):
+            # each mode its own tenant: the engine's prefix cache must not hand `tr` the prompts `ar` prefilled
+            request = GenerationRequest(messages=messages, max_new_tokens=max_new_tokens, mode=mode)
+            return engine.generate(decoder.prepare(request), matrix=matrix, tenant=f"profile-{mode}")
+
+        run(WARMUP, 32)
         runner.step_s, runner.steps = 0.0, 0
-        steps = tokens = 0
+        steps = tokens = cached = 0
         decode_s = prefill_s = 0.0
         for q in questions:
-            r = decoder.generate(messages=[{"role": "user", "content": q["turns"][0]}],
-                                 max_new_tokens=config.max_new_tokens, mode=mode, matrix=matrix)
+            r = run([{"role": "user", "content": q["turns"][0]}], config.max_new_tokens)
             steps += r.stats.steps
             tokens += r.stats.generated_tokens
             decode_s += r.stats.decode_s
             prefill_s += r.stats.prefill_s
+            cached += r.stats.cached_tokens
         forward_s = runner.step_s
         out["modes"][mode] = {
             "steps": steps, "tokens": tokens, "tokens_per_s": round(tokens / (prefill_s + decode_s), 2),
             "forward_ms_per_step": round(1000 * forward_s / max(steps, 1), 2),
             "other_ms_per_step": round(1000 * (decode_s - forward_s) / max(steps, 1), 2),
-            "prefill_ms_per_prompt": round(1000 * prefill_s / len(questions), 1),
+            "prefill_ms_per_prompt": round(1000 * prefill_s / len(questions), 1), "cached_prompt_tokens": cached,
             "tokens_per_step": round(tokens / max(steps, 1), 2)}
     return out
 
