@@ -43,7 +43,7 @@ class ProfileConfig:
 
 
 def _profile_one(loaded, config: ProfileConfig, questions: list[dict]) -> dict:
-    from trserve.engine import Decoder, DecoderConfig, GenerationRequest
+    from trserve.engine import Decoder, DecoderConfig
     from trserve.engine.tuning.calibrate import measure
 
     cost = measure(loaded.model, widths=config.widths, kv_lens=(config.kv,), reps=3, passes=2, native=loaded.native)
@@ -54,18 +54,13 @@ def _profile_one(loaded, config: ProfileConfig, questions: list[dict]) -> dict:
     runner = engine.runner
     for mode in ("ar", "tr"):
         matrix = decoder.new_matrix() if mode == "tr" else None
-
-        def run(messages, max_new_tokens, mode=mode, matrix=matrix):
-            # each mode its own tenant: the engine's prefix cache must not hand `tr` the prompts `ar` prefilled
-            request = GenerationRequest(messages=messages, max_new_tokens=max_new_tokens, mode=mode)
-            return engine.generate(decoder.prepare(request), matrix=matrix, tenant=f"profile-{mode}")
-
-        run(WARMUP, 32)
+        _generate(decoder, engine, WARMUP, 32, mode, matrix)
         runner.step_s, runner.steps = 0.0, 0
         steps = tokens = cached = 0
         decode_s = prefill_s = 0.0
         for q in questions:
-            r = run([{"role": "user", "content": q["turns"][0]}], config.max_new_tokens)
+            r = _generate(decoder, engine, [{"role": "user", "content": q["turns"][0]}], config.max_new_tokens, mode,
+                          matrix)
             steps += r.stats.steps
             tokens += r.stats.generated_tokens
             decode_s += r.stats.decode_s
@@ -79,6 +74,15 @@ def _profile_one(loaded, config: ProfileConfig, questions: list[dict]) -> dict:
             "prefill_ms_per_prompt": round(1000 * prefill_s / len(questions), 1), "cached_prompt_tokens": cached,
             "tokens_per_step": round(tokens / max(steps, 1), 2)}
     return out
+
+
+def _generate(decoder, engine, messages: list[dict], max_new_tokens: int, mode: str, matrix):
+    """One request of `mode` through `engine`, as tenant "profile-<mode>": the modes share the engine, and
+    its prefix cache must not hand `tr` the prompts `ar` prefilled."""
+    from trserve.engine import GenerationRequest
+
+    request = GenerationRequest(messages=messages, max_new_tokens=max_new_tokens, mode=mode)
+    return engine.generate(decoder.prepare(request), matrix=matrix, tenant=f"profile-{mode}")
 
 
 def _model_config(config: ProfileConfig, forward: str):
