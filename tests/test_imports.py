@@ -1,5 +1,6 @@
-"""Import boundaries (STYLE.md): trserve/core/ needs nothing heavy; trserve/engine/ and trserve/matrix_store/ never reach
-into the service stack; trserve/matrix_store/ never into the device stack or the engine."""
+"""Import boundaries (STYLE.md): trserve/core/ needs nothing heavy; engine/ and matrix_store/ never reach
+into the service stack; matrix_store/ never into the device stack or the engine. The layout: engine/,
+services/, matrix_store/ at the repository root, importable only as trserve.<folder>."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ FORBIDDEN = {
 }
 
 
+FOLDERS = {"core": "trserve/core", "engine": "engine", "matrix_store": "matrix_store"}
+
+
 def _imports(path: pathlib.Path) -> list[str]:
     names: list[str] = []
     for node in ast.walk(ast.parse(path.read_text())):
@@ -32,7 +36,7 @@ def _imports(path: pathlib.Path) -> list[str]:
 
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_no_forbidden_imports_in_source(package: str) -> None:
-    files = sorted((REPO / "trserve" / package).rglob("*.py"))
+    files = sorted((REPO / FOLDERS[package]).rglob("*.py"))
     assert files, f"no sources found for {package}"
     for path in files:
         bad = [n for n in _imports(path) if any(n == f or n.startswith(f + ".") for f in FORBIDDEN[package])]
@@ -48,3 +52,22 @@ def test_importing_the_package_stays_light(package: str, heavy: tuple[str, ...])
     code = f"import sys, trserve.{package}; print(','.join(m for m in {heavy!r} if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO)
     assert out.stdout.strip() == ""
+
+
+TOP = ("engine", "services", "matrix_store")
+
+
+@pytest.mark.parametrize("folder", TOP)
+def test_the_design_cards_folders_sit_at_the_root_and_import_only_under_trserve(folder: str, tmp_path) -> None:
+    assert (REPO / folder / "__init__.py").is_file() and not (REPO / "trserve" / folder).exists()
+    code = (f"import importlib, trserve.{folder} as p; print(p.__file__)\n"
+            f"try:\n    importlib.import_module({folder!r})\nexcept ImportError as e:\n    print(type(e).__name__, e)\n"
+            "else:\n    print('imported')")
+    # from the repository root (its folders on sys.path: the package refuses the bare name) and from
+    # elsewhere (the installed environment has no such name at all)
+    for cwd, refusal in ((REPO, f"ImportError import trserve.{folder}, not {folder}"),
+                         (tmp_path, f"ModuleNotFoundError No module named '{folder}'")):
+        lines = subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True,
+                               check=True).stdout.splitlines()
+        assert pathlib.Path(lines[0]) == REPO / folder / "__init__.py"
+        assert lines[1].startswith(refusal), lines

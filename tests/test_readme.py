@@ -2,7 +2,7 @@
 
 - every `trserve ...` command they show names a real subcommand, and every flag written after it
   exists on that subcommand's parser;
-- every `path:Name` reference (`trserve/engine/engine.py:BatchEngine.step`) names a file of the repository
+- every `path:Name` reference (`engine/engine.py:BatchEngine.step`) names a file of the repository
   that defines Name (Python: a top-level def, class or assignment, or a member of such a class;
   C, headers, protos and data files: the name appears in the text);
 - every plain repo-relative file or folder path in an inline code span, and every relative link,
@@ -196,8 +196,8 @@ def test_readme_is_a_guide_not_a_notebook() -> None:
 
 
 @pytest.mark.parametrize("span, expected", [
-    ("trserve/engine/engine.py:BatchEngine.step", ("trserve/engine/engine.py", "BatchEngine.step")),
-    ("trserve/engine/model/csrc/forward.c:exp_poly", ("trserve/engine/model/csrc/forward.c", "exp_poly")),
+    ("engine/engine.py:BatchEngine.step", ("engine/engine.py", "BatchEngine.step")),
+    ("engine/model/csrc/forward.c:exp_poly", ("engine/model/csrc/forward.c", "exp_poly")),
 ])
 def test_reference_pattern(span: str, expected: tuple[str, str]) -> None:
     assert NAMED_REF.fullmatch(span).groups() == expected

@@ -25,7 +25,7 @@ def _sync_sources() -> None:
         PROTOS.mkdir(parents=True, exist_ok=True)
         for proto in src.glob("*.proto"):
             shutil.copyfile(proto, PROTOS / proto.name)
-        shutil.copyfile(REPO / "trserve" / "services" / "client" / "service_config.json", PKG / "service_config.json")
+        shutil.copyfile(REPO / "services" / "client" / "service_config.json", PKG / "service_config.json")
 
 
 def _generate() -> None:

@@ -96,6 +96,6 @@ def test_the_light_client_installs_without_torch_and_calls_a_worker(client_venv,
     assert out["stream_text"] == out["text"] and out["finish"] == reference.finish_reason
     assert out["empty"] == "INVALID_ARGUMENT" and "refusing to send a tenant token" in out["plaintext"]
     assert out["vocab"] == vocab
-    assert json.loads(out["config"]) == json.loads((REPO / "trserve" / "services" / "client" / "service_config.json").read_text())
+    assert json.loads(out["config"]) == json.loads((REPO / "services" / "client" / "service_config.json").read_text())
     assert out["torch_loaded"] is False
 

@@ -70,7 +70,7 @@ def test_a_tenant_drafts_from_its_history_and_another_tenant_never_does(tiny):
 
 
 def test_a_request_whose_trees_miss_their_calibration_is_priced_at_what_it_accepts():
-    """The per-request trust (trserve/engine/tree_budget.py: TreeBudget.trust): a tenant's calibration averages
+    """The per-request trust (engine/tree_budget.py: TreeBudget.trust): a tenant's calibration averages
     its traffic, so a request whose grown trees accept less than calibrated has its trees priced down."""
     from types import SimpleNamespace
 

@@ -1,4 +1,4 @@
-"""Prefix caching (trserve/engine/prefix_cache.py): the cache's rules on tiny tensors, then on the real model
+"""Prefix caching (engine/prefix_cache.py): the cache's rules on tiny tensors, then on the real model
 that cached keys and values are the bits a prefill writes and that outputs do not change."""
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def test_probs_roundtrip_exactly_and_default_to_zeros() -> None:
         encode_snapshot("fp", "t", 2, rows, probs=probs.astype(np.int32))
 
 
-# Written by the format-1 code (trserve/matrix_store/snapshot.py before confidences, commit 8642678):
+# Written by the format-1 code (matrix_store/snapshot.py before confidences, commit 8642678):
 # encode_snapshot("fp-v1", "acme", 7, rows, created=1700000000.0, epoch=3) with V=16, K=4,
 # rows[3] = [5, 1, 2, 0], rows[9] = [15, 14, 0, 7], every other row zeros.
 FORMAT1_BLOB = bytes.fromhex(

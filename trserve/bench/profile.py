@@ -1,7 +1,7 @@
 """`trserve bench --profile`: where a decoding step's time goes, per forward kind.
 
 For each forward kind this host runs (`transformers`: the eager modules; `native`: the one-call
-forward of trserve/engine/model/native.py), on the kernels `auto` picks here: the cost of one forward per
+forward of engine/model/native.py), on the kernels `auto` picks here: the cost of one forward per
 width (1, 2, 4, 8, 16 new tokens over 512 cached ones, through the runner the decoders use), then
 a few prompts decoded serially in `ar` and `tr` mode with the time inside the runner's forwards
 and the time outside them (drafting, acceptance, recycling, sampling, streaming) per step.

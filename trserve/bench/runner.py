@@ -2,9 +2,9 @@
 
 Decoders: `hf` = transformers `generate` greedy (stock kernels), `pld` = transformers prompt
 lookup decoding, `ar` = trserve's own plain decoding (same kernels as TR), `tr` = Token
-Recycling as a served worker runs one request: the engine (trserve/engine/engine.py) at batch 1, its
+Recycling as a served worker runs one request: the engine (engine/engine.py) at batch 1, its
 default tree (hybrid drafting on CPU) with per-step tree sizes from this host's calibrated forward
-costs (trserve/engine/tree_budget.py; calibrated once, cached), `tr-full` = the same engine verifying the
+costs (engine/tree_budget.py; calibrated once, cached), `tr-full` = the same engine verifying the
 default tree at its full size every step (`Decoder.generate`), `tr-paper` = TR with the paper's 80-node
 tree; optional: `tr-matrix` = TR with the matrix-only `cpu-8` tree (no
 prompt lookup), `tr-adaptive` = TR re-tuning its tree online (`DecoderConfig(tree="adaptive")`),
@@ -47,7 +47,7 @@ class BenchConfig:
     model: str | None = None
     threads: int | None = None
     kernels: str = "auto"  # trserve's decoders; hf and pld always run stock transformers
-    forward: str = "auto"  # trserve's decoders: auto, native or transformers (trserve/engine/model/loader.py)
+    forward: str = "auto"  # trserve's decoders: auto, native or transformers (engine/model/loader.py)
     gguf: str | None = None  # the llamacpp decoder's weights (default: the bundled model's GGUF)
     json_path: str = "bench-results/bench.json"
     temperature: float = 0.0  # 0 = greedy; > 0 = sampling (top-k/top-p off), the n-th call of every decoder seeded n

@@ -1,4 +1,4 @@
-"""Domain errors shared by trserve/engine/, trserve/matrix_store/ and trserve/services/.
+"""Domain errors shared by engine/, matrix_store/ and services/.
 
 Each class names the gRPC status the service layer maps it to (services never map by message).
 They subclass the builtin a Python caller would expect, so engine users can still

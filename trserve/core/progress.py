@@ -3,7 +3,7 @@ tokens/s so far per decoder, time left.
 
 On a terminal it is one line rewritten in place (`\\r`); anywhere else (a log file, CI) it is a
 plain log line at most every `every_s` seconds and at the end, so logs stay readable. Lives in
-trserve/core/ because trserve/bench/ and trserve/engine/tuning/ both use it and trserve/engine/ may not import trserve/bench/.
+trserve/core/ because trserve/bench/ and engine/tuning/ both use it and engine/ may not import trserve/bench/.
 
     with Progress("bench", total=26, unit="prompts") as progress:
         for q in questions:

@@ -1,4 +1,4 @@
-"""The native forward (trserve/engine/model/native.py, csrc/forward.c) on a tiny llama whose weights are
+"""The native forward (engine/model/native.py, csrc/forward.c) on a tiny llama whose weights are
 exact Q4_1 / Q8_0 blocks: it computes transformers' function, each token's logits do not depend on
 the batch around it (tree == per-path, batch == alone), and its ISA builds give the same bits."""
 
@@ -222,7 +222,7 @@ def test_decode_loops_on_the_native_forward_keep_torch_single_threaded():
 
 def test_top_probs_match_torch_softmax(tmp_path):
     """The C confidences (csrc/forward.c trserve_top_probs) are torch's softmax of the same ids,
-    bucketed as trserve/engine/tr/confidence.py does (off by at most one bucket: exp_poly against torch's exp)."""
+    bucketed as engine/tr/confidence.py does (off by at most one bucket: exp_poly against torch's exp)."""
     from trserve.engine.model.native import NativeForward
     from trserve.engine.tr.recycle import top_probs
 

@@ -80,7 +80,7 @@ def test_grafted_lookup_chain_sees_its_stem_and_chain_only():
 
 @torch.inference_mode()
 def test_grouped_sdpa_gives_the_stock_tree_logits_without_repeating_kv(monkeypatch):
-    """trserve/engine/model/attention.py: query heads folded per KV head == transformers' repeat_kv path (float rounding)."""
+    """engine/model/attention.py: query heads folded per KV head == transformers' repeat_kv path (float rounding)."""
     import transformers.integrations.sdpa_attention as hf_sdpa
 
     from trserve.engine.model.attention import NAME, use_grouped_sdpa

@@ -1,4 +1,4 @@
-"""Trees grown by confidence (trserve/engine/tr/dynamic.py) on tiny matrices, and their compiled form."""
+"""Trees grown by confidence (engine/tr/dynamic.py) on tiny matrices, and their compiled form."""
 
 import numpy as np
 import pytest

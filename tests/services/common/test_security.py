@@ -244,7 +244,7 @@ def test_trserve_client_sends_its_token_over_tls(worker, tls) -> None:
 
 
 def test_leaving_rotation_keeps_the_server_alive_for_liveness_probes() -> None:
-    """What the worker does while its matrix service refuses the secret (trserve/services/worker/server.py):
+    """What the worker does while its matrix service refuses the secret (services/worker/server.py):
     the Generate service is NOT_SERVING (readiness), the server's own health stays SERVING (liveness)."""
     import asyncio
 

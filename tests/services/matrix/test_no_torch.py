@@ -1,5 +1,5 @@
 """The matrix service runs without torch: importing its server loads neither torch nor transformers
-(its trees come from trserve/engine/tr/template.py, its drafting is the numpy gather of trserve/engine/tr/gather.py).
+(its trees come from engine/tr/template.py, its drafting is the numpy gather of engine/tr/gather.py).
 Checked in a fresh interpreter; on failure the message names the import chain that pulled them in."""
 
 from __future__ import annotations

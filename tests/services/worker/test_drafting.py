@@ -28,7 +28,7 @@ SOURCES = {"remote": RemoteDraftSource, "replica": ReplicaDraftSource}
 
 def _no_cached_prefix(decoder) -> None:
     """Runs compared row for row must prefill the same prompt positions: a prompt whose KV comes from
-    the prefix cache seeds its matrix only from the positions it prefills (trserve/engine/prefix_cache.py)."""
+    the prefix cache seeds its matrix only from the positions it prefills (engine/prefix_cache.py)."""
     if decoder.engine.prefix is not None:
         decoder.engine.prefix.clear()
 

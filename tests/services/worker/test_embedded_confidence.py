@@ -29,7 +29,7 @@ def test_embedded_sessions_check_out_and_apply_probs() -> None:
     out = store.checkout(SPEC, "t")
     assert out.version == 3 and session.info().mode == "embedded"
     # row 7 was unknown: its new confidences as they came; row 3 had some, which the session may
-    # blend in (trserve/engine/tr/source.py); either way the store holds what the session's copy holds
+    # blend in (engine/tr/source.py); either way the store holds what the session's copy holds
     assert out.probs[7].tolist() == [200] * 8 and out.probs[3].any() and not out.probs[4].any()
     assert np.array_equal(out.probs, session.matrix.probs.numpy()) and np.array_equal(out.rows, session.matrix.rows)
     store.close()

@@ -105,7 +105,7 @@ def test_queue_full_then_cancel_stops_decoding(client, worker):
 
 def test_a_plain_grpc_channel_with_the_shipped_service_config_retries_a_busy_worker(client, worker):
     """Issue 30 item 3: RESOURCE_EXHAUSTED carries the standard grpc-retry-pushback-ms trailer, and a
-    channel with trserve/services/client/service_config.json (what any gRPC language can load) retries it after
+    channel with services/client/service_config.json (what any gRPC language can load) retries it after
     that pause: the first attempt is refused, the call itself succeeds once the worker has room."""
     from trserve.services.client.client import channel_options
     from trserve.v1 import generate_pb2_grpc

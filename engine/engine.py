@@ -1,0 +1,395 @@
+"""The decode loop, the only one: each step verifies the trees of every running request in one
+forward (continuous batching); one request alone is the B=1 case.
+
+Per step: retire finished / cancelled / timed-out sequences (their KV row is freed at once); admit
+waiting ones within the budgets (engine/scheduler.py); run one prefill chunk (<= `prefill_chunk`
+tokens) of the sequence being prefilled, so a long prompt delays the running ones by at most one
+chunk per step; then one batch forward over all running sequences, each verifying what the tree
+budget (engine/tree_budget.py) chose for it this step. The runner (engine/model/runner.py) owns the
+model and the batch KV; per sequence the TR step is engine/step.py. Host syncs per step: the accept
+decision of each sequence (its greedy tokens, `.tolist()`), nothing per tree node.
+
+Two ways to drive it: `run` in a thread of its own (a worker), while callers `submit`; or
+`stream`/`generate`, which submit and, while no thread runs the loop, step it in the caller's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from trserve.core.errors import InvalidArgument
+from trserve.engine.model.runner import ModelRunner, quiet_torch_threads, uses_kernel_pool
+from trserve.engine.prefix_cache import PrefixCache
+from trserve.engine.request.request import PreparedRequest
+from trserve.engine.request.stops import StopChecker
+from trserve.engine.request.text import TextStream
+from trserve.engine.results import GenerationResult, GenerationStats, StepChunk
+from trserve.engine.scheduler import EngineConfig, Live, Scheduler, StepTimes
+from trserve.engine.sequence import Sequence
+from trserve.engine.step import accept_step
+from trserve.engine.target import TargetModel
+from trserve.engine.tr.lookup import ContextLookup
+from trserve.engine.tr.recycle import seed_positions, top_ids, top_probs
+from trserve.engine.tr.sampling import choose, new_sampler
+from trserve.engine.drafting import Drafter, latest_rows, pending
+from trserve.engine.tree_budget import TreeBudget
+from trserve.engine.tuning.cost import CostFn, device_proxy
+from trserve.engine.tuning.online import OnlineTuner
+from trserve.engine.tuning.records import AcceptanceLog
+
+__all__ = ["BatchEngine", "EngineConfig"]
+log = logging.getLogger("trserve.engine")
+Emit = Callable[[StepChunk | GenerationResult | Exception], None]
+
+
+class BatchEngine:
+    """Continuous batching over one target model (see the module docstring). `cost`: the forward
+    cost model trees are sized by (engine/tuning/cost.py:engine_cost); None = the device's proxy."""
+
+    def __init__(self, target: TargetModel, config: EngineConfig = EngineConfig(), cost: CostFn | None = None) -> None:
+        self.target, self.config = target, config
+        # whether its linear layers run on the kernels' pool (`stepping`): set when the model loaded, walked once
+        self._kernel_pool = uses_kernel_pool(target.model)
+        self.runner = ModelRunner(target.model, config.max_batch + 1, target.loaded.dtype,
+                                  native=target.loaded.native, topk=target.config.k,
+                                  batch_step=target.loaded.batch_step)
+        self.scheduler = Scheduler(config, self.runner.kv)
+        self.budget = TreeBudget(config, target, cost or device_proxy(self.runner.device.type),
+                                 packed=self.runner.native is not None)
+        # softmax probabilities of recycled ids: in C beside the native forward (one row: ~20x faster
+        # than torch's logsumexp, which cost a plain step ~5%), else torch
+        native = self.runner.native
+        self.top_probs = native.top_probs if native is not None and target.device.type == "cpu" else top_probs
+        self.drafter = Drafter(self.budget, target.device, self.runner.dtype, packed=self.runner.native is not None)
+        # finished sequences' KV for their tenant's later prompts: only with the native forward, whose keys
+        # and values are the same bits whatever the width of the forward that computed them
+        mb = config.prefix_cache_mb
+        self.prefix = PrefixCache(mb << 20, config.prefix_min_tokens) if mb and self.runner.native is not None else None
+        self.steps = 0
+        self.times = StepTimes()
+        self._looping = False  # a thread is in `run`
+
+    # views of the scheduler's state (the servicer and tests read them)
+    waiting = property(lambda self: self.scheduler.waiting)
+    running = property(lambda self: self.scheduler.running)
+    prefilling = property(lambda self: self.scheduler.prefilling)
+    reserved = property(lambda self: self.scheduler.reserved)
+
+    # ---- the caller's side (any thread) ---------------------------------------------------------
+    def submit(self, prepared: PreparedRequest, emit: Emit, *, matrix=None, cancelled: Callable[[], bool] | None = None,
+               deadline: float | None = None, tuner: OnlineTuner | None = None, tenant: str = "",
+               acceptance: AcceptanceLog | None = None) -> None:
+        """Queue a request; `emit` gets its StepChunks then its GenerationResult (on the stepping
+        thread), or the exception of a failed step. `matrix`: an AdjacencyMatrix or DraftSource (None:
+        a fresh matrix); `tuner`: an online tree tuner for a request naming no tree (default: the
+        model's own when its tree is "adaptive"); `acceptance`: collects one record per TR step (it must
+        belong to the tree used) for the tree optimiser.
+        Opens the request's draft session here, in the caller's thread (it may read a store), so the
+        loop never waits on one. Raises ResourceExhausted when the request can never fit or the
+        waiting queue is full."""
+        d, req = self.target, prepared.request
+        tuner = (tuner or d.autotuner) if req.uses_default_tree else None
+        tree = tuner.universe if tuner is not None else prepared.tree
+        if acceptance is not None and tree is not None and acceptance.template != tree.template:
+            raise InvalidArgument(f"acceptance log is for tree {acceptance.template.name!r}, "
+                                  f"but this request uses {tree.template.name!r}")
+        seq = Sequence(prepared, StopChecker(d.tokenizer, set(prepared.stop_ids), req.stop_strings),
+                       new_sampler(req.sampling, req.max_new_tokens, d.device), acceptance, tuner)
+        live = Live(seq, emit, tree, cancelled, deadline, (tenant, tree.template if tree else None))
+        self.scheduler.check_fits(live)
+        if req.mode == "tr":
+            live.session = d.draft_source(matrix).open(tree, d.spec)
+            seq.lookup = ContextLookup(list(prepared.ids), max_ngram=len(tree.template.lookup))
+        self.scheduler.enqueue(live)
+
+    def stream(self, prepared: PreparedRequest, *, cancelled: Callable[[], bool] | None = None,
+               **submit) -> Iterator[StepChunk | GenerationResult]:
+        """Submit one request and yield its StepChunks, then its GenerationResult. While no thread runs
+        the loop, the caller's thread steps it (every queued request advances alongside). Closing the
+        iterator early cancels the request. Other keywords as `submit`."""
+        items: queue.SimpleQueue = queue.SimpleQueue()
+        closed = threading.Event()
+        self.submit(prepared, items.put, cancelled=lambda: closed.is_set() or bool(cancelled and cancelled()), **submit)
+        done = False
+        try:
+            while not done:
+                item = self._next(items)
+                done = isinstance(item, (GenerationResult, Exception))
+                if isinstance(item, Exception):
+                    raise item
+                yield item
+        finally:
+            if not done:
+                closed.set()
+                while not isinstance(item := self._next(items), (GenerationResult, Exception)):
+                    pass
+
+    def generate(self, prepared: PreparedRequest, **kwargs) -> GenerationResult:
+        """Decode one request to the end (keywords as `stream`)."""
+        result = None
+        for item in self.stream(prepared, **kwargs):
+            result = item
+        assert isinstance(result, GenerationResult)
+        return result
+
+    def _next(self, items: queue.SimpleQueue):
+        """The next item for a caller: from the loop thread's output, or stepping here until one comes."""
+        while True:
+            if self._looping:
+                return items.get()
+            try:
+                return items.get_nowait()
+            except queue.Empty:
+                with self.stepping(), self.target.model_lock:
+                    if not self._looping and items.empty():
+                        self._guarded_step()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    @contextmanager
+    def stepping(self) -> Iterator[None]:
+        """What a thread calling `step` must hold around its steps (`run` does): inference mode, and
+        torch's intra-op threads quiet while the compressed kernels' pool runs (without it, torch's
+        OpenMP workers spin on the cores the kernels need: 4 rows' steps took 19 ms instead of ~9)."""
+        with torch.inference_mode(), quiet_torch_threads(self._kernel_pool):
+            yield
+
+    def run(self) -> None:
+        """The engine loop (one thread owns the model): step while there is work, else wait."""
+        self._looping = True
+        try:
+            with self.stepping():
+                while self.scheduler.wait_for_work():
+                    with self.target.model_lock:
+                        self._guarded_step()
+        finally:
+            self._looping = False
+        for live in self.scheduler.all():
+            live.seq.finish_reason = live.seq.finish_reason or "cancelled"
+            self._finish(live)
+
+    def _guarded_step(self) -> None:
+        try:
+            self.step()
+        except Exception as exc:  # noqa: BLE001 - one bad step must not stop serving
+            log.exception("engine step failed; failing the %d requests in it", len(self.scheduler.all()))
+            self._fail_all(exc)
+
+    def _fail_all(self, exc: Exception) -> None:
+        """After a failed step: every request in the engine gets `exc` (its caller maps it to a status)
+        instead of a result, and the engine starts again empty."""
+        if self.prefix is not None:  # what a failed step's rows held is not trusted again
+            self.prefix.clear()
+        for live in self.scheduler.clear():
+            if live.session is not None:
+                try:
+                    live.session.close(None)
+                except Exception:  # noqa: BLE001
+                    log.exception("closing a draft session after a failed step")
+            live.emit(exc)
+
+    # ---- one step --------------------------------------------------------------------------------
+    def longest_step_s(self, prompt_tokens: int | None = None) -> float:
+        """How long a step may take now: two decoding steps, or 1.5 steps with a full prefill chunk
+        (a chunk deep in a long prompt attends to more context than the average one) plus a decoding
+        step. With `prompt_tokens` and no other prompt being prefilled or waiting: only the part of a
+        chunk that prompt fills. What a caller's deadline must keep in hand."""
+        fill = 1.0
+        if prompt_tokens is not None and self.prefilling is None and not self.waiting:
+            fill = min(1.0, prompt_tokens / self.config.prefill_chunk)
+        t = self.times
+        return max(2 * t.step_s, 1.5 * t.chunk_s * fill + t.step_s)
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        chunk = self._step()
+        if chunk == self.config.prefill_chunk:
+            self.times.chunk(time.perf_counter() - t0)
+        elif chunk == 0 and self.running:
+            self.times.step(time.perf_counter() - t0)
+
+    def _step(self) -> int:
+        """One step; returns the prompt tokens it prefilled."""
+        sched = self.scheduler
+        self.steps += 1
+        chunk = 0
+        self._retire([x for x in sched.running if x.stopping()])
+        # a prompt whose next chunk would end past its deadline stops now: the caller's margin covers
+        # a step the engine is in when the deadline passes, not a long prompt's chunk started just before
+        # (a chunk deep in a 2000-token prompt took over 1.5x the mean chunk on a loaded host)
+        if (gone := sched.drop_prefilling(self._next_chunk_s(sched.prefilling))) is not None:
+            self._finish(gone)
+        for live in sched.admit():
+            self._finish(live)
+        if sched.prefilling is not None:
+            chunk = self._prefill_chunk(sched.prefilling)
+        # a sequence whose first token (the prefill's) met a stop is done before any decoding step
+        self._retire([x for x in sched.running if x.seq.finish_reason is not None])
+        if sched.running:
+            self._decode()
+        self._retire([x for x in sched.running if x.seq.finish_reason is not None])
+        return chunk
+
+    def _next_chunk_s(self, live: Live | None) -> float:
+        """What `live`'s next prefill chunk should take, at the rate its last chunk ran (chunks only get
+        deeper); 0 before its first."""
+        if live is None or not live.prefill_token_s:
+            return 0.0
+        return live.prefill_token_s * min(self.config.prefill_chunk, len(live.seq.prepared.ids) - live.done)
+
+    def _prefill_chunk(self, live: Live) -> int:
+        """The next chunk of `live`'s prompt (the first one after any cached prefix); returns its length."""
+        ids, d = live.seq.prepared.ids, self.target
+        p = len(ids)
+        if live.done == 0:
+            if self.prefix is not None:  # a cached prefix of its tenant's, loaded into its row
+                live.done = live.cached = self.prefix.reuse(live.tenant, ids, self.runner.kv, live.row)
+            if live.session is not None:
+                # seeding pays only while trees are verified: scaled by their share under the batch budget
+                share = self.budget.tree_share if self.config.batch_aware else 1.0
+                live.seed_n = min(p, round(d.config.seed_from_prompt * share))
+                first = max(live.done, p - live.seed_n)  # after any cached prefix
+                tail = list(ids[first:p])
+                known = getattr(live.session, "known_rows", None)  # a source without a local copy: none known
+                live.seed_at = [first + i for i in seed_positions(tail, known(tail) if known else [False] * len(tail))]
+        c = min(self.config.prefill_chunk, p - live.done)
+        chunk = torch.tensor(ids[live.done : live.done + c], device=d.device)
+        # the chunk's positions whose predictions seed the matrix, then its last one (the first token's)
+        seeded = [q - live.done for q in live.seed_at if live.done <= q < live.done + c]
+        need = seeded + ([c - 1] if live.done + c == p and (not seeded or seeded[-1] != c - 1) else [])
+        t0 = time.perf_counter()
+        logits = self.runner.prefill(live.row, chunk, torch.tensor(need, dtype=torch.long, device=d.device))  # [m, V]
+        live.prefill_token_s = (time.perf_counter() - t0) / c
+        if seeded:
+            known = self.runner.last_topk[: len(seeded)] if self.runner.last_topk is not None else None
+            ids = top_ids(logits[: len(seeded)], d.config.k, known)  # [s, K]
+            live.seed.append((chunk[seeded], ids, self.top_probs(logits[: len(seeded)], ids)))
+        live.done += c
+        if live.done == p:
+            self._start(live, logits[-1:])
+        return c
+
+    def _start(self, live: Live, last: torch.Tensor) -> None:
+        """The prompt is in: first token, draft session, and the sequence joins the batch."""
+        self.scheduler.join(live)
+        live.root = int(choose(last, live.seq.sampler, 0)[0])
+        if live.seed:
+            live.recycled = latest_rows(*(torch.cat(part) for part in zip(*live.seed)))
+            live.seed = []
+        live.text = TextStream(self.target.tokenizer)
+        live.prefill_s = time.perf_counter() - live.t0
+        self._emit(live, live.seq.commit([live.root]))
+
+    def _decode(self) -> None:
+        running, budget = self.scheduler.running, self.budget
+        drafts, inputs, spent_drafting = self.drafter.drafts(running, self.steps, self.scheduler.mean_kv())
+        t0 = time.perf_counter()
+        logits = self.runner.step(inputs, probs=any(live.session is not None for live in running))  # per row [w_b, V]
+        budget.measured(budget.last_width, self.scheduler.mean_kv(), time.perf_counter() - t0)
+        tops = self.runner.last_topk or [None] * len(logits)  # per row [w_b, k] where the forward computed them
+        probs = self.runner.last_probs or [None] * len(logits)  # per row [w_b, k]: their confidences, likewise
+        keep, k = [], self.target.config.k
+        plain_rows = iter(self._plain_rows(running, drafts, logits, tops, probs))
+        for live, draft, lg, top, q, spent in zip(running, drafts, logits, tops, probs, spent_drafting):
+            t0 = time.perf_counter()
+            seq = live.seq
+            if draft is None:  # plain decoding this step
+                new, path = [int(choose(lg, seq.sampler, len(seq.generated), top)[0])], [0]
+                if live.session is not None:  # the root's top-k is recycled like any verified node's
+                    live.plain.append((live.root, *next(plain_rows)))
+            else:
+                acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row), top,
+                                                 self.top_probs if q is None else q)
+                new, path = acc.tokens, acc.path
+                budget.learn(live, draft, acc)
+            keep.append(path)
+            new = seq.commit(new)
+            seq.accepted_per_step.append(len(new))
+            live.root = new[-1] if new else live.root
+            self._emit(live, new)
+            budget.host(draft is not None, spent + time.perf_counter() - t0)
+        budget.trees_verified(sum(live.session is not None for live in running), sum(d is not None for d in drafts))
+        self.runner.keep(keep)
+
+    def _plain_rows(self, running: list[Live], drafts: list, logits: list, tops: list, probs: list) -> list[tuple]:
+        """(top-K ids [K], their confidences [K]) of the root of every TR sequence decoding plain this
+        step, in batch order: the forward's own where it computed them (the native forward, in its pool
+        while each row was in cache: a C call per row afterwards took ~35 us a row at B = 8); else the
+        rows stacked and one call for all."""
+        k = self.target.config.k
+        at = [i for i, (live, draft) in enumerate(zip(running, drafts)) if draft is None and live.session is not None]
+        if not at:
+            return []
+        if probs[0] is not None and tops[0] is not None and tops[0].shape[-1] == k:
+            return [(tops[i][0], probs[i][0]) for i in at]  # ([K], [K]) each
+        lg = torch.cat([logits[i][:1] for i in at])  # [m, V]
+        known = [tops[i][:1] for i in at] if tops[0] is not None else None
+        ids = top_ids(lg, k, torch.cat(known) if known else None)  # [m, K]
+        return list(zip(ids, self.top_probs(lg, ids)))
+
+    def cost(self, width: int, kv: int) -> float:
+        """Seconds of a forward of `width` tokens at KV length `kv`, as the tree budget prices it."""
+        return self.budget.cost(width, kv)
+
+    # ---- output and retirement ------------------------------------------------------------------
+    def _emit(self, live: Live, new: list[int]) -> None:
+        if new:
+            seq = live.seq
+            live.emit(StepChunk(tokens=new, text=live.text.delta(seq.generated, cut=seq.stops.cut_text)))
+
+    def _retire(self, done: list[Live]) -> None:
+        if self.prefix is not None:  # their rows (prompt and committed tokens) for their tenants' next prompts
+            for live in done:
+                self.prefix.keep(live.tenant, list(live.seq.prepared.ids) + live.seq.generated, self.runner.kv, live.row)
+        self.scheduler.retire(done)
+        for live in done:
+            self._finish(live)
+
+    @staticmethod
+    def _remember(live: Live) -> None:
+        """A finished request's prompt and output into its tenant's history (where its session keeps
+        one: engine/tr/history.py), for the tenant's later requests to draft from."""
+        remember = getattr(live.session, "remember", None)
+        if remember is None or not live.seq.generated:
+            return
+        try:
+            remember(list(live.seq.prepared.ids) + live.seq.generated)
+        except Exception:  # noqa: BLE001 - history is an optimisation: it must not fail the request
+            log.exception("adding a request to its tenant's history failed")
+
+    def _finish(self, live: Live) -> None:
+        """`live` leaves the engine and its caller gets its result, or the error that building the result
+        raised: a caller always hears back (a finish that raised once left its caller waiting forever,
+        its request already gone from every list the failed step's clean-up reads)."""
+        self.scheduler.release(live)
+        try:
+            result = self._result(live)
+        except Exception as exc:  # noqa: BLE001 - the caller maps it to a status
+            log.exception("finishing a request failed; its caller gets the error")
+            result = exc
+        live.emit(result)
+
+    def _result(self, live: Live) -> GenerationResult:
+        seq, d = live.seq, self.target
+        info = None
+        if live.session is not None:
+            self._remember(live)
+            try:
+                live.session.close(pending(live))
+            except Exception:  # noqa: BLE001 - the output is whole; only its last rows go unrecycled
+                log.exception("closing a request's draft session failed; its last rows are not recycled")
+            info = live.session.info()
+        decode_s = time.perf_counter() - live.t0 - live.prefill_s
+        text = seq.stops.cut_text(d.tokenizer.decode(seq.generated, skip_special_tokens=True))
+        tree = d.tree_name(live.tree, seq.tuner) if live.session is not None else "none"
+        stats = GenerationStats.build(seq, live.prefill_s, decode_s, info, tree, live.cached)
+        return GenerationResult(ids=seq.generated, text=text, finish_reason=seq.finish_reason or "cancelled",
+                                stats=stats)

@@ -1,0 +1,559 @@
+/* The whole decoder stack of a llama-family model in one call (trserve, engine/model/native.py).
+ *
+ * A forward over N new tokens of B sequences (a packed batch: sequence b owns tokens
+ * tok0[b] .. tok0[b + 1] - 1, with no padding) on the exact compressed linear kernels of
+ * qlinear.c, with every other op written out here: RMSNorm, rotary embedding (cos/sin tables from
+ * the model's own rotary module), grouped-query attention over each sequence's KV row with its
+ * tree mask, SiLU-gated MLP, residuals, final norm, LM head on the kept tokens. One run of the
+ * kernels' thread pool (pool.h) spans the whole forward (a barrier between phases), so a step costs
+ * one call instead of the ~2,000 small dispatched ops of the eager modules.
+ *
+ * What the engine relies on: every token's numbers depend only on its own input, position and the
+ * keys/values it sees, in a fixed order, never on N, B, or where the token sits in the batch:
+ *   - linear layers: qlinear.c's per-row guarantee;
+ *   - RMSNorm: sum of squares in the 16-lane order of dot.h (acc_block/acc_reduce);
+ *   - attention of a query: its visible keys in ascending KV column order (context columns, then
+ *     the step's new columns), dot products in the 16-lane order (several keys' reductions side by
+ *     side, each with the same pairing tree), the max (exact in any order), exp, the sum and the
+ *     weighted sum of values accumulated key by key in that order; masked keys are skipped, not
+ *     added as zeros;
+ *   - exp is a written-out polynomial (exp_poly), the same op sequence in every build.
+ * So a tree node's logits equal those of the same token decoded alone on the same context (TR ==
+ * plain decoding bit for bit), and the AVX-512, AVX2 and scalar builds give the same bits.
+ *
+ * Conventions as transformers' Llama modules: q head h uses KV head h / (heads / kv_heads);
+ * rotate_half pairs lane i with i + D/2; RMSNorm y = w * (x * (1 / sqrt(mean(x^2) + eps))).
+ */
+#include "forward.h"
+#include "dot.h"
+#include "pool.h"
+#include "qlinear.h"
+#include "vec.h"
+
+/* Queries of one head an attention pass takes side by side (they share each key and value load);
+ * never changes a query's arithmetic. */
+#if defined(__AVX512F__)
+#define QPASS 4
+#elif defined(__AVX2__)
+#define QPASS 2
+#else
+#define QPASS 1
+#endif
+
+
+/* ---- written-out helpers (the same op sequence in every build) -------------------------------- */
+
+/* exp(x) for x in [-87, 88] (clamped there) within ~2 ulp: 2^n * p(r), n = floor(x log2(e) + 1/2),
+ * r = x - n ln2 (in two fmas), Cephes coefficients. Written out once per build with the same IEEE
+ * operations per element (the clamps as max/min with the bound second, as maxps/minps take it). */
+#define EXP_LOG2E 1.44269504088896341f
+#define EXP_C1 -0.693359375f
+#define EXP_C2 2.12194440e-4f
+#define EXP_P0 1.9875691500e-4f
+#define EXP_P1 1.3981999507e-3f
+#define EXP_P2 8.3334519073e-3f
+#define EXP_P3 4.1665795894e-2f
+#define EXP_P4 1.6666665459e-1f
+#define EXP_P5 5.0000001201e-1f
+
+INLINE float exp1(float v)
+{
+    v = v > -87.0f ? v : -87.0f;
+    v = v < 88.0f ? v : 88.0f;
+    const float t = floorf(v * EXP_LOG2E + 0.5f);
+    float r = fmaf(t, EXP_C1, v);
+    r = fmaf(t, EXP_C2, r);
+    float p = EXP_P0;
+    p = fmaf(p, r, EXP_P1);
+    p = fmaf(p, r, EXP_P2);
+    p = fmaf(p, r, EXP_P3);
+    p = fmaf(p, r, EXP_P4);
+    p = fmaf(p, r, EXP_P5);
+    const float y = fmaf(p, r * r, r) + 1.0f;
+    union { int32_t i; float f; } s = {.i = ((int32_t)t + 127) << 23};
+    return y * s.f;
+}
+
+#if defined(__AVX512F__)
+INLINE __m512 exp16(__m512 v)
+{
+    v = _mm512_min_ps(_mm512_max_ps(v, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 t = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(v, _mm512_set1_ps(EXP_LOG2E)), _mm512_set1_ps(0.5f)),
+                                          _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(t, _mm512_set1_ps(EXP_C1), v);
+    r = _mm512_fmadd_ps(t, _mm512_set1_ps(EXP_C2), r);
+    __m512 p = _mm512_set1_ps(EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(EXP_P5));
+    const __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(t), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+#define EXP_LANES 16
+INLINE void exp_lanes(float *x) { _mm512_storeu_ps(x, exp16(_mm512_loadu_ps(x))); }
+#elif defined(__AVX2__)
+INLINE __m256 exp8(__m256 v)
+{
+    v = _mm256_min_ps(_mm256_max_ps(v, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+    const __m256 t = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(v, _mm256_set1_ps(EXP_LOG2E)), _mm256_set1_ps(0.5f)));
+    __m256 r = _mm256_fmadd_ps(t, _mm256_set1_ps(EXP_C1), v);
+    r = _mm256_fmadd_ps(t, _mm256_set1_ps(EXP_C2), r);
+    __m256 p = _mm256_set1_ps(EXP_P0);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(EXP_P5));
+    const __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(t), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#define EXP_LANES 8
+INLINE void exp_lanes(float *x) { _mm256_storeu_ps(x, exp8(_mm256_loadu_ps(x))); }
+#else
+#define EXP_LANES 1
+INLINE void exp_lanes(float *x) { *x = exp1(*x); }
+#endif
+
+/* x[i] = exp(x[i]), i < n: whole vectors, then the tail one by one (same bits either way) */
+static void exp_poly(float *x, int64_t n)
+{
+    int64_t i = 0;
+    for (; i + EXP_LANES <= n; i += EXP_LANES) exp_lanes(x + i);
+    for (; i < n; i++) x[i] = exp1(x[i]);
+}
+
+/* y[r] = w * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))) for rows [r0, r1) */
+static void rms_rows(const float *x, const float *w, float *y, int64_t r0, int64_t r1, int64_t H, float eps)
+{
+    for (int64_t r = r0; r < r1; r++) {
+        const float *xr = x + r * H;
+        const float inv = 1.0f / sqrtf(dot32(xr, xr, H) / (float)H + eps);
+        float *yr = y + r * H;
+        for (int64_t i = 0; i < H; i++) yr[i] = w[i] * (xr[i] * inv);
+    }
+}
+
+/* This thread's share of y[n, O] = x[n, I] @ W^T (+ bias): outputs [*o0, *o1). */
+static void qmat_part(const tr_qmat *w, const float *x, int64_t n, float *y, int64_t id, int64_t nt, int64_t *o0,
+                      int64_t *o1)
+{
+    const qmat_t q = {(int)w->kind, w->in, w->out, w->in / 32, w->codes, w->d, w->m, w->bias};
+    qmat_rows(&q, x, n, y, id, nt, o0, o1);
+}
+
+/* q[t, i] and q[t, i + D/2] rotated as transformers' apply_rotary_pos_emb (q * cos + rotate_half(q) * sin) */
+INLINE void rope(float *q, const float *c, const float *s, int64_t D)
+{
+    const int64_t h = D / 2;
+    for (int64_t i = 0; i < h; i++) {
+        const float a = q[i], b = q[i + h];
+        q[i] = a * c[i] + (-b) * s[i];
+        q[i + h] = b * c[i + h] + a * s[i + h];
+    }
+}
+
+/* The largest of x[0 .. n - 1] (n >= 1), as a scan keeping the first of equals would find it: 16
+ * lanes of running maxima (lane l takes x[16c + l]; the compiler vectorises the lanes), then the
+ * lanes in order. max is exact, so for numbers any order gives this value. */
+INLINE float max_lanes(const float *x, int64_t n)
+{
+    float m[16];
+    for (int l = 0; l < 16; l++) m[l] = x[l < n ? l : 0];
+    int64_t i = n < 16 ? n : 16;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) m[l] = x[i + l] > m[l] ? x[i + l] : m[l];
+    for (; i < n; i++) m[i & 15] = x[i] > m[i & 15] ? x[i] : m[i & 15];
+    float r = m[0];
+    for (int l = 1; l < 16; l++) r = m[l] > r ? m[l] : r;
+    return r;
+}
+
+/* sc[L] = scale * dot(q, K[key L]) for the REDUCE_KEYS keys L = 0 .. REDUCE_KEYS - 1 of D floats
+ * each (row stride D; key L is row L, or row idx[L] given an index list), each dot product in
+ * dot.h's 16-lane order (dot32) and the keys reduced side by side (reduce_keys_store gives
+ * acc_reduce's bits). */
+INLINE void key_scores(const int NB, const float *qv, const float *K, const int32_t *idx, int64_t D, float scale,
+                       float *sc)
+{
+    acc_t a[REDUCE_KEYS];
+#pragma GCC unroll 16
+    for (int s = 0; s < REDUCE_KEYS; s++) {
+        const float *k = K + (idx ? idx[REDUCE_KEY(s)] : REDUCE_KEY(s)) * D; /* so that key L ends in lane L */
+        a[s] = acc_zero();
+#pragma GCC unroll 8
+        for (int i = 0; i < NB; i++) {
+            const wblock_t w = float_block(qv + 32 * i);
+            acc_block(&a[s], &w, k + 32 * i);
+        }
+    }
+    reduce_keys_store(a, scale, sc);
+}
+
+/* Attention of NQ queries of one head over one sequence's keys, side by side (each query's numbers
+ * exactly as if alone): scores of the visible keys in ascending column order (context columns [0, L),
+ * then the step's new columns where the query's mask row says so), max, exp, the sum of the
+ * exponentials in that order, then the weighted sum of values key by key in that order; out = acc / l.
+ * NV = D / 16 vectors per row: a constant (2, 4, 8) keeps each query's value accumulators in
+ * registers; 0 takes D at run time. qs, masks, scs, outs: per query its vector, mask row [w], score
+ * buffer [L + w], output [D]. */
+#define MAX_NV 16
+INLINE void attend_pass(const int NQ, const int NV, int64_t D, float scale, const float *const *qs,
+                        const uint8_t *const *masks, const float *K, const float *V, const float *Kn, const float *Vn,
+                        int64_t L, int64_t w, float *const *scs, float *const *outs)
+{
+    const int nv = NV ? NV : (int)(D / 16), nb = nv / 2; /* nb: a constant wherever NV is */
+    int64_t m[QPASS];
+    int64_t j0 = 0;
+    for (; j0 + REDUCE_KEYS <= L; j0 += REDUCE_KEYS) /* a block of keys stays in L1 for all the queries */
+#pragma GCC unroll 4
+        for (int q = 0; q < NQ; q++) key_scores(nb, qs[q], K + j0 * D, NULL, D, scale, scs[q] + j0);
+    for (int q = 0; q < NQ; q++) {
+        float *sc = scs[q];
+        for (int64_t j = j0; j < L; j++) sc[j] = dot32(qs[q], K + j * D, D) * scale;
+        m[q] = L;
+        /* the step's visible new keys in column order, REDUCE_KEYS at a time as they are found (a
+         * prefill chunk's causal rows), the last few one by one: the same numbers */
+        int32_t seen[REDUCE_KEYS];
+        int n_seen = 0;
+        for (int64_t j = 0; j < w; j++) {
+            if (!masks[q][j]) continue;
+            seen[n_seen++] = (int32_t)j;
+            if (n_seen == REDUCE_KEYS) {
+                key_scores(nb, qs[q], Kn, seen, D, scale, sc + m[q]);
+                m[q] += REDUCE_KEYS, n_seen = 0;
+            }
+        }
+        for (int i = 0; i < n_seen; i++) sc[m[q]++] = dot32(qs[q], Kn + (int64_t)seen[i] * D, D) * scale;
+        const float mx = max_lanes(sc, m[q]);
+        for (int64_t j = 0; j < m[q]; j++) sc[j] -= mx;
+        exp_poly(sc, m[q]);
+    }
+    float l[QPASS]; /* each query's sum in key order; the queries' chains interleaved */
+    int64_t common = m[0];
+    for (int q = 0; q < NQ; q++) l[q] = 0.0f, common = m[q] < common ? m[q] : common;
+    for (int64_t j = 0; j < common; j++)
+#pragma GCC unroll 4
+        for (int q = 0; q < NQ; q++) l[q] += scs[q][j];
+    for (int q = 0; q < NQ; q++)
+        for (int64_t j = common; j < m[q]; j++) l[q] += scs[q][j];
+    v16 acc[QPASS][MAX_NV];
+    for (int q = 0; q < NQ; q++)
+        for (int v = 0; v < nv; v++) acc[q][v] = v_zero();
+    for (int64_t j = 0; j < L; j++) {
+        const float *vj = V + j * D;
+        for (int v = 0; v < nv; v++) {
+            const v16 x = v_load(vj + 16 * v);
+#pragma GCC unroll 4
+            for (int q = 0; q < NQ; q++) acc[q][v] = v_fma(x, scs[q] + j, acc[q][v]); /* fma(p, v[d], acc[d]) */
+        }
+    }
+    for (int q = 0; q < NQ; q++) {
+        int64_t k = L;
+        for (int64_t j = 0; j < w; j++)
+            if (masks[q][j]) {
+                const float *vj = Vn + j * D, *p = scs[q] + k++;
+                for (int v = 0; v < nv; v++) acc[q][v] = v_fma(v_load(vj + 16 * v), p, acc[q][v]);
+            }
+        for (int v = 0; v < nv; v++) v_store(outs[q] + 16 * v, v_div(acc[q][v], l[q]));
+    }
+}
+
+/* Attention of sequence b's queries i0 .. i1 - 1 in head hd: out[t, hd*D ..] for those tokens t, QPASS
+ * queries per pass. sc: this thread's score buffers, QPASS x (ctx[b] + w + 1) floats at most. */
+static void attend(const tr_model *M, int64_t b, int64_t hd, int64_t i0, int64_t i1, const int64_t *tok0, const int64_t *ctx,
+                   const int64_t *start, const int64_t *kv_row, const uint8_t *vis, const int64_t *vis0,
+                   const float *q, const float *kc, const float *vc, int64_t cap, float *out, float *sc, int64_t sc_len)
+{
+    const int64_t D = M->head_dim, Hq = M->heads, Hkv = M->kv_heads, g = hd / (Hq / Hkv);
+    const int64_t w = tok0[b + 1] - tok0[b], L = ctx[b];
+    const float *K = kc + ((kv_row[b] * Hkv + g) * cap) * D, *V = vc + ((kv_row[b] * Hkv + g) * cap) * D;
+    const float *Kn = K + start[b] * D, *Vn = V + start[b] * D;
+    for (int64_t i = i0; i < i1; i += QPASS) {
+        const int nq = i1 - i < QPASS ? (int)(i1 - i) : QPASS;
+        const float *qs[QPASS];
+        const uint8_t *masks[QPASS];
+        float *scs[QPASS], *outs[QPASS];
+        for (int k = 0; k < nq; k++) {
+            const int64_t t = tok0[b] + i + k;
+            qs[k] = q + (t * Hq + hd) * D;
+            masks[k] = vis + vis0[b] + (i + k) * w;
+            scs[k] = sc + k * sc_len;
+            outs[k] = out + (t * Hq + hd) * D;
+        }
+#define PASS(NQ, NV) attend_pass(NQ, NV, D, M->scale, qs, masks, K, V, Kn, Vn, L, w, scs, outs)
+#define PASSES(NV) switch (nq) { case 1: PASS(1, NV); break; case 2: if (QPASS >= 2) PASS(2, NV); break; \
+                                 case 3: if (QPASS >= 3) PASS(3, NV); break; default: PASS(QPASS, NV); break; }
+        if (D == 64) { PASSES(4) }
+        else if (D == 128) { PASSES(8) }
+        else if (D == 32) { PASSES(2) }
+        else { PASSES(0) }
+#undef PASSES
+#undef PASS
+    }
+}
+
+/* The K largest of x[0 .. V - 1] -> idx[0 .. K - 1], largest first, equal values by lower index
+ * (so idx[0] is the first maximum, as torch.argmax picks; NaNs are never taken). K <= V. */
+static void topk_row(const float *x, int64_t V, int64_t K, int32_t *idx)
+{
+    float val[64]; /* K <= 64 (the engine's k) */
+    int64_t n = 0;
+    for (int64_t i = 0; i < V; i++) {
+        const float v = x[i];
+        int64_t p;
+        if (v != v) continue;
+        if (n == K) {
+            if (!(v > val[K - 1])) continue; /* not above the K-th: an equal later one loses */
+            p = K - 1;                       /* the K-th drops out */
+        } else {
+            p = n++;
+        }
+        for (; p > 0 && val[p - 1] < v; p--) val[p] = val[p - 1], idx[p] = idx[p - 1];
+        val[p] = v, idx[p] = (int32_t)i;
+    }
+    for (; n < K; n++) idx[n] = -1; /* fewer than K values that are not NaN */
+}
+
+/* topk_row over m rows of x [m, V] -> idx [m, K] (tests; the forward calls topk_row itself). */
+int trserve_topk_rows(const float *x, int64_t m, int64_t V, int64_t K, int32_t *idx)
+{
+    if (K < 1 || K > 64 || K > V) return -1;
+    for (int64_t i = 0; i < m; i++) topk_row(x + i * V, V, K, idx + i * K);
+    return 0;
+}
+
+/* The softmax probability of chosen ids as uint8 buckets (engine/tr/confidence.py): for a row x
+ * [V] and its K ids idx [K] (idx[0] its argmax, as topk_row gives them; ids outside [0, V) get 0):
+ * q = round(255 * exp(x[id] - max) / sum_j exp(x[j] - max)). The exp is exp_poly's, over the row in
+ * chunks. What each recycled matrix row keeps beside its ids. */
+static void top_probs_row(const float *row, int64_t V, int64_t K, const int32_t *ids, uint8_t *q)
+{
+    float buf[1024];
+    float mx = (ids[0] >= 0 && ids[0] < V) ? row[ids[0]] : row[0];
+    double sum = 0.0;
+    for (int64_t c = 0; c < V; c += 1024) {
+        const int64_t n = V - c < 1024 ? V - c : 1024;
+        float s[8] = {0}; /* 8 running sums: one chain of adds would wait on each add's latency */
+        for (int64_t i = 0; i < n; i++) buf[i] = row[c + i] - mx;
+        exp_poly(buf, n);
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8)
+            for (int j = 0; j < 8; j++) s[j] += buf[i + j];
+        for (; i < n; i++) s[0] += buf[i];
+        sum += (double)((s[0] + s[1]) + (s[2] + s[3])) + (double)((s[4] + s[5]) + (s[6] + s[7]));
+    }
+    for (int64_t k = 0; k < K; k++) {
+        const int32_t id = ids[k];
+        float p = (id >= 0 && id < V && sum > 0.0) ? (float)(exp1(row[id] - mx) / sum) : 0.0f;
+        p = p > 0.0f ? (p < 1.0f ? p : 1.0f) : 0.0f; /* NaN -> 0 */
+        q[k] = (uint8_t)(p * 255.0f + 0.5f);
+    }
+}
+
+/* top_probs_row over m rows of x [m, V] and their ids idx [m, K] -> q [m, K], one thread (the forward
+ * computes them itself, in its pool, when asked). */
+int trserve_top_probs(const float *x, int64_t m, int64_t V, int64_t K, const int32_t *idx, uint8_t *q)
+{
+    if (K < 1 || K > 64 || V < 1) return -1;
+    for (int64_t r = 0; r < m; r++) top_probs_row(x + r * V, V, K, idx + r * K, q + r * K);
+    return 0;
+}
+
+#define QBLOCK 4 /* queries per attention work item (a multiple of QPASS) */
+
+/* Checks the model fits the fixed-size parts below; 0 ok. */
+int trserve_forward_check(const tr_model *M)
+{
+    if (M->head_dim % 32 || M->head_dim > 256 || M->hidden % 32 || M->inter % 32 || M->heads % M->kv_heads) return -1;
+    return 0;
+}
+
+typedef struct { /* trserve_forward's arguments and buffers, for the threads of its pool run */
+    const tr_model *M;
+    int64_t B, cap, n_keep, K, N, H, D, Hq, Hkv, F, sc_len, sc_floats;
+    const int64_t *tok0, *ids, *pos, *kv_row, *ctx, *start, *keep, *vis0, *item0, *split;
+    const uint8_t *vis;
+    float *const *kc, *const *vc;
+    float *logits, *x, *hs, *tmp, *q, *k, *v, *att, *gt, *up, *hk, *scs;
+    int32_t *topk;
+    uint8_t *probs;
+} fwd_job_t;
+
+/* One thread's part of a forward (id of nt; pool_barrier where every thread must have finished a phase). */
+static void fwd_job(void *arg, int64_t id, int64_t nt)
+{
+    const fwd_job_t *jb = arg;
+    const tr_model *M = jb->M;
+    const int64_t B = jb->B, cap = jb->cap, n_keep = jb->n_keep, K = jb->K, N = jb->N, H = jb->H, D = jb->D, Hq = jb->Hq,
+                  Hkv = jb->Hkv, F = jb->F, sc_len = jb->sc_len, sc_floats = jb->sc_floats;
+    const int64_t *tok0 = jb->tok0, *pos = jb->pos, *kv_row = jb->kv_row, *ctx = jb->ctx, *start = jb->start,
+                  *keep = jb->keep, *vis0 = jb->vis0, *item0 = jb->item0, *split = jb->split;
+    const uint8_t *vis = jb->vis;
+    float *const *kc = jb->kc, *const *vc = jb->vc;
+    float *logits = jb->logits, *x = jb->x, *hs = jb->hs, *tmp = jb->tmp, *q = jb->q, *k = jb->k, *v = jb->v,
+          *att = jb->att, *gt = jb->gt, *up = jb->up, *hk = jb->hk, *scs = jb->scs;
+    int32_t *topk = jb->topk;
+    float *sc = scs + id * sc_floats, *h = hs + id * N * H;
+    int64_t o0, o1;
+    for (int64_t l = 0; l < M->n_layers; l++) {
+        const tr_layer *L = M->layers + l;
+        rms_rows(x, L->in_norm, h, 0, N, H, M->eps);
+        qmat_part(&L->q, h, N, q, id, nt, &o0, &o1);
+        qmat_part(&L->k, h, N, k, id, nt, &o0, &o1);
+        qmat_part(&L->v, h, N, v, id, nt, &o0, &o1);
+        pool_barrier(nt);
+        /* rotary on q and k; k, v into the KV rows (work item u = token t, head j of q then k) */
+        for (int64_t u = id; u < N * (Hq + Hkv); u += nt) {
+            const int64_t t = u / (Hq + Hkv), j = u % (Hq + Hkv);
+            const float *c = M->cos + pos[t] * D, *s = M->sin + pos[t] * D;
+            if (j < Hq) {
+                rope(q + (t * Hq + j) * D, c, s, D);
+                continue;
+            }
+            int64_t b = 0;
+            while (tok0[b + 1] <= t) b++;
+            const int64_t g = j - Hq, at = ((kv_row[b] * Hkv + g) * cap + start[b] + (t - tok0[b])) * D;
+            memcpy(kc[l] + at, k + (t * Hkv + g) * D, D * sizeof(float));
+            rope(kc[l] + at, c, s, D);
+            memcpy(vc[l] + at, v + (t * Hkv + g) * D, D * sizeof(float));
+        }
+        pool_barrier(nt);
+        /* work items: (sequence, head, block of QBLOCK queries), item0[b] = sequence b's first; each
+         * thread the contiguous range [split[id], split[id + 1]) of about equal cost (attention_split),
+         * so the heads that share a KV head mostly share its reads */
+        for (int64_t u = split[id], u1 = split[id + 1], b = 0; u < u1; u++) {
+            while (item0[b + 1] <= u) b++;
+            const int64_t w = tok0[b + 1] - tok0[b], blocks = (w + QBLOCK - 1) / QBLOCK, r = u - item0[b];
+            const int64_t hd = r / blocks, i0 = (r % blocks) * QBLOCK;
+            attend(M, b, hd, i0, i0 + QBLOCK < w ? i0 + QBLOCK : w, tok0, ctx, start, kv_row, vis, vis0, q, kc[l],
+                   vc[l], cap, att, sc, sc_len);
+        }
+        pool_barrier(nt);
+        qmat_part(&L->o, att, N, tmp, id, nt, &o0, &o1);
+        for (int64_t t = 0; t < N; t++)
+            for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
+        pool_barrier(nt);
+        rms_rows(x, L->post_norm, h, 0, N, H, M->eps);
+        qmat_part(&L->gate, h, N, gt, id, nt, &o0, &o1);
+        qmat_part(&L->up, h, N, up, id, nt, &o0, &o1);
+        for (int64_t t = 0; t < N; t++) { /* silu(gate) * up on this thread's outputs, as torch: g / (1 + exp(-g)) */
+            float *g = gt + t * F + o0;
+            const float *u = up + t * F + o0;
+            const int64_t n = o1 - o0;
+            for (int64_t i = 0; i < n; i++) sc[i] = -g[i];
+            exp_poly(sc, n);
+            for (int64_t i = 0; i < n; i++) g[i] = (g[i] / (1.0f + sc[i])) * u[i];
+        }
+        pool_barrier(nt);
+        qmat_part(&L->down, gt, N, tmp, id, nt, &o0, &o1);
+        for (int64_t t = 0; t < N; t++)
+            for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
+        pool_barrier(nt);
+    }
+    /* final norm of the kept tokens, then the LM head */
+    for (int64_t i = id; i < n_keep; i += nt) rms_rows(x + keep[i] * H, M->final_norm, hk + i * H, 0, 1, H, M->eps);
+        pool_barrier(nt);
+    if (n_keep) qmat_part(&M->head, hk, n_keep, logits, id, nt, &o0, &o1);
+    if (K > 0) {
+        pool_barrier(nt);
+        for (int64_t i = id; i < n_keep; i += nt) {
+            topk_row(logits + i * M->vocab, M->vocab, K, topk + i * K);
+            if (jb->probs) top_probs_row(logits + i * M->vocab, M->vocab, K, topk + i * K, jb->probs + i * K);
+        }
+    }
+}
+
+/* Item r (0-based within its sequence) of a sequence of w new tokens over L cached keys: its block's
+ * queries in passes of QPASS, each over L + w keys, plus a fixed part. */
+INLINE double attention_item_cost(int64_t w, int64_t r, int64_t L)
+{
+    const int64_t blocks = (w + QBLOCK - 1) / QBLOCK, i0 = r % blocks * QBLOCK, nq = w - i0 < QBLOCK ? w - i0 : QBLOCK;
+    return (double)(((nq + QPASS - 1) / QPASS) * (L + w) + 16);
+}
+
+/* The attention work items (sequence b, head, block of QBLOCK queries; item0[b] = b's first, heads
+ * outer, blocks inner) split into nt contiguous ranges of about equal cost: thread id takes
+ * [split[id], split[id + 1]). An item reads its sequence's ctx[b] + w keys once per pass of QPASS
+ * queries, so a batch of rows with unequal contexts split by item count left one thread with the
+ * long rows (2-core Zen 5, one-token steps over 4 rows of 50, 50, 200, 700 keys: 7.0-8.9 ms split
+ * by cost, 9.0-9.6 by count, alternating runs). Which thread computes an item never changes its
+ * arithmetic. */
+static void attention_split(int64_t B, const int64_t *tok0, const int64_t *ctx, const int64_t *item0, int64_t nt,
+                            int64_t *split)
+{
+    double total = 0.0, acc = 0.0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t u = item0[b]; u < item0[b + 1]; u++)
+            total += attention_item_cost(tok0[b + 1] - tok0[b], u - item0[b], ctx[b]);
+    int64_t id = 1;
+    split[0] = 0;
+    for (int64_t b = 0; b < B; b++)
+        for (int64_t u = item0[b]; u < item0[b + 1]; u++) {
+            while (id < nt && acc >= total * (double)id / (double)nt) split[id++] = u;
+            acc += attention_item_cost(tok0[b + 1] - tok0[b], u - item0[b], ctx[b]);
+        }
+    while (id <= nt) split[id++] = item0[B];
+}
+
+/* One forward. B sequences, tok0: [B + 1] token offsets; ids, pos: [N]; per sequence b: kv_row[b]
+ * its KV row, ctx[b] its visible context columns [0, ctx[b]), start[b] the column its new tokens'
+ * keys/values are written from; vis: per sequence a [w_b, w_b] uint8 matrix (1 = token i sees new
+ * token j), concatenated. kc[l], vc[l]: layer l's buffers [R, Hkv, cap, D]. keep: [n_keep] token
+ * indices whose logits are wanted -> logits [n_keep, V]; K > 0: also each kept row's top-K ids
+ * (topk_row) -> topk [n_keep, K], and with probs, their confidences (top_probs_row) -> probs [n_keep, K]
+ * (while the row is still in cache, on the pool's threads). Returns 0, -1 on a shape the check refuses,
+ * -2 without memory, -3 on a position beyond the rotary tables. */
+int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int64_t *ids, const int64_t *pos,
+                    const int64_t *kv_row, const int64_t *ctx, const int64_t *start, const uint8_t *vis,
+                    float *const *kc, float *const *vc, int64_t cap, const int64_t *keep, int64_t n_keep,
+                    float *logits, int64_t K, int32_t *topk, uint8_t *probs, int threads)
+{
+    if (trserve_forward_check(M) || threads < 1 || K < 0 || K > 64 || K > M->vocab || (K && n_keep && !topk)) return -1;
+    const int64_t N = tok0[B], H = M->hidden, D = M->head_dim, Hq = M->heads, Hkv = M->kv_heads, F = M->inter;
+    int64_t max_ctx = 0, max_w = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t w = tok0[b + 1] - tok0[b];
+        max_w = w > max_w ? w : max_w;
+        max_ctx = ctx[b] > max_ctx ? ctx[b] : max_ctx;
+    }
+    for (int64_t t = 0; t < N; t++)
+        if (pos[t] < 0 || pos[t] >= M->positions) return -3;
+    const int64_t sc_len = max_ctx + max_w + 1, sc_floats = QPASS * sc_len > F ? QPASS * sc_len : F;
+    int64_t *vis0 = malloc((B + 1) * sizeof(int64_t)), *item0 = malloc((B + 1) * sizeof(int64_t)),
+            *split = malloc((threads + 1) * sizeof(int64_t));
+    /* h: each thread's own normed copy of x (every thread norms all rows: N x H work, which saves a
+     * barrier per norm) */
+    float *x = malloc(sizeof(float) * (N * H)), *hs = malloc(sizeof(float) * (N * H * threads)),
+          *tmp = malloc(sizeof(float) * (N * H)), *q = malloc(sizeof(float) * (N * Hq * D)),
+          *k = malloc(sizeof(float) * (N * Hkv * D)), *v = malloc(sizeof(float) * (N * Hkv * D)),
+          *att = malloc(sizeof(float) * (N * Hq * D)), *gt = malloc(sizeof(float) * (N * F)),
+          *up = malloc(sizeof(float) * (N * F)), *hk = malloc(sizeof(float) * (n_keep * H + 1)),
+          *scs = malloc(sizeof(float) * (sc_floats * threads));
+    int rc = 0;
+    if (!(vis0 && item0 && split && x && hs && tmp && q && k && v && att && gt && up && hk && scs)) {
+        rc = -2;
+        goto done;
+    }
+    vis0[0] = item0[0] = 0;
+    for (int64_t b = 0; b < B; b++) {
+        const int64_t w = tok0[b + 1] - tok0[b];
+        vis0[b + 1] = vis0[b] + w * w;
+        item0[b + 1] = item0[b] + Hq * ((w + QBLOCK - 1) / QBLOCK);
+    }
+    attention_split(B, tok0, ctx, item0, threads, split);
+    for (int64_t t = 0; t < N; t++) memcpy(x + t * H, M->embed + ids[t] * H, H * sizeof(float));
+    {
+        fwd_job_t job = {M, B, cap, n_keep, K, N, H, D, Hq, Hkv, F, sc_len, sc_floats, tok0, ids, pos, kv_row, ctx,
+                         start, keep, vis0, item0, split, vis, kc, vc, logits, x, hs, tmp, q, k, v, att, gt, up, hk,
+                         scs, topk, K > 0 ? probs : NULL};
+        pool_run(fwd_job, &job, threads);
+    }
+done:
+    free(vis0), free(item0), free(split), free(x), free(hs), free(tmp), free(q), free(k), free(v), free(att), free(gt), free(up), free(hk);
+    free(scs);
+    return rc;
+}

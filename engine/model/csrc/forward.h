@@ -1,0 +1,48 @@
+/* The native forward's entry points and the model it reads (forward.c). engine/model/native.py
+ * mirrors these structs with ctypes: a change here is a change there.
+ */
+#ifndef TRSERVE_FORWARD_H
+#define TRSERVE_FORWARD_H
+
+#include <stdint.h>
+
+typedef struct {
+    int64_t kind, in, out; /* 4 or 8 (qlinear.c), in/out features */
+    const uint8_t *codes;
+    const uint16_t *d, *m; /* float16 bits; m only for kind 4 */
+    const float *bias;     /* [out] or NULL */
+} tr_qmat;
+
+typedef struct {
+    const float *in_norm, *post_norm; /* [H] */
+    tr_qmat q, k, v, o, gate, up, down;
+} tr_layer;
+
+typedef struct {
+    int64_t n_layers, hidden, heads, kv_heads, head_dim, inter, vocab;
+    float eps, scale; /* RMSNorm epsilon, attention scaling */
+    const float *embed;      /* [V, H] input embeddings */
+    const float *final_norm; /* [H] */
+    const tr_layer *layers;
+    tr_qmat head;                    /* LM head */
+    const float *cos, *sin;          /* [P, D] rotary tables by position */
+    int64_t positions;               /* P */
+} tr_model;
+
+/* Checks the model fits the forward's fixed-size parts; 0 ok. */
+int trserve_forward_check(const tr_model *M);
+
+/* The K largest of each of m rows of x [m, V] -> idx [m, K], largest first (tests). 0, or -1 when K
+ * is not 1..64 or above V. */
+int trserve_topk_rows(const float *x, int64_t m, int64_t V, int64_t K, int32_t *idx);
+int trserve_top_probs(const float *x, int64_t m, int64_t V, int64_t K, const int32_t *idx, uint8_t *q);
+
+/* One forward of B sequences' new tokens (packed, tok0 [B + 1] offsets) over their KV rows; logits of
+ * the kept tokens (and their top-K ids for K > 0, and those ids' confidences where probs is not NULL). 0, -1 on a shape the check refuses, -2 without
+ * memory, -3 on a position beyond the rotary tables. forward.c says what every argument holds. */
+int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int64_t *ids, const int64_t *pos,
+                    const int64_t *kv_row, const int64_t *ctx, const int64_t *start, const uint8_t *vis,
+                    float *const *kc, float *const *vc, int64_t cap, const int64_t *keep, int64_t n_keep,
+                    float *logits, int64_t K, int32_t *topk, uint8_t *probs, int threads);
+
+#endif

@@ -1,0 +1,88 @@
+/* 16 float lanes (v16) and their operations, one written-out version per ISA variant (trserve,
+ * engine/model/csrc/): the lanes are 16 outputs of a panel in qlinear.c, 16 elements of a head's
+ * vector in forward.c's attention. Tiny always-inlined helpers: they sit in the kernels' innermost
+ * loops, so they stay in a header rather than behind a call.
+ */
+#ifndef TRSERVE_VEC_H
+#define TRSERVE_VEC_H
+
+#include "isa.h"
+
+/* ---- float16 -> float32 (exact), for the scalar build (the vector ones convert 8/16 at a time) -- */
+#if !defined(__AVX512F__) && !defined(__AVX2__)
+/* Portable: every float16 (normal, subnormal, zero, inf, nan) is exactly a float32. */
+INLINE float half_to_float(uint16_t h)
+{
+    const uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1Fu, man = h & 0x3FFu;
+    uint32_t bits;
+    if (exp == 0x1F) {
+        bits = sign | 0x7F800000u | (man << 13); /* inf, nan (payload kept) */
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112u) << 23) | (man << 13); /* rebias 15 -> 127 */
+    } else {
+        const float f = (float)man * 0x1p-24f; /* zero or subnormal: man * 2^-24, exact in float32 */
+        return sign ? -f : f;
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+#endif
+
+/* ---- the ISA-specific part: v16 = 16 float lanes ----------------------------------------------
+ * v_half: 16 halves -> floats (exact); v_fma(w, x, acc): acc = fma(w, broadcast(*x), acc) per lane. */
+#if defined(__AVX512F__)
+
+typedef __m512 v16;
+INLINE v16 v_zero(void) { return _mm512_setzero_ps(); }
+INLINE v16 v_load(const float *p) { return _mm512_loadu_ps(p); }
+INLINE void v_store(float *p, v16 v) { _mm512_storeu_ps(p, v); }
+INLINE v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
+INLINE v16 v_div(v16 a, float s) { return _mm512_div_ps(a, _mm512_set1_ps(s)); }
+INLINE v16 v_fma(v16 w, const float *x, v16 acc) { return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), acc); }
+INLINE v16 v_half(const uint16_t *h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)); }
+
+#elif defined(__AVX2__)
+
+typedef struct { __m256 a, b; } v16; /* lanes 0..7, 8..15 */
+INLINE v16 v_zero(void) { v16 v = {_mm256_setzero_ps(), _mm256_setzero_ps()}; return v; }
+INLINE v16 v_load(const float *p) { v16 v = {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; return v; }
+INLINE void v_store(float *p, v16 v) { _mm256_storeu_ps(p, v.a), _mm256_storeu_ps(p + 8, v.b); }
+INLINE v16 v_add(v16 x, v16 y) { v16 v = {_mm256_add_ps(x.a, y.a), _mm256_add_ps(x.b, y.b)}; return v; }
+INLINE v16 v_div(v16 x, float s)
+{
+    const __m256 d = _mm256_set1_ps(s);
+    v16 v = {_mm256_div_ps(x.a, d), _mm256_div_ps(x.b, d)};
+    return v;
+}
+INLINE v16 v_fma(v16 w, const float *x, v16 acc)
+{
+    const __m256 s = _mm256_broadcast_ss(x);
+    v16 v = {_mm256_fmadd_ps(w.a, s, acc.a), _mm256_fmadd_ps(w.b, s, acc.b)};
+    return v;
+}
+INLINE v16 v_half(const uint16_t *h)
+{
+    v16 v = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)))};
+    return v;
+}
+
+#else /* scalar */
+
+typedef struct { float v[16]; } v16;
+INLINE v16 v_zero(void) { v16 v; for (int l = 0; l < 16; l++) v.v[l] = 0.0f; return v; }
+INLINE v16 v_load(const float *p) { v16 v; memcpy(v.v, p, sizeof v.v); return v; }
+INLINE void v_store(float *p, v16 v) { memcpy(p, v.v, sizeof v.v); }
+INLINE v16 v_add(v16 x, v16 y) { for (int l = 0; l < 16; l++) x.v[l] += y.v[l]; return x; }
+INLINE v16 v_div(v16 x, float s) { for (int l = 0; l < 16; l++) x.v[l] /= s; return x; }
+INLINE v16 v_fma(v16 w, const float *x, v16 acc)
+{
+    const float s = *x;
+    for (int l = 0; l < 16; l++) acc.v[l] = fmaf(w.v[l], s, acc.v[l]);
+    return acc;
+}
+INLINE v16 v_half(const uint16_t *h) { v16 v; for (int l = 0; l < 16; l++) v.v[l] = half_to_float(h[l]); return v; }
+
+#endif
+
+#endif

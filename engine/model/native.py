@@ -1,0 +1,192 @@
+"""The native forward: a llama-family model's whole decoder stack in one C call (csrc/forward.c).
+
+With transformers' eager modules a forward of SmolLM2-135M dispatches ~2,000 small ops (norms,
+rotary, views, cache updates, 7 kernel calls per layer with an OpenMP fork/join each): ~8-10 ms per
+forward on these CPUs, as much as the weights' memory traffic. `NativeForward` runs the same model
+(the weights transformers loaded, as the exact compressed kernels hold them: engine/model/kernels/)
+in one run of the kernels' thread pool (csrc/pool.h) over a packed batch: B sequences' new tokens back to back, no padding, each
+with its own KV row, visible context, write column and tree mask.
+
+It applies where the model is the Llama architecture as transformers defines it (LlamaForCausalLM,
+and Mistral/Qwen2 without sliding windows): pre-norm RMSNorm, rotary embedding with a static
+table, grouped-query attention, SiLU-gated MLP, every linear layer on compressed kernels. Anything
+else keeps transformers' forward (engine/model/runner.py decides). Every token's numbers depend
+only on its input, position and visible keys (see csrc/forward.c), so tree verification and plain
+decoding give identical logits, and the AVX-512, AVX2 and scalar builds give the same bits; against
+transformers' own forward the logits differ by float rounding (~1e-5; tests check both).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from trserve.engine.model.kernels.build import forward_library, top_probs_library
+from trserve.engine.model.kernels.qlinear import QLinear
+
+_i64 = ctypes.c_int64
+_P = ctypes.c_void_p
+
+
+class _QMat(ctypes.Structure):
+    _fields_ = [("kind", _i64), ("inp", _i64), ("out", _i64), ("codes", _P), ("d", _P), ("m", _P), ("bias", _P)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("in_norm", _P), ("post_norm", _P), *((n, _QMat) for n in ("q", "k", "v", "o", "gate", "up", "down"))]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [("n_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+                ("inter", _i64), ("vocab", _i64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("embed", _P), ("final_norm", _P), ("layers", ctypes.POINTER(_Layer)), ("head", _QMat),
+                ("cos", _P), ("sin", _P), ("positions", _i64)]
+
+
+_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_STATIC_ROPE = ("default", "linear", "llama3")
+
+
+def native_unsupported(model) -> str | None:
+    """Why `model` cannot take the native forward (None: it can)."""
+    cfg = model.config
+    arch = type(model).__name__
+    if arch not in _ARCHS:
+        return f"architecture {arch} (native forward: {', '.join(_ARCHS)})"
+    if model.device.type != "cpu" or model.dtype != torch.float32:
+        return "not a CPU float32 model"
+    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
+        return "activation or tensor-parallel layout differs from Llama's"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return "sliding-window attention"
+    if getattr(cfg, "mlp_bias", False):
+        return "MLP biases"
+    body = model.get_decoder()
+    rope = getattr(getattr(body, "rotary_emb", None), "rope_type", None)
+    if rope not in _STATIC_ROPE:
+        return f"rotary embedding type {rope!r} (native forward: {', '.join(_STATIC_ROPE)})"
+    heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    if head_dim % 32 or head_dim > 256 or cfg.hidden_size % 32 or cfg.intermediate_size % 32 or heads % kv:
+        return "head, hidden or MLP sizes not multiples of 32"
+    for layer in body.layers:
+        a, m = layer.self_attn, layer.mlp
+        if hasattr(a, "q_norm") or hasattr(a, "k_norm"):
+            return "q/k norms"
+        mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+        if not all(isinstance(x, QLinear) for x in mods):
+            return "not every linear layer is on the compressed kernels"
+        if getattr(a, "scaling", None) is None:
+            return "attention scaling unknown"
+    if not isinstance(model.get_output_embeddings(), QLinear):
+        return "LM head not on the compressed kernels"
+    return None
+
+
+def _qmat(q: QLinear) -> _QMat:
+    return _QMat(q.kind, q.in_features, q.out_features, q.codes.data_ptr(), q.d.data_ptr(),
+                 q.m.data_ptr() if q.kind == 4 else None, q.bias.data_ptr() if q.bias is not None else None)
+
+
+class NativeForward:
+    """The forward of a supported model (see `native_unsupported`) over a BatchKV's buffers."""
+
+    def __init__(self, model) -> None:
+        why = native_unsupported(model)
+        if why:
+            raise ValueError(f"native forward unavailable: {why}")
+        cfg, body = model.config, model.get_decoder()
+        self.model = model
+        head = model.get_output_embeddings()
+        self._fn = forward_library(head.isa)
+        self._probs = top_probs_library(head.isa)
+        self.threads = head.threads  # as the linear layers (load_model sets them); None: torch.get_num_threads()
+        self.heads = cfg.num_attention_heads
+        self.kv_heads = getattr(cfg, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
+        self._keep = [model]  # every tensor whose pointer the C struct holds stays referenced here
+        layers = (_Layer * len(body.layers))()
+        for i, layer in enumerate(body.layers):
+            a, m = layer.self_attn, layer.mlp
+            norms = (self._ptr(layer.input_layernorm.weight), self._ptr(layer.post_attention_layernorm.weight))
+            mats = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+            layers[i] = _Layer(*norms, *(_qmat(x) for x in mats))
+        self._layers = layers
+        self._rotary = body.rotary_emb
+        self._ptrs = None  # (buffers' identity, layer key pointers, layer value pointers)
+        self._cos = self._sin = torch.zeros(0)
+        eps = body.norm.variance_epsilon if hasattr(body.norm, "variance_epsilon") else cfg.rms_norm_eps
+        self.m = _Model(len(body.layers), cfg.hidden_size, self.heads, self.kv_heads, self.head_dim,
+                        cfg.intermediate_size, head.out_features, float(eps), float(body.layers[0].self_attn.scaling),
+                        self._ptr(body.embed_tokens.weight), self._ptr(body.norm.weight), layers, _qmat(head),
+                        None, None, 0)
+        self.vocab = head.out_features
+        self._grow_rope(4096)
+
+    def _ptr(self, t: torch.Tensor) -> int:
+        t = t.detach()
+        if not t.is_contiguous() or t.dtype != torch.float32:
+            t = t.contiguous().float()
+            self._keep.append(t)
+        return t.data_ptr()
+
+    def _grow_rope(self, need: int) -> None:
+        """Rotary tables [P, D] for positions 0..P-1 from the model's own rotary module."""
+        if need <= self._cos.shape[0]:
+            return
+        p = max(need, 2 * self._cos.shape[0])
+        pos = torch.arange(p)[None]
+        with torch.inference_mode():
+            cos, sin = self._rotary(torch.zeros(1, dtype=torch.float32), pos)
+        self._cos, self._sin = cos[0].contiguous().float(), sin[0].contiguous().float()  # [P, D]
+        self.m.cos, self.m.sin, self.m.positions = self._cos.data_ptr(), self._sin.data_ptr(), p
+
+    def top_probs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """logits [m, V] float32, ids [m, K] (column 0 the argmax) -> their softmax probabilities as
+        uint8 buckets [m, K] (csrc/forward.c trserve_top_probs; engine/tr/recycle.py:top_probs is the
+        torch form)."""
+        x = logits.float().contiguous()
+        idx = ids.to(torch.int32).contiguous()
+        q = torch.empty(idx.shape, dtype=torch.uint8)
+        if self._probs(x.data_ptr(), x.shape[0], x.shape[1], idx.shape[1], idx.data_ptr(), q.data_ptr()):
+            raise RuntimeError(f"top_probs refused shapes {tuple(x.shape)}, {tuple(idx.shape)}")
+        return q
+
+    def __call__(self, kv_k: list[torch.Tensor], kv_v: list[torch.Tensor], widths: list[int], ids: torch.Tensor,
+                 pos: torch.Tensor, kv_rows: list[int], ctx: list[int], start: list[int], vis: torch.Tensor,
+                 keep: torch.Tensor | None, topk: int = 0,
+                 probs: bool = False) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """One forward. ids, pos: [N] int64 (sequences back to back, widths[b] each); vis: the
+        sequences' [w_b, w_b] visibility (uint8) concatenated; keep: [m] token indices (None: all)
+        -> (logits [m, V], each kept row's top-`topk` ids [m, topk] int32 or None for topk 0:
+        largest first, equal logits by lower id, so column 0 is the argmax; with `probs` and topk > 0,
+        their confidences [m, topk] uint8 as `top_probs` gives them, computed in the forward's pool
+        while each row is in cache, else None). Writes each sequence's keys/values into kv row
+        kv_rows[b] from column start[b]; it sees context columns [0, ctx[b])."""
+        b, n = len(widths), int(ids.shape[0])
+        self._grow_rope(int(pos.max()) + 1 if n else 1)
+        tok0 = torch.zeros(b + 1, dtype=torch.int64)
+        tok0[1:] = torch.tensor(widths, dtype=torch.int64).cumsum(0)
+        meta = torch.tensor([kv_rows, ctx, start], dtype=torch.int64)  # [3, B]
+        keep = keep.to(torch.int64).contiguous() if keep is not None else torch.arange(n, dtype=torch.int64)
+        m = int(keep.shape[0])
+        out = torch.empty(m, self.vocab, dtype=torch.float32)
+        top = torch.empty(m, topk, dtype=torch.int32) if topk else None
+        q = torch.empty(m, topk, dtype=torch.uint8) if topk and probs else None
+        key = (kv_k[0].data_ptr(), kv_v[0].data_ptr(), len(kv_k))  # the buffers change only when they grow
+        if self._ptrs is None or self._ptrs[0] != key:
+            self._ptrs = (key, (_P * len(kv_k))(*(t.data_ptr() for t in kv_k)),
+                          (_P * len(kv_v))(*(t.data_ptr() for t in kv_v)))
+        _, kp, vp = self._ptrs
+        ids, pos, vis = ids.contiguous(), pos.to(torch.int64).contiguous(), vis.to(torch.uint8).contiguous()
+        cap = kv_k[0].shape[2]
+        rc = self._fn(ctypes.byref(self.m), b, tok0.data_ptr(), ids.data_ptr(), pos.data_ptr(), meta[0].data_ptr(),
+                      meta[1].data_ptr(), meta[2].data_ptr(), vis.data_ptr(), kp, vp, cap, keep.data_ptr(), m,
+                      out.data_ptr(), topk, top.data_ptr() if top is not None else None,
+                      q.data_ptr() if q is not None else None, self.threads or torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError("native forward: out of memory")
+        if rc:
+            raise RuntimeError(f"native forward refused its input (code {rc})")
+        return out, top, q

@@ -1,0 +1,72 @@
+"""The one request type of the engine, and its model-bound, validated form.
+
+`GenerationRequest` is what a caller asks for (the worker builds it once from the protobuf; Python
+users build it directly); everything checkable without the model is checked when it is built.
+`Decoder.prepare` checks the rest against the model (ids in the vocabulary, context budget, tree)
+and returns a `PreparedRequest`: the only thing the decode loop consumes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trserve.core.errors import InvalidArgument
+from trserve.engine.tr.sampling import SamplingParams
+from trserve.engine.tr.tree import CompiledTree, TreeTemplate
+
+MODES = ("tr", "ar")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """Exactly one of `prompt` (raw text, no chat template), `messages` (chat template applied) or
+    `input_ids`. `stop_token_ids` add to the model's EOS ids (`ignore_eos` drops those, e.g. for
+    fixed-length benchmarks). `tree`: a builtin name, a JSON file path, a template or compiled tree;
+    None = the decoder's default (or the caller's online tuner). `sampling`: None or temperature 0
+    decodes greedily; otherwise tokens are sampled losslessly (engine/tr/sampling.py)."""
+
+    prompt: str | None = None
+    messages: tuple[dict, ...] | list[dict] | None = None
+    input_ids: tuple[int, ...] | list[int] | None = None
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    mode: str = "tr"  # "tr" (Token Recycling) or "ar" (plain decoding, same kernels)
+    tree: str | TreeTemplate | CompiledTree | None = None
+    sampling: SamplingParams | None = None
+
+    def __post_init__(self) -> None:
+        if sum(x is not None for x in (self.prompt, self.messages, self.input_ids)) != 1:
+            raise InvalidArgument("give exactly one of: prompt text, chat messages, or input token ids")
+        if self.mode not in MODES:
+            raise InvalidArgument(f"mode must be one of {MODES}, got {self.mode!r}")
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
+            raise InvalidArgument(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
+            raise InvalidArgument(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
+        stops = tuple(self.stop_strings)
+        if any(not isinstance(s, str) or not s for s in stops):
+            raise InvalidArgument("stop strings must not be empty (an empty string stops nothing): remove it")
+        object.__setattr__(self, "stop_strings", stops)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+
+    @property
+    def uses_default_tree(self) -> bool:
+        """TR with no tree named: the decoder's default tree, or the caller's online tuner, drafts.
+        (A named tree always wins over a tuner.)"""
+        return self.mode == "tr" and self.tree is None
+
+
+@dataclass(frozen=True, repr=False)
+class PreparedRequest:
+    """A GenerationRequest checked against one Decoder's model: what the decode loop runs."""
+
+    request: GenerationRequest
+    ids: tuple[int, ...]  # prompt token ids, each in [0, V)
+    tree: CompiledTree | None  # the tree verified (the tuner's universe when tuned); None for "ar"
+    stop_ids: frozenset[int] = field(default_factory=frozenset)  # EOS (unless ignored) + the request's
+
+    def __repr__(self) -> str:
+        tree = self.tree.template.name if self.tree is not None else None
+        return f"PreparedRequest(prompt={len(self.ids)} tokens, mode={self.request.mode!r}, tree={tree!r})"

@@ -1,0 +1,134 @@
+"""The target model facade beneath the engine: load, validate requests against the model
+(`prepare`), compile trees, fresh matrices, draft sources and online tuners. No decoding here:
+the one decode loop is engine/engine.py:BatchEngine."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from trserve.core.errors import InvalidArgument
+from trserve.core.model_spec import ModelSpec
+from trserve.engine.config import DecoderConfig
+from trserve.engine.model.loader import LoadedModel, load_model
+from trserve.engine.request.prompt import PromptBuilder, check_token_ids
+from trserve.engine.request.request import GenerationRequest, PreparedRequest
+from trserve.engine.tr.history import SuffixHistory
+from trserve.engine.tr.matrix import AdjacencyMatrix
+from trserve.engine.tr.source import DraftSource, LocalDraftSource
+from trserve.engine.tr.tree import CompiledTree, TreeTemplate, get_compiled, load_template
+from trserve.engine.tuning.online import OnlineTuner
+
+
+class TargetModel:
+    """The target model as the engine uses it: model + tokenizer, request validation (`prepare`),
+    tree compilation, fresh matrices, draft sources and online tuners."""
+
+    def __init__(self, config: DecoderConfig, loaded: LoadedModel | None = None) -> None:
+        self.config = config
+        self.loaded = loaded or load_model(config.model)
+        self.model = self.loaded.model
+        self.tokenizer = self.loaded.tokenizer
+        self.fingerprint = self.loaded.fingerprint
+        self.device = self.loaded.device
+        self.vocab_size = int(self.model.config.vocab_size)
+        self.spec = ModelSpec(self.fingerprint, self.vocab_size, config.k)
+        self.max_context = config.max_context or int(getattr(self.model.config, "max_position_embeddings", 2048))
+        self.prompts = PromptBuilder(self.tokenizer, self.vocab_size)
+        self.autotuner = self._new_autotuner() if config.tree == "adaptive" else None
+        best_known = config.tree_for(self.device.type, self.loaded.kernels)
+        self.default_tree = self.autotuner.universe if self.autotuner else self.compile(best_known)
+        self.eos_ids = self._eos_ids()
+        # One forward at a time on this model, whoever runs it (one engine's step; tests may build
+        # several engines over one model): the attention function's per-forward mask cache is process state.
+        self.model_lock = threading.Lock()
+
+    # ---- setup helpers -------------------------------------------------------------------
+    def compile(self, tree: str | TreeTemplate) -> CompiledTree:
+        """A builtin tree name, a JSON file path, or a TreeTemplate, compiled once for this device."""
+        template = tree if isinstance(tree, TreeTemplate) else load_template(tree)
+        self._check_ranks(template)
+        return get_compiled(template, self.device, self.loaded.dtype)
+
+    def _check_ranks(self, template: TreeTemplate) -> None:
+        """A node of rank r reads successor r of its parent's row: r must be < K."""
+        if template.max_rank >= self.config.k:
+            raise InvalidArgument(f"tree {template.name!r} uses successor rank {template.max_rank} but the matrix "
+                                  f"keeps K={self.config.k} per token; use a tree with ranks < {self.config.k}")
+
+    def _new_autotuner(self) -> OnlineTuner:
+        from trserve.engine.model.paths import default_cache_dir
+        from trserve.engine.tuning.calibrate import load_or_measure
+
+        cost = load_or_measure(self.loaded, Path(self.config.cache_dir) if self.config.cache_dir else default_cache_dir())
+        return self._tuner(cost)
+
+    def _tuner(self, cost) -> OnlineTuner:
+        start = load_template(self.config.tree_for(self.device.type, self.loaded.kernels))
+        universe = load_template(self.config.autotune.universe)
+        self._check_ranks(universe)
+        return OnlineTuner(self.config.autotune, universe, start, cost, self.device, self.loaded.dtype)
+
+    def new_tuner(self) -> OnlineTuner:
+        """A fresh online tuner like this model's own (tree "adaptive" only), e.g. one per tenant."""
+        if self.autotuner is None:
+            raise InvalidArgument('online tuning needs DecoderConfig(tree="adaptive")')
+        return self._tuner(self.autotuner.cost)
+
+    @staticmethod
+    def tree_name(tree: CompiledTree, tuner: OnlineTuner | None) -> str:
+        return f"adaptive:{tuner.current.size}" if tuner is not None else tree.template.name
+
+    def new_matrix(self) -> AdjacencyMatrix:
+        return AdjacencyMatrix(self.spec, self.device)
+
+    def new_tenant(self, history: bool = True) -> LocalDraftSource:
+        """One tenant's in-process drafting state, to pass as `matrix=` to every request of that tenant:
+        a fresh matrix and (history=True) a history of its requests (engine/tr/history.py) that
+        dynamic trees draft from. Never share one between tenants."""
+        return LocalDraftSource(self.new_matrix(), SuffixHistory() if history else None)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set()
+        for source in (self.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(int(i) for i in source)
+        return frozenset(ids)
+
+    # ---- validation: once per request --------------------------------------------------------
+    def prepare(self, request: GenerationRequest) -> PreparedRequest:
+        """Check a request against this model: prompt ids, tree (ranks < K), context budget, stop ids."""
+        ids = self.prompts.build(request.prompt, request.messages, request.input_ids)
+        tree = None
+        if request.mode == "tr":
+            tree = self._resolve_tree(request.tree) if request.tree is not None else self.default_tree
+        self._check_budget(len(ids), request.max_new_tokens, tree)
+        stop_ids = frozenset(check_token_ids(request.stop_token_ids, self.vocab_size, "stop token ids"))
+        return PreparedRequest(request, tuple(ids), tree, stop_ids | (frozenset() if request.ignore_eos else self.eos_ids))
+
+    def _resolve_tree(self, tree: str | TreeTemplate | CompiledTree) -> CompiledTree:
+        if isinstance(tree, CompiledTree):
+            self._check_ranks(tree.template)
+            return tree
+        return self.compile(tree)
+
+    def _check_budget(self, prompt_len: int, max_new_tokens: int, tree: CompiledTree | None) -> None:
+        reserved = tree.template.max_width if tree is not None else self.default_tree.template.max_width
+        room = self.max_context - prompt_len - reserved
+        if max_new_tokens > room:
+            raise InvalidArgument(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the model context "
+                f"({self.max_context} tokens, {reserved} reserved for the draft tree); use max_new_tokens <= {max(room, 0)}"
+                + (" or a shorter prompt" if room <= 0 else "")
+            )
+
+    def draft_source(self, matrix: AdjacencyMatrix | DraftSource | None) -> DraftSource:
+        if matrix is None:
+            return LocalDraftSource(self.new_matrix())
+        if isinstance(matrix, AdjacencyMatrix):
+            return LocalDraftSource(matrix)
+        if hasattr(matrix, "open"):
+            return matrix
+        raise InvalidArgument(f"matrix must be an AdjacencyMatrix or a DraftSource, got {type(matrix).__name__}")

@@ -1,0 +1,263 @@
+"""The OpenAI-compatible HTTP API of a worker: `POST /v1/chat/completions`, `POST /v1/completions`
+(both also streamed as server-sent events) and `GET /v1/models`.
+
+A thin layer over the worker's own `services/worker/servicer.py:GenerateServicer`: each request
+becomes a `pb.GenerateRequest`, is validated by the same code as a gRPC one, counted by the same
+admission (calls in flight, batch places, queue) and decoded by the same engine. Errors are the
+gRPC status the same failure gets, as HTTP codes with OpenAI's error body; a full queue is 429
+with Retry-After. With tenant tokens, `Authorization: Bearer <token>` names the tenant (a `user`
+field or `X-Tenant` header naming another one is refused). Runs on the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from trserve.core.errors import PermissionDenied, TRServeError
+from trserve.core.tenants import validate_tenant_id
+from trserve.engine.results import StepChunk
+from trserve.services.common.errors import status_for
+from trserve.services.openai import convert
+from trserve.services.openai.convert import BadParam, ModelNotFound
+from trserve.services.worker.admission import QueueFull
+from trserve.services.worker.servicer import GenerateServicer, StreamEnd
+
+log = logging.getLogger("trserve.openai")
+
+# gRPC status name -> (HTTP status, OpenAI error type)
+ERRORS = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"), "FAILED_PRECONDITION": (400, "invalid_request_error"),
+    "OUT_OF_RANGE": (400, "invalid_request_error"), "NOT_FOUND": (404, "invalid_request_error"),
+    "UNAUTHENTICATED": (401, "authentication_error"), "PERMISSION_DENIED": (403, "permission_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"), "UNAVAILABLE": (503, "service_unavailable"),
+    "DEADLINE_EXCEEDED": (504, "timeout"), "UNIMPLEMENTED": (501, "not_implemented"),
+}
+
+
+class Unauthenticated(TRServeError):
+    status = "UNAUTHENTICATED"
+
+
+class TooLarge(TRServeError):
+    status = "RESOURCE_EXHAUSTED"
+
+
+class HttpDeadline:
+    """A call's deadline from its `X-Request-Timeout: <seconds>` header, as a gRPC deadline works:
+    decoding stops in time to return a partial answer, or 504 when too little is left to start.
+    Without the header a call runs until done (or the client goes away)."""
+
+    def __init__(self, request: Request) -> None:
+        value = request.headers.get("x-request-timeout")
+        if value is None:
+            self.end = None
+            return
+        try:
+            seconds = float(value)
+        except ValueError:
+            seconds = float("nan")
+        if not 0 < seconds < 1e6:
+            raise BadParam(f"X-Request-Timeout must be seconds in (0, 1e6), got {value!r}", "X-Request-Timeout")
+        self.end = time.monotonic() + seconds
+
+    def time_remaining(self) -> float | None:
+        return None if self.end is None else self.end - time.monotonic()
+
+
+def error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
+    """(HTTP status, OpenAI error body, headers) for an exception, as its gRPC status would say it."""
+    code = status_for(exc).name
+    status, kind = ERRORS.get(code, (500, "server_error"))
+    message = str(exc) or type(exc).__name__
+    if status == 500:
+        log.exception("OpenAI API call failed", exc_info=exc)
+        message = f"internal error ({type(exc).__name__}); see the server log"
+    else:  # the message may quote the request (user text): only at DEBUG
+        log.info("OpenAI API -> %d (%s)", status, type(exc).__name__)
+        log.debug("OpenAI API -> %d: %s", status, exc)
+    headers: dict[str, str] = {}
+    error_code = code.lower()
+    if isinstance(exc, ModelNotFound):
+        error_code = "model_not_found"
+    elif isinstance(exc, TooLarge):
+        status, kind, error_code = 413, "invalid_request_error", "request_too_large"
+    elif isinstance(exc, QueueFull):
+        headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s))),
+                   "retry-after-ms": str(int(exc.retry_after_s * 1000))}
+        error_code = "rate_limit_exceeded"
+    param = exc.param if isinstance(exc, BadParam) else None
+    return status, {"error": {"message": message, "type": kind, "param": param, "code": error_code}}, headers
+
+
+def error_response(exc: BaseException) -> JSONResponse:
+    status, body, headers = error_body(exc)
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class OpenAIApp:
+    """The routes, bound to one worker's servicer (its decoder, config, admission and metrics)."""
+
+    def __init__(self, servicer: GenerateServicer) -> None:
+        self.servicer = servicer
+        self.config = servicer.config
+        self.model_id = servicer.decoder.config.model.source
+        self.fingerprint = servicer.decoder.fingerprint
+        self.created = int(time.time())
+
+    def asgi(self) -> Starlette:
+        routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model:path}", self.model, methods=["GET"])]
+        return Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+
+    # ---- routes ------------------------------------------------------------------------------
+    async def models(self, request: Request) -> Response:
+        try:
+            self._token_tenant(request)
+        except TRServeError as exc:
+            return error_response(exc)
+        return JSONResponse({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: Request) -> Response:
+        try:
+            self._token_tenant(request)
+            if request.path_params["model"] != self.model_id:
+                raise ModelNotFound(f"the model {request.path_params['model']!r} does not exist here: this server "
+                                    f"serves {self.model_id!r}", "model")
+        except TRServeError as exc:
+            return error_response(exc)
+        return JSONResponse(self._model_card())
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, "chat")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, "text")
+
+    # ---- one generation ----------------------------------------------------------------------
+    async def _generate(self, request: Request, kind: str) -> Response:
+        method = "openai.chat.completions" if kind == "chat" else "openai.completions"
+        try:
+            token_tenant = self._token_tenant(request)
+            body = await self._body(request)
+            tenant = self._tenant(request, body, token_tenant)
+            req = convert.parse_request(body, kind, self.model_id, tenant)
+            deadline = HttpDeadline(request)
+            if req.stream:
+                return await self._stream(req, method, deadline)
+            result, call = await self.servicer.complete(req.request, deadline)
+        except Exception as exc:  # noqa: BLE001 - every failure is mapped, never dropped
+            self._count(method, exc)
+            return error_response(exc)
+        self._count(method, None)
+        return JSONResponse(convert.completion(req, result, call.queue_s, self.fingerprint))
+
+    async def _stream(self, req: convert.OpenAIRequest, method: str, deadline: HttpDeadline) -> Response:
+        """Waits for the first chunk (after the prefill), so refusals are still plain HTTP errors."""
+        items = self.servicer.stream(req.request, deadline)
+        try:
+            first = await anext(items)
+        except BaseException:
+            await items.aclose()
+            raise
+        writer = convert.ChunkWriter.of(req, self.fingerprint)
+        return StreamingResponse(self._events(writer, first, items, method), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    async def _events(self, writer: convert.ChunkWriter, item: StepChunk | StreamEnd,
+                      items: AsyncIterator[StepChunk | StreamEnd], method: str) -> AsyncIterator[str]:
+        error = None
+        async with contextlib.aclosing(items):
+            first = True
+            try:
+                while isinstance(item, StepChunk):
+                    if item.text or first:
+                        yield sse(writer.chunk(item.text, role=first, token_ids=item.tokens))
+                    else:  # tokens whose text is held back (a possible stop string) or not yet whole
+                        yield sse(writer.chunk(None if writer.req.kind == "chat" else "", token_ids=item.tokens))
+                    first = False
+                    item = await anext(items)
+                reason = "shutdown" if item.drained else item.result.finish_reason
+                yield sse(writer.last_chunk(item.rest, item.result, reason, item.queue_s))
+                if writer.req.include_usage:
+                    yield sse(writer.usage_chunk(item.result, reason, item.queue_s))
+            except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in the stream
+                error = exc
+                yield sse(error_body(exc)[1])
+            finally:
+                self._count(method, error)
+        yield sse("[DONE]")
+
+    # ---- helpers -----------------------------------------------------------------------------
+    async def _body(self, request: Request) -> object:
+        limit, size, parts = self.config.max_request_bytes, 0, []
+        async for part in request.stream():
+            size += len(part)
+            if size > limit:
+                raise TooLarge(f"the request body is over {limit} bytes (--max-request-bytes): shorten it")
+            parts.append(part)
+        try:
+            return json.loads(b"".join(parts))
+        except ValueError:
+            raise BadParam("the request body is not valid JSON") from None
+
+    def _token_tenant(self, request: Request) -> str | None:
+        """With tenant tokens: the tenant the bearer token belongs to (else Unauthenticated); None without."""
+        tokens = self.config.tenant_tokens
+        if tokens is None:
+            return None
+        auth = request.headers.get("authorization", "")
+        if not auth.startswith("Bearer "):
+            raise Unauthenticated("missing credentials: send the header 'Authorization: Bearer <tenant token>'")
+        tenant = tokens.tenant_of(auth[len("Bearer "):])
+        if tenant is None:
+            raise Unauthenticated("unknown tenant token")
+        return tenant
+
+    def _tenant(self, request: Request, body: object, token_tenant: str | None) -> str:
+        """The `user` field or the X-Tenant header; with tokens, the token's tenant (another one is refused)."""
+        header = request.headers.get("x-tenant") or None
+        user = body.get("user") if isinstance(body, dict) else None
+        if user is not None and not isinstance(user, str):
+            raise BadParam("user must be a string (the tenant id)", "user")
+        if header and user and header != user:
+            raise BadParam("the X-Tenant header and the user field name different tenants", "user")
+        asked = header or user or None
+        if token_tenant is not None:
+            if asked is not None and asked != token_tenant:
+                raise PermissionDenied(f"this token belongs to another tenant than {asked!r}")
+            return token_tenant
+        try:
+            return validate_tenant_id(asked or self.config.default_tenant)
+        except ValueError as exc:
+            raise BadParam(str(exc), "user") from None
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "trserve"}
+
+    def _count(self, method: str, exc: BaseException | None) -> None:
+        code = "OK" if exc is None else status_for(exc).name
+        self.servicer.metrics.requests.labels(method, code).inc()
+
+    @staticmethod
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        body = {"error": {"message": f"{request.method} {request.url.path}: {exc.detail}", "type": kind,
+                          "param": None, "code": str(exc.status_code)}}
+        return JSONResponse(body, status_code=exc.status_code, headers=exc.headers)

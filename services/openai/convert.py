@@ -1,0 +1,247 @@
+"""OpenAI JSON <-> the Generate API: a request body becomes a `pb.GenerateRequest`, validated
+afterwards by the worker's own `services/worker/convert.py:generate_call_from_pb` (limits, tenant
+ids, stops, sampling), so HTTP and gRPC accept and refuse the same things. Results become OpenAI
+completions, chunks and usage, with trserve's speculation figures under a `trserve` key.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from trserve.core.errors import InvalidArgument
+from trserve.engine.results import GenerationResult, GenerationStats
+from trserve.v1 import generate_pb2 as pb
+
+# trserve's finish reasons -> OpenAI's: a result cut short for any reason but a stop is "length"
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "time_limit": "length", "cancelled": "length",
+          "shutdown": "length"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+MODES = {"tr": pb.DECODING_MODE_TR, "ar": pb.DECODING_MODE_AR}
+# fields whose non-default values change the output in ways trserve does not do: refused, not ignored
+UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None, "logprobs": False, "top_logprobs": None,
+               "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None, "best_of": 1,
+               "response_format": None, "audio": None, "prediction": None}
+
+
+class BadParam(InvalidArgument):
+    """An invalid request field; `param` names it (OpenAI's error.param)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class ModelNotFound(BadParam):
+    status = "NOT_FOUND"
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    """A checked chat or completion request: the Generate request to run, and how to answer."""
+
+    kind: str  # "chat" or "text"
+    model: str
+    request: pb.GenerateRequest
+    stream: bool
+    include_usage: bool
+
+
+def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAIRequest:
+    """From a JSON body: `kind` "chat" (messages) or "text" (prompt). `tenant` is already authorised."""
+    if not isinstance(body, dict):
+        raise BadParam("the request body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadParam("model is required: use the id GET /v1/models lists", "model")
+    if model != model_id:
+        raise ModelNotFound(f"the model {model!r} does not exist here: this server serves {model_id!r}", "model")
+    _check_unsupported(body)
+    if body.get("n") not in (None, 1):
+        raise BadParam(f"n must be 1 (one choice per request), got {body['n']!r}", "n")
+    req = pb.GenerateRequest(tenant=tenant, return_token_ids=True)
+    if kind == "chat":
+        req.messages.CopyFrom(pb.ChatMessages(messages=_messages(body.get("messages"))))
+    else:
+        _prompt(body.get("prompt"), req)
+    _limits(body, kind, req)
+    _sampling(body, req)
+    stream = body.get("stream") or False
+    if not isinstance(stream, bool):
+        raise BadParam("stream must be true or false", "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadParam("stream_options must be an object", "stream_options")
+    return OpenAIRequest(kind, model, req, stream, bool(options.get("include_usage")))
+
+
+def _check_unsupported(body: dict) -> None:
+    for name, default in UNSUPPORTED.items():
+        value = body.get(name)
+        if value is not None and value != default and value != [] and value != {} and \
+                not (name == "response_format" and isinstance(value, dict) and value.get("type") == "text"):
+            raise BadParam(f"{name} is not supported by this server; leave it out", name)
+    if body.get("tool_choice") not in (None, "none"):
+        raise BadParam("tool_choice is not supported by this server; leave it out", "tool_choice")
+
+
+def _messages(messages: object) -> list[pb.ChatMessage]:
+    if not isinstance(messages, list) or not messages:
+        raise BadParam("messages must be a non-empty list of {role, content}", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        role = m.get("role") if isinstance(m, dict) else None
+        if role not in ROLES:
+            raise BadParam(f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}", f"messages[{i}].role")
+        out.append(pb.ChatMessage(role=ROLES[role], content=_content(m.get("content"), i)))
+    return out
+
+
+def _content(content: object, i: int) -> str:
+    """A string, or a list of text parts (joined)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise BadParam(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
+
+
+def _prompt(prompt: object, req: pb.GenerateRequest) -> None:
+    """A string, a list of one string, or a list of token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        req.text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        req.token_ids.CopyFrom(pb.TokenIds(ids=prompt))
+    else:
+        raise BadParam("prompt must be a string, a list of one string, or a list of token ids", "prompt")
+
+
+def _limits(body: dict, kind: str, req: pb.GenerateRequest) -> None:
+    names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
+    given = [(n, body[n]) for n in names if body.get(n) is not None]
+    if len({v for _, v in given if isinstance(v, int)}) > 1:
+        raise BadParam("max_tokens and max_completion_tokens differ: give one", "max_tokens")
+    if given:
+        name, n = given[0]
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < 1 << 32:
+            raise BadParam(f"{name} must be a positive integer, got {n!r}", name)
+        req.max_new_tokens = n
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise BadParam("stop must be a string or a list of strings", "stop")
+    req.stop_sequences.extend(stops)
+    mode = body.get("mode", "tr")  # trserve's own: "ar" = plain decoding
+    if mode not in MODES:
+        raise BadParam(f"mode must be one of {sorted(MODES)}, got {mode!r}", "mode")
+    req.mode = MODES[mode]
+
+
+def _sampling(body: dict, req: pb.GenerateRequest) -> None:
+    """temperature unset or 0 = greedy (as over gRPC); top_p, seed and trserve's top_k apply when sampling."""
+    values = {}
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int)):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float) if kind is float else int):
+            raise BadParam(f"{name} must be a number, got {value!r}", name)
+        values[name] = value
+    if not 0 <= values.get("temperature", 0) <= 2:
+        raise BadParam(f"temperature must be in [0, 2], got {values['temperature']}", "temperature")
+    if not 0 < values.get("top_p", 1) <= 1:
+        raise BadParam(f"top_p must be in (0, 1], got {values['top_p']}", "top_p")
+    if values.get("top_k", 0) < 0:
+        raise BadParam(f"top_k must be >= 0 (0 = off), got {values['top_k']}", "top_k")
+    if "seed" in values and not 0 <= values["seed"] < 1 << 64:
+        raise BadParam(f"seed must be in [0, 2**64), got {values['seed']}", "seed")
+    req.sampling.CopyFrom(pb.SamplingParams(**values))
+
+
+# ---- answers ------------------------------------------------------------------------------------------
+def new_id(kind: str) -> str:
+    return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(stats: GenerationStats) -> dict:
+    accepted, drafted = sum(stats.accepted.values()), sum(stats.drafted.values())
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
+            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+            "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
+            "completion_tokens_details": {"accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": drafted - accepted}}
+
+
+def extras(result: GenerationResult, finish_reason: str, queue_s: float, tenant: str) -> dict:
+    """trserve's own figures: MAT, drafts per source, the raw finish reason, token ids."""
+    s = result.stats
+    sources = {name: {"drafted": n, "accepted": s.accepted.get(name, 0)} for name, n in sorted(s.drafted.items())}
+    return {"mat": s.mat, "draft_sources": sources, "steps": s.steps, "draft_mode": s.draft_mode, "tree": s.tree,
+            "finish_reason": finish_reason, "tenant": tenant, "queue_ms": queue_s * 1e3,
+            "tokens_per_second": s.tokens_per_s, "token_ids": list(result.ids)}
+
+
+def completion(req: OpenAIRequest, result: GenerationResult, queue_s: float, fingerprint: str) -> dict:
+    """The non-streamed answer."""
+    choice: dict = {"index": 0, "finish_reason": FINISH[result.finish_reason], "logprobs": None}
+    if req.kind == "chat":
+        choice["message"] = {"role": "assistant", "content": result.text}
+    else:
+        choice["text"] = result.text
+    return {"id": new_id(req.kind), "object": "chat.completion" if req.kind == "chat" else "text_completion",
+            "created": int(time.time()), "model": req.model, "system_fingerprint": fingerprint,
+            "choices": [choice], "usage": usage(result.stats),
+            "trserve": extras(result, result.finish_reason, queue_s, req.request.tenant)}
+
+
+@dataclass(frozen=True)
+class ChunkWriter:
+    """The chunks of one streamed answer (same id and creation time)."""
+
+    req: OpenAIRequest
+    id: str
+    created: int
+    fingerprint: str
+
+    @classmethod
+    def of(cls, req: OpenAIRequest, fingerprint: str) -> ChunkWriter:
+        return cls(req, new_id(req.kind), int(time.time()), fingerprint)
+
+    def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
+              token_ids: list[int] | None = None) -> dict:
+        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+        if self.req.kind == "chat":
+            delta = {"role": "assistant"} if role else {}
+            if text is not None:
+                delta["content"] = text
+            choice["delta"] = delta
+        else:
+            choice["text"] = text or ""
+        out = self._wrap([choice])
+        if token_ids is not None:
+            out["trserve"] = {"token_ids": list(token_ids)}
+        return out
+
+    def last_chunk(self, text: str, result: GenerationResult, finish_reason: str, queue_s: float) -> dict:
+        """The finish reason (and any held-back text), with trserve's figures."""
+        out = self.chunk(text or None, FINISH[finish_reason])
+        out["trserve"] = extras(result, finish_reason, queue_s, self.req.request.tenant)
+        return out
+
+    def usage_chunk(self, result: GenerationResult, finish_reason: str, queue_s: float) -> dict:
+        out = self._wrap([])
+        out["usage"] = usage(result.stats)
+        out["trserve"] = extras(result, finish_reason, queue_s, self.req.request.tenant)
+        return out
+
+    def _wrap(self, choices: list[dict]) -> dict:
+        out = {"id": self.id, "object": "chat.completion.chunk" if self.req.kind == "chat" else "text_completion",
+               "created": self.created, "model": self.req.model, "system_fingerprint": self.fingerprint,
+               "choices": choices}
+        if self.req.include_usage:
+            out["usage"] = None
+        return out

@@ -1,0 +1,206 @@
+"""Building and running a worker: `create_server` (tests bind port 0) and `serve` (the CLI's blocking main)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import grpc
+from grpc_health.v1.health import aio as health_aio
+
+from trserve.core.model_spec import ModelSpec
+from trserve.core.version import __version__
+from trserve.engine import Decoder, DecoderConfig
+from trserve.engine.engine import BatchEngine
+from trserve.engine.runtime import RuntimeInfo
+from trserve.engine.tuning.cost import engine_cost
+from trserve.matrix_store import MatrixStore, StoreConfig
+from trserve.services.common.security import TenantAuth
+from trserve.services.common.server import (
+    add_standard_services,
+    bind,
+    graceful_stop,
+    new_server,
+    serve_until_signal,
+    set_status,
+)
+from trserve.services.matrix.metrics import StoreCollector
+from trserve.services.worker.config import WorkerConfig
+from trserve.services.worker.drafting.embedded import DraftSourceFactory, embedded_factory
+from trserve.services.common.histories import HistoryBook, HistoryCollector
+from trserve.services.worker.drafting.split import MatrixServiceSources, watch_matrix_auth
+from trserve.services.worker.metrics import WorkerMetrics
+from trserve.services.worker.servicer import GenerateServicer
+from trserve.v1 import generate_pb2, generate_pb2_grpc
+
+if TYPE_CHECKING:
+    from trserve.services.openai.server import HttpServer
+
+log = logging.getLogger("trserve.worker")
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name  # "trserve.v1.Generate"
+
+
+@dataclass
+class Worker:
+    """A started worker. `ready` completes once warm-up is done and health says SERVING."""
+
+    server: grpc.aio.Server
+    port: int
+    metrics_port: int | None  # None when metrics are off
+    health: health_aio.HealthServicer
+    servicer: GenerateServicer
+    metrics: WorkerMetrics
+    store: MatrixStore | None  # the embedded store; None when a draft_source_factory was given
+    ready: asyncio.Task
+    executor: ThreadPoolExecutor
+    engine: BatchEngine
+    engine_loop: asyncio.Future  # the engine thread's run(), on `executor`
+    histories: HistoryBook | None = None  # the embedded store's tenants' suffix histories; None when off
+    http: HttpServer | None = None  # the OpenAI-compatible HTTP API (services/openai); None when off
+
+    @property
+    def http_port(self) -> int | None:
+        return self.http.port if self.http is not None else None
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING, drain in-flight calls for `grace_s` (None: the config's grace_s; calls still
+        running near its end are stopped, each ending with a final status), then release everything."""
+        await graceful_stop(self.server, self.health, self.servicer.config.grace_s if grace_s is None else grace_s,
+                            self.servicer.drain)
+        await self.close()
+
+    async def close(self) -> None:
+        """After the server stopped: end warm-up, save the tuners, snapshot the store (if Redis), stop /metrics."""
+        if not self.ready.done():
+            self.ready.cancel()
+        if self.http is not None:  # its calls were drained with the gRPC ones
+            await self.http.stop()
+        self.engine.stop()  # anything still in it ends as cancelled
+        await self.engine_loop
+        await asyncio.to_thread(self.executor.shutdown, wait=True)
+        if self.servicer.tuners is not None:
+            await asyncio.to_thread(self.servicer.tuners.save_all)
+        if self.histories is not None:  # before the store's final snapshot: histories are its side state
+            await asyncio.to_thread(self.histories.close)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)
+        self.metrics.stop_http()
+
+
+async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
+                        decoder_config: DecoderConfig | None = None,
+                        draft_source_factory: DraftSourceFactory | None = None) -> Worker:
+    """Start a worker on config.host:config.port (0 = any free port), NOT_SERVING until warm.
+
+    `decoder`: a loaded Decoder to serve (else one is loaded from `decoder_config`).
+    `draft_source_factory(tenant, domain)`: where TR drafts come from; default = an embedded
+    MatrixStore (Redis snapshots when config.redis_url is set).
+    """
+    # Every torch call runs on this executor's one thread, model loading included: torch work from
+    # two threads gives two OpenMP thread teams fighting over the cores (measured: ~30% slower decoding).
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trserve-engine")
+    loop = asyncio.get_running_loop()
+    if decoder is None:
+        decoder = await loop.run_in_executor(executor, Decoder, decoder_config or DecoderConfig())
+    engine = BatchEngine(decoder, config.engine_config(), engine_cost(decoder))
+    engine_loop = loop.run_in_executor(executor, engine.run)
+    store = tuner_states = histories = None
+    if draft_source_factory is None:
+        store = MatrixStore(StoreConfig(redis_url=config.redis_url))
+        store.start()
+        spec = ModelSpec(decoder.fingerprint, decoder.vocab_size, decoder.config.k)
+        histories = HistoryBook(store, config.history_bytes) if config.history_bytes else None
+        draft_source_factory = embedded_factory(store, spec, decoder.device, histories)
+        tuner_states = StoreTunerStates(store, decoder.fingerprint)
+    metrics = WorkerMetrics()
+    if store is not None:  # the embedded store's memory (tenants, bytes per tenant) on this worker's /metrics
+        metrics.registry.register(StoreCollector(store))
+    if histories is not None:  # and the tenants' suffix histories (bytes per tenant)
+        metrics.registry.register(HistoryCollector(histories))
+    runtime = RuntimeInfo.of(decoder)
+    metrics.build.info({"model": decoder.config.model.source, "version": __version__, **runtime.labels()})
+    log.info("serving %s: %s, batches of up to %d", decoder.config.model.source, runtime, config.max_batch)
+    servicer = GenerateServicer(decoder, engine, config, draft_source_factory, metrics, tuner_states)
+
+    auth = [TenantAuth(config.tenant_tokens, config.default_tenant)] if config.tenant_tokens is not None else []
+    server = new_server(interceptors=auth, max_receive_bytes=config.max_request_bytes,
+                        max_connection_age_s=config.max_connection_age_s,
+                        max_connection_age_grace_s=config.max_connection_age_grace_s)
+    generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
+    health = add_standard_services(server, [SERVICE_NAME])
+    port = bind(server, config.host, config.port, config.tls)
+    http = await _start_http(servicer, config)
+    metrics_port = metrics.serve_http(config.host, config.metrics_port) if config.metrics_port is not None else None
+    await set_status(health, [SERVICE_NAME], serving=False)
+    await server.start()
+    ready = asyncio.create_task(_warm_up(servicer, health, config.warmup), name="trserve-warmup")
+    return Worker(server, port, metrics_port, health, servicer, metrics, store, ready, executor, engine, engine_loop,
+                  histories, http)
+
+
+async def _start_http(servicer: GenerateServicer, config: WorkerConfig) -> HttpServer | None:
+    if config.http_port is None:
+        return None
+    from trserve.services.openai.server import start_http  # uvicorn and starlette only when the API is on
+
+    return await start_http(servicer, config.http_host or config.host, config.http_port, config.tls, config.grace_s)
+
+
+class StoreTunerStates:
+    """Online tuners' records per tenant, kept by the embedded matrix store next to the tenant's
+    matrix (and in Redis with it when the store has Redis)."""
+
+    def __init__(self, store: MatrixStore, fingerprint: str) -> None:
+        self.store, self.fingerprint = store, fingerprint
+
+    def load(self, tenant: str) -> bytes | None:
+        return self.store.side_state("tuner", self.fingerprint, tenant)
+
+    def save(self, tenant: str, blob: bytes) -> None:
+        self.store.save_side_state("tuner", self.fingerprint, tenant, blob)
+
+
+async def _warm_up(servicer: GenerateServicer, health: health_aio.HealthServicer, enabled: bool) -> None:
+    if enabled:
+        await servicer.warm_up()
+    await set_status(health, [SERVICE_NAME], serving=True)
+
+
+async def run(config: WorkerConfig, decoder_config: DecoderConfig, sources: MatrixServiceSources | None = None) -> None:
+    """Serve until a signal; `sources` = a split worker's drafts from the matrix service (else embedded)."""
+    worker = await create_server(config, decoder_config=decoder_config, draft_source_factory=sources)
+    await worker.ready
+    if sources is not None:
+        log.info("drafting through the matrix service at %s (%s mode)", sources.config.matrix_addr,
+                 sources.config.draft_mode)
+    print(f"trserve listening on {config.host}:{worker.port}", flush=True)
+    if worker.http is not None:
+        scheme = "https" if config.tls is not None else "http"
+        print(f"trserve OpenAI API on {scheme}://{config.http_host or config.host}:{worker.http.port}/v1", flush=True)
+    if worker.metrics_port is not None:
+        print(f"trserve metrics on http://{config.host}:{worker.metrics_port}/metrics", flush=True)
+
+    # A split worker whose matrix service refuses its secret says NOT_SERVING for Generate (not a silent
+    # fallback): readiness takes it out of rotation; the server's own health ("", liveness) stays SERVING,
+    # so it is not restarted for a secret a restart cannot fix.
+    watcher = asyncio.create_task(watch_matrix_auth(
+        sources, lambda ok: set_status(worker.health, [SERVICE_NAME], ok, overall=False))) if sources is not None else None
+
+    async def stop() -> None:
+        if watcher is not None:
+            watcher.cancel()
+        await worker.close()
+        if sources is not None:
+            await asyncio.to_thread(sources.close)
+
+    await serve_until_signal(worker.server, worker.health, config.grace_s, on_stop=stop, drain=worker.servicer.drain)
+
+
+def serve(config: WorkerConfig, decoder_config: DecoderConfig, sources: MatrixServiceSources | None = None) -> int:
+    """Blocking: serve until SIGTERM/SIGINT, then drain gracefully."""
+    asyncio.run(run(config, decoder_config, sources))
+    return 0
