@@ -70,7 +70,9 @@ def _shown(default) -> str:
     """A default as the table shows it: paths inside the repository relative to it (a checkout's
     location must not change the documented table)."""
     text = str(default)
-    root = str(Path(__file__).resolve().parents[2]) + "/"
+    import trserve
+
+    root = str(Path(trserve.__file__).resolve().parents[1]) + "/"  # the folder holding trserve/
     return text[len(root):] if text.startswith(root) else text
 
 
