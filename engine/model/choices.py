@@ -4,3 +4,4 @@ BUILTIN_MODEL = "smollm2-135m-instruct"
 KERNELS = ("auto", "stock", "packed", "compressed")
 FORWARDS = ("auto", "native", "transformers")
 BATCH_STEPS = ("auto", "eager", "static", "graphs")
+ARITHMETICS = ("exact", "int8")  # the compressed kernels' arithmetic: csrc/qlinear.c, csrc/qlinear_i8.c

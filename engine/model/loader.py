@@ -20,7 +20,8 @@ from pathlib import Path
 import torch
 
 from trserve.core.errors import InvalidArgument, NotFound
-from trserve.engine.model.choices import BATCH_STEPS, BUILTIN_MODEL, FORWARDS, KERNELS  # noqa: F401 - re-exported
+from trserve.engine.model.choices import (ARITHMETICS, BATCH_STEPS, BUILTIN_MODEL, FORWARDS,  # noqa: F401 - re-exported
+                                         KERNELS)
 from trserve.engine.model.paths import default_cache_dir
 
 log = logging.getLogger("trserve.engine")
@@ -40,6 +41,11 @@ class ModelConfig:
     # where the CPU has AVX-512 or AVX2 (their portable scalar variant is slower than oneDNN, so
     # only "compressed" uses it), oneDNN pre-packed linears for the rest; else stock
     kernels: str = "auto"
+    # the compressed kernels' arithmetic (docs/kernels.md): exact = float32 fma chains over the exact
+    # weights; int8 = activations quantized per block of 32, integer dot products with the 4/8-bit codes
+    # (csrc/qlinear_i8.c). Both are batch- and ISA-invariant, so TR == plain decoding in each; int8
+    # needs the compressed kernels.
+    arithmetic: str = "exact"
     threads: int | None = None  # torch intra-op threads; None = torch's default
     # auto = the native one-call forward (engine/model/native.py) where the model and kernels fit it,
     # else transformers' modules; native = required (InvalidArgument where it does not fit)
@@ -58,6 +64,10 @@ class ModelConfig:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {self.kernels!r}")
         if self.forward not in FORWARDS:
             raise ValueError(f"forward must be one of {', '.join(FORWARDS)}; got {self.forward!r}")
+        if self.arithmetic not in ARITHMETICS:
+            raise ValueError(f"arithmetic must be one of {', '.join(ARITHMETICS)}; got {self.arithmetic!r}")
+        if self.arithmetic == "int8" and self.kernels not in ("auto", "compressed"):
+            raise ValueError(f"arithmetic int8 runs on the compressed kernels; kernels is {self.kernels!r}")
         if self.batch_step not in BATCH_STEPS:
             raise ValueError(f"batch_step must be one of {', '.join(BATCH_STEPS)}; got {self.batch_step!r}")
         if self.threads is not None and self.threads < 1:
@@ -162,13 +172,14 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     kernels: str  # linear kernels in use: stock, packed, compressed, or compressed+packed (some layers each)
-    isa: str | None = None  # the compressed kernels' variant (avx512, avx2, scalar); None without them
+    isa: str | None = None  # the compressed kernels' variant (avx512vnni, avx512, avx2, ...); None without them
     forward: str = "transformers"  # what runs a forward: "native" (engine/model/native.py) or "transformers"
     batch_step: str = "eager"  # transformers' forward, batch steps: eager, static or graphs (ModelConfig)
     # torch intra-op threads the decode threads use: the configured count, else the loading thread's at
     # load (read per call, torch's count belongs to the calling OS thread, and a thread that first
     # touches torch while a decode loop holds its threads at 1 answers 1)
     threads: int | None = None
+    arithmetic: str = "exact"  # the compressed kernels' arithmetic (ModelConfig.arithmetic)
 
     @property
     def native(self) -> bool:
@@ -194,6 +205,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise NotFound(f"cannot load model {config.source!r}: {e}") from None
     model.to(device).eval()
     kernels, isa = _apply_kernels(model, config, device, dtype)
+    if config.arithmetic != "exact" and not isa:
+        raise InvalidArgument(f"arithmetic {config.arithmetic} needs the compressed kernels, which this model or "
+                              f"host cannot take (kernels: {kernels}; see docs/kernels.md)")
     if isa:  # the compressed kernels run on their own threads: as many as configured, whichever thread calls
         from trserve.engine.model.kernels.qlinear import QLinear
 
@@ -204,7 +218,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     forward = _forward_kind(model, config)
     name = BUILTIN_MODEL if config.source == BUILTIN_MODEL else Path(config.source).name or config.source
     return LoadedModel(model, tokenizer, model_fingerprint(tokenizer, model.config), name, device, dtype, kernels,
-                       isa, forward, batch_step, config.threads or torch.get_num_threads())
+                       isa, forward, batch_step, config.threads or torch.get_num_threads(), config.arithmetic)
 
 
 def model_spec_of(config: ModelConfig, k: int):
@@ -269,7 +283,8 @@ def _compress(model, config: ModelConfig) -> str | None:
             log.info("compressed kernels not used: this CPU lacks AVX2/FMA/F16C and their scalar variant is "
                      "slower than oneDNN; packed kernels instead")
             return None
-        swapped, _ = quantize_linears(model, Path(config.cache_dir) if config.cache_dir else default_cache_dir(), isa)
+        swapped, _ = quantize_linears(model, Path(config.cache_dir) if config.cache_dir else default_cache_dir(), isa,
+                                      config.arithmetic)
         if not swapped:
             raise RuntimeError("no linear layer of this model holds exact 4/8-bit blocks")
         if isa == "scalar":

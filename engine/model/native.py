@@ -41,9 +41,10 @@ class _Model(ctypes.Structure):
     _fields_ = [("n_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("inter", _i64), ("vocab", _i64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("embed", _P), ("final_norm", _P), ("layers", ctypes.POINTER(_Layer)), ("head", _QMat),
-                ("cos", _P), ("sin", _P), ("positions", _i64)]
+                ("cos", _P), ("sin", _P), ("positions", _i64), ("arith", _i64)]
 
 
+ARITH_CODES = {"exact": 0, "int8": 1}  # tr_model.arith (csrc/forward.h)
 _ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 _STATIC_ROPE = ("default", "linear", "llama3")
 
@@ -79,8 +80,11 @@ def native_unsupported(model) -> str | None:
             return "not every linear layer is on the compressed kernels"
         if getattr(a, "scaling", None) is None:
             return "attention scaling unknown"
-    if not isinstance(model.get_output_embeddings(), QLinear):
+    head = model.get_output_embeddings()
+    if not isinstance(head, QLinear):
         return "LM head not on the compressed kernels"
+    if any(isinstance(x, QLinear) and x.arithmetic != head.arithmetic for x in model.modules()):
+        return "linear layers in more than one arithmetic"
     return None
 
 
@@ -120,7 +124,8 @@ class NativeForward:
         self.m = _Model(len(body.layers), cfg.hidden_size, self.heads, self.kv_heads, self.head_dim,
                         cfg.intermediate_size, head.out_features, float(eps), float(body.layers[0].self_attn.scaling),
                         self._ptr(body.embed_tokens.weight), self._ptr(body.norm.weight), layers, _qmat(head),
-                        None, None, 0)
+                        None, None, 0, ARITH_CODES[head.arithmetic])
+        self.arithmetic = head.arithmetic
         self.vocab = head.out_features
         self._grow_rope(4096)
 

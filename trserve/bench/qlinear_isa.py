@@ -1,6 +1,7 @@
 """Time one compressed linear forward per ISA variant, layer shape and batch width.
 
-    python -m trserve.bench.qlinear_isa [--threads 2] [--widths 1,2,4,8,16] [--isas avx512,avx2,scalar] [--packed]
+    python -m trserve.bench.qlinear_isa [--threads 2] [--widths 1,2,4,8,16] [--isas avx512,avx2,scalar]
+        [--arithmetics exact,int8] [--packed]
 
 Shapes are the bundled SmolLM2's: q4 576->1536 (gate/up), 1536->576 (down), 576->576 (q/o) and the
 q8 lm_head 576->49152. Each figure is the fastest of many single calls (microseconds): on a shared
@@ -57,6 +58,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--widths", default="1,2,4,8,16")
     p.add_argument("--isas", default=",".join(available_isas()), help="variants to time (default: all this CPU runs)")
+    p.add_argument("--arithmetics", default="exact,int8", help="the kernels' arithmetics to time (exact, int8)")
     p.add_argument("--packed", action="store_true", help="also time oneDNN packed linears")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -68,11 +70,12 @@ def main(argv: list[str] | None = None) -> None:
             lin.weight.copy_(block_weights(kind, out_f, in_f))
         layers = {}
         for isa in args.isas.split(","):
-            holder = nn.Sequential(lin)
-            swapped, _ = quantize_linears(holder, default_cache_dir(), isa)
-            if not swapped:  # never time stock torch under a kernel's name
-                raise SystemExit(f"{kind} {in_f}->{out_f}: the weights did not recover as blocks")
-            layers[isa] = holder[0]
+            for arithmetic in args.arithmetics.split(","):
+                holder = nn.Sequential(lin)
+                swapped, _ = quantize_linears(holder, default_cache_dir(), isa, arithmetic)
+                if not swapped:  # never time stock torch under a kernel's name
+                    raise SystemExit(f"{kind} {in_f}->{out_f}: the weights did not recover as blocks")
+                layers[f"{isa} {arithmetic}"] = holder[0]
         if args.packed:
             layers["packed"] = PackedLinear(lin)
         for name, layer in layers.items():
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> None:
                 x = torch.randn(n, in_f)  # [n, I]
                 with torch.inference_mode():
                     row.append(fastest_call_us(lambda: layer(x)))
-            print(f"{kind} {in_f:>5}->{out_f:<6} {name:>7}: " + " ".join(f"{t:9.1f}" for t in row), flush=True)
+            print(f"{kind} {in_f:>5}->{out_f:<6} {name:>16}: " + " ".join(f"{t:9.1f}" for t in row), flush=True)
 
 
 if __name__ == "__main__":

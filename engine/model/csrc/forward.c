@@ -137,12 +137,24 @@ static void rms_rows(const float *x, const float *w, float *y, int64_t r0, int64
     }
 }
 
-/* This thread's share of y[n, O] = x[n, I] @ W^T (+ bias): outputs [*o0, *o1). */
-static void qmat_part(const tr_qmat *w, const float *x, int64_t n, float *y, int64_t id, int64_t nt, int64_t *o0,
-                      int64_t *o1)
+/* x [n, I] quantized into this thread's a when the model runs the int8 arithmetic (every thread
+ * quantizes all rows itself: no barrier; the same bits in each). */
+static void lin_quant(const tr_model *M, const float *x, int64_t n, int64_t I, qact_t *a)
+{
+    if (M->arith) {
+        a->n = n;
+        quant_rows(x, n, I, a);
+    }
+}
+
+/* This thread's share of y[n, O] = x[n, I] @ W^T (+ bias) in the model's arithmetic (int8: from a,
+ * which lin_quant filled from x): outputs [*o0, *o1). */
+static void lin(const tr_model *M, const tr_qmat *w, const float *x, const qact_t *a, int64_t n, float *y, int64_t id,
+                int64_t nt, int64_t *o0, int64_t *o1)
 {
     const qmat_t q = {(int)w->kind, w->in, w->out, w->in / 32, w->codes, w->d, w->m, w->bias};
-    qmat_rows(&q, x, n, y, id, nt, o0, o1);
+    if (M->arith) imat_rows(&q, a, y, id, nt, o0, o1);
+    else qmat_rows(&q, x, n, y, id, nt, o0, o1);
 }
 
 /* q[t, i] and q[t, i + D/2] rotated as transformers' apply_rotary_pos_emb (q * cos + rotate_half(q) * sin) */
@@ -381,6 +393,7 @@ typedef struct { /* trserve_forward's arguments and buffers, for the threads of 
     float *logits, *x, *hs, *tmp, *q, *k, *v, *att, *gt, *up, *hk, *scs;
     int32_t *topk;
     uint8_t *probs;
+    qact_t *acts; /* int8 arithmetic: each thread's quantized activations */
 } fwd_job_t;
 
 /* One thread's part of a forward (id of nt; pool_barrier where every thread must have finished a phase). */
@@ -398,13 +411,15 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
           *att = jb->att, *gt = jb->gt, *up = jb->up, *hk = jb->hk, *scs = jb->scs;
     int32_t *topk = jb->topk;
     float *sc = scs + id * sc_floats, *h = hs + id * N * H;
+    qact_t *act = jb->acts + id;
     int64_t o0, o1;
     for (int64_t l = 0; l < M->n_layers; l++) {
         const tr_layer *L = M->layers + l;
         rms_rows(x, L->in_norm, h, 0, N, H, M->eps);
-        qmat_part(&L->q, h, N, q, id, nt, &o0, &o1);
-        qmat_part(&L->k, h, N, k, id, nt, &o0, &o1);
-        qmat_part(&L->v, h, N, v, id, nt, &o0, &o1);
+        lin_quant(M, h, N, H, act);
+        lin(M, &L->q, h, act, N, q, id, nt, &o0, &o1);
+        lin(M, &L->k, h, act, N, k, id, nt, &o0, &o1);
+        lin(M, &L->v, h, act, N, v, id, nt, &o0, &o1);
         pool_barrier(nt);
         /* rotary on q and k; k, v into the KV rows (work item u = token t, head j of q then k) */
         for (int64_t u = id; u < N * (Hq + Hkv); u += nt) {
@@ -433,13 +448,15 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
                    vc[l], cap, att, sc, sc_len);
         }
         pool_barrier(nt);
-        qmat_part(&L->o, att, N, tmp, id, nt, &o0, &o1);
+        lin_quant(M, att, N, Hq * D, act);
+        lin(M, &L->o, att, act, N, tmp, id, nt, &o0, &o1);
         for (int64_t t = 0; t < N; t++)
             for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
         pool_barrier(nt);
         rms_rows(x, L->post_norm, h, 0, N, H, M->eps);
-        qmat_part(&L->gate, h, N, gt, id, nt, &o0, &o1);
-        qmat_part(&L->up, h, N, up, id, nt, &o0, &o1);
+        lin_quant(M, h, N, H, act);
+        lin(M, &L->gate, h, act, N, gt, id, nt, &o0, &o1);
+        lin(M, &L->up, h, act, N, up, id, nt, &o0, &o1);
         for (int64_t t = 0; t < N; t++) { /* silu(gate) * up on this thread's outputs, as torch: g / (1 + exp(-g)) */
             float *g = gt + t * F + o0;
             const float *u = up + t * F + o0;
@@ -449,15 +466,19 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
             for (int64_t i = 0; i < n; i++) g[i] = (g[i] / (1.0f + sc[i])) * u[i];
         }
         pool_barrier(nt);
-        qmat_part(&L->down, gt, N, tmp, id, nt, &o0, &o1);
+        lin_quant(M, gt, N, F, act);
+        lin(M, &L->down, gt, act, N, tmp, id, nt, &o0, &o1);
         for (int64_t t = 0; t < N; t++)
             for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
         pool_barrier(nt);
     }
     /* final norm of the kept tokens, then the LM head */
     for (int64_t i = id; i < n_keep; i += nt) rms_rows(x + keep[i] * H, M->final_norm, hk + i * H, 0, 1, H, M->eps);
-        pool_barrier(nt);
-    if (n_keep) qmat_part(&M->head, hk, n_keep, logits, id, nt, &o0, &o1);
+    pool_barrier(nt);
+    if (n_keep) {
+        lin_quant(M, hk, n_keep, H, act);
+        lin(M, &M->head, hk, act, n_keep, logits, id, nt, &o0, &o1);
+    }
     if (K > 0) {
         pool_barrier(nt);
         for (int64_t i = id; i < n_keep; i += nt) {
@@ -534,7 +555,12 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
           *up = malloc(sizeof(float) * (N * F)), *hk = malloc(sizeof(float) * (n_keep * H + 1)),
           *scs = malloc(sizeof(float) * (sc_floats * threads));
     int rc = 0;
-    if (!(vis0 && item0 && split && x && hs && tmp && q && k && v && att && gt && up && hk && scs)) {
+    /* int8: each thread's quantized activations, for the widest input of the most rows */
+    qact_t *acts = calloc(threads, sizeof(qact_t));
+    const int64_t widest = F > Hq * D ? (F > H ? F : H) : (Hq * D > H ? Hq * D : H);
+    int acts_ok = acts != NULL;
+    for (int t = 0; M->arith && acts_ok && t < threads; t++) acts_ok = !qact_alloc(acts + t, N > n_keep ? N : n_keep, widest);
+    if (!(vis0 && item0 && split && x && hs && tmp && q && k && v && att && gt && up && hk && scs && acts_ok)) {
         rc = -2;
         goto done;
     }
@@ -549,10 +575,12 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
     {
         fwd_job_t job = {M, B, cap, n_keep, K, N, H, D, Hq, Hkv, F, sc_len, sc_floats, tok0, ids, pos, kv_row, ctx,
                          start, keep, vis0, item0, split, vis, kc, vc, logits, x, hs, tmp, q, k, v, att, gt, up, hk,
-                         scs, topk, K > 0 ? probs : NULL};
+                         scs, topk, K > 0 ? probs : NULL, acts};
         pool_run(fwd_job, &job, threads);
     }
 done:
+    for (int t = 0; acts && t < threads; t++) qact_free(acts + t);
+    free(acts);
     free(vis0), free(item0), free(split), free(x), free(hs), free(tmp), free(q), free(k), free(v), free(att), free(gt), free(up), free(hk);
     free(scs);
     return rc;

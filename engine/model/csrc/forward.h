@@ -27,6 +27,7 @@ typedef struct {
     tr_qmat head;                    /* LM head */
     const float *cos, *sin;          /* [P, D] rotary tables by position */
     int64_t positions;               /* P */
+    int64_t arith;                   /* 0: exact (qlinear.c), 1: int8 (qlinear_i8.c; codes in its layout) */
 } tr_model;
 
 /* Checks the model fits the forward's fixed-size parts; 0 ok. */

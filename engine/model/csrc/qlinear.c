@@ -126,8 +126,6 @@
 #ifndef PREFETCH_LOCALITY
 #define PREFETCH_LOCALITY 2
 #endif
-#define MAX_ROWS 16
-#define MAX_PANELS 4
 #if NARROW_ROWS < 1 || NARROW_ROWS > MAX_ROWS || NARROW8_ROWS < 1 || NARROW8_ROWS > MAX_ROWS || WIDE_ROWS < 1 \
     || WIDE_ROWS > MAX_ROWS
 #error "tile rows must be 1..16"
@@ -200,27 +198,6 @@ INLINE v16 deq8(const uint8_t *c, v16 d)
  * kind, R (rows) and T (panels) are constants wherever these are called (the drivers name them
  * literally and always_inline propagates them). A panel-block is 256 (q4) or 512 (q8) code bytes. */
 #define PANEL_BLOCK_BYTES(kind) ((kind) == 4 ? 256 : 512)
-
-/* acc of rows [r0, r0 + R) and panels [p, p + T) -> y (outputs past `out` are padding: dropped). */
-INLINE void store_tile(const qmat_t *w, const int R, const int T, v16 acc[MAX_ROWS][MAX_PANELS], float *y, int64_t p,
-                       int64_t r0)
-{
-#pragma GCC unroll 16
-    for (int r = 0; r < R; r++) {
-#pragma GCC unroll 4
-        for (int t = 0; t < T; t++) {
-            const int64_t o = PANEL * (p + t);
-            float *yr = y + (r0 + r) * w->out;
-            if (o + PANEL <= w->out) {
-                v_store(yr + o, w->bias ? v_add(acc[r][t], v_load(w->bias + o)) : acc[r][t]);
-            } else {
-                float tmp[PANEL];
-                v_store(tmp, acc[r][t]);
-                for (int64_t l = 0; o + l < w->out; l++) yr[o + l] = w->bias ? tmp[l] + w->bias[o + l] : tmp[l];
-            }
-        }
-    }
-}
 
 /* Inputs 2j and 2j + 1 of a q4 block into a tile's accumulators: the weights of panels t from codes
  * c[t] and scales vd[t], vm[t]; xb: the block's packed rows (xb[i * R + r]). */

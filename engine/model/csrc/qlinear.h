@@ -8,6 +8,7 @@
 #include <stdint.h>
 
 #include "isa.h"
+#include "vec.h"
 
 #define PANEL 16 /* outputs per panel of the packed layout */
 
@@ -20,9 +21,50 @@ typedef struct {
     const float *bias;     /* [out] or NULL */
 } qmat_t;
 
+#define MAX_ROWS 16  /* register tiles: rows x panels at most */
+#define MAX_PANELS 4
+
+/* acc of rows [r0, r0 + R) and panels [p, p + T) -> y (outputs past `out` are padding: dropped). */
+INLINE void store_tile(const qmat_t *w, const int R, const int T, v16 acc[MAX_ROWS][MAX_PANELS], float *y, int64_t p,
+                       int64_t r0)
+{
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++) {
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const int64_t o = PANEL * (p + t);
+            float *yr = y + (r0 + r) * w->out;
+            if (o + PANEL <= w->out) {
+                v_store(yr + o, w->bias ? v_add(acc[r][t], v_load(w->bias + o)) : acc[r][t]);
+            } else {
+                float tmp[PANEL];
+                v_store(tmp, acc[r][t]);
+                for (int64_t l = 0; o + l < w->out; l++) yr[o + l] = w->bias ? tmp[l] + w->bias[o + l] : tmp[l];
+            }
+        }
+    }
+}
+
 /* This thread's share (id of nt) of y[n, out] = x W^T (+ bias): panels [p0, p1), outputs [*o0, *o1). */
 HIDDEN void qmat_rows(const qmat_t *w, const float *x, int64_t n, float *y, int64_t id, int64_t nt, int64_t *o0,
                       int64_t *o1);
+
+/* Activations quantized for the int8 arithmetic (qlinear_i8.c): n rows of I inputs, block-major:
+ * row r's block b is q[(b n + r) 32 ..], its scale s[b n + r], xm m[b n + r], -128 x code sum c[b n + r]. */
+typedef struct {
+    int64_t n;
+    int8_t *q;
+    float *s, *m;
+    int32_t *c;
+} qact_t;
+
+/* Buffers of a for n rows of I inputs (0, or -1 without memory; qact_free either way). */
+HIDDEN int qact_alloc(qact_t *a, int64_t n, int64_t I);
+HIDDEN void qact_free(qact_t *a);
+/* x [n, I] (n = a->n) -> a. */
+HIDDEN void quant_rows(const float *x, int64_t n, int64_t I, const qact_t *a);
+/* qmat_rows in the int8 arithmetic: w's codes in the int8 layout, activations a. */
+HIDDEN void imat_rows(const qmat_t *w, const qact_t *a, float *y, int64_t id, int64_t nt, int64_t *o0, int64_t *o1);
 
 /* Which build this is ("avx512", "avx2", "scalar"). */
 const char *trserve_qlinear_isa(void);
@@ -33,5 +75,11 @@ int trserve_qlinear_q4_layout(void);
 /* y[n, O] = x[n, I] W^T (+ bias) on `threads` threads of the pool (pool.h); returns 0. */
 int trserve_qlinear(int kind, const float *x, int64_t n, int64_t I, int64_t O, const uint8_t *codes,
                     const uint16_t *d, const uint16_t *m, const float *bias, float *y, int threads);
+
+/* trserve_qlinear in the int8 arithmetic (qlinear_i8.c): 0, or -1 without memory. */
+int trserve_qlinear_i8(int kind, const float *x, int64_t n, int64_t I, int64_t O, const uint8_t *codes,
+                       const uint16_t *d, const uint16_t *m, const float *bias, float *y, int threads);
+/* The int8 arithmetic's quantized activations of x [n, I] (tests). */
+int trserve_quantize_rows(const float *x, int64_t n, int64_t I, int8_t *q, float *s, float *m, int32_t *c);
 
 #endif

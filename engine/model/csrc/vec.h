@@ -30,7 +30,8 @@ INLINE float half_to_float(uint16_t h)
 #endif
 
 /* ---- the ISA-specific part: v16 = 16 float lanes ----------------------------------------------
- * v_half: 16 halves -> floats (exact); v_fma(w, x, acc): acc = fma(w, broadcast(*x), acc) per lane. */
+ * v_half: 16 halves -> floats (exact); v_fma(w, x, acc): acc = fma(w, broadcast(*x), acc) per lane;
+ * v_mul(v, x): v * broadcast(*x); v_fmav(a, b, acc): fma(a, b, acc) per lane. */
 #if defined(__AVX512F__)
 
 typedef __m512 v16;
@@ -41,6 +42,8 @@ INLINE v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
 INLINE v16 v_div(v16 a, float s) { return _mm512_div_ps(a, _mm512_set1_ps(s)); }
 INLINE v16 v_fma(v16 w, const float *x, v16 acc) { return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), acc); }
 INLINE v16 v_half(const uint16_t *h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)); }
+INLINE v16 v_mul(v16 v, const float *x) { return _mm512_mul_ps(v, _mm512_set1_ps(*x)); }
+INLINE v16 v_fmav(v16 a, v16 b, v16 acc) { return _mm512_fmadd_ps(a, b, acc); }
 
 #elif defined(__AVX2__)
 
@@ -66,6 +69,17 @@ INLINE v16 v_half(const uint16_t *h)
     v16 v = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)))};
     return v;
 }
+INLINE v16 v_mul(v16 x, const float *s)
+{
+    const __m256 b = _mm256_broadcast_ss(s);
+    v16 v = {_mm256_mul_ps(x.a, b), _mm256_mul_ps(x.b, b)};
+    return v;
+}
+INLINE v16 v_fmav(v16 x, v16 y, v16 acc)
+{
+    v16 v = {_mm256_fmadd_ps(x.a, y.a, acc.a), _mm256_fmadd_ps(x.b, y.b, acc.b)};
+    return v;
+}
 
 #else /* scalar */
 
@@ -82,6 +96,12 @@ INLINE v16 v_fma(v16 w, const float *x, v16 acc)
     return acc;
 }
 INLINE v16 v_half(const uint16_t *h) { v16 v; for (int l = 0; l < 16; l++) v.v[l] = half_to_float(h[l]); return v; }
+INLINE v16 v_mul(v16 x, const float *s) { for (int l = 0; l < 16; l++) x.v[l] *= *s; return x; }
+INLINE v16 v_fmav(v16 x, v16 y, v16 acc)
+{
+    for (int l = 0; l < 16; l++) acc.v[l] = fmaf(x.v[l], y.v[l], acc.v[l]);
+    return acc;
+}
 
 #endif
 

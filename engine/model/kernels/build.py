@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from trserve.engine.model.choices import ARITHMETICS
 from trserve.engine.model.kernels.pack import PANEL, Q4_LAYOUTS
 
 log = logging.getLogger("trserve.engine")
@@ -27,10 +28,16 @@ _libs: dict[str, ctypes.CDLL] = {}  # isa -> the loaded library
 # -march, which some distributions raise), so a library built on one host runs on any other host
 # with those flags, e.g. one built into an image. -ffp-contract=off: the compiler must not fuse or
 # split multiply-adds by itself; csrc/qlinear.c writes out every one, the same in all variants.
+# The *vnni variants differ from their base only in the int8 arithmetic's integer dot products (one
+# vpdpbusd where the base takes vpmaddubsw + vpmaddwd): the same bits in both arithmetics.
+_AVX512 = (frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma", "f16c"}),
+           ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c"))
+_AVX2 = (frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c"))
 _ISAS: dict[str, tuple[frozenset[str], tuple[str, ...]]] = {
-    "avx512": (frozenset({"avx512f", "avx512bw", "avx512dq", "avx512vl", "fma", "f16c"}),
-               ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mfma", "-mf16c")),
-    "avx2": (frozenset({"avx2", "fma", "f16c"}), ("-mavx2", "-mfma", "-mf16c")),
+    "avx512vnni": (_AVX512[0] | {"avx512_vnni"}, (*_AVX512[1], "-mavx512vnni")),
+    "avx512": _AVX512,
+    "avx2vnni": (_AVX2[0] | {"avx_vnni"}, (*_AVX2[1], "-mavxvnni")),
+    "avx2": _AVX2,
     "scalar": (frozenset(), ()),
 }
 ISAS = tuple(_ISAS)
@@ -67,8 +74,7 @@ def available_isas() -> list[str]:
 
 
 def kernel_isa(isa: str = "auto") -> str:
-    """The variant `isa` resolves to here: "avx512", "avx2" or "scalar" ("auto": the best this CPU
-    runs). ValueError for an unknown name, RuntimeError where this host cannot run it."""
+    """The variant `isa` resolves to here: one of ISAS ("auto": the best this CPU runs). ValueError for an unknown name, RuntimeError where this host cannot run it."""
     _check_isa(isa)
     runs = available_isas()
     if not runs:
@@ -151,10 +157,17 @@ def build_kernels(cache_dir: Path | None = None, isa: str = "auto") -> Path:
 
 
 # ---- loading -------------------------------------------------------------------------------------
-def _library(cache_dir: Path, isa: str):
-    """The kernel entry point of variant `isa` (already resolved and runnable here), loaded once."""
-    if isa in _libs:
-        return _libs[isa].trserve_qlinear
+def _library(cache_dir: Path, isa: str, arithmetic: str = "exact"):
+    """The linear entry point of variant `isa` (already resolved and runnable here) in `arithmetic`,
+    its library loaded once."""
+    if arithmetic not in ARITHMETICS:
+        raise ValueError(f"arithmetic must be one of {', '.join(ARITHMETICS)}; got {arithmetic!r}")
+    if isa not in _libs:
+        _load(cache_dir, isa)
+    return _libs[isa].trserve_qlinear if arithmetic == "exact" else _libs[isa].trserve_qlinear_i8
+
+
+def _load(cache_dir: Path, isa: str) -> None:
     lib = ctypes.CDLL(str(build_kernels(cache_dir, isa)))
     lib.trserve_qlinear_isa.restype = ctypes.c_char_p
     built = lib.trserve_qlinear_isa().decode()
@@ -164,25 +177,31 @@ def _library(cache_dir: Path, isa: str):
         raise RuntimeError(f"kernel library panels are not {PANEL} outputs")
     if lib.trserve_qlinear_q4_layout() not in range(len(Q4_LAYOUTS)):
         raise RuntimeError("kernel library reads an unknown q4 code layout")
-    fn = lib.trserve_qlinear
-    fn.restype = ctypes.c_int  # 0, or -1 when the kernel could not allocate its scale buffers
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                   ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
-                   ctypes.c_int]
+    P, i64 = ctypes.c_void_p, ctypes.c_int64
+    for fn in (lib.trserve_qlinear, lib.trserve_qlinear_i8):
+        fn.restype = ctypes.c_int  # 0, or -1 when the kernel could not allocate its buffers
+        fn.argtypes = [ctypes.c_int, P, i64, i64, i64, P, P, P, P, P, ctypes.c_int]
+    lib.trserve_quantize_rows.restype = ctypes.c_int
+    lib.trserve_quantize_rows.argtypes = [P, i64, i64, P, P, P, P]
     f = lib.trserve_forward
     f.restype = ctypes.c_int
-    P, i64 = ctypes.c_void_p, ctypes.c_int64
     f.argtypes = [P, i64, P, P, P, P, P, P, P, P, P, i64, P, i64, P, i64, P, P, ctypes.c_int]
     lib.trserve_top_probs.restype = ctypes.c_int
     lib.trserve_top_probs.argtypes = [P, i64, i64, i64, P, P]
     _libs[isa] = lib
-    return fn
 
 
 def q4_layout(cache_dir: Path, isa: str) -> str:
     """The q4 code layout ("bytes" or "lanes", csrc/qlinear.c) the `isa` library reads."""
     _library(cache_dir, isa)
     return Q4_LAYOUTS[_libs[isa].trserve_qlinear_q4_layout()]
+
+
+def quantize_library(isa: str):
+    """trserve_quantize_rows of variant `isa` (csrc/qlinear_i8.c): the int8 arithmetic's activations."""
+    if isa not in _libs:
+        raise RuntimeError(f"the {isa} kernel library is not loaded (no QLinear built on it)")
+    return _libs[isa].trserve_quantize_rows
 
 
 def top_probs_library(isa: str):

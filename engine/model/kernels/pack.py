@@ -1,5 +1,5 @@
-"""The kernels' panel layout (csrc/qlinear.c's top comment): recovered codes and float16 scales
-rearranged so one load gives 16 outputs' weights (pure tensor functions)."""
+"""The kernels' panel layouts (csrc/qlinear.c's and csrc/qlinear_i8.c's top comments): recovered codes
+and float16 scales rearranged so one load gives 16 outputs' weights (pure tensor functions)."""
 
 from __future__ import annotations
 
@@ -36,6 +36,38 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str =
         words = (q.reshape(P, PANEL, nb, 4, 8).to(torch.int64) << shifts).sum(-1)  # [P, l, nb, g]
         packed = _le_bytes(words.permute(0, 2, 3, 1)).reshape(P, nb, 16, 16)  # words [P, nb, g, l]
     return packed.contiguous(), _panel_scales(d, P), _panel_scales(m, P)
+
+
+def _q4_values(codes: torch.Tensor, O: int, nb: int, P: int) -> torch.Tensor:
+    """recover_q4's codes [O, I/2] -> the 4-bit values [P, PANEL, nb, 32] (input 32b + i; padded outputs 0)."""
+    blk = codes.reshape(O, nb, 16)
+    return _pad_outputs(torch.cat([blk & 0xF, blk >> 4], dim=-1), P).reshape(P, PANEL, nb, 32)
+
+
+def pack_q4_i8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+    """recover_q4's (codes [O, I/2], d, m [O, I/32]) -> the int8 arithmetic's layout (csrc/qlinear_i8.c):
+    codes [P, nb, 4, 64] uint8, chunk h byte [4l + k] = q[16p + l, 32b + 8h + k] |
+    q[16p + l, 32b + 8h + 4 + k] << 4; d, m [P, nb, 16] as pack_q4.
+
+    Worked example, one output (l = 0) whose block holds q = 0, 1, ..., 15, 0, 1, ..., 15: chunk 0's
+    bytes 0..3 are 0x40, 0x51, 0x62, 0x73 (inputs 0..3 low, 4..7 high)."""
+    O, nb = d.shape
+    P = -(-O // PANEL)
+    q = _q4_values(codes, O, nb, P).reshape(P, PANEL, nb, 4, 2, 4)  # [P, l, nb, h, half, k]
+    packed = (q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [P, nb, h, l, k]
+    return packed.reshape(P, nb, 4, 64).contiguous(), _panel_scales(d, P), _panel_scales(m, P)
+
+
+def pack_q8_i8(codes: torch.Tensor, d: torch.Tensor):
+    """recover_q8's (codes [O, I] int8, or its uint8 view; d [O, I/32]) -> the int8 arithmetic's layout:
+    codes [P, nb, 8, 64] uint8, group g byte [4l + k] = q[16p + l, 32b + 4g + k] + 128; d [P, nb, 16]."""
+    O, nb = d.shape
+    P = -(-O // PANEL)
+    biased = (codes.view(torch.uint8) ^ 0x80).reshape(O, nb, 32)  # q + 128 as a byte
+    q = _pad_outputs(biased, P)  # padded outputs: q = 0 (128 biased: their weights are 0 * d)
+    q[O:] = 0x80
+    q = q.reshape(P, PANEL, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [P, nb, g, l, k]
+    return q.reshape(P, nb, 8, 64).contiguous(), _panel_scales(d, P)
 
 
 def _le_bytes(words: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trserve.engine.model.kernels.build import _library, kernel_isa, q4_layout
-from trserve.engine.model.kernels.pack import pack_q4, pack_q8
+from trserve.engine.model.kernels.build import ARITHMETICS, _library, kernel_isa, q4_layout
+from trserve.engine.model.kernels.pack import pack_q4, pack_q4_i8, pack_q8, pack_q8_i8
 from trserve.engine.model.kernels.recover import recover_q4, recover_q8
 
 log = logging.getLogger("trserve.engine")
@@ -29,11 +29,16 @@ class QLinear(nn.Module):
 
     codes: [O, I/2] (kind 4) or [O, I] (kind 8) uint8 as recover_q4 / recover_q8 give them; d, m:
     [O, I/32] float32 holding float16 values (m None for kind 8). Held in the kernels' panel layout
-    (`pack_q4` / `pack_q8`), scales as float16; isa: the kernel variant ("auto": this CPU's best)."""
+    (`pack_q4` / `pack_q8`), scales as float16; isa: the kernel variant ("auto": this CPU's best);
+    arithmetic: "exact" (float32 fma chains over the rebuilt weights, csrc/qlinear.c) or "int8"
+    (activations quantized per block of 32, integer dot products, csrc/qlinear_i8.c; its own code
+    layout, `pack_q4_i8` / `pack_q8_i8`)."""
 
     def __init__(self, kind: int, codes, d, m, bias, in_features: int, out_features: int, cache_dir: Path,
-                 isa: str = "auto") -> None:
+                 isa: str = "auto", arithmetic: str = "exact") -> None:
         super().__init__()
+        if arithmetic not in ARITHMETICS:
+            raise ValueError(f"arithmetic must be one of {', '.join(ARITHMETICS)}; got {arithmetic!r}")
         if kind not in (4, 8) or in_features % 32 or out_features < 1:
             raise ValueError(f"QLinear takes q4/q8 blocks of 32 and at least one output; got q{kind} "
                              f"{in_features} -> {out_features}")
@@ -42,16 +47,18 @@ class QLinear(nn.Module):
             raise ValueError(f"codes {tuple(codes.shape)} / scales {tuple(d.shape)} do not match q{kind} "
                              f"{in_features} -> {out_features}")
         self.kind, self.in_features, self.out_features = kind, in_features, out_features
-        self.isa = kernel_isa(isa)
-        if kind == 4:
+        self.isa, self.arithmetic = kernel_isa(isa), arithmetic
+        if kind == 4 and arithmetic == "int8":
+            codes, d, m = pack_q4_i8(codes, _half(d), _half(m))
+        elif kind == 4:
             codes, d, m = pack_q4(codes, _half(d), _half(m), q4_layout(cache_dir, self.isa))
         else:
-            codes, d = pack_q8(codes, _half(d))
-        self.register_buffer("codes", codes, persistent=False)  # [P, nb, 16 or 32, 16] uint8
+            codes, d = (pack_q8_i8 if arithmetic == "int8" else pack_q8)(codes, _half(d))
+        self.register_buffer("codes", codes, persistent=False)  # [P, nb, 256 or 512 bytes] uint8
         self.register_buffer("d", d, persistent=False)  # [P, nb, 16] float16
         self.register_buffer("m", m if kind == 4 else torch.zeros(0, dtype=torch.float16), persistent=False)
         self.register_buffer("bias", bias, persistent=False)
-        self._fn = _library(cache_dir, self.isa)
+        self._fn = _library(cache_dir, self.isa, arithmetic)
         self.threads: int | None = None  # the kernels' threads (csrc/pool.h); None: torch.get_num_threads()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,16 +71,19 @@ class QLinear(nn.Module):
         m = self.m.data_ptr() if self.kind == 4 else None
         if self._fn(self.kind, x2.data_ptr(), x2.shape[0], self.in_features, self.out_features, self.codes.data_ptr(),
                     self.d.data_ptr(), m, bias, y.data_ptr(), self.threads or torch.get_num_threads()):
-            raise MemoryError("compressed kernel: no memory for its scale buffers")
+            raise MemoryError("compressed kernel: no memory for its buffers")
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, exact q{self.kind} blocks, {self.isa}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, exact q{self.kind} blocks, "
+                f"{self.isa}, {self.arithmetic}")
 
 
-def quantize_linears(model: nn.Module, cache_dir: Path, isa: str = "auto") -> tuple[int, int]:
+def quantize_linears(model: nn.Module, cache_dir: Path, isa: str = "auto",
+                     arithmetic: str = "exact") -> tuple[int, int]:
     """Swap every nn.Linear whose weight recovers exactly for a QLinear on kernel variant `isa`
-    ("auto": this CPU's best; others for tests and measurements); returns (swapped, kept)."""
+    ("auto": this CPU's best; others for tests and measurements) in `arithmetic`; returns (swapped,
+    kept)."""
     isa = kernel_isa(isa)
     swapped = kept = 0
     for module in list(model.modules()):
@@ -84,15 +94,15 @@ def quantize_linears(model: nn.Module, cache_dir: Path, isa: str = "auto") -> tu
             bias = child.bias.detach().contiguous() if child.bias is not None else None
             q4 = recover_q4(w)
             if q4 is not None:
-                new = QLinear(4, *q4, bias, child.in_features, child.out_features, cache_dir, isa)
+                new = QLinear(4, *q4, bias, child.in_features, child.out_features, cache_dir, isa, arithmetic)
             else:
                 q8 = recover_q8(w)
                 if q8 is None:
                     kept += 1
                     continue
                 new = QLinear(8, q8[0].view(torch.uint8), q8[1], None, bias, child.in_features, child.out_features,
-                              cache_dir, isa)
+                              cache_dir, isa, arithmetic)
             setattr(module, name, new)
             swapped += 1
-    log.info("exact compressed kernels (%s): %d linear layers swapped, %d kept", isa, swapped, kept)
+    log.info("compressed kernels (%s, %s): %d linear layers swapped, %d kept", isa, arithmetic, swapped, kept)
     return swapped, kept

@@ -15,7 +15,8 @@ pytestmark = needs_kernel
 HIDE = torch.finfo(torch.float32).min
 
 
-def quantized_llama(tmp_path, isa: str = "auto", vocab: int = 256, seed: int = 0, bias: bool = False):
+def quantized_llama(tmp_path, isa: str = "auto", vocab: int = 256, seed: int = 0, bias: bool = False,
+                    arithmetic: str = "exact"):
     """A 2-layer llama (head_dim 32, grouped KV) with Q4_1 linears and a Q8_0 LM head, on `isa`."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -36,7 +37,7 @@ def quantized_llama(tmp_path, isa: str = "auto", vocab: int = 256, seed: int = 0
         for layer in model.model.layers:  # non-trivial norm weights
             layer.input_layernorm.weight.copy_(1 + 0.2 * torch.randn(128))
             layer.post_attention_layernorm.weight.copy_(1 + 0.2 * torch.randn(128))
-    swapped, kept = quantize_linears(model, tmp_path, isa)
+    swapped, kept = quantize_linears(model, tmp_path, isa, arithmetic)
     assert kept == 0 and swapped == 15
     return model
 

@@ -1,0 +1,489 @@
+/* Integer linear layers for x86-64 CPUs: the "int8" arithmetic (trserve, engine/model/kernels/).
+ *
+ * y[n, O] = x[n, I] @ W^T (+ bias), W the same 4-bit (q4: q * d + m) or 8-bit (q8: q * d) blocks of 32
+ * as qlinear.c reads, x quantized per row and block of 32 inputs to int8:
+ *   amax = max |x[32b + j]|;  s = amax / 127;  xq[j] = clamp(rne(x[32b + j] * (127 / amax)), -127, 127)
+ *   (all zero, s = 0, where 127 / amax is not finite);  c = sum_j xq[j] (an integer);  xm = (float)c * s
+ * Then per output o and block b, an exact integer dot product of the codes with xq, and the float part
+ * in one fixed order:
+ *   acc = 0;  for b in order:  f = (float)isum(o, b) * s_b;  acc = fma(f, d[o, b], acc);
+ *                              q4 only: acc = fma(m[o, b], xm_b, acc)
+ *   y = acc (+ bias[o])
+ * isum is exact (|isum| <= 32 * 255 * 127 < 2^24, so its float is exact too); the float ops are the
+ * same IEEE operations in every build. So a row's outputs are the same bits alone or in a batch of any
+ * width, and the same bits on the avx512vnni, avx512, avx2 and scalar builds: only how the integer
+ * products are formed differs (vpdpbusd; vpmaddubsw + vpmaddwd; scalar), never their sum.
+ *
+ * Weight layout (pack.py: pack_q4_i8, pack_q8_i8), panels of 16 outputs, one 32-bit lane per output
+ * holding 4 consecutive inputs' codes, as vpdpbusd takes them:
+ *   q4: 4 chunks of 64 bytes per panel-block; chunk h byte [4l + k] = q[16p + l, 32b + 8h + k] |
+ *       q[16p + l, 32b + 8h + 4 + k] << 4 (low nibbles: inputs 8h..8h+3, high: 8h+4..8h+7)
+ *   q8: 8 groups of 64 bytes; group g byte [4l + k] = q[16p + l, 32b + 4g + k] + 128 (biased, unsigned)
+ *   d, m: as qlinear.c (16 halves per panel-block)
+ * The unsigned operand of vpdpbusd is the q4 code (0..15) or the biased q8 code (0..255); the signed
+ * one the activations. q8's bias is taken back out exactly: the block's accumulators start at
+ * -128 * c. Without VNNI, vpmaddubsw takes q4 codes as they are (2 * 15 * 127 cannot saturate int16)
+ * and q8 codes as |w| against sign(x, w) (2 * 128 * 127 cannot either).
+ *
+ * Each tile of R rows x T panels unpacks a panel-block's codes once for all its rows.
+ */
+#include "qlinear.h"
+#include "pool.h"
+#include "vec.h"
+
+/* ---- integer lanes ---------------------------------------------------------------------------
+ * vi16: 16 int32 lanes (the 16 outputs of a panel, as v16); a weight group: 64 bytes, lane l's 4 bytes
+ * are 4 consecutive inputs' codes of output l. dp4: acc += q4 group . x (4 signed bytes, every lane);
+ * w8 / dp8: a q8 group prepared once per tile, then acc += group . x per row. Q8_BIAS: whether dp8
+ * leaves the +128 bias in (accumulators then start at -128 c). */
+INLINE int32_t x4(const int8_t *x)
+{
+    int32_t v;
+    memcpy(&v, x, 4);
+    return v;
+}
+
+#if defined(__AVX512F__)
+
+typedef __m512i vi16;
+INLINE vi16 vi_zero(void) { return _mm512_setzero_si512(); }
+INLINE vi16 vi_set1(int32_t v) { return _mm512_set1_epi32(v); }
+INLINE v16 vi_float(vi16 v) { return _mm512_cvtepi32_ps(v); }
+INLINE void wq4(const uint8_t *c, vi16 *lo, vi16 *hi)
+{
+    const __m512i v = _mm512_loadu_si512(c), mask = _mm512_set1_epi8(0x0F);
+    *lo = _mm512_and_si512(v, mask);
+    *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+}
+#if defined(__AVX512VNNI__)
+#define Q8_BIAS 1
+typedef __m512i w8_t;
+INLINE vi16 dp4(vi16 acc, vi16 u, int32_t x) { return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(x)); }
+INLINE w8_t w8(const uint8_t *c) { return _mm512_loadu_si512(c); }
+INLINE vi16 dp8(vi16 acc, w8_t u, int32_t x) { return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(x)); }
+#else
+#define Q8_BIAS 0
+typedef struct { __m512i a; __mmask64 neg; } w8_t; /* |w|, and where w < 0 */
+INLINE vi16 dp4(vi16 acc, vi16 u, int32_t x)
+{
+    const __m512i p = _mm512_maddubs_epi16(u, _mm512_set1_epi32(x));
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
+}
+INLINE w8_t w8(const uint8_t *c)
+{
+    const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(c), _mm512_set1_epi8((char)0x80));
+    w8_t r = {_mm512_abs_epi8(w), _mm512_movepi8_mask(w)};
+    return r;
+}
+INLINE vi16 dp8(vi16 acc, w8_t w, int32_t x)
+{
+    const __m512i xv = _mm512_set1_epi32(x), sx = _mm512_mask_sub_epi8(xv, w.neg, _mm512_setzero_si512(), xv);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w.a, sx), _mm512_set1_epi16(1)));
+}
+#endif
+
+#elif defined(__AVX2__)
+
+typedef struct { __m256i a, b; } vi16; /* lanes 0..7, 8..15 */
+INLINE vi16 vi_zero(void) { vi16 v = {_mm256_setzero_si256(), _mm256_setzero_si256()}; return v; }
+INLINE vi16 vi_set1(int32_t x) { vi16 v = {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; return v; }
+INLINE v16 vi_float(vi16 x) { v16 v = {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; return v; }
+INLINE void wq4(const uint8_t *c, vi16 *lo, vi16 *hi)
+{
+    const __m256i va = _mm256_loadu_si256((const __m256i *)c), vb = _mm256_loadu_si256((const __m256i *)(c + 32));
+    const __m256i mask = _mm256_set1_epi8(0x0F);
+    lo->a = _mm256_and_si256(va, mask), lo->b = _mm256_and_si256(vb, mask);
+    hi->a = _mm256_and_si256(_mm256_srli_epi16(va, 4), mask), hi->b = _mm256_and_si256(_mm256_srli_epi16(vb, 4), mask);
+}
+#if defined(__AVXVNNI__)
+#define Q8_BIAS 1
+typedef vi16 w8_t;
+INLINE vi16 dp4(vi16 acc, vi16 u, int32_t x)
+{
+    const __m256i xv = _mm256_set1_epi32(x);
+    acc.a = _mm256_dpbusd_avx_epi32(acc.a, u.a, xv), acc.b = _mm256_dpbusd_avx_epi32(acc.b, u.b, xv);
+    return acc;
+}
+INLINE w8_t w8(const uint8_t *c)
+{
+    w8_t v = {_mm256_loadu_si256((const __m256i *)c), _mm256_loadu_si256((const __m256i *)(c + 32))};
+    return v;
+}
+INLINE vi16 dp8(vi16 acc, w8_t u, int32_t x) { return dp4(acc, u, x); }
+#else
+#define Q8_BIAS 0
+typedef struct { __m256i a, b, sa, sb; } w8_t; /* |w| and w, lanes 0..7 and 8..15 */
+INLINE vi16 dp4(vi16 acc, vi16 u, int32_t x)
+{
+    const __m256i xv = _mm256_set1_epi32(x), one = _mm256_set1_epi16(1);
+    acc.a = _mm256_add_epi32(acc.a, _mm256_madd_epi16(_mm256_maddubs_epi16(u.a, xv), one));
+    acc.b = _mm256_add_epi32(acc.b, _mm256_madd_epi16(_mm256_maddubs_epi16(u.b, xv), one));
+    return acc;
+}
+INLINE w8_t w8(const uint8_t *c)
+{
+    const __m256i bias = _mm256_set1_epi8((char)0x80);
+    const __m256i wa = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)c), bias),
+                  wb = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(c + 32)), bias);
+    w8_t r = {_mm256_abs_epi8(wa), _mm256_abs_epi8(wb), wa, wb};
+    return r;
+}
+INLINE vi16 dp8(vi16 acc, w8_t w, int32_t x)
+{
+    const __m256i xv = _mm256_set1_epi32(x), one = _mm256_set1_epi16(1);
+    acc.a = _mm256_add_epi32(acc.a, _mm256_madd_epi16(_mm256_maddubs_epi16(w.a, _mm256_sign_epi8(xv, w.sa)), one));
+    acc.b = _mm256_add_epi32(acc.b, _mm256_madd_epi16(_mm256_maddubs_epi16(w.b, _mm256_sign_epi8(xv, w.sb)), one));
+    return acc;
+}
+#endif
+
+#else /* scalar: plain loops (itile_any below), no integer lanes */
+
+#define Q8_BIAS 0
+
+#endif
+
+/* ---- activations: per row and block of 32, block-major (the layout comment at the top) -------- */
+
+/* One block of 32: q[32], its scale, its code sum. */
+INLINE void quant_block(const float *x, int8_t *q, float *s, int32_t *c)
+{
+#if defined(__AVX512F__)
+    const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+#elif defined(__AVX2__)
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 v[4], mx;
+    for (int i = 0; i < 4; i++) v[i] = _mm256_loadu_ps(x + 8 * i);
+    mx = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                       _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+#else
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fabsf(x[j]) > amax ? fabsf(x[j]) : amax;
+#endif
+    const float inv = 127.0f / amax; /* max is exact: any order gives this amax */
+    if (!(amax > 0.0f) || !(inv < INFINITY)) {
+        memset(q, 0, 32);
+        *s = 0.0f, *c = 0;
+        return;
+    }
+    *s = amax / 127.0f;
+#if defined(__AVX512F__)
+    const __m512 vi = _mm512_set1_ps(inv);
+    const __m512i top = _mm512_set1_epi32(127), bot = _mm512_set1_epi32(-127);
+    const __m512i a = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(lo, vi)), top), bot),
+                  b = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(hi, vi)), top), bot);
+    _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(a));
+    _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(b));
+    *c = _mm512_reduce_add_epi32(_mm512_add_epi32(a, b));
+#elif defined(__AVX2__)
+    const __m256 vi = _mm256_set1_ps(inv);
+    const __m256i top = _mm256_set1_epi32(127), bot = _mm256_set1_epi32(-127);
+    __m256i r[4], sum = _mm256_setzero_si256();
+    for (int i = 0; i < 4; i++) {
+        r[i] = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], vi)), top), bot);
+        sum = _mm256_add_epi32(sum, r[i]);
+    }
+    /* int32 -> int8 (in range): packs keep the values, the permute restores the order */
+    const __m256i w01 = _mm256_packs_epi32(r[0], r[1]), w23 = _mm256_packs_epi32(r[2], r[3]);
+    const __m256i bytes = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(w01, w23), _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    _mm256_storeu_si256((__m256i *)q, bytes);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    *c = _mm_cvtsi128_si32(s4);
+#else
+    int32_t sum = 0;
+    for (int j = 0; j < 32; j++) {
+        float r = nearbyintf(x[j] * inv); /* round to nearest even, as cvtps2dq */
+        r = r < 127.0f ? r : 127.0f;
+        r = r > -127.0f ? r : -127.0f;
+        q[j] = (int8_t)r;
+        sum += q[j];
+    }
+    *c = sum;
+#endif
+}
+
+void quant_rows(const float *x, int64_t n, int64_t I, const qact_t *a)
+{
+    const int64_t nb = I / 32;
+    for (int64_t r = 0; r < n; r++)
+        for (int64_t b = 0; b < nb; b++) {
+            const int64_t k = b * n + r;
+            int32_t c;
+            quant_block(x + r * I + 32 * b, a->q + 32 * k, a->s + k, &c);
+            a->m[k] = (float)c * a->s[k];
+            a->c[k] = -128 * c;
+        }
+}
+
+/* ---- tiles ------------------------------------------------------------------------------------ */
+#define IBLOCK_BYTES(kind) ((kind) == 4 ? 256 : 512) /* a panel-block's codes */
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+/* Rows [r0, r0 + R) x panels [p, p + T): per block, the codes unpacked once for the tile's rows. */
+INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, const qact_t *a, float *y, int64_t p,
+                  int64_t r0)
+{
+    const int64_t nb = w->nb, n = a->n;
+    v16 acc[MAX_ROWS][MAX_PANELS];
+#pragma GCC unroll 16
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) acc[r][t] = v_zero();
+    for (int64_t b = 0; b < nb; b++) {
+        const int8_t *xb = a->q + (b * n + r0) * 32; /* row r's block at xb + 32 r */
+        const float *xs = a->s + b * n + r0, *xm = a->m + b * n + r0;
+        const int32_t *xc = a->c + b * n + r0;
+        const uint8_t *c[MAX_PANELS];
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            c[t] = w->codes + IBLOCK_BYTES(kind) * ((p + t) * nb + b);
+            const uint8_t *pc = c[t] + 2 * IBLOCK_BYTES(kind); /* two blocks ahead, into L2 */
+            for (int l = 0; l < IBLOCK_BYTES(kind); l += 64) __builtin_prefetch(pc + l, 0, 2);
+        }
+        vi16 ia[MAX_ROWS][MAX_PANELS];
+#pragma GCC unroll 16
+        for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+            for (int t = 0; t < T; t++) ia[r][t] = (kind == 8 && Q8_BIAS) ? vi_set1(xc[r]) : vi_zero();
+        if (kind == 4) {
+#pragma GCC unroll 4
+            for (int h = 0; h < 4; h++) {
+                vi16 lo[MAX_PANELS], hi[MAX_PANELS];
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) wq4(c[t] + 64 * h, &lo[t], &hi[t]);
+#pragma GCC unroll 16
+                for (int r = 0; r < R; r++) {
+                    const int32_t xl = x4(xb + 32 * r + 8 * h), xh = x4(xb + 32 * r + 8 * h + 4);
+#pragma GCC unroll 4
+                    for (int t = 0; t < T; t++) ia[r][t] = dp4(dp4(ia[r][t], lo[t], xl), hi[t], xh);
+                }
+            }
+        } else {
+#pragma GCC unroll 8
+            for (int g = 0; g < 8; g++) {
+                w8_t wg[MAX_PANELS];
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) wg[t] = w8(c[t] + 64 * g);
+#pragma GCC unroll 16
+                for (int r = 0; r < R; r++) {
+                    const int32_t xg = x4(xb + 32 * r + 4 * g);
+#pragma GCC unroll 4
+                    for (int t = 0; t < T; t++) ia[r][t] = dp8(ia[r][t], wg[t], xg);
+                }
+            }
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < T; t++) {
+            const int64_t pb = (p + t) * nb + b;
+            const v16 vd = v_half(w->d + PANEL * pb), vm = kind == 4 ? v_half(w->m + PANEL * pb) : v_zero();
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) {
+                acc[r][t] = v_fmav(v_mul(vi_float(ia[r][t]), xs + r), vd, acc[r][t]);
+                if (kind == 4) acc[r][t] = v_fma(vm, xm + r, acc[r][t]);
+            }
+        }
+    }
+    store_tile(w, R, T, acc, y, p, r0);
+}
+#endif
+
+/* The code of output l of a panel-block c (int8 layout), input i of the block: its weight's integer. */
+INLINE int32_t icode(const uint8_t *c, int kind, int l, int i)
+{
+    if (kind == 4) {
+        const uint8_t byte = c[64 * (i / 8) + 4 * l + i % 4];
+        return i % 8 < 4 ? byte & 0xF : byte >> 4;
+    }
+    return (int32_t)c[64 * (i / 4) + 4 * l + i % 4] - 128;
+}
+
+/* Any tile, output by output, in plain C (the scalar build's; the vector builds' check): the same
+ * integers, and the same float operations in the same order, as itile. */
+static void itile_any(const qmat_t *w, int R, int T, const qact_t *a, float *y, int64_t p, int64_t r0)
+{
+    const int64_t nb = w->nb, n = a->n;
+    for (int r = 0; r < R; r++)
+        for (int t = 0; t < T; t++) {
+            float out[PANEL];
+            for (int l = 0; l < PANEL; l++) {
+                float s = 0.0f;
+                for (int64_t b = 0; b < nb; b++) {
+                    const int64_t pb = (p + t) * nb + b, k = b * n + r0 + r;
+                    const uint8_t *c = w->codes + (w->kind == 4 ? 256 : 512) * pb;
+                    const int8_t *xq = a->q + 32 * k;
+                    int32_t isum = w->kind == 8 && Q8_BIAS ? a->c[k] : 0;
+                    for (int i = 0; i < 32; i++) isum += icode(c, w->kind, l, i) * xq[i];
+                    const float f = (float)isum * a->s[k];
+#if defined(__AVX512F__) || defined(__AVX2__)
+                    const float d = _cvtsh_ss(w->d[PANEL * pb + l]);
+#else
+                    const float d = half_to_float(w->d[PANEL * pb + l]);
+#endif
+                    s = fmaf(f, d, s);
+                    if (w->kind == 4) {
+#if defined(__AVX512F__) || defined(__AVX2__)
+                        s = fmaf(_cvtsh_ss(w->m[PANEL * pb + l]), a->m[k], s);
+#else
+                        s = fmaf(half_to_float(w->m[PANEL * pb + l]), a->m[k], s);
+#endif
+                    }
+                }
+                out[l] = s;
+            }
+            v16 one[MAX_ROWS][MAX_PANELS];
+            one[0][0] = v_load(out);
+            store_tile(w, 1, 1, one, y, p + t, r0 + r);
+        }
+}
+
+/* Plans per ISA (register tiles; measured on the bundled model's shapes, trserve/bench/qlinear_isa.py):
+ * one row takes I_ONE_PANELS panels; n <= I_NARROW_ROWS rows one tile of n x I_NARROW_PANELS; wider
+ * batches tiles of I_WIDE_ROWS x I_WIDE_PANELS. They change which chains run side by side, never the
+ * arithmetic of one. */
+#if defined(__AVX512F__)
+#define DEFAULT_I_ONE_PANELS 4
+#define DEFAULT_I_NARROW_ROWS 4
+#define DEFAULT_I_NARROW_PANELS 2
+#define DEFAULT_I_WIDE_ROWS 6
+#define DEFAULT_I_WIDE_PANELS 2
+#elif defined(__AVX2__)
+#define DEFAULT_I_ONE_PANELS 2
+#define DEFAULT_I_NARROW_ROWS 2
+#define DEFAULT_I_NARROW_PANELS 2
+#define DEFAULT_I_WIDE_ROWS 4
+#define DEFAULT_I_WIDE_PANELS 1
+#else
+#define DEFAULT_I_ONE_PANELS 1
+#define DEFAULT_I_NARROW_ROWS 1
+#define DEFAULT_I_NARROW_PANELS 1
+#define DEFAULT_I_WIDE_ROWS 2
+#define DEFAULT_I_WIDE_PANELS 1
+#endif
+#ifndef I_ONE_PANELS
+#define I_ONE_PANELS DEFAULT_I_ONE_PANELS
+#endif
+#ifndef I_NARROW_ROWS
+#define I_NARROW_ROWS DEFAULT_I_NARROW_ROWS
+#endif
+#ifndef I_NARROW_PANELS
+#define I_NARROW_PANELS DEFAULT_I_NARROW_PANELS
+#endif
+#ifndef I_WIDE_ROWS
+#define I_WIDE_ROWS DEFAULT_I_WIDE_ROWS
+#endif
+#ifndef I_WIDE_PANELS
+#define I_WIDE_PANELS DEFAULT_I_WIDE_PANELS
+#endif
+#if I_NARROW_ROWS > 8 || I_WIDE_ROWS > 8 || I_ONE_PANELS > MAX_PANELS || I_NARROW_PANELS > MAX_PANELS \
+    || I_WIDE_PANELS > MAX_PANELS
+#error "int8 tiles: at most 8 rows x 4 panels"
+#endif
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+/* Each tile shape the plans take its own function (constant R, T: accumulators in registers): R = 1..8
+ * rows of 1 or 2 panels, one row of 4. */
+#define ITILE_FN(K, R, T)                                                                                        \
+    static __attribute__((noinline)) void itile_##K##_##R##_##T(const qmat_t *w, const qact_t *a, float *y,      \
+                                                              int64_t p, int64_t r0) { itile(w, K, R, T, a, y, p, r0); }
+#define ITILE_FNS(K, T) ITILE_FN(K, 1, T) ITILE_FN(K, 2, T) ITILE_FN(K, 3, T) ITILE_FN(K, 4, T) ITILE_FN(K, 5, T) \
+    ITILE_FN(K, 6, T) ITILE_FN(K, 7, T) ITILE_FN(K, 8, T)
+ITILE_FNS(4, 1) ITILE_FNS(4, 2) ITILE_FN(4, 1, 4) ITILE_FNS(8, 1) ITILE_FNS(8, 2) ITILE_FN(8, 1, 4)
+#undef ITILE_FNS
+#undef ITILE_FN
+#endif
+
+static void itile_call(const qmat_t *w, int R, int T, const qact_t *a, float *y, int64_t p, int64_t r0)
+{
+#if defined(__AVX512F__) || defined(__AVX2__)
+#define IC(K, RR, TT) if (w->kind == K && R == RR && T == TT) { itile_##K##_##RR##_##TT(w, a, y, p, r0); return; }
+#define ICS(K, TT) IC(K, 1, TT) IC(K, 2, TT) IC(K, 3, TT) IC(K, 4, TT) IC(K, 5, TT) IC(K, 6, TT) IC(K, 7, TT) \
+    IC(K, 8, TT)
+    ICS(4, 1) ICS(4, 2) IC(4, 1, 4) ICS(8, 1) ICS(8, 2) IC(8, 1, 4)
+#undef ICS
+#undef IC
+    if (T > 1) { /* a shape not compiled (-D plans): its panels one by one, the same numbers */
+        for (int t = 0; t < T; t++) itile_call(w, R, 1, a, y, p + t, r0);
+        return;
+    }
+#endif
+    itile_any(w, R, T, a, y, p, r0);
+}
+
+/* Panels [p0, p1) by T (single panels at the end), row tiles of RR rows (the last one ragged). */
+static void ipart(const qmat_t *w, int RR, int T, const qact_t *a, float *y, int64_t p0, int64_t p1)
+{
+    const int64_t n = a->n;
+    int64_t p = p0;
+    for (; p + T <= p1; p += T)
+        for (int64_t r0 = 0; r0 < n; r0 += RR) itile_call(w, n - r0 < RR ? (int)(n - r0) : RR, T, a, y, p, r0);
+    for (; p < p1; p++)
+        for (int64_t r0 = 0; r0 < n; r0 += RR) itile_call(w, n - r0 < RR ? (int)(n - r0) : RR, 1, a, y, p, r0);
+}
+
+void imat_rows(const qmat_t *w, const qact_t *a, float *y, int64_t id, int64_t nt, int64_t *o0, int64_t *o1)
+{
+    const int64_t panels = (w->out + PANEL - 1) / PANEL, p0 = panels * id / nt, p1 = panels * (id + 1) / nt;
+    *o0 = PANEL * p0 < w->out ? PANEL * p0 : w->out;
+    *o1 = PANEL * p1 < w->out ? PANEL * p1 : w->out;
+    if (p1 <= p0 || a->n <= 0) return;
+    if (a->n == 1) ipart(w, 1, I_ONE_PANELS, a, y, p0, p1);
+    else if (a->n <= I_NARROW_ROWS) ipart(w, (int)a->n, I_NARROW_PANELS, a, y, p0, p1);
+    else ipart(w, I_WIDE_ROWS, I_WIDE_PANELS, a, y, p0, p1);
+}
+
+int qact_alloc(qact_t *a, int64_t n, int64_t I)
+{
+    const int64_t k = n * (I / 32) + 1;
+    a->n = n;
+    a->q = malloc(32 * k), a->s = malloc(sizeof(float) * k), a->m = malloc(sizeof(float) * k);
+    a->c = malloc(sizeof(int32_t) * k);
+    return a->q && a->s && a->m && a->c ? 0 : -1;
+}
+
+void qact_free(qact_t *a) { free(a->q), free(a->s), free(a->m), free(a->c); }
+
+typedef struct {
+    const qmat_t *w;
+    const qact_t *a;
+    float *y;
+} ilinear_job_t;
+
+static void ilinear_job(void *arg, int64_t id, int64_t nt)
+{
+    const ilinear_job_t *j = arg;
+    int64_t o0, o1;
+    imat_rows(j->w, j->a, j->y, id, nt, &o0, &o1);
+}
+
+/* As trserve_qlinear, in the int8 arithmetic: x [n, I] quantized here, codes in the int8 layout
+ * (the top comment). 0, or -1 without memory. */
+int trserve_qlinear_i8(int kind, const float *x, int64_t n, int64_t I, int64_t O, const uint8_t *codes,
+                       const uint16_t *d, const uint16_t *m, const float *bias, float *y, int threads)
+{
+    const qmat_t w = {kind, I, O, I / 32, codes, d, m, bias};
+    qact_t a;
+    int rc = -1;
+    if (!qact_alloc(&a, n, I)) {
+        quant_rows(x, n, I, &a);
+        ilinear_job_t job = {&w, &a, y};
+        pool_run(ilinear_job, &job, threads);
+        rc = 0;
+    }
+    qact_free(&a);
+    return rc;
+}
+
+/* The quantized activations of x [n, I] (tests): q [nb, n, 32] int8, s, m [nb, n] float, c [nb, n]
+ * int32 (-128 times the block's code sum). 0, or -1 without memory. */
+int trserve_quantize_rows(const float *x, int64_t n, int64_t I, int8_t *q, float *s, float *m, int32_t *c)
+{
+    const qact_t a = {n, q, s, m, c};
+    quant_rows(x, n, I, &a);
+    return 0;
+}

@@ -1,0 +1,231 @@
+"""The int8 arithmetic (csrc/qlinear_i8.c): activations quantized per block of 32, integer dot products
+with the 4/8-bit codes, the float part in one fixed order. Every variant gives the bits of a torch
+reference of that order, for every width and every row alone, so the variants equal each other; the
+native forward on it keeps a token's logits independent of the batch (TR == AR bit for bit)."""
+
+import ctypes
+
+import pytest
+import torch
+from torch import nn
+
+from trserve.engine.model.kernels import build
+from trserve.engine.model.kernels.build import available_isas, kernel_isa
+from trserve.engine.model.kernels.pack import pack_q4_i8, pack_q8_i8
+from trserve.engine.model.kernels.qlinear import QLinear, quantize_linears
+from trserve.engine.model.kernels.recover import recover_q4, recover_q8
+from tests.engine.model.test_qlinear import (CASES, fma32, isa_params, needs_kernel, q4_weights, q8_weights,
+                                             wide_range_x)
+
+
+# ---- a reference of the int8 arithmetic's op order (pure torch) ----------------------------------
+def reference_quant(x: torch.Tensor):
+    """x [n, I] -> (q [n, nb, 32] int64, s [n, nb], c [n, nb] int64), as csrc/qlinear_i8.c quantizes."""
+    n, in_f = x.shape
+    blk = x.reshape(n, in_f // 32, 32)
+    amax = blk.abs().amax(-1)  # [n, nb]
+    inv = torch.tensor(127.0) / amax  # float32 division, as the kernel's
+    ok = (amax > 0) & torch.isfinite(inv)
+    q = torch.round(blk * torch.where(ok, inv, 0)[..., None]).clamp(-127, 127)  # round half to even
+    q = torch.where(ok[..., None], q, 0).to(torch.int64)
+    s = torch.where(ok, amax / torch.tensor(127.0), 0)
+    return q, s, q.sum(-1)
+
+
+def reference_i8_linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """[n, O]: per output, acc = fma(float(isum_b) * s_b, d_b, acc) (q4: then acc = fma(m_b, c_b * s_b, acc))
+    over the blocks in order, then + bias; isum the exact integer dot product of codes and q."""
+    w = lin.weight.detach()
+    out_f, in_f = w.shape
+    nb = in_f // 32
+    q4 = recover_q4(w)
+    if q4 is not None:
+        codes, d, m = q4
+        blk = codes.reshape(out_f, nb, 16).to(torch.int64)
+        wq = torch.cat([blk & 0xF, blk >> 4], dim=-1)  # [O, nb, 32]
+    else:
+        codes, d = recover_q8(w)
+        wq, m = codes.reshape(out_f, nb, 32).to(torch.int64), None
+    xq, s, c = reference_quant(x)
+    isum = torch.einsum("rbj,obj->rob", xq, wq)  # [n, O, nb], exact in int64
+    xm = c.float() * s  # [n, nb]
+    acc = torch.zeros(x.shape[0], out_f)
+    for b in range(nb):
+        f = isum[:, :, b].float() * s[:, b, None]
+        acc = fma32(f, d[None, :, b].expand_as(acc), acc)
+        if m is not None:
+            acc = fma32(m[None, :, b].expand_as(acc), xm[:, b, None].expand_as(acc), acc)
+    return acc + lin.bias.detach() if lin.bias is not None else acc
+
+
+@pytest.fixture(scope="module")
+def kernel_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("qlinear_i8")
+
+
+def int8_layer(case: str, isa: str, kernel_dir) -> tuple[nn.Linear, QLinear]:
+    make, bias = CASES[case]
+    w = make()
+    lin = nn.Linear(w.shape[1], w.shape[0], bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        if bias:
+            lin.bias.copy_(torch.randn(w.shape[0], generator=torch.Generator().manual_seed(9)) * 0.1)
+    holder = nn.Sequential(lin)
+    assert quantize_linears(holder, kernel_dir, isa, "int8") == (1, 0)
+    assert holder[0].arithmetic == "int8" and holder[0].isa == kernel_isa(isa)
+    return lin, holder[0]
+
+
+def activations(n: int, in_f: int, seed: int) -> torch.Tensor:
+    """Wide-range rows with an all-zero block and outlier dimensions (as a hidden state has)."""
+    x = wide_range_x(n, in_f, seed)
+    x[3, :32] = 0.0
+    x[:, 5] *= 60
+    return x
+
+
+def test_reference_is_close_to_the_float_layer_and_has_teeth():
+    lin = nn.Linear(576, 40, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(q4_weights(40, 576, seed=2))
+    x = torch.randn(7, 576, generator=torch.Generator().manual_seed(1))
+    ref, exact = reference_i8_linear(lin, x), x @ lin.weight.detach().T
+    assert (ref - exact).norm() / exact.norm() < 0.02  # int8 activations: ~0.5% here
+    assert not torch.equal(ref, exact)
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", isa_params())
+def test_quantized_activations_equal_the_reference(isa, kernel_dir):
+    int8_layer("q4", isa, kernel_dir)  # loads the variant's library
+    x = activations(5, 96, seed=4)
+    q, s, m = torch.empty(3, 5, 32, dtype=torch.int8), torch.empty(3, 5), torch.empty(3, 5)
+    c = torch.empty(3, 5, dtype=torch.int32)
+    build.quantize_library(kernel_isa(isa))(x.data_ptr(), 5, 96, q.data_ptr(), s.data_ptr(), m.data_ptr(),
+                                            c.data_ptr())
+    rq, rs, rc = reference_quant(x)
+    assert torch.equal(q.permute(1, 0, 2).to(torch.int64), rq)  # block-major in the kernel: [nb, n, 32]
+    assert torch.equal(s.T, rs) and torch.equal(c.T.to(torch.int64), -128 * rc)
+    assert torch.equal(m.T, rc.float() * rs)
+    assert rq[3, 0].eq(0).all() and rs[3, 0] == 0  # the zero block
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("isa", isa_params())
+def test_int8_kernel_equals_its_reference_for_every_width(isa, case, kernel_dir):
+    """Bits of the reference for n = 1..19 (one row, narrow and wide tiles with ragged ends) and for
+    every row alone: a row's outputs never depend on the batch, and every variant is the same."""
+    lin, q = int8_layer(case, isa, kernel_dir)
+    x = activations(19, lin.in_features, seed=7)
+    ref = reference_i8_linear(lin, x)
+    for n in range(1, 20):
+        assert torch.equal(q(x[:n]), ref[:n]), f"{isa} differs from the reference at n = {n}"
+    for i in range(19):
+        assert torch.equal(q(x[i : i + 1]), ref[i : i + 1])
+    assert torch.equal(q(x[5:16]), ref[5:16])
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["q4-panels-bias", "q8-panels"])
+def test_int8_variants_give_the_same_bits_at_every_width_to_32(case, kernel_dir):
+    x = activations(32, CASES[case][0]().shape[1], seed=8)
+    outs = {isa: int8_layer(case, isa, kernel_dir)[1] for isa in available_isas()}
+    want = outs["scalar"](x)
+    for isa, layer in outs.items():
+        for n in (1, 2, 3, 4, 5, 7, 8, 9, 13, 16, 17, 24, 32):
+            assert torch.equal(layer(x[:n]), want[:n]), f"{isa} != scalar at n = {n}"
+
+
+def test_int8_packing_places_every_code():
+    w = q4_weights(20, 64, seed=3)
+    codes, d, m = recover_q4(w)
+    packed, pd, pm = pack_q4_i8(codes, d.half(), m.half())
+    assert packed.shape == (2, 2, 4, 64) and pd.shape == pm.shape == (2, 2, 16)
+    blk = codes.reshape(20, 2, 16)
+    q = torch.cat([blk & 0xF, blk >> 4], dim=-1)  # [O, nb, 32]
+    for o, b, i in ((0, 0, 0), (17, 1, 31), (5, 0, 13), (19, 1, 6)):
+        p, l, h, k = o // 16, o % 16, i // 8, i % 8
+        byte = packed[p, b, h, 4 * l + k % 4]
+        assert (byte >> 4 if k >= 4 else byte & 0xF) == q[o, b, i]
+    assert packed[1, :, :, 16:].eq(0).all()  # padded outputs
+    w8 = q8_weights(3, 32, seed=1)
+    c8, _ = recover_q8(w8)
+    p8, _ = pack_q8_i8(c8.view(torch.uint8), d[:3, :1].half())
+    assert int(p8[0, 0, 2, 4 * 1 + 3]) == int(c8[1, 2 * 4 + 3]) + 128  # group 2, output 1, input 11
+    assert p8[0, 0, :, 12:].eq(128).all()  # padded outputs: code 0, biased
+
+
+@needs_kernel
+def test_arithmetic_is_validated(kernel_dir):
+    w = q4_weights(16, 64)
+    with pytest.raises(ValueError, match="arithmetic"):
+        QLinear(4, *recover_q4(w), None, 64, 16, kernel_dir, "scalar", "int4")
+    from trserve.engine.model.loader import ModelConfig
+
+    with pytest.raises(ValueError, match="arithmetic"):
+        ModelConfig(arithmetic="fp8")
+    with pytest.raises(ValueError, match="compressed kernels"):
+        ModelConfig(arithmetic="int8", kernels="packed")
+
+
+# ---- the native forward in the int8 arithmetic -----------------------------------------------------
+@needs_kernel
+def test_native_int8_tree_nodes_equal_tokens_decoded_alone_and_builds_agree(tmp_path):
+    from tests.engine.model.test_native import HIDE, _prefilled, _row, quantized_llama
+
+    outs = {}
+    for isa in available_isas():
+        model = quantized_llama(tmp_path, isa, arithmetic="int8")
+        assert model.lm_head.arithmetic == "int8"
+        with torch.inference_mode():
+            alone = _prefilled(model, True, [list(range(40, 90))])
+            want = []
+            for t in (3, 9, 7):
+                want.append(alone.step([_row([t])])[0][0])
+                alone.keep([[0]])
+            batch = _prefilled(model, True, [list(range(7, 30)), list(range(40, 90))])
+            tree = torch.full((5, 5), HIDE)
+            for i, anc in enumerate([[0], [0, 1], [0, 1, 2], [0, 3], [0, 1, 4]]):
+                tree[i, anc] = 0.0
+            got = batch.step([_row([1, 2, 3, 4]), _row([3, 9, 7, 8, 8], [0, 1, 2, 1, 2], tree)])[1]
+        for i in range(3):
+            assert torch.equal(got[i], want[i]), f"{isa}: node {i} differs from the token decoded alone"
+        outs[isa] = got
+    for isa, got in outs.items():
+        assert torch.equal(got, outs["scalar"]), f"{isa} != scalar"
+    exact = quantized_llama(tmp_path, "scalar")
+    with torch.inference_mode():
+        e = _prefilled(exact, True, [list(range(7, 30)), list(range(40, 90))]).step(
+            [_row([1, 2, 3, 4]), _row([3, 9, 7, 8, 8], [0, 1, 2, 1, 2], tree)])[1]
+    assert not torch.equal(e, outs["scalar"])  # another arithmetic
+    assert (e.argmax(-1) == outs["scalar"].argmax(-1)).float().mean() >= 0.6
+
+
+@needs_kernel
+def test_tr_equals_ar_on_the_int8_native_forward(tmp_path):
+    from trserve.engine import Decoder, DecoderConfig, GenerationRequest
+    from trserve.engine.model.loader import LoadedModel
+    from tests.conftest import DigitsTokenizer
+    from tests.engine.model.test_native import quantized_llama
+
+    model = quantized_llama(tmp_path, vocab=256, seed=4, arithmetic="int8")
+    loaded = LoadedModel(model, DigitsTokenizer(), "tiny-q", "tiny", torch.device("cpu"), torch.float32,
+                         "compressed", kernel_isa(), "native", arithmetic="int8")
+    dec = Decoder(DecoderConfig(k=8), loaded=loaded)
+    assert dec.engine.runner.forward_kind == "native"
+    accepted = []
+    for seed in range(3):
+        ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(seed)).tolist()
+        ar = dec.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="ar", ignore_eos=True))
+        tr = dec.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="tr", ignore_eos=True))
+        assert tr.ids == ar.ids
+        accepted.append(tr.stats.mat)
+    assert max(accepted) > 1.2, f"drafts were hardly accepted ({accepted}): the test would not test trees"
+
+
+def test_ctypes_model_struct_ends_with_the_arithmetic():
+    from trserve.engine.model.native import _Model
+
+    assert _Model._fields_[-1] == ("arith", ctypes.c_int64)
