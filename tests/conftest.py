@@ -55,6 +55,18 @@ def decoder(loaded_smollm2):
 
 
 @pytest.fixture(scope="session")
+def decoder_int8():
+    """The real default model on the int8 arithmetic (skipped where the compressed kernels cannot run)."""
+    from trserve.engine import Decoder, DecoderConfig
+    from trserve.engine.model.kernels.build import qlinear_supported
+    from trserve.engine.model.loader import ModelConfig
+
+    if not qlinear_supported():
+        pytest.skip("the int8 arithmetic needs the compressed kernels (x86-64 Linux)")
+    return Decoder(DecoderConfig(model=ModelConfig(arithmetic="int8", kernels="compressed")))
+
+
+@pytest.fixture(scope="session")
 def hf_reference():
     """SmolLM2 with stock kernels: the reference for plain greedy `generate`."""
     from trserve.engine.model.loader import ModelConfig, load_model

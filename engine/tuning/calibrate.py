@@ -132,7 +132,7 @@ def cost_model_path(loaded, cache_dir: Path) -> Path:
     if isa:  # a build of other kernel sources has other speeds: its key names the calibration too
         from trserve.engine.model.kernels.build import kernel_build_key
 
-        kernels = f"{loaded.kernels}-{isa}-{kernel_build_key(isa)[:8]}"
+        kernels = f"{loaded.kernels}-{isa}-{getattr(loaded, 'arithmetic', 'exact')}-{kernel_build_key(isa)[:8]}"
     else:
         kernels = loaded.kernels
     kernels += f"-{getattr(loaded, 'forward', 'transformers')}"  # the native forward costs far less per step

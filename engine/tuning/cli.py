@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trserve.core.progress import Progress
+from trserve.engine.model.choices import ARITHMETICS
 
 log = logging.getLogger("trserve.tune")
 
@@ -39,6 +40,7 @@ class TuneConfig:
     kernels: str = "auto"
     model: str | None = None
     name: str | None = None
+    arithmetic: str = "exact"  # the compressed kernels' arithmetic (ModelConfig); trees are tuned per arithmetic
 
     def __post_init__(self) -> None:
         if not self.prompts or any(not Path(p).exists() for p in self.prompts):
@@ -72,7 +74,7 @@ def run_tune(config: TuneConfig) -> dict:
     from trserve.engine.tuning.optimise import tune
 
     model_cfg = ModelConfig(**({"source": config.model} if config.model else {}), threads=config.threads,
-                            kernels=config.kernels)
+                            kernels=config.kernels, arithmetic=config.arithmetic)
     decoder = Decoder(DecoderConfig(model=model_cfg))
     cost = load_or_measure(decoder.loaded, default_cache_dir(), force=config.recalibrate)
     print(cost.table())
@@ -190,6 +192,8 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--kernels", default="auto", choices=("auto", "stock", "packed", "compressed"),
                    help="kernels to tune for (default auto, as `serve` picks them)")
+    p.add_argument("--arithmetic", default="exact", choices=ARITHMETICS,
+                   help="the compressed kernels' arithmetic to tune for: exact (default) or int8")
     p.add_argument("--model", default=None, help="model source (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--name", default=None, help="tree name (default: the output file's stem)")
     p.set_defaults(func=_run)
@@ -201,6 +205,7 @@ def _run(args) -> int:
         per_category=args.per_category, max_new_tokens=args.max_new_tokens, universe=args.universe,
         max_ngram=args.max_ngram, max_chain=args.max_chain, max_nodes=args.max_nodes,
         recalibrate=args.recalibrate, records=args.records, confirm=args.confirm, threads=args.threads, kernels=args.kernels, model=args.model, name=args.name,
+        arithmetic=args.arithmetic,
     )
     run_tune(config)
     return 0

@@ -32,7 +32,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    from trserve.engine.model.choices import BATCH_STEPS, KERNELS
+    from trserve.engine.model.choices import ARITHMETICS, BATCH_STEPS, KERNELS
 
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
     p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = pick a free one and print it)")
@@ -73,6 +73,10 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="linear-layer kernels: auto (default: exact compressed on AVX-512 / AVX2 CPUs for "
                         "block-quantised weights, else oneDNN pre-packed on CPU float32), stock, packed or "
                         "compressed (also on the slow portable scalar variant)")
+    p.add_argument("--arithmetic", choices=ARITHMETICS, default="exact",
+                   help="the compressed kernels' arithmetic: exact (default; float32 over the exact weights) or "
+                        "int8 (activations quantized per block of 32, integer dot products: cheaper verified "
+                        "rows; TR == plain decoding bit for bit in each; docs/kernels.md)")
     p.add_argument("--batch-step", choices=BATCH_STEPS, default="auto",
                    help="transformers' forward, batch steps: auto (default: fixed-shape buckets with a CUDA graph "
                         "each on CUDA, else eager), eager, static (the buckets without graphs) or graphs")
@@ -90,7 +94,7 @@ def build_configs(args: argparse.Namespace):
 
     source = {} if args.model is None else {"source": args.model}
     model = ModelConfig(**source, device=args.device, threads=args.threads, kernels=args.kernels,
-                        batch_step=args.batch_step)
+                        arithmetic=args.arithmetic, batch_step=args.batch_step)
     limits = Limits(max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
                     default_max_new_tokens=min(128, args.max_new_tokens_cap), max_messages=args.max_messages)
     tokens = TenantTokens.from_file(args.tenant_tokens) if args.tenant_tokens else None

@@ -101,3 +101,18 @@ def test_tr_matches_hf_greedy_on_real_prompts(decoder, hf_reference, tree, min_m
         near_ties.append((q["question_id"], p, margin))
     assert len(near_ties) <= MAX_NEAR_TIES, f"too many near-tie divergences: {near_ties}"
     assert sum(total_mat) / len(total_mat) > min_mat  # drafts are really being accepted
+
+
+@pytest.mark.slow
+def test_int8_tr_equals_ar_bit_for_bit_on_real_prompts(decoder_int8):
+    """The int8 arithmetic's contract (docs/kernels.md): a token's numbers never depend on the batch or
+    the tree around it, so batched TR (8 requests at a time, whole trees) gives exactly the ids of plain
+    decoding one request at a time, with no near-tie allowance."""
+    assert decoder_int8.loaded.arithmetic == "int8" and decoder_int8.engine.runner.forward_kind == "native"
+    prompt_ids = [decoder_int8.prompts.chat_ids([{"role": "user", "content": q["turns"][0]}]) for q in _prompts()]
+    results = _batched_tr(decoder_int8, prompt_ids, "cpu-hybrid")
+    for q, ids, tr in zip(_prompts(), prompt_ids, results):
+        ar = decoder_int8.generate(GenerationRequest(input_ids=ids, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                                     mode="ar"))
+        assert tr.ids == ar.ids, f"question {q['question_id']}: int8 TR != int8 AR"
+    assert sum(r.stats.mat for r in results) / len(results) > 1.3  # drafts are really being accepted

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from trserve.core.datasets import PROMPT_SETS, prompt_file
+from trserve.engine.model.choices import ARITHMETICS
 
 DEFAULT_PROMPTS = str(prompt_file("spec_bench"))  # bundled with the repository (trserve/core/data/)
 DECODERS = ("hf", "pld", "ar", "tr", "tr-paper")
@@ -32,6 +33,8 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--kernels", default="auto", choices=("auto", "stock", "packed", "compressed"),
                    help="kernels of trserve's decoders (ar, tr*); hf and pld always use stock transformers")
+    p.add_argument("--arithmetic", default="exact", choices=ARITHMETICS,
+                   help="the compressed kernels' arithmetic of trserve's decoders: exact (default) or int8")
     p.add_argument("--forward", default="auto", choices=("auto", "native", "transformers"),
                    help="what runs trserve's forwards: the native one-call forward where it fits, or transformers")
     p.add_argument("--gguf", default=None, help="GGUF for the llamacpp decoder (default: the bundled model's)")
@@ -43,6 +46,10 @@ def register(sub) -> None:
     p.add_argument("--profile", action="store_true",
                    help="per-step profile instead: forward cost per width and the time outside the forward, "
                         "for the transformers and the native forward (bench-results/profile.json)")
+    p.add_argument("--fidelity", action="store_true",
+                   help="fidelity to the exact model instead: the int8 arithmetic and bfloat16 teacher-forced over "
+                        "the exact model's greedy continuations of held-out prompts (top-1 agreement, KL; "
+                        "bench-results/fidelity.json)")
     p.add_argument("--concurrency", default=None,
                    help="e.g. 1,2,4,8,16: instead of the decoder comparison, closed-loop load on the batching engine "
                         "(modes tr, ar, serial) with throughput, latency and TTFT per level (trserve/bench/concurrency.py)")
@@ -65,8 +72,14 @@ def _run(args) -> int:
         from trserve.bench.profile import ProfileConfig, run_profile
 
         run_profile(ProfileConfig(prompts=prompts_of(args), max_new_tokens=min(args.max_new_tokens, 64),
-                                  kernels=args.kernels,
+                                  kernels=args.kernels, arithmetic=args.arithmetic,
                                   threads=args.threads, json_path=args.json or "bench-results/profile.json"))
+        return 0
+    if args.fidelity:
+        from trserve.bench.fidelity import FidelityConfig, run_fidelity
+
+        run_fidelity(FidelityConfig(prompts=prompts_of(args), threads=args.threads,
+                                    json_path=args.json or "bench-results/fidelity.json"))
         return 0
     if args.concurrency:
         return _run_concurrency(args)
@@ -76,7 +89,8 @@ def _run(args) -> int:
         prompts=prompts_of(args), per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         decoders=tuple(d.strip() for d in args.decoders.split(",") if d.strip()), tree=args.tree,
         first_turn_only=args.first_turn_only, pld_tokens=args.pld_tokens, model=args.model,
-        threads=args.threads, kernels=args.kernels, json_path=args.json or "bench-results/bench.json",
+        threads=args.threads, kernels=args.kernels, arithmetic=args.arithmetic,
+        json_path=args.json or "bench-results/bench.json",
         temperature=args.temperature, forward=args.forward, gguf=args.gguf, warm_per_category=args.warm_per_category,
     )
     run_bench(config)
@@ -89,7 +103,7 @@ def _run_concurrency(args) -> int:
     repetitive = args.workload == "repetitive"  # its repetition is in turn 2 and across a tenant's requests
     config = ConcurrencyConfig(
         prompts=prompts_of(args), levels=tuple(int(x) for x in args.concurrency.split(",") if x.strip()),
-        max_new_tokens=args.max_new_tokens, kernels=args.kernels, threads=args.threads,
+        max_new_tokens=args.max_new_tokens, kernels=args.kernels, arithmetic=args.arithmetic, threads=args.threads,
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         json_path=args.json or "bench-results/concurrency.json",
         all_turns=repetitive and not args.first_turn_only, tenant_per_category=repetitive, repeats=args.repeats,

@@ -51,6 +51,7 @@ class ConcurrencyConfig:
     prefill_chunk: int = 128
     tenants: int = 4
     kernels: str = "auto"
+    arithmetic: str = "exact"  # the compressed kernels' arithmetic (ModelConfig)
     threads: int | None = None
     json_path: str = "bench-results/concurrency.json"
     all_turns: bool = False  # send every turn of a question (each after the client's own answer), not only the first
@@ -294,7 +295,8 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    decoder = Decoder(DecoderConfig(model=ModelConfig(kernels=config.kernels, threads=config.threads)))
+    decoder = Decoder(DecoderConfig(model=ModelConfig(kernels=config.kernels, threads=config.threads,
+                                                            arithmetic=config.arithmetic)))
     prompts, convs = _prompts(config.prompts), conversations(config.prompts, config)
     decoder.generate(messages=prompts[0], max_new_tokens=16)  # warm-up
     rows = []
@@ -322,7 +324,8 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
     rows.sort(key=lambda r: config.modes.index(r["mode"]))  # stable: levels ascending within a mode
     fair = fairness(decoder, config, prompts)
     log.info("fairness: %s", fair)
-    report = {"config": asdict(config), "kernels": decoder.loaded.kernels, "isa": decoder.loaded.isa, "rows": rows,
+    report = {"config": asdict(config), "kernels": decoder.loaded.kernels, "isa": decoder.loaded.isa,
+              "arithmetic": decoder.loaded.arithmetic, "rows": rows,
               "fairness": fair,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     path = Path(config.json_path)

@@ -32,6 +32,7 @@ class ProfileConfig:
     widths: tuple[int, ...] = (1, 2, 4, 8, 16)
     kv: int = 512
     kernels: str = "auto"
+    arithmetic: str = "exact"  # the compressed kernels' arithmetic (ModelConfig)
     threads: int | None = None
     json_path: str = "bench-results/profile.json"
 
@@ -47,7 +48,7 @@ def _profile_one(loaded, config: ProfileConfig, questions: list[dict]) -> dict:
     from trserve.engine.tuning.calibrate import measure
 
     cost = measure(loaded.model, widths=config.widths, kv_lens=(config.kv,), reps=3, passes=2, native=loaded.native)
-    out = {"forward": loaded.forward, "kernels": loaded.kernels, "isa": loaded.isa,
+    out = {"forward": loaded.forward, "kernels": loaded.kernels, "isa": loaded.isa, "arithmetic": loaded.arithmetic,
            "width_ms": {str(w): round(1000 * s, 2) for w, s in zip(cost.widths, cost.seconds[0])}, "modes": {}}
     decoder = Decoder(DecoderConfig(model=_model_config(config, loaded.forward)), loaded=loaded)
     engine = decoder.engine
@@ -88,7 +89,7 @@ def _generate(decoder, engine, messages: list[dict], max_new_tokens: int, mode: 
 def _model_config(config: ProfileConfig, forward: str):
     from trserve.engine import ModelConfig
 
-    return ModelConfig(kernels=config.kernels, threads=config.threads, forward=forward)
+    return ModelConfig(kernels=config.kernels, threads=config.threads, forward=forward, arithmetic=config.arithmetic)
 
 
 def run_profile(config: ProfileConfig) -> dict:

@@ -47,6 +47,7 @@ class BenchConfig:
     model: str | None = None
     threads: int | None = None
     kernels: str = "auto"  # trserve's decoders; hf and pld always run stock transformers
+    arithmetic: str = "exact"  # the compressed kernels' arithmetic of trserve's decoders (ModelConfig)
     forward: str = "auto"  # trserve's decoders: auto, native or transformers (engine/model/loader.py)
     gguf: str | None = None  # the llamacpp decoder's weights (default: the bundled model's GGUF)
     json_path: str = "bench-results/bench.json"
@@ -247,7 +248,7 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
     from trserve.engine import Decoder, DecoderConfig, ModelConfig, load_model
 
     model_cfg = ModelConfig(**({"source": config.model} if config.model else {}), threads=config.threads,
-                            kernels=config.kernels, forward=config.forward)
+                            kernels=config.kernels, forward=config.forward, arithmetic=config.arithmetic)
     runners, meta = {}, {}
     if {"hf", "pld"} & set(config.decoders):
         stock = load_model(ModelConfig(source=model_cfg.source, kernels="stock", threads=config.threads))
@@ -274,6 +275,7 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
             if isinstance(runner, _TR):
                 runner.tenant = name
         meta.update(fingerprint=decoder.fingerprint, kernels=decoder.loaded.kernels, isa=decoder.loaded.isa,
+                    arithmetic=decoder.loaded.arithmetic,
                     forward=decoder.loaded.forward, device=str(decoder.device),
                     trees={"tr": tr_tree, "tr-static": STATIC_TREE, "tr-full": tr_tree, "tr-paper": "paper", "tr-matrix": "cpu-8",
                            "tr-adaptive": "adaptive"})

@@ -147,6 +147,7 @@ def test_tokenize_and_model_info(client, decoder):
     grouped = decoder.loaded.kernels != "stock"  # SmolLM2 is grouped-query: non-stock kernels swap its attention
     assert (info.device, info.kernels) == (str(decoder.device), decoder.loaded.kernels) and info.kernels
     assert info.kernel_isa == (decoder.loaded.isa or "none")
+    assert info.arithmetic == decoder.loaded.arithmetic == "exact"
     assert info.attention == ("grouped_sdpa" if grouped else "sdpa") and info.threads == torch.get_num_threads()
 
 
