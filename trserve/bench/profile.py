@@ -29,7 +29,7 @@ class ProfileConfig:
     n_prompts: int = 6
     max_new_tokens: int = 64
     forwards: tuple[str, ...] = ("transformers", "native")
-    widths: tuple[int, ...] = (1, 2, 4, 8, 16)
+    widths: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     kv: int = 512
     kernels: str = "auto"
     arithmetic: str = "exact"  # the compressed kernels' arithmetic (ModelConfig)
