@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from trserve.engine.engine import EngineConfig
@@ -106,9 +108,9 @@ class WorkerConfig:
             raise ValueError(f"stream_stall_s must be > 0, got {self.stream_stall_s}")
         if not 1024 <= self.max_request_bytes <= 64 << 20:
             raise ValueError(f"max_request_bytes must be in [1024, 64 MiB], got {self.max_request_bytes}")
-        if self.max_connection_age_s is not None and self.max_connection_age_s <= 0:
-            raise ValueError(f"max_connection_age_s must be > 0 or None (never), got {self.max_connection_age_s}")
-        if self.max_connection_age_grace_s < 0:
+        if self.max_connection_age_s is not None and not 0 < self.max_connection_age_s < math.inf:
+            raise ValueError(f"max_connection_age_s must be > 0 and finite, or None (never), got {self.max_connection_age_s}")
+        if not 0 <= self.max_connection_age_grace_s < math.inf:
             raise ValueError(f"max_connection_age_grace_s must be >= 0, got {self.max_connection_age_grace_s}")
         if self.max_concurrent_rpcs < 1:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
@@ -118,8 +120,8 @@ class WorkerConfig:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if not 0 <= self.deadline_margin_s < 10:
             raise ValueError(f"deadline_margin_s must be in [0, 10) seconds, got {self.deadline_margin_s}")
-        if self.grace_s < 0:
-            raise ValueError(f"grace_s must be >= 0 seconds, got {self.grace_s}")
+        if not 0 <= self.grace_s < math.inf:
+            raise ValueError(f"grace_s must be a finite number of seconds >= 0, got {self.grace_s}")
         if not isinstance(self.history_bytes, int) or self.history_bytes < 0:
             raise ValueError(f"history_bytes must be an int >= 0 (0 = no histories), got {self.history_bytes!r}")
 

@@ -108,15 +108,54 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
         decoder = await loop.run_in_executor(executor, Decoder, decoder_config or DecoderConfig())
     engine = BatchEngine(decoder, config.engine_config(), engine_cost(decoder))
     engine_loop = loop.run_in_executor(executor, engine.run)
+    started = _Started(executor, engine, engine_loop)
+    try:
+        return await _start_serving(config, decoder, engine, engine_loop, executor, draft_source_factory, started)
+    except BaseException:
+        # A port in use, a bad Redis URL, ...: stop whatever started (the engine thread would otherwise
+        # keep the process alive with its ports bound), so the caller's error ends the process.
+        await started.stop()
+        raise
+
+
+@dataclass
+class _Started:
+    """What create_server has started so far, to stop when a later step fails."""
+
+    executor: ThreadPoolExecutor
+    engine: BatchEngine
+    engine_loop: asyncio.Future
+    store: MatrixStore | None = None
+    server: grpc.aio.Server | None = None
+    http: HttpServer | None = None
+    metrics: WorkerMetrics | None = None
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            await self.server.stop(0)
+        if self.http is not None:
+            await self.http.stop()
+        if self.metrics is not None:
+            self.metrics.stop_http()
+        self.engine.stop()
+        await self.engine_loop
+        await asyncio.to_thread(self.executor.shutdown, wait=True)
+        if self.store is not None:
+            await asyncio.to_thread(self.store.close)
+
+
+async def _start_serving(config: WorkerConfig, decoder: Decoder, engine: BatchEngine, engine_loop: asyncio.Future,
+                         executor: ThreadPoolExecutor, draft_source_factory: DraftSourceFactory | None,
+                         started: _Started) -> Worker:
     store = tuner_states = histories = None
     if draft_source_factory is None:
-        store = MatrixStore(StoreConfig(redis_url=config.redis_url))
+        store = started.store = MatrixStore(StoreConfig(redis_url=config.redis_url))
         store.start()
         spec = ModelSpec(decoder.fingerprint, decoder.vocab_size, decoder.config.k)
         histories = HistoryBook(store, config.history_bytes) if config.history_bytes else None
         draft_source_factory = embedded_factory(store, spec, decoder.device, histories)
         tuner_states = StoreTunerStates(store, decoder.fingerprint)
-    metrics = WorkerMetrics()
+    metrics = started.metrics = WorkerMetrics()
     if store is not None:  # the embedded store's memory (tenants, bytes per tenant) on this worker's /metrics
         metrics.registry.register(StoreCollector(store))
     if histories is not None:  # and the tenants' suffix histories (bytes per tenant)
@@ -127,13 +166,13 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     servicer = GenerateServicer(decoder, engine, config, draft_source_factory, metrics, tuner_states)
 
     auth = [TenantAuth(config.tenant_tokens, config.default_tenant)] if config.tenant_tokens is not None else []
-    server = new_server(interceptors=auth, max_receive_bytes=config.max_request_bytes,
-                        max_connection_age_s=config.max_connection_age_s,
-                        max_connection_age_grace_s=config.max_connection_age_grace_s)
+    server = started.server = new_server(interceptors=auth, max_receive_bytes=config.max_request_bytes,
+                                         max_connection_age_s=config.max_connection_age_s,
+                                         max_connection_age_grace_s=config.max_connection_age_grace_s)
     generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
     health = add_standard_services(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port, config.tls)
-    http = await _start_http(servicer, config)
+    http = started.http = await _start_http(servicer, config)
     metrics_port = metrics.serve_http(config.host, config.metrics_port) if config.metrics_port is not None else None
     await set_status(health, [SERVICE_NAME], serving=False)
     await server.start()
