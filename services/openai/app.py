@@ -11,6 +11,7 @@ field or `X-Tenant` header naming another one is refused). Runs on the worker's 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
@@ -20,7 +21,7 @@ from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
@@ -42,11 +43,21 @@ ERRORS = {
     "UNAUTHENTICATED": (401, "authentication_error"), "PERMISSION_DENIED": (403, "permission_error"),
     "RESOURCE_EXHAUSTED": (429, "rate_limit_error"), "UNAVAILABLE": (503, "service_unavailable"),
     "DEADLINE_EXCEEDED": (504, "timeout"), "UNIMPLEMENTED": (501, "not_implemented"),
+    "CANCELLED": (499, "client_closed_request"),  # nobody reads it: the client is gone
 }
+
+
+DISCONNECT_POLL_S = 0.25  # how often a unary call checks that its HTTP client is still there
 
 
 class Unauthenticated(TRServeError):
     status = "UNAUTHENTICATED"
+
+
+class ClientGone(TRServeError):
+    """The HTTP client closed its connection (mid-body, or while its generation ran): nothing to answer."""
+
+    status = "CANCELLED"
 
 
 class TooLarge(TRServeError):
@@ -80,12 +91,6 @@ def error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
     code = status_for(exc).name
     status, kind = ERRORS.get(code, (500, "server_error"))
     message = str(exc) or type(exc).__name__
-    if status == 500:
-        log.exception("OpenAI API call failed", exc_info=exc)
-        message = f"internal error ({type(exc).__name__}); see the server log"
-    else:  # the message may quote the request (user text): only at DEBUG
-        log.info("OpenAI API -> %d (%s)", status, type(exc).__name__)
-        log.debug("OpenAI API -> %d: %s", status, exc)
     headers: dict[str, str] = {}
     error_code = code.lower()
     if isinstance(exc, ModelNotFound):
@@ -96,6 +101,14 @@ def error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
         headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s))),
                    "retry-after-ms": str(int(exc.retry_after_s * 1000))}
         error_code = "rate_limit_exceeded"
+    if isinstance(exc, ClientGone):  # routine: no traceback, not an error
+        log.info("OpenAI API: %s", exc)
+    elif status == 500:
+        log.exception("OpenAI API call failed", exc_info=exc)
+        message = f"internal error ({type(exc).__name__}); see the server log"
+    else:  # the message may quote the request (user text): only at DEBUG
+        log.info("OpenAI API -> %d (%s)", status, type(exc).__name__)
+        log.debug("OpenAI API -> %d: %s", status, exc)
     param = exc.param if isinstance(exc, BadParam) else None
     return status, {"error": {"message": message, "type": kind, "param": param, "code": error_code}}, headers
 
@@ -161,12 +174,29 @@ class OpenAIApp:
             deadline = HttpDeadline(request)
             if req.stream:
                 return await self._stream(req, method, deadline)
-            result, call = await self.servicer.complete(req.request, deadline)
+            result, call = await self._complete_while_connected(request, req, deadline)
         except Exception as exc:  # noqa: BLE001 - every failure is mapped, never dropped
             self._count(method, exc)
             return error_response(exc)
         self._count(method, None)
         return JSONResponse(convert.completion(req, result, call.queue_s, self.fingerprint))
+
+    async def _complete_while_connected(self, request: Request, req: convert.OpenAIRequest, deadline: HttpDeadline):
+        """servicer.complete, cancelled (its decode slot freed at the next step) once the client has gone:
+        an HTTP unary call otherwise decodes to the end for nobody."""
+        task = asyncio.ensure_future(self.servicer.complete(req.request, deadline))
+        try:
+            while not task.done():
+                await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await task
+                    raise ClientGone("the client closed the connection: its generation was cancelled")
+            return task.result()
+        finally:
+            if not task.done():  # this handler itself was cancelled
+                task.cancel()
 
     async def _stream(self, req: convert.OpenAIRequest, method: str, deadline: HttpDeadline) -> Response:
         """Waits for the first chunk (after the prefill), so refusals are still plain HTTP errors."""
@@ -207,13 +237,18 @@ class OpenAIApp:
     # ---- helpers -----------------------------------------------------------------------------
     async def _body(self, request: Request) -> object:
         limit, size, parts = self.config.max_request_bytes, 0, []
-        async for part in request.stream():
-            size += len(part)
-            if size > limit:
-                raise TooLarge(f"the request body is over {limit} bytes (--max-request-bytes): shorten it")
-            parts.append(part)
+        try:
+            async for part in request.stream():
+                size += len(part)
+                if size > limit:
+                    raise TooLarge(f"the request body is over {limit} bytes (--max-request-bytes): shorten it")
+                parts.append(part)
+        except ClientDisconnect:
+            raise ClientGone("the client closed the connection before its body was whole") from None
         try:
             return json.loads(b"".join(parts))
+        except RecursionError:
+            raise BadParam("the request body nests JSON too deeply") from None
         except ValueError:
             raise BadParam("the request body is not valid JSON") from None
 
