@@ -51,7 +51,7 @@ class ConcurrencyConfig:
     prefill_chunk: int = 128
     tenants: int = 4
     kernels: str = "auto"
-    arithmetic: str = "exact"  # the compressed kernels' arithmetic (ModelConfig)
+    arithmetic: str = "exact"  # the compressed kernels' arithmetic (ModelConfig; the report's config names it)
     threads: int | None = None
     json_path: str = "bench-results/concurrency.json"
     all_turns: bool = False  # send every turn of a question (each after the client's own answer), not only the first
@@ -59,10 +59,8 @@ class ConcurrencyConfig:
     repeats: int = 1  # runs per level (the modes take turns each time); rows sum them
 
     def __post_init__(self) -> None:
-        if not self.levels or min(self.levels) < 1 or set(self.modes) - set(MODES) or not self.modes:
-            raise ValueError(f"levels must be >= 1 and modes a subset of {MODES}")
-        if self.repeats < 1:
-            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if not self.levels or min(self.levels) < 1 or set(self.modes) - set(MODES) or not self.modes or self.repeats < 1:
+            raise ValueError(f"levels and repeats must be >= 1 and modes a subset of {MODES}")
         if not Path(self.prompts).exists():
             raise ValueError(f"prompts file {self.prompts!r} not found")
 
@@ -295,8 +293,8 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    decoder = Decoder(DecoderConfig(model=ModelConfig(kernels=config.kernels, threads=config.threads,
-                                                            arithmetic=config.arithmetic)))
+    model = ModelConfig(kernels=config.kernels, threads=config.threads, arithmetic=config.arithmetic)
+    decoder = Decoder(DecoderConfig(model=model))
     prompts, convs = _prompts(config.prompts), conversations(config.prompts, config)
     decoder.generate(messages=prompts[0], max_new_tokens=16)  # warm-up
     rows = []
@@ -324,8 +322,7 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
     rows.sort(key=lambda r: config.modes.index(r["mode"]))  # stable: levels ascending within a mode
     fair = fairness(decoder, config, prompts)
     log.info("fairness: %s", fair)
-    report = {"config": asdict(config), "kernels": decoder.loaded.kernels, "isa": decoder.loaded.isa,
-              "arithmetic": decoder.loaded.arithmetic, "rows": rows,
+    report = {"config": asdict(config), "kernels": decoder.loaded.kernels, "isa": decoder.loaded.isa, "rows": rows,
               "fairness": fair,
               "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     path = Path(config.json_path)
