@@ -184,14 +184,15 @@ def test_isa_builds_give_the_same_bits(tmp_path, isa):
     assert torch.equal(outs[isa], outs[ref_isa])
 
 
-def test_tr_equals_ar_on_the_native_forward(tmp_path):
+@pytest.mark.parametrize("arithmetic, seed", [("exact", 3), ("int8", 4)])  # seeds whose drafts get accepted
+def test_tr_equals_ar_on_the_native_forward(tmp_path, arithmetic, seed):
     from trserve.engine import Decoder, DecoderConfig, GenerationRequest
     from trserve.engine.model.loader import LoadedModel
     from tests.conftest import DigitsTokenizer
 
-    model = quantized_llama(tmp_path, vocab=256, seed=3)
+    model = quantized_llama(tmp_path, vocab=256, seed=seed, arithmetic=arithmetic)
     loaded = LoadedModel(model, DigitsTokenizer(), "tiny-q", "tiny", torch.device("cpu"), torch.float32,
-                         "compressed", "avx2", "native")
+                         "compressed", "avx2", "native", arithmetic=arithmetic)
     dec = Decoder(DecoderConfig(k=8), loaded=loaded)
     assert dec.engine.runner.forward_kind == "native"
     accepted = []

@@ -170,7 +170,7 @@ CASES = {  # name: (weights, bias); outputs of one partial panel, several panels
 }
 
 
-def compressed(case: str, isa: str, kernel_dir) -> tuple[nn.Linear, QLinear]:
+def compressed(case: str, isa: str, kernel_dir, arithmetic: str = "exact") -> tuple[nn.Linear, QLinear]:
     make, bias = CASES[case]
     w = make()
     lin = nn.Linear(w.shape[1], w.shape[0], bias=bias)
@@ -179,8 +179,8 @@ def compressed(case: str, isa: str, kernel_dir) -> tuple[nn.Linear, QLinear]:
         if bias:
             lin.bias.copy_(torch.randn(w.shape[0], generator=torch.Generator().manual_seed(9)) * 0.1)
     holder = nn.Sequential(lin)
-    assert quantize_linears(holder, kernel_dir, isa) == (1, 0)
-    assert isinstance(holder[0], QLinear) and holder[0].isa == kernel_isa(isa)
+    assert quantize_linears(holder, kernel_dir, isa, arithmetic) == (1, 0)
+    assert isinstance(holder[0], QLinear) and holder[0].isa == kernel_isa(isa) and holder[0].arithmetic == arithmetic
     return lin, holder[0]
 
 

@@ -1,7 +1,7 @@
 """The int8 arithmetic (csrc/qlinear_i8.c): activations quantized per block of 32, integer dot products
 with the 4/8-bit codes, the float part in one fixed order. Every variant gives the bits of a torch
 reference of that order, for every width and every row alone, so the variants equal each other; the
-native forward on it keeps a token's logits independent of the batch (TR == AR bit for bit)."""
+native forward on it keeps a token's logits independent of the batch (TR == AR bit for bit: test_native.py)."""
 
 import ctypes
 
@@ -12,9 +12,9 @@ from torch import nn
 from trserve.engine.model.kernels import build
 from trserve.engine.model.kernels.build import available_isas, kernel_isa
 from trserve.engine.model.kernels.pack import pack_q4_i8, pack_q8_i8
-from trserve.engine.model.kernels.qlinear import QLinear, quantize_linears
+from trserve.engine.model.kernels.qlinear import QLinear
 from trserve.engine.model.kernels.recover import recover_q4, recover_q8
-from tests.engine.model.test_qlinear import (CASES, fma32, isa_params, needs_kernel, q4_weights, q8_weights,
+from tests.engine.model.test_qlinear import (CASES, compressed, fma32, isa_params, needs_kernel, q4_weights, q8_weights,
                                              wide_range_x)
 
 
@@ -64,17 +64,7 @@ def kernel_dir(tmp_path_factory):
 
 
 def int8_layer(case: str, isa: str, kernel_dir) -> tuple[nn.Linear, QLinear]:
-    make, bias = CASES[case]
-    w = make()
-    lin = nn.Linear(w.shape[1], w.shape[0], bias=bias)
-    with torch.no_grad():
-        lin.weight.copy_(w)
-        if bias:
-            lin.bias.copy_(torch.randn(w.shape[0], generator=torch.Generator().manual_seed(9)) * 0.1)
-    holder = nn.Sequential(lin)
-    assert quantize_linears(holder, kernel_dir, isa, "int8") == (1, 0)
-    assert holder[0].arithmetic == "int8" and holder[0].isa == kernel_isa(isa)
-    return lin, holder[0]
+    return compressed(case, isa, kernel_dir, "int8")
 
 
 def activations(n: int, in_f: int, seed: int) -> torch.Tensor:
@@ -201,28 +191,6 @@ def test_native_int8_tree_nodes_equal_tokens_decoded_alone_and_builds_agree(tmp_
             [_row([1, 2, 3, 4]), _row([3, 9, 7, 8, 8], [0, 1, 2, 1, 2], tree)])[1]
     assert not torch.equal(e, outs["scalar"])  # another arithmetic
     assert (e.argmax(-1) == outs["scalar"].argmax(-1)).float().mean() >= 0.6
-
-
-@needs_kernel
-def test_tr_equals_ar_on_the_int8_native_forward(tmp_path):
-    from trserve.engine import Decoder, DecoderConfig, GenerationRequest
-    from trserve.engine.model.loader import LoadedModel
-    from tests.conftest import DigitsTokenizer
-    from tests.engine.model.test_native import quantized_llama
-
-    model = quantized_llama(tmp_path, vocab=256, seed=4, arithmetic="int8")
-    loaded = LoadedModel(model, DigitsTokenizer(), "tiny-q", "tiny", torch.device("cpu"), torch.float32,
-                         "compressed", kernel_isa(), "native", arithmetic="int8")
-    dec = Decoder(DecoderConfig(k=8), loaded=loaded)
-    assert dec.engine.runner.forward_kind == "native"
-    accepted = []
-    for seed in range(3):
-        ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(seed)).tolist()
-        ar = dec.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="ar", ignore_eos=True))
-        tr = dec.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="tr", ignore_eos=True))
-        assert tr.ids == ar.ids
-        accepted.append(tr.stats.mat)
-    assert max(accepted) > 1.2, f"drafts were hardly accepted ({accepted}): the test would not test trees"
 
 
 def test_ctypes_model_struct_ends_with_the_arithmetic():
