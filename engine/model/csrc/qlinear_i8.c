@@ -33,7 +33,9 @@
 
 /* ---- integer lanes ---------------------------------------------------------------------------
  * vi16: 16 int32 lanes (the 16 outputs of a panel, as v16); a weight group: 64 bytes, lane l's 4 bytes
- * are 4 consecutive inputs' codes of output l. dp4: acc += q4 group . x (4 signed bytes, every lane);
+ * are 4 consecutive inputs' codes of output l. a4_t: a q4 block's running products (VNNI: int32 lanes,
+ * dp4 = vpdpbusd; else 2 int16 lanes per output, summed to int32 once per block by a4_sum); a4_dp:
+ * acc += q4 group . x (4 signed bytes, every lane);
  * w8 / dp8: a q8 group prepared once per tile, then acc += group . x per row. Q8_BIAS: whether dp8
  * leaves the +128 bias in (accumulators then start at -128 c). */
 INLINE int32_t x4(const int8_t *x)
@@ -61,14 +63,17 @@ typedef __m512i w8_t;
 INLINE vi16 dp4(vi16 acc, vi16 u, int32_t x) { return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(x)); }
 INLINE w8_t w8(const uint8_t *c) { return _mm512_loadu_si512(c); }
 INLINE vi16 dp8(vi16 acc, w8_t u, int32_t x) { return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(x)); }
+typedef vi16 a4_t;
+INLINE a4_t a4_zero(void) { return vi_zero(); }
+INLINE a4_t a4_dp(a4_t acc, vi16 u, int32_t x) { return dp4(acc, u, x); }
+INLINE vi16 a4_sum(a4_t acc) { return acc; }
 #else
 #define Q8_BIAS 0
 typedef struct { __m512i a; __mmask64 neg; } w8_t; /* |w|, and where w < 0 */
-INLINE vi16 dp4(vi16 acc, vi16 u, int32_t x)
-{
-    const __m512i p = _mm512_maddubs_epi16(u, _mm512_set1_epi32(x));
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(p, _mm512_set1_epi16(1)));
-}
+typedef __m512i a4_t; /* 32 int16 lanes: 2 per output */
+INLINE a4_t a4_zero(void) { return _mm512_setzero_si512(); }
+INLINE a4_t a4_dp(a4_t acc, vi16 u, int32_t x) { return _mm512_add_epi16(acc, _mm512_maddubs_epi16(u, _mm512_set1_epi32(x))); }
+INLINE vi16 a4_sum(a4_t acc) { return _mm512_madd_epi16(acc, _mm512_set1_epi16(1)); }
 INLINE w8_t w8(const uint8_t *c)
 {
     const __m512i w = _mm512_xor_si512(_mm512_loadu_si512(c), _mm512_set1_epi8((char)0x80));
@@ -110,15 +115,27 @@ INLINE w8_t w8(const uint8_t *c)
     return v;
 }
 INLINE vi16 dp8(vi16 acc, w8_t u, int32_t x) { return dp4(acc, u, x); }
+typedef vi16 a4_t;
+INLINE a4_t a4_zero(void) { return vi_zero(); }
+INLINE a4_t a4_dp(a4_t acc, vi16 u, int32_t x) { return dp4(acc, u, x); }
+INLINE vi16 a4_sum(a4_t acc) { return acc; }
 #else
 #define Q8_BIAS 0
 typedef struct { __m256i a, b, sa, sb; } w8_t; /* |w| and w, lanes 0..7 and 8..15 */
-INLINE vi16 dp4(vi16 acc, vi16 u, int32_t x)
+typedef vi16 a4_t; /* int16 lanes: 2 per output */
+INLINE a4_t a4_zero(void) { return vi_zero(); }
+INLINE a4_t a4_dp(a4_t acc, vi16 u, int32_t x)
 {
-    const __m256i xv = _mm256_set1_epi32(x), one = _mm256_set1_epi16(1);
-    acc.a = _mm256_add_epi32(acc.a, _mm256_madd_epi16(_mm256_maddubs_epi16(u.a, xv), one));
-    acc.b = _mm256_add_epi32(acc.b, _mm256_madd_epi16(_mm256_maddubs_epi16(u.b, xv), one));
+    const __m256i xv = _mm256_set1_epi32(x);
+    acc.a = _mm256_add_epi16(acc.a, _mm256_maddubs_epi16(u.a, xv));
+    acc.b = _mm256_add_epi16(acc.b, _mm256_maddubs_epi16(u.b, xv));
     return acc;
+}
+INLINE vi16 a4_sum(a4_t acc)
+{
+    const __m256i one = _mm256_set1_epi16(1);
+    vi16 v = {_mm256_madd_epi16(acc.a, one), _mm256_madd_epi16(acc.b, one)};
+    return v;
 }
 INLINE w8_t w8(const uint8_t *c)
 {
@@ -251,7 +268,12 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
         for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
             for (int t = 0; t < T; t++) ia[r][t] = (kind == 8 && Q8_BIAS) ? vi_set1(xc[r]) : vi_zero();
-        if (kind == 4) {
+        if (kind == 4) { /* without VNNI the block's products add up in 16 bits: 16 of them <= 16 x 15 x 127 */
+            a4_t s4[MAX_ROWS][MAX_PANELS];
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) s4[r][t] = a4_zero();
 #pragma GCC unroll 4
             for (int h = 0; h < 4; h++) {
                 vi16 lo[MAX_PANELS], hi[MAX_PANELS];
@@ -261,9 +283,13 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
                 for (int r = 0; r < R; r++) {
                     const int32_t xl = x4(xb + 32 * r + 8 * h), xh = x4(xb + 32 * r + 8 * h + 4);
 #pragma GCC unroll 4
-                    for (int t = 0; t < T; t++) ia[r][t] = dp4(dp4(ia[r][t], lo[t], xl), hi[t], xh);
+                    for (int t = 0; t < T; t++) s4[r][t] = a4_dp(a4_dp(s4[r][t], lo[t], xl), hi[t], xh);
                 }
             }
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) ia[r][t] = a4_sum(s4[r][t]);
         } else {
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) {
