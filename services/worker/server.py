@@ -110,7 +110,7 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     engine_loop = loop.run_in_executor(executor, engine.run)
     started = _Started(executor, engine, engine_loop)
     try:
-        return await _start_serving(config, decoder, engine, engine_loop, executor, draft_source_factory, started)
+        return await _start_serving(config, decoder, draft_source_factory, started)
     except BaseException:
         # A port in use, a bad Redis URL, ...: stop whatever started (the engine thread would otherwise
         # keep the process alive with its ports bound), so the caller's error ends the process.
@@ -144,9 +144,10 @@ class _Started:
             await asyncio.to_thread(self.store.close)
 
 
-async def _start_serving(config: WorkerConfig, decoder: Decoder, engine: BatchEngine, engine_loop: asyncio.Future,
-                         executor: ThreadPoolExecutor, draft_source_factory: DraftSourceFactory | None,
+async def _start_serving(config: WorkerConfig, decoder: Decoder, draft_source_factory: DraftSourceFactory | None,
                          started: _Started) -> Worker:
+    """The rest of create_server once the engine thread runs; each thing it starts is recorded in `started`."""
+    engine = started.engine
     store = tuner_states = histories = None
     if draft_source_factory is None:
         store = started.store = MatrixStore(StoreConfig(redis_url=config.redis_url))
@@ -177,8 +178,8 @@ async def _start_serving(config: WorkerConfig, decoder: Decoder, engine: BatchEn
     await set_status(health, [SERVICE_NAME], serving=False)
     await server.start()
     ready = asyncio.create_task(_warm_up(servicer, health, config.warmup), name="trserve-warmup")
-    return Worker(server, port, metrics_port, health, servicer, metrics, store, ready, executor, engine, engine_loop,
-                  histories, http)
+    return Worker(server, port, metrics_port, health, servicer, metrics, store, ready, started.executor, engine,
+                  started.engine_loop, histories, http)
 
 
 async def _start_http(servicer: GenerateServicer, config: WorkerConfig) -> HttpServer | None:

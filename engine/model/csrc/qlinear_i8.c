@@ -62,11 +62,7 @@ INLINE void wq4(const uint8_t *c, vi16 *lo, vi16 *hi)
 typedef __m512i w8_t;
 INLINE vi16 dp4(vi16 acc, vi16 u, int32_t x) { return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(x)); }
 INLINE w8_t w8(const uint8_t *c) { return _mm512_loadu_si512(c); }
-INLINE vi16 dp8(vi16 acc, w8_t u, int32_t x) { return _mm512_dpbusd_epi32(acc, u, _mm512_set1_epi32(x)); }
-typedef vi16 a4_t;
-INLINE a4_t a4_zero(void) { return vi_zero(); }
-INLINE a4_t a4_dp(a4_t acc, vi16 u, int32_t x) { return dp4(acc, u, x); }
-INLINE vi16 a4_sum(a4_t acc) { return acc; }
+INLINE vi16 dp8(vi16 acc, w8_t u, int32_t x) { return dp4(acc, u, x); }
 #else
 #define Q8_BIAS 0
 typedef struct { __m512i a; __mmask64 neg; } w8_t; /* |w|, and where w < 0 */
@@ -115,10 +111,6 @@ INLINE w8_t w8(const uint8_t *c)
     return v;
 }
 INLINE vi16 dp8(vi16 acc, w8_t u, int32_t x) { return dp4(acc, u, x); }
-typedef vi16 a4_t;
-INLINE a4_t a4_zero(void) { return vi_zero(); }
-INLINE a4_t a4_dp(a4_t acc, vi16 u, int32_t x) { return dp4(acc, u, x); }
-INLINE vi16 a4_sum(a4_t acc) { return acc; }
 #else
 #define Q8_BIAS 0
 typedef struct { __m256i a, b, sa, sb; } w8_t; /* |w| and w, lanes 0..7 and 8..15 */
@@ -158,6 +150,13 @@ INLINE vi16 dp8(vi16 acc, w8_t w, int32_t x)
 
 #define Q8_BIAS 0
 
+#endif
+
+#if Q8_BIAS /* VNNI (either width): a q4 block's products go straight into the int32 lanes */
+typedef vi16 a4_t;
+INLINE a4_t a4_zero(void) { return vi_zero(); }
+INLINE a4_t a4_dp(a4_t acc, vi16 u, int32_t x) { return dp4(acc, u, x); }
+INLINE vi16 a4_sum(a4_t acc) { return acc; }
 #endif
 
 /* ---- activations: per row and block of 32, block-major (the layout comment at the top) -------- */
@@ -264,10 +263,6 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
             for (int l = 0; l < IBLOCK_BYTES(kind); l += 64) __builtin_prefetch(pc + l, 0, 2);
         }
         vi16 ia[MAX_ROWS][MAX_PANELS];
-#pragma GCC unroll 16
-        for (int r = 0; r < R; r++)
-#pragma GCC unroll 4
-            for (int t = 0; t < T; t++) ia[r][t] = (kind == 8 && Q8_BIAS) ? vi_set1(xc[r]) : vi_zero();
         if (kind == 4) { /* without VNNI the block's products add up in 16 bits: 16 of them <= 16 x 15 x 127 */
             a4_t s4[MAX_ROWS][MAX_PANELS];
 #pragma GCC unroll 16
@@ -291,6 +286,10 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
 #pragma GCC unroll 4
                 for (int t = 0; t < T; t++) ia[r][t] = a4_sum(s4[r][t]);
         } else {
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                for (int t = 0; t < T; t++) ia[r][t] = Q8_BIAS ? vi_set1(xc[r]) : vi_zero();
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) {
                 w8_t wg[MAX_PANELS];
