@@ -39,6 +39,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--open-registration", action="store_true",
                      help="without --model and --secret-file, still listen beyond loopback (anyone who reaches the "
                           "service can then fill its --max-models with models of their own)")
+    run.add_argument("--insecure-no-secret", action="store_true",
+                     help="listen beyond loopback without --secret-file: anyone who reaches the port can then read "
+                          "every tenant's matrix and history (recent prompts and outputs) and write rows; refused "
+                          "without this flag")
     run.add_argument("--history-mb", type=int, default=64,
                      help="the tenants' suffix histories handed to replica workers, in memory (LRU beyond; saved "
                           "with each tenant's matrix); 0 = keep none (default 64)")
@@ -51,6 +55,11 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                     "default: the bundled model)")
     spec.add_argument("--k", type=int, default=None, help="successors per row, if not the workers' default")
     spec.set_defaults(func=run_model_spec)
+
+    make = sub.add_parser("secret", help="write a fresh shared secret into each FILE not there yet (mode 0600; "
+                                         "existing files are kept): what --secret-file and --matrix-secret-file read")
+    make.add_argument("files", nargs="+", metavar="FILE")
+    make.set_defaults(func=run_make_secrets)
 
     admin = sub.add_parser("matrix-admin", help="admin calls on a matrix service; prints JSON")
     admin.add_argument("action", choices=ADMIN_ACTIONS, help="list: every tenant; the others act on --tenant")
@@ -88,11 +97,33 @@ def run_service(args: argparse.Namespace) -> int:
                                      tls=server_tls(args.tls_cert, args.tls_key), secret=secret, admin_secret=admin,
                                      metrics_port=None if args.metrics_port < 0 else args.metrics_port,
                                      open_registration=args.open_registration,
+                                     insecure_no_secret=args.insecure_no_secret,
                                      history_bytes=args.history_mb << 20 if args.history_mb >= 0 else args.history_mb)
     except (ValueError, LookupError) as exc:
         print(f"trserve matrix: {exc}", file=sys.stderr)
         return 2
     asyncio.run(serve(config))
+    return 0
+
+
+def run_make_secrets(args: argparse.Namespace) -> int:
+    """Create each missing secret file atomically (O_EXCL, 0600) with 43 url-safe characters; a file
+    already there is kept, so a restarted deployment keeps the secret its peers hold."""
+    import os
+    import secrets
+
+    for path in args.files:
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            print(f"kept {path}")
+            continue
+        except OSError as exc:
+            print(f"trserve secret: cannot create {path}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        with os.fdopen(fd, "w") as out:
+            out.write(secrets.token_urlsafe(32) + "\n")
+        print(f"wrote {path}")
     return 0
 
 

@@ -42,6 +42,10 @@ class MatrixServiceConfig:
     # names: whoever reaches it first can fill that list and lock the real model out. That is allowed
     # on loopback or behind the workers' secret; anywhere else only when asked for (--open-registration).
     open_registration: bool = False
+    # Beyond loopback without the workers' secret, anyone who reaches the port reads every tenant's
+    # matrix and its history (recent prompts and outputs, as token ids) and writes rows into any
+    # tenant: refused at start unless this says the network itself is the boundary (--insecure-no-secret).
+    insecure_no_secret: bool = False
     # the tenants' suffix histories it hands replica workers (GetHistory, PushHistory), in memory, in
     # bytes (LRU beyond; saved as side state with the matrix); 0 = it keeps none
     history_bytes: int = 64 << 20
@@ -57,6 +61,12 @@ class MatrixServiceConfig:
             raise ValueError(f"max_message_bytes must be >= 65536, got {self.max_message_bytes}")
         if self.secret is not None and self.admin_secret is not None and self.admin_secret.value == self.secret.value:
             raise ValueError("the admin secret must differ from the worker secret")
+        if self.secret is None and not self.insecure_no_secret and not is_loopback(f"{self.host}:0"):
+            raise ValueError(
+                f"a matrix service on {self.host} without the workers' secret would hand anyone who reaches it "
+                "every tenant's matrix and history (recent prompts and outputs) and take rows into any tenant: "
+                "pass --secret-file (the workers pass the same file as --matrix-secret-file), or listen on "
+                "loopback, or --insecure-no-secret where the network alone decides who reaches the port")
         if (not self.store.models and self.secret is None and not self.open_registration
                 and not is_loopback(f"{self.host}:0")):
             raise ValueError(

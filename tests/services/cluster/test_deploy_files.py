@@ -23,7 +23,7 @@ def parses(argv: list[str]) -> None:
 
 def k8s_objects() -> dict[tuple[str, str], dict]:
     objects = {}
-    for path in (REPO / "deploy" / "k8s").glob("*.yaml"):
+    for path in (REPO / "deploy" / "k8s" / "base").glob("*.yaml"):
         for doc in yaml.safe_load_all(path.read_text()):
             if doc and doc.get("kind") != "Kustomization":
                 objects[(doc["kind"], doc["metadata"]["name"])] = doc
@@ -33,10 +33,12 @@ def k8s_objects() -> dict[tuple[str, str], dict]:
 def test_compose_services_are_health_checked_restarted_and_parse() -> None:
     compose = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())
     services = compose["services"]
-    assert set(services) == {"redis", "matrix", "worker"}
+    assert set(services) == {"redis", "secrets", "matrix", "worker"}
     assert "--appendonly" in services["redis"]["command"]
-    for name, service in services.items():
-        assert service["restart"] == "unless-stopped" and service["healthcheck"]["test"], name
+    for name in ("redis", "matrix", "worker"):
+        assert services[name]["restart"] == "unless-stopped" and services[name]["healthcheck"]["test"], name
+    assert services["secrets"]["restart"] == "no"  # one shot
+    parses(services["secrets"]["command"])
     for name in ("matrix", "worker"):
         parses(services[name]["command"])
         probe = services[name]["healthcheck"]["test"]
@@ -70,7 +72,9 @@ def test_kubernetes_workers_probe_grpc_health_request_a_gpu_and_scale() -> None:
     volumes = {v["name"]: v for v in objects[("Deployment", "trserve-worker")]["spec"]["template"]["spec"]["volumes"]}
     mounts = {m["mountPath"]: m["name"] for m in worker["volumeMounts"]}
     assert {"/tmp", "/var/cache/trserve/calibration"} <= set(mounts)
-    assert all("emptyDir" in volumes[name] for name in mounts.values())
+    assert all("emptyDir" in volumes[mounts[path]] for path in ("/tmp", "/var/cache/trserve/calibration"))
+    assert all("emptyDir" in volumes[name] or volumes[name]["secret"] and mount.get("readOnly")
+               for mount in worker["volumeMounts"] for name in [mount["name"]])
     assert {"name": "HOME", "value": "/tmp"} in worker["env"]
     assert objects[("PodDisruptionBudget", "trserve-worker")]["spec"]["minAvailable"] == 1
     assert objects[("Service", "trserve-worker")]["spec"]["clusterIP"] == "None"  # headless: per-call balancing
@@ -123,7 +127,7 @@ def test_the_custom_metrics_overlay_scales_workers_on_gauges_they_export() -> No
     exported = {family.name for family in WorkerMetrics().registry.collect()}
     overlay = REPO / "deploy" / "k8s" / "custom-metrics"
     kustomization = yaml.safe_load((overlay / "kustomization.yaml").read_text())
-    assert kustomization["resources"] == ["../"]
+    assert kustomization["resources"] == ["../base"]
     (patch,) = kustomization["patches"]
     assert (patch["target"]["kind"], patch["target"]["name"]) in k8s_objects()
     hpa = yaml.safe_load((overlay / patch["path"]).read_text())
@@ -137,3 +141,86 @@ def test_the_custom_metrics_overlay_scales_workers_on_gauges_they_export() -> No
     for rule in rules:
         assert rule["seriesQuery"].split("{")[0] == rule["name"]["as"]
         assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+
+
+def test_the_overlays_sit_beside_their_base_not_inside_it() -> None:
+    """Issue 46: the custom-metrics overlay sat inside its own base, which kustomize refuses ("cycle
+    detected"). No kustomization may name a folder that holds it; `kubectl kustomize` builds each where
+    kubectl is installed."""
+    import shutil
+    import subprocess
+
+    found = sorted((REPO / "deploy" / "k8s").rglob("kustomization.yaml"))
+    assert len(found) == 3
+    for path in found:
+        for resource in yaml.safe_load(path.read_text())["resources"]:
+            target = (path.parent / resource).resolve()
+            assert not (target.is_dir() and path.parent.is_relative_to(target)), (path, resource)
+    if shutil.which("kubectl") is None:
+        return
+    for path in found:
+        built = subprocess.run(["kubectl", "kustomize", str(path.parent)], capture_output=True, text=True, timeout=60)
+        assert built.returncode == 0, built.stderr
+
+
+def test_every_matrix_service_shipped_needs_the_workers_secret_and_the_workers_send_it() -> None:
+    """Issue 45, defect 5 / issue 46: the shipped matrix services listen on 0.0.0.0, where one without
+    the workers' secret handed anyone every tenant's history. Each now reads the secret (and an admin
+    one) from a file mounted from a Secret or volume that the workers share, except the admin one."""
+    compose = yaml.safe_load((REPO / "docker" / "compose.yaml").read_text())["services"]
+    gpu = yaml.safe_load((REPO / "docker" / "compose.gpu.yaml").read_text())["services"]["worker"]
+    objects = k8s_objects()
+    k8s_matrix = objects[("Deployment", "trserve-matrix")]["spec"]["template"]["spec"]
+    k8s_worker = objects[("Deployment", "trserve-worker")]["spec"]["template"]["spec"]
+    dockerfile = (REPO / "docker" / "Dockerfile").read_text()
+    import json
+
+    cmds = {line.split(" ", 1)[1] for line in dockerfile.splitlines() if line.startswith("CMD [")}
+    (image_matrix,) = [json.loads(c) for c in cmds if c.startswith('["matrix"')]
+    (image_worker,) = [json.loads(c) for c in cmds if c.startswith('["worker"')]
+    for argv in (compose["matrix"]["command"], k8s_matrix["containers"][0]["args"], image_matrix):
+        args = build_parser().parse_args(argv)
+        assert args.secret_file and args.admin_secret_file and not args.insecure_no_secret, argv
+        worker_secret = args.secret_file
+    for argv in (compose["worker"]["command"], gpu["command"], k8s_worker["containers"][0]["args"], image_worker):
+        args = build_parser().parse_args(argv)
+        assert args.matrix_secret_file == worker_secret, argv
+    # compose: the workers mount the workers' secret only; `secrets` writes both before the matrix starts
+    assert compose["matrix"]["depends_on"]["secrets"]["condition"] == "service_completed_successfully"
+    assert [v.split(":")[0] for v in compose["worker"]["volumes"]] == ["worker-secret"]
+    written = build_parser().parse_args(compose["secrets"]["command"]).files
+    assert set(written) == {worker_secret, build_parser().parse_args(compose["matrix"]["command"]).admin_secret_file}
+    # k8s: the same split, from two Secrets
+    def secrets_of(pod: dict) -> set[str]:
+        return {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
+    assert secrets_of(k8s_matrix) == {"trserve-matrix-secret", "trserve-matrix-admin-secret"}
+    assert secrets_of(k8s_worker) == {"trserve-matrix-secret"}
+    # only workers reach the matrix service's gRPC port, only the matrix service reaches Redis
+    matrix_in = objects[("NetworkPolicy", "trserve-matrix")]["spec"]["ingress"]
+    grpc_rule = [rule for rule in matrix_in if any(p["port"] == 50052 for p in rule["ports"])]
+    assert grpc_rule == [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "trserve-worker"}}}],
+                          "ports": [{"port": 50052, "protocol": "TCP"}]}]
+    (redis_in,) = objects[("NetworkPolicy", "redis")]["spec"]["ingress"]
+    assert redis_in["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "trserve-matrix"}}}]
+
+
+def test_trserve_secret_writes_a_fresh_secret_once(tmp_path) -> None:
+    """What compose's `secrets` service runs: each missing file gets a new secret (0600, accepted by
+    --secret-file), an existing one is kept (a restart keeps the secret the peers hold)."""
+    import stat
+    import subprocess
+    import sys
+
+    from trserve.services.common.security import SharedSecret
+
+    a, b = tmp_path / "a", tmp_path / "b"
+    cli = [sys.executable, "-m", "trserve.services.cli", "secret"]
+    assert subprocess.run([*cli, str(a), str(b)], capture_output=True, timeout=60).returncode == 0
+    first = a.read_text()
+    assert stat.S_IMODE(a.stat().st_mode) == 0o600 and first != b.read_text()
+    SharedSecret.from_file(a)
+    again = subprocess.run([*cli, str(a)], capture_output=True, text=True, timeout=60)
+    assert again.returncode == 0 and "kept" in again.stdout and a.read_text() == first
+    assert first.strip() not in again.stdout
+    bad = subprocess.run([*cli, str(tmp_path / "missing" / "c")], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "cannot create" in bad.stderr

@@ -295,24 +295,45 @@ def test_a_slow_reload_mid_session_does_not_stall_other_sessions(redis_prefix, c
 
 def test_an_open_service_beyond_loopback_needs_a_model_list_or_a_secret(tmp_path) -> None:
     """Issue 28, defect 2: without --model, a service serves the first `max_models` models anyone names.
-    Listening beyond loopback with neither a model list nor the workers' secret is refused at start."""
+    Listening beyond loopback with neither a model list nor the workers' secret is refused at start
+    (where the operator has accepted an open port at all, --insecure-no-secret)."""
     import subprocess
     import sys
     from pathlib import Path
 
     store = StoreConfig()
     with pytest.raises(ValueError, match="stranger could lock your model out"):
-        MatrixServiceConfig(host="0.0.0.0", port=0, store=store)
+        MatrixServiceConfig(host="0.0.0.0", port=0, store=store, insecure_no_secret=True)
     secret = SharedSecret(secrets.token_urlsafe(24))
     for fine in (dict(host="127.0.0.1"), dict(host="::1"), dict(host="0.0.0.0", secret=secret),
-                 dict(host="0.0.0.0", open_registration=True),
-                 dict(host="0.0.0.0", store=StoreConfig(models=(ModelSpec(FP, V, K),)))):
+                 dict(host="0.0.0.0", open_registration=True, insecure_no_secret=True),
+                 dict(host="0.0.0.0", store=StoreConfig(models=(ModelSpec(FP, V, K),)), insecure_no_secret=True)):
         MatrixServiceConfig(**{"port": 0, "store": store, **fine})  # type: ignore[arg-type]
 
     repo = Path(__file__).resolve().parents[3]
-    run = subprocess.run([sys.executable, "-m", "trserve.services.cli", "matrix", "--host", "0.0.0.0", "--port", "0"],
-                         cwd=repo, capture_output=True, text=True, timeout=60)
+    run = subprocess.run([sys.executable, "-m", "trserve.services.cli", "matrix", "--host", "0.0.0.0", "--port", "0",
+                          "--insecure-no-secret"], cwd=repo, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "--model" in run.stderr and "--open-registration" in run.stderr, run.stderr
+
+
+def test_a_service_beyond_loopback_needs_the_workers_secret() -> None:
+    """Issue 45, defect 5: a matrix service on 0.0.0.0 without a secret handed any peer every tenant's
+    history (recent prompts and outputs) and matrix. Beyond loopback it now needs --secret-file, or
+    --insecure-no-secret said out loud; a model list does not make it safe."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    served = StoreConfig(models=(ModelSpec(FP, V, K),))
+    for host in ("0.0.0.0", "::", "10.1.2.3", "matrix.internal"):
+        with pytest.raises(ValueError, match="every tenant's matrix and history") as refused:
+            MatrixServiceConfig(host=host, port=0, store=served)
+        assert "--secret-file" in str(refused.value) and "--insecure-no-secret" in str(refused.value)
+    MatrixServiceConfig(host="localhost", port=0, store=served)
+    repo = Path(__file__).resolve().parents[3]
+    run = subprocess.run([sys.executable, "-m", "trserve.services.cli", "matrix", "--host", "0.0.0.0", "--port", "0",
+                          "--model", f"{FP}:{V}:{K}"], cwd=repo, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "--secret-file" in run.stderr, run.stderr
 
 
 def test_a_service_with_a_model_list_never_admits_another_model(servers, channel_to) -> None:
