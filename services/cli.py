@@ -45,7 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _log_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR (default INFO)")
+    from trserve.services.common.argtypes import log_level
+
+    parser.add_argument("--log-level", default="INFO", type=log_level, help="DEBUG, INFO, WARNING, ERROR (default INFO)")
     parser.add_argument("--log-format", default="text", choices=("text", "json"),
                         help="text (default) or json: one JSON object per log line")
 
@@ -53,12 +55,14 @@ def _log_flags(parser: argparse.ArgumentParser) -> None:
 def _each_command_takes_log_flags(sub: argparse._SubParsersAction) -> None:
     """`trserve serve --log-level DEBUG` as well as `trserve --log-level DEBUG serve`: the flags after
     the command override the ones before it only when given (SUPPRESS leaves the earlier value)."""
+    from trserve.services.common.argtypes import log_level
+
     for command in sub.choices.values():
         for action in command._actions:
             if isinstance(action, argparse._SubParsersAction):
                 _each_command_takes_log_flags(action)
         if not any("--log-level" in a.option_strings for a in command._actions):
-            command.add_argument("--log-level", default=argparse.SUPPRESS, help="as before the command")
+            command.add_argument("--log-level", default=argparse.SUPPRESS, type=log_level, help="as before the command")
             command.add_argument("--log-format", default=argparse.SUPPRESS, choices=("text", "json"),
                                  help="as before the command")
 
@@ -79,15 +83,19 @@ class JsonFormatter(logging.Formatter):
 def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> int:
     import os
 
-    from trserve.services.envconfig import apply_env
+    from trserve.services.envconfig import BadEnv, apply_env, check_parsed
 
     parser = build_parser()
     apply_env(parser, os.environ if environ is None else environ)
     args = parser.parse_args(argv)
+    try:
+        check_parsed(args)  # a bad variable counts only where the command line did not give its flag
+    except BadEnv as bad:
+        parser.exit(2, f"trserve {args.command or ''}: error: {bad}\n".replace("trserve : ", "trserve: "))
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter() if args.log_format == "json"
                          else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.basicConfig(level=getattr(logging, str(args.log_level).upper(), logging.INFO), handlers=[handler])
+    logging.basicConfig(level=getattr(logging, args.log_level), handlers=[handler])
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

@@ -34,34 +34,52 @@ def _parsers(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> Ite
                 yield from _parsers(sub, (*path, name))
 
 
+class BadEnv(ValueError):
+    """A variable's value its flag cannot take. It stands as the flag's default, so it matters only
+    where the command line does not give the flag (the command line wins): `check_parsed` raises it."""
+
+
 def apply_env(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
     """Set each flag's default from the environment (see the module docstring). A value a flag
-    cannot take makes the parser exit with its usage error, naming the variable."""
+    cannot take becomes a BadEnv default, naming the variable and why (see `check_parsed`)."""
     for path, sub in _parsers(parser):
         for action in sub._actions:
             name = env_name(action)
             if name is None or name not in environ:
                 continue
-            raw = environ[name]
-            action.default = _value(sub, action, name, raw)
+            try:
+                action.default = _value(action, name, environ[name])
+            except BadEnv as bad:
+                action.default = bad
             action.required = False  # given by the environment
 
 
-def _value(parser: argparse.ArgumentParser, action: argparse.Action, name: str, raw: str):
+def check_parsed(args: argparse.Namespace) -> None:
+    """Raise the first BadEnv left in the parsed flags: a bad variable whose flag the command line
+    did not override."""
+    for value in vars(args).values():
+        if isinstance(value, BadEnv):
+            raise value
+
+
+def _value(action: argparse.Action, name: str, raw: str):
+    flag = action.option_strings[-1]
     if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
         text = raw.strip().lower()
         if text not in _TRUE | _FALSE:
-            parser.error(f"{name}={raw!r}: a switch takes one of {sorted(_TRUE | _FALSE)}")
+            raise BadEnv(f"{name}={raw!r} (for {flag}): a switch takes one of {sorted(_TRUE | _FALSE)}")
         return (text in _TRUE) == isinstance(action, argparse._StoreTrueAction)
     values = [v.strip() for v in raw.split(",") if v.strip()] if isinstance(action, argparse._AppendAction) else [raw]
     out = []
     for v in values:
         try:
             value = action.type(v) if action.type is not None else v
+        except argparse.ArgumentTypeError as exc:
+            raise BadEnv(f"{name}={v!r} is not a valid value for {flag}: {exc}") from None
         except (TypeError, ValueError):
-            parser.error(f"{name}={v!r} is not a valid value for {action.option_strings[-1]}")
+            raise BadEnv(f"{name}={v!r} is not a valid value for {flag}") from None
         if action.choices is not None and value not in action.choices:
-            parser.error(f"{name}={v!r}: choose from {', '.join(map(str, action.choices))}")
+            raise BadEnv(f"{name}={v!r} (for {flag}): choose from {', '.join(map(str, action.choices))}")
         out.append(value)
     return out if isinstance(action, argparse._AppendAction) else out[0]
 
@@ -105,8 +123,9 @@ the long flag's name upper-cased, `-` as `_` (`--max-batch 8` is `TRSERVE_MAX_BA
 line wins over the environment, the environment over the default. A variable applies to every
 command that has that flag (`TRSERVE_PORT` is `serve`'s and `matrix`'s `--port`: a container runs
 one command). Switches take `1/true/yes/on` or `0/false/no/off`; repeatable flags (`matrix --model`)
-a comma-separated list. A value a flag cannot take stops the command with a usage error naming the
-variable. Secrets stay in files (`--secret-file`, `--tenant-tokens`): the variables name the files.
+a comma-separated list. A value a flag cannot take (a wrong kind or out of the flag's range) stops the
+command with a usage error naming the variable, the flag and the range, unless the command line
+gives that flag. Secrets stay in files (`--secret-file`, `--tenant-tokens`): the variables name the files.
 
 This table is generated from the parser (`services/envconfig.py:env_table`); a test keeps it current.
 

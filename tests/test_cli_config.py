@@ -37,13 +37,59 @@ def test_every_flag_may_come_from_the_environment_and_the_command_line_wins() ->
 
 @pytest.mark.parametrize("env, message", [
     ({"TRSERVE_MAX_BATCH": "many"}, "TRSERVE_MAX_BATCH='many' is not a valid value for --max-batch"),
-    ({"TRSERVE_FULL_TREES": "maybe"}, "TRSERVE_FULL_TREES='maybe': a switch takes one of"),
-    ({"TRSERVE_KERNELS": "fast"}, "TRSERVE_KERNELS='fast': choose from auto"),
+    ({"TRSERVE_FULL_TREES": "maybe"}, "TRSERVE_FULL_TREES='maybe' (for --full-trees): a switch takes one of"),
+    ({"TRSERVE_KERNELS": "fast"}, "TRSERVE_KERNELS='fast' (for --kernels): choose from auto"),
+    # issue 45, defect 6: ranges name the variable and flag too; LOUD is not a log level
+    ({"TRSERVE_GRACE": "-5"}, "TRSERVE_GRACE='-5' is not a valid value for --grace: -5 is out of range"),
+    ({"TRSERVE_GRACE": "nan"}, "TRSERVE_GRACE='nan' is not a valid value for --grace"),
+    ({"TRSERVE_MAX_CONNECTION_AGE_S": "inf"}, "TRSERVE_MAX_CONNECTION_AGE_S='inf' is not a valid value for"),
+    ({"TRSERVE_METRICS_PORT": "70000"}, "for --metrics-port: 70000 is out of range: it must be in 0..65535"),
+    ({"TRSERVE_MAX_BATCH": "0"}, "TRSERVE_MAX_BATCH='0' is not a valid value for --max-batch: 0 is out of range"),
+    ({"TRSERVE_LOG_LEVEL": "LOUD"}, "TRSERVE_LOG_LEVEL='LOUD' is not a valid value for --log-level"),
 ])
 def test_a_value_a_flag_cannot_take_is_a_usage_error_naming_the_variable(env, message, capsys) -> None:
     with pytest.raises(SystemExit) as exited:
-        parse(["serve"], env)
+        main(["serve"], environ=env)  # exits before anything starts
     assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_command_line_wins_over_a_bad_variable() -> None:
+    """Issue 45, defect 6: TRSERVE_MAX_BATCH=abc with --max-batch 2 exited 2."""
+    from trserve.services.envconfig import check_parsed
+
+    args = parse(["serve", "--max-batch", "2", "--log-level", "debug"],
+                 {"TRSERVE_MAX_BATCH": "abc", "TRSERVE_LOG_LEVEL": "LOUD"})
+    check_parsed(args)
+    assert (args.max_batch, args.log_level) == (2, "DEBUG")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--grace", "-5"], "argument --grace: -5 is out of range"),
+    (["matrix", "--metrics-port", "-2"], "argument --metrics-port: -2 is out of range"),
+    (["serve", "--max-request-bytes", "10"], "argument --max-request-bytes: 10 is out of range: it must be in 1024.."),
+])
+def test_a_flag_out_of_range_is_a_usage_error_naming_the_flag(argv, message, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(argv, environ={})
+    assert exited.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--tree", "nosuch", "--port", "0"], "--tree: unknown tree 'nosuch'"),
+    (["serve", "--model", "nosuch/model", "--port", "0", "--http-port", "0", "--metrics-port", "-1"],
+     "model 'nosuch/model' is not a builtin name"),
+    (["model-spec", "--model", "nosuch/model"], "model 'nosuch/model' is not a builtin name"),
+])
+def test_an_operators_wrong_name_is_one_line_at_once(argv, message, tmp_path) -> None:
+    """Issue 45, defect 6: an unknown --tree printed a traceback, a model that is not installed one
+    after ~51 s of hub retries. Now one line and exit 2, in seconds (no hub here: it fails to resolve)."""
+    import time
+
+    started = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "trserve.services.cli", *argv], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and message in run.stderr, run.stderr
+    assert "Traceback" not in run.stderr and time.monotonic() - started < 30
 
 
 def test_the_documented_table_is_current() -> None:

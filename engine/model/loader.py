@@ -150,7 +150,29 @@ def resolve_source(config: ModelConfig) -> str:
     _quiet_unless_terminal()  # before any conversion or load prints its bars
     if config.source == BUILTIN_MODEL:
         return str(builtin_model_dir(config.cache_dir))
+    if not Path(config.source).is_dir():
+        _check_hub_model(config.source)
     return config.source
+
+
+def _check_hub_model(source: str) -> None:
+    """A hub id must be in the local model cache, or the hub must answer for it, within seconds: else
+    NotFound at once (transformers would retry for about a minute on a machine without a hub)."""
+    from huggingface_hub import model_info, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(source, "config.json"), str):
+            return  # cached: transformers loads it without asking the hub
+    except ValueError:  # not a valid repository id either
+        raise NotFound(f"model {source!r} is not a builtin name ({BUILTIN_MODEL}), a local directory or a "
+                       "hub id") from None
+    try:
+        model_info(source, timeout=10)
+    except Exception as e:  # unreachable, offline mode, unknown or gated repository
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise NotFound(f"model {source!r} is not a builtin name ({BUILTIN_MODEL}), a local directory or in the "
+                       f"local model cache, and the hub could not provide it ({type(e).__name__}: {reason}); "
+                       "pass a local transformers directory") from None
 
 
 def model_fingerprint(tokenizer, model_config) -> str:

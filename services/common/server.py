@@ -17,10 +17,7 @@ from trserve.services.common.security import ServerTLS
 
 log = logging.getLogger("trserve.services")
 
-MAX_MESSAGE_BYTES = 16 * 1024 * 1024
-
-
-def new_server(max_message_bytes: int = MAX_MESSAGE_BYTES,
+def new_server(max_message_bytes: int,
                interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
                max_receive_bytes: int | None = None, max_connection_age_s: float | None = None,
                max_connection_age_grace_s: float | None = None) -> grpc.aio.Server:
@@ -61,7 +58,10 @@ async def set_status(health: health_aio.HealthServicer, service_names: list[str]
 def bind(server: grpc.aio.Server, host: str, port: int, tls: ServerTLS | None = None) -> int:
     """Bind host:port (port 0 = any free port), with TLS when `tls` is given; returns the bound port."""
     addr = f"{host}:{port}"
-    bound = server.add_insecure_port(addr) if tls is None else server.add_secure_port(addr, tls.credentials())
+    try:
+        bound = server.add_insecure_port(addr) if tls is None else server.add_secure_port(addr, tls.credentials())
+    except RuntimeError:  # newer grpcio raises where older ones returned 0
+        bound = 0
     if bound == 0:
         raise OSError(f"cannot listen on {host}:{port} (in use or not allowed); pick another --port or 0")
     return bound

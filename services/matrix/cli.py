@@ -10,20 +10,22 @@ ADMIN_ACTIONS = ("list", "describe", "versions", "snapshot", "rollback", "fork",
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from trserve.services.common.argtypes import integer, port, seconds
+
     run = sub.add_parser("matrix", help="run the matrix service (per-tenant adjacency matrices, Redis snapshots)")
     run.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1, as the worker)")
-    run.add_argument("--port", type=int, default=50052, help="listen port; 0 = any free port, printed (default 50052)")
+    run.add_argument("--port", type=port(), default=50052, help="listen port; 0 = any free port, printed (default 50052)")
     run.add_argument("--redis-url", default=None, help="e.g. redis://127.0.0.1:6379/0; omitted = memory only")
     run.add_argument("--key-prefix", default="trserve", help="prefix of every Redis key (default trserve)")
-    run.add_argument("--snapshot-every-versions", type=int, default=64,
+    run.add_argument("--snapshot-every-versions", type=integer(1), default=64,
                      help="snapshot a tenant once it is this many versions past its last snapshot (default 64)...")
-    run.add_argument("--snapshot-every-s", type=float, default=10.0,
+    run.add_argument("--snapshot-every-s", type=seconds(above=True), default=10.0,
                      help="...or this many seconds after its first unsnapshotted change (default 10)")
-    run.add_argument("--max-tenants", type=int, default=256, help="tenants kept in memory (LRU, default 256)")
-    run.add_argument("--metrics-port", type=int, default=-1,
+    run.add_argument("--max-tenants", type=integer(1), default=256, help="tenants kept in memory (LRU, default 256)")
+    run.add_argument("--metrics-port", type=port(off=-1), default=-1,
                      help="Prometheus /metrics (tenants and bytes in memory, per tenant) on this port; 0 = any free "
                           "port; -1 = off (default)")
-    run.add_argument("--grace-s", type=float, default=5.0, help="drain time on SIGTERM (default 5)")
+    run.add_argument("--grace-s", type=seconds(), default=5.0, help="drain time on SIGTERM (default 5)")
     run.add_argument("--secret-file", default=None,
                      help="file holding the workers' secret (DraftSession, Checkout, PushRows need it)")
     run.add_argument("--admin-secret-file", default=None,
@@ -35,7 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "or the workers' --model (a builtin name or local directory; K = the workers' default). "
                           "Without it: the first --max-models that callers name, which needs a loopback --host, "
                           "--secret-file or --open-registration")
-    run.add_argument("--max-models", type=int, default=2, help="models served when no --model is given (default 2)")
+    run.add_argument("--max-models", type=integer(1), default=2, help="models served when no --model is given (default 2)")
     run.add_argument("--open-registration", action="store_true",
                      help="without --model and --secret-file, still listen beyond loopback (anyone who reaches the "
                           "service can then fill its --max-models with models of their own)")
@@ -43,9 +45,12 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="listen beyond loopback without --secret-file: anyone who reaches the port can then read "
                           "every tenant's matrix and history (recent prompts and outputs) and write rows; refused "
                           "without this flag")
-    run.add_argument("--history-mb", type=int, default=64,
+    run.add_argument("--history-mb", type=integer(0, meaning="0 = keep none"), default=64,
                      help="the tenants' suffix histories handed to replica workers, in memory (LRU beyond; saved "
                           "with each tenant's matrix); 0 = keep none (default 64)")
+    run.add_argument("--max-message-mb", type=integer(1, 64), default=4,
+                     help="largest gRPC message taken or sent, MiB (default 4: a full PushRows batch is ~1.3 MB, a "
+                          "Checkout chunk ~2.9 MB); larger ones are refused with RESOURCE_EXHAUSTED")
     run.add_argument("--tls-cert", default=None, help="PEM certificate chain: serve TLS (with --tls-key)")
     run.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     run.set_defaults(func=run_service)
@@ -79,30 +84,41 @@ def register(sub: argparse._SubParsersAction) -> None:
     admin.set_defaults(func=run_admin)
 
 
+def service_config(args: argparse.Namespace):
+    """The MatrixServiceConfig of `trserve matrix`'s flags; ValueError / LookupError on bad ones."""
+    from trserve.matrix_store import StoreConfig
+    from trserve.services.common.security import SharedSecret, server_tls
+    from trserve.services.matrix.server import MatrixServiceConfig
+
+    store = StoreConfig(redis_url=args.redis_url, key_prefix=args.key_prefix,
+                        snapshot_every_versions=args.snapshot_every_versions,
+                        snapshot_every_s=args.snapshot_every_s, max_tenants_in_memory=args.max_tenants,
+                        models=tuple(_served_model(m) for m in args.model), max_models=args.max_models)
+    secret = SharedSecret.from_file(args.secret_file) if args.secret_file else None
+    admin = SharedSecret.from_file(args.admin_secret_file) if args.admin_secret_file else None
+    return MatrixServiceConfig(host=args.host, port=args.port, store=store, grace_s=args.grace_s,
+                               max_message_bytes=args.max_message_mb << 20,
+                               tls=server_tls(args.tls_cert, args.tls_key), secret=secret, admin_secret=admin,
+                               metrics_port=None if args.metrics_port < 0 else args.metrics_port,
+                               open_registration=args.open_registration, insecure_no_secret=args.insecure_no_secret,
+                               history_bytes=args.history_mb << 20)
+
+
 def run_service(args: argparse.Namespace) -> int:
     import asyncio
 
-    from trserve.matrix_store import StoreConfig
-    from trserve.services.common.security import SharedSecret, server_tls
-    from trserve.services.matrix.server import MatrixServiceConfig, serve
+    from trserve.services.matrix.server import serve
 
     try:
-        store = StoreConfig(redis_url=args.redis_url, key_prefix=args.key_prefix,
-                            snapshot_every_versions=args.snapshot_every_versions,
-                            snapshot_every_s=args.snapshot_every_s, max_tenants_in_memory=args.max_tenants,
-                            models=tuple(_served_model(m) for m in args.model), max_models=args.max_models)
-        secret = SharedSecret.from_file(args.secret_file) if args.secret_file else None
-        admin = SharedSecret.from_file(args.admin_secret_file) if args.admin_secret_file else None
-        config = MatrixServiceConfig(host=args.host, port=args.port, store=store, grace_s=args.grace_s,
-                                     tls=server_tls(args.tls_cert, args.tls_key), secret=secret, admin_secret=admin,
-                                     metrics_port=None if args.metrics_port < 0 else args.metrics_port,
-                                     open_registration=args.open_registration,
-                                     insecure_no_secret=args.insecure_no_secret,
-                                     history_bytes=args.history_mb << 20 if args.history_mb >= 0 else args.history_mb)
+        config = service_config(args)
     except (ValueError, LookupError) as exc:
         print(f"trserve matrix: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(serve(config))
+    try:
+        asyncio.run(serve(config))
+    except OSError as exc:  # a port in use: which, and what to do
+        print(f"trserve matrix: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

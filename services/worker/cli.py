@@ -33,42 +33,43 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     from trserve.engine.model.choices import ARITHMETICS, BATCH_STEPS, KERNELS
+    from trserve.services.common.argtypes import integer, port, seconds
 
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
-    p.add_argument("--port", type=int, default=50051, help="gRPC port (default 50051; 0 = pick a free one and print it)")
-    p.add_argument("--metrics-port", type=int, default=9464,
+    p.add_argument("--port", type=port(), default=50051, help="gRPC port (default 50051; 0 = pick a free one and print it)")
+    p.add_argument("--metrics-port", type=port(off=-1), default=9464,
                    help="Prometheus /metrics HTTP port (default 9464; 0 = pick a free one and print it; -1 = off)")
-    p.add_argument("--http-port", type=int, default=8000,
+    p.add_argument("--http-port", type=integer(0, 65535, "0 = off"), default=8000,
                    help="OpenAI-compatible HTTP API port, /v1/chat/completions etc. (default 8000; 0 = off)")
     p.add_argument("--http-host", default=None, help="address of the HTTP API (default: the same as --host)")
     p.add_argument("--model", default=None, help="builtin model name, local transformers directory or hub id "
                    "(default: the bundled smollm2-135m-instruct)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--tree", default="auto", help="draft tree template name or file (default: best known for the device)")
-    p.add_argument("--max-batch", type=int, default=16, help="requests decoding together, one forward per step (default 16)")
-    p.add_argument("--max-batch-tokens", type=int, default=65536,
+    p.add_argument("--max-batch", type=integer(1), default=16, help="requests decoding together, one forward per step (default 16)")
+    p.add_argument("--max-batch-tokens", type=integer(64), default=65536,
                    help="KV tokens the requests of a batch may reserve, prompt + max_new_tokens + tree each (default 65536)")
-    p.add_argument("--prefill-chunk", type=int, default=128,
+    p.add_argument("--prefill-chunk", type=integer(1), default=128,
                    help="prompt tokens prefilled per step: a long prompt delays the others by one chunk per step")
-    p.add_argument("--prefix-cache-mb", type=int, default=512,
+    p.add_argument("--prefix-cache-mb", type=integer(0, meaning="0 = off"), default=512,
                    help="MiB of finished requests' keys and values kept per worker for later prompts of the same "
                         "tenant that start the same way: multi-turn chats, agent loops (default 512; 0 = off)")
     p.add_argument("--full-trees", action="store_true",
                    help="every TR request verifies its whole tree each step (default: trees sized per step for the "
                         "batch under the measured forward cost, down to plain one-token steps)")
-    p.add_argument("--max-queue", type=int, default=16, help="requests waiting for a batch place before RESOURCE_EXHAUSTED")
-    p.add_argument("--max-new-tokens-cap", type=int, default=2048, help="largest max_new_tokens a request may ask")
-    p.add_argument("--max-prompt-tokens", type=int, default=4096, help="longest prompt accepted, in tokens")
-    p.add_argument("--max-messages", type=int, default=256, help="chat messages a request may have (default 256)")
-    p.add_argument("--max-request-bytes", type=int, default=1 << 20,
+    p.add_argument("--max-queue", type=integer(0), default=16, help="requests waiting for a batch place before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-new-tokens-cap", type=integer(1), default=2048, help="largest max_new_tokens a request may ask")
+    p.add_argument("--max-prompt-tokens", type=integer(1), default=4096, help="longest prompt accepted, in tokens")
+    p.add_argument("--max-messages", type=integer(1), default=256, help="chat messages a request may have (default 256)")
+    p.add_argument("--max-request-bytes", type=integer(1024, 64 << 20), default=1 << 20,
                    help="largest request body, bytes (default 1 MiB; gRPC refuses larger ones with RESOURCE_EXHAUSTED)")
-    p.add_argument("--max-concurrent-rpcs", type=int, default=64,
+    p.add_argument("--max-concurrent-rpcs", type=integer(1), default=64,
                    help="Generate/GenerateStream/Tokenize calls in flight; beyond it RESOURCE_EXHAUSTED (default 64)")
-    p.add_argument("--max-connection-age-s", type=float, default=300.0,
+    p.add_argument("--max-connection-age-s", type=seconds(meaning="0 = never"), default=300.0,
                    help="close client connections after about this long, so clients re-resolve and reach workers "
                         "added since; calls in flight get 600 s to finish (0 = never; default 300)")
-    p.add_argument("--grace", type=float, default=10.0, help="seconds in-flight requests may finish on SIGTERM")
-    p.add_argument("--threads", type=int, default=None, help="torch intra-op CPU threads (default: torch's choice)")
+    p.add_argument("--grace", type=seconds(), default=10.0, help="seconds in-flight requests may finish on SIGTERM")
+    p.add_argument("--threads", type=integer(1), default=None, help="torch intra-op CPU threads (default: torch's choice)")
     p.add_argument("--kernels", choices=KERNELS, default="auto",
                    help="linear-layer kernels: auto (default: exact compressed on AVX-512 / AVX2 CPUs for "
                         "block-quantised weights, else oneDNN pre-packed on CPU float32), stock, packed or "
@@ -92,6 +93,14 @@ def build_configs(args: argparse.Namespace):
     from trserve.services.common.security import TenantTokens, server_tls
     from trserve.services.worker.config import Limits, WorkerConfig
 
+    from trserve.core.errors import TRServeError
+    from trserve.engine.tr.template import load_template
+
+    if args.tree != "auto":  # a tree that does not exist fails before the model loads
+        try:
+            load_template(args.tree)
+        except TRServeError as e:
+            raise ValueError(f"--tree: {e}") from None
     source = {} if args.model is None else {"source": args.model}
     model = ModelConfig(**source, device=args.device, threads=args.threads, kernels=args.kernels,
                         arithmetic=args.arithmetic, batch_step=args.batch_step)
@@ -145,9 +154,14 @@ def _run(command: str, args: argparse.Namespace, split: bool) -> int:
     from trserve.services.worker.drafting.split import MatrixServiceSources
     from trserve.services.worker.server import serve
 
+    from trserve.core.errors import FailedPrecondition, InvalidArgument, NotFound
+
     sources = MatrixServiceSources(split_config) if split_config is not None else None
     try:
         return serve(worker_config, decoder_config, sources)
+    except (NotFound, InvalidArgument, FailedPrecondition) as e:  # the operator's choice of model, tree, device
+        print(f"trserve {command}: {e}", file=sys.stderr)
+        return 2
     except OSError as e:  # a port in use: say which and how to pick another
         print(f"trserve {command}: {e}", file=sys.stderr)
         return 1

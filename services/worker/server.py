@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from trserve.services.openai.server import HttpServer
 
 log = logging.getLogger("trserve.worker")
+MAX_REPLY_BYTES = 16 << 20  # largest reply a worker sends (requests: WorkerConfig.max_request_bytes)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name  # "trserve.v1.Generate"
 
@@ -167,7 +168,7 @@ async def _start_serving(config: WorkerConfig, decoder: Decoder, draft_source_fa
     servicer = GenerateServicer(decoder, engine, config, draft_source_factory, metrics, tuner_states)
 
     auth = [TenantAuth(config.tenant_tokens, config.default_tenant)] if config.tenant_tokens is not None else []
-    server = started.server = new_server(interceptors=auth, max_receive_bytes=config.max_request_bytes,
+    server = started.server = new_server(MAX_REPLY_BYTES, interceptors=auth, max_receive_bytes=config.max_request_bytes,
                                          max_connection_age_s=config.max_connection_age_s,
                                          max_connection_age_grace_s=config.max_connection_age_grace_s)
     generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)

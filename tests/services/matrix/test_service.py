@@ -313,6 +313,24 @@ def test_message_above_the_transport_limit_is_refused_by_grpc(start_server, chan
     assert code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+def test_the_message_limit_is_what_the_flag_says(start_server, channel_to) -> None:
+    """Issue 45: the limit was a fixed 4 MiB whatever a constant beside it said; now `--max-message-mb`
+    sets it (default 4). A 5 MiB push is refused by gRPC at 4 MiB and reaches the handler (which
+    refuses the malformed batch itself) at 8."""
+    from trserve.services.cli import build_parser
+    from trserve.services.matrix.cli import service_config as from_flags
+
+    def flags(*extra: str):
+        return from_flags(build_parser().parse_args(["matrix", "--port", "0", *extra]))
+
+    assert flags().max_message_bytes == 4 << 20
+    huge = pb.RowBatch(tokens=b"\x00" * (5 << 20))
+    for extra, expected in (((), grpc.StatusCode.RESOURCE_EXHAUSTED),
+                            (("--max-message-mb", "8"), grpc.StatusCode.INVALID_ARGUMENT)):
+        code, details = _code(lambda: push(channel_to(start_server(flags(*extra))), "t", huge))
+        assert code == expected, (extra, code, details)
+
+
 def _session_worker(addr: str, tenant: str, tenant_index: int, steps: int, seed: int, errors: list) -> None:
     """One remote draft session writing rows only this tenant writes (values encode the tenant)."""
     try:
