@@ -66,6 +66,7 @@ def test_the_command_line_wins_over_a_bad_variable() -> None:
 @pytest.mark.parametrize("argv, message", [
     (["serve", "--grace", "-5"], "argument --grace: -5 is out of range"),
     (["matrix", "--metrics-port", "-2"], "argument --metrics-port: -2 is out of range"),
+    (["serve", "--redis-url", "not-a-url"], "argument --redis-url: 'not-a-url' is not a Redis URL"),
     (["serve", "--max-request-bytes", "10"], "argument --max-request-bytes: 10 is out of range: it must be in 1024.."),
 ])
 def test_a_flag_out_of_range_is_a_usage_error_naming_the_flag(argv, message, capsys) -> None:

@@ -67,3 +67,11 @@ def log_level(text: str) -> str:
     if level not in LOG_LEVELS:
         raise argparse.ArgumentTypeError(f"{text!r} is not a log level: use one of {', '.join(LOG_LEVELS)}")
     return level
+
+
+def redis_url(text: str) -> str:
+    """redis://, rediss:// or unix:// (what redis-py's from_url takes)."""
+    if not text.startswith(("redis://", "rediss://", "unix://")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a Redis URL: use redis://HOST:PORT/DB, rediss://... "
+                                         "(TLS) or unix://PATH")
+    return text

@@ -10,12 +10,12 @@ ADMIN_ACTIONS = ("list", "describe", "versions", "snapshot", "rollback", "fork",
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from trserve.services.common.argtypes import integer, port, seconds
+    from trserve.services.common.argtypes import integer, port, redis_url, seconds
 
     run = sub.add_parser("matrix", help="run the matrix service (per-tenant adjacency matrices, Redis snapshots)")
     run.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1, as the worker)")
     run.add_argument("--port", type=port(), default=50052, help="listen port; 0 = any free port, printed (default 50052)")
-    run.add_argument("--redis-url", default=None, help="e.g. redis://127.0.0.1:6379/0; omitted = memory only")
+    run.add_argument("--redis-url", default=None, type=redis_url, help="e.g. redis://127.0.0.1:6379/0; omitted = memory only")
     run.add_argument("--key-prefix", default="trserve", help="prefix of every Redis key (default trserve)")
     run.add_argument("--snapshot-every-versions", type=integer(1), default=64,
                      help="snapshot a tenant once it is this many versions past its last snapshot (default 64)...")

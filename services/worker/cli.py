@@ -11,7 +11,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the Generate API (embedded: worker + in-process matrix store)",
                        description="Serve the Generate API with an in-process matrix store (Redis only with --redis-url).")
     _add_worker_flags(p)
-    p.add_argument("--redis-url", default=None, help="snapshot tenant matrices to this Redis (redis://host:6379/0)")
+    from trserve.services.common.argtypes import redis_url
+
+    p.add_argument("--redis-url", default=None, type=redis_url, help="snapshot tenant matrices to this Redis (redis://host:6379/0)")
     p.set_defaults(func=run_serve)
 
     w = sub.add_parser("worker", help="serve the Generate API, drafting through a matrix service (split deployment)",
