@@ -72,9 +72,13 @@ class JsonFormatter(logging.Formatter):
 
     def format(self, record: logging.LogRecord) -> str:
         import json
+        from datetime import datetime, timezone
 
-        out = {"time": self.formatTime(record), "level": record.levelname, "logger": record.name,
+        stamp = datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds")
+        out = {"time": stamp.replace("+00:00", "Z"), "level": record.levelname, "logger": record.name,
                "message": record.getMessage()}
+        if getattr(record, "request_id", None):
+            out["request_id"] = record.request_id
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)
@@ -92,14 +96,25 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -
         check_parsed(args)  # a bad variable counts only where the command line did not give its flag
     except BadEnv as bad:
         parser.exit(2, f"trserve {args.command or ''}: error: {bad}\n".replace("trserve : ", "trserve: "))
+    from trserve.services.common.logcontext import RequestIdFilter
+
     handler = logging.StreamHandler()
+    handler.addFilter(RequestIdFilter())  # a request's id on each line logged on its behalf
     handler.setFormatter(JsonFormatter() if args.log_format == "json"
-                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s%(request_suffix)s"))
     logging.basicConfig(level=getattr(logging, args.log_level), handlers=[handler])
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()  # here, where a reader that went away is caught, not at the interpreter's exit
+        return code
+    except BrokenPipeError:  # `trserve generate --json | head`: the reader is gone, nothing to report
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
+        return 141  # as a shell reports a command ended by SIGPIPE
 
 
 if __name__ == "__main__":

@@ -108,13 +108,32 @@ def test_version_log_flags_after_the_command_and_json_logs(capsys) -> None:
 
 
 def test_json_logs_are_one_object_per_line() -> None:
+    """Issue 46: times in ISO 8601 (UTC), and a request's id on the lines logged on its behalf."""
+    from datetime import datetime
+
     code = ("import logging; from trserve.services.cli import main; "
+            "from trserve.services.common.logcontext import REQUEST_ID; "
             "main(['--log-format', 'json', 'health', '--addr', '127.0.0.1:1', '--timeout-s', '0.2'], {}); "
-            "logging.getLogger('trserve.test').warning('hello %s', 'there')")
+            "logging.getLogger('trserve.test').warning('hello %s', 'there'); REQUEST_ID.set('r-1'); "
+            "logging.getLogger('trserve.test').warning('for r-1')")
     run = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60)
-    lines = [line for line in run.stderr.splitlines() if line.startswith("{")]
-    assert [json.loads(line)["message"] for line in lines] == ["hello there"], run.stderr
-    assert set(json.loads(lines[0])) == {"time", "level", "logger", "message"}
+    lines = [json.loads(line) for line in run.stderr.splitlines() if line.startswith("{")]
+    assert [line["message"] for line in lines] == ["hello there", "for r-1"], run.stderr
+    assert set(lines[0]) == {"time", "level", "logger", "message"} and lines[1]["request_id"] == "r-1"
+    assert lines[0]["time"].endswith("Z") and datetime.fromisoformat(lines[0]["time"]).utcoffset().total_seconds() == 0
+
+
+def test_a_reader_that_goes_away_is_no_traceback(tmp_path) -> None:
+    """Issue 46: `trserve generate --json | head` ended in a BrokenPipeError traceback. Here stdout is a
+    pipe whose reader has already gone."""
+    script = ("import os, sys\n"
+              "r, w = os.pipe(); os.close(r); os.dup2(w, 1)\n"
+              "from trserve.services.cli import main\n"
+              "sys.exit(main(['secret', sys.argv[1]], {}))\n")
+    run = subprocess.run([sys.executable, "-c", script, str(tmp_path / "s")], cwd=REPO, capture_output=True,
+                         text=True, timeout=60)
+    assert run.returncode == 141 and (tmp_path / "s").exists(), run.stderr
+    assert "Traceback" not in run.stderr and "BrokenPipe" not in run.stderr, run.stderr
 
 
 def test_building_the_parser_imports_no_torch_and_health_answers_fast() -> None:

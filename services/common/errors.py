@@ -15,6 +15,7 @@ import grpc
 
 from trserve.core import errors as domain
 from trserve.core.errors import TRServeError
+from trserve.services.common.logcontext import HEADER, REQUEST_ID
 
 log = logging.getLogger("trserve.services")
 
@@ -54,7 +55,8 @@ async def abort_with(context: grpc.aio.ServicerContext, exc: BaseException, meth
         log.info("%s -> %s (%s)", method, code.name, type(exc).__name__)
         log.debug("%s -> %s: %s", method, code.name, exc)
     typed = ((ERROR_TYPE_KEY, type(exc).__name__),) if isinstance(exc, TRServeError) else ()
-    await context.abort(code, _details(exc, code), trailing_metadata=typed)
+    rid = REQUEST_ID.get()  # the call's id (services/worker/servicer.py:observed), echoed with its error
+    await context.abort(code, _details(exc, code), trailing_metadata=typed + (((HEADER, rid),) if rid else ()))
 
 
 def grpc_errors(method):

@@ -1,12 +1,18 @@
 """The OpenAI-compatible HTTP API of a worker: `POST /v1/chat/completions`, `POST /v1/completions`
-(both also streamed as server-sent events) and `GET /v1/models`.
+(both also streamed as server-sent events) and `GET /v1/models`; beside them what operators and
+tools probe: `GET /health` (200 serving, 503 warming up or draining; no credentials), `GET /metrics`
+(the worker's Prometheus registry), `POST /tokenize` and `POST /detokenize` (vLLM's shapes).
 
 A thin layer over the worker's own `services/worker/servicer.py:GenerateServicer`: each request
 becomes a `pb.GenerateRequest`, is validated by the same code as a gRPC one, counted by the same
 admission (calls in flight, batch places, queue) and decoded by the same engine. Errors are the
 gRPC status the same failure gets, as HTTP codes with OpenAI's error body; a full queue is 429
-with Retry-After. With tenant tokens, `Authorization: Bearer <token>` names the tenant (a `user`
-field or `X-Tenant` header naming another one is refused). Runs on the worker's event loop.
+with Retry-After.
+Without tokens the tenant is the `X-Tenant` header, else the default one; OpenAI's `user` field is
+an end-user id, accepted and ignored (it never makes a tenant). With tenant tokens,
+`Authorization: Bearer <token>` names the tenant (an `X-Tenant` header naming another is refused).
+Each call has a request id and one access log line (observe.py); browsers are answered
+cross-origin only from `allowed_origins` (CORS). Runs on the worker's event loop.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import time
 from collections.abc import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -31,6 +39,7 @@ from trserve.engine.results import StepChunk
 from trserve.services.common.errors import status_for
 from trserve.services.openai import convert
 from trserve.services.openai.convert import BadParam, ModelNotFound
+from trserve.services.openai.observe import RequestLog
 from trserve.services.worker.admission import QueueFull
 from trserve.services.worker.servicer import GenerateServicer, StreamEnd
 
@@ -132,12 +141,23 @@ class OpenAIApp:
         self.fingerprint = servicer.decoder.fingerprint
         self.created = int(time.time())
 
-    def asgi(self) -> Starlette:
+    def asgi(self):
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
-                  Route("/v1/models/{model:path}", self.model, methods=["GET"])]
-        return Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+                  Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/metrics", self.metrics, methods=["GET"]),
+                  Route("/tokenize", self.tokenize, methods=["POST"]),
+                  Route("/detokenize", self.detokenize, methods=["POST"])]
+        middleware = []
+        if self.config.allowed_origins:
+            middleware.append(Middleware(
+                CORSMiddleware, allow_origins=list(self.config.allowed_origins), allow_methods=["GET", "POST"],
+                allow_headers=["authorization", "content-type", "x-request-id", "x-tenant", "x-request-timeout"],
+                expose_headers=["x-request-id", "retry-after", "retry-after-ms"], max_age=600))
+        app = Starlette(routes=routes, middleware=middleware, exception_handlers={HTTPException: self._http_error})
+        return RequestLog(app)  # outermost: the id and the access line cover CORS refusals too
 
     # ---- routes ------------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -157,6 +177,48 @@ class OpenAIApp:
             return error_response(exc)
         return JSONResponse(self._model_card())
 
+    async def health(self, request: Request) -> Response:
+        if self.servicer.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
+        if not self.servicer.ready:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(self, request: Request) -> Response:
+        from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        body = await asyncio.to_thread(generate_latest, self.servicer.metrics.registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
+
+    async def tokenize(self, request: Request) -> Response:
+        """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}:
+        the ids Generate would see (a chat's template applied with the assistant turn opened)."""
+        try:
+            request.state.tenant = self._tenant(request, None, self._token_tenant(request))
+            body = await self._body(request)
+            ids = await self.servicer.tokenize(convert.tokenize_request(body))
+        except Exception as exc:  # noqa: BLE001 - mapped
+            self._count("openai.tokenize", exc)
+            return error_response(exc)
+        self._count("openai.tokenize", None)
+        return JSONResponse({"count": len(ids), "max_model_len": self.servicer.decoder.max_context, "tokens": ids,
+                             "token_strs": None})
+
+    async def detokenize(self, request: Request) -> Response:
+        """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
+        try:
+            request.state.tenant = self._tenant(request, None, self._token_tenant(request))
+            body = await self._body(request)
+            tokens = body.get("tokens") if isinstance(body, dict) else None
+            if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+                raise BadParam("tokens must be a list of token ids", "tokens")
+            text = await self.servicer.detokenize(tokens)
+        except Exception as exc:  # noqa: BLE001 - mapped
+            self._count("openai.detokenize", exc)
+            return error_response(exc)
+        self._count("openai.detokenize", None)
+        return JSONResponse({"prompt": text})
+
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, "chat")
 
@@ -169,16 +231,17 @@ class OpenAIApp:
         try:
             token_tenant = self._token_tenant(request)
             body = await self._body(request)
-            tenant = self._tenant(request, body, token_tenant)
+            tenant = request.state.tenant = self._tenant(request, body, token_tenant)
             req = convert.parse_request(body, kind, self.model_id, tenant)
             deadline = HttpDeadline(request)
             if req.stream:
-                return await self._stream(req, method, deadline)
+                return await self._stream(req, method, deadline, request.state)
             result, call = await self._complete_while_connected(request, req, deadline)
         except Exception as exc:  # noqa: BLE001 - every failure is mapped, never dropped
             self._count(method, exc)
             return error_response(exc)
         self._count(method, None)
+        request.state.tokens = (result.stats.prompt_tokens, result.stats.generated_tokens)
         return JSONResponse(convert.completion(req, result, call.queue_s, self.fingerprint))
 
     async def _complete_while_connected(self, request: Request, req: convert.OpenAIRequest, deadline: HttpDeadline):
@@ -198,7 +261,7 @@ class OpenAIApp:
             if not task.done():  # this handler itself was cancelled
                 task.cancel()
 
-    async def _stream(self, req: convert.OpenAIRequest, method: str, deadline: HttpDeadline) -> Response:
+    async def _stream(self, req: convert.OpenAIRequest, method: str, deadline: HttpDeadline, state) -> Response:
         """Waits for the first chunk (after the prefill), so refusals are still plain HTTP errors."""
         items = self.servicer.stream(req.request, deadline)
         try:
@@ -207,11 +270,11 @@ class OpenAIApp:
             await items.aclose()
             raise
         writer = convert.ChunkWriter.of(req, self.fingerprint)
-        return StreamingResponse(self._events(writer, first, items, method), media_type="text/event-stream",
+        return StreamingResponse(self._events(writer, first, items, method, state), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     async def _events(self, writer: convert.ChunkWriter, item: StepChunk | StreamEnd,
-                      items: AsyncIterator[StepChunk | StreamEnd], method: str) -> AsyncIterator[str]:
+                      items: AsyncIterator[StepChunk | StreamEnd], method: str, state) -> AsyncIterator[str]:
         error = None
         async with contextlib.aclosing(items):
             first = True
@@ -223,6 +286,7 @@ class OpenAIApp:
                         yield sse(writer.chunk(None if writer.req.kind == "chat" else "", token_ids=item.tokens))
                     first = False
                     item = await anext(items)
+                state.tokens = (item.result.stats.prompt_tokens, item.result.stats.generated_tokens)
                 reason = "shutdown" if item.drained else item.result.finish_reason
                 yield sse(writer.last_chunk(item.rest, item.result, reason, item.queue_s))
                 if writer.req.include_usage:
@@ -266,22 +330,23 @@ class OpenAIApp:
         return tenant
 
     def _tenant(self, request: Request, body: object, token_tenant: str | None) -> str:
-        """The `user` field or the X-Tenant header; with tokens, the token's tenant (another one is refused)."""
-        header = request.headers.get("x-tenant") or None
+        """With tokens, the token's tenant (an X-Tenant header naming another is refused); without, the
+        X-Tenant header, else the default tenant. OpenAI's `user` (an end-user id) never picks a tenant:
+        any caller could otherwise make tenants (each a matrix in memory and series in /metrics)."""
+        asked = request.headers.get("x-tenant") or None
         user = body.get("user") if isinstance(body, dict) else None
-        if user is not None and not isinstance(user, str):
-            raise BadParam("user must be a string (the tenant id)", "user")
-        if header and user and header != user:
-            raise BadParam("the X-Tenant header and the user field name different tenants", "user")
-        asked = header or user or None
+        if user is not None:
+            if not isinstance(user, str):
+                raise BadParam("user must be a string (an end-user id; it is not used)", "user")
+            log.debug("OpenAI API: the user field is ignored (the tenant comes from the API key or X-Tenant)")
         if token_tenant is not None:
             if asked is not None and asked != token_tenant:
-                raise PermissionDenied(f"this token belongs to another tenant than {asked!r}")
+                raise PermissionDenied(f"this token belongs to another tenant than {asked!r} (X-Tenant)")
             return token_tenant
         try:
             return validate_tenant_id(asked or self.config.default_tenant)
         except ValueError as exc:
-            raise BadParam(str(exc), "user") from None
+            raise BadParam(f"X-Tenant: {exc}", "X-Tenant") from None
 
     def _model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "trserve"}

@@ -86,6 +86,20 @@ def _check_unsupported(body: dict) -> None:
         raise BadParam("tool_choice is not supported by this server; leave it out", "tool_choice")
 
 
+def tokenize_request(body: object) -> pb.TokenizeRequest:
+    """vLLM's /tokenize body: {"prompt": text} or {"messages": [...]} ("model" optional, and
+    "add_special_tokens" / "add_generation_prompt" accepted: the ids are always what Generate sees)."""
+    if not isinstance(body, dict):
+        raise BadParam("the request body must be a JSON object")
+    if ("prompt" in body) == ("messages" in body):
+        raise BadParam("give exactly one of prompt (text) or messages (a chat)", "prompt")
+    if "prompt" in body:
+        if not isinstance(body["prompt"], str):
+            raise BadParam("prompt must be a string", "prompt")
+        return pb.TokenizeRequest(text=body["prompt"])
+    return pb.TokenizeRequest(messages=pb.ChatMessages(messages=_messages(body["messages"])))
+
+
 def _messages(messages: object) -> list[pb.ChatMessage]:
     if not isinstance(messages, list) or not messages:
         raise BadParam("messages must be a non-empty list of {role, content}", "messages")

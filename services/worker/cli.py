@@ -44,6 +44,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=integer(0, 65535, "0 = off"), default=8000,
                    help="OpenAI-compatible HTTP API port, /v1/chat/completions etc. (default 8000; 0 = off)")
     p.add_argument("--http-host", default=None, help="address of the HTTP API (default: the same as --host)")
+    p.add_argument("--allowed-origins", default="",
+                   help="comma-separated browser origins the HTTP API answers cross-origin (CORS), e.g. "
+                        "https://app.example.com; * = any; default none")
     p.add_argument("--model", default=None, help="builtin model name, local transformers directory or hub id "
                    "(default: the bundled smollm2-135m-instruct)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
@@ -112,6 +115,7 @@ def build_configs(args: argparse.Namespace):
     worker = WorkerConfig(
         host=args.host, port=args.port, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         http_port=args.http_port or None, http_host=args.http_host,
+        allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue, full_trees=args.full_trees, prefix_cache_mb=args.prefix_cache_mb, limits=limits,
         grace_s=args.grace,

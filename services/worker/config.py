@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 from dataclasses import dataclass
 
@@ -54,6 +55,9 @@ class WorkerConfig:
     # (the CLI's default is 8000); http_host None = `host`
     http_port: int | None = None
     http_host: str | None = None
+    # browser origins the HTTP API answers cross-origin (CORS), e.g. ("https://app.example.com",);
+    # "*" = any; empty (default) = none: browsers then refuse cross-origin calls
+    allowed_origins: tuple[str, ...] = ()
     # The batching engine (engine/engine.py): requests decoding together in one forward per step, the
     # KV tokens they may reserve (prompt + max_new_tokens + tree each), prompt tokens prefilled per step
     max_batch: int = 16
@@ -102,6 +106,10 @@ class WorkerConfig:
             raise ValueError(f"http_port must be in [0, 65535] or None (off), got {self.http_port}")
         if self.http_host is not None and not self.http_host:
             raise ValueError("http_host must be a hostname or address, or None for the gRPC host")
+        for origin in self.allowed_origins:
+            if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
+                raise ValueError(f"allowed origin {origin!r} must be '*' or scheme://host[:port], e.g. "
+                                 "https://app.example.com (no path, no trailing slash)")
         if self.max_batch < 1 or self.max_batch_tokens < 64 or self.prefill_chunk < 1 or self.stream_buffer < 1:
             raise ValueError("max_batch, prefill_chunk and stream_buffer must be >= 1, max_batch_tokens >= 64")
         if not self.stream_stall_s > 0:

@@ -208,6 +208,7 @@ class StoreTunerStates:
 async def _warm_up(servicer: GenerateServicer, health: health_aio.HealthServicer, enabled: bool) -> None:
     if enabled:
         await servicer.warm_up()
+    servicer.ready = True
     await set_status(health, [SERVICE_NAME], serving=True)
 
 

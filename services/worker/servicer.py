@@ -35,7 +35,7 @@ from typing import Protocol
 
 import grpc
 
-from trserve.core.errors import PermissionDenied, TRServeError, Unavailable
+from trserve.core.errors import InvalidArgument, PermissionDenied, TRServeError, Unavailable
 from trserve.engine.target import TargetModel
 from trserve.engine.engine import BatchEngine
 from trserve.engine.request.request import GenerationRequest, PreparedRequest
@@ -43,6 +43,7 @@ from trserve.engine.request.text import HeldText
 from trserve.engine.results import GenerationResult, StepChunk
 from trserve.engine.tuning.online import OnlineTuner, TunerBook
 from trserve.services.common.errors import grpc_errors, status_for
+from trserve.services.common.logcontext import HEADER, REQUEST_ID, request_id
 from trserve.services.worker import convert
 from trserve.services.worker.admission import Admission, QueueFull
 from trserve.services.worker.bridge import EngineStream
@@ -99,41 +100,61 @@ def _retry_trailers(retry_after_s: float) -> tuple[tuple[str, str], ...]:
     return (("grpc-retry-pushback-ms", ms), ("retry-after-ms", ms))
 
 
+def _request_id_of(context) -> tuple[tuple[str, str], ...]:
+    """The call's id: the caller's `x-request-id` metadata (a plain token) or a new one, set as the log
+    context of what this call logs (services/common/logcontext.py); returned as the metadata that
+    echoes it. It goes out with the reply (initial metadata) or the error (trailing metadata), never
+    before: a call whose headers have been sent is committed, and gRPC would no longer retry it
+    elsewhere when this worker is busy."""
+    given = next((value for key, value in context.invocation_metadata() or () if key == HEADER), None)
+    rid = request_id(given if isinstance(given, str) else None)
+    REQUEST_ID.set(rid)  # this RPC's own task: the value ends with it
+    return ((HEADER, rid),)
+
+
 def observed(method):
-    """Count each RPC by final status code; refuse a full queue with a retry-after trailer.
+    """Count each RPC by final status code; refuse a full queue with a retry-after trailer; echo the
+    call's request id.
 
     Sits inside @grpc_errors, so it sees the domain exception before it becomes a status.
     """
     name = method.__name__
 
-    async def on_error(self, exc: BaseException, context) -> str:
+    async def on_error(self, exc: BaseException, context, echo) -> str:
         if isinstance(exc, (asyncio.CancelledError, GeneratorExit)):
             return "CANCELLED"
         if isinstance(exc, QueueFull):
             self.metrics.requests.labels(name, "RESOURCE_EXHAUSTED").inc()
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc),
-                                trailing_metadata=_retry_trailers(exc.retry_after_s))
+                                trailing_metadata=_retry_trailers(exc.retry_after_s) + echo)
+        # other errors: @grpc_errors aborts with the id (services/common/errors.py:abort_with)
         return "ABORTED" if isinstance(exc, grpc.aio.AbortError) else status_for(exc).name
 
     if inspect.isasyncgenfunction(method):
         @functools.wraps(method)
         async def stream(self, request, context):
+            echo, sent = _request_id_of(context), False
             try:
                 async for item in method(self, request, context):
+                    if not sent:
+                        await context.send_initial_metadata(echo)
+                        sent = True
                     yield item
             except BaseException as exc:
-                self.metrics.requests.labels(name, await on_error(self, exc, context)).inc()
+                self.metrics.requests.labels(name, await on_error(self, exc, context, echo)).inc()
                 raise
             self.metrics.requests.labels(name, "OK").inc()
         return stream
 
     @functools.wraps(method)
     async def unary(self, request, context):
+        echo = _request_id_of(context)
         try:
             response = await method(self, request, context)
         except BaseException as exc:
-            self.metrics.requests.labels(name, await on_error(self, exc, context)).inc()
+            self.metrics.requests.labels(name, await on_error(self, exc, context, echo)).inc()
             raise
+        await context.send_initial_metadata(echo)
         self.metrics.requests.labels(name, "OK").inc()
         return response
     return unary
@@ -151,6 +172,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         self.admission = Admission(config.max_batch, config.max_queue, config.max_concurrent_rpcs)
         self.calls: set[_Call] = set()  # in flight, for drain()
         self.draining = False
+        self.ready = False  # warmed up (server.py:_warm_up): what HTTP /health reports with `draining`
         # with tenant tokens, tenants whose matrices another tenant may not name as its domain
         self._token_tenants = frozenset(config.tenant_tokens.by_digest.values()) if config.tenant_tokens else frozenset()
         metrics.queue_depth.set_function(lambda: self.admission.waiting)  # read at scrape time
@@ -222,11 +244,30 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     @grpc_errors
     @observed
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
+        ids = await self.tokenize(request)
+        tokens = self.decoder.tokenizer.convert_ids_to_tokens(ids)
+        return pb.TokenizeResponse(token_ids=ids, tokens=[str(t) for t in tokens])
+
+    async def tokenize(self, request: pb.TokenizeRequest) -> list[int]:
+        """The ids a text or chat prompt becomes, as Generate would see them (gRPC Tokenize, HTTP /tokenize)."""
         with self.admission.call():
             text, messages = convert.tokenize_input_from_pb(request, self.limits)
-            ids = await asyncio.to_thread(self._prompt_ids, text, messages)
-            tokens = self.decoder.tokenizer.convert_ids_to_tokens(ids)
-            return pb.TokenizeResponse(token_ids=ids, tokens=[str(t) for t in tokens])
+            return await asyncio.to_thread(self._prompt_ids, text, messages)
+
+    async def detokenize(self, ids: list[int]) -> str:
+        """The text of token ids (HTTP /detokenize); InvalidArgument for an id outside the vocabulary."""
+        vocab = self.decoder.vocab_size
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise InvalidArgument(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        if len(ids) > self.limits.max_prompt_tokens + self.limits.max_new_tokens_cap:
+            raise InvalidArgument(f"at most {self.limits.max_prompt_tokens + self.limits.max_new_tokens_cap} ids")
+        with self.admission.call():
+            return await asyncio.to_thread(self._decode_ids, ids)
+
+    def _decode_ids(self, ids: list[int]) -> str:
+        with self._tokenizer_lock:
+            return self.decoder.tokenizer.decode(ids)
 
     @grpc_errors
     @observed

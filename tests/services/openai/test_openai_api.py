@@ -129,7 +129,10 @@ def test_tenant_tokens(client, server, model_id):
     with pytest.raises(openai.AuthenticationError):
         stranger.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4)
     with pytest.raises(openai.PermissionDeniedError):
-        client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, user="bob")
+        client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, extra_headers={"X-Tenant": "bob"})
+    # OpenAI's `user` is an end-user id: accepted, ignored (issue 46: it used to pick the tenant)
+    reply = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, user="bob")
+    assert reply.model_extra["trserve"]["tenant"] == "alice"
     bob = openai.OpenAI(base_url=server[1], api_key=TOKENS["bob"], max_retries=0)
     reply = bob.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, extra_headers={"X-Tenant": "bob"})
     assert reply.model_extra["trserve"]["tenant"] == "bob"
