@@ -32,6 +32,7 @@ class GenerationStats:
     drafted: dict[str, int] = field(default_factory=dict)
     accepted: dict[str, int] = field(default_factory=dict)
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (engine/prefix_cache.py)
+    draft_steps: int = 0  # steps that verified at least one draft token (vLLM's "drafts")
 
     @classmethod
     def build(cls, seq, prefill_s: float, decode_s: float, info, tree: str, cached_tokens: int = 0) -> GenerationStats:
@@ -54,6 +55,7 @@ class GenerationStats:
             drafted=dict(seq.drafted),
             accepted=dict(seq.accepted),
             cached_tokens=cached_tokens,
+            draft_steps=seq.draft_steps,
         )
 
 

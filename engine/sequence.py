@@ -26,6 +26,7 @@ class Sequence:
         # per draft source (engine/step.py:SOURCES): draft tokens verified, and of those accepted
         self.drafted: dict[str, int] = {}
         self.accepted: dict[str, int] = {}
+        self.draft_steps = 0  # steps that verified at least one draft token
         self.finish_reason: str | None = None
 
     @property

@@ -89,6 +89,8 @@ def accept_step(seq: Sequence, draft: Draft, logits: torch.Tensor, k: int, past:
 
 def count_sources(seq: Sequence, draft: Draft, path: list[int]) -> None:
     """Per draft source, the nodes this step verified and accepted, into the sequence's counters."""
+    if draft.tokens.shape[0] > 1:
+        seq.draft_steps += 1
     for nodes, counts in ((range(1, draft.tokens.shape[0]), seq.drafted), (path[1:], seq.accepted)):
         for i in nodes:
             name = SOURCES[draft.source_of(i)]

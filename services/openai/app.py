@@ -70,7 +70,9 @@ class ClientGone(TRServeError):
 
 
 class TooLarge(TRServeError):
-    status = "RESOURCE_EXHAUSTED"
+    """HTTP 413: the caller's error (counted as INVALID_ARGUMENT), not the server refusing load."""
+
+    status = "INVALID_ARGUMENT"
 
 
 class HttpDeadline:
@@ -275,7 +277,7 @@ class OpenAIApp:
 
     async def _events(self, writer: convert.ChunkWriter, item: StepChunk | StreamEnd,
                       items: AsyncIterator[StepChunk | StreamEnd], method: str, state) -> AsyncIterator[str]:
-        error = None
+        error: BaseException | None = ClientGone("the client closed the stream")  # until the end is sent
         async with contextlib.aclosing(items):
             first = True
             try:
@@ -291,6 +293,7 @@ class OpenAIApp:
                 yield sse(writer.last_chunk(item.rest, item.result, reason, item.queue_s))
                 if writer.req.include_usage:
                     yield sse(writer.usage_chunk(item.result, reason, item.queue_s))
+                error = None
             except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in the stream
                 error = exc
                 yield sse(error_body(exc)[1])

@@ -1,4 +1,9 @@
-"""Prometheus metrics of one worker, in a registry of its own (several workers may share a process in tests)."""
+"""Prometheus metrics of one worker, in a registry of its own (several workers may share a process in tests).
+
+Request series carry a `model_name` label (vLLM's name; the served model's id), so dashboards built
+for vLLM's series select ours the same way. Code uses them as if the label were not there: a family
+whose only label is model_name is bound to its child at construction, and `_Named` prepends the
+model to the other labels."""
 
 from __future__ import annotations
 
@@ -19,49 +24,75 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0, 
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 60.0)
 TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.015, 0.02, 0.03, 0.05, 0.075, 0.1, 0.2, 0.5, 1.0)
 STEP_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+# request lengths in tokens (vLLM's request_prompt_tokens / request_generation_tokens / request_params_max_tokens)
+LENGTH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+MODEL = "model_name"
+
+
+class _Named:
+    """A family labelled (model_name, *rest), used as one labelled (*rest)."""
+
+    def __init__(self, family, model: str) -> None:
+        self.family, self.model = family, model
+
+    def labels(self, *values: str):
+        return self.family.labels(self.model, *values)
 
 
 class WorkerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "unknown") -> None:
         self.registry = CollectorRegistry()
-        r = self.registry
-        self.requests = Counter("trserve_requests", "Finished RPCs by method and gRPC status code",
-                                ["method", "code"], registry=r)
-        self.finished = Counter("trserve_finish", "Generations by finish reason", ["reason"], registry=r)
-        self.prompt_tokens = Counter("trserve_prompt_tokens", "Prompt tokens (prefilled or from the prefix cache)",
-                                     registry=r)
-        self.generated_tokens = Counter("trserve_generated_tokens", "Tokens generated", registry=r)
-        self.prompt_cached_tokens = Counter(
-            "trserve_prompt_cached_tokens", "Prompt tokens whose keys and values came from the prefix cache "
-            "(an earlier request of the same tenant that started the same way) instead of a prefill", registry=r)
+        self.model_name = model_name
+        r, m = self.registry, model_name
+
+        def named(kind, name: str, doc: str, labels: tuple[str, ...] = (), **kwargs):
+            family = kind(name, doc, [MODEL, *labels], registry=r, **kwargs)
+            return _Named(family, m) if labels else family.labels(m)
+
+        self.requests = named(Counter, "trserve_requests", "Finished calls by method and gRPC status code "
+                              "(HTTP calls by the status their failure has over gRPC)", ("method", "code"))
+        self.finished = named(Counter, "trserve_finish", "Generations by finish reason", ("reason",))
+        self.prompt_tokens = named(Counter, "trserve_prompt_tokens",
+                                   "Prompt tokens (prefilled or from the prefix cache)")
+        self.generated_tokens = named(Counter, "trserve_generated_tokens", "Tokens generated")
+        self.prompt_cached_tokens = named(
+            Counter, "trserve_prompt_cached_tokens", "Prompt tokens whose keys and values came from the prefix "
+            "cache (an earlier request of the same tenant that started the same way) instead of a prefill")
         self.prefix_cache_bytes = Gauge("trserve_prefix_cache_bytes",
                                         "Bytes of finished requests' keys and values kept for prefix caching",
                                         registry=r)
-        self.mat = Histogram("trserve_mean_accepted_tokens", "Mean accepted tokens per step, per TR request",
-                             buckets=MAT_BUCKETS, registry=r)
+        self.mat = named(Histogram, "trserve_mean_accepted_tokens", "Mean accepted tokens per step, per TR request",
+                         buckets=MAT_BUCKETS)
         self.step_seconds = Histogram("trserve_step_seconds", "Wall time of one decoding step",
                                       buckets=STEP_BUCKETS, registry=r)
-        self.decode_seconds = Histogram("trserve_decode_seconds", "Prefill + decode wall time per request", registry=r)
-        self.queue_seconds = Histogram("trserve_queue_seconds", "Time waiting for admission", registry=r)
-        self.queue_depth = Gauge("trserve_queue_depth", "Requests waiting for the decoder", registry=r)
-        self.active = Gauge("trserve_active_requests", "Requests decoding now", registry=r)
+        self.decode_seconds = named(Histogram, "trserve_decode_seconds", "Prefill + decode wall time per request")
+        self.queue_seconds = named(Histogram, "trserve_queue_seconds", "Time waiting for admission")
+        self.queue_depth = named(Gauge, "trserve_queue_depth", "Requests waiting for the decoder")
+        self.active = named(Gauge, "trserve_active_requests", "Requests decoding now")
         self.draft_fallbacks = Counter(
             "trserve_draft_fallbacks",
             "Requests that drafted from a local matrix because the matrix store/service failed", registry=r)
-        self.ttft_seconds = Histogram("trserve_time_to_first_token_seconds",
-                                      "From the call's arrival to its first token (queue and prefill included)",
-                                      buckets=TTFT_BUCKETS, registry=r)
-        self.tpot_seconds = Histogram("trserve_time_per_output_token_seconds",
-                                      "Decode time per generated token after the first, per request",
-                                      buckets=TPOT_BUCKETS, registry=r)
-        self.e2e_seconds = Histogram("trserve_e2e_request_latency_seconds",
-                                     "From the call's arrival to its last token", buckets=LATENCY_BUCKETS, registry=r)
-        self.kv_usage = Gauge("trserve_kv_cache_usage_ratio",
-                              "KV tokens reserved by running requests over --max-batch-tokens", registry=r)
-        self.drafted_tokens = Counter("trserve_draft_tokens", "Draft tokens verified, by draft source "
-                                      "(matrix, context, history)", ["source"], registry=r)
-        self.accepted_tokens = Counter("trserve_draft_accepted_tokens", "Draft tokens accepted, by draft source",
-                                       ["source"], registry=r)
+        self.ttft_seconds = named(Histogram, "trserve_time_to_first_token_seconds",
+                                  "From the call's arrival to its first token (queue and prefill included)",
+                                  buckets=TTFT_BUCKETS)
+        self.tpot_seconds = named(Histogram, "trserve_time_per_output_token_seconds",
+                                  "Decode time per generated token after the first, per request", buckets=TPOT_BUCKETS)
+        self.e2e_seconds = named(Histogram, "trserve_e2e_request_latency_seconds",
+                                 "From the call's arrival to its last token", buckets=LATENCY_BUCKETS)
+        self.prompt_length = named(Histogram, "trserve_request_prompt_tokens", "Prompt tokens per finished request",
+                                   buckets=LENGTH_BUCKETS)
+        self.generation_length = named(Histogram, "trserve_request_generation_tokens",
+                                       "Generated tokens per finished request", buckets=LENGTH_BUCKETS)
+        self.max_tokens = named(Histogram, "trserve_request_max_tokens",
+                                "The max_new_tokens (max_tokens) each finished request asked for", buckets=LENGTH_BUCKETS)
+        self.kv_usage = named(Gauge, "trserve_kv_cache_usage_ratio",
+                              "KV tokens reserved by running requests over --max-batch-tokens")
+        self.drafted_tokens = named(Counter, "trserve_draft_tokens", "Draft tokens verified, by draft source "
+                                    "(matrix, context, history)", ("source",))
+        self.accepted_tokens = named(Counter, "trserve_draft_accepted_tokens", "Draft tokens accepted, by draft "
+                                     "source", ("source",))
+        self.drafts = named(Counter, "trserve_drafts", "Steps that verified at least one draft token (vLLM's "
+                            "spec_decode_num_drafts): mean acceptance length = 1 + accepted tokens / drafts")
         ProcessCollector(registry=r)  # process_cpu_seconds_total, process_resident_memory_bytes, ...
         PlatformCollector(registry=r)
         self.stalled_streams = Counter(
@@ -87,5 +118,8 @@ class WorkerMetrics:
             self._http = None
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
-        """Current value of a sample (0 when absent), for tests and logs."""
-        return self.registry.get_sample_value(name, labels or {}) or 0.0
+        """Current value of a sample (0 when absent), for tests and logs; this worker's model_name is
+        implied on the families that have it."""
+        labels = labels or {}
+        named = self.registry.get_sample_value(name, {MODEL: self.model_name, **labels})
+        return named if named is not None else self.registry.get_sample_value(name, labels) or 0.0

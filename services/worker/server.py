@@ -157,7 +157,7 @@ async def _start_serving(config: WorkerConfig, decoder: Decoder, draft_source_fa
         histories = HistoryBook(store, config.history_bytes) if config.history_bytes else None
         draft_source_factory = embedded_factory(store, spec, decoder.device, histories)
         tuner_states = StoreTunerStates(store, decoder.fingerprint)
-    metrics = started.metrics = WorkerMetrics()
+    metrics = started.metrics = WorkerMetrics(decoder.config.model.source)
     if store is not None:  # the embedded store's memory (tenants, bytes per tenant) on this worker's /metrics
         metrics.registry.register(StoreCollector(store))
     if histories is not None:  # and the tenants' suffix histories (bytes per tenant)

@@ -356,7 +356,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             finally:  # also when the caller went away: the engine frees the request's place first
                 result = await stream.finish()
                 if result is not None:
-                    self._observe_result(result)
+                    self._observe_result(result, prepared.request.max_new_tokens)
                     self.metrics.e2e_seconds.observe(time.perf_counter() - call.t0)
 
     def _reader_cut_off(self, why: str) -> None:
@@ -366,7 +366,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         log.info("a stream's reader %s: its request is cancelled", "fell behind" if why == "behind" else
                  f"took nothing for {self.config.stream_stall_s:g} s")
 
-    def _observe_result(self, result: GenerationResult) -> None:
+    def _observe_result(self, result: GenerationResult, max_new_tokens: int) -> None:
         m, s = self.metrics, result.stats
         m.finished.labels(result.finish_reason).inc()
         m.prompt_tokens.inc(s.prompt_tokens)
@@ -379,6 +379,11 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             m.drafted_tokens.labels(source).inc(n)
         for source, n in s.accepted.items():
             m.accepted_tokens.labels(source).inc(n)
+        if s.draft_steps:
+            m.drafts.inc(s.draft_steps)
+        m.prompt_length.observe(s.prompt_tokens)
+        m.generation_length.observe(s.generated_tokens)
+        m.max_tokens.observe(max_new_tokens)
         if s.draft_mode != "none" and s.steps:
             m.mat.observe(s.mat)
         if s.draft_mode == "local-fallback":

@@ -70,7 +70,7 @@ def test_metrics_on_the_api_port_are_the_workers_registry(worker) -> None:
     call(worker, "POST", "/tokenize", {"prompt": "hello"})
     status, head, text = call(worker, "GET", "/metrics")
     assert status == 200 and head["content-type"].startswith("text/plain")
-    assert 'trserve_requests_total{code="OK",method="openai.tokenize"}' in text
+    assert f'trserve_requests_total{{code="OK",method="openai.tokenize",model_name="{MODEL}"}}' in text
     assert "trserve_active_requests" in text
 
 
@@ -143,3 +143,52 @@ def test_the_tenant_is_x_tenant_never_user(worker) -> None:
     assert status == 400 and err["error"]["param"] == "X-Tenant"
     tenants = {s.labels.get("tenant") for m in worker.worker.metrics.registry.collect() for s in m.samples}
     assert "alice@example.com" not in tenants
+
+
+def test_metrics_name_the_model_count_lengths_and_drafts(worker) -> None:
+    """Issue 46, item 3: vLLM's model_name label, request length histograms, and a drafts counter from
+    which vLLM's mean acceptance length (1 + accepted / drafts) follows."""
+    m = worker.worker.metrics
+    before = (m.value("trserve_request_prompt_tokens_count"), m.value("trserve_drafts_total"))
+    body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,", "max_tokens": 40, "temperature": 0}
+    usage = call(worker, "POST", "/v1/completions", body)[2]["usage"]
+    text = call(worker, "GET", "/metrics")[2]
+    assert f'trserve_requests_total{{code="OK",method="openai.completions",model_name="{MODEL}"}}' in text
+    assert m.value("trserve_request_prompt_tokens_count") == before[0] + 1
+    assert m.value("trserve_request_max_tokens_bucket", {"le": "50.0"}) >= 1
+    assert m.value("trserve_request_generation_tokens_sum") >= usage["completion_tokens"]
+    drafts = m.value("trserve_drafts_total") - before[1]
+    accepted = sum(m.value("trserve_draft_accepted_tokens_total", {"source": s}) for s in ("matrix", "context", "history"))
+    assert 0 < drafts <= usage["completion_tokens"] and accepted > 0  # a counting prompt: drafts are accepted
+
+
+def test_a_413_and_an_abandoned_stream_are_counted_as_what_they_are(worker) -> None:
+    """Issue 46, item 3: a 413 counted as RESOURCE_EXHAUSTED (the "refusing requests" alert), a stream
+    its reader left as OK."""
+    m = worker.worker.metrics
+    labels = {"method": "openai.completions"}
+    exhausted = m.value("trserve_requests_total", {**labels, "code": "RESOURCE_EXHAUSTED"})
+    invalid = m.value("trserve_requests_total", {**labels, "code": "INVALID_ARGUMENT"})
+    status, _, _ = call(worker, "POST", "/v1/completions", {"model": MODEL, "prompt": "x" * (2 << 20)})
+    assert status == 413
+    assert m.value("trserve_requests_total", {**labels, "code": "INVALID_ARGUMENT"}) == invalid + 1
+    assert m.value("trserve_requests_total", {**labels, "code": "RESOURCE_EXHAUSTED"}) == exhausted
+    cancelled = m.value("trserve_requests_total", {**labels, "code": "CANCELLED"})
+    ok = m.value("trserve_requests_total", {**labels, "code": "OK"})
+    body = json.dumps({"model": MODEL, "prompt": "Count to a thousand:", "max_tokens": 2000, "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", worker.worker.http_port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    import time
+
+    got, end = b"", time.monotonic() + 60
+    while b"data:" not in got and time.monotonic() < end:  # streaming has begun
+        got += s.recv(65536)
+    assert b"data:" in got
+    s.close()
+
+    end = time.monotonic() + 10
+    while m.value("trserve_requests_total", {**labels, "code": "CANCELLED"}) == cancelled and time.monotonic() < end:
+        time.sleep(0.05)
+    assert m.value("trserve_requests_total", {**labels, "code": "CANCELLED"}) == cancelled + 1
+    assert m.value("trserve_requests_total", {**labels, "code": "OK"}) == ok
