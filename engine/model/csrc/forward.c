@@ -308,25 +308,54 @@ static void attend(const tr_model *M, int64_t b, int64_t hd, int64_t i0, int64_t
     }
 }
 
+/* Bit i set where x[i] > t, for the 16 values x[0 .. 15] (NaNs never set: ordered compares). */
+INLINE uint32_t above16(const float *x, float t)
+{
+#if defined(__AVX512F__)
+    return (uint32_t)_mm512_cmp_ps_mask(_mm512_loadu_ps(x), _mm512_set1_ps(t), _CMP_GT_OQ);
+#elif defined(__AVX2__)
+    const __m256 tv = _mm256_set1_ps(t);
+    const uint32_t lo = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x), tv, _CMP_GT_OQ));
+    const uint32_t hi = (uint32_t)_mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + 8), tv, _CMP_GT_OQ));
+    return lo | hi << 8;
+#else
+    uint32_t m = 0;
+    for (int l = 0; l < 16; l++) m |= (uint32_t)(x[l] > t) << l;
+    return m;
+#endif
+}
+
+/* x[i] into the running top list val/idx [n of K] (largest first, an equal later value loses). */
+INLINE void topk_take(float v, int64_t i, int64_t K, int64_t *n, float *val, int32_t *idx)
+{
+    int64_t p;
+    if (v != v) return;
+    if (*n == K) {
+        if (!(v > val[K - 1])) return; /* not above the K-th: an equal later one loses */
+        p = K - 1;                     /* the K-th drops out */
+    } else {
+        p = (*n)++;
+    }
+    for (; p > 0 && val[p - 1] < v; p--) val[p] = val[p - 1], idx[p] = idx[p - 1];
+    val[p] = v, idx[p] = (int32_t)i;
+}
+
 /* The K largest of x[0 .. V - 1] -> idx[0 .. K - 1], largest first, equal values by lower index
- * (so idx[0] is the first maximum, as torch.argmax picks; NaNs are never taken). K <= V. */
+ * (so idx[0] is the first maximum, as torch.argmax picks; NaNs are never taken). K <= V. Once the
+ * list is full, 16 values at a time are compared with the K-th: a block with none above it is
+ * skipped whole (none of them would be taken: the K-th only rises), the others go one by one in
+ * index order. The same picks as taking every value in turn, on every build. */
 static void topk_row(const float *x, int64_t V, int64_t K, int32_t *idx)
 {
     float val[64]; /* K <= 64 (the engine's k) */
-    int64_t n = 0;
-    for (int64_t i = 0; i < V; i++) {
-        const float v = x[i];
-        int64_t p;
-        if (v != v) continue;
-        if (n == K) {
-            if (!(v > val[K - 1])) continue; /* not above the K-th: an equal later one loses */
-            p = K - 1;                       /* the K-th drops out */
-        } else {
-            p = n++;
+    int64_t n = 0, i = 0;
+    for (; i < V && (n < K || (i & 15)); i++) topk_take(x[i], i, K, &n, val, idx);
+    for (; i + 16 <= V; i += 16)
+        for (uint32_t m = above16(x + i, val[K - 1]); m; m &= m - 1) {
+            const int l = __builtin_ctz(m);
+            topk_take(x[i + l], i + l, K, &n, val, idx);
         }
-        for (; p > 0 && val[p - 1] < v; p--) val[p] = val[p - 1], idx[p] = idx[p - 1];
-        val[p] = v, idx[p] = (int32_t)i;
-    }
+    for (; i < V; i++) topk_take(x[i], i, K, &n, val, idx);
     for (; n < K; n++) idx[n] = -1; /* fewer than K values that are not NaN */
 }
 

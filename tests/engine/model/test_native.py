@@ -172,6 +172,33 @@ def test_tree_nodes_equal_tokens_decoded_alone(tmp_path):
 
 
 @pytest.mark.parametrize("isa", isa_params())
+def test_topk_skipping_blocks_picks_what_taking_each_value_does(tmp_path, isa):
+    """topk_row compares 16 values at a time with the K-th and skips blocks with none above it: its
+    picks must be those of a stable sort by (-value, id), NaNs left out, at every length (tails that
+    are not whole blocks), K up to 64, many ties, on every build."""
+    import ctypes
+
+    from trserve.engine.model.kernels.build import _libs
+
+    quantized_llama(tmp_path, isa)  # loads that variant's library
+    fn = _libs[isa].trserve_topk_rows
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    g = torch.Generator().manual_seed(11)
+    for V in (1, 7, 16, 17, 33, 100, 1000, 4099):
+        for K in sorted({1, 2, 8, 64} & set(range(1, min(V, 64) + 1))):
+            x = torch.randint(-20, 20, (6, V), generator=g).float() / 4  # ties everywhere
+            x[1] = torch.arange(V).float()  # ascending: the threshold rises in every block
+            x[2, ::3] = float("nan")
+            x[3] = 1.0
+            idx = torch.empty(6, K, dtype=torch.int32)
+            assert fn(x.data_ptr(), 6, V, K, idx.data_ptr()) == 0
+            for r in range(6):
+                order = sorted((i for i in range(V) if x[r, i] == x[r, i]), key=lambda i: (-float(x[r, i]), i))
+                want = (order + [-1] * K)[:K]
+                assert idx[r].tolist() == want, (isa, V, K, r)
+
+
+@pytest.mark.parametrize("isa", isa_params())
 def test_isa_builds_give_the_same_bits(tmp_path, isa):
     runs = available_isas()
     ref_isa = "scalar" if isa != "scalar" else runs[0]
