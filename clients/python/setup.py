@@ -1,52 +1,75 @@
-"""Builds trserve-client: the .proto files and the service config are copied from the repository
-(when building from it; an sdist already holds them), and the stubs are generated into
-trserve_client/_proto/trserve/v1 with their imports pointed there, so this package never shadows the
-server's own `trserve` modules. The protobuf file names stay trserve/v1/*.proto."""
+"""Builds trserve-client without writing into its source folder: the stubs are generated, and the
+.proto files and the service config copied, into the build's own tree (build_py), from the
+repository when building from it, else from the copies an sdist carries (made by sdist below). The
+stubs live in trserve_client/_proto/trserve/v1 with their imports pointed there, so this package never
+shadows the server's own `trserve` modules; the protobuf file names stay trserve/v1/*.proto. setuptools'
+scratch (build/, *.egg-info) goes to a temporary folder too."""
 
 from __future__ import annotations
 
+import atexit
 import re
 import shutil
 import tempfile
 from pathlib import Path
 
 from setuptools import setup
+from setuptools.command.build_py import build_py
+from setuptools.command.sdist import sdist
 
 HERE = Path(__file__).resolve().parent
-PKG = HERE / "trserve_client"
 REPO = HERE.parent.parent
-PROTOS = PKG / "protos" / "trserve" / "v1"
-OUT = PKG / "_proto" / "trserve" / "v1"
+SCRATCH = Path(tempfile.mkdtemp(prefix="trserve-client-build-"))
+atexit.register(shutil.rmtree, SCRATCH, True)
 
 
-def _sync_sources() -> None:
-    src = REPO / "protos" / "trserve" / "v1"
-    if src.is_dir():  # building from the repository: take its current protos and service config
-        PROTOS.mkdir(parents=True, exist_ok=True)
-        for proto in src.glob("*.proto"):
-            shutil.copyfile(proto, PROTOS / proto.name)
-        shutil.copyfile(REPO / "services" / "client" / "service_config.json", PKG / "service_config.json")
+def _sources() -> tuple[Path, Path]:
+    """(folder of the trserve/v1 protos, the service config file): the repository's, else an sdist's."""
+    if (REPO / "protos" / "trserve" / "v1").is_dir():
+        return REPO / "protos" / "trserve" / "v1", REPO / "services" / "client" / "service_config.json"
+    return HERE / "trserve_client" / "protos" / "trserve" / "v1", HERE / "trserve_client" / "service_config.json"
 
 
-def _generate() -> None:
+def _copy_sources(pkg: Path) -> None:
+    protos, config = _sources()
+    (pkg / "protos" / "trserve" / "v1").mkdir(parents=True, exist_ok=True)
+    for proto in protos.glob("*.proto"):
+        shutil.copyfile(proto, pkg / "protos" / "trserve" / "v1" / proto.name)
+    shutil.copyfile(config, pkg / "service_config.json")
+
+
+def _generate(pkg: Path) -> None:
     from grpc_tools import protoc
 
-    root = PKG / "protos"
+    root, out = pkg / "protos", pkg / "_proto" / "trserve" / "v1"
     with tempfile.TemporaryDirectory() as tmp:
-        protos = sorted(str(p.relative_to(root)) for p in PROTOS.glob("*.proto"))
+        protos = sorted(str(p.relative_to(root)) for p in (root / "trserve" / "v1").glob("*.proto"))
         args = ["protoc", f"-I{root}", f"-I{Path(protoc.__file__).parent / '_proto'}", f"--python_out={tmp}",
                 f"--grpc_python_out={tmp}", f"--pyi_out={tmp}", *protos]
         if protoc.main(args) != 0:
             raise RuntimeError("protoc failed on " + ", ".join(protos))
-        OUT.mkdir(parents=True, exist_ok=True)
-        for d in (OUT.parent.parent, OUT.parent, OUT):
+        out.mkdir(parents=True, exist_ok=True)
+        for d in (out.parent.parent, out.parent, out):
             (d / "__init__.py").touch()
         for f in (Path(tmp) / "trserve" / "v1").iterdir():
             text = re.sub(r"^from trserve\.v1 import", "from trserve_client._proto.trserve.v1 import", f.read_text(),
                           flags=re.MULTILINE)
-            (OUT / f.name).write_text(text)
+            (out / f.name).write_text(text)
 
 
-_sync_sources()
-_generate()
-setup()
+class BuildPy(build_py):
+    def run(self) -> None:
+        super().run()
+        pkg = Path(self.build_lib) / "trserve_client"
+        _copy_sources(pkg)
+        _generate(pkg)
+
+
+class Sdist(sdist):
+    def make_release_tree(self, base_dir, files) -> None:
+        super().make_release_tree(base_dir, files)
+        _copy_sources(Path(base_dir) / "trserve_client")  # an sdist builds without the repository
+
+
+setup(cmdclass={"build_py": BuildPy, "sdist": Sdist},
+      options={"build": {"build_base": str(SCRATCH / "build")}, "egg_info": {"egg_base": str(SCRATCH)}})

@@ -1,6 +1,8 @@
-"""The light client (issue 30 item 2): clients/python installs into a fresh venv with grpcio and
-protobuf only (no torch), and calls a running worker: the same ids as the server-side client, a
-stream whose chunks add up to the unary answer, the token and plaintext rule, and a status code."""
+"""The light client (issue 30 item 2, issue 46 item 6): clients/python installs into a fresh venv with
+grpcio and protobuf only (no torch), writing nothing into its source folder, and calls a running
+worker, sync and asyncio: the same ids as the server-side client, a stream whose chunks add up to
+the unary answer, finish reasons as strings, `max_tokens`, the token and plaintext rule, and typed
+errors (a busy worker's Busy with its retry-after)."""
 
 from __future__ import annotations
 
@@ -25,7 +27,8 @@ HI = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture(scope="module")
 def worker(decoder):
-    yield from serving(WorkerConfig(port=0, metrics_port=None, limits=Limits(max_new_tokens_cap=64, default_max_new_tokens=16)), decoder)
+    limits = Limits(max_new_tokens_cap=256, default_max_new_tokens=16)
+    yield from serving(WorkerConfig(port=0, metrics_port=None, max_batch=1, max_queue=0, limits=limits), decoder)
 
 
 @pytest.fixture(scope="module", params=["3.11", "3.12"])
@@ -46,9 +49,13 @@ def client_venv(request, tmp_path_factory) -> Path:
                              text=True, timeout=60).stdout.strip()
     assert version == request.param
     subprocess.run([base, "-m", "venv", str(venv)], check=True, timeout=120)
-    install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(REPO / "clients" / "python")],
+    source = REPO / "clients" / "python"
+    before = sorted(p for p in source.rglob("*") if "__pycache__" not in p.parts)
+    install = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", str(source)],
                              capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stdout + install.stderr
+    after = sorted(p for p in source.rglob("*") if "__pycache__" not in p.parts)
+    assert after == before, f"the install wrote into the source folder: {sorted(set(after) - set(before))}"
     return venv
 
 
@@ -63,22 +70,42 @@ def test_the_light_client_installs_without_torch_and_calls_a_worker(client_venv,
     assert subprocess.run([python, "-m", "pip", "show", "torch"], capture_output=True, timeout=120).returncode != 0
 
     script = textwrap.dedent(f"""
-        import json, sys
+        import asyncio, json, sys
         import grpc
-        from trserve_client import Client, service_config
+        from trserve_client import AsyncClient, Busy, Client, InvalidArgument, service_config
         out = {{"config": service_config()}}
         with Client({worker.addr!r}, timeout=120) as c:
-            r = c.generate(messages={HI!r}, max_new_tokens=16, mode="ar", return_token_ids=True)
-            out["ids"], out["text"] = list(r.token_ids), r.text
+            r = c.generate(messages={HI!r}, max_tokens=16, mode="ar", return_token_ids=True)
+            out["ids"], out["text"], out["reason"] = r.token_ids, r.text, r.finish_reason
             chunks = list(c.stream(messages={HI!r}, max_new_tokens=16))
             out["stream_ids"] = [i for ch in chunks for i in ch.token_ids]
             out["stream_text"] = "".join(ch.text for ch in chunks)
-            out["finish"] = chunks[-1].finish_reason
+            out["finish"] = [ch.finish_reason for ch in chunks]
             out["vocab"] = c.model_info().vocab_size
             try:
                 c.generate("", max_new_tokens=4)
-            except grpc.RpcError as e:
-                out["empty"] = e.code().name
+            except InvalidArgument as e:  # typed, and still a grpc.RpcError with its code
+                out["empty"] = [e.code().name, isinstance(e, grpc.RpcError), bool(e.request_id)]
+            # a busy worker (one batch place, no queue): Busy with the server's retry-after
+            long = c.stream("Count from one to a thousand:", max_new_tokens=256, mode="ar")
+            first = next(iter(long))
+            with Client({worker.addr!r}, timeout=60, retries=False) as plain:
+                try:
+                    plain.generate("Hi", max_new_tokens=2)
+                except Busy as e:
+                    out["busy"] = [e.code().name, e.retry_after_s]
+            long.cancel()
+        async def main():
+            async with AsyncClient({worker.addr!r}, timeout=120) as a:
+                r = await a.generate(messages={HI!r}, max_tokens=16, mode="ar", return_token_ids=True)
+                chunks = [ch async for ch in a.stream(messages={HI!r}, max_new_tokens=16, mode="ar")]
+                try:
+                    await a.generate("", max_new_tokens=4)
+                except InvalidArgument as e:
+                    empty = e.code().name
+                return r.token_ids, [i for ch in chunks for i in ch.token_ids], chunks[-1].finish_reason, empty, \
+                    await a.tokenize("hello")
+        out["aio"] = asyncio.run(main())
         try:
             Client("10.1.2.3:50051", token="t")
         except ValueError as e:
@@ -92,9 +119,17 @@ def test_the_light_client_installs_without_torch_and_calls_a_worker(client_venv,
     with TRServeClient(worker.addr, timeout=120) as ours:
         reference = ours.generate(messages=HI, max_new_tokens=16, mode="ar", return_token_ids=True)
         vocab = ours.model_info().vocab_size
+    from trserve.v1 import generate_pb2 as pb
+
+    reason = pb.FinishReason.Name(reference.finish_reason).removeprefix("FINISH_REASON_").lower()
     assert out["ids"] == list(reference.token_ids) == out["stream_ids"] and out["text"] == reference.text
-    assert out["stream_text"] == out["text"] and out["finish"] == reference.finish_reason
-    assert out["empty"] == "INVALID_ARGUMENT" and "refusing to send a tenant token" in out["plaintext"]
+    assert out["stream_text"] == out["text"] and out["reason"] == reason == out["finish"][-1]
+    assert set(out["finish"][:-1]) <= {None}  # only the last chunk finishes
+    assert out["empty"] == ["INVALID_ARGUMENT", True, True] and "refusing to send a tenant token" in out["plaintext"]
+    assert out["busy"][0] == "RESOURCE_EXHAUSTED" and out["busy"][1] > 0
+    aio_ids, aio_stream, aio_reason, aio_empty, hello = out["aio"]
+    assert aio_ids == aio_stream == out["ids"] and aio_reason == reason and aio_empty == "INVALID_ARGUMENT"
+    assert hello and all(isinstance(i, int) for i in hello)
     assert out["vocab"] == vocab
     assert json.loads(out["config"]) == json.loads((REPO / "services" / "client" / "service_config.json").read_text())
     assert out["torch_loaded"] is False

@@ -1,7 +1,22 @@
 """trserve-client: the Generate API over gRPC, with nothing heavier than grpcio and protobuf."""
 
-from trserve_client.client import Client, build_request, service_config
 from trserve_client._proto.trserve.v1 import generate_pb2 as pb
+from trserve_client.aio import AsyncClient
+from trserve_client.client import Chunk, Client, Reply, build_request, finish_reason_name, service_config
+from trserve_client.errors import (
+    Busy,
+    Cancelled,
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    PermissionDenied,
+    ServerError,
+    TRServeError,
+    Unauthenticated,
+    Unavailable,
+)
 
-__all__ = ["Client", "build_request", "pb", "service_config"]
-__version__ = "0.1.0"
+__all__ = ["AsyncClient", "Busy", "Cancelled", "Chunk", "Client", "DeadlineExceeded", "InvalidArgument", "NotFound",
+           "PermissionDenied", "Reply", "ServerError", "TRServeError", "Unauthenticated", "Unavailable",
+           "build_request", "finish_reason_name", "pb", "service_config"]
+__version__ = "0.2.0"

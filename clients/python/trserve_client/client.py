@@ -1,16 +1,20 @@
-"""The client: one channel to a worker (or any gRPC target), methods mirroring the rpcs."""
+"""The client: one channel to a worker (or any gRPC target), methods mirroring the rpcs. Replies come
+back as `Reply` / `Chunk` (finish reasons as strings, the protobuf message as `.raw`); failures as
+the typed errors of errors.py. `AsyncClient` (aio.py) is the same over grpc.aio."""
 
 from __future__ import annotations
 
 import ipaddress
 import json
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 
 from trserve_client._proto.trserve.v1 import generate_pb2 as pb
 from trserve_client._proto.trserve.v1 import generate_pb2_grpc
+from trserve_client.errors import typed
 
 SERVICE_CONFIG_FILE = Path(__file__).with_name("service_config.json")
 _MODES = {None: pb.DECODING_MODE_UNSPECIFIED, "tr": pb.DECODING_MODE_TR, "ar": pb.DECODING_MODE_AR}
@@ -21,14 +25,58 @@ def service_config() -> str:
     return json.dumps(json.loads(SERVICE_CONFIG_FILE.read_text()))
 
 
+def finish_reason_name(value: int) -> str | None:
+    """FINISH_REASON_STOP_SEQUENCE -> "stop_sequence"; None for UNSPECIFIED (not a last message)."""
+    if value == pb.FINISH_REASON_UNSPECIFIED:
+        return None
+    return pb.FinishReason.Name(value).removeprefix("FINISH_REASON_").lower()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A Generate answer: `finish_reason` "length", "eos", "stop_sequence", "time_limit" or "shutdown"."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: pb.GenerationStats
+    raw: pb.GenerateResponse
+
+    @classmethod
+    def of(cls, r: pb.GenerateResponse) -> Reply:
+        return cls(r.text, list(r.token_ids), finish_reason_name(r.finish_reason), r.stats, r)
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """One step of a stream; the last has `finish_reason` and `stats` (None before)."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stats: pb.GenerationStats | None
+    raw: pb.GenerateStreamResponse
+
+    @classmethod
+    def of(cls, r: pb.GenerateStreamResponse) -> Chunk:
+        reason = finish_reason_name(r.finish_reason)
+        return cls(r.text, list(r.token_ids), reason, r.stats if reason is not None else None, r)
+
+
 def build_request(prompt: str | None = None, *, messages: Sequence[dict] | None = None,
                   token_ids: Sequence[int] | None = None, tenant: str = "", domain: str | None = None,
-                  max_new_tokens: int | None = None, stop: Sequence[str] = (), stop_token_ids: Sequence[int] = (),
-                  temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0, seed: int | None = None,
-                  mode: str | None = None, tree: str = "", return_token_ids: bool = False) -> pb.GenerateRequest:
-    """A GenerateRequest; give exactly one of prompt (raw text), messages (chat turns), token_ids."""
+                  max_new_tokens: int | None = None, max_tokens: int | None = None, stop: Sequence[str] = (),
+                  stop_token_ids: Sequence[int] = (), temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0,
+                  seed: int | None = None, mode: str | None = None, tree: str = "",
+                  return_token_ids: bool = False) -> pb.GenerateRequest:
+    """A GenerateRequest; give exactly one of prompt (raw text), messages (chat turns), token_ids.
+    `max_tokens` is OpenAI's name for `max_new_tokens` (give one)."""
     if mode not in _MODES:
         raise ValueError(f"mode must be 'tr', 'ar' or None, got {mode!r}")
+    if max_tokens is not None:
+        if max_new_tokens is not None and max_new_tokens != max_tokens:
+            raise ValueError("give max_new_tokens or max_tokens (the same), not both")
+        max_new_tokens = max_tokens
     req = pb.GenerateRequest(tenant=tenant, stop_sequences=list(stop), stop_token_ids=list(stop_token_ids),
                              sampling=pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
                              mode=_MODES[mode], tree=tree, return_token_ids=return_token_ids)
@@ -48,6 +96,12 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict] | None 
     return req
 
 
+def tokenize_request(text: str | None, messages: Sequence[dict] | None) -> pb.TokenizeRequest:
+    if text is not None:
+        return pb.TokenizeRequest(text=text)
+    return pb.TokenizeRequest(messages=build_request(messages=messages or []).messages)
+
+
 def _is_loopback(target: str) -> bool:
     host = target.split("///")[-1].rsplit(":", 1)[0].strip("[]")
     if host == "localhost":
@@ -58,6 +112,36 @@ def _is_loopback(target: str) -> bool:
         return False
 
 
+def channel_setup(addr: str, tls_ca_file: str | None, token: str | None, allow_plaintext_token: bool,
+                  retries: bool) -> tuple[tuple, list, grpc.ChannelCredentials | None]:
+    """(call metadata, channel options, TLS credentials or None), checking the plaintext-token rule."""
+    if token is not None and tls_ca_file is None and not allow_plaintext_token and not _is_loopback(addr):
+        raise ValueError(f"refusing to send a tenant token without TLS to {addr}: pass tls_ca_file, or "
+                         "allow_plaintext_token=True on a trusted network")
+    metadata = () if token is None else (("authorization", f"Bearer {token}"),)
+    options = [("grpc.service_config", service_config()), ("grpc.enable_retries", 1)] if retries else []
+    creds = None if tls_ca_file is None else grpc.ssl_channel_credentials(
+        root_certificates=Path(tls_ca_file).read_bytes())
+    return metadata, options, creds
+
+
+class Stream:
+    """The chunks of a GenerateStream call as `Chunk`s; `.cancel()` stops decoding on the server."""
+
+    def __init__(self, call) -> None:
+        self._call = call
+
+    def __iter__(self) -> Iterator[Chunk]:
+        try:
+            for item in self._call:
+                yield Chunk.of(item)
+        except grpc.RpcError as e:
+            raise typed(e) from None
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
 class Client:
     """`timeout`: the default deadline in seconds. `tls_ca_file`: PEM CA to trust (TLS). `token`: the
     tenant's bearer token; refused without TLS to a non-loopback target unless `allow_plaintext_token`.
@@ -65,37 +149,32 @@ class Client:
 
     def __init__(self, addr: str = "127.0.0.1:50051", timeout: float | None = None, *, tls_ca_file: str | None = None,
                  token: str | None = None, allow_plaintext_token: bool = False, retries: bool = True) -> None:
-        if token is not None and tls_ca_file is None and not allow_plaintext_token and not _is_loopback(addr):
-            raise ValueError(f"refusing to send a tenant token without TLS to {addr}: pass tls_ca_file, or "
-                             "allow_plaintext_token=True on a trusted network")
+        self._metadata, options, creds = channel_setup(addr, tls_ca_file, token, allow_plaintext_token, retries)
         self.addr, self.timeout = addr, timeout
-        self._metadata = () if token is None else (("authorization", f"Bearer {token}"),)
-        options = [("grpc.service_config", service_config()), ("grpc.enable_retries", 1)] if retries else []
-        if tls_ca_file is None:
-            self._channel = grpc.insecure_channel(addr, options=options)
-        else:
-            creds = grpc.ssl_channel_credentials(root_certificates=Path(tls_ca_file).read_bytes())
-            self._channel = grpc.secure_channel(addr, creds, options=options)
+        self._channel = (grpc.insecure_channel(addr, options=options) if creds is None
+                         else grpc.secure_channel(addr, creds, options=options))
         self.stub = generate_pb2_grpc.GenerateStub(self._channel)
 
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> pb.GenerateResponse:
-        """Decode to the end; keyword arguments as `build_request`."""
-        return self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout or self.timeout,
-                                  metadata=self._metadata)
+    def _call(self, method, request, timeout: float | None):
+        try:
+            return method(request, timeout=timeout or self.timeout, metadata=self._metadata)
+        except grpc.RpcError as e:
+            raise typed(e) from None
 
-    def stream(self, prompt: str | None = None, *, timeout: float | None = None,
-               **kwargs) -> Iterator[pb.GenerateStreamResponse]:
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Reply:
+        """Decode to the end; keyword arguments as `build_request`."""
+        return Reply.of(self._call(self.stub.Generate, build_request(prompt, **kwargs), timeout))
+
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Stream:
         """Per-step chunks; the last one has finish_reason and stats. `.cancel()` stops decoding."""
-        return self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=timeout or self.timeout,
-                                        metadata=self._metadata)
+        return Stream(self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=timeout or self.timeout,
+                                               metadata=self._metadata))
 
     def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None) -> list[int]:
-        req = pb.TokenizeRequest(text=text) if text is not None else pb.TokenizeRequest(
-            messages=build_request(messages=messages or []).messages)
-        return list(self.stub.Tokenize(req, timeout=self.timeout, metadata=self._metadata).token_ids)
+        return list(self._call(self.stub.Tokenize, tokenize_request(text, messages), None).token_ids)
 
     def model_info(self) -> pb.ModelInfoResponse:
-        return self.stub.ModelInfo(pb.ModelInfoRequest(), timeout=self.timeout, metadata=self._metadata)
+        return self._call(self.stub.ModelInfo, pb.ModelInfoRequest(), None)
 
     def close(self) -> None:
         self._channel.close()
