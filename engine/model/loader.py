@@ -33,7 +33,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass(frozen=True)
 class ModelConfig:
-    source: str = BUILTIN_MODEL  # builtin name, local directory, or hub id
+    source: str = BUILTIN_MODEL  # builtin name, local directory, a local .gguf file, or hub id
     dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
     device: str = "auto"  # auto = cuda when present, else cpu
     cache_dir: str | None = None  # where the builtin model is converted; default ~/.cache/trserve
@@ -54,6 +54,8 @@ class ModelConfig:
     # else eager; eager = rows padded to the widest; static = the buckets without graphs (the GPU's
     # code path on any device); graphs = static + CUDA graphs (CUDA only)
     batch_step: str = "auto"
+    # a Jinja chat template replacing the tokenizer's own (the text, not a path); None = the model's
+    chat_template: str | None = None
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -72,6 +74,8 @@ class ModelConfig:
             raise ValueError(f"batch_step must be one of {', '.join(BATCH_STEPS)}; got {self.batch_step!r}")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.chat_template is not None:
+            check_chat_template(self.chat_template)
 
     def resolve_device(self) -> torch.device:
         if self.device == "auto":
@@ -112,6 +116,35 @@ def builtin_model_dir(cache_dir: str | Path | None = None) -> Path:
     return target
 
 
+def check_chat_template(template: str) -> None:
+    """ValueError where a chat template is empty or not valid Jinja (said at configuration, not at
+    the first chat request)."""
+    import jinja2
+
+    if not template.strip():
+        raise ValueError("the chat template is empty")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
+
+
+def gguf_model_dir(path: Path, cache_dir: str | Path | None = None) -> Path:
+    """A local GGUF file converted once (to safetensors and a tokenizer, as transformers reads it) into
+    the cache, keyed by the file's path, size and modification time."""
+    stat = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    target = (Path(cache_dir) if cache_dir else default_cache_dir()) / "models" / f"gguf-{path.stem}-{key}"
+    if (target / "config.json").exists():
+        return target
+    log.warning("converting %s to safetensors in %s (once)", path, target)
+    try:
+        _convert_gguf(path.parent, target, path.name)
+    except (OSError, ValueError, KeyError, RuntimeError) as e:  # an architecture transformers cannot read from GGUF
+        raise NotFound(f"cannot convert the GGUF file {str(path)!r}: {type(e).__name__}: {e}") from None
+    return target
+
+
 def _quiet_unless_terminal() -> None:
     """transformers' progress bars (weights loading, GGUF conversion) only on a terminal: in a log file
     or a container's log stream they are thousands of carriage-return fragments."""
@@ -123,11 +156,11 @@ def _quiet_unless_terminal() -> None:
         hf_logging.disable_progress_bar()
 
 
-def _convert_gguf(gguf_dir: Path, target: Path) -> None:
+def _convert_gguf(gguf_dir: Path, target: Path, gguf_file: str = _GGUF_FILE) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=_GGUF_FILE, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
     # The dequantized weights are plain fp32: drop the GGUF quantizer so the model can be saved.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
@@ -150,6 +183,10 @@ def resolve_source(config: ModelConfig) -> str:
     _quiet_unless_terminal()  # before any conversion or load prints its bars
     if config.source == BUILTIN_MODEL:
         return str(builtin_model_dir(config.cache_dir))
+    if config.source.endswith(".gguf"):
+        if not Path(config.source).is_file():
+            raise NotFound(f"the GGUF file {config.source!r} does not exist")
+        return str(gguf_model_dir(Path(config.source), config.cache_dir))
     if not Path(config.source).is_dir():
         _check_hub_model(config.source)
     return config.source
@@ -225,6 +262,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     except OSError as e:
         raise NotFound(f"cannot load model {config.source!r}: {e}") from None
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
     model.to(device).eval()
     kernels, isa = _apply_kernels(model, config, device, dtype)
     if config.arithmetic != "exact" and not isa:
@@ -239,6 +278,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
                 module.threads = threads
     forward = _forward_kind(model, config)
     name = BUILTIN_MODEL if config.source == BUILTIN_MODEL else Path(config.source).name or config.source
+    name = name.removesuffix(".gguf")
     return LoadedModel(model, tokenizer, model_fingerprint(tokenizer, model.config), name, device, dtype, kernels,
                        isa, forward, batch_step, config.threads or torch.get_num_threads(), config.arithmetic)
 

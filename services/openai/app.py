@@ -139,7 +139,7 @@ class OpenAIApp:
     def __init__(self, servicer: GenerateServicer) -> None:
         self.servicer = servicer
         self.config = servicer.config
-        self.model_id = servicer.decoder.config.model.source
+        self.model_id = servicer.model_name
         self.fingerprint = servicer.decoder.fingerprint
         self.created = int(time.time())
 

@@ -47,8 +47,15 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated browser origins the HTTP API answers cross-origin (CORS), e.g. "
                         "https://app.example.com; * = any; default none")
-    p.add_argument("--model", default=None, help="builtin model name, local transformers directory or hub id "
-                   "(default: the bundled smollm2-135m-instruct)")
+    p.add_argument("--model", default=None, help="builtin model name, local transformers directory, local .gguf "
+                   "file (converted once into the cache) or hub id (default: the bundled smollm2-135m-instruct)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name callers use: OpenAI's model id, ModelInfo.model, metrics' model_name (default: --model)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (or the template itself) replacing the model's own")
+    p.add_argument("--cache-dir", default=None,
+                   help="where converted models, built kernels and calibrations are kept (default "
+                        "$XDG_CACHE_HOME/trserve or ~/.cache/trserve); must be writable")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
     p.add_argument("--tree", default="auto", help="draft tree template name or file (default: best known for the device)")
     p.add_argument("--max-batch", type=integer(1), default=16, help="requests decoding together, one forward per step (default 16)")
@@ -108,7 +115,8 @@ def build_configs(args: argparse.Namespace):
             raise ValueError(f"--tree: {e}") from None
     source = {} if args.model is None else {"source": args.model}
     model = ModelConfig(**source, device=args.device, threads=args.threads, kernels=args.kernels,
-                        arithmetic=args.arithmetic, batch_step=args.batch_step)
+                        arithmetic=args.arithmetic, batch_step=args.batch_step, cache_dir=args.cache_dir,
+                        chat_template=_chat_template(args.chat_template))
     limits = Limits(max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
                     default_max_new_tokens=min(128, args.max_new_tokens_cap), max_messages=args.max_messages)
     tokens = TenantTokens.from_file(args.tenant_tokens) if args.tenant_tokens else None
@@ -116,6 +124,7 @@ def build_configs(args: argparse.Namespace):
         host=args.host, port=args.port, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         http_port=args.http_port or None, http_host=args.http_host,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
+        served_model_name=args.served_model_name,
         max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue, full_trees=args.full_trees, prefix_cache_mb=args.prefix_cache_mb, limits=limits,
         grace_s=args.grace,
@@ -124,7 +133,24 @@ def build_configs(args: argparse.Namespace):
         max_connection_age_s=args.max_connection_age_s or None,
         tls=server_tls(args.tls_cert, args.tls_key), tenant_tokens=tokens,
     )
-    return worker, DecoderConfig(model=model, tree=args.tree)
+    return worker, DecoderConfig(model=model, tree=args.tree, cache_dir=args.cache_dir)
+
+
+def _chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the value itself where it reads as a template."""
+    from pathlib import Path
+
+    if value is None:
+        return None
+    path = Path(value)
+    if path.is_file():
+        try:
+            return path.read_text()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f"--chat-template: cannot read {value!r}: {e}") from None
+    if "{{" in value or "{%" in value:
+        return value
+    raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
 def build_split_config(args: argparse.Namespace, max_batch: int):

@@ -58,6 +58,8 @@ class WorkerConfig:
     # browser origins the HTTP API answers cross-origin (CORS), e.g. ("https://app.example.com",);
     # "*" = any; empty (default) = none: browsers then refuse cross-origin calls
     allowed_origins: tuple[str, ...] = ()
+    # the model's name to callers (OpenAI's model id, ModelInfo.model, metrics' model_name); None = --model
+    served_model_name: str | None = None
     # The batching engine (engine/engine.py): requests decoding together in one forward per step, the
     # KV tokens they may reserve (prompt + max_new_tokens + tree each), prompt tokens prefilled per step
     max_batch: int = 16
@@ -106,6 +108,9 @@ class WorkerConfig:
             raise ValueError(f"http_port must be in [0, 65535] or None (off), got {self.http_port}")
         if self.http_host is not None and not self.http_host:
             raise ValueError("http_host must be a hostname or address, or None for the gRPC host")
+        if self.served_model_name is not None and (not self.served_model_name.strip() or
+                                                   self.served_model_name != self.served_model_name.strip()):
+            raise ValueError(f"served_model_name must be a name without surrounding spaces, got {self.served_model_name!r}")
         for origin in self.allowed_origins:
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise ValueError(f"allowed origin {origin!r} must be '*' or scheme://host[:port], e.g. "

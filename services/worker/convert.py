@@ -170,10 +170,10 @@ def final_chunk_to_pb(result: GenerationResult, text_sent: str, queue_s: float) 
                                      stats=stats_to_pb(result.stats, queue_s))
 
 
-def model_info_to_pb(decoder: TargetModel, limits: Limits) -> pb.ModelInfoResponse:
+def model_info_to_pb(decoder: TargetModel, limits: Limits, name: str) -> pb.ModelInfoResponse:
     d, info = decoder, RuntimeInfo.of(decoder)
     return pb.ModelInfoResponse(
-        model=d.config.model.source, fingerprint=d.fingerprint, vocab_size=d.vocab_size,
+        model=name, fingerprint=d.fingerprint, vocab_size=d.vocab_size,
         max_context=d.max_context, default_tree=info.tree, default_tree_nodes=d.default_tree.n, k=d.config.k,
         max_new_tokens_cap=limits.max_new_tokens_cap, default_max_new_tokens=limits.default_max_new_tokens,
         max_prompt_tokens=limits.max_prompt_tokens, device=info.device, kernels=info.kernels,

@@ -157,14 +157,15 @@ async def _start_serving(config: WorkerConfig, decoder: Decoder, draft_source_fa
         histories = HistoryBook(store, config.history_bytes) if config.history_bytes else None
         draft_source_factory = embedded_factory(store, spec, decoder.device, histories)
         tuner_states = StoreTunerStates(store, decoder.fingerprint)
-    metrics = started.metrics = WorkerMetrics(decoder.config.model.source)
+    name = config.served_model_name or decoder.config.model.source
+    metrics = started.metrics = WorkerMetrics(name)
     if store is not None:  # the embedded store's memory (tenants, bytes per tenant) on this worker's /metrics
         metrics.registry.register(StoreCollector(store))
     if histories is not None:  # and the tenants' suffix histories (bytes per tenant)
         metrics.registry.register(HistoryCollector(histories))
     runtime = RuntimeInfo.of(decoder)
-    metrics.build.info({"model": decoder.config.model.source, "version": __version__, **runtime.labels()})
-    log.info("serving %s: %s, batches of up to %d", decoder.config.model.source, runtime, config.max_batch)
+    metrics.build.info({"model": name, "version": __version__, **runtime.labels()})
+    log.info("serving %s: %s, batches of up to %d", name, runtime, config.max_batch)
     servicer = GenerateServicer(decoder, engine, config, draft_source_factory, metrics, tuner_states)
 
     auth = [TenantAuth(config.tenant_tokens, config.default_tenant)] if config.tenant_tokens is not None else []

@@ -173,6 +173,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         self.calls: set[_Call] = set()  # in flight, for drain()
         self.draining = False
         self.ready = False  # warmed up (server.py:_warm_up): what HTTP /health reports with `draining`
+        self.model_name = config.served_model_name or decoder.config.model.source  # what callers name it
         # with tenant tokens, tenants whose matrices another tenant may not name as its domain
         self._token_tenants = frozenset(config.tenant_tokens.by_digest.values()) if config.tenant_tokens else frozenset()
         metrics.queue_depth.set_function(lambda: self.admission.waiting)  # read at scrape time
@@ -272,7 +273,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     @grpc_errors
     @observed
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
-        return convert.model_info_to_pb(self.decoder, self.limits)
+        return convert.model_info_to_pb(self.decoder, self.limits, self.model_name)
 
     # ---- warm-up -----------------------------------------------------------------------------
     async def warm_up(self) -> None:

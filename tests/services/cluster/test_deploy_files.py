@@ -151,7 +151,7 @@ def test_the_overlays_sit_beside_their_base_not_inside_it() -> None:
     import subprocess
 
     found = sorted((REPO / "deploy" / "k8s").rglob("kustomization.yaml"))
-    assert len(found) == 3
+    assert len(found) == 4  # deploy/k8s, its base, the custom-metrics and own-model overlays
     for path in found:
         for resource in yaml.safe_load(path.read_text())["resources"]:
             target = (path.parent / resource).resolve()
@@ -224,3 +224,20 @@ def test_trserve_secret_writes_a_fresh_secret_once(tmp_path) -> None:
     assert first.strip() not in again.stdout
     bad = subprocess.run([*cli, str(tmp_path / "missing" / "c")], capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2 and "cannot create" in bad.stderr
+
+
+def test_the_own_model_overlay_mounts_the_model_read_only_and_keeps_the_secrets() -> None:
+    """Issue 46, item 5: workers and the matrix service on a model from a volume (a directory or a .gguf
+    file), converted into an emptyDir so the root filesystem stays read-only; every flag parses."""
+    overlay = REPO / "deploy" / "k8s" / "own-model"
+    for name in ("worker-patch.yaml", "matrix-patch.yaml"):
+        pod = yaml.safe_load((overlay / name).read_text())["spec"]["template"]["spec"]
+        args = build_parser().parse_args(pod["containers"][0]["args"])
+        assert args.model in ("/models/MODEL", ["/models/MODEL"]), name
+        assert (args.matrix_secret_file if args.command == "worker" else args.secret_file), name
+        mounts = {m["mountPath"]: m for m in pod["containers"][0]["volumeMounts"]}
+        volumes = {v["name"]: v for v in pod["volumes"]}
+        assert mounts["/models"]["readOnly"] and volumes["models"]["persistentVolumeClaim"]["readOnly"]
+        assert "emptyDir" in volumes[mounts["/var/cache/trserve/models"]["name"]]
+    claim = yaml.safe_load((overlay / "models.yaml").read_text())
+    assert claim["kind"] == "PersistentVolumeClaim" and claim["spec"]["accessModes"] == ["ReadOnlyMany"]

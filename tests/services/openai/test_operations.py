@@ -21,7 +21,7 @@ from tests.services.worker_harness import serving
 
 pytestmark = pytest.mark.timeout(300)
 ORIGIN = "https://app.example.com"
-MODEL = "smollm2-135m-instruct"
+MODEL = "team-model"  # --served-model-name: what callers name the bundled model here
 
 
 @pytest.fixture(scope="module")
@@ -29,7 +29,8 @@ def worker(decoder):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    config = WorkerConfig(port=0, metrics_port=None, http_port=port, allowed_origins=(ORIGIN,))
+    config = WorkerConfig(port=0, metrics_port=None, http_port=port, allowed_origins=(ORIGIN,),
+                          served_model_name=MODEL)
     yield from serving(config, decoder)
 
 
@@ -48,6 +49,14 @@ def call(worker, method: str, path: str, body: object | None = None, headers: di
         return status, head, json.loads(text)
     except ValueError:
         return status, head, text
+
+
+def test_the_served_model_name_is_what_callers_see(worker) -> None:
+    assert [m["id"] for m in call(worker, "GET", "/v1/models")[2]["data"]] == [MODEL]
+    status, _, body = call(worker, "POST", "/v1/completions", {"model": "smollm2-135m-instruct", "prompt": "Hi"})
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    with grpc.insecure_channel(worker.addr) as channel:
+        assert generate_pb2_grpc.GenerateStub(channel).ModelInfo(pb.ModelInfoRequest(), timeout=30).model == MODEL
 
 
 def test_health_is_200_when_serving_and_503_while_draining(worker) -> None:
