@@ -4,7 +4,7 @@ trserve/core/tenants.py (the services validate them too)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trserve.core.errors import InvalidArgument
 from trserve.core.model_spec import ModelSpec
@@ -31,6 +31,8 @@ class StoreConfig:
     """How the store keeps matrices: where snapshots go, how often, and its memory bound."""
 
     redis_url: str | None = None  # None = memory only (embedded default); e.g. "redis://host:6379/0"
+    # Redis AUTH password (Redis' requirepass), kept out of the URL and of reprs; None = the URL's, if any
+    redis_password: str | None = field(default=None, repr=False)
     key_prefix: str = "trserve"  # every Redis key lives under "{key_prefix}:"
     snapshot_every_versions: int = 64  # background snapshot once a tenant advanced this many versions...
     snapshot_every_s: float = 10.0  # ...or this many seconds after its first unsnapshotted change

@@ -78,11 +78,12 @@ return {1, cur}
 
 
 class RedisBackend:
-    def __init__(self, url: str, prefix: str, timeout_s: float) -> None:
+    def __init__(self, url: str, prefix: str, timeout_s: float, password: str | None = None) -> None:
         self._prefix = prefix
         # No client-side retries: the breaker and the store's background thread own retrying.
         self._r = redis.Redis.from_url(
             url,
+            **({"password": password} if password is not None else {}),  # else the URL's, if any
             socket_timeout=timeout_s,
             socket_connect_timeout=timeout_s,
             retry=Retry(NoBackoff(), 0),

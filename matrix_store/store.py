@@ -74,7 +74,8 @@ class MatrixStore:
     def __init__(self, config: StoreConfig) -> None:
         self._config = config
         self._backend = (
-            RedisBackend(config.redis_url, config.key_prefix, config.redis_timeout_s) if config.redis_url else None
+            RedisBackend(config.redis_url, config.key_prefix, config.redis_timeout_s, config.redis_password)
+            if config.redis_url else None
         )
         self._table = TenantTable(self._backend, config.max_tenants_in_memory)
         self._models = ModelRegistry(config)

@@ -43,6 +43,19 @@ def _read_text(path: str | Path, what: str) -> str:
         raise ValueError(f"cannot read the {what} file {str(path)!r}: {exc.strerror or exc}") from None
 
 
+def password_file(path: str | None, flag: str) -> str | None:
+    """A password kept in a file (surrounding whitespace dropped); ValueError naming `flag`."""
+    if path is None:
+        return None
+    try:
+        password = _read_text(path, "password").strip()
+    except ValueError as e:
+        raise ValueError(f"{flag}: {e}") from None
+    if not password:
+        raise ValueError(f"{flag}: the file {path!r} is empty")
+    return password
+
+
 def _check_secret(value: str, what: str) -> str:
     if len(value) < MIN_SECRET_CHARS or value != value.strip():
         raise ValueError(f"{what} must be at least {MIN_SECRET_CHARS} characters without surrounding spaces "

@@ -16,6 +16,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     run.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1, as the worker)")
     run.add_argument("--port", type=port(), default=50052, help="listen port; 0 = any free port, printed (default 50052)")
     run.add_argument("--redis-url", default=None, type=redis_url, help="e.g. redis://127.0.0.1:6379/0; omitted = memory only")
+    run.add_argument("--redis-password-file", default=None, help="file holding Redis' password (its requirepass)")
     run.add_argument("--key-prefix", default="trserve", help="prefix of every Redis key (default trserve)")
     run.add_argument("--snapshot-every-versions", type=integer(1), default=64,
                      help="snapshot a tenant once it is this many versions past its last snapshot (default 64)...")
@@ -87,10 +88,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def service_config(args: argparse.Namespace):
     """The MatrixServiceConfig of `trserve matrix`'s flags; ValueError / LookupError on bad ones."""
     from trserve.matrix_store import StoreConfig
-    from trserve.services.common.security import SharedSecret, server_tls
+    from trserve.services.common.security import SharedSecret, password_file, server_tls
     from trserve.services.matrix.server import MatrixServiceConfig
 
-    store = StoreConfig(redis_url=args.redis_url, key_prefix=args.key_prefix,
+    store = StoreConfig(redis_url=args.redis_url,
+                        redis_password=password_file(args.redis_password_file, "--redis-password-file"),
+                        key_prefix=args.key_prefix,
                         snapshot_every_versions=args.snapshot_every_versions,
                         snapshot_every_s=args.snapshot_every_s, max_tenants_in_memory=args.max_tenants,
                         models=tuple(_served_model(m) for m in args.model), max_models=args.max_models)

@@ -14,6 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     from trserve.services.common.argtypes import redis_url
 
     p.add_argument("--redis-url", default=None, type=redis_url, help="snapshot tenant matrices to this Redis (redis://host:6379/0)")
+    p.add_argument("--redis-password-file", default=None, help="file holding Redis' password (its requirepass)")
     p.set_defaults(func=run_serve)
 
     w = sub.add_parser("worker", help="serve the Generate API, drafting through a matrix service (split deployment)",
@@ -30,7 +31,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--matrix-allow-plaintext-secret", action="store_true",
                    help="send --matrix-secret-file without TLS to a non-loopback matrix service (refused otherwise)")
     _add_worker_flags(w)
-    w.set_defaults(func=run_worker, redis_url=None)  # stateless: matrices live in the matrix service
+    w.set_defaults(func=run_worker, redis_url=None, redis_password_file=None)  # stateless: matrices live in the matrix service
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
@@ -102,7 +103,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
 def build_configs(args: argparse.Namespace):
     """(WorkerConfig, DecoderConfig) from the parsed flags; raises ValueError on bad values."""
     from trserve.engine import DecoderConfig, ModelConfig
-    from trserve.services.common.security import TenantTokens, server_tls
+    from trserve.services.common.security import TenantTokens, password_file, server_tls
     from trserve.services.worker.config import Limits, WorkerConfig
 
     from trserve.core.errors import TRServeError
@@ -128,7 +129,7 @@ def build_configs(args: argparse.Namespace):
         max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue, full_trees=args.full_trees, prefix_cache_mb=args.prefix_cache_mb, limits=limits,
         grace_s=args.grace,
-        redis_url=args.redis_url,
+        redis_url=args.redis_url, redis_password=password_file(args.redis_password_file, "--redis-password-file"),
         max_request_bytes=args.max_request_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
         max_connection_age_s=args.max_connection_age_s or None,
         tls=server_tls(args.tls_cert, args.tls_key), tenant_tokens=tokens,

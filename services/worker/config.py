@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import re
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from trserve.engine.engine import EngineConfig
 from trserve.services.common.security import ServerTLS, TenantTokens
@@ -91,6 +91,7 @@ class WorkerConfig:
     grace_s: float = 10.0  # on SIGTERM: how long in-flight requests may finish
     warmup: bool = True  # one short generation before reporting SERVING
     redis_url: str | None = None  # embedded matrix store snapshots; None = memory only
+    redis_password: str | None = field(default=None, repr=False)  # Redis AUTH (requirepass); None = the URL's
     # every tenant's suffix history (services/common/histories.py) in memory, in bytes; 0 = no histories
     history_bytes: int = 64 << 20
     default_tenant: str = "default"

@@ -151,7 +151,7 @@ async def _start_serving(config: WorkerConfig, decoder: Decoder, draft_source_fa
     engine = started.engine
     store = tuner_states = histories = None
     if draft_source_factory is None:
-        store = started.store = MatrixStore(StoreConfig(redis_url=config.redis_url))
+        store = started.store = MatrixStore(StoreConfig(redis_url=config.redis_url, redis_password=config.redis_password))
         store.start()
         spec = ModelSpec(decoder.fingerprint, decoder.vocab_size, decoder.config.k)
         histories = HistoryBook(store, config.history_bytes) if config.history_bytes else None

@@ -282,3 +282,36 @@ def test_list_tenants_from_memory_and_redis_without_loading(make_store, spec, re
         ("a", 3, False, None, 0)
     assert stored.last_snapshot_version == 3 and 60 <= stored.last_snapshot_age_s < 90
     assert second.health()["tenants_in_memory"] == 0  # listing loaded nothing
+
+
+def test_a_redis_with_a_password_is_reached_with_it_and_refuses_without(make_store, spec, tmp_path) -> None:
+    """Issue 46: the shipped Redis requires a password; the store sends it from --redis-password-file
+    (StoreConfig.redis_password, never in the URL or a repr). A real redis-server with requirepass."""
+    import shutil
+    import socket
+    import subprocess
+
+    import redis
+
+    if shutil.which("redis-server") is None:
+        pytest.skip("no redis-server on PATH")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    password = "p4ss-" + "x" * 20
+    server = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--requirepass", password,
+                               "--save", "", "--appendonly", "no", "--dir", str(tmp_path)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: redis.Redis(port=port, password=password).ping(), timeout=10)
+        url = f"redis://127.0.0.1:{port}/0"
+        with_password = make_store(redis_url=url, redis_password=password)
+        _fill(with_password, spec, "a", 2)
+        assert with_password.snapshot_now(spec.fingerprint, "a") == 2
+        assert with_password.health()["redis"] == "ok" and password not in repr(with_password._config)
+        assert make_store(redis_url=url, redis_password=password).describe(spec.fingerprint, "a")["version"] == 2
+        without = make_store(redis_url=url)
+        assert without.health()["redis"] != "ok"  # NOAUTH: refused, and the store says so
+    finally:
+        server.terminate()
+        server.wait(10)

@@ -151,7 +151,7 @@ def test_the_overlays_sit_beside_their_base_not_inside_it() -> None:
     import subprocess
 
     found = sorted((REPO / "deploy" / "k8s").rglob("kustomization.yaml"))
-    assert len(found) == 4  # deploy/k8s, its base, the custom-metrics and own-model overlays
+    assert len(found) == 5  # deploy/k8s, its base, the custom-metrics, own-model and prometheus-operator overlays
     for path in found:
         for resource in yaml.safe_load(path.read_text())["resources"]:
             target = (path.parent / resource).resolve()
@@ -190,11 +190,19 @@ def test_every_matrix_service_shipped_needs_the_workers_secret_and_the_workers_s
     assert [v.split(":")[0] for v in compose["worker"]["volumes"]] == ["worker-secret"]
     written = build_parser().parse_args(compose["secrets"]["command"]).files
     assert set(written) == {worker_secret, build_parser().parse_args(compose["matrix"]["command"]).admin_secret_file}
-    # k8s: the same split, from two Secrets
-    def secrets_of(pod: dict) -> set[str]:
-        return {v["secret"]["secretName"] for v in pod["volumes"] if "secret" in v}
-    assert secrets_of(k8s_matrix) == {"trserve-matrix-secret", "trserve-matrix-admin-secret"}
-    assert secrets_of(k8s_worker) == {"trserve-matrix-secret"}
+    # k8s: the same split, keys of one Secret (workers mount only theirs)
+    def keys_of(pod: dict) -> set[str]:
+        return {(v["secret"]["secretName"], item["key"]) for v in pod["volumes"] if "secret" in v
+                for item in v["secret"]["items"]}
+    assert keys_of(k8s_matrix) == {("trserve-secrets", key) for key in ("worker", "admin", "redis")}
+    assert keys_of(k8s_worker) == {("trserve-secrets", "worker")}
+    matrix_args = build_parser().parse_args(k8s_matrix["containers"][0]["args"])
+    assert matrix_args.redis_password_file.startswith("/var/run/trserve/redis-password/")
+    # Redis requires that password (requirepass from the same key; its probe authenticates with it)
+    redis_pod = objects[("StatefulSet", "redis")]["spec"]["template"]["spec"]["containers"][0]
+    assert redis_pod["args"][-2:] == ["--requirepass", "$(REDIS_PASSWORD)"]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis_pod["env"]}
+    assert env["REDIS_PASSWORD"] == env["REDISCLI_AUTH"] == {"name": "trserve-secrets", "key": "redis"}
     # only workers reach the matrix service's gRPC port, only the matrix service reaches Redis
     matrix_in = objects[("NetworkPolicy", "trserve-matrix")]["spec"]["ingress"]
     grpc_rule = [rule for rule in matrix_in if any(p["port"] == 50052 for p in rule["ports"])]
@@ -241,3 +249,17 @@ def test_the_own_model_overlay_mounts_the_model_read_only_and_keeps_the_secrets(
         assert "emptyDir" in volumes[mounts["/var/cache/trserve/models"]["name"]]
     claim = yaml.safe_load((overlay / "models.yaml").read_text())
     assert claim["kind"] == "PersistentVolumeClaim" and claim["spec"]["accessModes"] == ["ReadOnlyMany"]
+
+
+def test_the_service_monitors_scrape_the_ports_the_services_name() -> None:
+    """Issue 46, item 4: a ServiceMonitor per component (Prometheus Operator), each on a port its
+    Service names "metrics"."""
+    objects = k8s_objects()
+    monitors = list(yaml.safe_load_all((REPO / "deploy" / "k8s" / "prometheus-operator" /
+                                        "service-monitors.yaml").read_text()))
+    assert {m["metadata"]["name"] for m in monitors} == {"trserve-worker", "trserve-matrix"}
+    for monitor in monitors:
+        service = objects[("Service", monitor["metadata"]["name"])]
+        assert set(monitor["spec"]["selector"]["matchLabels"].items()) <= set(service["metadata"]["labels"].items())
+        (endpoint,) = monitor["spec"]["endpoints"]
+        assert endpoint["port"] in {port["name"] for port in service["spec"]["ports"]} and endpoint["port"] == "metrics"
