@@ -11,6 +11,7 @@ class StepChunk:
 
     tokens: list[int]
     text: str
+    logprobs: tuple | None = None  # per token, engine/tr/logprobs.py:TokenLogprob, where the request asked
 
 
 @dataclass(frozen=True)
@@ -65,3 +66,4 @@ class GenerationResult:
     text: str  # decoded without special tokens, cut before any stop string
     finish_reason: str  # length, eos, stop, cancelled, time_limit
     stats: GenerationStats
+    logprobs: tuple | None = None  # per generated id, TokenLogprob (engine/tr/logprobs.py), where asked

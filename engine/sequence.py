@@ -27,6 +27,7 @@ class Sequence:
         self.drafted: dict[str, int] = {}
         self.accepted: dict[str, int] = {}
         self.draft_steps = 0  # steps that verified at least one draft token
+        self.logprobs: list | None = [] if prepared.request.logprobs is not None else None  # per generated token
         self.finish_reason: str | None = None
 
     @property

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -142,6 +143,9 @@ class OpenAIApp:
         self.model_id = servicer.model_name
         self.fingerprint = servicer.decoder.fingerprint
         self.created = int(time.time())
+        tokenizer = servicer.decoder.tokenizer
+        # a token's text, for logprobs (the engine thread decodes too: decoding is safe to share)
+        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
 
     def asgi(self):
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -244,7 +248,7 @@ class OpenAIApp:
             return error_response(exc)
         self._count(method, None)
         request.state.tokens = (result.stats.prompt_tokens, result.stats.generated_tokens)
-        return JSONResponse(convert.completion(req, result, call.queue_s, self.fingerprint))
+        return JSONResponse(convert.completion(req, result, call.queue_s, self.fingerprint, self.token_text))
 
     async def _complete_while_connected(self, request: Request, req: convert.OpenAIRequest, deadline: HttpDeadline):
         """servicer.complete, cancelled (its decode slot freed at the next step) once the client has gone:
@@ -271,7 +275,7 @@ class OpenAIApp:
         except BaseException:
             await items.aclose()
             raise
-        writer = convert.ChunkWriter.of(req, self.fingerprint)
+        writer = convert.ChunkWriter.of(req, self.fingerprint, self.token_text)
         return StreamingResponse(self._events(writer, first, items, method, state), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
@@ -283,9 +287,10 @@ class OpenAIApp:
             try:
                 while isinstance(item, StepChunk):
                     if item.text or first:
-                        yield sse(writer.chunk(item.text, role=first, token_ids=item.tokens))
+                        yield sse(writer.chunk(item.text, role=first, token_ids=item.tokens, logprobs=item.logprobs))
                     else:  # tokens whose text is held back (a possible stop string) or not yet whole
-                        yield sse(writer.chunk(None if writer.req.kind == "chat" else "", token_ids=item.tokens))
+                        yield sse(writer.chunk(None if writer.req.kind == "chat" else "", token_ids=item.tokens,
+                                               logprobs=item.logprobs))
                     first = False
                     item = await anext(items)
                 state.tokens = (item.result.stats.prompt_tokens, item.result.stats.generated_tokens)

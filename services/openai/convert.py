@@ -20,7 +20,7 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "time_limit": "leng
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MODES = {"tr": pb.DECODING_MODE_TR, "ar": pb.DECODING_MODE_AR}
 # fields whose non-default values change the output in ways trserve does not do: refused, not ignored
-UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None, "logprobs": False, "top_logprobs": None,
+UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None,
                "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None, "best_of": 1,
                "response_format": None, "audio": None, "prediction": None}
 
@@ -67,6 +67,7 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAI
         _prompt(body.get("prompt"), req)
     _limits(body, kind, req)
     _sampling(body, req)
+    _logprobs(body, kind, req)
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise BadParam("stream must be true or false", "stream")
@@ -155,6 +156,51 @@ def _limits(body: dict, kind: str, req: pb.GenerateRequest) -> None:
     req.mode = MODES[mode]
 
 
+def _logprobs(body: dict, kind: str, req: pb.GenerateRequest) -> None:
+    """chat: `logprobs` true/false and `top_logprobs` 0..20; completions: `logprobs` = the alternatives
+    per token, 0..20 (OpenAI allows 5; vLLM 20), null = none."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if kind == "chat":
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise BadParam("logprobs must be true or false", "logprobs")
+        if top is not None:
+            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+                raise BadParam(f"top_logprobs must be an integer in 0..20, got {top!r}", "top_logprobs")
+            if not logprobs:
+                raise BadParam("top_logprobs needs logprobs: true", "top_logprobs")
+        req.logprobs, req.top_logprobs = bool(logprobs), top or 0
+        return
+    if top is not None:
+        raise BadParam("top_logprobs is a chat field; completions take logprobs: N", "top_logprobs")
+    if logprobs is None:
+        return
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20:
+        raise BadParam(f"logprobs must be an integer in 0..20 (alternatives per token), got {logprobs!r}", "logprobs")
+    req.logprobs, req.top_logprobs = True, logprobs
+
+
+def logprobs_json(kind: str, logprobs, token_text, offset: int = 0) -> dict | None:
+    """OpenAI's logprobs object of these tokens (engine TokenLogprobs; None where none were asked):
+    chat's {"content": [...]} or completions' tokens / token_logprobs / top_logprobs / text_offset
+    (`offset`: the characters of completion text before the first of them)."""
+    if logprobs is None:
+        return None
+    if kind == "chat":
+        def entry(token: int, logprob: float) -> dict:
+            text = token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                            for lp in logprobs], "refusal": None}
+    tokens = [token_text(lp.token) for lp in logprobs]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{token_text(i): v for i, v in lp.top} for lp in logprobs]
+            if any(lp.top for lp in logprobs) else None, "text_offset": offsets}
+
+
 def _sampling(body: dict, req: pb.GenerateRequest) -> None:
     """temperature unset or 0 = greedy (as over gRPC); top_p, seed and trserve's top_k apply when sampling."""
     values = {}
@@ -199,9 +245,10 @@ def extras(result: GenerationResult, finish_reason: str, queue_s: float, tenant:
             "tokens_per_second": s.tokens_per_s, "token_ids": list(result.ids)}
 
 
-def completion(req: OpenAIRequest, result: GenerationResult, queue_s: float, fingerprint: str) -> dict:
-    """The non-streamed answer."""
-    choice: dict = {"index": 0, "finish_reason": FINISH[result.finish_reason], "logprobs": None}
+def completion(req: OpenAIRequest, result: GenerationResult, queue_s: float, fingerprint: str, token_text) -> dict:
+    """The non-streamed answer; `token_text(id)`: a token's text (for logprobs)."""
+    choice: dict = {"index": 0, "finish_reason": FINISH[result.finish_reason],
+                    "logprobs": logprobs_json(req.kind, result.logprobs, token_text)}
     if req.kind == "chat":
         choice["message"] = {"role": "assistant", "content": result.text}
     else:
@@ -212,7 +259,7 @@ def completion(req: OpenAIRequest, result: GenerationResult, queue_s: float, fin
             "trserve": extras(result, result.finish_reason, queue_s, req.request.tenant)}
 
 
-@dataclass(frozen=True)
+@dataclass
 class ChunkWriter:
     """The chunks of one streamed answer (same id and creation time)."""
 
@@ -220,14 +267,19 @@ class ChunkWriter:
     id: str
     created: int
     fingerprint: str
+    token_text: object = None  # id -> the token's text (for logprobs)
+    offset: int = 0  # characters of token text the chunks' logprobs have covered (completions' text_offset)
 
     @classmethod
-    def of(cls, req: OpenAIRequest, fingerprint: str) -> ChunkWriter:
-        return cls(req, new_id(req.kind), int(time.time()), fingerprint)
+    def of(cls, req: OpenAIRequest, fingerprint: str, token_text=None) -> ChunkWriter:
+        return cls(req, new_id(req.kind), int(time.time()), fingerprint, token_text)
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
-              token_ids: list[int] | None = None) -> dict:
-        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": None}
+              token_ids: list[int] | None = None, logprobs=None) -> dict:
+        lp = logprobs_json(self.req.kind, logprobs, self.token_text, self.offset) if logprobs else None
+        if lp is not None and self.req.kind != "chat":
+            self.offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else self.offset
+        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": lp}
         if self.req.kind == "chat":
             delta = {"role": "assistant"} if role else {}
             if text is not None:

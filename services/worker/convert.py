@@ -54,9 +54,25 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, default_tenan
     request = GenerationRequest(
         prompt=text, messages=messages, input_ids=token_ids, max_new_tokens=_max_new_tokens(req, limits),
         stop_strings=tuple(req.stop_sequences), stop_token_ids=tuple(req.stop_token_ids), mode=MODES[req.mode],
-        tree=_tree_name(req.tree), sampling=_sampling_from_pb(req.sampling),
+        tree=_tree_name(req.tree), sampling=_sampling_from_pb(req.sampling), logprobs=_logprobs_from_pb(req),
     )
     return GenerateCall(tenant=tenant, domain=domain, request=request, return_token_ids=req.return_token_ids)
+
+
+def _logprobs_from_pb(req: pb.GenerateRequest) -> int | None:
+    if not req.logprobs:
+        if req.top_logprobs:
+            raise InvalidArgument("top_logprobs needs logprobs = true")
+        return None
+    if req.top_logprobs > 20:
+        raise InvalidArgument(f"top_logprobs must be in 0..20, got {req.top_logprobs}")
+    return int(req.top_logprobs)
+
+
+def logprobs_to_pb(logprobs) -> list[pb.TokenLogprob]:
+    """engine TokenLogprobs -> protobuf (empty when none were asked)."""
+    return [pb.TokenLogprob(token_id=lp.token, logprob=lp.logprob,
+                            top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in lp.top]) for lp in logprobs or ()]
 
 
 def _check_stops(req: pb.GenerateRequest, limits: Limits) -> None:
@@ -156,11 +172,12 @@ def result_to_pb(result: GenerationResult, call: GenerateCall, queue_s: float) -
     return pb.GenerateResponse(
         text=result.text, token_ids=result.ids if call.return_token_ids else [],
         finish_reason=FINISH_REASONS[result.finish_reason], stats=stats_to_pb(result.stats, queue_s),
+        logprobs=logprobs_to_pb(result.logprobs),
     )
 
 
 def chunk_to_pb(chunk: StepChunk) -> pb.GenerateStreamResponse:
-    return pb.GenerateStreamResponse(token_ids=chunk.tokens, text=chunk.text)
+    return pb.GenerateStreamResponse(token_ids=chunk.tokens, text=chunk.text, logprobs=logprobs_to_pb(chunk.logprobs))
 
 
 def final_chunk_to_pb(result: GenerationResult, text_sent: str, queue_s: float) -> pb.GenerateStreamResponse:

@@ -199,7 +199,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         async with contextlib.aclosing(self.stream(request, context)) as items:
             async for item in items:
                 if isinstance(item, StepChunk):
-                    yield pb.GenerateStreamResponse(token_ids=item.tokens, text=item.text)
+                    yield convert.chunk_to_pb(item)
                     continue
                 final = convert.final_chunk_to_pb(item.result, item.text_sent, item.queue_s)
                 if item.drained:
@@ -232,7 +232,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                 async for item in items:
                     if isinstance(item, StepChunk):
                         sent = True
-                        yield StepChunk(item.tokens, held.push(item.text))
+                        yield StepChunk(item.tokens, held.push(item.text), item.logprobs)
                         continue
                     if call.drained and not sent:
                         raise Unavailable("the worker is shutting down: this call was stopped before its first "

@@ -75,8 +75,10 @@ def test_the_light_client_installs_without_torch_and_calls_a_worker(client_venv,
         from trserve_client import AsyncClient, Busy, Client, InvalidArgument, service_config
         out = {{"config": service_config()}}
         with Client({worker.addr!r}, timeout=120) as c:
-            r = c.generate(messages={HI!r}, max_tokens=16, mode="ar", return_token_ids=True)
+            r = c.generate(messages={HI!r}, max_tokens=16, mode="ar", return_token_ids=True, logprobs=True,
+                           top_logprobs=2)
             out["ids"], out["text"], out["reason"] = r.token_ids, r.text, r.finish_reason
+            out["logprob_ids"] = [lp.token_id for lp in r.logprobs]
             chunks = list(c.stream(messages={HI!r}, max_new_tokens=16))
             out["stream_ids"] = [i for ch in chunks for i in ch.token_ids]
             out["stream_text"] = "".join(ch.text for ch in chunks)
@@ -124,6 +126,7 @@ def test_the_light_client_installs_without_torch_and_calls_a_worker(client_venv,
     reason = pb.FinishReason.Name(reference.finish_reason).removeprefix("FINISH_REASON_").lower()
     assert out["ids"] == list(reference.token_ids) == out["stream_ids"] and out["text"] == reference.text
     assert out["stream_text"] == out["text"] and out["reason"] == reason == out["finish"][-1]
+    assert out["logprob_ids"] == out["ids"]
     assert set(out["finish"][:-1]) <= {None}  # only the last chunk finishes
     assert out["empty"] == ["INVALID_ARGUMENT", True, True] and "refusing to send a tenant token" in out["plaintext"]
     assert out["busy"][0] == "RESOURCE_EXHAUSTED" and out["busy"][1] > 0

@@ -116,3 +116,40 @@ def test_int8_tr_equals_ar_bit_for_bit_on_real_prompts(decoder_int8):
                                                      mode="ar"))
         assert tr.ids == ar.ids, f"question {q['question_id']}: int8 TR != int8 AR"
     assert sum(r.stats.mat for r in results) / len(results) > 1.3  # drafts are really being accepted
+
+
+@pytest.mark.slow
+def test_logprobs_of_tr_equal_plain_decodings_bit_for_bit_and_the_models(decoder, hf_reference):
+    """Issue 44, item 3: a token's log-probability comes from the logits row that chose it alone
+    (engine/tr/logprobs.py), so batched TR gives exactly plain decoding's logprobs and top
+    alternatives, whatever tree or batch each row was verified in; and they are the model's own
+    (transformers' log-softmax of its logits, within float32 kernel tolerance)."""
+    from trserve.engine.tr.logprobs import token_logprob
+
+    prompt_ids = [decoder.prompts.chat_ids([{"role": "user", "content": q["turns"][0]}]) for q in _prompts()[:8]]
+    engine = BatchEngine(decoder, EngineConfig(max_batch=8, prefill_chunk=128, batch_aware=False))
+    matrix, outs = decoder.new_matrix(), [[] for _ in prompt_ids]
+    for ids, out in zip(prompt_ids, outs):
+        request = GenerationRequest(input_ids=ids, max_new_tokens=48, ignore_eos=True, tree="cpu-hybrid", logprobs=5)
+        engine.submit(decoder.prepare(request), out.append, matrix=matrix)
+    with engine.stepping():
+        while engine.running or engine.waiting or engine.prefilling:
+            engine.step()
+    mats = []
+    for ids, out in zip(prompt_ids, outs):
+        tr = out[-1]
+        chunks = [c.logprobs for c in out[:-1]]
+        assert sum(chunks, ()) == tr.logprobs  # the streamed chunks carry the same numbers
+        ar = decoder.generate(GenerationRequest(input_ids=ids, max_new_tokens=48, ignore_eos=True, mode="ar",
+                                                logprobs=5))
+        assert tr.ids == ar.ids and tr.logprobs == ar.logprobs  # every float equal
+        assert [lp.token for lp in tr.logprobs] == tr.ids and all(len(lp.top) == 5 for lp in tr.logprobs)
+        assert all(lp.top[0][1] >= lp.logprob for lp in tr.logprobs)
+        mats.append(tr.stats.mat)
+    assert sum(mats) / len(mats) > 1.2  # trees were verified and accepted
+    ref_ids, ref_logits = _reference(hf_reference, prompt_ids[0], NEW_TOKENS)
+    ours = outs[0][-1].logprobs
+    n = next((i for i, (a, b) in enumerate(zip(outs[0][-1].ids, ref_ids)) if a != b), len(ours))
+    for i in range(min(n, len(ours))):
+        want = token_logprob(ref_logits[i].float(), ours[i].token, 5)
+        assert abs(want.logprob - ours[i].logprob) < 2e-3, (i, want, ours[i])

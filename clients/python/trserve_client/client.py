@@ -41,10 +41,11 @@ class Reply:
     finish_reason: str | None
     stats: pb.GenerationStats
     raw: pb.GenerateResponse
+    logprobs: list[pb.TokenLogprob] | None = None  # per token, where asked (logprobs=True)
 
     @classmethod
     def of(cls, r: pb.GenerateResponse) -> Reply:
-        return cls(r.text, list(r.token_ids), finish_reason_name(r.finish_reason), r.stats, r)
+        return cls(r.text, list(r.token_ids), finish_reason_name(r.finish_reason), r.stats, r, list(r.logprobs) or None)
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,13 @@ class Chunk:
     finish_reason: str | None
     stats: pb.GenerationStats | None
     raw: pb.GenerateStreamResponse
+    logprobs: list[pb.TokenLogprob] | None = None  # per token of token_ids, where asked
 
     @classmethod
     def of(cls, r: pb.GenerateStreamResponse) -> Chunk:
         reason = finish_reason_name(r.finish_reason)
-        return cls(r.text, list(r.token_ids), reason, r.stats if reason is not None else None, r)
+        return cls(r.text, list(r.token_ids), reason, r.stats if reason is not None else None, r,
+                   list(r.logprobs) or None)
 
 
 def build_request(prompt: str | None = None, *, messages: Sequence[dict] | None = None,
@@ -68,7 +71,7 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict] | None 
                   max_new_tokens: int | None = None, max_tokens: int | None = None, stop: Sequence[str] = (),
                   stop_token_ids: Sequence[int] = (), temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0,
                   seed: int | None = None, mode: str | None = None, tree: str = "",
-                  return_token_ids: bool = False) -> pb.GenerateRequest:
+                  return_token_ids: bool = False, logprobs: bool = False, top_logprobs: int = 0) -> pb.GenerateRequest:
     """A GenerateRequest; give exactly one of prompt (raw text), messages (chat turns), token_ids.
     `max_tokens` is OpenAI's name for `max_new_tokens` (give one)."""
     if mode not in _MODES:
@@ -79,7 +82,8 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict] | None 
         max_new_tokens = max_tokens
     req = pb.GenerateRequest(tenant=tenant, stop_sequences=list(stop), stop_token_ids=list(stop_token_ids),
                              sampling=pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
-                             mode=_MODES[mode], tree=tree, return_token_ids=return_token_ids)
+                             mode=_MODES[mode], tree=tree, return_token_ids=return_token_ids,
+                             logprobs=logprobs, top_logprobs=top_logprobs)
     if seed is not None:
         req.sampling.seed = seed
     if domain is not None:

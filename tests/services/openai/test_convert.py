@@ -65,7 +65,7 @@ def test_usage_sums_draft_sources():
                             draft_mode="embedded", tree="dynamic", drafted={"matrix": 6, "context": 4},
                             accepted={"matrix": 2, "context": 2}, cached_tokens=3)
     result = GenerationResult(ids=[1, 2, 3, 4, 5, 6, 7], text="hello", finish_reason="eos", stats=stats)
-    out = completion(parse_request(CHAT, "chat", MODEL, "t"), result, 0.0, "fp")
+    out = completion(parse_request(CHAT, "chat", MODEL, "t"), result, 0.0, "fp", str)
     assert out["choices"][0] == {"index": 0, "finish_reason": "stop", "logprobs": None,
                                  "message": {"role": "assistant", "content": "hello"}}
     assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,

@@ -149,3 +149,27 @@ def test_curl(client, server, model_id):
     unauthorised = subprocess.run(["curl", "-sS", "-w", "%{http_code}", "-o", "/dev/null", f"{server[1]}/models"],
                                   capture_output=True, text=True, timeout=60)
     assert unauthorised.stdout == "401"
+
+
+def test_logprobs_are_openais_shapes_and_the_same_under_tr_and_ar(client, model_id):
+    """Issue 44, item 3: chat logprobs / top_logprobs and completions' logprobs N, unary and streamed,
+    as the openai package reads them; TR's numbers equal plain decoding's exactly."""
+    ask = dict(model=model_id, messages=CHAT, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3)
+    tr = client.chat.completions.create(**ask)
+    ar = client.chat.completions.create(**ask, extra_body={"mode": "ar"})
+    content = tr.choices[0].logprobs.content
+    assert len(content) == tr.usage.completion_tokens and all(len(c.top_logprobs) == 3 for c in content)
+    assert "".join(c.token for c in content) == tr.choices[0].message.content
+    assert [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs]) for c in content] == \
+        [(c.token, c.logprob, [(t.token, t.logprob) for t in c.top_logprobs]) for c in ar.choices[0].logprobs.content]
+    assert all(c.logprob <= 0 and c.top_logprobs[0].logprob >= c.logprob for c in content)
+    streamed = [e for chunk in client.chat.completions.create(**ask, stream=True) if chunk.choices
+                for e in (chunk.choices[0].logprobs.content if chunk.choices[0].logprobs else [])]
+    assert [(c.token, c.logprob) for c in streamed] == [(c.token, c.logprob) for c in content]
+    assert client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4).choices[0].logprobs is None
+    text = client.completions.create(model=model_id, prompt="The ocean is", max_tokens=6, temperature=0, logprobs=2)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == text.usage.completion_tokens
+    assert all(len(alternatives) == 2 for alternatives in lp.top_logprobs) and lp.text_offset[0] == 0
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, top_logprobs=3)

@@ -201,3 +201,24 @@ def test_a_413_and_an_abandoned_stream_are_counted_as_what_they_are(worker) -> N
         time.sleep(0.05)
     assert m.value("trserve_requests_total", {**labels, "code": "CANCELLED"}) == cancelled + 1
     assert m.value("trserve_requests_total", {**labels, "code": "OK"}) == ok
+
+
+def test_grpc_logprobs_unary_and_streamed(worker) -> None:
+    """Issue 44, item 3 over gRPC: GenerateRequest.logprobs / top_logprobs fill TokenLogprob per token,
+    the stream's per chunk; top_logprobs without logprobs, or above 20, is INVALID_ARGUMENT."""
+    ask = pb.GenerateRequest(text="One, two, three,", max_new_tokens=8, return_token_ids=True, logprobs=True,
+                             top_logprobs=2)
+    with grpc.insecure_channel(worker.addr) as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        reply = stub.Generate(ask, timeout=60)
+        assert [lp.token_id for lp in reply.logprobs] == list(reply.token_ids)
+        assert all(len(lp.top) == 2 and lp.top[0].logprob >= lp.logprob for lp in reply.logprobs)
+        chunks = list(stub.GenerateStream(ask, timeout=60))
+        assert [(lp.token_id, lp.logprob) for c in chunks for lp in c.logprobs] == \
+            [(lp.token_id, lp.logprob) for lp in reply.logprobs]
+        assert not stub.Generate(pb.GenerateRequest(text="Hi", max_new_tokens=2), timeout=60).logprobs
+        for bad in (pb.GenerateRequest(text="Hi", top_logprobs=2), pb.GenerateRequest(text="Hi", logprobs=True,
+                                                                                      top_logprobs=21)):
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Generate(bad, timeout=60)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
