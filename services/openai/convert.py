@@ -22,7 +22,15 @@ MODES = {"tr": pb.DECODING_MODE_TR, "ar": pb.DECODING_MODE_AR}
 # fields whose non-default values change the output in ways trserve does not do: refused, not ignored
 UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None,
                "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None, "best_of": 1,
-               "response_format": None, "audio": None, "prediction": None}
+               "response_format": None, "audio": None, "prediction": None,
+               # vLLM's extensions (extra_body) that change the output: refused until built, never ignored
+               "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
+               "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structured_outputs": None,
+               "min_tokens": 0, "repetition_penalty": 1.0, "length_penalty": 1.0, "min_p": 0.0,
+               "use_beam_search": False, "allowed_token_ids": None, "bad_words": None, "logits_processors": None,
+               "prompt_logprobs": None, "truncate_prompt_tokens": None, "include_stop_str_in_output": False,
+               "skip_special_tokens": True, "spaces_between_special_tokens": True, "continue_final_message": False,
+               "add_generation_prompt": True, "chat_template": None, "chat_template_kwargs": None, "documents": None}
 
 
 class BadParam(InvalidArgument):
@@ -150,6 +158,15 @@ def _limits(body: dict, kind: str, req: pb.GenerateRequest) -> None:
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise BadParam("stop must be a string or a list of strings", "stop")
     req.stop_sequences.extend(stops)
+    stop_ids = body.get("stop_token_ids")  # vLLM's: stop after any of these ids (kept, as EOS is)
+    if stop_ids is not None:
+        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+            raise BadParam("stop_token_ids must be a list of token ids", "stop_token_ids")
+        req.stop_token_ids.extend(stop_ids)
+    ignore_eos = body.get("ignore_eos", False)  # vLLM's: decode on through EOS (benchmarks)
+    if not isinstance(ignore_eos, bool):
+        raise BadParam("ignore_eos must be true or false", "ignore_eos")
+    req.ignore_eos = ignore_eos
     mode = body.get("mode", "tr")  # trserve's own: "ar" = plain decoding
     if mode not in MODES:
         raise BadParam(f"mode must be one of {sorted(MODES)}, got {mode!r}", "mode")

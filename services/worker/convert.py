@@ -55,6 +55,7 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, default_tenan
         prompt=text, messages=messages, input_ids=token_ids, max_new_tokens=_max_new_tokens(req, limits),
         stop_strings=tuple(req.stop_sequences), stop_token_ids=tuple(req.stop_token_ids), mode=MODES[req.mode],
         tree=_tree_name(req.tree), sampling=_sampling_from_pb(req.sampling), logprobs=_logprobs_from_pb(req),
+        ignore_eos=req.ignore_eos,
     )
     return GenerateCall(tenant=tenant, domain=domain, request=request, return_token_ids=req.return_token_ids)
 

@@ -75,3 +75,29 @@ def test_usage_sums_draft_sources():
     assert out["trserve"]["draft_sources"] == {"context": {"drafted": 4, "accepted": 2},
                                                "matrix": {"drafted": 6, "accepted": 2}}
     assert out["trserve"]["mat"] == pytest.approx(7 / 3)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"), ("guided_choice", ["a", "b"]),
+    ("structured_outputs", {"json": {}}), ("min_tokens", 5), ("repetition_penalty", 1.2), ("min_p", 0.1),
+    ("use_beam_search", True), ("bad_words", ["x"]), ("skip_special_tokens", False), ("prompt_logprobs", 1),
+])
+def test_vllms_output_changing_fields_are_refused_not_ignored(field, value):
+    """Issue 44: vLLM's spellings came back 200 with the field ignored (unconstrained text where a caller
+    asked for JSON). Each is refused with 400 naming it until it is built; its default value passes."""
+    with pytest.raises(BadParam) as refused:
+        parse_request({**CHAT, field: value}, "chat", MODEL, "t")
+    assert refused.value.param == field and "not supported" in str(refused.value)
+    defaults = {"min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "use_beam_search": False,
+                "skip_special_tokens": True}
+    if field in defaults:
+        parse_request({**CHAT, field: defaults[field]}, "chat", MODEL, "t")
+
+
+def test_vllms_ignore_eos_and_stop_token_ids_are_applied():
+    req = parse_request({**CHAT, "ignore_eos": True, "stop_token_ids": [7, 9]}, "chat", MODEL, "t").request
+    call = generate_call_from_pb(req, Limits(), "default")
+    assert call.request.ignore_eos and call.request.stop_token_ids == (7, 9)
+    for bad in ({"ignore_eos": "yes"}, {"stop_token_ids": ["7"]}):
+        with pytest.raises(BadParam):
+            parse_request({**CHAT, **bad}, "chat", MODEL, "t")
