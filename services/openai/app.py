@@ -130,6 +130,19 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+async def _all_or_none(coros: list) -> list:
+    """Every coroutine's result; where one fails, the others are cancelled (their decode slots freed)
+    before its error is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -242,18 +255,21 @@ class OpenAIApp:
             deadline = HttpDeadline(request)
             if req.stream:
                 return await self._stream(req, method, deadline, request.state)
-            result, call = await self._complete_while_connected(request, req, deadline)
+            # n choices decode side by side (each its own request in the batch)
+            done = await _all_or_none([self._complete_while_connected(request, r, deadline)
+                                       for r in convert.choice_requests(req)])
         except Exception as exc:  # noqa: BLE001 - every failure is mapped, never dropped
             self._count(method, exc)
             return error_response(exc)
         self._count(method, None)
-        request.state.tokens = (result.stats.prompt_tokens, result.stats.generated_tokens)
-        return JSONResponse(convert.completion(req, result, call.queue_s, self.fingerprint, self.token_text))
+        results = [result for result, _ in done]
+        request.state.tokens = (results[0].stats.prompt_tokens, sum(r.stats.generated_tokens for r in results))
+        return JSONResponse(convert.completion(req, results, done[0][1].queue_s, self.fingerprint, self.token_text))
 
-    async def _complete_while_connected(self, request: Request, req: convert.OpenAIRequest, deadline: HttpDeadline):
-        """servicer.complete, cancelled (its decode slot freed at the next step) once the client has gone:
-        an HTTP unary call otherwise decodes to the end for nobody."""
-        task = asyncio.ensure_future(self.servicer.complete(req.request, deadline))
+    async def _complete_while_connected(self, request: Request, generate, deadline: HttpDeadline):
+        """servicer.complete of a Generate request, cancelled (its decode slot freed at the next step)
+        once the client has gone: an HTTP unary call otherwise decodes to the end for nobody."""
+        task = asyncio.ensure_future(self.servicer.complete(generate, deadline))
         try:
             while not task.done():
                 await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)

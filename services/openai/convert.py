@@ -19,6 +19,7 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "time_limit": "leng
           "shutdown": "length"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MODES = {"tr": pb.DECODING_MODE_TR, "ar": pb.DECODING_MODE_AR}
+MAX_CHOICES = 16  # n
 # fields whose non-default values change the output in ways trserve does not do: refused, not ignored
 UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None,
                "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None, "best_of": 1,
@@ -54,6 +55,7 @@ class OpenAIRequest:
     request: pb.GenerateRequest
     stream: bool
     include_usage: bool
+    n: int = 1  # choices (decoded side by side, each its own request)
 
 
 def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAIRequest:
@@ -66,8 +68,9 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAI
     if model != model_id:
         raise ModelNotFound(f"the model {model!r} does not exist here: this server serves {model_id!r}", "model")
     _check_unsupported(body)
-    if body.get("n") not in (None, 1):
-        raise BadParam(f"n must be 1 (one choice per request), got {body['n']!r}", "n")
+    n = body.get("n", 1) if body.get("n") is not None else 1
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+        raise BadParam(f"n must be an integer in 1..{MAX_CHOICES}, got {n!r}", "n")
     req = pb.GenerateRequest(tenant=tenant, return_token_ids=True)
     if kind == "chat":
         req.messages.CopyFrom(pb.ChatMessages(messages=_messages(body.get("messages"))))
@@ -82,7 +85,22 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAI
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadParam("stream_options must be an object", "stream_options")
-    return OpenAIRequest(kind, model, req, stream, bool(options.get("include_usage")))
+    if stream and n > 1:
+        raise BadParam("n > 1 is answered unary only: stream one call per choice", "n")
+    return OpenAIRequest(kind, model, req, stream, bool(options.get("include_usage")), n)
+
+
+def choice_requests(req: OpenAIRequest) -> list[pb.GenerateRequest]:
+    """The Generate request of each of the n choices: with a seed, choice i samples with seed + i (each
+    choice reproducible, and different from the others); greedy choices are all the same text."""
+    out = []
+    for i in range(req.n):
+        r = pb.GenerateRequest()
+        r.CopyFrom(req.request)
+        if i and r.sampling.HasField("seed"):
+            r.sampling.seed = (r.sampling.seed + i) % (1 << 64)
+        out.append(r)
+    return out
 
 
 def _check_unsupported(body: dict) -> None:
@@ -244,10 +262,14 @@ def new_id(kind: str) -> str:
     return ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(stats: GenerationStats) -> dict:
-    accepted, drafted = sum(stats.accepted.values()), sum(stats.drafted.values())
-    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.generated_tokens,
-            "total_tokens": stats.prompt_tokens + stats.generated_tokens,
+def usage(stats: GenerationStats, *more: GenerationStats) -> dict:
+    """OpenAI's usage of a choice, or of n choices (the prompt counted once, completions summed)."""
+    every = (stats, *more)
+    accepted = sum(sum(s.accepted.values()) for s in every)
+    drafted = sum(sum(s.drafted.values()) for s in every)
+    generated = sum(s.generated_tokens for s in every)
+    return {"prompt_tokens": stats.prompt_tokens, "completion_tokens": generated,
+            "total_tokens": stats.prompt_tokens + generated,
             "prompt_tokens_details": {"cached_tokens": stats.cached_tokens},
             "completion_tokens_details": {"accepted_prediction_tokens": accepted,
                                           "rejected_prediction_tokens": drafted - accepted}}
@@ -262,18 +284,25 @@ def extras(result: GenerationResult, finish_reason: str, queue_s: float, tenant:
             "tokens_per_second": s.tokens_per_s, "token_ids": list(result.ids)}
 
 
-def completion(req: OpenAIRequest, result: GenerationResult, queue_s: float, fingerprint: str, token_text) -> dict:
-    """The non-streamed answer; `token_text(id)`: a token's text (for logprobs)."""
-    choice: dict = {"index": 0, "finish_reason": FINISH[result.finish_reason],
-                    "logprobs": logprobs_json(req.kind, result.logprobs, token_text)}
-    if req.kind == "chat":
-        choice["message"] = {"role": "assistant", "content": result.text}
-    else:
-        choice["text"] = result.text
+def completion(req: OpenAIRequest, result: GenerationResult | list[GenerationResult], queue_s: float,
+               fingerprint: str, token_text) -> dict:
+    """The non-streamed answer, of one result or of each choice's; `token_text(id)`: a token's text
+    (for logprobs). trserve's own figures are the first choice's."""
+    results = result if isinstance(result, list) else [result]
+    choices = []
+    for i, r in enumerate(results):
+        choice: dict = {"index": i, "finish_reason": FINISH[r.finish_reason],
+                        "logprobs": logprobs_json(req.kind, r.logprobs, token_text)}
+        if req.kind == "chat":
+            choice["message"] = {"role": "assistant", "content": r.text}
+        else:
+            choice["text"] = r.text
+        choices.append(choice)
+    first = results[0]
     return {"id": new_id(req.kind), "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": int(time.time()), "model": req.model, "system_fingerprint": fingerprint,
-            "choices": [choice], "usage": usage(result.stats),
-            "trserve": extras(result, result.finish_reason, queue_s, req.request.tenant)}
+            "choices": choices, "usage": usage(*(r.stats for r in results)),
+            "trserve": extras(first, first.finish_reason, queue_s, req.request.tenant)}
 
 
 @dataclass

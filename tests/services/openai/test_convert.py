@@ -37,7 +37,7 @@ def test_prompts_of_a_completion():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({**CHAT, "n": 2}, "n"), ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({**CHAT, "n": 17}, "n"), ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
     ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
     ({**CHAT, "temperature": 3}, "temperature"), ({**CHAT, "stop": [1]}, "stop"),
     ({**CHAT, "max_tokens": 0}, "max_tokens"), ({"messages": CHAT["messages"]}, "model"),

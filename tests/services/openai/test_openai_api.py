@@ -105,8 +105,9 @@ def test_completion_matches_grpc(client, server, model_id):
 
 def test_errors_are_openai_shaped(client, server, model_id):
     with pytest.raises(openai.BadRequestError) as bad:
-        client.chat.completions.create(model=model_id, messages=CHAT, n=2)
-    assert bad.value.status_code == 400 and bad.value.body["param"] == "n" and "n must be 1" in bad.value.message
+        client.chat.completions.create(model=model_id, messages=CHAT, n=0)
+    assert bad.value.status_code == 400 and bad.value.body["param"] == "n" and "n must be an integer in 1..16" in \
+        bad.value.message
     with pytest.raises(openai.BadRequestError) as too_many:  # the worker's own limits, as over gRPC
         client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=100000)
     assert "max_new_tokens must be in" in too_many.value.message
@@ -173,3 +174,23 @@ def test_logprobs_are_openais_shapes_and_the_same_under_tr_and_ar(client, model_
     assert all(len(alternatives) == 2 for alternatives in lp.top_logprobs) and lp.text_offset[0] == 0
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, top_logprobs=3)
+
+
+def test_n_choices_each_reproducible_with_a_seed(client, model_id):
+    """Issue 44, item 4: n > 1 gives n choices decoded side by side; greedy ones are the same text, seeded
+    sampled ones are each reproducible (choice i samples with seed + i) and equal a single call with that
+    seed; usage counts the prompt once and every choice's tokens."""
+    greedy = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=8, temperature=0, n=3)
+    assert [c.index for c in greedy.choices] == [0, 1, 2] and len({c.message.content for c in greedy.choices}) == 1
+    ask = dict(model=model_id, messages=CHAT, max_tokens=12, temperature=1.0, seed=7)
+    first, again = (client.chat.completions.create(**ask, n=3) for _ in range(2))
+    texts = [c.message.content for c in first.choices]
+    assert texts == [c.message.content for c in again.choices]
+    assert client.chat.completions.create(**{**ask, "seed": 8}).choices[0].message.content == texts[1]
+    assert first.usage.completion_tokens == sum(
+        client.chat.completions.create(**{**ask, "seed": 7 + i}).usage.completion_tokens for i in range(3))
+    assert first.usage.prompt_tokens == greedy.usage.prompt_tokens
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, n=2, stream=True)
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, n=17)
