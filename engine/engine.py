@@ -34,7 +34,7 @@ from trserve.engine.results import GenerationResult, GenerationStats, StepChunk
 from trserve.engine.scheduler import EngineConfig, Live, Scheduler, StepTimes
 from trserve.engine.sequence import Sequence
 from trserve.engine.step import accept_step
-from trserve.engine.tr.logprobs import token_logprob
+from trserve.engine.tr.logprobs import record_logprobs
 from trserve.engine.target import TargetModel
 from trserve.engine.tr.lookup import ContextLookup
 from trserve.engine.tr.recycle import seed_positions, top_ids, top_probs
@@ -287,9 +287,7 @@ class BatchEngine:
             live.seed = []
         live.text = TextStream(self.target.tokenizer)
         live.prefill_s = time.perf_counter() - live.t0
-        kept = live.seq.commit([live.root])
-        _log_probs(live.seq, last, kept)
-        self._emit(live, kept)
+        self._emit(live, record_logprobs(live.seq, last, live.seq.commit([live.root])))
 
     def _decode(self) -> None:
         running, budget = self.scheduler.running, self.budget
@@ -314,9 +312,7 @@ class BatchEngine:
                 new, path = acc.tokens, acc.path
                 budget.learn(live, draft, acc)
             keep.append(path)
-            new = seq.commit(new)
-            if seq.logprobs is not None:  # the logits row path[i] chose new[i]
-                _log_probs(seq, lg[path[: len(new)]], new)
+            new = record_logprobs(seq, lg, seq.commit(new), path)  # the logits row path[i] chose new[i]
             seq.accepted_per_step.append(len(new))
             live.root = new[-1] if new else live.root
             self._emit(live, new)
@@ -400,12 +396,3 @@ class BatchEngine:
         stats = GenerationStats.build(seq, live.prefill_s, decode_s, info, tree, live.cached)
         return GenerationResult(ids=seq.generated, text=text, finish_reason=seq.finish_reason or "cancelled",
                                 stats=stats, logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None)
-
-
-def _log_probs(seq, rows: torch.Tensor, kept: list[int]) -> None:
-    """The kept tokens' log-probabilities, where the request asked for them: rows [>= len(kept), V],
-    row i the logits that chose kept[i] (engine/tr/logprobs.py)."""
-    if seq.logprobs is None:
-        return
-    top = seq.prepared.request.logprobs
-    seq.logprobs.extend(token_logprob(rows[i], token, top) for i, token in enumerate(kept))

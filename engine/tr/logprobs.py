@@ -33,3 +33,12 @@ def token_logprob(row: torch.Tensor, token: int, top: int = 0) -> TokenLogprob:
         ids = np.argsort(-x, kind="stable")[:top]  # stable: equal logits by lower id
         pairs = tuple((int(i), float(x[i] - lse)) for i in ids)
     return TokenLogprob(int(token), float(x[token] - lse), pairs)
+
+
+def record_logprobs(seq, rows: torch.Tensor, kept: list[int], at: list[int] | None = None) -> list[int]:
+    """The kept tokens' log-probabilities onto `seq.logprobs`, where its request asked for them: rows
+    [n, V] of logits, row at[i] (i without `at`) the one that chose kept[i]. Returns `kept`."""
+    if seq.logprobs is not None:
+        top = seq.prepared.request.logprobs
+        seq.logprobs.extend(token_logprob(rows[at[i] if at else i], token, top) for i, token in enumerate(kept))
+    return kept

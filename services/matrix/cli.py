@@ -62,6 +62,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     spec.add_argument("--k", type=int, default=None, help="successors per row, if not the workers' default")
     spec.set_defaults(func=run_model_spec)
 
+    _register_secret_and_admin(sub)
+
+
+def _register_secret_and_admin(sub: argparse._SubParsersAction) -> None:
     make = sub.add_parser("secret", help="write a fresh shared secret into each FILE not there yet (mode 0600; "
                                          "existing files are kept): what --secret-file and --matrix-secret-file read")
     make.add_argument("files", nargs="+", metavar="FILE")

@@ -48,16 +48,8 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allowed-origins", default="",
                    help="comma-separated browser origins the HTTP API answers cross-origin (CORS), e.g. "
                         "https://app.example.com; * = any; default none")
-    p.add_argument("--model", default=None, help="builtin model name, local transformers directory, local .gguf "
-                   "file (converted once into the cache) or hub id (default: the bundled smollm2-135m-instruct)")
-    p.add_argument("--served-model-name", default=None,
-                   help="the name callers use: OpenAI's model id, ModelInfo.model, metrics' model_name (default: --model)")
-    p.add_argument("--chat-template", default=None,
-                   help="a Jinja chat template file (or the template itself) replacing the model's own")
-    p.add_argument("--cache-dir", default=None,
-                   help="where converted models, built kernels and calibrations are kept (default "
-                        "$XDG_CACHE_HOME/trserve or ~/.cache/trserve); must be writable")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:1, ...")
+    _add_model_flags(p)
     p.add_argument("--tree", default="auto", help="draft tree template name or file (default: best known for the device)")
     p.add_argument("--max-batch", type=integer(1), default=16, help="requests decoding together, one forward per step (default 16)")
     p.add_argument("--max-batch-tokens", type=integer(64), default=65536,
@@ -98,6 +90,18 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     p.add_argument("--tenant-tokens", default=None, help='JSON file {"tenant": "token" or ["token", ...]}: require '
                    "'authorization: Bearer <token>' and serve each token its own tenant only")
+
+
+def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="builtin model name, local transformers directory, local .gguf "
+                   "file (converted once into the cache) or hub id (default: the bundled smollm2-135m-instruct)")
+    p.add_argument("--served-model-name", default=None,
+                   help="the name callers use: OpenAI's model id, ModelInfo.model, metrics' model_name (default: --model)")
+    p.add_argument("--chat-template", default=None,
+                   help="a Jinja chat template file (or the template itself) replacing the model's own")
+    p.add_argument("--cache-dir", default=None,
+                   help="where converted models, built kernels and calibrations are kept (default "
+                        "$XDG_CACHE_HOME/trserve or ~/.cache/trserve); must be writable")
 
 
 def build_configs(args: argparse.Namespace):
@@ -154,6 +158,30 @@ def _chat_template(value: str | None) -> str | None:
     raise ValueError(f"--chat-template: {value!r} is neither a file nor a Jinja template")
 
 
+def check_ports(config) -> None:
+    """Each port the worker will listen on (gRPC, HTTP, metrics; 0 = any free one, skipped) is its own
+    and can be bound now: a port in use stops the start before the model loads, naming its flag. (The
+    servers bind again later; this only says early what would fail then.)"""
+    import socket
+
+    taken: dict[int, str] = {}
+    for flag, host, port in (("--port", config.host, config.port),
+                             ("--http-port", config.http_host or config.host, config.http_port),
+                             ("--metrics-port", config.host, config.metrics_port)):
+        if not port:
+            continue
+        if port in taken:
+            raise ValueError(f"{flag} {port} is also {taken[port]}: give each server a port of its own")
+        taken[port] = flag
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((host, port))
+        except OSError as e:
+            raise OSError(f"cannot listen on {host}:{port} ({flag}: {e.strerror or e}); pick another port") from None
+
+
 def build_split_config(args: argparse.Namespace, max_batch: int):
     """The worker's SplitConfig; raises ValueError on a bad address or secret."""
     from trserve.services.common.security import SharedSecret
@@ -189,6 +217,11 @@ def _run(command: str, args: argparse.Namespace, split: bool) -> int:
 
     from trserve.core.errors import FailedPrecondition, InvalidArgument, NotFound
 
+    try:
+        check_ports(worker_config)  # in seconds, before the model loads
+    except (OSError, ValueError) as e:
+        print(f"trserve {command}: {e}", file=sys.stderr)
+        return 1
     sources = MatrixServiceSources(split_config) if split_config is not None else None
     try:
         return serve(worker_config, decoder_config, sources)

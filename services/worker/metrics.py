@@ -43,12 +43,7 @@ class WorkerMetrics:
     def __init__(self, model_name: str = "unknown") -> None:
         self.registry = CollectorRegistry()
         self.model_name = model_name
-        r, m = self.registry, model_name
-
-        def named(kind, name: str, doc: str, labels: tuple[str, ...] = (), **kwargs):
-            family = kind(name, doc, [MODEL, *labels], registry=r, **kwargs)
-            return _Named(family, m) if labels else family.labels(m)
-
+        r, named = self.registry, self._named
         self.requests = named(Counter, "trserve_requests", "Finished calls by method and gRPC status code "
                               "(HTTP calls by the status their failure has over gRPC)", ("method", "code"))
         self.finished = named(Counter, "trserve_finish", "Generations by finish reason", ("reason",))
@@ -101,6 +96,11 @@ class WorkerMetrics:
         # trserve_build_info{device, kernels, attention, tree, threads, model} 1: what this worker runs on
         self.build = Info("trserve_build", "What this worker decodes with", registry=r)
         self._http = None
+
+    def _named(self, kind, name: str, doc: str, labels: tuple[str, ...] = (), **kwargs):
+        """A family labelled model_name (+ labels), bound to this worker's model."""
+        family = kind(name, doc, [MODEL, *labels], registry=self.registry, **kwargs)
+        return _Named(family, self.model_name) if labels else family.labels(self.model_name)
 
     def serve_http(self, host: str, port: int) -> int:
         """Expose /metrics on host:port (0 = any free port); returns the bound port."""

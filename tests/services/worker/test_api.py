@@ -156,13 +156,15 @@ def test_metrics_endpoint(client, worker, promtool):
     body = urllib.request.urlopen(f"http://127.0.0.1:{worker.worker.metrics_port}/metrics", timeout=5).read().decode()
     lint = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, text=True, timeout=60)
     assert lint.returncode == 0 and not lint.stdout.strip() and not lint.stderr.strip(), lint.stdout + lint.stderr
-    for name in ('trserve_requests_total{code="OK",method="Generate"}', "trserve_generated_tokens_total",
+    model = f'model_name="{worker.worker.servicer.model_name}"'
+    for name in (f'trserve_requests_total{{code="OK",method="Generate",{model}}}', "trserve_generated_tokens_total",
                  "trserve_mean_accepted_tokens_bucket", "trserve_step_seconds_bucket", "trserve_queue_depth",
-                 "trserve_active_requests", "trserve_draft_fallbacks_total", 'trserve_finish_total{reason="length"}'):
+                 "trserve_active_requests", "trserve_draft_fallbacks_total",
+                 f'trserve_finish_total{{{model},reason="length"}}'):
         assert name in body, name
     # the families dashboards are built on (issue 30 item 4), names close to vLLM's
     for name in ("trserve_time_to_first_token_seconds_bucket", "trserve_time_per_output_token_seconds_bucket",
-                 'trserve_e2e_request_latency_seconds_bucket{le="300.0"}', "trserve_queue_seconds_bucket",
+                 f'trserve_e2e_request_latency_seconds_bucket{{le="300.0",{model}}}', "trserve_queue_seconds_bucket",
                  "trserve_kv_cache_usage_ratio", "trserve_prompt_tokens_total", "process_resident_memory_bytes",
                  "process_cpu_seconds_total", "python_info"):
         assert name in body, name

@@ -33,19 +33,40 @@ def test_a_start_that_fails_stops_the_engine_thread(decoder) -> None:
     assert len(_engine_threads()) == before  # the engine thread ended: nothing keeps the process alive
 
 
-@pytest.mark.parametrize("flags", [["--http-port", "PORT"], ["--metrics-port", "PORT"]])
-def test_the_process_exits_non_zero_when_a_port_is_in_use(flags: list[str], tmp_path) -> None:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    s.listen()
-    args = [a.replace("PORT", str(s.getsockname()[1])) for a in flags]
+@pytest.mark.parametrize("flags, env, says", [
+    (["--http-port", "TAKEN"], {}, "(--http-port: Address already in use)"),
+    (["--metrics-port", "TAKEN"], {}, "(--metrics-port: Address already in use)"),
+    (["--port", "FREE", "--http-port", "FREE"], {}, "--http-port FREE is also --port"),
+    (["--redis-url", "not-a-url"], {}, "argument --redis-url: 'not-a-url' is not a Redis URL"),
+    ([], {"TRSERVE_GRACE": "nan"}, "TRSERVE_GRACE='nan' is not a valid value for --grace"),
+    ([], {"TRSERVE_MAX_CONNECTION_AGE_S": "inf"}, "TRSERVE_MAX_CONNECTION_AGE_S='inf' is not a valid value"),
+])
+def test_the_process_exits_at_once_naming_the_cause(flags: list[str], env: dict, says: str, tmp_path) -> None:
+    """Issue 45, defect 1: the six configurations the probe round found each leave a process that never
+    exits. Each must exit non-zero within 10 s (ports are tried before the model loads), with one line
+    naming the cause and no traceback."""
+    import os
+    import time
+
+    taken, free = socket.socket(), socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    free.bind(("127.0.0.1", 0))
+    free_port = str(free.getsockname()[1])
+    free.close()
+    args = [a.replace("TAKEN", str(taken.getsockname()[1])).replace("FREE", free_port) for a in flags]
+    says = says.replace("FREE", free_port)
+    if "--port" not in args:
+        args += ["--port", "0"]
+    started = time.monotonic()
     try:
-        out = subprocess.run([sys.executable, "-m", "trserve.services.cli", "serve", "--port", "0",
-                              *args], cwd=tmp_path, capture_output=True, text=True, timeout=180)
+        out = subprocess.run([sys.executable, "-m", "trserve.services.cli", "serve", *args], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=180, env={**os.environ, **env})
     finally:
-        s.close()
-    assert out.returncode != 0, out.stderr[-2000:]
-    assert "Traceback" not in out.stderr, out.stderr[-2000:]
+        taken.close()
+    took = time.monotonic() - started
+    assert out.returncode != 0 and says in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr and took < 10, (took, out.stderr[-2000:])
 
 
 @pytest.mark.parametrize("field, value", [("grace_s", float("nan")), ("grace_s", float("inf")),
