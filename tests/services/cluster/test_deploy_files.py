@@ -195,7 +195,7 @@ def test_every_matrix_service_shipped_needs_the_workers_secret_and_the_workers_s
         return {(v["secret"]["secretName"], item["key"]) for v in pod["volumes"] if "secret" in v
                 for item in v["secret"]["items"]}
     assert keys_of(k8s_matrix) == {("trserve-secrets", key) for key in ("worker", "admin", "redis")}
-    assert keys_of(k8s_worker) == {("trserve-secrets", "worker")}
+    assert keys_of(k8s_worker) == {("trserve-secrets", "worker"), ("trserve-secrets", "tenant-tokens")}
     matrix_args = build_parser().parse_args(k8s_matrix["containers"][0]["args"])
     assert matrix_args.redis_password_file.startswith("/var/run/trserve/redis-password/")
     # Redis requires that password (requirepass from the same key; its probe authenticates with it)
@@ -263,3 +263,54 @@ def test_the_service_monitors_scrape_the_ports_the_services_name() -> None:
         assert set(monitor["spec"]["selector"]["matchLabels"].items()) <= set(service["metadata"]["labels"].items())
         (endpoint,) = monitor["spec"]["endpoints"]
         assert endpoint["port"] in {port["name"] for port in service["spec"]["ports"]} and endpoint["port"] == "metrics"
+
+
+def _validate(docs: list[dict], where: str) -> int:
+    """Strict schema validation of Kubernetes objects (unknown fields refused); the Prometheus
+    Operator's CRDs have no schema there and are skipped. Returns how many were validated."""
+    import kubernetes_validate
+
+    checked = 0
+    for doc in docs:
+        try:
+            kubernetes_validate.validate(doc, "1.37.0", strict=True)
+            checked += 1
+        except kubernetes_validate.SchemaNotFoundError:
+            assert doc["apiVersion"].startswith("monitoring.coreos.com/"), (where, doc["kind"])
+        except kubernetes_validate.ValidationError as e:
+            raise AssertionError(f"{where}: {doc['kind']}/{doc['metadata']['name']}: {e.message} at {list(e.path)}")
+    return checked
+
+
+def test_every_manifest_and_overlay_validates_strictly() -> None:
+    """Issue 46, item 4: every object of the base validates against Kubernetes' schemas (strict: an
+    unknown or misplaced field fails), and so does every overlay as kustomize renders it (where kubectl
+    is installed; the renders are then checked too)."""
+    import shutil
+    import subprocess
+
+    pytest.importorskip("kubernetes_validate")
+    k8s = REPO / "deploy" / "k8s"
+    docs = [d for path in sorted((k8s / "base").glob("*.yaml")) for d in yaml.safe_load_all(path.read_text())
+            if d and d.get("kind") != "Kustomization"]
+    docs += [yaml.safe_load((k8s / "own-model" / "models.yaml").read_text())]
+    assert _validate(docs, "deploy/k8s files") == len(docs) >= 12
+    if shutil.which("kubectl") is None:
+        return
+    for overlay in ("", "custom-metrics", "own-model", "prometheus-operator"):
+        built = subprocess.run(["kubectl", "kustomize", str(k8s / overlay)], capture_output=True, text=True, timeout=60)
+        assert built.returncode == 0, built.stderr
+        rendered = [d for d in yaml.safe_load_all(built.stdout) if d]
+        assert _validate(rendered, f"kubectl kustomize deploy/k8s/{overlay}") >= 11
+
+
+def test_workers_serve_each_tenant_only_to_its_api_key() -> None:
+    """Issue 46, item 4: the base workers require tenant tokens, from a key of the same Secret."""
+    pod = k8s_objects()[("Deployment", "trserve-worker")]["spec"]["template"]["spec"]
+    args = build_parser().parse_args(pod["containers"][0]["args"])
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    (volume,) = [v for v in pod["volumes"] if v["name"] == "tenant-tokens"]
+    assert volume["secret"]["items"] == [{"key": "tenant-tokens", "path": "tokens.json"}]
+    assert args.tenant_tokens == mounts["tenant-tokens"] + "/tokens.json"
+    overlay = yaml.safe_load((REPO / "deploy" / "k8s" / "own-model" / "worker-patch.yaml").read_text())
+    assert build_parser().parse_args(overlay["spec"]["template"]["spec"]["containers"][0]["args"]).tenant_tokens
