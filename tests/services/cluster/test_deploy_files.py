@@ -208,6 +208,9 @@ def test_every_matrix_service_shipped_needs_the_workers_secret_and_the_workers_s
     grpc_rule = [rule for rule in matrix_in if any(p["port"] == 50052 for p in rule["ports"])]
     assert grpc_rule == [{"from": [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "trserve-worker"}}}],
                           "ports": [{"port": 50052, "protocol": "TCP"}]}]
+    # a NetworkPolicy per component: the workers admit their API and metrics ports only
+    (worker_in,) = objects[("NetworkPolicy", "trserve-worker")]["spec"]["ingress"]
+    assert {p["port"] for p in worker_in["ports"]} == {50051, 8000, 9464} and "from" not in worker_in
     (redis_in,) = objects[("NetworkPolicy", "redis")]["spec"]["ingress"]
     assert redis_in["from"] == [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "trserve-matrix"}}}]
 
