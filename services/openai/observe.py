@@ -45,7 +45,8 @@ class RequestLog:
             ms = (time.perf_counter() - started) * 1000
             tokens = state.get("tokens")
             level = logging.DEBUG if scope.get("path") in QUIET_PATHS else logging.INFO
-            access.log(level, "%s %s -> %s tenant=%s tokens=%s ms=%.0f request_id=%s", scope.get("method"),
-                       scope.get("path"), status[0] or "none (client gone)", state.get("tenant", "-"),
-                       f"{tokens[0]}+{tokens[1]}" if tokens else "-", ms, rid)
+            # the id goes on the line through the log context (a text suffix, a JSON field)
+            access.log(level, "%s %s -> %s tenant=%s tokens=%s ms=%.0f", scope.get("method"), scope.get("path"),
+                       status[0] or "none (client gone)", state.get("tenant", "-"),
+                       f"{tokens[0]}+{tokens[1]}" if tokens else "-", ms)
             REQUEST_ID.reset(context)

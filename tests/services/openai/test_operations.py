@@ -119,7 +119,7 @@ def test_a_request_id_is_echoed_and_on_its_log_lines(worker, caplog) -> None:
     status, head, reply = call(worker, "POST", "/v1/completions", body, headers={"X-Request-Id": "req-42"})
     assert status == 200 and head["x-request-id"] == "req-42"
     usage = reply["usage"]
-    (record,) = [r for r in caplog.records if r.name == "trserve.access" and "req-42" in r.getMessage()]
+    (record,) = [r for r in caplog.records if r.name == "trserve.access" and r.request_id == "req-42"]
     line = record.getMessage()
     assert record.request_id == "req-42" and line.startswith("POST /v1/completions -> 200 tenant=default")
     assert f"tokens={usage['prompt_tokens']}+{usage['completion_tokens']}" in line
