@@ -7,10 +7,9 @@ tokens) of the sequence being prefilled, so a long prompt delays the running one
 chunk per step; then one batch forward over all running sequences, each verifying what the tree
 budget (engine/tree_budget.py) chose for it this step. The runner (engine/model/runner.py) owns the
 model and the batch KV; per sequence the TR step is engine/step.py. Host syncs per step: the accept
-decision of each sequence (its greedy tokens, `.tolist()`), nothing per tree node.
-
-Two ways to drive it: `run` in a thread of its own (a worker), while callers `submit`; or
-`stream`/`generate`, which submit and, while no thread runs the loop, step it in the caller's thread.
+decision of each sequence (its greedy tokens, `.tolist()`), nothing per tree node. Driven by `run`
+in a thread of its own (a worker) while callers `submit`, or by `stream`/`generate`, which submit and,
+while no thread runs the loop, step it in the caller's thread.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from trserve.engine.results import GenerationResult, GenerationStats, StepChunk
 from trserve.engine.scheduler import EngineConfig, Live, Scheduler, StepTimes
 from trserve.engine.sequence import Sequence
 from trserve.engine.step import accept_step
-from trserve.engine.tr.logprobs import record_logprobs
+from trserve.engine.tr.logprobs import record_logprobs, record_prompt_logprobs
 from trserve.engine.target import TargetModel
 from trserve.engine.tr.lookup import ContextLookup
 from trserve.engine.tr.recycle import seed_positions, top_ids, top_probs
@@ -199,10 +198,9 @@ class BatchEngine:
 
     # ---- one step --------------------------------------------------------------------------------
     def longest_step_s(self, prompt_tokens: int | None = None) -> float:
-        """How long a step may take now: two decoding steps, or 1.5 steps with a full prefill chunk
-        (a chunk deep in a long prompt attends to more context than the average one) plus a decoding
-        step. With `prompt_tokens` and no other prompt being prefilled or waiting: only the part of a
-        chunk that prompt fills. What a caller's deadline must keep in hand."""
+        """How long a step may take now (what a caller's deadline must keep in hand): two decoding steps,
+        or 1.5 full prefill chunks (deep in a long prompt one attends to more than the average) plus a
+        decoding step; with `prompt_tokens` and no other prompt prefilling or waiting, the part it fills."""
         fill = 1.0
         if prompt_tokens is not None and self.prefilling is None and not self.waiting:
             fill = min(1.0, prompt_tokens / self.config.prefill_chunk)
@@ -249,9 +247,9 @@ class BatchEngine:
     def _prefill_chunk(self, live: Live) -> int:
         """The next chunk of `live`'s prompt (the first one after any cached prefix); returns its length."""
         ids, d = live.seq.prepared.ids, self.target
-        p = len(ids)
+        p, echo = len(ids), live.seq.prompt_logprobs is not None  # echo: every position's logits
         if live.done == 0:
-            if self.prefix is not None:  # a cached prefix of its tenant's, loaded into its row
+            if self.prefix is not None and not echo:  # a cached prefix of its tenant's, loaded into its row
                 live.done = live.cached = self.prefix.reuse(live.tenant, ids, self.runner.kv, live.row)
             if live.session is not None:
                 # seeding pays only while trees are verified: scaled by their share under the batch budget
@@ -263,16 +261,19 @@ class BatchEngine:
                 live.seed_at = [first + i for i in seed_positions(tail, known(tail) if known else [False] * len(tail))]
         c = min(self.config.prefill_chunk, p - live.done)
         chunk = torch.tensor(ids[live.done : live.done + c], device=d.device)
-        # the chunk's positions whose predictions seed the matrix, then its last one (the first token's)
-        seeded = [q - live.done for q in live.seed_at if live.done <= q < live.done + c]
-        need = seeded + ([c - 1] if live.done + c == p and (not seeded or seeded[-1] != c - 1) else [])
+        seeded = [q - live.done for q in live.seed_at if live.done <= q < live.done + c]  # seed the matrix
+        last = [c - 1] if live.done + c == p and (not seeded or seeded[-1] != c - 1) else []
+        need = list(range(c)) if echo else seeded + last  # + the prompt's last (the first token's)
         t0 = time.perf_counter()
         logits = self.runner.prefill(live.row, chunk, torch.tensor(need, dtype=torch.long, device=d.device))  # [m, V]
         live.prefill_token_s = (time.perf_counter() - t0) / c
         if seeded:
-            known = self.runner.last_topk[: len(seeded)] if self.runner.last_topk is not None else None
-            ids = top_ids(logits[: len(seeded)], d.config.k, known)  # [s, K]
-            live.seed.append((chunk[seeded], ids, self.top_probs(logits[: len(seeded)], ids)))
+            at = seeded if echo else list(range(len(seeded)))  # their rows of `logits`
+            known = self.runner.last_topk[at] if self.runner.last_topk is not None else None
+            top = top_ids(logits[at], d.config.k, known)  # [s, K]
+            live.seed.append((chunk[seeded], top, self.top_probs(logits[at], top)))
+        if echo:  # row q predicts prompt token done + q + 1
+            record_prompt_logprobs(live.seq, logits, ids[live.done + 1: live.done + c + 1])
         live.done += c
         if live.done == p:
             self._start(live, logits[-1:])
@@ -395,4 +396,5 @@ class BatchEngine:
         tree = d.tree_name(live.tree, seq.tuner) if live.session is not None else "none"
         stats = GenerationStats.build(seq, live.prefill_s, decode_s, info, tree, live.cached)
         return GenerationResult(ids=seq.generated, text=text, finish_reason=seq.finish_reason or "cancelled",
-                                stats=stats, logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None)
+                                stats=stats, logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None,
+                                prompt_logprobs=tuple(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)

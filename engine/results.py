@@ -67,3 +67,4 @@ class GenerationResult:
     finish_reason: str  # length, eos, stop, cancelled, time_limit
     stats: GenerationStats
     logprobs: tuple | None = None  # per generated id, TokenLogprob (engine/tr/logprobs.py), where asked
+    prompt_logprobs: tuple | None = None  # per prompt id, TokenLogprob (the first's logprob None), where asked

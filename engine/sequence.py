@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from trserve.engine.request.request import PreparedRequest
 from trserve.engine.request.stops import StopChecker
+from trserve.engine.tr.logprobs import TokenLogprob
 from trserve.engine.tr.lookup import ContextLookup
 from trserve.engine.tr.sampling import Sampler
 from trserve.engine.tuning.online import OnlineTuner
@@ -28,6 +29,9 @@ class Sequence:
         self.accepted: dict[str, int] = {}
         self.draft_steps = 0  # steps that verified at least one draft token
         self.logprobs: list | None = [] if prepared.request.logprobs is not None else None  # per generated token
+        # per prompt token, where asked; the first has no logprob (nothing predicts it)
+        self.prompt_logprobs: list | None = (
+            [TokenLogprob(prepared.ids[0], None)] if prepared.request.prompt_logprobs is not None else None)
         self.finish_reason: str | None = None
 
     @property

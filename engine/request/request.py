@@ -38,6 +38,9 @@ class GenerationRequest:
     # per committed token, its log-probability under the model (engine/tr/logprobs.py) and, when > 0,
     # that many most likely alternatives (0..20); None = none computed
     logprobs: int | None = None
+    # the same for every prompt token after the first (from the prefill's logits; the prompt then never
+    # comes from the prefix cache): None = none computed
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.prompt, self.messages, self.input_ids)) != 1:
@@ -48,9 +51,10 @@ class GenerationRequest:
             raise InvalidArgument(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
             raise InvalidArgument(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
-        if self.logprobs is not None and (isinstance(self.logprobs, bool) or not isinstance(self.logprobs, int)
-                                          or not 0 <= self.logprobs <= 20):
-            raise InvalidArgument(f"logprobs must be None or the alternatives per token, 0..20; got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20):
+                raise InvalidArgument(f"{name} must be None or the alternatives per token, 0..20; got {value!r}")
         stops = tuple(self.stop_strings)
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidArgument("stop strings must not be empty (an empty string stops nothing): remove it")

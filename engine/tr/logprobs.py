@@ -19,7 +19,7 @@ MAX_TOP = 20  # OpenAI's top_logprobs bound
 @dataclass(frozen=True)
 class TokenLogprob:
     token: int
-    logprob: float
+    logprob: float | None  # None: a prompt's first token (nothing predicts it)
     top: tuple[tuple[int, float], ...] = ()  # (id, logprob), most likely first
 
 
@@ -42,3 +42,9 @@ def record_logprobs(seq, rows: torch.Tensor, kept: list[int], at: list[int] | No
         top = seq.prepared.request.logprobs
         seq.logprobs.extend(token_logprob(rows[at[i] if at else i], token, top) for i, token in enumerate(kept))
     return kept
+
+
+def record_prompt_logprobs(seq, rows: torch.Tensor, tokens) -> None:
+    """Prompt tokens' log-probabilities onto `seq.prompt_logprobs`: row q of `rows` predicted tokens[q]."""
+    top = seq.prepared.request.prompt_logprobs
+    seq.prompt_logprobs.extend(token_logprob(rows[q], int(token), top) for q, token in enumerate(tokens))

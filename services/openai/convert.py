@@ -22,7 +22,7 @@ MODES = {"tr": pb.DECODING_MODE_TR, "ar": pb.DECODING_MODE_AR}
 MAX_CHOICES = 16  # n
 # fields whose non-default values change the output in ways trserve does not do: refused, not ignored
 UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None,
-               "presence_penalty": 0, "frequency_penalty": 0, "echo": False, "suffix": None, "best_of": 1,
+               "presence_penalty": 0, "frequency_penalty": 0, "suffix": None, "best_of": 1,
                "response_format": None, "audio": None, "prediction": None,
                # vLLM's extensions (extra_body) that change the output: refused until built, never ignored
                "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
@@ -56,6 +56,8 @@ class OpenAIRequest:
     stream: bool
     include_usage: bool
     n: int = 1  # choices (decoded side by side, each its own request)
+    echo: str | None = None  # completions' echo=true: the prompt's text, put before each choice's
+    echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token decoded, then dropped)
 
 
 def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAIRequest:
@@ -87,7 +89,27 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAI
         raise BadParam("stream_options must be an object", "stream_options")
     if stream and n > 1:
         raise BadParam("n > 1 is answered unary only: stream one call per choice", "n")
-    return OpenAIRequest(kind, model, req, stream, bool(options.get("include_usage")), n)
+    echo, echo_only = _echo(body, kind, req, stream)
+    return OpenAIRequest(kind, model, req, stream, bool(options.get("include_usage")), n, echo, echo_only)
+
+
+def _echo(body: dict, kind: str, req: pb.GenerateRequest, stream: bool) -> tuple[str | None, bool]:
+    """completions' echo: the prompt before the text (and its logprobs, with logprobs N: what
+    lm-evaluation-harness scores with, echo=true, logprobs=1, max_tokens=0). Unary only."""
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise BadParam("echo must be true or false", "echo")
+    if not echo:
+        if req.max_new_tokens == 0 and req.HasField("max_new_tokens"):
+            raise BadParam("max_tokens must be a positive integer (0 only with echo)", "max_tokens")
+        return None, False
+    if kind == "chat" or stream:
+        raise BadParam("echo is answered for unary completions only", "echo")
+    req.prompt_logprobs = True  # the prompt's ids (and, with logprobs N, what to answer of them)
+    only = req.HasField("max_new_tokens") and req.max_new_tokens == 0
+    if only:
+        req.max_new_tokens = 1  # the engine decodes at least one token: it is dropped from the answer
+    return (req.text if req.WhichOneof("input") == "text" else ""), only
 
 
 def choice_requests(req: OpenAIRequest) -> list[pb.GenerateRequest]:
@@ -168,9 +190,9 @@ def _limits(body: dict, kind: str, req: pb.GenerateRequest) -> None:
         raise BadParam("max_tokens and max_completion_tokens differ: give one", "max_tokens")
     if given:
         name, n = given[0]
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n < 1 << 32:
+        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 1 << 32 or (n == 0 and kind == "chat"):
             raise BadParam(f"{name} must be a positive integer, got {n!r}", name)
-        req.max_new_tokens = n
+        req.max_new_tokens = n  # 0: completions with echo only (checked in _echo)
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
@@ -232,8 +254,8 @@ def logprobs_json(kind: str, logprobs, token_text, offset: int = 0) -> dict | No
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{token_text(i): v for i, v in lp.top} for lp in logprobs]
-            if any(lp.top for lp in logprobs) else None, "text_offset": offsets}
+            "top_logprobs": [{token_text(i): v for i, v in lp.top} if lp.logprob is not None else None
+                             for lp in logprobs] if any(lp.top for lp in logprobs) else None, "text_offset": offsets}
 
 
 def _sampling(body: dict, req: pb.GenerateRequest) -> None:
@@ -291,17 +313,24 @@ def completion(req: OpenAIRequest, result: GenerationResult | list[GenerationRes
     results = result if isinstance(result, list) else [result]
     choices = []
     for i, r in enumerate(results):
-        choice: dict = {"index": i, "finish_reason": FINISH[r.finish_reason],
-                        "logprobs": logprobs_json(req.kind, r.logprobs, token_text)}
+        text, logprobs = ("", () if r.logprobs is not None else None) if req.echo_only else (r.text, r.logprobs)
+        if req.echo is not None:  # completions' echo: the prompt first, its logprobs too where asked
+            prompt = req.echo or "".join(token_text(lp.token) for lp in r.prompt_logprobs or ())
+            text = prompt + text
+            logprobs = (*r.prompt_logprobs, *logprobs) if logprobs is not None else None
+        choice: dict = {"index": i, "finish_reason": "length" if req.echo_only else FINISH[r.finish_reason],
+                        "logprobs": logprobs_json(req.kind, logprobs, token_text)}
         if req.kind == "chat":
-            choice["message"] = {"role": "assistant", "content": r.text}
+            choice["message"] = {"role": "assistant", "content": text}
         else:
-            choice["text"] = r.text
+            choice["text"] = text
         choices.append(choice)
-    first = results[0]
+    first, spent = results[0], usage(*(r.stats for r in results))
+    if req.echo_only:  # the one token decoded was dropped
+        spent.update(completion_tokens=0, total_tokens=spent["prompt_tokens"])
     return {"id": new_id(req.kind), "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": int(time.time()), "model": req.model, "system_fingerprint": fingerprint,
-            "choices": choices, "usage": usage(*(r.stats for r in results)),
+            "choices": choices, "usage": spent,
             "trserve": extras(first, first.finish_reason, queue_s, req.request.tenant)}
 
 

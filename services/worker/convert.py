@@ -55,18 +55,18 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, default_tenan
         prompt=text, messages=messages, input_ids=token_ids, max_new_tokens=_max_new_tokens(req, limits),
         stop_strings=tuple(req.stop_sequences), stop_token_ids=tuple(req.stop_token_ids), mode=MODES[req.mode],
         tree=_tree_name(req.tree), sampling=_sampling_from_pb(req.sampling), logprobs=_logprobs_from_pb(req),
-        ignore_eos=req.ignore_eos,
+        ignore_eos=req.ignore_eos, prompt_logprobs=int(req.top_logprobs) if req.prompt_logprobs else None,
     )
     return GenerateCall(tenant=tenant, domain=domain, request=request, return_token_ids=req.return_token_ids)
 
 
 def _logprobs_from_pb(req: pb.GenerateRequest) -> int | None:
-    if not req.logprobs:
-        if req.top_logprobs:
-            raise InvalidArgument("top_logprobs needs logprobs = true")
-        return None
     if req.top_logprobs > 20:
         raise InvalidArgument(f"top_logprobs must be in 0..20, got {req.top_logprobs}")
+    if not req.logprobs:
+        if req.top_logprobs and not req.prompt_logprobs:
+            raise InvalidArgument("top_logprobs needs logprobs or prompt_logprobs = true")
+        return None
     return int(req.top_logprobs)
 
 
@@ -173,7 +173,7 @@ def result_to_pb(result: GenerationResult, call: GenerateCall, queue_s: float) -
     return pb.GenerateResponse(
         text=result.text, token_ids=result.ids if call.return_token_ids else [],
         finish_reason=FINISH_REASONS[result.finish_reason], stats=stats_to_pb(result.stats, queue_s),
-        logprobs=logprobs_to_pb(result.logprobs),
+        logprobs=logprobs_to_pb(result.logprobs), prompt_logprobs=logprobs_to_pb((result.prompt_logprobs or ())[1:]),
     )
 
 

@@ -153,3 +153,30 @@ def test_logprobs_of_tr_equal_plain_decodings_bit_for_bit_and_the_models(decoder
     for i in range(min(n, len(ours))):
         want = token_logprob(ref_logits[i].float(), ours[i].token, 5)
         assert abs(want.logprob - ours[i].logprob) < 2e-3, (i, want, ours[i])
+
+
+@pytest.mark.slow
+def test_prompt_logprobs_do_not_depend_on_the_prefill_chunk_and_are_the_models(decoder, hf_reference):
+    """Issue 44, item 3 (echo): a prompt token's logprob comes from the prefill row that predicted it,
+    whose numbers do not depend on how the prompt was cut into chunks (16 or 128 tokens a step) nor on
+    TR or AR; against transformers' own forward of the whole prompt, within float32 kernel tolerance."""
+    from trserve.engine.tr.logprobs import token_logprob
+
+    ids = decoder.prompts.chat_ids([{"role": "user", "content": _prompts()[0]["turns"][0]}])
+    got = {}
+    for chunk, mode in ((16, "tr"), (128, "tr"), (128, "ar")):
+        engine = BatchEngine(decoder, EngineConfig(max_batch=2, prefill_chunk=chunk))
+        out: list = []
+        engine.submit(decoder.prepare(GenerationRequest(input_ids=ids, max_new_tokens=1, mode=mode,
+                                                        prompt_logprobs=3)), out.append, matrix=decoder.new_matrix())
+        with engine.stepping():
+            while engine.running or engine.waiting or engine.prefilling:
+                engine.step()
+        got[(chunk, mode)] = out[-1].prompt_logprobs
+    first = got[(16, "tr")]
+    assert first == got[(128, "tr")] == got[(128, "ar")] and len(first) == len(ids)
+    assert first[0].logprob is None and [lp.token for lp in first] == ids
+    with torch.inference_mode():
+        logits = hf_reference.model(torch.tensor([ids])).logits[0]
+    worst = max(abs(token_logprob(logits[q - 1], ids[q]).logprob - first[q].logprob) for q in range(1, len(ids)))
+    assert worst < 2e-3, worst

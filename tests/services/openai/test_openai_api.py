@@ -194,3 +194,26 @@ def test_n_choices_each_reproducible_with_a_seed(client, model_id):
         client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, n=2, stream=True)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, n=17)
+
+
+def test_echo_scores_a_prompt_as_lm_evaluation_harness_asks(client, model_id):
+    """Issue 44, item 3: lm-evaluation-harness's local-completions sends echo=true, logprobs=1,
+    max_tokens=0 and reads the prompt's token logprobs (the first null). The same numbers under AR, and
+    the model's own (each token's logprob is at most its top alternative's)."""
+    prompt = "The capital of France is Paris. The capital of Italy is Rome."
+    ask = dict(model=model_id, prompt=prompt, echo=True, logprobs=1, max_tokens=0, temperature=0)
+    scored = client.completions.create(**ask)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text == prompt and "".join(lp.tokens) == prompt
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v <= 0 for v in lp.token_logprobs[1:]) and all(len(t) == 1 for t in lp.top_logprobs[1:])
+    assert all(v <= max(t.values()) + 1e-9 for v, t in zip(lp.token_logprobs[1:], lp.top_logprobs[1:]))
+    assert scored.usage.completion_tokens == 0 and scored.usage.prompt_tokens == len(lp.tokens)
+    ar = client.completions.create(**ask, extra_body={"mode": "ar"}).choices[0].logprobs
+    assert ar.token_logprobs == lp.token_logprobs and ar.tokens == lp.tokens
+    more = client.completions.create(**{**ask, "max_tokens": 3})
+    assert more.choices[0].text.startswith(prompt) and len(more.choices[0].logprobs.tokens) == len(lp.tokens) + 3
+    assert more.choices[0].logprobs.token_logprobs[: len(lp.tokens)] == lp.token_logprobs
+    for bad in ({"max_tokens": 0, "echo": False}, {"stream": True}):
+        with pytest.raises(openai.BadRequestError):
+            client.completions.create(**{**ask, **bad})

@@ -222,3 +222,14 @@ def test_grpc_logprobs_unary_and_streamed(worker) -> None:
             with pytest.raises(grpc.RpcError) as refused:
                 stub.Generate(bad, timeout=60)
             assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_grpc_prompt_logprobs(worker) -> None:
+    """GenerateRequest.prompt_logprobs: each prompt token after the first, with top_logprobs alternatives."""
+    with grpc.insecure_channel(worker.addr) as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        ids = stub.Tokenize(pb.TokenizeRequest(text="Scoring this short text."), timeout=30).token_ids
+        reply = stub.Generate(pb.GenerateRequest(text="Scoring this short text.", max_new_tokens=1, prompt_logprobs=True,
+                                                 top_logprobs=2), timeout=60)
+        assert [lp.token_id for lp in reply.prompt_logprobs] == list(ids)[1:] and not reply.logprobs
+        assert all(len(lp.top) == 2 and lp.logprob <= lp.top[0].logprob for lp in reply.prompt_logprobs)
