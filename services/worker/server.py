@@ -101,8 +101,10 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     `draft_source_factory(tenant, domain)`: where TR drafts come from; default = an embedded
     MatrixStore (Redis snapshots when config.redis_url is set).
     """
-    # Every torch call runs on this executor's one thread, model loading included: torch work from
-    # two threads gives two OpenMP thread teams fighting over the cores (measured: ~30% slower decoding).
+    # Model loading and the decode loop (every forward) run on this executor's one thread: forwards from
+    # two threads give two OpenMP thread teams fighting over the cores (measured: ~30% slower decoding).
+    # Not everything torch does is here: callers' engine.submit (a request's sampler, its draft session's
+    # matrix checkout) and tokenizing run in the default executor's threads, small tensor work only.
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="trserve-engine")
     loop = asyncio.get_running_loop()
     if decoder is None:
