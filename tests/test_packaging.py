@@ -18,7 +18,9 @@ from packaging.utils import canonicalize_name
 from tests.conftest import REPO
 
 BUILD_ONLY = {"grpcio-tools"}  # generates the code at build time; not needed at run time
-TEST_ONLY = {"openai"}  # the tests' client of the OpenAI-compatible API (tests/services/openai)
+# the tests' client of the OpenAI-compatible API (tests/services/openai); the manifests' schema checker
+# (tests/services/cluster/test_deploy_files.py)
+TEST_ONLY = {"openai", "kubernetes-validate"}
 
 
 def _pyproject() -> dict:
