@@ -101,7 +101,7 @@ class BatchEngine:
             raise InvalidArgument(f"acceptance log is for tree {acceptance.template.name!r}, "
                                   f"but this request uses {tree.template.name!r}")
         seq = Sequence(prepared, StopChecker(d.tokenizer, set(prepared.stop_ids), req.stop_strings),
-                       new_sampler(req.sampling, req.max_new_tokens, d.device), acceptance, tuner)
+                       new_sampler(req.sampling, req.max_new_tokens, d.device), acceptance, tuner, d.device)
         live = Live(seq, emit, tree, cancelled, deadline, (tenant, tree.template if tree else None))
         self.scheduler.check_fits(live)
         if req.mode == "tr":
@@ -282,7 +282,7 @@ class BatchEngine:
     def _start(self, live: Live, last: torch.Tensor) -> None:
         """The prompt is in: first token, draft session, and the sequence joins the batch."""
         self.scheduler.join(live)
-        live.root = int(choose(last, live.seq.sampler, 0)[0])
+        live.root = int(choose(last, live.seq.sampler, 0, rules=live.seq.rules)[0])
         if live.seed:
             live.recycled = latest_rows(*(torch.cat(part) for part in zip(*live.seed)))
             live.seed = []
@@ -304,7 +304,7 @@ class BatchEngine:
             t0 = time.perf_counter()
             seq = live.seq
             if draft is None:  # plain decoding this step
-                new, path = [int(choose(lg, seq.sampler, len(seq.generated), top)[0])], [0]
+                new, path = [int(choose(lg, seq.sampler, len(seq.generated), top, seq.rules)[0])], [0]
                 if live.session is not None:  # the root's top-k is recycled like any verified node's
                     live.plain.append((live.root, *next(plain_rows)))
             else:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from trserve.engine.request.request import PreparedRequest
 from trserve.engine.request.stops import StopChecker
 from trserve.engine.tr.logprobs import TokenLogprob
+from trserve.engine.tr.rules import LogitRules
 from trserve.engine.tr.lookup import ContextLookup
 from trserve.engine.tr.sampling import Sampler
 from trserve.engine.tuning.online import OnlineTuner
@@ -15,7 +16,7 @@ class Sequence:
     """Committed tokens, stop/length bookkeeping and the per-request drafting helpers."""
 
     def __init__(self, prepared: PreparedRequest, stops: StopChecker, sampler: Sampler | None,
-                 log: AcceptanceLog | None = None, tuner: OnlineTuner | None = None) -> None:
+                 log: AcceptanceLog | None = None, tuner: OnlineTuner | None = None, device=None) -> None:
         self.prepared = prepared
         self.stops = stops
         self.sampler = sampler
@@ -28,6 +29,8 @@ class Sequence:
         self.drafted: dict[str, int] = {}
         self.accepted: dict[str, int] = {}
         self.draft_steps = 0  # steps that verified at least one draft token
+        req = prepared.request  # its logit rules (engine/tr/rules.py), None without: the raw argmax
+        self.rules = LogitRules.of(req.logit_bias, req.min_tokens, prepared.stop_ids, device or "cpu")
         self.logprobs: list | None = [] if prepared.request.logprobs is not None else None  # per generated token
         # per prompt token, where asked; the first has no logprob (nothing predicts it)
         self.prompt_logprobs: list | None = (

@@ -73,7 +73,8 @@ def accept_step(seq: Sequence, draft: Draft, logits: torch.Tensor, k: int, past:
     them; probs: those ids' confidences [n, k] where it computed them too, else what computes them)
     -> (accepted path and tokens, rows to recycle); records the step for the tuner (exploration
     steps) or the caller's acceptance log."""
-    greedy = choose_in_tree(logits, draft.tokens, draft.tree, seq.sampler, len(seq.generated), topk)  # argmax or samples
+    greedy = choose_in_tree(logits, draft.tokens, draft.tree, seq.sampler, len(seq.generated), topk,
+                            seq.rules)  # argmax or samples, under the request's logit rules
     acc = accept_greedy(draft.tokens, greedy, draft.tree)
     rows = recycle_rows(draft.tokens, logits, k, acc.path, topk, probs)
     count_sources(seq, draft, acc.path)

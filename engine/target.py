@@ -106,6 +106,7 @@ class TargetModel:
             tree = self._resolve_tree(request.tree) if request.tree is not None else self.default_tree
         self._check_budget(len(ids), request.max_new_tokens, tree)
         stop_ids = frozenset(check_token_ids(request.stop_token_ids, self.vocab_size, "stop token ids"))
+        check_token_ids([i for i, _ in request.logit_bias], self.vocab_size, "logit_bias token ids")
         return PreparedRequest(request, tuple(ids), tree, stop_ids | (frozenset() if request.ignore_eos else self.eos_ids))
 
     def _resolve_tree(self, tree: str | TreeTemplate | CompiledTree) -> CompiledTree:

@@ -41,6 +41,10 @@ class GenerationRequest:
     # the same for every prompt token after the first (from the prefill's logits; the prompt then never
     # comes from the prefix cache): None = none computed
     prompt_logprobs: int | None = None
+    # logit rules (engine/tr/rules.py), lossless under TR: (token id, amount added to its logit, in
+    # [-100, 100]) pairs, and no stop id (EOS or stop_token_ids) among the first `min_tokens` tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.prompt, self.messages, self.input_ids)) != 1:
@@ -55,6 +59,17 @@ class GenerationRequest:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 20):
                 raise InvalidArgument(f"{name} must be None or the alternatives per token, 0..20; got {value!r}")
+        try:
+            bias = tuple((int(i), float(b)) for i, b in (self.logit_bias.items() if isinstance(self.logit_bias, dict)
+                                                         else self.logit_bias))
+        except (TypeError, ValueError):
+            raise InvalidArgument("logit_bias must map token ids to numbers") from None
+        if any(not -100 <= b <= 100 for _, b in bias) or len({i for i, _ in bias}) != len(bias) or len(bias) > 300:
+            raise InvalidArgument("logit_bias takes at most 300 distinct token ids, each biased by -100..100")
+        object.__setattr__(self, "logit_bias", bias)
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
+                not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise InvalidArgument(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens!r}")
         stops = tuple(self.stop_strings)
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidArgument("stop strings must not be empty (an empty string stops nothing): remove it")

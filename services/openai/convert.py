@@ -10,8 +10,9 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from trserve.core.errors import InvalidArgument
 from trserve.engine.results import GenerationResult, GenerationStats
+from trserve.services.openai.errors import BadParam, ModelNotFound  # noqa: F401 - re-exported
+from trserve.services.openai.options import echo_options, logprobs_json, logprobs_options, rules_options
 from trserve.v1 import generate_pb2 as pb
 
 # trserve's finish reasons -> OpenAI's: a result cut short for any reason but a stop is "length"
@@ -21,29 +22,17 @@ ROLES = {"system": "system", "developer": "system", "user": "user", "assistant":
 MODES = {"tr": pb.DECODING_MODE_TR, "ar": pb.DECODING_MODE_AR}
 MAX_CHOICES = 16  # n
 # fields whose non-default values change the output in ways trserve does not do: refused, not ignored
-UNSUPPORTED = {"tools": None, "functions": None, "logit_bias": None,
+UNSUPPORTED = {"tools": None, "functions": None,
                "presence_penalty": 0, "frequency_penalty": 0, "suffix": None, "best_of": 1,
                "response_format": None, "audio": None, "prediction": None,
                # vLLM's extensions (extra_body) that change the output: refused until built, never ignored
                "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
                "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structured_outputs": None,
-               "min_tokens": 0, "repetition_penalty": 1.0, "length_penalty": 1.0, "min_p": 0.0,
+               "repetition_penalty": 1.0, "length_penalty": 1.0, "min_p": 0.0,
                "use_beam_search": False, "allowed_token_ids": None, "bad_words": None, "logits_processors": None,
                "prompt_logprobs": None, "truncate_prompt_tokens": None, "include_stop_str_in_output": False,
                "skip_special_tokens": True, "spaces_between_special_tokens": True, "continue_final_message": False,
                "add_generation_prompt": True, "chat_template": None, "chat_template_kwargs": None, "documents": None}
-
-
-class BadParam(InvalidArgument):
-    """An invalid request field; `param` names it (OpenAI's error.param)."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
-
-
-class ModelNotFound(BadParam):
-    status = "NOT_FOUND"
 
 
 @dataclass(frozen=True)
@@ -80,7 +69,7 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAI
         _prompt(body.get("prompt"), req)
     _limits(body, kind, req)
     _sampling(body, req)
-    _logprobs(body, kind, req)
+    logprobs_options(body, kind, req)
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise BadParam("stream must be true or false", "stream")
@@ -89,27 +78,8 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAI
         raise BadParam("stream_options must be an object", "stream_options")
     if stream and n > 1:
         raise BadParam("n > 1 is answered unary only: stream one call per choice", "n")
-    echo, echo_only = _echo(body, kind, req, stream)
+    echo, echo_only = echo_options(body, kind, req, stream)
     return OpenAIRequest(kind, model, req, stream, bool(options.get("include_usage")), n, echo, echo_only)
-
-
-def _echo(body: dict, kind: str, req: pb.GenerateRequest, stream: bool) -> tuple[str | None, bool]:
-    """completions' echo: the prompt before the text (and its logprobs, with logprobs N: what
-    lm-evaluation-harness scores with, echo=true, logprobs=1, max_tokens=0). Unary only."""
-    echo = body.get("echo", False)
-    if not isinstance(echo, bool):
-        raise BadParam("echo must be true or false", "echo")
-    if not echo:
-        if req.max_new_tokens == 0 and req.HasField("max_new_tokens"):
-            raise BadParam("max_tokens must be a positive integer (0 only with echo)", "max_tokens")
-        return None, False
-    if kind == "chat" or stream:
-        raise BadParam("echo is answered for unary completions only", "echo")
-    req.prompt_logprobs = True  # the prompt's ids (and, with logprobs N, what to answer of them)
-    only = req.HasField("max_new_tokens") and req.max_new_tokens == 0
-    if only:
-        req.max_new_tokens = 1  # the engine decodes at least one token: it is dropped from the answer
-    return (req.text if req.WhichOneof("input") == "text" else ""), only
 
 
 def choice_requests(req: OpenAIRequest) -> list[pb.GenerateRequest]:
@@ -207,55 +177,11 @@ def _limits(body: dict, kind: str, req: pb.GenerateRequest) -> None:
     if not isinstance(ignore_eos, bool):
         raise BadParam("ignore_eos must be true or false", "ignore_eos")
     req.ignore_eos = ignore_eos
+    rules_options(body, req)
     mode = body.get("mode", "tr")  # trserve's own: "ar" = plain decoding
     if mode not in MODES:
         raise BadParam(f"mode must be one of {sorted(MODES)}, got {mode!r}", "mode")
     req.mode = MODES[mode]
-
-
-def _logprobs(body: dict, kind: str, req: pb.GenerateRequest) -> None:
-    """chat: `logprobs` true/false and `top_logprobs` 0..20; completions: `logprobs` = the alternatives
-    per token, 0..20 (OpenAI allows 5; vLLM 20), null = none."""
-    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
-    if kind == "chat":
-        if logprobs is not None and not isinstance(logprobs, bool):
-            raise BadParam("logprobs must be true or false", "logprobs")
-        if top is not None:
-            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
-                raise BadParam(f"top_logprobs must be an integer in 0..20, got {top!r}", "top_logprobs")
-            if not logprobs:
-                raise BadParam("top_logprobs needs logprobs: true", "top_logprobs")
-        req.logprobs, req.top_logprobs = bool(logprobs), top or 0
-        return
-    if top is not None:
-        raise BadParam("top_logprobs is a chat field; completions take logprobs: N", "top_logprobs")
-    if logprobs is None:
-        return
-    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20:
-        raise BadParam(f"logprobs must be an integer in 0..20 (alternatives per token), got {logprobs!r}", "logprobs")
-    req.logprobs, req.top_logprobs = True, logprobs
-
-
-def logprobs_json(kind: str, logprobs, token_text, offset: int = 0) -> dict | None:
-    """OpenAI's logprobs object of these tokens (engine TokenLogprobs; None where none were asked):
-    chat's {"content": [...]} or completions' tokens / token_logprobs / top_logprobs / text_offset
-    (`offset`: the characters of completion text before the first of them)."""
-    if logprobs is None:
-        return None
-    if kind == "chat":
-        def entry(token: int, logprob: float) -> dict:
-            text = token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-        return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
-                            for lp in logprobs], "refusal": None}
-    tokens = [token_text(lp.token) for lp in logprobs]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{token_text(i): v for i, v in lp.top} if lp.logprob is not None else None
-                             for lp in logprobs] if any(lp.top for lp in logprobs) else None, "text_offset": offsets}
 
 
 def _sampling(body: dict, req: pb.GenerateRequest) -> None:

@@ -56,6 +56,7 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, default_tenan
         stop_strings=tuple(req.stop_sequences), stop_token_ids=tuple(req.stop_token_ids), mode=MODES[req.mode],
         tree=_tree_name(req.tree), sampling=_sampling_from_pb(req.sampling), logprobs=_logprobs_from_pb(req),
         ignore_eos=req.ignore_eos, prompt_logprobs=int(req.top_logprobs) if req.prompt_logprobs else None,
+        logit_bias=tuple(sorted(req.logit_bias.items())), min_tokens=int(req.min_tokens),
     )
     return GenerateCall(tenant=tenant, domain=domain, request=request, return_token_ids=req.return_token_ids)
 

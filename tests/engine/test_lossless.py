@@ -180,3 +180,33 @@ def test_prompt_logprobs_do_not_depend_on_the_prefill_chunk_and_are_the_models(d
         logits = hf_reference.model(torch.tensor([ids])).logits[0]
     worst = max(abs(token_logprob(logits[q - 1], ids[q]).logprob - first[q].logprob) for q in range(1, len(ids)))
     assert worst < 2e-3, worst
+
+
+@pytest.mark.slow
+def test_logit_rules_keep_tr_equal_to_plain_decoding(decoder):
+    """Issue 44, item 5 (in part): logit_bias and min_tokens change what is chosen at each node by the
+    row and its output position alone, so batched TR under them commits exactly plain decoding's ids;
+    and the rules do act (the banned token is gone, no EOS before min_tokens)."""
+    prompts = [decoder.prompts.chat_ids([{"role": "user", "content": q["turns"][0]}]) for q in _prompts()[:6]]
+    plain = [decoder.generate(GenerationRequest(input_ids=ids, max_new_tokens=32, mode="ar")) for ids in prompts]
+    banned = plain[0].ids[0]
+    bias = ((banned, -100.0), (plain[1].ids[2], 3.0))
+    short = decoder.prompts.chat_ids([{"role": "user", "content": "What is 2+2? Answer with just the number."}])
+    eos = decoder.generate(GenerationRequest(input_ids=short, max_new_tokens=32, mode="ar"))
+    assert eos.finish_reason == "eos" and len(eos.ids) < 12  # a prompt that ends early
+    requests = [dict(input_ids=ids, max_new_tokens=32, logit_bias=bias) for ids in prompts]
+    requests.append(dict(input_ids=short, max_new_tokens=32, min_tokens=20))
+    engine = BatchEngine(decoder, EngineConfig(max_batch=8, prefill_chunk=128, batch_aware=False))
+    matrix, outs = decoder.new_matrix(), [[] for _ in requests]
+    for kwargs, out in zip(requests, outs):
+        engine.submit(decoder.prepare(GenerationRequest(**kwargs, tree="cpu-hybrid")), out.append, matrix=matrix)
+    with engine.stepping():
+        while engine.running or engine.waiting or engine.prefilling:
+            engine.step()
+    for kwargs, out in zip(requests, outs):
+        ar = decoder.generate(GenerationRequest(**kwargs, mode="ar"))
+        assert out[-1].ids == ar.ids
+    assert all(banned not in out[-1].ids for out in outs[:-1]) and outs[0][-1].ids != plain[0].ids
+    held = outs[-1][-1].ids
+    assert len(held) >= 20 and not set(held[:20]) & decoder.eos_ids
+    assert sum(out[-1].stats.mat for out in outs) / len(outs) > 1.1

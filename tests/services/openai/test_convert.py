@@ -79,7 +79,7 @@ def test_usage_sums_draft_sources():
 
 @pytest.mark.parametrize("field, value", [
     ("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"), ("guided_choice", ["a", "b"]),
-    ("structured_outputs", {"json": {}}), ("min_tokens", 5), ("repetition_penalty", 1.2), ("min_p", 0.1),
+    ("structured_outputs", {"json": {}}), ("repetition_penalty", 1.2), ("min_p", 0.1),
     ("use_beam_search", True), ("bad_words", ["x"]), ("skip_special_tokens", False), ("prompt_logprobs", 1),
 ])
 def test_vllms_output_changing_fields_are_refused_not_ignored(field, value):
@@ -88,7 +88,7 @@ def test_vllms_output_changing_fields_are_refused_not_ignored(field, value):
     with pytest.raises(BadParam) as refused:
         parse_request({**CHAT, field: value}, "chat", MODEL, "t")
     assert refused.value.param == field and "not supported" in str(refused.value)
-    defaults = {"min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "use_beam_search": False,
+    defaults = {"repetition_penalty": 1.0, "min_p": 0.0, "use_beam_search": False,
                 "skip_special_tokens": True}
     if field in defaults:
         parse_request({**CHAT, field: defaults[field]}, "chat", MODEL, "t")
@@ -101,3 +101,17 @@ def test_vllms_ignore_eos_and_stop_token_ids_are_applied():
     for bad in ({"ignore_eos": "yes"}, {"stop_token_ids": ["7"]}):
         with pytest.raises(BadParam):
             parse_request({**CHAT, **bad}, "chat", MODEL, "t")
+
+
+def test_logit_bias_and_min_tokens_reach_the_engine_request():
+    """Issue 44, item 5 (in part): OpenAI's logit_bias and vLLM's min_tokens, applied losslessly."""
+    req = parse_request({**CHAT, "logit_bias": {"7": -100, "9": 2.5}, "min_tokens": 3, "max_tokens": 8}, "chat",
+                        MODEL, "t").request
+    r = generate_call_from_pb(req, Limits(), "default").request
+    assert r.logit_bias == ((7, -100.0), (9, 2.5)) and r.min_tokens == 3
+    for bad in ({"logit_bias": {"x": 1}}, {"logit_bias": {"7": 101}}, {"logit_bias": [1]}, {"min_tokens": -1}):
+        with pytest.raises(BadParam):
+            parse_request({**CHAT, **bad}, "chat", MODEL, "t")
+    with pytest.raises(InvalidArgument, match="min_tokens"):  # more than max_tokens: the engine's own check
+        generate_call_from_pb(parse_request({**CHAT, "min_tokens": 9, "max_tokens": 8}, "chat", MODEL, "t").request,
+                              Limits(), "default")

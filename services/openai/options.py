@@ -1,0 +1,93 @@
+"""Request options beyond the basics (services/openai/convert.py parses the rest): logprobs, echo
+(prompt logprobs), and the logit rules (logit_bias, min_tokens), each onto the Generate request; and
+OpenAI's logprobs object of an answer."""
+
+from __future__ import annotations
+
+from trserve.services.openai.errors import BadParam
+from trserve.v1 import generate_pb2 as pb
+
+
+def echo_options(body: dict, kind: str, req: pb.GenerateRequest, stream: bool) -> tuple[str | None, bool]:
+    """completions' echo: the prompt before the text (and its logprobs, with logprobs N: what
+    lm-evaluation-harness scores with, echo=true, logprobs=1, max_tokens=0). Unary only."""
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise BadParam("echo must be true or false", "echo")
+    if not echo:
+        if req.max_new_tokens == 0 and req.HasField("max_new_tokens"):
+            raise BadParam("max_tokens must be a positive integer (0 only with echo)", "max_tokens")
+        return None, False
+    if kind == "chat" or stream:
+        raise BadParam("echo is answered for unary completions only", "echo")
+    req.prompt_logprobs = True  # the prompt's ids (and, with logprobs N, what to answer of them)
+    only = req.HasField("max_new_tokens") and req.max_new_tokens == 0
+    if only:
+        req.max_new_tokens = 1  # the engine decodes at least one token: it is dropped from the answer
+    return (req.text if req.WhichOneof("input") == "text" else ""), only
+
+
+def rules_options(body: dict, req: pb.GenerateRequest) -> None:
+    """OpenAI's logit_bias {"token id": -100..100} and vLLM's min_tokens (engine/tr/rules.py)."""
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise BadParam('logit_bias must be an object {"token id": bias}', "logit_bias")
+        for key, value in bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise BadParam(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+                raise BadParam(f"logit_bias values must be numbers in -100..100, got {value!r}", "logit_bias")
+            req.logit_bias[token] = float(value)
+    minimum = body.get("min_tokens")
+    if minimum is not None:
+        if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 0:
+            raise BadParam(f"min_tokens must be an integer >= 0, got {minimum!r}", "min_tokens")
+        req.min_tokens = minimum
+
+
+def logprobs_options(body: dict, kind: str, req: pb.GenerateRequest) -> None:
+    """chat: `logprobs` true/false and `top_logprobs` 0..20; completions: `logprobs` = the alternatives
+    per token, 0..20 (OpenAI allows 5; vLLM 20), null = none."""
+    logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+    if kind == "chat":
+        if logprobs is not None and not isinstance(logprobs, bool):
+            raise BadParam("logprobs must be true or false", "logprobs")
+        if top is not None:
+            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20:
+                raise BadParam(f"top_logprobs must be an integer in 0..20, got {top!r}", "top_logprobs")
+            if not logprobs:
+                raise BadParam("top_logprobs needs logprobs: true", "top_logprobs")
+        req.logprobs, req.top_logprobs = bool(logprobs), top or 0
+        return
+    if top is not None:
+        raise BadParam("top_logprobs is a chat field; completions take logprobs: N", "top_logprobs")
+    if logprobs is None:
+        return
+    if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20:
+        raise BadParam(f"logprobs must be an integer in 0..20 (alternatives per token), got {logprobs!r}", "logprobs")
+    req.logprobs, req.top_logprobs = True, logprobs
+
+
+def logprobs_json(kind: str, logprobs, token_text, offset: int = 0) -> dict | None:
+    """OpenAI's logprobs object of these tokens (engine TokenLogprobs; None where none were asked):
+    chat's {"content": [...]} or completions' tokens / token_logprobs / top_logprobs / text_offset
+    (`offset`: the characters of completion text before the first of them)."""
+    if logprobs is None:
+        return None
+    if kind == "chat":
+        def entry(token: int, logprob: float) -> dict:
+            text = token_text(token)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
+                            for lp in logprobs], "refusal": None}
+    tokens = [token_text(lp.token) for lp in logprobs]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{token_text(i): v for i, v in lp.top} if lp.logprob is not None else None
+                             for lp in logprobs] if any(lp.top for lp in logprobs) else None, "text_offset": offsets}
