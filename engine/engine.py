@@ -184,8 +184,7 @@ class BatchEngine:
             self._fail_all(exc)
 
     def _fail_all(self, exc: Exception) -> None:
-        """After a failed step: every request in the engine gets `exc` (its caller maps it to a status)
-        instead of a result, and the engine starts again empty."""
+        """After a failed step: every request gets `exc` (its caller maps it), and the engine starts empty."""
         if self.prefix is not None:  # what a failed step's rows held is not trusted again
             self.prefix.clear()
         for live in self.scheduler.clear():
@@ -282,7 +281,7 @@ class BatchEngine:
     def _start(self, live: Live, last: torch.Tensor) -> None:
         """The prompt is in: first token, draft session, and the sequence joins the batch."""
         self.scheduler.join(live)
-        live.root = int(choose(last, live.seq.sampler, 0, rules=live.seq.rules)[0])
+        live.root = int(choose(last, live.seq.sampler, 0, rules=live.seq.rules, contexts=[[]])[0])
         if live.seed:
             live.recycled = latest_rows(*(torch.cat(part) for part in zip(*live.seed)))
             live.seed = []
@@ -304,7 +303,8 @@ class BatchEngine:
             t0 = time.perf_counter()
             seq = live.seq
             if draft is None:  # plain decoding this step
-                new, path = [int(choose(lg, seq.sampler, len(seq.generated), top, seq.rules)[0])], [0]
+                chosen = choose(lg, seq.sampler, len(seq.generated), top, seq.rules, [seq.generated])
+                new, path = [int(chosen[0])], [0]
                 if live.session is not None:  # the root's top-k is recycled like any verified node's
                     live.plain.append((live.root, *next(plain_rows)))
             else:

@@ -30,7 +30,7 @@ class Sequence:
         self.accepted: dict[str, int] = {}
         self.draft_steps = 0  # steps that verified at least one draft token
         req = prepared.request  # its logit rules (engine/tr/rules.py), None without: the raw argmax
-        self.rules = LogitRules.of(req.logit_bias, req.min_tokens, prepared.stop_ids, device or "cpu")
+        self.rules = LogitRules.of(req, prepared.stop_ids, prepared.ids, device or "cpu")
         self.logprobs: list | None = [] if prepared.request.logprobs is not None else None  # per generated token
         # per prompt token, where asked; the first has no logprob (nothing predicts it)
         self.prompt_logprobs: list | None = (

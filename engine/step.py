@@ -74,7 +74,7 @@ def accept_step(seq: Sequence, draft: Draft, logits: torch.Tensor, k: int, past:
     -> (accepted path and tokens, rows to recycle); records the step for the tuner (exploration
     steps) or the caller's acceptance log."""
     greedy = choose_in_tree(logits, draft.tokens, draft.tree, seq.sampler, len(seq.generated), topk,
-                            seq.rules)  # argmax or samples, under the request's logit rules
+                            seq.rules, seq.generated)  # argmax or samples, under the request's logit rules
     acc = accept_greedy(draft.tokens, greedy, draft.tree)
     rows = recycle_rows(draft.tokens, logits, k, acc.path, topk, probs)
     count_sources(seq, draft, acc.path)

@@ -45,6 +45,10 @@ class GenerationRequest:
     # [-100, 100]) pairs, and no stop id (EOS or stop_token_ids) among the first `min_tokens` tokens
     logit_bias: tuple[tuple[int, float], ...] = ()
     min_tokens: int = 0
+    # repetition penalties (engine/tr/rules.py), lossless under TR too: 1 / 0 / 0 = off
+    repetition_penalty: float = 1.0  # in (0, 10]
+    frequency_penalty: float = 0.0  # in [-2, 2]
+    presence_penalty: float = 0.0  # in [-2, 2]
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.prompt, self.messages, self.input_ids)) != 1:
@@ -70,6 +74,12 @@ class GenerationRequest:
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, int) or \
                 not 0 <= self.min_tokens <= self.max_new_tokens:
             raise InvalidArgument(f"min_tokens must be in 0..max_new_tokens ({self.max_new_tokens}), got {self.min_tokens!r}")
+        for name, lo, hi in (("repetition_penalty", 0.0, 10.0), ("frequency_penalty", -2.0, 2.0),
+                             ("presence_penalty", -2.0, 2.0)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi or \
+                    (name == "repetition_penalty" and value == 0):
+                raise InvalidArgument(f"{name} must be a number in {'(' if lo == 0 else '['}{lo:g}, {hi:g}], got {value!r}")
         stops = tuple(self.stop_strings)
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidArgument("stop strings must not be empty (an empty string stops nothing): remove it")

@@ -1,13 +1,20 @@
-"""Logit rules a request may add before each choice: `logit_bias` (a fixed amount added to chosen ids'
-logits, OpenAI's) and `min_tokens` (vLLM's: no stop id before that many tokens).
+"""Logit rules a request may add before each choice: OpenAI's `logit_bias` (a fixed amount added to
+chosen ids' logits), vLLM's `min_tokens` (no stop id before that many tokens), and the repetition
+penalties: `repetition_penalty` (transformers' and vLLM's: a logit of an id already in the prompt or
+output divided by it where positive, multiplied where negative), `frequency_penalty` and
+`presence_penalty` (OpenAI's: minus the amount times the id's count in the output, minus the amount
+once for an id that appeared).
 
-Both depend only on the row and the output position the row predicts, never on the tree around it,
-so a tree node's choice under the rules is exactly the choice plain decoding makes at that position:
-TR stays lossless with them. (Penalties depending on the tokens before, presence / frequency /
-repetition, would need each node's path; they are not built.) Raw logits still feed recycling."""
+What each rule reads is the row, the output position it predicts, and the tokens before that
+position: for a tree node, the committed output plus the drafted tokens on its path, exactly what
+plain decoding would have at that position. So a node's choice under the rules is plain decoding's
+choice there, and TR stays lossless with them. The order on a row is fixed (repetition, frequency
+and presence, bias, then the min_tokens ban), each id touched once per rule. Raw logits still feed
+recycling."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -19,21 +26,39 @@ class LogitRules:
     bias: torch.Tensor  # [b] float32, added to those ids' logits
     stop_ids: torch.Tensor  # [s] int64, banned (-inf) at output positions < min_tokens
     min_tokens: int
+    repetition: float = 1.0  # 1 = off
+    frequency: float = 0.0
+    presence: float = 0.0
+    prompt: frozenset[int] = frozenset()  # the prompt's ids (repetition_penalty counts them too)
 
     @classmethod
-    def of(cls, logit_bias: tuple[tuple[int, float], ...], min_tokens: int, stop_ids, device) -> LogitRules | None:
-        """The rules of a request, or None where it has none (the fast path: raw argmax)."""
-        if not logit_bias and not (min_tokens and stop_ids):
+    def of(cls, request, stop_ids, prompt_ids, device) -> LogitRules | None:
+        """The rules of a GenerationRequest, or None where it has none (the fast path: raw argmax)."""
+        r = request
+        if not r.logit_bias and not (r.min_tokens and stop_ids) and r.repetition_penalty == 1.0 \
+                and not r.frequency_penalty and not r.presence_penalty:
             return None
-        ids = torch.tensor([i for i, _ in logit_bias], dtype=torch.long, device=device)
-        bias = torch.tensor([b for _, b in logit_bias], dtype=torch.float32, device=device)
+        ids = torch.tensor([i for i, _ in r.logit_bias], dtype=torch.long, device=device)
+        bias = torch.tensor([b for _, b in r.logit_bias], dtype=torch.float32, device=device)
         stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device)
-        return cls(ids, bias, stops, min_tokens)
+        prompt = frozenset(prompt_ids) if r.repetition_penalty != 1.0 else frozenset()
+        return cls(ids, bias, stops, r.min_tokens, r.repetition_penalty, r.frequency_penalty, r.presence_penalty,
+                   prompt)
 
-    def apply(self, logits: torch.Tensor, positions: torch.Tensor | int) -> torch.Tensor:
-        """logits [n, V] of rows predicting output positions `positions` ([n] or one int) -> a new
-        [n, V] with the rules applied (the same float ops on each row, whatever n)."""
+    @property
+    def reads_context(self) -> bool:
+        """Whether a row's rules depend on the tokens before it (then each tree node needs its path)."""
+        return self.repetition != 1.0 or self.frequency != 0.0 or self.presence != 0.0
+
+    def apply(self, logits: torch.Tensor, positions: torch.Tensor | int,
+              contexts: list[list[int]] | None = None) -> torch.Tensor:
+        """logits [n, V] of rows predicting output positions `positions` ([n] or one int), each after the
+        output tokens contexts[i] (needed where `reads_context`) -> a new [n, V] with the rules applied
+        (the same float ops on each row, whatever n or the rows beside it)."""
         out = logits.float().clone()
+        if self.reads_context:
+            for row, context in zip(out, contexts):
+                self._penalise(row, context)
         if self.bias_ids.numel():
             out[:, self.bias_ids] += self.bias.to(out.device)
         if self.min_tokens and self.stop_ids.numel():
@@ -43,3 +68,15 @@ class LogitRules:
             if early.numel():
                 out[early[:, None], self.stop_ids.to(out.device)[None, :]] = float("-inf")
         return out
+
+    def _penalise(self, row: torch.Tensor, context: list[int]) -> None:
+        """row [V] in place: repetition over prompt and output ids, then frequency and presence."""
+        counts = Counter(context)
+        if self.repetition != 1.0:
+            seen = torch.tensor(sorted(self.prompt | counts.keys()), dtype=torch.long, device=row.device)
+            x = row[seen]
+            row[seen] = torch.where(x > 0, x / self.repetition, x * self.repetition)
+        if (self.frequency or self.presence) and counts:
+            ids = torch.tensor(sorted(counts), dtype=torch.long, device=row.device)
+            n = torch.tensor([counts[i] for i in sorted(counts)], dtype=torch.float32, device=row.device)
+            row[ids] -= n * self.frequency + self.presence

@@ -162,7 +162,8 @@ def new_sampler(params: SamplingParams | None, positions: int, device: torch.dev
 
 
 def choose_in_tree(logits: torch.Tensor, tokens: torch.Tensor, tree, sampler: Sampler | None,
-                   at: int, topk: torch.Tensor | None = None, rules=None) -> torch.Tensor:
+                   at: int, topk: torch.Tensor | None = None, rules=None,
+                   generated: list[int] | None = None) -> torch.Tensor:
     """What each verified node emits, for `accept_greedy`: the argmax when greedy, else samples.
 
     logits: [n, V], tokens: [n] drafted (root first), tree: `parent` [n] and `depth` [n] (a
@@ -174,9 +175,12 @@ def choose_in_tree(logits: torch.Tensor, tokens: torch.Tensor, tree, sampler: Sa
     Example: tokens [5, 7, 9, 3], paths [[0], [1], [0, 0]], samples root -> 7, node 1 -> 4:
     node 2 (9) and node 3 (3) are never sampled -> [7, 4, -1, -1].
     topk: [n, k] the nodes' top-k ids where the forward computed them (column 0 = the argmax).
-    rules: a request's LogitRules (engine/tr/rules.py), applied per node at its own output position.
+    rules: a request's LogitRules (engine/tr/rules.py), applied per node at its own output position;
+    where they read the tokens before (penalties), each node's are `generated` + its path's drafts, and
+    only the reachable nodes are chosen, as when sampling.
     """
-    if sampler is None:
+    paths = rules is not None and rules.reads_context
+    if sampler is None and not paths:
         return choose(logits, None, at + tree.depth if rules is not None else at, topk, rules)
     parent, tok = tree.parent.tolist(), tokens.tolist()
     children: list[list[int]] = [[] for _ in tok]
@@ -186,22 +190,33 @@ def choose_in_tree(logits: torch.Tensor, tokens: torch.Tensor, tree, sampler: Sa
     frontier = [0]
     while frontier:
         index = torch.tensor(frontier, device=logits.device)  # [f]
-        picked = choose(logits[index], sampler, at + tree.depth[index], rules=rules)  # [f]
+        contexts = [generated + _path_tokens(u, parent, tok) for u in frontier] if paths else None
+        picked = choose(logits[index], sampler, at + tree.depth[index], rules=rules, contexts=contexts)  # [f]
         choices[index] = picked
         frontier = [c for u, x in zip(frontier, picked.tolist()) for c in children[u] if tok[c] == x]
     return choices
 
 
+def _path_tokens(node: int, parent: list[int], tokens: list[int]) -> list[int]:
+    """The drafted tokens on the path root -> node, the root's excluded (it is committed already)."""
+    path = []
+    while node:
+        path.append(tokens[node])
+        node = parent[node]
+    return path[::-1]
+
+
 def choose(logits: torch.Tensor, sampler: Sampler | None, positions: torch.Tensor | int,
-           topk: torch.Tensor | None = None, rules=None) -> torch.Tensor:
+           topk: torch.Tensor | None = None, rules=None, contexts: list[list[int]] | None = None) -> torch.Tensor:
     """The token each node emits: the argmax when greedy (sampler None), else the seeded sample.
 
     logits: [n, V]; positions: [n] (or one int for every row) output positions -> [n] int64.
     topk: [n, k] the rows' top-k ids where the forward computed them (column 0 = the argmax).
-    rules: a request's LogitRules, applied first (the forward's top-k is then not the choice).
+    rules: a request's LogitRules, applied first (the forward's top-k is then not the choice), with
+    `contexts` [n] the output tokens before each row where they read them.
     """
     if rules is not None:
-        logits, topk = rules.apply(logits, positions), None
+        logits, topk = rules.apply(logits, positions, contexts), None
     if sampler is None:
         return topk[:, 0].long() if topk is not None else logits.argmax(dim=-1)
     if isinstance(positions, int):

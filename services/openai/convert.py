@@ -23,12 +23,12 @@ MODES = {"tr": pb.DECODING_MODE_TR, "ar": pb.DECODING_MODE_AR}
 MAX_CHOICES = 16  # n
 # fields whose non-default values change the output in ways trserve does not do: refused, not ignored
 UNSUPPORTED = {"tools": None, "functions": None,
-               "presence_penalty": 0, "frequency_penalty": 0, "suffix": None, "best_of": 1,
+               "suffix": None, "best_of": 1,
                "response_format": None, "audio": None, "prediction": None,
                # vLLM's extensions (extra_body) that change the output: refused until built, never ignored
                "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
                "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structured_outputs": None,
-               "repetition_penalty": 1.0, "length_penalty": 1.0, "min_p": 0.0,
+               "length_penalty": 1.0, "min_p": 0.0,
                "use_beam_search": False, "allowed_token_ids": None, "bad_words": None, "logits_processors": None,
                "prompt_logprobs": None, "truncate_prompt_tokens": None, "include_stop_str_in_output": False,
                "skip_special_tokens": True, "spaces_between_special_tokens": True, "continue_final_message": False,

@@ -28,7 +28,8 @@ def echo_options(body: dict, kind: str, req: pb.GenerateRequest, stream: bool) -
 
 
 def rules_options(body: dict, req: pb.GenerateRequest) -> None:
-    """OpenAI's logit_bias {"token id": -100..100} and vLLM's min_tokens (engine/tr/rules.py)."""
+    """OpenAI's logit_bias {"token id": -100..100}, frequency and presence penalties, vLLM's min_tokens and
+    repetition_penalty (engine/tr/rules.py)."""
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict):
@@ -41,6 +42,15 @@ def rules_options(body: dict, req: pb.GenerateRequest) -> None:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
                 raise BadParam(f"logit_bias values must be numbers in -100..100, got {value!r}", "logit_bias")
             req.logit_bias[token] = float(value)
+    for name, lo, hi in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0),
+                         ("repetition_penalty", 0.0, 10.0)):
+        value = body.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi or \
+                (name == "repetition_penalty" and value == 0):
+            raise BadParam(f"{name} must be a number in {'(' if lo == 0 else '['}{lo:g}, {hi:g}], got {value!r}", name)
+        setattr(req, name, float(value))
     minimum = body.get("min_tokens")
     if minimum is not None:
         if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 0:

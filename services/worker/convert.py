@@ -57,6 +57,8 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, default_tenan
         tree=_tree_name(req.tree), sampling=_sampling_from_pb(req.sampling), logprobs=_logprobs_from_pb(req),
         ignore_eos=req.ignore_eos, prompt_logprobs=int(req.top_logprobs) if req.prompt_logprobs else None,
         logit_bias=tuple(sorted(req.logit_bias.items())), min_tokens=int(req.min_tokens),
+        repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
+        frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
     )
     return GenerateCall(tenant=tenant, domain=domain, request=request, return_token_ids=req.return_token_ids)
 

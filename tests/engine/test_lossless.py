@@ -184,9 +184,10 @@ def test_prompt_logprobs_do_not_depend_on_the_prefill_chunk_and_are_the_models(d
 
 @pytest.mark.slow
 def test_logit_rules_keep_tr_equal_to_plain_decoding(decoder):
-    """Issue 44, item 5 (in part): logit_bias and min_tokens change what is chosen at each node by the
-    row and its output position alone, so batched TR under them commits exactly plain decoding's ids;
-    and the rules do act (the banned token is gone, no EOS before min_tokens)."""
+    """Issue 44, item 5: logit_bias, min_tokens and the repetition penalties change what is chosen at
+    each node by the row, its output position and the tokens before it (the output plus the node's
+    path), so batched TR under them commits exactly plain decoding's ids; and the rules do act (the
+    banned token is gone, penalised outputs differ, no EOS before min_tokens)."""
     prompts = [decoder.prompts.chat_ids([{"role": "user", "content": q["turns"][0]}]) for q in _prompts()[:6]]
     plain = [decoder.generate(GenerationRequest(input_ids=ids, max_new_tokens=32, mode="ar")) for ids in prompts]
     banned = plain[0].ids[0]
@@ -194,7 +195,9 @@ def test_logit_rules_keep_tr_equal_to_plain_decoding(decoder):
     short = decoder.prompts.chat_ids([{"role": "user", "content": "What is 2+2? Answer with just the number."}])
     eos = decoder.generate(GenerationRequest(input_ids=short, max_new_tokens=32, mode="ar"))
     assert eos.finish_reason == "eos" and len(eos.ids) < 12  # a prompt that ends early
-    requests = [dict(input_ids=ids, max_new_tokens=32, logit_bias=bias) for ids in prompts]
+    requests = [dict(input_ids=ids, max_new_tokens=32, logit_bias=bias) for ids in prompts[:4]]
+    requests += [dict(input_ids=prompts[4], max_new_tokens=32, repetition_penalty=1.3),
+                 dict(input_ids=prompts[5], max_new_tokens=32, frequency_penalty=0.8, presence_penalty=0.4)]
     requests.append(dict(input_ids=short, max_new_tokens=32, min_tokens=20))
     engine = BatchEngine(decoder, EngineConfig(max_batch=8, prefill_chunk=128, batch_aware=False))
     matrix, outs = decoder.new_matrix(), [[] for _ in requests]
@@ -206,7 +209,8 @@ def test_logit_rules_keep_tr_equal_to_plain_decoding(decoder):
     for kwargs, out in zip(requests, outs):
         ar = decoder.generate(GenerationRequest(**kwargs, mode="ar"))
         assert out[-1].ids == ar.ids
-    assert all(banned not in out[-1].ids for out in outs[:-1]) and outs[0][-1].ids != plain[0].ids
+    assert all(banned not in out[-1].ids for out in outs[:4]) and outs[0][-1].ids != plain[0].ids
+    assert outs[4][-1].ids != plain[4].ids and outs[5][-1].ids != plain[5].ids
     held = outs[-1][-1].ids
     assert len(held) >= 20 and not set(held[:20]) & decoder.eos_ids
     assert sum(out[-1].stats.mat for out in outs) / len(outs) > 1.1

@@ -79,7 +79,7 @@ def test_usage_sums_draft_sources():
 
 @pytest.mark.parametrize("field, value", [
     ("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"), ("guided_choice", ["a", "b"]),
-    ("structured_outputs", {"json": {}}), ("repetition_penalty", 1.2), ("min_p", 0.1),
+    ("structured_outputs", {"json": {}}), ("min_p", 0.1),
     ("use_beam_search", True), ("bad_words", ["x"]), ("skip_special_tokens", False), ("prompt_logprobs", 1),
 ])
 def test_vllms_output_changing_fields_are_refused_not_ignored(field, value):
@@ -88,7 +88,7 @@ def test_vllms_output_changing_fields_are_refused_not_ignored(field, value):
     with pytest.raises(BadParam) as refused:
         parse_request({**CHAT, field: value}, "chat", MODEL, "t")
     assert refused.value.param == field and "not supported" in str(refused.value)
-    defaults = {"repetition_penalty": 1.0, "min_p": 0.0, "use_beam_search": False,
+    defaults = {"min_p": 0.0, "use_beam_search": False,
                 "skip_special_tokens": True}
     if field in defaults:
         parse_request({**CHAT, field: defaults[field]}, "chat", MODEL, "t")
@@ -115,3 +115,16 @@ def test_logit_bias_and_min_tokens_reach_the_engine_request():
     with pytest.raises(InvalidArgument, match="min_tokens"):  # more than max_tokens: the engine's own check
         generate_call_from_pb(parse_request({**CHAT, "min_tokens": 9, "max_tokens": 8}, "chat", MODEL, "t").request,
                               Limits(), "default")
+
+
+def test_penalties_reach_the_engine_request():
+    req = parse_request({**CHAT, "frequency_penalty": 0.5, "presence_penalty": -0.25, "repetition_penalty": 1.2},
+                        "chat", MODEL, "t").request
+    r = generate_call_from_pb(req, Limits(), "default").request
+    assert (r.frequency_penalty, r.presence_penalty) == (0.5, -0.25) and r.repetition_penalty == pytest.approx(1.2)
+    off = generate_call_from_pb(parse_request(CHAT, "chat", MODEL, "t").request, Limits(), "default").request
+    assert (off.repetition_penalty, off.frequency_penalty, off.presence_penalty) == (1.0, 0.0, 0.0)
+    for bad in ({"frequency_penalty": 3}, {"presence_penalty": "x"}, {"repetition_penalty": 0}):
+        with pytest.raises(BadParam) as refused:
+            parse_request({**CHAT, **bad}, "chat", MODEL, "t")
+        assert refused.value.param == next(iter(bad))
