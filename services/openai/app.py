@@ -204,7 +204,13 @@ class OpenAIApp:
         return JSONResponse({"status": "ok"})
 
     async def metrics(self, request: Request) -> Response:
+        """The worker's registry, on a server without tenant tokens. With tokens the API port faces
+        tenants, and the series name every tenant: they are on --metrics-port only."""
         from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+        if self.config.tenant_tokens is not None:
+            return error_response(PermissionDenied(
+                "with tenant tokens the metrics (which name every tenant) are served on --metrics-port only"))
 
         body = await asyncio.to_thread(generate_latest, self.servicer.metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)

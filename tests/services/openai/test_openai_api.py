@@ -150,6 +150,12 @@ def test_curl(client, server, model_id):
     unauthorised = subprocess.run(["curl", "-sS", "-w", "%{http_code}", "-o", "/dev/null", f"{server[1]}/models"],
                                   capture_output=True, text=True, timeout=60)
     assert unauthorised.stdout == "401"
+    # with tenant tokens the API port faces tenants: no metrics naming them there (issue 46)
+    hidden = subprocess.run(["curl", "-sS", "-w", "%{http_code}", "-o", "/dev/null",
+                             server[1].removesuffix("/v1") + "/metrics"], capture_output=True, text=True, timeout=60)
+    health = subprocess.run(["curl", "-sS", server[1].removesuffix("/v1") + "/health"], capture_output=True,
+                            text=True, timeout=60)
+    assert hidden.stdout == "403" and json.loads(health.stdout) == {"status": "ok"}
 
 
 def test_logprobs_are_openais_shapes_and_the_same_under_tr_and_ar(client, model_id):
