@@ -1,6 +1,7 @@
-"""`trserve` command line: one entry point, subcommands registered by the packages that own them.
+"""The services' command line: subcommands registered by the packages that own them. The whole
+`trserve` command (these plus the tools above the services, bench and tune) is trserve/cli.py.
 
-Each module in COMMAND_MODULES defines `register(subparsers)`, adding its subcommands with
+Each module in SERVICE_COMMANDS defines `register(subparsers)`, adding its subcommands with
 `set_defaults(func=callable(args) -> int)`. Those modules keep heavy imports (torch, grpc)
 inside the functions so `trserve --help` stays fast.
 """
@@ -12,18 +13,16 @@ import importlib
 import logging
 import sys
 
-COMMAND_MODULES = (
+SERVICE_COMMANDS = (
     "trserve.services.worker.cli",  # serve, worker
     "trserve.services.client.cli",  # generate
-    "trserve.services.matrix.cli",  # matrix, matrix-admin
+    "trserve.services.matrix.cli",  # matrix, matrix-admin, model-spec, secret
     "trserve.services.cluster.cli",  # cluster up|down|status, health
     "trserve.services.load.cli",  # load
-    "trserve.bench.cli",  # bench
-    "trserve.engine.tuning.cli",  # tune
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(modules: tuple[str, ...] = SERVICE_COMMANDS) -> argparse.ArgumentParser:
     from trserve.core.version import __version__
 
     parser = argparse.ArgumentParser(prog="trserve", description="Lossless speculative decoding with Token Recycling",
@@ -32,7 +31,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"trserve {__version__}")
     _log_flags(parser)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
+    for name in modules:
         try:
             module = importlib.import_module(name)
         except ModuleNotFoundError as e:
@@ -84,12 +83,13 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
-def main(argv: list[str] | None = None, environ: dict[str, str] | None = None) -> int:
+def main(argv: list[str] | None = None, environ: dict[str, str] | None = None,
+         modules: tuple[str, ...] = SERVICE_COMMANDS) -> int:
     import os
 
     from trserve.services.envconfig import BadEnv, apply_env, check_parsed
 
-    parser = build_parser()
+    parser = build_parser(modules)
     apply_env(parser, os.environ if environ is None else environ)
     args = parser.parse_args(argv)
     try:

@@ -133,6 +133,6 @@ This table is generated from the parser (`services/envconfig.py:env_table`); a t
 
 
 def environment_doc(parser: argparse.ArgumentParser) -> str:
-    """docs/environment.md: `python -c "from trserve.services.cli import build_parser; from trserve.services.envconfig import
-    environment_doc; print(environment_doc(build_parser()), end='')" > docs/environment.md`."""
+    """docs/environment.md: `python -c "from trserve.cli import build_parser; from trserve.services.envconfig import
+    environment_doc; print(environment_doc(build_parser()), end='')" > docs/environment.md` (every command)."""
     return DOC_HEADER + env_table(parser)

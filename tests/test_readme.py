@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from trserve.services.cli import build_parser
+from trserve.cli import build_parser
 from tests.conftest import REPO
 
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
