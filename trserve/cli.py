@@ -1,5 +1,5 @@
 """`trserve`, the whole command line: the services' commands (services/cli.py) and the tools that sit
-above the services, `bench` (trserve/bench) and `tune` (engine/tuning). The installed `trserve`
+above the services, `bench` and `tune` (trserve/bench). The installed `trserve`
 script and the image's entry point run this `main`."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 from trserve.services import cli as services
 
-COMMAND_MODULES = (*services.SERVICE_COMMANDS, "trserve.bench.cli", "trserve.engine.tuning.cli")
+COMMAND_MODULES = (*services.SERVICE_COMMANDS, "trserve.bench.cli", "trserve.bench.tune")
 
 
 def build_parser() -> argparse.ArgumentParser:
