@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from trserve.engine.constrained import constrained_draft
 from trserve.engine.model.runner import RowInput
 from trserve.engine.scheduler import Live
 from trserve.engine.step import draft_step, grown_draft
@@ -71,6 +72,10 @@ class Drafter:
                 draft = grown_draft(stage, size, tree, self.device)
             else:
                 draft = self._draft(live, *stage, size, chain)
+            if stage is not None and live.seq.grammar is not None and budget.config.grammar_drafting:
+                template = live.tree.template
+                draft = constrained_draft(draft, live.seq.grammar, live.root, template.max_width - 1,
+                                          lambda parent: self._compiled(template, parent))
             drafts.append(draft)
             inputs.append(self._plain_input(live.root) if draft is None
                           else RowInput(draft.tokens, draft.tree.depth, draft.tree.mask))

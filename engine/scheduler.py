@@ -43,6 +43,9 @@ class EngineConfig:
     # shorter shared prefixes are prefilled again; 16 lets the chat template's system turn (24 tokens for
     # the bundled model) be reused: 36 Spec-Bench first turns of one tenant prefilled in 3.9 s against 4.8-5.4 s
     prefix_min_tokens: int = 16
+    # TR under a grammar drafts its forced tokens and cuts the drafts it forbids (engine/constrained.py);
+    # False verifies the unconstrained drafts (the A/B of `trserve bench --structured`)
+    grammar_drafting: bool = True
 
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_batch_tokens < 64 or self.max_waiting < 0 or self.prefill_chunk < 1:

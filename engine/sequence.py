@@ -30,7 +30,9 @@ class Sequence:
         self.accepted: dict[str, int] = {}
         self.draft_steps = 0  # steps that verified at least one draft token
         req = prepared.request  # its logit rules (engine/tr/rules.py), None without: the raw argmax
-        self.rules = LogitRules.of(req, prepared.stop_ids, prepared.ids, device or "cpu")
+        # its structured output (engine/tr/grammar.py): this sequence's own grammar state, None without
+        self.grammar = prepared.grammar.matcher() if prepared.grammar is not None else None
+        self.rules = LogitRules.of(req, prepared.stop_ids, prepared.ids, device or "cpu", self.grammar)
         self.logprobs: list | None = [] if prepared.request.logprobs is not None else None  # per generated token
         # per prompt token, where asked; the first has no logprob (nothing predicts it)
         self.prompt_logprobs: list | None = (
@@ -51,13 +53,18 @@ class Sequence:
         if self.finish_reason is not None:
             return []
         verdict = self.stops.check(self.generated, new)
-        kept = new[: verdict.keep]
+        keep, reason = verdict.keep, verdict.reason
         room = self.max_new_tokens - len(self.generated)
+        if self.grammar is not None:  # a complete grammar ends the output where it completed
+            took = self.grammar.take(new[: min(keep, room)])
+            if self.grammar.done:
+                keep, reason = took, "grammar"
+        kept = new[:keep]
         if len(kept) >= room:
             kept = kept[:room]
-            self.finish_reason = verdict.reason if verdict.keep <= room and verdict.reason else "length"
-        elif verdict.reason:
-            self.finish_reason = verdict.reason
+            self.finish_reason = reason if keep <= room and reason else "length"
+        elif reason:
+            self.finish_reason = reason
         self.generated.extend(kept)
         if self.lookup is not None:
             self.lookup.extend(kept)

@@ -20,7 +20,7 @@ from trserve.engine.tuning.online import StepPlan
 from trserve.engine.tuning.records import AcceptanceLog
 
 
-SOURCES = ("root", "matrix", "context", "history")  # where a draft node came from: Draft.sources holds indices
+SOURCES = ("root", "matrix", "context", "history", "grammar")  # where a draft node came from: Draft.sources holds indices
 
 
 @dataclass(frozen=True, repr=False)
@@ -34,6 +34,7 @@ class Draft:
     sources: tuple[int, ...] | None = None  # [n] index into SOURCES per node; None: base nodes matrix, chain context
     grown: Grown | None = None  # a tree grown by confidence (engine/tr/dynamic.py): its first n nodes
     chain_source: int = CONTEXT  # where a static tree's grafted chain came from: CONTEXT or HISTORY
+    constrained: bool = False  # changed by the request's grammar (engine/constrained.py): no rates learnt
 
     def source_of(self, node: int) -> int:
         if self.sources is not None:

@@ -13,6 +13,7 @@ from trserve.engine.config import DecoderConfig
 from trserve.engine.model.loader import LoadedModel, load_model
 from trserve.engine.request.prompt import PromptBuilder, check_token_ids
 from trserve.engine.request.request import GenerationRequest, PreparedRequest
+from trserve.engine.tr.grammar import GrammarCompiler
 from trserve.engine.tr.history import SuffixHistory
 from trserve.engine.tr.matrix import AdjacencyMatrix
 from trserve.engine.tr.source import DraftSource, LocalDraftSource
@@ -39,6 +40,7 @@ class TargetModel:
         best_known = config.tree_for(self.device.type, self.loaded.kernels)
         self.default_tree = self.autotuner.universe if self.autotuner else self.compile(best_known)
         self.eos_ids = self._eos_ids()
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
         # One forward at a time on this model, whoever runs it (one engine's step; tests may build
         # several engines over one model): the attention function's per-forward mask cache is process state.
         self.model_lock = threading.Lock()
@@ -107,7 +109,9 @@ class TargetModel:
         self._check_budget(len(ids), request.max_new_tokens, tree)
         stop_ids = frozenset(check_token_ids(request.stop_token_ids, self.vocab_size, "stop token ids"))
         check_token_ids([i for i, _ in request.logit_bias], self.vocab_size, "logit_bias token ids")
-        return PreparedRequest(request, tuple(ids), tree, stop_ids | (frozenset() if request.ignore_eos else self.eos_ids))
+        grammar = self.grammars.compile(request.structured) if request.structured is not None else None
+        return PreparedRequest(request, tuple(ids), tree, stop_ids | (frozenset() if request.ignore_eos else self.eos_ids),
+                               grammar)
 
     def _resolve_tree(self, tree: str | TreeTemplate | CompiledTree) -> CompiledTree:
         if isinstance(tree, CompiledTree):

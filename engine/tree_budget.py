@@ -212,7 +212,10 @@ class TreeBudget:
         return self._subtrees[key]
 
     def learn(self, live: Live, draft, acc) -> None:
-        """A verified draft's outcome into its tenant's node rates (a grown tree's: its calibration)."""
+        """A verified draft's outcome into its tenant's node rates (a grown tree's: its calibration); a
+        draft the request's grammar changed says nothing about the unconstrained trees."""
+        if draft.constrained:
+            return
         if draft.grown is not None:
             w = draft.tokens.shape[0]
             self.calibration(live).record(draft.grown.bins[:w], draft.grown.parent[:w], acc.path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from trserve.core.errors import InvalidArgument
+from trserve.engine.tr.grammar import CompiledGrammar, StructuredOutput
 from trserve.engine.tr.sampling import SamplingParams
 from trserve.engine.tr.tree import CompiledTree, TreeTemplate
 
@@ -49,6 +50,8 @@ class GenerationRequest:
     repetition_penalty: float = 1.0  # in (0, 10]
     frequency_penalty: float = 0.0  # in [-2, 2]
     presence_penalty: float = 0.0  # in [-2, 2]
+    # the output must follow this grammar (engine/tr/grammar.py; lossless under TR); None = free text
+    structured: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.prompt, self.messages, self.input_ids)) != 1:
@@ -80,6 +83,8 @@ class GenerationRequest:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi or \
                     (name == "repetition_penalty" and value == 0):
                 raise InvalidArgument(f"{name} must be a number in {'(' if lo == 0 else '['}{lo:g}, {hi:g}], got {value!r}")
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise InvalidArgument(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         stops = tuple(self.stop_strings)
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidArgument("stop strings must not be empty (an empty string stops nothing): remove it")
@@ -101,6 +106,7 @@ class PreparedRequest:
     ids: tuple[int, ...]  # prompt token ids, each in [0, V)
     tree: CompiledTree | None  # the tree verified (the tuner's universe when tuned); None for "ar"
     stop_ids: frozenset[int] = field(default_factory=frozenset)  # EOS (unless ignored) + the request's
+    grammar: CompiledGrammar | None = None  # the request's structured output, checked against the model
 
     def __repr__(self) -> str:
         tree = self.tree.template.name if self.tree is not None else None

@@ -35,7 +35,7 @@ import numpy as np
 
 from trserve.engine.tr.lookup import Proposal
 
-MATRIX, CONTEXT, HISTORY = 1, 2, 3  # node sources (engine/step.py:SOURCES; 0 = the root)
+MATRIX, CONTEXT, HISTORY, GRAMMAR = 1, 2, 3, 4  # node sources (engine/step.py:SOURCES; 0 = the root)
 _QBINS = 16  # known confidences: bucket q // 16
 _RANKS = 8  # unknown confidence (q = 0): one bin per rank, ranks >= 7 share the last
 _NGRAM_EDGES = (1, 2, 3, 5, 8)  # chain n-gram size bins: 1, 2, 3-4, 5-7, 8+

@@ -12,11 +12,12 @@ from dataclasses import dataclass
 
 from trserve.engine.results import GenerationResult, GenerationStats
 from trserve.services.openai.errors import BadParam, ModelNotFound  # noqa: F401 - re-exported
-from trserve.services.openai.options import echo_options, logprobs_json, logprobs_options, rules_options
+from trserve.services.openai.options import (echo_options, logprobs_json, logprobs_options, rules_options,
+                                             structured_options)
 from trserve.v1 import generate_pb2 as pb
 
 # trserve's finish reasons -> OpenAI's: a result cut short for any reason but a stop is "length"
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "time_limit": "length", "cancelled": "length",
+FINISH = {"eos": "stop", "stop": "stop", "grammar": "stop", "length": "length", "time_limit": "length", "cancelled": "length",
           "shutdown": "length"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 MODES = {"tr": pb.DECODING_MODE_TR, "ar": pb.DECODING_MODE_AR}
@@ -24,10 +25,9 @@ MAX_CHOICES = 16  # n
 # fields whose non-default values change the output in ways trserve does not do: refused, not ignored
 UNSUPPORTED = {"tools": None, "functions": None,
                "suffix": None, "best_of": 1,
-               "response_format": None, "audio": None, "prediction": None,
+               "audio": None, "prediction": None,
                # vLLM's extensions (extra_body) that change the output: refused until built, never ignored
-               "guided_json": None, "guided_regex": None, "guided_choice": None, "guided_grammar": None,
-               "guided_decoding_backend": None, "guided_whitespace_pattern": None, "structured_outputs": None,
+               "guided_whitespace_pattern": None,
                "length_penalty": 1.0, "min_p": 0.0,
                "use_beam_search": False, "allowed_token_ids": None, "bad_words": None, "logits_processors": None,
                "prompt_logprobs": None, "truncate_prompt_tokens": None, "include_stop_str_in_output": False,
@@ -98,8 +98,7 @@ def choice_requests(req: OpenAIRequest) -> list[pb.GenerateRequest]:
 def _check_unsupported(body: dict) -> None:
     for name, default in UNSUPPORTED.items():
         value = body.get(name)
-        if value is not None and value != default and value != [] and value != {} and \
-                not (name == "response_format" and isinstance(value, dict) and value.get("type") == "text"):
+        if value is not None and value != default and value != [] and value != {}:
             raise BadParam(f"{name} is not supported by this server; leave it out", name)
     if body.get("tool_choice") not in (None, "none"):
         raise BadParam("tool_choice is not supported by this server; leave it out", "tool_choice")
@@ -178,6 +177,7 @@ def _limits(body: dict, kind: str, req: pb.GenerateRequest) -> None:
         raise BadParam("ignore_eos must be true or false", "ignore_eos")
     req.ignore_eos = ignore_eos
     rules_options(body, req)
+    structured_options(body, req)
     mode = body.get("mode", "tr")  # trserve's own: "ar" = plain decoding
     if mode not in MODES:
         raise BadParam(f"mode must be one of {sorted(MODES)}, got {mode!r}", "mode")

@@ -1,8 +1,11 @@
 """Request options beyond the basics (services/openai/convert.py parses the rest): logprobs, echo
-(prompt logprobs), and the logit rules (logit_bias, min_tokens), each onto the Generate request; and
+(prompt logprobs), the logit rules (logit_bias, min_tokens) and structured output (response_format,
+vLLM's guided_* and structured_outputs), each onto the Generate request; and
 OpenAI's logprobs object of an answer."""
 
 from __future__ import annotations
+
+import json
 
 from trserve.services.openai.errors import BadParam
 from trserve.v1 import generate_pb2 as pb
@@ -101,3 +104,64 @@ def logprobs_json(kind: str, logprobs, token_text, offset: int = 0) -> dict | No
     return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [{token_text(i): v for i, v in lp.top} if lp.logprob is not None else None
                              for lp in logprobs] if any(lp.top for lp in logprobs) else None, "text_offset": offsets}
+
+
+# vLLM's spellings of a structured output (extra_body), old and new, by the kind each names
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
+
+
+def structured_options(body: dict, req: pb.GenerateRequest) -> None:
+    """OpenAI's response_format (json_object; json_schema, enforced whether `strict` or not) and vLLM's
+    guided_json / guided_regex / guided_choice / guided_grammar and structured_outputs {json, regex,
+    choice, grammar, json_object}: at most one, onto GenerateRequest.structured_output."""
+    asked: list[tuple[str, str, object]] = []  # (field, kind, value)
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise BadParam('response_format must be {"type": "text" | "json_object" | "json_schema", ...}',
+                           "response_format")
+        if fmt["type"] == "json_object":
+            asked.append(("response_format", "json_object", True))
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+                raise BadParam('response_format json_schema needs {"json_schema": {"name": ..., "schema": {...}}}',
+                               "response_format")
+            asked.append(("response_format", "json_schema", spec.get("schema", {})))
+    for name, kind in GUIDED.items():
+        if body.get(name) is not None:
+            asked.append((name, kind, body[name]))
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise BadParam("structured_outputs must be an object such as {\"json\": {...}}", "structured_outputs")
+        for key, value in outputs.items():
+            if key not in STRUCTURED and value is not None:
+                raise BadParam(f"structured_outputs.{key} is not supported; use one of {sorted(STRUCTURED)}",
+                               "structured_outputs")
+            if key in STRUCTURED and value is not None and value is not False:
+                asked.append(("structured_outputs", STRUCTURED[key], value))
+    if not asked:
+        return
+    if len(asked) > 1:
+        raise BadParam(f"give one structured output, not {len(asked)} ({', '.join(f for f, _, _ in asked)})", asked[1][0])
+    field, kind, value = asked[0]
+    so = req.structured_output
+    if kind == "json_object":
+        so.json_object = True
+    elif kind == "json_schema":
+        if isinstance(value, str):
+            so.json_schema = value
+        elif isinstance(value, (dict, bool)):
+            so.json_schema = json.dumps(value)
+        else:
+            raise BadParam(f"{field}: a JSON schema is an object", field)
+    elif kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise BadParam(f"{field}: a choice is a list of non-empty strings", field)
+        so.choice.options.extend(value)
+    else:
+        if not isinstance(value, str) or not value:
+            raise BadParam(f"{field}: a {kind} is a non-empty string", field)
+        setattr(so, kind, value)

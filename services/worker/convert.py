@@ -16,6 +16,7 @@ from trserve.core.tenants import validate_tenant_id
 from trserve.engine.request.request import GenerationRequest
 from trserve.engine.results import GenerationResult, GenerationStats, StepChunk
 from trserve.engine.runtime import RuntimeInfo
+from trserve.engine.tr.grammar import StructuredOutput
 from trserve.engine.tr.sampling import SamplingParams
 from trserve.engine.tr.tree import builtin_trees
 from trserve.services.worker.config import MESSAGE_OVERHEAD_CHARS, Limits
@@ -30,6 +31,7 @@ FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP_SEQUENCE,
     "cancelled": pb.FINISH_REASON_CANCELLED,
     "time_limit": pb.FINISH_REASON_TIME_LIMIT,
+    "grammar": pb.FINISH_REASON_GRAMMAR,
 }
 MODES = {pb.DECODING_MODE_UNSPECIFIED: "tr", pb.DECODING_MODE_TR: "tr", pb.DECODING_MODE_AR: "ar"}
 
@@ -59,8 +61,27 @@ def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, default_tenan
         logit_bias=tuple(sorted(req.logit_bias.items())), min_tokens=int(req.min_tokens),
         repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
         frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+        structured=_structured_from_pb(req),
     )
     return GenerateCall(tenant=tenant, domain=domain, request=request, return_token_ids=req.return_token_ids)
+
+
+def _structured_from_pb(req: pb.GenerateRequest) -> StructuredOutput | None:
+    """The request's structured output (engine/tr/grammar.py), None where it has none."""
+    if not req.HasField("structured_output"):
+        return None
+    so = req.structured_output
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument("structured_output is set but names no kind: set one of json_schema, json_object, "
+                              "regex, choice, grammar")
+    if kind == "json_object":
+        if not so.json_object:
+            raise InvalidArgument("structured_output.json_object must be true where set")
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(so.choice.options))
+    return StructuredOutput(kind, getattr(so, kind))
 
 
 def _logprobs_from_pb(req: pb.GenerateRequest) -> int | None:

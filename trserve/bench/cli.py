@@ -50,6 +50,9 @@ def register(sub) -> None:
                    help="fidelity to the exact model instead: the int8 arithmetic and bfloat16 teacher-forced over "
                         "the exact model's greedy continuations of held-out prompts (top-1 agreement, KL; "
                         "bench-results/fidelity.json)")
+    p.add_argument("--structured", action="store_true",
+                   help="structured output instead: the bundled JSON Schema extraction set under ar, tr and tr without "
+                        "grammar-aware drafting, one request at a time (bench-results/structured.json)")
     p.add_argument("--concurrency", default=None,
                    help="e.g. 1,2,4,8,16: instead of the decoder comparison, closed-loop load on the batching engine "
                         "(modes tr, ar, serial) with throughput, latency and TTFT per level (trserve/bench/concurrency.py)")
@@ -80,6 +83,13 @@ def _run(args) -> int:
 
         run_fidelity(FidelityConfig(prompts=prompts_of(args), threads=args.threads,
                                     json_path=args.json or "bench-results/fidelity.json"))
+        return 0
+    if args.structured:
+        from trserve.bench.structured import StructuredConfig, run_structured
+
+        run_structured(StructuredConfig(prompts=args.prompts or str(prompt_file("structured")), kernels=args.kernels,
+                                        arithmetic=args.arithmetic, threads=args.threads,
+                                        json_path=args.json or "bench-results/structured.json"))
         return 0
     if args.concurrency:
         return _run_concurrency(args)

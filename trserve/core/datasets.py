@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
-PROMPT_SETS = ("spec_bench", "mbpp", "repetitive")
+PROMPT_SETS = ("spec_bench", "mbpp", "repetitive", "structured")
 
 
 def prompt_file(name: str = "spec_bench") -> Path:

@@ -78,8 +78,7 @@ def test_usage_sums_draft_sources():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"), ("guided_choice", ["a", "b"]),
-    ("structured_outputs", {"json": {}}), ("min_p", 0.1),
+    ("guided_whitespace_pattern", " "), ("min_p", 0.1),
     ("use_beam_search", True), ("bad_words", ["x"]), ("skip_special_tokens", False), ("prompt_logprobs", 1),
 ])
 def test_vllms_output_changing_fields_are_refused_not_ignored(field, value):
@@ -92,6 +91,45 @@ def test_vllms_output_changing_fields_are_refused_not_ignored(field, value):
                 "skip_special_tokens": True}
     if field in defaults:
         parse_request({**CHAT, field: defaults[field]}, "chat", MODEL, "t")
+
+
+@pytest.mark.parametrize("fields, kind, value", [
+    ({"response_format": {"type": "json_object"}}, "json_object", True),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "p", "strict": True,
+                                                                  "schema": {"type": "object"}}}},
+     "json_schema", '{"type": "object"}'),
+    ({"guided_json": {"type": "integer"}}, "json_schema", '{"type": "integer"}'),
+    ({"guided_json": '{"type": "integer"}'}, "json_schema", '{"type": "integer"}'),
+    ({"guided_regex": "[0-9]+"}, "regex", "[0-9]+"),
+    ({"guided_choice": ["a", "b"]}, "choice", ["a", "b"]),
+    ({"guided_grammar": 'root ::= "a"', "guided_decoding_backend": "xgrammar"}, "grammar", 'root ::= "a"'),
+    ({"structured_outputs": {"choice": ["x"]}}, "choice", ["x"]),
+    ({"structured_outputs": {"json": {"type": "object"}}}, "json_schema", '{"type": "object"}'),
+])
+def test_structured_output_spellings_reach_the_engine_request(fields, kind, value):
+    """Issue 44, item 1: OpenAI's response_format and vLLM's guided_* / structured_outputs, each onto
+    GenerateRequest.structured_output and from there the engine's StructuredOutput."""
+    for route, body in (("chat", CHAT), ("text", {"model": MODEL, "prompt": "hi"})):
+        req = parse_request({**body, **fields}, route, MODEL, "t").request
+        assert req.structured_output.WhichOneof("kind") == kind
+        so = generate_call_from_pb(req, Limits(), "default").request.structured
+        assert so.kind == kind and (so.choices == tuple(value) if kind == "choice" else
+                                    kind == "json_object" or so.spec == value)
+    plain = parse_request({**CHAT, "response_format": {"type": "text"}}, "chat", MODEL, "t").request
+    assert not plain.HasField("structured_output")
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": [1]}}}, "response_format"),
+    ({"guided_choice": "a"}, "guided_choice"), ({"guided_regex": ""}, "guided_regex"),
+    ({"guided_json": {"type": "object"}, "guided_regex": "a"}, "guided_regex"),
+    ({"structured_outputs": {"xml": "<a/>"}}, "structured_outputs"),
+])
+def test_bad_structured_output_is_a_400_naming_the_field(fields, param):
+    with pytest.raises(BadParam) as bad:
+        parse_request({**CHAT, **fields}, "chat", MODEL, "t")
+    assert bad.value.param == param
 
 
 def test_vllms_ignore_eos_and_stop_token_ids_are_applied():

@@ -223,3 +223,48 @@ def test_echo_scores_a_prompt_as_lm_evaluation_harness_asks(client, model_id):
     for bad in ({"max_tokens": 0, "echo": False}, {"stream": True}):
         with pytest.raises(openai.BadRequestError):
             client.completions.create(**{**ask, **bad})
+
+
+def test_structured_output_as_the_openai_package_asks(client, server, model_id):
+    """Issue 44, item 1: a json_schema reply the package parses into its pydantic model (sync, unary and
+    streamed, and async), vLLM's guided_choice / guided_regex through extra_body, the same text under TR
+    and AR, and a schema the grammar engine cannot compile answered 400 naming why."""
+    import asyncio
+
+    import pydantic
+
+    class Person(pydantic.BaseModel):
+        model_config = pydantic.ConfigDict(extra="forbid")
+        name: str
+        age: int
+        city: str
+
+    ask = dict(model=model_id, temperature=0, max_tokens=64, messages=[
+        {"role": "user", "content": "Extract the person as JSON: Maria Lopez is a 34 year old engineer in Madrid."}])
+    parsed = client.chat.completions.parse(**ask, response_format=Person)
+    person = parsed.choices[0].message.parsed
+    assert isinstance(person, Person) and person.age == 34 and parsed.choices[0].finish_reason == "stop"
+    text = parsed.choices[0].message.content
+    fmt = {"type": "json_schema", "json_schema": {"name": "Person", "strict": True, "schema": Person.model_json_schema()}}
+    ar = client.chat.completions.create(**ask, response_format=fmt, extra_body={"mode": "ar"})
+    assert ar.choices[0].message.content == text
+    streamed = "".join(c.choices[0].delta.content or "" for c in
+                       client.chat.completions.create(**ask, response_format=fmt, stream=True) if c.choices)
+    assert streamed == text
+
+    async def async_call():
+        aclient = openai.AsyncOpenAI(base_url=server[1], api_key=TOKENS["alice"], max_retries=0, timeout=120)
+        try:
+            return await aclient.chat.completions.create(**ask, response_format={"type": "json_object"})
+        finally:
+            await aclient.close()
+
+    obj = asyncio.run(async_call()).choices[0]
+    assert obj.finish_reason == "length" or isinstance(json.loads(obj.message.content), dict)
+    yes_no = client.chat.completions.create(**{**ask, "messages": CHAT}, extra_body={"guided_choice": ["yes", "no"]})
+    assert yes_no.choices[0].message.content in ("yes", "no")
+    digits = client.completions.create(model=model_id, prompt="The year is", max_tokens=8, temperature=0,
+                                       extra_body={"guided_regex": " [0-9]{4}"})
+    assert len(digits.choices[0].text) == 5 and digits.choices[0].text[1:].isdigit()
+    with pytest.raises(openai.BadRequestError, match="objectx"):
+        client.chat.completions.create(**ask, extra_body={"guided_json": {"type": "objectx"}})
