@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from trserve.core.errors import InvalidArgument
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "input ids") -> list[int]:

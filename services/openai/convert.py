@@ -14,18 +14,21 @@ from trserve.engine.results import GenerationResult, GenerationStats
 from trserve.services.openai.errors import BadParam, ModelNotFound  # noqa: F401 - re-exported
 from trserve.services.openai.options import (echo_options, logprobs_json, logprobs_options, rules_options,
                                              structured_options)
+from trserve.services.openai.tools import assistant_content, tool_calls, tool_options
 from trserve.v1 import generate_pb2 as pb
 
 # trserve's finish reasons -> OpenAI's: a result cut short for any reason but a stop is "length"
 FINISH = {"eos": "stop", "stop": "stop", "grammar": "stop", "length": "length", "time_limit": "length", "cancelled": "length",
           "shutdown": "length"}
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 MODES = {"tr": pb.DECODING_MODE_TR, "ar": pb.DECODING_MODE_AR}
 MAX_CHOICES = 16  # n
 # fields whose non-default values change the output in ways trserve does not do: refused, not ignored
-UNSUPPORTED = {"tools": None, "functions": None,
+# (every request field, and what is done with it: docs/openai.md, checked by tests/services/openai/test_convert.py)
+UNSUPPORTED = {"functions": None, "function_call": None,
                "suffix": None, "best_of": 1,
-               "audio": None, "prediction": None,
+               "audio": None, "prediction": None, "modalities": ["text"], "web_search_options": None,
+               "verbosity": "medium",
                # vLLM's extensions (extra_body) that change the output: refused until built, never ignored
                "guided_whitespace_pattern": None,
                "length_penalty": 1.0, "min_p": 0.0,
@@ -47,6 +50,7 @@ class OpenAIRequest:
     n: int = 1  # choices (decoded side by side, each its own request)
     echo: str | None = None  # completions' echo=true: the prompt's text, put before each choice's
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token decoded, then dropped)
+    tools: tuple[str, ...] | None = None  # the reply must call one of these tools: answered as tool_calls
 
 
 def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAIRequest:
@@ -68,6 +72,7 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAI
     else:
         _prompt(body.get("prompt"), req)
     _limits(body, kind, req)
+    tools = tool_options(body, req, kind)
     _sampling(body, req)
     logprobs_options(body, kind, req)
     stream = body.get("stream") or False
@@ -79,7 +84,7 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAI
     if stream and n > 1:
         raise BadParam("n > 1 is answered unary only: stream one call per choice", "n")
     echo, echo_only = echo_options(body, kind, req, stream)
-    return OpenAIRequest(kind, model, req, stream, bool(options.get("include_usage")), n, echo, echo_only)
+    return OpenAIRequest(kind, model, req, stream, bool(options.get("include_usage")), n, echo, echo_only, tools)
 
 
 def choice_requests(req: OpenAIRequest) -> list[pb.GenerateRequest]:
@@ -100,8 +105,6 @@ def _check_unsupported(body: dict) -> None:
         value = body.get(name)
         if value is not None and value != default and value != [] and value != {}:
             raise BadParam(f"{name} is not supported by this server; leave it out", name)
-    if body.get("tool_choice") not in (None, "none"):
-        raise BadParam("tool_choice is not supported by this server; leave it out", "tool_choice")
 
 
 def tokenize_request(body: object) -> pb.TokenizeRequest:
@@ -126,7 +129,9 @@ def _messages(messages: object) -> list[pb.ChatMessage]:
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ROLES:
             raise BadParam(f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}", f"messages[{i}].role")
-        out.append(pb.ChatMessage(role=ROLES[role], content=_content(m.get("content"), i)))
+        calls = assistant_content(m, i) if role == "assistant" else None
+        content = calls if calls is not None and m.get("content") in (None, "") else _content(m.get("content"), i)
+        out.append(pb.ChatMessage(role=ROLES[role], content=content))
     return out
 
 
@@ -246,7 +251,10 @@ def completion(req: OpenAIRequest, result: GenerationResult | list[GenerationRes
             logprobs = (*r.prompt_logprobs, *logprobs) if logprobs is not None else None
         choice: dict = {"index": i, "finish_reason": "length" if req.echo_only else FINISH[r.finish_reason],
                         "logprobs": logprobs_json(req.kind, logprobs, token_text)}
-        if req.kind == "chat":
+        calls = tool_calls(text, req.tools) if req.tools and r.finish_reason == "grammar" else None
+        if calls:
+            choice.update(finish_reason="tool_calls", message={"role": "assistant", "content": None, "tool_calls": calls})
+        elif req.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
         else:
             choice["text"] = text
@@ -270,6 +278,7 @@ class ChunkWriter:
     fingerprint: str
     token_text: object = None  # id -> the token's text (for logprobs)
     offset: int = 0  # characters of token text the chunks' logprobs have covered (completions' text_offset)
+    held: str = ""  # a tool call's text so far: sent whole as tool_calls at the end
 
     @classmethod
     def of(cls, req: OpenAIRequest, fingerprint: str, token_text=None) -> ChunkWriter:
@@ -277,6 +286,8 @@ class ChunkWriter:
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
               token_ids: list[int] | None = None, logprobs=None) -> dict:
+        if self.req.tools and finish_reason is None:
+            self.held, text = self.held + (text or ""), None
         lp = logprobs_json(self.req.kind, logprobs, self.token_text, self.offset) if logprobs else None
         if lp is not None and self.req.kind != "chat":
             self.offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else self.offset
@@ -294,8 +305,13 @@ class ChunkWriter:
         return out
 
     def last_chunk(self, text: str, result: GenerationResult, finish_reason: str, queue_s: float) -> dict:
-        """The finish reason (and any held-back text), with trserve's figures."""
-        out = self.chunk(text or None, FINISH[finish_reason])
+        """The finish reason (and any held-back text, or the tool call), with trserve's figures."""
+        calls = tool_calls(self.held + text, self.req.tools) if self.req.tools and finish_reason == "grammar" else None
+        if calls:
+            out = self.chunk(None, "tool_calls")
+            out["choices"][0]["delta"]["tool_calls"] = [{"index": 0, **calls[0]}]
+        else:
+            out = self.chunk((self.held + text) or None, FINISH[finish_reason])
         out["trserve"] = extras(result, finish_reason, queue_s, self.req.request.tenant)
         return out
 

@@ -38,7 +38,7 @@ def test_prompts_of_a_completion():
 
 @pytest.mark.parametrize("body, param", [
     ({**CHAT, "n": 17}, "n"), ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
-    ({**CHAT, "messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
+    ({**CHAT, "messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ({**CHAT, "temperature": 3}, "temperature"), ({**CHAT, "stop": [1]}, "stop"),
     ({**CHAT, "max_tokens": 0}, "max_tokens"), ({"messages": CHAT["messages"]}, "model"),
 ])
@@ -166,3 +166,25 @@ def test_penalties_reach_the_engine_request():
         with pytest.raises(BadParam) as refused:
             parse_request({**CHAT, **bad}, "chat", MODEL, "t")
         assert refused.value.param == next(iter(bad))
+
+
+def test_the_field_table_is_what_the_server_does():
+    """docs/openai.md: every refused field is a 400 naming it for a non-default value, every ignored one
+    passes, and every field the parser refuses is in the table."""
+    from pathlib import Path
+
+    from trserve.services.openai.convert import UNSUPPORTED
+
+    rows = [line.split("|")[1:5] for line in (Path(__file__).resolve().parents[3] / "docs" / "openai.md")
+            .read_text().splitlines() if line.startswith("| `")]
+    table = {name.strip().strip("`"): (on.strip(), status.strip()) for name, on, status, _ in rows}
+    assert set(UNSUPPORTED) <= {n for n, (_, s) in table.items() if s == "refused"}
+    for name, (on, status) in table.items():
+        kind, body = ("text", {"model": MODEL, "prompt": "hi"}) if on == "text" else ("chat", CHAT)
+        if status == "refused":
+            with pytest.raises(BadParam) as refused:
+                parse_request({**body, name: {"x": 1}}, kind, MODEL, "t")
+            assert refused.value.param == name
+        elif status == "ignored":
+            assert parse_request({**body, name: "low"}, kind, MODEL, "t").request == \
+                parse_request(body, kind, MODEL, "t").request

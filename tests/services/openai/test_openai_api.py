@@ -268,3 +268,46 @@ def test_structured_output_as_the_openai_package_asks(client, server, model_id):
     assert len(digits.choices[0].text) == 5 and digits.choices[0].text[1:].isdigit()
     with pytest.raises(openai.BadRequestError, match="objectx"):
         client.chat.completions.create(**ask, extra_body={"guided_json": {"type": "objectx"}})
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 40}}, "required": ["timezone"]}}}
+
+
+def test_tool_calls_as_the_openai_package_reads_them(client, model_id):
+    """Issue 44, item 2: tool_choice "required" and a named function give one tool call the package
+    parses (unary and streamed deltas alike, TR == AR), its arguments following the tool's schema; a
+    tool-role turn continues the conversation; "auto" without a template tool format is a 400 naming why."""
+    ask = dict(model=model_id, temperature=0, max_tokens=64, tools=[WEATHER, TIME],
+               messages=[{"role": "user", "content": "What is the weather in Paris, in celsius?"}])
+    reply = client.chat.completions.create(**ask, tool_choice="required")
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    call = choice.message.tool_calls[0]
+    args = json.loads(call.function.arguments)
+    assert call.type == "function" and call.id.startswith("call_") and call.function.name in ("get_weather", "get_time")
+    named = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    weather = named.choices[0].message.tool_calls[0]
+    args = json.loads(weather.function.arguments)
+    assert weather.function.name == "get_weather" and set(args) == {"city", "unit"} and args["unit"] in ("celsius", "fahrenheit")
+    ar = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                        extra_body={"mode": "ar"})
+    assert ar.choices[0].message.tool_calls[0].function.arguments == weather.function.arguments
+    deltas = [c.choices[0] for c in client.chat.completions.create(
+        **ask, tool_choice={"type": "function", "function": {"name": "get_weather"}}, stream=True) if c.choices]
+    streamed = [d.delta.tool_calls[0] for d in deltas if d.delta.tool_calls]
+    assert len(streamed) == 1 and streamed[0].function.name == "get_weather" and deltas[-1].finish_reason == "tool_calls"
+    assert streamed[0].function.arguments == weather.function.arguments and not any(d.delta.content for d in deltas)
+    follow = client.chat.completions.create(model=model_id, temperature=0, max_tokens=24, tools=[WEATHER], messages=[
+        *ask["messages"], {"role": "assistant", "content": None, "tool_calls": [weather.model_dump()]},
+        {"role": "tool", "tool_call_id": weather.id, "content": '{"temperature": 21, "sky": "sunny"}'}], tool_choice="none")
+    assert follow.choices[0].finish_reason in ("stop", "length") and follow.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="tool format"):
+        client.chat.completions.create(**ask)  # tool_choice defaults to "auto" with tools
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "nope"}})
