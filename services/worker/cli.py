@@ -213,7 +213,7 @@ def _run(command: str, args: argparse.Namespace, split: bool) -> int:
         print(f"trserve {command}: {e}", file=sys.stderr)
         return 2
     from trserve.services.worker.drafting.split import MatrixServiceSources
-    from trserve.services.worker.server import serve
+    from trserve.services.worker.server import WarmUpFailed, serve
 
     from trserve.core.errors import FailedPrecondition, InvalidArgument, NotFound
 
@@ -228,6 +228,6 @@ def _run(command: str, args: argparse.Namespace, split: bool) -> int:
     except (NotFound, InvalidArgument, FailedPrecondition) as e:  # the operator's choice of model, tree, device
         print(f"trserve {command}: {e}", file=sys.stderr)
         return 2
-    except OSError as e:  # a port in use: say which and how to pick another
+    except (OSError, WarmUpFailed) as e:  # a port in use (say which, how to pick another); a failed warm-up
         print(f"trserve {command}: {e}", file=sys.stderr)
         return 1

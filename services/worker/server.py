@@ -208,6 +208,10 @@ class StoreTunerStates:
         self.store.save_side_state("tuner", self.fingerprint, tenant, blob)
 
 
+class WarmUpFailed(RuntimeError):
+    """The warm-up generation failed: the worker was closed; its command exits 1 with this message."""
+
+
 async def _warm_up(servicer: GenerateServicer, health: health_aio.HealthServicer, enabled: bool) -> None:
     if enabled:
         await servicer.warm_up()
@@ -218,7 +222,16 @@ async def _warm_up(servicer: GenerateServicer, health: health_aio.HealthServicer
 async def run(config: WorkerConfig, decoder_config: DecoderConfig, sources: MatrixServiceSources | None = None) -> None:
     """Serve until a signal; `sources` = a split worker's drafts from the matrix service (else embedded)."""
     worker = await create_server(config, decoder_config=decoder_config, draft_source_factory=sources)
-    await worker.ready
+    try:
+        await worker.ready
+    except Exception as e:  # noqa: BLE001 - a worker that cannot decode must not sit there unready: exit
+        log.exception("warm-up failed")
+        await worker.server.stop(0)
+        await worker.close()
+        if sources is not None:
+            await asyncio.to_thread(sources.close)
+        raise WarmUpFailed(f"the warm-up generation failed ({type(e).__name__}: {e}); this worker cannot serve "
+                           "(the log above has the traceback)") from None
     if sources is not None:
         log.info("drafting through the matrix service at %s (%s mode)", sources.config.matrix_addr,
                  sources.config.draft_mode)

@@ -75,3 +75,19 @@ def test_the_process_exits_at_once_naming_the_cause(flags: list[str], env: dict,
 def test_durations_that_are_not_finite_are_refused_before_anything_starts(field: str, value: float) -> None:
     with pytest.raises(ValueError, match=field):
         WorkerConfig(**{field: value})
+
+
+def test_a_worker_whose_warm_up_fails_exits(tmp_path) -> None:
+    """A worker whose warm-up generation failed (a kernel library refusing its input) sat there forever,
+    never SERVING and never exiting, its gRPC port held. It now closes what it started and exits 1,
+    with one line naming the failure after the logged traceback."""
+    import os
+    from pathlib import Path
+
+    helper = Path(__file__).resolve().parent / "broken_forward"
+    out = subprocess.run([sys.executable, "-m", "trserve.services.cli", "serve", "--port", "0", "--metrics-port", "-1"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=240,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(helper), os.environ.get("PYTHONPATH", "")])})
+    assert out.returncode == 1, out.stderr[-2000:]
+    assert "trserve serve: the warm-up generation failed (RuntimeError: native forward refused its input" in out.stderr
+    assert "trserve listening" not in out.stdout
