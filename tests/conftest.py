@@ -41,10 +41,12 @@ def _threads():
 
 @pytest.fixture(scope="session")
 def loaded_smollm2():
-    """The real default model with this installation's kernels (packed on CPU)."""
+    """The real default model with this installation's kernels (compressed on x86-64 CPUs) in the exact
+    arithmetic: the one whose greedy output is transformers' own (the served default, int8, is
+    `decoder_int8`'s; every test of TR == AR runs in both)."""
     from trserve.engine.model.loader import ModelConfig, load_model
 
-    return load_model(ModelConfig())
+    return load_model(ModelConfig(arithmetic="exact"))
 
 
 @pytest.fixture(scope="session")

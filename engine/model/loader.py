@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from trserve.core.errors import InvalidArgument, NotFound
-from trserve.engine.model.choices import (ARITHMETICS, BATCH_STEPS, BUILTIN_MODEL, FORWARDS,  # noqa: F401 - re-exported
+from trserve.engine.model.choices import (ARITHMETIC_CHOICES, ARITHMETICS, BATCH_STEPS, BUILTIN_MODEL, FORWARDS,  # noqa: F401 - re-exported
                                          KERNELS)
 from trserve.engine.model.paths import default_cache_dir
 
@@ -44,8 +44,9 @@ class ModelConfig:
     # the compressed kernels' arithmetic (docs/kernels.md): exact = float32 fma chains over the exact
     # weights; int8 = activations quantized per block of 32, integer dot products with the 4/8-bit codes
     # (csrc/qlinear_i8.c). Both are batch- and ISA-invariant, so TR == plain decoding in each; int8
-    # needs the compressed kernels.
-    arithmetic: str = "exact"
+    # needs the compressed kernels. auto = int8 wherever they run (its fidelity to the exact model meets
+    # the bar set for it: docs/kernels.md), else exact.
+    arithmetic: str = "auto"
     threads: int | None = None  # torch intra-op threads; None = torch's default
     # auto = the native one-call forward (engine/model/native.py) where the model and kernels fit it,
     # else transformers' modules; native = required (InvalidArgument where it does not fit)
@@ -66,8 +67,8 @@ class ModelConfig:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {self.kernels!r}")
         if self.forward not in FORWARDS:
             raise ValueError(f"forward must be one of {', '.join(FORWARDS)}; got {self.forward!r}")
-        if self.arithmetic not in ARITHMETICS:
-            raise ValueError(f"arithmetic must be one of {', '.join(ARITHMETICS)}; got {self.arithmetic!r}")
+        if self.arithmetic not in ARITHMETIC_CHOICES:
+            raise ValueError(f"arithmetic must be one of {', '.join(ARITHMETIC_CHOICES)}; got {self.arithmetic!r}")
         if self.arithmetic == "int8" and self.kernels not in ("auto", "compressed"):
             raise ValueError(f"arithmetic int8 runs on the compressed kernels; kernels is {self.kernels!r}")
         if self.batch_step not in BATCH_STEPS:
@@ -245,6 +246,13 @@ class LoadedModel:
         return self.forward == "native"
 
 
+def resolve_arithmetic(arithmetic: str, isa: str | None) -> str:
+    """What a configured arithmetic runs as: auto = int8 on the compressed kernels (isa set), else exact."""
+    if arithmetic != "auto":
+        return arithmetic
+    return "int8" if isa else "exact"
+
+
 def load_model(config: ModelConfig) -> LoadedModel:
     """Load tokenizer + model (eval mode, on the configured device, kernels applied)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -265,10 +273,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
     model.to(device).eval()
-    kernels, isa = _apply_kernels(model, config, device, dtype)
-    if config.arithmetic != "exact" and not isa:
+    kernels, isa = _apply_kernels(model, config, device, dtype, tokenizer)
+    if config.arithmetic == "int8" and not isa:
         raise InvalidArgument(f"arithmetic {config.arithmetic} needs the compressed kernels, which this model or "
                               f"host cannot take (kernels: {kernels}; see docs/kernels.md)")
+    arithmetic = resolve_arithmetic(config.arithmetic, isa)
     if isa:  # the compressed kernels run on their own threads: as many as configured, whichever thread calls
         from trserve.engine.model.kernels.qlinear import QLinear
 
@@ -280,7 +289,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     name = BUILTIN_MODEL if config.source == BUILTIN_MODEL else Path(config.source).name or config.source
     name = name.removesuffix(".gguf")
     return LoadedModel(model, tokenizer, model_fingerprint(tokenizer, model.config), name, device, dtype, kernels,
-                       isa, forward, batch_step, config.threads or torch.get_num_threads(), config.arithmetic)
+                       isa, forward, batch_step, config.threads or torch.get_num_threads(), arithmetic)
 
 
 def model_spec_of(config: ModelConfig, k: int):
@@ -313,7 +322,8 @@ def _forward_kind(model, config: ModelConfig) -> str:
     return "transformers"
 
 
-def _apply_kernels(model, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> tuple[str, str | None]:
+def _apply_kernels(model, config: ModelConfig, device: torch.device, dtype: torch.dtype,
+                   tokenizer=None) -> tuple[str, str | None]:
     """Swap the linear layers' kernels as configured; returns what is in use and the compressed
     kernels' ISA variant (None without them). "stock" leaves the model exactly as transformers loads
     it (attention included): the reference for plain `generate`."""
@@ -324,7 +334,7 @@ def _apply_kernels(model, config: ModelConfig, device: torch.device, dtype: torc
         return "stock", None
     if not packed_kernels_available(device, dtype):
         raise InvalidArgument(f"{config.kernels} kernels need a CPU float32 model; got {device} {dtype}")
-    isa = _compress(model, config) if config.kernels in ("auto", "compressed") else None
+    isa = _compress(model, config, tokenizer) if config.kernels in ("auto", "compressed") else None
     used = ["compressed"] if isa else []
     if pack_linears(model):  # whatever is still a plain nn.Linear
         used.append("packed")
@@ -332,11 +342,13 @@ def _apply_kernels(model, config: ModelConfig, device: torch.device, dtype: torc
     return "+".join(used) or "stock", isa
 
 
-def _compress(model, config: ModelConfig) -> str | None:
+def _compress(model, config: ModelConfig, tokenizer=None) -> str | None:
     """Exact compressed kernels for the layers they fit; returns their ISA variant. Where none fit,
     or under auto where the CPU would only run the scalar variant (several times slower than oneDNN):
-    None (packed kernels take over), InvalidArgument when they were asked for."""
+    None (packed kernels take over), InvalidArgument when they were asked for. The int8 arithmetic keeps
+    each layer input's outlier dims in float32 (engine/model/kernels/outliers.py)."""
     from trserve.engine.model.kernels.build import kernel_isa
+    from trserve.engine.model.kernels.outliers import kept_inputs
     from trserve.engine.model.kernels.qlinear import quantize_linears
 
     try:
@@ -345,8 +357,11 @@ def _compress(model, config: ModelConfig) -> str | None:
             log.info("compressed kernels not used: this CPU lacks AVX2/FMA/F16C and their scalar variant is "
                      "slower than oneDNN; packed kernels instead")
             return None
-        swapped, _ = quantize_linears(model, Path(config.cache_dir) if config.cache_dir else default_cache_dir(), isa,
-                                      config.arithmetic)
+        cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+        arithmetic = resolve_arithmetic(config.arithmetic, isa)
+        kept = kept_inputs(model, tokenizer, model_fingerprint(tokenizer, model.config), cache) \
+            if arithmetic == "int8" and tokenizer is not None else None
+        swapped, _ = quantize_linears(model, cache, isa, arithmetic, kept)
         if not swapped:
             raise RuntimeError("no linear layer of this model holds exact 4/8-bit blocks")
         if isa == "scalar":

@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    from trserve.engine.model.choices import ARITHMETICS, BATCH_STEPS, KERNELS
+    from trserve.engine.model.choices import ARITHMETIC_CHOICES, BATCH_STEPS, KERNELS
     from trserve.services.common.argtypes import integer, port, seconds
 
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
@@ -79,10 +79,12 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="linear-layer kernels: auto (default: exact compressed on AVX-512 / AVX2 CPUs for "
                         "block-quantised weights, else oneDNN pre-packed on CPU float32), stock, packed or "
                         "compressed (also on the slow portable scalar variant)")
-    p.add_argument("--arithmetic", choices=ARITHMETICS, default="exact",
-                   help="the compressed kernels' arithmetic: exact (default; float32 over the exact weights) or "
-                        "int8 (activations quantized per block of 32, integer dot products: cheaper verified "
-                        "rows; TR == plain decoding bit for bit in each; docs/kernels.md)")
+    p.add_argument("--arithmetic", choices=ARITHMETIC_CHOICES, default="auto",
+                   help="the compressed kernels' arithmetic: auto (default: int8 wherever they run, else exact), "
+                        "exact (float32 over the exact weights: the model's own greedy output) or int8 "
+                        "(activations quantized per block of 32, integer dot products: cheaper verified rows, "
+                        "within 0.4 points of bfloat16's top-1 agreement with exact; TR == plain decoding bit "
+                        "for bit in each; docs/kernels.md)")
     p.add_argument("--batch-step", choices=BATCH_STEPS, default="auto",
                    help="transformers' forward, batch steps: auto (default: fixed-shape buckets with a CUDA graph "
                         "each on CUDA, else eager), eager, static (the buckets without graphs) or graphs")

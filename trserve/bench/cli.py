@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from trserve.core.datasets import PROMPT_SETS, prompt_file
-from trserve.engine.model.choices import ARITHMETICS
+from trserve.engine.model.choices import ARITHMETIC_CHOICES
 
 DEFAULT_PROMPTS = str(prompt_file("spec_bench"))  # bundled with the repository (trserve/core/data/)
 DECODERS = ("hf", "pld", "ar", "tr", "tr-paper")
@@ -33,8 +33,9 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--kernels", default="auto", choices=("auto", "stock", "packed", "compressed"),
                    help="kernels of trserve's decoders (ar, tr*); hf and pld always use stock transformers")
-    p.add_argument("--arithmetic", default="exact", choices=ARITHMETICS,
-                   help="the compressed kernels' arithmetic of trserve's decoders: exact (default) or int8")
+    p.add_argument("--arithmetic", default="auto", choices=ARITHMETIC_CHOICES,
+                   help="the compressed kernels' arithmetic of trserve's decoders: auto (default: as a worker serves, int8 "
+                        "wherever they run), exact or int8")
     p.add_argument("--forward", default="auto", choices=("auto", "native", "transformers"),
                    help="what runs trserve's forwards: the native one-call forward where it fits, or transformers")
     p.add_argument("--gguf", default=None, help="GGUF for the llamacpp decoder (default: the bundled model's)")

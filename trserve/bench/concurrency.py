@@ -51,7 +51,7 @@ class ConcurrencyConfig:
     prefill_chunk: int = 128
     tenants: int = 4
     kernels: str = "auto"
-    arithmetic: str = "exact"  # the compressed kernels' arithmetic (ModelConfig; the report's config names it)
+    arithmetic: str = "auto"  # the compressed kernels' arithmetic (ModelConfig; the report's config names it)
     threads: int | None = None
     json_path: str = "bench-results/concurrency.json"
     all_turns: bool = False  # send every turn of a question (each after the client's own answer), not only the first

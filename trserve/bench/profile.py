@@ -32,7 +32,7 @@ class ProfileConfig:
     widths: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     kv: int = 512
     kernels: str = "auto"
-    arithmetic: str = "exact"  # the compressed kernels' arithmetic (ModelConfig)
+    arithmetic: str = "auto"  # the compressed kernels' arithmetic (ModelConfig)
     threads: int | None = None
     json_path: str = "bench-results/profile.json"
 

@@ -47,7 +47,7 @@ class BenchConfig:
     model: str | None = None
     threads: int | None = None
     kernels: str = "auto"  # trserve's decoders; hf and pld always run stock transformers
-    arithmetic: str = "exact"  # the compressed kernels' arithmetic of trserve's decoders (ModelConfig)
+    arithmetic: str = "auto"  # the compressed kernels' arithmetic of trserve's decoders (ModelConfig)
     forward: str = "auto"  # trserve's decoders: auto, native or transformers (engine/model/loader.py)
     gguf: str | None = None  # the llamacpp decoder's weights (default: the bundled model's GGUF)
     json_path: str = "bench-results/bench.json"

@@ -32,7 +32,7 @@ class StructuredConfig:
     prompts: str  # the structured set's format: question_id, category, turns, schema
     max_new_tokens: int = 160
     kernels: str = "auto"
-    arithmetic: str = "exact"
+    arithmetic: str = "auto"
     threads: int | None = None
     json_path: str = "bench-results/structured.json"
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trserve.core.progress import Progress
-from trserve.engine.model.choices import ARITHMETICS
+from trserve.engine.model.choices import ARITHMETIC_CHOICES
 
 log = logging.getLogger("trserve.tune")
 
@@ -40,7 +40,7 @@ class TuneConfig:
     kernels: str = "auto"
     model: str | None = None
     name: str | None = None
-    arithmetic: str = "exact"  # the compressed kernels' arithmetic (ModelConfig); trees are tuned per arithmetic
+    arithmetic: str = "auto"  # the compressed kernels' arithmetic (ModelConfig); trees are tuned per arithmetic
 
     def __post_init__(self) -> None:
         if not self.prompts or any(not Path(p).exists() for p in self.prompts):
@@ -192,8 +192,8 @@ def register(sub) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--kernels", default="auto", choices=("auto", "stock", "packed", "compressed"),
                    help="kernels to tune for (default auto, as `serve` picks them)")
-    p.add_argument("--arithmetic", default="exact", choices=ARITHMETICS,
-                   help="the compressed kernels' arithmetic to tune for: exact (default) or int8")
+    p.add_argument("--arithmetic", default="auto", choices=ARITHMETIC_CHOICES,
+                   help="the compressed kernels' arithmetic to tune for: auto (default: as a worker serves), exact or int8")
     p.add_argument("--model", default=None, help="model source (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--name", default=None, help="tree name (default: the output file's stem)")
     p.set_defaults(func=_run)

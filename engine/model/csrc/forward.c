@@ -137,13 +137,14 @@ static void rms_rows(const float *x, const float *w, float *y, int64_t r0, int64
     }
 }
 
-/* x [n, I] quantized into this thread's a when the model runs the int8 arithmetic (every thread
- * quantizes all rows itself: no barrier; the same bits in each). */
-static void lin_quant(const tr_model *M, const float *x, int64_t n, int64_t I, qact_t *a)
+/* x [n, I] quantized into this thread's a when the model runs the int8 arithmetic, w's kept inputs
+ * aside (w: the first matrix reading x; those after it keep the same inputs). Every thread quantizes
+ * all rows itself: no barrier; the same bits in each. */
+static void lin_quant(const tr_model *M, const tr_qmat *w, const float *x, int64_t n, int64_t I, qact_t *a)
 {
     if (M->arith) {
         a->n = n;
-        quant_rows(x, n, I, a);
+        quant_rows(x, n, I, a, w->kept, w->n_kept);
     }
 }
 
@@ -152,7 +153,7 @@ static void lin_quant(const tr_model *M, const float *x, int64_t n, int64_t I, q
 static void lin(const tr_model *M, const tr_qmat *w, const float *x, const qact_t *a, int64_t n, float *y, int64_t id,
                 int64_t nt, int64_t *o0, int64_t *o1)
 {
-    const qmat_t q = {(int)w->kind, w->in, w->out, w->in / 32, w->codes, w->d, w->m, w->bias};
+    const qmat_t q = {(int)w->kind, w->in, w->out, w->in / 32, w->codes, w->d, w->m, w->bias, w->n_kept, w->kept_w};
     if (M->arith) imat_rows(&q, a, y, id, nt, o0, o1);
     else qmat_rows(&q, x, n, y, id, nt, o0, o1);
 }
@@ -407,9 +408,23 @@ int trserve_top_probs(const float *x, int64_t m, int64_t V, int64_t K, const int
 #define QBLOCK 4 /* queries per attention work item (a multiple of QPASS) */
 
 /* Checks the model fits the fixed-size parts below; 0 ok. */
+/* Whether b keeps the same inputs as a (the matrices reading one quantized input must). */
+static int same_kept(const tr_qmat *a, const tr_qmat *b)
+{
+    return a->n_kept == b->n_kept && (!a->n_kept || !memcmp(a->kept, b->kept, a->n_kept * sizeof(int32_t)));
+}
+
 int trserve_forward_check(const tr_model *M)
 {
     if (M->head_dim % 32 || M->head_dim > 256 || M->hidden % 32 || M->inter % 32 || M->heads % M->kv_heads) return -1;
+    for (int64_t l = 0; l < M->n_layers; l++) {
+        const tr_layer *L = M->layers + l;
+        const tr_qmat *all[] = {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down, &M->head};
+        for (int i = 0; i < 8; i++)
+            if (all[i]->n_kept < 0 || all[i]->n_kept > MAX_KEPT || (all[i]->n_kept && (!M->arith || !all[i]->kept_w)))
+                return -1;
+        if (!same_kept(&L->q, &L->k) || !same_kept(&L->q, &L->v) || !same_kept(&L->gate, &L->up)) return -1;
+    }
     return 0;
 }
 
@@ -445,7 +460,7 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
     for (int64_t l = 0; l < M->n_layers; l++) {
         const tr_layer *L = M->layers + l;
         rms_rows(x, L->in_norm, h, 0, N, H, M->eps);
-        lin_quant(M, h, N, H, act);
+        lin_quant(M, &L->q, h, N, H, act);
         lin(M, &L->q, h, act, N, q, id, nt, &o0, &o1);
         lin(M, &L->k, h, act, N, k, id, nt, &o0, &o1);
         lin(M, &L->v, h, act, N, v, id, nt, &o0, &o1);
@@ -477,13 +492,13 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
                    vc[l], cap, att, sc, sc_len);
         }
         pool_barrier(nt);
-        lin_quant(M, att, N, Hq * D, act);
+        lin_quant(M, &L->o, att, N, Hq * D, act);
         lin(M, &L->o, att, act, N, tmp, id, nt, &o0, &o1);
         for (int64_t t = 0; t < N; t++)
             for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
         pool_barrier(nt);
         rms_rows(x, L->post_norm, h, 0, N, H, M->eps);
-        lin_quant(M, h, N, H, act);
+        lin_quant(M, &L->gate, h, N, H, act);
         lin(M, &L->gate, h, act, N, gt, id, nt, &o0, &o1);
         lin(M, &L->up, h, act, N, up, id, nt, &o0, &o1);
         for (int64_t t = 0; t < N; t++) { /* silu(gate) * up on this thread's outputs, as torch: g / (1 + exp(-g)) */
@@ -495,7 +510,7 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
             for (int64_t i = 0; i < n; i++) g[i] = (g[i] / (1.0f + sc[i])) * u[i];
         }
         pool_barrier(nt);
-        lin_quant(M, gt, N, F, act);
+        lin_quant(M, &L->down, gt, N, F, act);
         lin(M, &L->down, gt, act, N, tmp, id, nt, &o0, &o1);
         for (int64_t t = 0; t < N; t++)
             for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
@@ -505,7 +520,7 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
     for (int64_t i = id; i < n_keep; i += nt) rms_rows(x + keep[i] * H, M->final_norm, hk + i * H, 0, 1, H, M->eps);
     pool_barrier(nt);
     if (n_keep) {
-        lin_quant(M, hk, n_keep, H, act);
+        lin_quant(M, &M->head, hk, n_keep, H, act);
         lin(M, &M->head, hk, act, n_keep, logits, id, nt, &o0, &o1);
     }
     if (K > 0) {

@@ -11,6 +11,9 @@ typedef struct {
     const uint8_t *codes;
     const uint16_t *d, *m; /* float16 bits; m only for kind 4 */
     const float *bias;     /* [out] or NULL */
+    int64_t n_kept;        /* int8 arithmetic: inputs kept in float32 (qlinear_i8.c), 0..16 */
+    const int32_t *kept;   /* [n_kept] their indices (the same for the matrices sharing an input) */
+    const float *kept_w;   /* [n_kept, out] W[:, kept] */
 } tr_qmat;
 
 typedef struct {

@@ -19,6 +19,8 @@ typedef struct {
     const uint8_t *codes;
     const uint16_t *d, *m; /* m only for kind 4 */
     const float *bias;     /* [out] or NULL */
+    int64_t n_kept;        /* int8 arithmetic: inputs kept in float32 (qact_t.kept), 0..MAX_KEPT */
+    const float *kept_w;   /* [n_kept, out]: W[:, those inputs], added after the integer part */
 } qmat_t;
 
 #define MAX_ROWS 16  /* register tiles: rows x panels at most */
@@ -56,13 +58,17 @@ typedef struct {
     int8_t *q;
     float *s, *m;
     int32_t *c;
+    int64_t n_kept; /* inputs kept in float32 (quantized as zeros): kept[r n_kept + j] = x[r, dims[j]] */
+    float *kept, *row; /* [n, MAX_KEPT], and a row's scratch [I] */
 } qact_t;
+#define MAX_KEPT 16
 
 /* Buffers of a for n rows of I inputs (0, or -1 without memory; qact_free either way). */
 HIDDEN int qact_alloc(qact_t *a, int64_t n, int64_t I);
 HIDDEN void qact_free(qact_t *a);
-/* x [n, I] (n = a->n) -> a. */
-HIDDEN void quant_rows(const float *x, int64_t n, int64_t I, const qact_t *a);
+/* x [n, I] (n = a->n) -> a, the inputs dims [n_dims] (n_dims <= MAX_KEPT) kept in float32 and quantized
+ * as zeros. */
+HIDDEN void quant_rows(const float *x, int64_t n, int64_t I, qact_t *a, const int32_t *dims, int64_t n_dims);
 /* qmat_rows in the int8 arithmetic: w's codes in the int8 layout, activations a. */
 HIDDEN void imat_rows(const qmat_t *w, const qact_t *a, float *y, int64_t id, int64_t nt, int64_t *o0, int64_t *o1);
 
@@ -79,6 +85,11 @@ int trserve_qlinear(int kind, const float *x, int64_t n, int64_t I, int64_t O, c
 /* trserve_qlinear in the int8 arithmetic (qlinear_i8.c): 0, or -1 without memory. */
 int trserve_qlinear_i8(int kind, const float *x, int64_t n, int64_t I, int64_t O, const uint8_t *codes,
                        const uint16_t *d, const uint16_t *m, const float *bias, float *y, int threads);
+/* The same with the inputs dims [n_dims] kept in float32: y += x[:, dims] kept_w ([n_dims, O]) after
+ * the integer part, in dims order (qlinear_i8.c). 0, -1 without memory, -2 when n_dims > 16. */
+int trserve_qlinear_i8_kept(int kind, const float *x, int64_t n, int64_t I, int64_t O, const uint8_t *codes,
+                            const uint16_t *d, const uint16_t *m, const float *bias, const int32_t *dims,
+                            int64_t n_dims, const float *kept_w, float *y, int threads);
 /* The int8 arithmetic's quantized activations of x [n, I] (tests). */
 int trserve_quantize_rows(const float *x, int64_t n, int64_t I, int8_t *q, float *s, float *m, int32_t *c);
 

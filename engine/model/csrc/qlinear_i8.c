@@ -26,6 +26,12 @@
  * and q8 codes as |w| against sign(x, w) (2 * 128 * 127 cannot either).
  *
  * Each tile of R rows x T panels unpacks a panel-block's codes once for all its rows.
+ *
+ * Kept inputs (outliers): a fixed set of input dims per layer input (chosen once per model, never per
+ * batch: engine/model/kernels/outliers.py) is quantized as zeros, so one large value does not coarsen
+ * its block's scale, and added back in float32 after the integer part, in the set's order:
+ *   y = fma(W[o, dims[j]], x[dims[j]], y) for j = 0 .. n_kept - 1
+ * The same IEEE operations in every build, so the contract above holds with them.
  */
 #include "qlinear.h"
 #include "pool.h"
@@ -224,17 +230,46 @@ INLINE void quant_block(const float *x, int8_t *q, float *s, int32_t *c)
 #endif
 }
 
-void quant_rows(const float *x, int64_t n, int64_t I, const qact_t *a)
+void quant_rows(const float *x, int64_t n, int64_t I, qact_t *a, const int32_t *dims, int64_t n_dims)
 {
     const int64_t nb = I / 32;
-    for (int64_t r = 0; r < n; r++)
+    a->n_kept = n_dims;
+    for (int64_t r = 0; r < n; r++) {
+        const float *xr = x + r * I;
+        if (n_dims) { /* the kept inputs aside, quantized as zeros */
+            memcpy(a->row, xr, I * sizeof(float));
+            for (int64_t j = 0; j < n_dims; j++) {
+                a->kept[r * n_dims + j] = xr[dims[j]];
+                a->row[dims[j]] = 0.0f;
+            }
+            xr = a->row;
+        }
         for (int64_t b = 0; b < nb; b++) {
             const int64_t k = b * n + r;
             int32_t c;
-            quant_block(x + r * I + 32 * b, a->q + 32 * k, a->s + k, &c);
+            quant_block(xr + 32 * b, a->q + 32 * k, a->s + k, &c);
             a->m[k] = (float)c * a->s[k];
             a->c[k] = -128 * c;
         }
+    }
+}
+
+/* y[r, o] += sum_j kept_w[j, o] x[r, dims[j]] for outputs [o0, o1) of every row, one fma per j in order. */
+static void add_kept(const qmat_t *w, const qact_t *a, float *y, int64_t o0, int64_t o1)
+{
+    const int64_t K = w->n_kept, O = w->out;
+    for (int64_t r = 0; r < a->n; r++) {
+        float *yr = y + r * O;
+        const float *xk = a->kept + r * K;
+        int64_t o = o0;
+        for (; o + 16 <= o1; o += 16) {
+            v16 acc = v_load(yr + o);
+            for (int64_t j = 0; j < K; j++) acc = v_fma(v_load(w->kept_w + j * O + o), xk + j, acc);
+            v_store(yr + o, acc);
+        }
+        for (; o < o1; o++)
+            for (int64_t j = 0; j < K; j++) yr[o] = fmaf(w->kept_w[j * O + o], xk[j], yr[o]);
+    }
 }
 
 /* ---- tiles ------------------------------------------------------------------------------------ */
@@ -460,18 +495,20 @@ void imat_rows(const qmat_t *w, const qact_t *a, float *y, int64_t id, int64_t n
     if (a->n == 1) ipart(w, 1, I_ONE_PANELS, a, y, p0, p1);
     else if (a->n <= I_NARROW_ROWS) ipart(w, (int)a->n, I_NARROW_PANELS, a, y, p0, p1);
     else ipart(w, I_WIDE_ROWS, I_WIDE_PANELS, a, y, p0, p1);
+    if (w->n_kept) add_kept(w, a, y, *o0, *o1);
 }
 
 int qact_alloc(qact_t *a, int64_t n, int64_t I)
 {
     const int64_t k = n * (I / 32) + 1;
-    a->n = n;
+    a->n = n, a->n_kept = 0;
     a->q = malloc(32 * k), a->s = malloc(sizeof(float) * k), a->m = malloc(sizeof(float) * k);
     a->c = malloc(sizeof(int32_t) * k);
-    return a->q && a->s && a->m && a->c ? 0 : -1;
+    a->kept = malloc(sizeof(float) * (n * MAX_KEPT + 1)), a->row = malloc(sizeof(float) * (I + 1));
+    return a->q && a->s && a->m && a->c && a->kept && a->row ? 0 : -1;
 }
 
-void qact_free(qact_t *a) { free(a->q), free(a->s), free(a->m), free(a->c); }
+void qact_free(qact_t *a) { free(a->q), free(a->s), free(a->m), free(a->c), free(a->kept), free(a->row); }
 
 typedef struct {
     const qmat_t *w;
@@ -487,15 +524,18 @@ static void ilinear_job(void *arg, int64_t id, int64_t nt)
 }
 
 /* As trserve_qlinear, in the int8 arithmetic: x [n, I] quantized here, codes in the int8 layout
- * (the top comment). 0, or -1 without memory. */
-int trserve_qlinear_i8(int kind, const float *x, int64_t n, int64_t I, int64_t O, const uint8_t *codes,
-                       const uint16_t *d, const uint16_t *m, const float *bias, float *y, int threads)
+ * (the top comment), the inputs dims [n_dims] kept in float32 (kept_w [n_dims, O]). 0, -1 without
+ * memory, -2 when n_dims is above MAX_KEPT. */
+int trserve_qlinear_i8_kept(int kind, const float *x, int64_t n, int64_t I, int64_t O, const uint8_t *codes,
+                            const uint16_t *d, const uint16_t *m, const float *bias, const int32_t *dims,
+                            int64_t n_dims, const float *kept_w, float *y, int threads)
 {
-    const qmat_t w = {kind, I, O, I / 32, codes, d, m, bias};
+    if (n_dims < 0 || n_dims > MAX_KEPT) return -2;
+    const qmat_t w = {kind, I, O, I / 32, codes, d, m, bias, n_dims, kept_w};
     qact_t a;
     int rc = -1;
     if (!qact_alloc(&a, n, I)) {
-        quant_rows(x, n, I, &a);
+        quant_rows(x, n, I, &a, dims, n_dims);
         ilinear_job_t job = {&w, &a, y};
         pool_run(ilinear_job, &job, threads);
         rc = 0;
@@ -504,11 +544,17 @@ int trserve_qlinear_i8(int kind, const float *x, int64_t n, int64_t I, int64_t O
     return rc;
 }
 
+int trserve_qlinear_i8(int kind, const float *x, int64_t n, int64_t I, int64_t O, const uint8_t *codes,
+                       const uint16_t *d, const uint16_t *m, const float *bias, float *y, int threads)
+{
+    return trserve_qlinear_i8_kept(kind, x, n, I, O, codes, d, m, bias, NULL, 0, NULL, y, threads);
+}
+
 /* The quantized activations of x [n, I] (tests): q [nb, n, 32] int8, s, m [nb, n] float, c [nb, n]
  * int32 (-128 times the block's code sum). 0, or -1 without memory. */
 int trserve_quantize_rows(const float *x, int64_t n, int64_t I, int8_t *q, float *s, float *m, int32_t *c)
 {
-    const qact_t a = {n, q, s, m, c};
-    quant_rows(x, n, I, &a);
+    qact_t a = {n, q, s, m, c, 0, NULL, NULL};
+    quant_rows(x, n, I, &a, NULL, 0);
     return 0;
 }

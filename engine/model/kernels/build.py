@@ -164,7 +164,7 @@ def _library(cache_dir: Path, isa: str, arithmetic: str = "exact"):
         raise ValueError(f"arithmetic must be one of {', '.join(ARITHMETICS)}; got {arithmetic!r}")
     if isa not in _libs:
         _load(cache_dir, isa)
-    return _libs[isa].trserve_qlinear if arithmetic == "exact" else _libs[isa].trserve_qlinear_i8
+    return _libs[isa].trserve_qlinear if arithmetic == "exact" else _libs[isa].trserve_qlinear_i8_kept
 
 
 def _load(cache_dir: Path, isa: str) -> None:
@@ -181,6 +181,8 @@ def _load(cache_dir: Path, isa: str) -> None:
     for fn in (lib.trserve_qlinear, lib.trserve_qlinear_i8):
         fn.restype = ctypes.c_int  # 0, or -1 when the kernel could not allocate its buffers
         fn.argtypes = [ctypes.c_int, P, i64, i64, i64, P, P, P, P, P, ctypes.c_int]
+    lib.trserve_qlinear_i8_kept.restype = ctypes.c_int  # 0, -1 without memory, -2 too many kept inputs
+    lib.trserve_qlinear_i8_kept.argtypes = [ctypes.c_int, P, i64, i64, i64, P, P, P, P, P, i64, P, P, ctypes.c_int]
     lib.trserve_quantize_rows.restype = ctypes.c_int
     lib.trserve_quantize_rows.argtypes = [P, i64, i64, P, P, P, P]
     f = lib.trserve_forward

@@ -60,6 +60,19 @@ class QLinear(nn.Module):
         self.register_buffer("bias", bias, persistent=False)
         self._fn = _library(cache_dir, self.isa, arithmetic)
         self.threads: int | None = None  # the kernels' threads (csrc/pool.h); None: torch.get_num_threads()
+        # int8: inputs kept in float32 (engine/model/kernels/outliers.py): their dims [k] and W[:, dims] [k, O]
+        self.register_buffer("kept", torch.zeros(0, dtype=torch.int32), persistent=False)
+        self.register_buffer("kept_w", torch.zeros(0, out_features), persistent=False)
+
+    def keep_inputs(self, dims: torch.Tensor, weights: torch.Tensor) -> None:
+        """int8 arithmetic: keep inputs `dims` [k] (k <= 16) in float32, with W[:, dims] as `weights` [k, O]."""
+        if self.arithmetic != "int8":
+            raise ValueError("kept inputs are part of the int8 arithmetic")
+        if dims.dim() != 1 or not 0 <= dims.numel() <= 16 or weights.shape != (dims.numel(), self.out_features) or \
+                (dims.numel() and not 0 <= int(dims.min()) <= int(dims.max()) < self.in_features):
+            raise ValueError(f"kept inputs: at most 16 dims in [0, {self.in_features}) and weights [k, {self.out_features}]")
+        self.kept = dims.to(torch.int32).contiguous()
+        self.kept_w = weights.to(torch.float32).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -69,23 +82,32 @@ class QLinear(nn.Module):
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)  # [n, O]
         bias = self.bias.data_ptr() if self.bias is not None else None
         m = self.m.data_ptr() if self.kind == 4 else None
-        if self._fn(self.kind, x2.data_ptr(), x2.shape[0], self.in_features, self.out_features, self.codes.data_ptr(),
-                    self.d.data_ptr(), m, bias, y.data_ptr(), self.threads or torch.get_num_threads()):
+        args = (self.kind, x2.data_ptr(), x2.shape[0], self.in_features, self.out_features, self.codes.data_ptr(),
+                self.d.data_ptr(), m, bias)
+        if self.arithmetic == "int8":
+            args += (self.kept.data_ptr() if self.kept.numel() else None, self.kept.numel(),
+                     self.kept_w.data_ptr() if self.kept.numel() else None)
+        if self._fn(*args, y.data_ptr(), self.threads or torch.get_num_threads()):
             raise MemoryError("compressed kernel: no memory for its buffers")
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        kept = f", {self.kept.numel()} inputs kept" if self.kept.numel() else ""
         return (f"in_features={self.in_features}, out_features={self.out_features}, exact q{self.kind} blocks, "
-                f"{self.isa}, {self.arithmetic}")
+                f"{self.isa}, {self.arithmetic}{kept}")
 
 
 def quantize_linears(model: nn.Module, cache_dir: Path, isa: str = "auto",
-                     arithmetic: str = "exact") -> tuple[int, int]:
+                     arithmetic: str = "exact", kept_inputs: dict[str, list[int]] | None = None) -> tuple[int, int]:
     """Swap every nn.Linear whose weight recovers exactly for a QLinear on kernel variant `isa`
-    ("auto": this CPU's best; others for tests and measurements) in `arithmetic`; returns (swapped,
-    kept)."""
+    ("auto": this CPU's best; others for tests and measurements) in `arithmetic` (int8: with the
+    layers' `kept_inputs`, engine/model/kernels/outliers.py); returns (swapped, kept)."""
+    from trserve.engine.model.kernels.outliers import columns
+
     isa = kernel_isa(isa)
     swapped = kept = 0
+    cols = columns(model, kept_inputs) if kept_inputs and arithmetic == "int8" else {}
+    names = {id(m): n for n, m in model.named_modules()}
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
             if not isinstance(child, nn.Linear):
@@ -102,6 +124,8 @@ def quantize_linears(model: nn.Module, cache_dir: Path, isa: str = "auto",
                     continue
                 new = QLinear(8, q8[0].view(torch.uint8), q8[1], None, bias, child.in_features, child.out_features,
                               cache_dir, isa, arithmetic)
+            if names.get(id(child)) in cols:
+                new.keep_inputs(*cols[names[id(child)]])
             setattr(module, name, new)
             swapped += 1
     log.info("compressed kernels (%s, %s): %d linear layers swapped, %d kept", isa, arithmetic, swapped, kept)

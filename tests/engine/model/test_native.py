@@ -16,8 +16,9 @@ HIDE = torch.finfo(torch.float32).min
 
 
 def quantized_llama(tmp_path, isa: str = "auto", vocab: int = 256, seed: int = 0, bias: bool = False,
-                    arithmetic: str = "exact"):
-    """A 2-layer llama (head_dim 32, grouped KV) with Q4_1 linears and a Q8_0 LM head, on `isa`."""
+                    arithmetic: str = "exact", kept_inputs: dict[str, list[int]] | None = None):
+    """A 2-layer llama (head_dim 32, grouped KV) with Q4_1 linears and a Q8_0 LM head, on `isa` (int8:
+    with `kept_inputs` per linear layer name, engine/model/kernels/outliers.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -37,7 +38,7 @@ def quantized_llama(tmp_path, isa: str = "auto", vocab: int = 256, seed: int = 0
         for layer in model.model.layers:  # non-trivial norm weights
             layer.input_layernorm.weight.copy_(1 + 0.2 * torch.randn(128))
             layer.post_attention_layernorm.weight.copy_(1 + 0.2 * torch.randn(128))
-    swapped, kept = quantize_linears(model, tmp_path, isa, arithmetic)
+    swapped, kept = quantize_linears(model, tmp_path, isa, arithmetic, kept_inputs)
     assert kept == 0 and swapped == 15
     return model
 

@@ -32,10 +32,14 @@ def reference_quant(x: torch.Tensor):
     return q, s, q.sum(-1)
 
 
-def reference_i8_linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def reference_i8_linear(lin: nn.Linear, x: torch.Tensor, kept: list[int] = ()) -> torch.Tensor:
     """[n, O]: per output, acc = fma(float(isum_b) * s_b, d_b, acc) (q4: then acc = fma(m_b, c_b * s_b, acc))
-    over the blocks in order, then + bias; isum the exact integer dot product of codes and q."""
+    over the blocks in order, then + bias; isum the exact integer dot product of codes and q. `kept`
+    inputs are quantized as zeros and added last: acc = fma(W[o, j], x[j], acc) for j in order."""
     w = lin.weight.detach()
+    xs = x[:, list(kept)].clone()
+    x = x.clone()
+    x[:, list(kept)] = 0.0
     out_f, in_f = w.shape
     nb = in_f // 32
     q4 = recover_q4(w)
@@ -55,7 +59,10 @@ def reference_i8_linear(lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         acc = fma32(f, d[None, :, b].expand_as(acc), acc)
         if m is not None:
             acc = fma32(m[None, :, b].expand_as(acc), xm[:, b, None].expand_as(acc), acc)
-    return acc + lin.bias.detach() if lin.bias is not None else acc
+    acc = acc + lin.bias.detach() if lin.bias is not None else acc
+    for j, dim in enumerate(kept):
+        acc = fma32(w[None, :, dim].expand_as(acc), xs[:, j, None].expand_as(acc), acc)
+    return acc
 
 
 @pytest.fixture(scope="module")
@@ -128,6 +135,34 @@ def test_int8_variants_give_the_same_bits_at_every_width_to_32(case, kernel_dir)
             assert torch.equal(layer(x[:n]), want[:n]), f"{isa} != scalar at n = {n}"
 
 
+@needs_kernel
+@pytest.mark.parametrize("case", ["q4-panels-bias", "q8-panels"])
+def test_kept_inputs_equal_their_reference_and_every_variant_agrees(case, kernel_dir):
+    """Inputs kept in float32 (engine/model/kernels/outliers.py): quantized as zeros, so the outlier
+    dimension 5 no longer sets its block's scale, then added back after the integer part in the set's
+    order; the reference's bits at every width and for every row alone, on every variant, and closer
+    to the float layer than without them."""
+    lin = CASES[case][0]
+    outs = {}
+    x = activations(19, lin().shape[1], seed=9)
+    for isa in available_isas():
+        ref_lin, q = int8_layer(case, isa, kernel_dir)
+        dims = [5, 40, 3]  # any order: the kernel adds them in this one
+        q.keep_inputs(torch.tensor(dims), ref_lin.weight.detach()[:, dims].t())
+        ref = reference_i8_linear(ref_lin, x, dims)
+        for n in (1, 2, 3, 5, 8, 13, 19):
+            assert torch.equal(q(x[:n]), ref[:n]), f"{isa} differs from the reference at n = {n}"
+        for i in (0, 3, 18):
+            assert torch.equal(q(x[i: i + 1]), ref[i: i + 1])
+        outs[isa] = q(x)
+        exact = ref_lin(x)
+        assert (ref - exact).abs().mean() < (reference_i8_linear(ref_lin, x) - exact).abs().mean()
+    for isa, y in outs.items():
+        assert torch.equal(y, outs["scalar"]), f"{isa} != scalar"
+    with pytest.raises(ValueError, match="kept inputs"):
+        q.keep_inputs(torch.arange(17), torch.zeros(17, q.out_features))
+
+
 def test_int8_packing_places_every_code():
     w = q4_weights(20, 64, seed=3)
     codes, d, m = recover_q4(w)
@@ -193,7 +228,77 @@ def test_native_int8_tree_nodes_equal_tokens_decoded_alone_and_builds_agree(tmp_
     assert (e.argmax(-1) == outs["scalar"].argmax(-1)).float().mean() >= 0.6
 
 
+@needs_kernel
+def test_native_int8_with_kept_inputs_is_batch_invariant_and_builds_agree(tmp_path):
+    """The native forward with kept inputs (one set per layer input: q, k, v share theirs, gate and up
+    theirs): tree nodes equal tokens decoded alone, the builds agree, and the kept inputs do change the
+    numbers; a q whose set differs from its k's is refused."""
+    from tests.engine.model.test_native import HIDE, _prefilled, _row, quantized_llama
+
+    kept = {}
+    for layer in range(2):
+        for names, dims in ((("q_proj", "k_proj", "v_proj"), [7, 64, 100]), (("o_proj",), [3]),
+                            (("gate_proj", "up_proj"), [1, 2, 127]), (("down_proj",), [0, 200, 255, 31])):
+            for name in names:
+                part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
+                kept[f"model.layers.{layer}.{part}.{name}"] = dims
+    kept["lm_head"] = [5, 6]
+    tree = torch.full((5, 5), HIDE)
+    for i, anc in enumerate([[0], [0, 1], [0, 1, 2], [0, 3], [0, 1, 4]]):
+        tree[i, anc] = 0.0
+    outs = {}
+    for isa in available_isas():
+        model = quantized_llama(tmp_path, isa, arithmetic="int8", kept_inputs=kept)
+        assert model.model.layers[1].mlp.down_proj.kept.tolist() == [0, 200, 255, 31]
+        with torch.inference_mode():
+            alone = _prefilled(model, True, [list(range(40, 90))])
+            want = []
+            for t in (3, 9, 7):
+                want.append(alone.step([_row([t])])[0][0])
+                alone.keep([[0]])
+            batch = _prefilled(model, True, [list(range(7, 30)), list(range(40, 90))])
+            got = batch.step([_row([1, 2, 3, 4]), _row([3, 9, 7, 8, 8], [0, 1, 2, 1, 2], tree)])[1]
+        for i in range(3):
+            assert torch.equal(got[i], want[i]), f"{isa}: node {i} differs from the token decoded alone"
+        outs[isa] = got
+    for isa, got in outs.items():
+        assert torch.equal(got, outs["scalar"]), f"{isa} != scalar"
+    plain = quantized_llama(tmp_path, "scalar", arithmetic="int8")
+    with torch.inference_mode():
+        p = _prefilled(plain, True, [list(range(7, 30)), list(range(40, 90))]).step(
+            [_row([1, 2, 3, 4]), _row([3, 9, 7, 8, 8], [0, 1, 2, 1, 2], tree)])[1]
+    assert not torch.equal(p, outs["scalar"])
+    kept["model.layers.0.self_attn.k_proj"] = [7, 64, 101]
+    bad = quantized_llama(tmp_path, "scalar", arithmetic="int8", kept_inputs=kept)
+    with pytest.raises(Exception), torch.inference_mode():
+        _prefilled(bad, True, [list(range(7, 30))])
+
+
 def test_ctypes_model_struct_ends_with_the_arithmetic():
     from trserve.engine.model.native import _Model
 
     assert _Model._fields_[-1] == ("arith", ctypes.c_int64)
+
+
+def test_auto_arithmetic_is_int8_wherever_the_compressed_kernels_run():
+    from trserve.engine.model.loader import ModelConfig, resolve_arithmetic
+
+    assert ModelConfig().arithmetic == "auto" and ModelConfig(kernels="packed").arithmetic == "auto"
+    assert resolve_arithmetic("auto", "avx2") == "int8" and resolve_arithmetic("auto", None) == "exact"
+    assert resolve_arithmetic("exact", "avx512vnni") == "exact"
+
+
+@pytest.mark.slow
+def test_the_bundled_models_kept_inputs_are_what_calibration_picks_here(hf_reference):
+    """engine/model/kernels/kept/: the shipped sets (which every host serving the bundled model uses, so
+    a mixed fleet gives one answer) are what calibrating the float model picks on this host too; and the
+    served int8 layers keep them."""
+    import json
+
+    from trserve.engine.model.kernels.outliers import SHIPPED, calibrate
+
+    (path,) = SHIPPED.glob(f"kept-{hf_reference.fingerprint}.json")
+    shipped = json.loads(path.read_text())["kept"]
+    assert calibrate(hf_reference.model, hf_reference.tokenizer) == shipped
+    assert len(shipped) == 211 and all(len(v) == 4 for v in shipped.values())
+    assert shipped["model.layers.3.self_attn.q_proj"] == shipped["model.layers.3.self_attn.v_proj"]
