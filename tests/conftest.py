@@ -69,6 +69,16 @@ def decoder_int8():
 
 
 @pytest.fixture(scope="session")
+def decoder_served(request):
+    """The decoder in the arithmetic a worker serves by default (`--arithmetic auto`): int8 where the
+    compressed kernels run as `auto` takes them (not on their scalar variant), else exact."""
+    from trserve.engine.model.kernels.build import kernel_isa, qlinear_supported
+
+    served_int8 = qlinear_supported() and kernel_isa() != "scalar"
+    return request.getfixturevalue("decoder_int8" if served_int8 else "decoder")
+
+
+@pytest.fixture(scope="session")
 def hf_reference():
     """SmolLM2 with stock kernels: the reference for plain greedy `generate`."""
     from trserve.engine.model.loader import ModelConfig, load_model

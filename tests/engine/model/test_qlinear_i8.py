@@ -204,28 +204,41 @@ def test_native_int8_tree_nodes_equal_tokens_decoded_alone_and_builds_agree(tmp_
     for isa in available_isas():
         model = quantized_llama(tmp_path, isa, arithmetic="int8")
         assert model.lm_head.arithmetic == "int8"
-        with torch.inference_mode():
-            alone = _prefilled(model, True, [list(range(40, 90))])
-            want = []
-            for t in (3, 9, 7):
-                want.append(alone.step([_row([t])])[0][0])
-                alone.keep([[0]])
-            batch = _prefilled(model, True, [list(range(7, 30)), list(range(40, 90))])
-            tree = torch.full((5, 5), HIDE)
-            for i, anc in enumerate([[0], [0, 1], [0, 1, 2], [0, 3], [0, 1, 4]]):
-                tree[i, anc] = 0.0
-            got = batch.step([_row([1, 2, 3, 4]), _row([3, 9, 7, 8, 8], [0, 1, 2, 1, 2], tree)])[1]
-        for i in range(3):
-            assert torch.equal(got[i], want[i]), f"{isa}: node {i} differs from the token decoded alone"
-        outs[isa] = got
+        outs[isa] = _nodes_against_alone(model, isa)
     for isa, got in outs.items():
         assert torch.equal(got, outs["scalar"]), f"{isa} != scalar"
     exact = quantized_llama(tmp_path, "scalar")
     with torch.inference_mode():
         e = _prefilled(exact, True, [list(range(7, 30)), list(range(40, 90))]).step(
-            [_row([1, 2, 3, 4]), _row([3, 9, 7, 8, 8], [0, 1, 2, 1, 2], tree)])[1]
+            [_row([1, 2, 3, 4]), _row([3, 9, 7, 8, 8], [0, 1, 2, 1, 2], _tree(HIDE))])[1]
     assert not torch.equal(e, outs["scalar"])  # another arithmetic
     assert (e.argmax(-1) == outs["scalar"].argmax(-1)).float().mean() >= 0.6
+
+
+def _tree(hide: float) -> torch.Tensor:
+    """[5, 5] the visibility of a 5-node tree (parents 0, 1, 2, 0, 1 below the root)."""
+    tree = torch.full((5, 5), hide)
+    for i, anc in enumerate([[0], [0, 1], [0, 1, 2], [0, 3], [0, 1, 4]]):
+        tree[i, anc] = 0.0
+    return tree
+
+
+def _nodes_against_alone(model, isa: str) -> torch.Tensor:
+    """A tree verified beside another sequence: its first 3 nodes' logits must equal tokens 3, 9, 7
+    decoded alone one by one; returns the tree's logits [5, V]."""
+    from tests.engine.model.test_native import HIDE, _prefilled, _row
+
+    with torch.inference_mode():
+        alone = _prefilled(model, True, [list(range(40, 90))])
+        want = []
+        for t in (3, 9, 7):
+            want.append(alone.step([_row([t])])[0][0])
+            alone.keep([[0]])
+        batch = _prefilled(model, True, [list(range(7, 30)), list(range(40, 90))])
+        got = batch.step([_row([1, 2, 3, 4]), _row([3, 9, 7, 8, 8], [0, 1, 2, 1, 2], _tree(HIDE))])[1]
+    for i in range(3):
+        assert torch.equal(got[i], want[i]), f"{isa}: node {i} differs from the token decoded alone"
+    return got
 
 
 @needs_kernel
@@ -243,34 +256,21 @@ def test_native_int8_with_kept_inputs_is_batch_invariant_and_builds_agree(tmp_pa
                 part = "self_attn" if name in ("q_proj", "k_proj", "v_proj", "o_proj") else "mlp"
                 kept[f"model.layers.{layer}.{part}.{name}"] = dims
     kept["lm_head"] = [5, 6]
-    tree = torch.full((5, 5), HIDE)
-    for i, anc in enumerate([[0], [0, 1], [0, 1, 2], [0, 3], [0, 1, 4]]):
-        tree[i, anc] = 0.0
     outs = {}
     for isa in available_isas():
         model = quantized_llama(tmp_path, isa, arithmetic="int8", kept_inputs=kept)
         assert model.model.layers[1].mlp.down_proj.kept.tolist() == [0, 200, 255, 31]
-        with torch.inference_mode():
-            alone = _prefilled(model, True, [list(range(40, 90))])
-            want = []
-            for t in (3, 9, 7):
-                want.append(alone.step([_row([t])])[0][0])
-                alone.keep([[0]])
-            batch = _prefilled(model, True, [list(range(7, 30)), list(range(40, 90))])
-            got = batch.step([_row([1, 2, 3, 4]), _row([3, 9, 7, 8, 8], [0, 1, 2, 1, 2], tree)])[1]
-        for i in range(3):
-            assert torch.equal(got[i], want[i]), f"{isa}: node {i} differs from the token decoded alone"
-        outs[isa] = got
+        outs[isa] = _nodes_against_alone(model, isa)
     for isa, got in outs.items():
         assert torch.equal(got, outs["scalar"]), f"{isa} != scalar"
     plain = quantized_llama(tmp_path, "scalar", arithmetic="int8")
     with torch.inference_mode():
         p = _prefilled(plain, True, [list(range(7, 30)), list(range(40, 90))]).step(
-            [_row([1, 2, 3, 4]), _row([3, 9, 7, 8, 8], [0, 1, 2, 1, 2], tree)])[1]
+            [_row([1, 2, 3, 4]), _row([3, 9, 7, 8, 8], [0, 1, 2, 1, 2], _tree(HIDE))])[1]
     assert not torch.equal(p, outs["scalar"])
     kept["model.layers.0.self_attn.k_proj"] = [7, 64, 101]
     bad = quantized_llama(tmp_path, "scalar", arithmetic="int8", kept_inputs=kept)
-    with pytest.raises(Exception), torch.inference_mode():
+    with pytest.raises(RuntimeError, match="refused its input"), torch.inference_mode():
         _prefilled(bad, True, [list(range(7, 30))])
 
 

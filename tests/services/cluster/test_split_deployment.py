@@ -142,11 +142,11 @@ def cluster(tmp_path_factory) -> Iterator[Cluster]:
 
 
 @pytest.fixture(scope="module")
-def reference(decoder) -> dict[str, tuple[list[int], str]]:
-    """In-process TR from a cold matrix: (ids, text) per prompt."""
+def reference(decoder_served) -> dict[str, tuple[list[int], str]]:
+    """In-process TR from a cold matrix, in the arithmetic the workers serve: (ids, text) per prompt."""
     out = {}
     for key, messages in (("poem", POEM), ("count", COUNT)):
-        result = decoder.generate(messages=messages, max_new_tokens=N)
+        result = decoder_served.generate(messages=messages, max_new_tokens=N)
         out[key] = (result.ids, result.text)
     return out
 

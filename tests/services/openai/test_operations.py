@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import socket
+import time
 import urllib.error
 import urllib.request
 
@@ -119,6 +120,10 @@ def test_a_request_id_is_echoed_and_on_its_log_lines(worker, caplog) -> None:
     status, head, reply = call(worker, "POST", "/v1/completions", body, headers={"X-Request-Id": "req-42"})
     assert status == 200 and head["x-request-id"] == "req-42"
     usage = reply["usage"]
+    # the access line is written once the response has ended, which may be just after the client has it
+    deadline = time.monotonic() + 10
+    while not [r for r in caplog.records if r.name == "trserve.access"] and time.monotonic() < deadline:
+        time.sleep(0.01)
     (record,) = [r for r in caplog.records if r.name == "trserve.access" and r.request_id == "req-42"]
     line = record.getMessage()
     assert record.request_id == "req-42" and line.startswith("POST /v1/completions -> 200 tenant=default")
