@@ -22,7 +22,7 @@ import ctypes
 
 import torch
 
-from trserve.engine.model.kernels.build import forward_library, top_probs_library
+from trserve.engine.model.kernels.build import forward_check_library, forward_library, top_probs_library
 from trserve.engine.model.kernels.qlinear import QLinear
 
 _i64 = ctypes.c_int64
@@ -128,6 +128,9 @@ class NativeForward:
                         cfg.intermediate_size, head.out_features, float(eps), float(body.layers[0].self_attn.scaling),
                         self._ptr(body.embed_tokens.weight), self._ptr(body.norm.weight), layers, _qmat(head),
                         None, None, 0, ARITH_CODES[head.arithmetic])
+        if forward_check_library(head.isa)(ctypes.byref(self.m)):
+            raise ValueError("native forward unavailable: a shape its fixed-size parts do not take, or kept inputs "
+                             "that differ between layers reading one input (q, k, v; gate, up)")
         self.arithmetic = head.arithmetic
         self.vocab = head.out_features
         self._grow_rope(4096)

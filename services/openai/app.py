@@ -41,6 +41,7 @@ from trserve.services.common.errors import status_for
 from trserve.services.openai import convert
 from trserve.services.openai.convert import BadParam, ModelNotFound
 from trserve.services.openai.observe import RequestLog
+from trserve.services.openai.streams import first_items, merged
 from trserve.services.worker.admission import QueueFull
 from trserve.services.worker.servicer import GenerateServicer, StreamEnd
 
@@ -290,36 +291,41 @@ class OpenAIApp:
                 task.cancel()
 
     async def _stream(self, req: convert.OpenAIRequest, method: str, deadline: HttpDeadline, state) -> Response:
-        """Waits for the first chunk (after the prefill), so refusals are still plain HTTP errors."""
-        items = self.servicer.stream(req.request, deadline)
-        try:
-            first = await anext(items)
-        except BaseException:
-            await items.aclose()
-            raise
-        writer = convert.ChunkWriter.of(req, self.fingerprint, self.token_text)
-        return StreamingResponse(self._events(writer, first, items, method, state), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        """Waits for each choice's first chunk (after the prefills), so refusals are still plain HTTP errors."""
+        streams = [self.servicer.stream(r, deadline) for r in convert.choice_requests(req)]
+        firsts = await first_items(streams)
+        writers = convert.ChunkWriter.of(req, self.fingerprint, self.token_text).choices(len(streams))
+        return StreamingResponse(self._events(writers, merged(streams, firsts, StreamEnd), method, state),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache",
+                                                                          "X-Accel-Buffering": "no"})
 
-    async def _events(self, writer: convert.ChunkWriter, item: StepChunk | StreamEnd,
-                      items: AsyncIterator[StepChunk | StreamEnd], method: str, state) -> AsyncIterator[str]:
+    async def _events(self, writers: list[convert.ChunkWriter], items: AsyncIterator[tuple[int, StepChunk | StreamEnd]],
+                      method: str, state) -> AsyncIterator[str]:
+        """Each choice's chunks as they come (index i by writers[i]), its last chunk when it ends, then
+        the usage of them all."""
         error: BaseException | None = ClientGone("the client closed the stream")  # until the end is sent
+        ends: dict[int, StreamEnd] = {}
         async with contextlib.aclosing(items):
-            first = True
             try:
-                while isinstance(item, StepChunk):
-                    if item.text or first:
+                async for i, item in items:
+                    writer = writers[i]
+                    first = not writer.started
+                    if isinstance(item, StreamEnd):
+                        ends[i] = item
+                        reason = "shutdown" if item.drained else item.result.finish_reason
+                        yield sse(writer.last_chunk(item.rest, item.result, reason, item.queue_s))
+                    elif item.text or first:
                         yield sse(writer.chunk(item.text, role=first, token_ids=item.tokens, logprobs=item.logprobs))
                     else:  # tokens whose text is held back (a possible stop string) or not yet whole
                         yield sse(writer.chunk(None if writer.req.kind == "chat" else "", token_ids=item.tokens,
                                                logprobs=item.logprobs))
-                    first = False
-                    item = await anext(items)
-                state.tokens = (item.result.stats.prompt_tokens, item.result.stats.generated_tokens)
-                reason = "shutdown" if item.drained else item.result.finish_reason
-                yield sse(writer.last_chunk(item.rest, item.result, reason, item.queue_s))
-                if writer.req.include_usage:
-                    yield sse(writer.usage_chunk(item.result, reason, item.queue_s))
+                    writer.started = True
+                end = ends[0]
+                results = [ends[i].result for i in sorted(ends)]
+                state.tokens = (end.result.stats.prompt_tokens, sum(r.stats.generated_tokens for r in results))
+                if writers[0].req.include_usage:
+                    reason = "shutdown" if end.drained else end.result.finish_reason
+                    yield sse(writers[0].usage_chunk(end.result, reason, end.queue_s, tuple(results[1:])))
                 error = None
             except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in the stream
                 error = exc

@@ -6,6 +6,7 @@ completions, chunks and usage, with trserve's speculation figures under a `trser
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from dataclasses import dataclass
@@ -81,8 +82,6 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAI
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadParam("stream_options must be an object", "stream_options")
-    if stream and n > 1:
-        raise BadParam("n > 1 is answered unary only: stream one call per choice", "n")
     echo, echo_only = echo_options(body, kind, req, stream)
     return OpenAIRequest(kind, model, req, stream, bool(options.get("include_usage")), n, echo, echo_only, tools)
 
@@ -279,6 +278,8 @@ class ChunkWriter:
     token_text: object = None  # id -> the token's text (for logprobs)
     offset: int = 0  # characters of token text the chunks' logprobs have covered (completions' text_offset)
     held: str = ""  # a tool call's text so far: sent whole as tool_calls at the end
+    index: int = 0  # the choice these chunks are of (n > 1: one writer per choice, one id)
+    started: bool = False  # a chunk was sent (the first carries the role)
 
     @classmethod
     def of(cls, req: OpenAIRequest, fingerprint: str, token_text=None) -> ChunkWriter:
@@ -291,7 +292,7 @@ class ChunkWriter:
         lp = logprobs_json(self.req.kind, logprobs, self.token_text, self.offset) if logprobs else None
         if lp is not None and self.req.kind != "chat":
             self.offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else self.offset
-        choice: dict = {"index": 0, "finish_reason": finish_reason, "logprobs": lp}
+        choice: dict = {"index": self.index, "finish_reason": finish_reason, "logprobs": lp}
         if self.req.kind == "chat":
             delta = {"role": "assistant"} if role else {}
             if text is not None:
@@ -315,9 +316,15 @@ class ChunkWriter:
         out["trserve"] = extras(result, finish_reason, queue_s, self.req.request.tenant)
         return out
 
-    def usage_chunk(self, result: GenerationResult, finish_reason: str, queue_s: float) -> dict:
+    def choices(self, n: int) -> list[ChunkWriter]:
+        """One writer per choice of an n-choice stream: the same id and time, each its own index."""
+        return [dataclasses.replace(self, index=i) for i in range(n)]
+
+    def usage_chunk(self, result: GenerationResult, finish_reason: str, queue_s: float,
+                    others: tuple[GenerationResult, ...] = ()) -> dict:
+        """Usage of the whole answer (every choice's tokens, the prompt once), trserve's figures of `result`."""
         out = self._wrap([])
-        out["usage"] = usage(result.stats)
+        out["usage"] = usage(result.stats, *(r.stats for r in others))
         out["trserve"] = extras(result, finish_reason, queue_s, self.req.request.tenant)
         return out
 

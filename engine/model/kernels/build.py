@@ -188,6 +188,8 @@ def _load(cache_dir: Path, isa: str) -> None:
     f = lib.trserve_forward
     f.restype = ctypes.c_int
     f.argtypes = [P, i64, P, P, P, P, P, P, P, P, P, i64, P, i64, P, i64, P, P, ctypes.c_int]
+    lib.trserve_forward_check.restype = ctypes.c_int
+    lib.trserve_forward_check.argtypes = [P]
     lib.trserve_top_probs.restype = ctypes.c_int
     lib.trserve_top_probs.argtypes = [P, i64, i64, i64, P, P]
     _libs[isa] = lib
@@ -218,3 +220,9 @@ def forward_library(isa: str):
     if isa not in _libs:
         raise RuntimeError(f"the {isa} kernel library is not loaded (no QLinear built on it)")
     return _libs[isa].trserve_forward
+
+
+def forward_check_library(isa: str):
+    """trserve_forward_check of variant `isa`: 0 where the native forward takes a model struct."""
+    forward_library(isa)
+    return _libs[isa].trserve_forward_check

@@ -73,3 +73,21 @@ def test_a_body_cut_short_is_cancelled_not_internal(worker) -> None:
     while _count(worker, "CANCELLED") == cancelled and time.monotonic() < end:
         time.sleep(0.05)
     assert _count(worker, "CANCELLED") == cancelled + 1 and _count(worker, "INTERNAL") == 0
+
+
+def test_a_stream_of_several_choices_whose_client_left_frees_every_choice(worker) -> None:
+    """n > 1 streamed: each choice is its own request, merged into one stream; when the client goes,
+    every choice's request ends (none keeps decoding for nobody)."""
+    metrics = worker.worker.metrics
+    body = (b'{"model": "smollm2-135m-instruct", "prompt": "Count from one to a thousand:", "max_tokens": 2048, '
+            b'"n": 3, "stream": true, "temperature": 1.0, "seed": 5}')
+    s = socket.create_connection(("127.0.0.1", worker.worker.http_port))
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")  # streaming: every choice is decoding
+    assert metrics.value("trserve_active_requests") == 3
+    s.close()
+    end = time.monotonic() + 10
+    while metrics.value("trserve_active_requests") > 0 and time.monotonic() < end:
+        time.sleep(0.05)
+    assert metrics.value("trserve_active_requests") == 0, "a choice kept decoding for a client that left"

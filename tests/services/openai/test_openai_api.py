@@ -183,9 +183,9 @@ def test_logprobs_are_openais_shapes_and_the_same_under_tr_and_ar(client, model_
 
 
 def test_n_choices_each_reproducible_with_a_seed(client, model_id):
-    """Issue 44, item 4: n > 1 gives n choices decoded side by side; greedy ones are the same text, seeded
-    sampled ones are each reproducible (choice i samples with seed + i) and equal a single call with that
-    seed; usage counts the prompt once and every choice's tokens."""
+    """Issue 44, item 4: n > 1 gives n choices decoded side by side, unary or streamed; greedy ones are the
+    same text, seeded sampled ones are each reproducible (choice i samples with seed + i) and equal a
+    single call with that seed; usage counts the prompt once and every choice's tokens."""
     greedy = client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=8, temperature=0, n=3)
     assert [c.index for c in greedy.choices] == [0, 1, 2] and len({c.message.content for c in greedy.choices}) == 1
     ask = dict(model=model_id, messages=CHAT, max_tokens=12, temperature=1.0, seed=7)
@@ -196,8 +196,15 @@ def test_n_choices_each_reproducible_with_a_seed(client, model_id):
     assert first.usage.completion_tokens == sum(
         client.chat.completions.create(**{**ask, "seed": 7 + i}).usage.completion_tokens for i in range(3))
     assert first.usage.prompt_tokens == greedy.usage.prompt_tokens
-    with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, n=2, stream=True)
+    # streamed: every choice's deltas under its index, interleaved, the same texts; usage once, for all
+    texts_streamed, usages = ["", "", ""], []
+    for chunk in client.chat.completions.create(**ask, n=3, stream=True, stream_options={"include_usage": True}):
+        for c in chunk.choices:
+            texts_streamed[c.index] += c.delta.content or ""
+        usages += [chunk.usage] if chunk.usage else []
+    assert texts_streamed == texts and len(usages) == 1
+    assert (usages[0].prompt_tokens, usages[0].completion_tokens) == (first.usage.prompt_tokens,
+                                                                      first.usage.completion_tokens)
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, n=17)
 
