@@ -63,13 +63,11 @@ class BatchEngine:
         self.scheduler = Scheduler(config, self.runner.kv)
         self.budget = TreeBudget(config, target, cost or device_proxy(self.runner.device.type),
                                  packed=self.runner.native is not None)
-        # softmax probabilities of recycled ids: in C beside the native forward (one row: ~20x faster
-        # than torch's logsumexp, which cost a plain step ~5%), else torch
+        # softmax probabilities of recycled ids: in C beside the native forward (~20x torch's logsumexp), else torch
         native = self.runner.native
         self.top_probs = native.top_probs if native is not None and target.device.type == "cpu" else top_probs
         self.drafter = Drafter(self.budget, target.device, self.runner.dtype, packed=self.runner.native is not None)
-        # finished sequences' KV for their tenant's later prompts: only with the native forward, whose keys
-        # and values are the same bits whatever the width of the forward that computed them
+        # KV of finished (or shared) prompts for the tenant's later ones: native forward only (width-invariant bits)
         mb = config.prefix_cache_mb
         self.prefix = PrefixCache(mb << 20, config.prefix_min_tokens) if mb and self.runner.native is not None else None
         self.steps = 0
@@ -281,6 +279,9 @@ class BatchEngine:
     def _start(self, live: Live, last: torch.Tensor) -> None:
         """The prompt is in: first token, draft session, and the sequence joins the batch."""
         self.scheduler.join(live)
+        if self.prefix is not None:  # its tenant's waiting prompts that share its prefix (n > 1) prefill it once
+            self.prefix.share(live.tenant, live.seq.prepared.ids, self.scheduler.waiting_prompts(live.tenant),
+                              self.runner.kv, live.row, live.cached)
         live.root = int(choose(last, live.seq.sampler, 0, rules=live.seq.rules, contexts=[[]])[0])
         if live.seed:
             live.recycled = latest_rows(*(torch.cat(part) for part in zip(*live.seed)))
@@ -359,8 +360,7 @@ class BatchEngine:
 
     @staticmethod
     def _remember(live: Live) -> None:
-        """A finished request's prompt and output into its tenant's history (where its session keeps
-        one: engine/tr/history.py), for the tenant's later requests to draft from."""
+        """A finished request's prompt and output into its tenant's history (engine/tr/history.py), if kept."""
         remember = getattr(live.session, "remember", None)
         if remember is None or not live.seq.generated:
             return

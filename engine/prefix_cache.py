@@ -20,6 +20,10 @@ A TR request seeds its matrix from the model's predictions at its prompt's last 
 only where the tenant's matrix lacks the token's row (measured: the same MAT with and without prompt
 seeding on a warm tenant, docs/benchmarks.md).
 
+Shared: a prompt is also kept the moment its prefill ends when a waiting prompt of its tenant shares
+more of it than the cache holds (`share`): the n choices of one OpenAI request (one Generate each,
+queued together) or a burst with one system turn prefill their common prefix once, the rest load it.
+
 Bounded: entries are evicted least recently used once their bytes exceed `max_bytes`; an entry that
 a newer one extends (the same tenant's previous turn) is dropped when the newer one comes. Entries
 are never read across tenants. Engine thread only.
@@ -184,6 +188,18 @@ class PrefixCache:
         n = min(kv.length(row), len(tokens))
         if n >= self.min_tokens:
             self._store(tenant, tokens[:n], kv.row_view(row))  # straight from the row into blocks
+
+    def share(self, tenant: str, prompt: list[int], waiting: list, kv, row: int, cached: int) -> bool:
+        """A prompt just prefilled into KV `row` (`cached` of its tokens came from here): kept now, not
+        only when it leaves, if a waiting prompt of `tenant` (`waiting`: their ids) shares more of it
+        than the cache already holds (>= min_tokens): the choices of an n > 1 request, or a burst with
+        one system turn, prefill their common prefix once. Returns whether it was kept."""
+        ids = np.asarray(prompt, dtype=np.int64)
+        # what a waiting prompt would reuse: at most its length - 1 (its last token is always run)
+        gain = max((min(common_prefix(ids, np.asarray(w, dtype=np.int64)), len(w) - 1) for w in waiting), default=0)
+        if gain < self.min_tokens or gain <= cached or row < 0:
+            return False
+        return self._store(tenant, list(prompt), kv.row_view(row))
 
     def clear(self, release: bool = True) -> None:
         """Every entry gone; release False: their blocks stay, free, for the next entries (no fresh

@@ -156,6 +156,11 @@ class Scheduler:
             self.waiting.append(live)
             self._lock.notify()
 
+    def waiting_prompts(self, tenant: str) -> list:
+        """The prompts (token ids) of `tenant`'s waiting requests, oldest first (any thread)."""
+        with self._lock:
+            return [x.seq.prepared.ids for x in self.waiting if x.tenant == tenant]
+
     def stop(self) -> None:
         with self._lock:
             self._stop = True

@@ -149,3 +149,56 @@ def test_a_second_turn_reuses_the_first_and_decodes_the_same_tokens(decoder, eng
     other = cached.generate(decoder.prepare(GenerationRequest(
         messages=_chat([turn1, turn2], ["def fib(n):"]), max_new_tokens=4, mode="ar")), tenant="someone-else")
     assert other.stats.cached_tokens == 0
+
+
+def test_requests_waiting_with_the_same_prompt_prefill_it_once_and_decode_what_they_would_alone(decoder, engines):
+    """n > 1 choices (the OpenAI layer submits one request per choice): the first prefills the prompt,
+    which is kept as soon as it is in because the others wait with it; they load it and run only the
+    prompt's last token, then decode the tokens they decode alone (seeded sampling, TR and AR)."""
+    import queue
+
+    from trserve.engine import GenerationRequest, SamplingParams
+
+    cached, cold = engines
+    messages = [{"role": "user", "content": "Name three rivers of Europe and say one thing about each."}]
+    for mode in ("tr", "ar"):
+        cached.prefix.clear()
+        preps = [decoder.prepare(GenerationRequest(messages=messages, max_new_tokens=24, mode=mode,
+                                                   sampling=SamplingParams(temperature=0.8, seed=seed)))
+                 for seed in (1, 2, 3)]
+        items: queue.SimpleQueue = queue.SimpleQueue()
+        for i, prepared in enumerate(preps):  # queued together, before any step
+            cached.submit(prepared, lambda item, i=i: items.put((i, item)), tenant=f"n-{mode}")
+        results = {}
+        with cached.stepping():
+            while len(results) < 3:
+                cached.step()
+                while not items.empty():
+                    i, item = items.get()
+                    assert not isinstance(item, Exception), item
+                    if not hasattr(item, "tokens"):
+                        results[i] = item
+        p = len(preps[0].ids)
+        assert [results[i].stats.cached_tokens for i in range(3)] == [0, p - 1, p - 1]
+        for i, prepared in enumerate(preps):  # each choice as it decodes alone, on an engine without the cache
+            assert results[i].ids == cold.generate(prepared, tenant=f"alone-{mode}-{i}").ids
+        assert len({tuple(results[i].ids) for i in range(3)}) > 1  # the seeds give different choices
+
+
+def test_share_keeps_a_prompt_only_for_a_waiting_prompt_that_gains_from_it():
+    class Row:  # a KV holding one row of 20 columns (the real BatchKV is exercised above)
+        def __init__(self, kv):
+            self.kv = kv
+
+        def row_view(self, row):
+            return self.kv
+
+    cache = PrefixCache(1 << 20, min_tokens=4)
+    prompt = list(range(20))
+    kv = Row(_kv(20))
+    assert not cache.share("a", prompt, [], kv, 0, 0)  # nobody waits
+    assert not cache.share("a", prompt, [[0, 1, 2, 9, 9]], kv, 0, 0)  # shares 3 < min_tokens
+    assert not cache.share("a", prompt, [list(range(10))], kv, 0, 9)  # it already had all it could reuse
+    assert cache.share("a", prompt, [list(range(10)) + [7]], kv, 0, 0)
+    hit = cache.lookup("a", list(range(10)) + [7])
+    assert hit is not None and hit.tokens == 10
