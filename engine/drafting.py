@@ -16,7 +16,6 @@ from trserve.engine.tr.dynamic import CONTEXT, HISTORY, Chain, Grown, best_first
 from trserve.engine.tr.history import SuffixHistory
 from trserve.engine.tr.lookup import ContextLookup, Proposal
 from trserve.engine.tr.recycle import RecycledRows, distinct_rows
-from trserve.engine.tr.source import MatrixSession
 from trserve.engine.tr.tree import CompiledTree, compile_parents
 from trserve.engine.tree_budget import TreeBudget
 from trserve.engine.tuning.online import StepPlan
@@ -56,7 +55,7 @@ class Drafter:
                 options.append(budget.grown_options(live, grown, len(running), kv))
                 continue
             plan = live.seq.tuner.plan() if live.seq.tuner is not None else StepPlan(live.tree, None, explore=False)
-            proposal, source = static_chain(live.seq.lookup, getattr(live.session, "history", None),
+            proposal, source = static_chain(live.seq.lookup, live.session.history,
                                             plan.tree.template.lookup)
             staged.append((plan, proposal, source))
             options.append(budget.options(live, plan, proposal, len(running), kv, source == HISTORY))
@@ -98,7 +97,7 @@ class Drafter:
     def _grows(self, live: Live) -> bool:
         """Whether `live` drafts by growing trees from confidence: a dynamic tree, no tuner, and a
         session whose private copy holds the tenant's rows."""
-        return isinstance(live.session, MatrixSession) and bool(live.tree.template.dynamic) and (
+        return live.session is not None and bool(live.tree.template.dynamic) and (
             live.seq.tuner is None and live.session.local_drafts)
 
     def _grow(self, live: Live, floor: float) -> Grown:
@@ -126,7 +125,7 @@ class Drafter:
 
     def _history(self, live: Live) -> Chain | None:
         """A continuation from the tenant's earlier requests (its session's history), if it has one."""
-        history = getattr(live.session, "history", None)
+        history = live.session.history
         if history is None:
             return None
         return Chain.of(history.propose(live.seq.lookup.tail(history.max_ngram), live.tree.template.dynamic), HISTORY)

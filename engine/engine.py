@@ -254,8 +254,7 @@ class BatchEngine:
                 live.seed_n = min(p, round(d.config.seed_from_prompt * share))
                 first = max(live.done, p - live.seed_n)  # after any cached prefix
                 tail = list(ids[first:p])
-                known = getattr(live.session, "known_rows", None)  # a source without a local copy: none known
-                live.seed_at = [first + i for i in seed_positions(tail, known(tail) if known else [False] * len(tail))]
+                live.seed_at = [first + i for i in seed_positions(tail, live.session.known_rows(tail))]
         c = min(self.config.prefill_chunk, p - live.done)
         chunk = torch.tensor(ids[live.done : live.done + c], device=d.device)
         seeded = [q - live.done for q in live.seed_at if live.done <= q < live.done + c]  # seed the matrix
@@ -361,11 +360,10 @@ class BatchEngine:
     @staticmethod
     def _remember(live: Live) -> None:
         """A finished request's prompt and output into its tenant's history (engine/tr/history.py), if kept."""
-        remember = getattr(live.session, "remember", None)
-        if remember is None or not live.seq.generated:
+        if not live.seq.generated:
             return
         try:
-            remember(list(live.seq.prepared.ids) + live.seq.generated)
+            live.session.remember(list(live.seq.prepared.ids) + live.seq.generated)
         except Exception:  # noqa: BLE001 - history is an optimisation: it must not fail the request
             log.exception("adding a request to its tenant's history failed")
 

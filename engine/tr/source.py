@@ -37,8 +37,27 @@ class DraftInfo:
 
 
 class DraftSession(Protocol):
+    """Every member the engine and its drafter use (engine/engine.py, engine/drafting.py), none probed
+    for: `MatrixSession` implements them all once, and every source's session derives from it."""
+
+    matrix: AdjacencyMatrix  # the private copy: grown trees draft from it, prompt seeding asks it
+    history: SuffixHistory | None  # the tenant's suffix memory (engine/tr/history.py); None = none
+    local_drafts: bool  # whether `matrix` holds the tenant's rows, so the engine may grow trees from it
+
     def step(self, recycled: RecycledRows | None, root: int) -> torch.Tensor:
         """Apply the last verification's rows, then return the next tree's tokens [n] (root first)."""
+        ...
+
+    def update(self, recycled: RecycledRows | None) -> None:
+        """Apply the last verification's rows without drafting (the engine grows its own tree)."""
+        ...
+
+    def known_rows(self, tokens: list[int]) -> list[bool]:
+        """Per token: whether the copy holds its row (prompt seeding skips those)."""
+        ...
+
+    def remember(self, tokens: list[int]) -> None:
+        """A finished request's prompt + output into the tenant's history (called before `close`)."""
         ...
 
     def close(self, recycled: RecycledRows | None) -> None:

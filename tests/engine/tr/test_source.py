@@ -108,3 +108,28 @@ def test_garbage_drafts_still_give_the_models_own_output(decoder):
     plain = decoder.generate(messages=chat, max_new_tokens=12, mode="ar")
     tr = decoder.generate(messages=chat, max_new_tokens=12, matrix=_GarbageSource(decoder.spec))
     assert tr.ids == plain.ids
+
+
+def test_every_session_has_every_member_of_the_contract_and_the_engine_probes_none():
+    """Issue 43, item 6: the DraftSession Protocol names every member the engine and drafter use; each
+    source's session class has them all, and engine code calls them without getattr/hasattr/isinstance."""
+    import inspect
+    import re
+    from pathlib import Path
+
+    from trserve.engine.tr.source import DraftSession
+    from trserve.services.worker.drafting.embedded import StoreDraftSession
+    from trserve.services.worker.drafting.remote import RemoteDraftSession
+    from trserve.services.worker.drafting.replica import ReplicaDraftSession
+
+    members = {name for name in vars(DraftSession) if not name.startswith("_")} | set(DraftSession.__annotations__)
+    assert {"step", "update", "close", "info", "known_rows", "remember", "matrix", "history", "local_drafts"} <= members
+    session = LocalDraftSource(AdjacencyMatrix(SPEC)).open(TREE, SPEC)
+    assert all(hasattr(session, m) for m in members)
+    for cls in (StoreDraftSession, RemoteDraftSession, ReplicaDraftSession):
+        assert issubclass(cls, MatrixSession), cls  # so they carry the instance members MatrixSession sets
+        assert all(hasattr(cls, m) for m in members - set(DraftSession.__annotations__) | {"local_drafts"}), cls
+    engine = Path(inspect.getfile(DraftSession)).parents[1]
+    for path in (engine / "engine.py", engine / "drafting.py", engine / "step.py", engine / "tree_budget.py"):
+        text = path.read_text()
+        assert not re.search(r"(getattr|hasattr)\([^)]*session|isinstance\([^)]*session", text), path
