@@ -14,7 +14,7 @@ import logging
 import sys
 
 SERVICE_COMMANDS = (
-    "trserve.services.worker.cli",  # serve, worker
+    "trserve.services.node.cli",  # serve, worker (worker + OpenAI API)
     "trserve.services.client.cli",  # generate
     "trserve.services.matrix.cli",  # matrix, matrix-admin, model-spec, secret
     "trserve.services.cluster.cli",  # cluster up|down|status, health

@@ -13,6 +13,7 @@ import uvicorn
 
 from trserve.services.common.security import ServerTLS
 from trserve.services.openai.app import OpenAIApp
+from trserve.services.worker.config import WorkerConfig
 from trserve.services.worker.servicer import GenerateServicer
 
 log = logging.getLogger("trserve.openai")
@@ -46,6 +47,12 @@ def _listen(host: str, port: int) -> socket.socket:
                       "pick another --http-port, or 0 to turn it off") from None
     sock.set_inheritable(True)
     return sock
+
+
+async def front_end(servicer: GenerateServicer, config: WorkerConfig) -> HttpServer:
+    """The worker's front end for config.http_port (services/worker/server.py:FrontEndStarter)."""
+    assert config.http_port is not None
+    return await start_http(servicer, config.http_host or config.host, config.http_port, config.tls, config.grace_s)
 
 
 async def start_http(servicer: GenerateServicer, host: str, port: int, tls: ServerTLS | None,

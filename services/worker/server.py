@@ -6,7 +6,8 @@ import asyncio
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import grpc
 from grpc_health.v1.health import aio as health_aio
@@ -36,13 +37,23 @@ from trserve.services.worker.metrics import WorkerMetrics
 from trserve.services.worker.servicer import GenerateServicer
 from trserve.v1 import generate_pb2, generate_pb2_grpc
 
-if TYPE_CHECKING:
-    from trserve.services.openai.server import HttpServer
-
 log = logging.getLogger("trserve.worker")
 MAX_REPLY_BYTES = 16 << 20  # largest reply a worker sends (requests: WorkerConfig.max_request_bytes)
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name  # "trserve.v1.Generate"
+
+
+class FrontEnd(Protocol):
+    """Another API over the worker's servicer on a port of its own (services/openai's HTTP API), given
+    to `create_server` by the process that composes them (services/node/cli.py): the worker never
+    imports one. Started with the worker; its calls drain with the gRPC ones; stopped before the engine."""
+
+    port: int
+
+    async def stop(self) -> None: ...
+
+
+FrontEndStarter = Callable[[GenerateServicer, WorkerConfig], Awaitable[FrontEnd]]  # for config.http_port
 
 
 @dataclass
@@ -61,7 +72,7 @@ class Worker:
     engine: BatchEngine
     engine_loop: asyncio.Future  # the engine thread's run(), on `executor`
     histories: HistoryBook | None = None  # the embedded store's tenants' suffix histories; None when off
-    http: HttpServer | None = None  # the OpenAI-compatible HTTP API (services/openai); None when off
+    http: FrontEnd | None = None  # the OpenAI-compatible HTTP API (services/openai); None when off
 
     @property
     def http_port(self) -> int | None:
@@ -94,13 +105,18 @@ class Worker:
 
 async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
                         decoder_config: DecoderConfig | None = None,
-                        draft_source_factory: DraftSourceFactory | None = None) -> Worker:
+                        draft_source_factory: DraftSourceFactory | None = None,
+                        front_end: FrontEndStarter | None = None) -> Worker:
     """Start a worker on config.host:config.port (0 = any free port), NOT_SERVING until warm.
 
     `decoder`: a loaded Decoder to serve (else one is loaded from `decoder_config`).
     `draft_source_factory(tenant, domain)`: where TR drafts come from; default = an embedded
     MatrixStore (Redis snapshots when config.redis_url is set).
+    `front_end`: what serves config.http_port (services/openai/server.py:front_end); required with it.
     """
+    if config.http_port is not None and front_end is None:
+        raise ValueError("http_port is set but no front end was given to serve it "
+                         "(create_server(..., front_end=trserve.services.openai.server.front_end))")
     # Model loading and the decode loop (every forward) run on this executor's one thread: forwards from
     # two threads give two OpenMP thread teams fighting over the cores (measured: ~30% slower decoding).
     # Not everything torch does is here: callers' engine.submit (a request's sampler, its draft session's
@@ -113,7 +129,7 @@ async def create_server(config: WorkerConfig, decoder: Decoder | None = None, *,
     engine_loop = loop.run_in_executor(executor, engine.run)
     started = _Started(executor, engine, engine_loop)
     try:
-        return await _start_serving(config, decoder, draft_source_factory, started)
+        return await _start_serving(config, decoder, draft_source_factory, started, front_end)
     except BaseException:
         # A port in use, a bad Redis URL, ...: stop whatever started (the engine thread would otherwise
         # keep the process alive with its ports bound), so the caller's error ends the process.
@@ -130,7 +146,7 @@ class _Started:
     engine_loop: asyncio.Future
     store: MatrixStore | None = None
     server: grpc.aio.Server | None = None
-    http: HttpServer | None = None
+    http: FrontEnd | None = None
     metrics: WorkerMetrics | None = None
 
     async def stop(self) -> None:
@@ -148,7 +164,7 @@ class _Started:
 
 
 async def _start_serving(config: WorkerConfig, decoder: Decoder, draft_source_factory: DraftSourceFactory | None,
-                         started: _Started) -> Worker:
+                         started: _Started, front_end: FrontEndStarter | None) -> Worker:
     """The rest of create_server once the engine thread runs; each thing it starts is recorded in `started`."""
     engine = started.engine
     store = tuner_states = histories = None
@@ -177,21 +193,14 @@ async def _start_serving(config: WorkerConfig, decoder: Decoder, draft_source_fa
     generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
     health = add_standard_services(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port, config.tls)
-    http = started.http = await _start_http(servicer, config)
+    http = started.http = await front_end(servicer, config) if front_end is not None and config.http_port is not None \
+        else None
     metrics_port = metrics.serve_http(config.host, config.metrics_port) if config.metrics_port is not None else None
     await set_status(health, [SERVICE_NAME], serving=False)
     await server.start()
     ready = asyncio.create_task(_warm_up(servicer, health, config.warmup), name="trserve-warmup")
     return Worker(server, port, metrics_port, health, servicer, metrics, store, ready, started.executor, engine,
                   started.engine_loop, histories, http)
-
-
-async def _start_http(servicer: GenerateServicer, config: WorkerConfig) -> HttpServer | None:
-    if config.http_port is None:
-        return None
-    from trserve.services.openai.server import start_http  # uvicorn and starlette only when the API is on
-
-    return await start_http(servicer, config.http_host or config.host, config.http_port, config.tls, config.grace_s)
 
 
 class StoreTunerStates:
@@ -219,9 +228,12 @@ async def _warm_up(servicer: GenerateServicer, health: health_aio.HealthServicer
     await set_status(health, [SERVICE_NAME], serving=True)
 
 
-async def run(config: WorkerConfig, decoder_config: DecoderConfig, sources: MatrixServiceSources | None = None) -> None:
-    """Serve until a signal; `sources` = a split worker's drafts from the matrix service (else embedded)."""
-    worker = await create_server(config, decoder_config=decoder_config, draft_source_factory=sources)
+async def run(config: WorkerConfig, decoder_config: DecoderConfig, sources: MatrixServiceSources | None = None,
+              front_end: FrontEndStarter | None = None) -> None:
+    """Serve until a signal; `sources` = a split worker's drafts from the matrix service (else embedded);
+    `front_end`: what serves config.http_port (as create_server)."""
+    worker = await create_server(config, decoder_config=decoder_config, draft_source_factory=sources,
+                                 front_end=front_end)
     try:
         await worker.ready
     except Exception as e:  # noqa: BLE001 - a worker that cannot decode must not sit there unready: exit
@@ -258,7 +270,8 @@ async def run(config: WorkerConfig, decoder_config: DecoderConfig, sources: Matr
     await serve_until_signal(worker.server, worker.health, config.grace_s, on_stop=stop, drain=worker.servicer.drain)
 
 
-def serve(config: WorkerConfig, decoder_config: DecoderConfig, sources: MatrixServiceSources | None = None) -> int:
+def serve(config: WorkerConfig, decoder_config: DecoderConfig, sources: MatrixServiceSources | None = None,
+          front_end: FrontEndStarter | None = None) -> int:
     """Blocking: serve until SIGTERM/SIGINT, then drain gracefully."""
-    asyncio.run(run(config, decoder_config, sources))
+    asyncio.run(run(config, decoder_config, sources, front_end))
     return 0

@@ -55,7 +55,7 @@ def test_bad_sources_and_templates_fail_at_configuration(tmp_path) -> None:
 
 def test_the_cli_reads_a_template_file_and_names_the_model(tmp_path) -> None:
     from trserve.services.cli import build_parser
-    from trserve.services.worker.cli import build_configs
+    from trserve.services.node.cli import build_configs
 
     (tmp_path / "t.jinja").write_text(TEMPLATE)
     args = build_parser().parse_args(["serve", "--chat-template", str(tmp_path / "t.jinja"), "--served-model-name",

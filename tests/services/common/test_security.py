@@ -19,7 +19,7 @@ from trserve.services.cli import build_parser
 from trserve.services.client.balanced import BalancedClient
 from trserve.services.common.security import ServerTLS, SharedSecret, TenantTokens, client_channel
 from trserve.services.matrix.server import MatrixServiceConfig
-from trserve.services.worker.cli import build_configs
+from trserve.services.node.cli import build_configs
 from trserve.services.worker.config import Limits, WorkerConfig
 from trserve.services.worker.drafting.link import DraftClientConfig
 from trserve.services.worker.drafting.remote import RemoteDraftSource

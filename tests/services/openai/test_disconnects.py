@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from trserve.services.openai.server import front_end
+
 from trserve.services.worker.config import Limits, WorkerConfig
 from tests.services.worker_harness import serving
 
@@ -22,7 +24,7 @@ def worker(decoder):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     config = WorkerConfig(port=0, metrics_port=None, http_port=port, limits=Limits(max_new_tokens_cap=4096))
-    yield from serving(config, decoder)
+    yield from serving(config, decoder, front_end=front_end)
 
 
 def _post(worker, body: bytes) -> tuple[int, bytes]:

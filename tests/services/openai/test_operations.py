@@ -15,6 +15,8 @@ import urllib.request
 import grpc
 import pytest
 
+from trserve.services.openai.server import front_end
+
 from trserve.services.worker.config import WorkerConfig
 from trserve.v1 import generate_pb2 as pb
 from trserve.v1 import generate_pb2_grpc
@@ -32,7 +34,7 @@ def worker(decoder):
         port = s.getsockname()[1]
     config = WorkerConfig(port=0, metrics_port=None, http_port=port, allowed_origins=(ORIGIN,),
                           served_model_name=MODEL)
-    yield from serving(config, decoder)
+    yield from serving(config, decoder, front_end=front_end)
 
 
 def call(worker, method: str, path: str, body: object | None = None, headers: dict | None = None):

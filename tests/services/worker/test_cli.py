@@ -131,7 +131,7 @@ def test_admission_bounds_the_queue():
 
 def test_full_trees_flag_turns_batch_aware_sizing_off():
     from trserve.services.cli import build_parser
-    from trserve.services.worker.cli import build_configs
+    from trserve.services.node.cli import build_configs
 
     default, _ = build_configs(build_parser().parse_args(["serve"]))
     full, _ = build_configs(build_parser().parse_args(["serve", "--full-trees"]))

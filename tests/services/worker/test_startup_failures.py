@@ -12,6 +12,7 @@ import threading
 import pytest
 
 from trserve.services.worker.config import WorkerConfig
+from trserve.services.openai.server import front_end
 from trserve.services.worker.server import create_server
 
 
@@ -27,6 +28,8 @@ def test_a_start_that_fails_stops_the_engine_thread(decoder) -> None:
     config = WorkerConfig(port=0, metrics_port=None, http_port=taken.getsockname()[1], warmup=False)
     try:
         with pytest.raises(Exception, match="HTTP API"):
+            asyncio.run(create_server(config, decoder, front_end=front_end))
+        with pytest.raises(ValueError, match="no front end"):  # a port to serve and nothing to serve it with
             asyncio.run(create_server(config, decoder))
     finally:
         taken.close()

@@ -225,8 +225,11 @@ def _run(command: str, args: argparse.Namespace, split: bool) -> int:
         print(f"trserve {command}: {e}", file=sys.stderr)
         return 1
     sources = MatrixServiceSources(split_config) if split_config is not None else None
+    front_end = None
+    if worker_config.http_port is not None:  # uvicorn and starlette only when the API is on
+        from trserve.services.openai.server import front_end
     try:
-        return serve(worker_config, decoder_config, sources)
+        return serve(worker_config, decoder_config, sources, front_end)
     except (NotFound, InvalidArgument, FailedPrecondition) as e:  # the operator's choice of model, tree, device
         print(f"trserve {command}: {e}", file=sys.stderr)
         return 2
