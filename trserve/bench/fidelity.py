@@ -11,12 +11,17 @@ position the top-1 agreement with the exact token and KL(exact || other) of the 
   one (csrc/forward.c), so this is the share of prompts with top-1 agreement at all 128 positions; for
   bfloat16 it is counted the same way (teacher-forced), a close estimate of its free-running share.
 
+logits_sha256: a digest of the exact and int8 teacher-forced logits (float32 bytes, prompts in order):
+both promise the same bits on every build and host, so two hosts that print the same digests agree
+bit for bit on these 5,504 positions (bfloat16 runs torch's own kernels, which promise no such thing).
+
 Prompts: spec_bench, per category the questions after the bench's first three (the tuner takes the
 last one): up to 7 per category, 43 prompts, 5,504 positions.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import platform
@@ -87,12 +92,18 @@ def run_fidelity(config: FidelityConfig) -> dict:
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    exact = Decoder(DecoderConfig(model=ModelConfig(threads=config.threads)))
+    # the reference named, never the default: the default became int8 (`auto`), and this compared int8 to itself
+    exact = Decoder(DecoderConfig(model=ModelConfig(threads=config.threads, arithmetic="exact")))
     others = {"int8": load_model(ModelConfig(threads=config.threads, arithmetic="int8", kernels="compressed"))}
+    if exact.loaded.arithmetic != "exact" or others["int8"].arithmetic != "int8":
+        raise RuntimeError(f"fidelity needs the exact and int8 arithmetics; got {exact.loaded.arithmetic} and "
+                           f"{others['int8'].arithmetic}")
     if config.bfloat16:
         others["bfloat16"] = load_model(ModelConfig(threads=config.threads, kernels="stock", dtype="bfloat16",
                                                     device="cpu"))
     parts: dict[str, list[dict]] = {name: [] for name in others}
+    # the logits' bits, for comparing hosts: exact and int8 promise the same bits on every build and host
+    digests = {"exact": hashlib.sha256(), "int8": hashlib.sha256()}
     texts = held_out(config.prompts, config.per_category, config.skip_first)
     for i, text in enumerate(texts):
         prompt = exact.prompts.chat_ids([{"role": "user", "content": text}])
@@ -101,11 +112,16 @@ def run_fidelity(config: FidelityConfig) -> dict:
         ids, tokens = prompt + out.ids, torch.tensor(out.ids)
         ref = teacher_forced(exact.loaded.model, ids, len(prompt))
         assert torch.equal(ref.argmax(-1), tokens), "the exact native forward: teacher-forced != decoded"
+        digests["exact"].update(ref.numpy().tobytes())
         for name, loaded in others.items():
-            parts[name].append(compare(ref, teacher_forced(loaded.model, ids, len(prompt)), tokens))
+            logits = teacher_forced(loaded.model, ids, len(prompt))
+            if name in digests:
+                digests[name].update(logits.numpy().tobytes())
+            parts[name].append(compare(ref, logits, tokens))
         log.info("fidelity: prompt %d/%d", i + 1, len(texts))
     report = {"config": config.__dict__, "host": host_facts(), "prompts": len(texts),
-              "modes": {name: summarise(p) for name, p in parts.items()}}
+              "modes": {name: summarise(p) for name, p in parts.items()},
+              "logits_sha256": {name: h.hexdigest() for name, h in digests.items()}}
     Path(config.json_path).parent.mkdir(parents=True, exist_ok=True)
     Path(config.json_path).write_text(json.dumps(report, indent=1))
     print(table(report))
@@ -129,4 +145,5 @@ def table(report: dict) -> str:
     for name, m in report["modes"].items():
         lines.append(f"{name:<10}{m['positions']:>10}{100 * m['top1_agreement']:>12.2f}%{m['kl_mean']:>11.5f}"
                      f"{m['kl_p99']:>10.4f}{100 * m['identical_128']:>9.1f}%")
+    lines += [f"logits sha256 ({name}): {h}" for name, h in report.get("logits_sha256", {}).items()]
     return "\n".join(lines)
