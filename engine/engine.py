@@ -83,12 +83,13 @@ class BatchEngine:
     # ---- the caller's side (any thread) ---------------------------------------------------------
     def submit(self, prepared: PreparedRequest, emit: Emit, *, matrix=None, cancelled: Callable[[], bool] | None = None,
                deadline: float | None = None, tuner: OnlineTuner | None = None, tenant: str = "",
-               acceptance: AcceptanceLog | None = None) -> None:
+               acceptance: AcceptanceLog | None = None, text: bool = True) -> None:
         """Queue a request; `emit` gets its StepChunks then its GenerationResult (on the stepping
         thread), or the exception of a failed step. `matrix`: an AdjacencyMatrix or DraftSource (None:
         a fresh matrix); `tuner`: an online tree tuner for a request naming no tree (default: the
         model's own when its tree is "adaptive"); `acceptance`: collects one record per TR step (it must
-        belong to the tree used) for the tree optimiser.
+        belong to the tree used) for the tree optimiser; `text` False: chunks carry no text (a caller
+        that reads only the result's saves a detokenization per step).
         Opens the request's draft session here, in the caller's thread (it may read a store), so the
         loop never waits on one. Raises ResourceExhausted when the request can never fit or the
         waiting queue is full."""
@@ -100,7 +101,7 @@ class BatchEngine:
                                   f"but this request uses {tree.template.name!r}")
         seq = Sequence(prepared, StopChecker(d.tokenizer, set(prepared.stop_ids), req.stop_strings),
                        new_sampler(req.sampling, req.max_new_tokens, d.device), acceptance, tuner, d.device)
-        live = Live(seq, emit, tree, cancelled, deadline, (tenant, tree.template if tree else None))
+        live = Live(seq, emit, tree, cancelled, deadline, (tenant, tree.template if tree else None), deltas=text)
         self.scheduler.check_fits(live)
         if req.mode == "tr":
             live.session = d.draft_source(matrix).open(tree, d.spec)
@@ -285,7 +286,7 @@ class BatchEngine:
         if live.seed:
             live.recycled = latest_rows(*(torch.cat(part) for part in zip(*live.seed)))
             live.seed = []
-        live.text = TextStream(self.target.tokenizer)
+        live.text = TextStream(self.target.tokenizer) if live.deltas else None
         live.prefill_s = time.perf_counter() - live.t0
         self._emit(live, record_logprobs(live.seq, last, live.seq.commit([live.root])))
 
@@ -346,8 +347,8 @@ class BatchEngine:
         if new:
             seq = live.seq
             logprobs = tuple(seq.logprobs[-len(new):]) if seq.logprobs is not None else None
-            live.emit(StepChunk(tokens=new, text=live.text.delta(seq.generated, cut=seq.stops.cut_text),
-                                logprobs=logprobs))
+            text = live.text.delta(seq.generated, cut=seq.stops.cut_text) if live.text is not None else ""
+            live.emit(StepChunk(tokens=new, text=text, logprobs=logprobs))
 
     def _retire(self, done: list[Live]) -> None:
         if self.prefix is not None:  # their rows (prompt and committed tokens) for their tenants' next prompts

@@ -80,7 +80,8 @@ class Live:
     recycled: RecycledRows | None = None
     plain: list = field(default_factory=list)  # (root, its top-k [K], their probs [K]) of plain steps since the last draft
     root: int = 0
-    text: TextStream | None = None
+    deltas: bool = True  # its StepChunks carry text (False: a caller reading only the result's)
+    text: TextStream | None = None  # the deltas' state, while they are sent
     seed: list = field(default_factory=list)  # (tokens [c], topk [c, K], probs [c, K]) of prompt seeding, per chunk
     seed_n: int = 0  # the prompt's last positions that may seed its matrix (fixed when its prefill starts)
     seed_at: list[int] = field(default_factory=list)  # of those, the ones that do (tr/recycle.py:seed_positions)

@@ -143,7 +143,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         with self.admission.call():
             call = self._new_call(request)
             result = None
-            async for item in self._decode(call, context):  # consumed to the end: the decode slot is freed on exit
+            async for item in self._decode(call, context, text=False):  # to the end: the slot is freed on exit
                 if isinstance(item, GenerationResult):
                     result = item
             if result is None:
@@ -252,15 +252,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                                    "is not another tenant's matrix")
         return call
 
-    async def _decode(self, call: _Call, context: Deadline) -> AsyncIterator[StepChunk | GenerationResult]:
+    async def _decode(self, call: _Call, context: Deadline, text: bool = True
+                      ) -> AsyncIterator[StepChunk | GenerationResult]:
+        """`text` False: the chunks carry no text (a unary call sends only the result's)."""
         self.calls.add(call)
         try:
-            async for item in self._decode_admitted(call, context):
+            async for item in self._decode_admitted(call, context, text):
                 yield item
         finally:
             self.calls.discard(call)
 
-    async def _decode_admitted(self, call: _Call, context: Deadline
+    async def _decode_admitted(self, call: _Call, context: Deadline, text: bool
                                ) -> AsyncIterator[StepChunk | GenerationResult]:
         prepared, tuner = await asyncio.to_thread(self._prepare, call.call)
         async with self.admission.slot() as queue_s:
@@ -274,7 +276,8 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
             c = call.call
             source = self.draft_sources(c.tenant, c.domain) if prepared.request.mode == "tr" else None
             await asyncio.to_thread(self.engine.submit, prepared, stream.emit, matrix=source,
-                                    cancelled=call.cancelled.is_set, deadline=deadline, tuner=tuner, tenant=c.tenant)
+                                    cancelled=call.cancelled.is_set, deadline=deadline, tuner=tuner, tenant=c.tenant,
+                                    text=text)
             try:
                 last = None
                 async for item in stream.items():

@@ -64,6 +64,20 @@ def test_batch_equals_alone_and_chunks_add_up(tiny):
     assert engine.runner.kv.active == 0 and engine.reserved == 0  # every row and reservation freed
 
 
+def test_chunks_without_text_for_a_caller_that_reads_only_the_result(decoder):
+    """submit(text=False) (a unary call): no detokenization per step; the same tokens and result text."""
+    from trserve.engine.engine import BatchEngine as Engine
+
+    engine = Engine(decoder, EngineConfig(max_batch=2))
+    request = GenerationRequest(messages=[{"role": "user", "content": "Say hello in French."}], max_new_tokens=12)
+    outs = {flag: _submit(engine, decoder, request, text=flag) for flag in (True, False)}
+    with engine.stepping():
+        _run(engine)
+    (*with_text, a), (*without, b) = outs[True], outs[False]
+    assert a.ids == b.ids and a.text == b.text and "".join(c.text for c in with_text) == a.text != ""
+    assert [c.tokens for c in without] == [c.tokens for c in with_text] and all(c.text == "" for c in without)
+
+
 def test_static_batch_steps_decode_as_the_eager_ones(tiny):
     """The GPU's batch step (fixed-shape buckets, a CUDA graph each there) through the engine, on the
     CPU: 3 rows run as 4 (a pad row) while a 4th request prefills, and each output is the eager one's."""
