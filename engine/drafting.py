@@ -16,7 +16,7 @@ from trserve.engine.tr.dynamic import CONTEXT, HISTORY, Chain, Grown, best_first
 from trserve.engine.tr.history import SuffixHistory
 from trserve.engine.tr.lookup import ContextLookup, Proposal
 from trserve.engine.tr.recycle import RecycledRows, distinct_rows
-from trserve.engine.tr.tree import CompiledTree, compile_parents
+from trserve.engine.tr.tree import CompiledTree, TreeTemplate, compile_parents, get_compiled
 from trserve.engine.tree_budget import TreeBudget
 from trserve.engine.tuning.online import StepPlan
 
@@ -33,6 +33,8 @@ class Drafter:
         self.packed = packed  # rows packed without pads (the native forward): a step costs its summed width
         self._plain: tuple[torch.Tensor, torch.Tensor] | None = None  # a plain row's depth [1] and mask [1, 1]
         self._trees: dict[tuple, CompiledTree] = {}  # grown trees' compiled shapes by parents (they recur)
+        self._subtrees: dict[tuple[TreeTemplate, int], CompiledTree] = {}  # static trees cut to a size
+        self.width = 1  # this step's forward width: summed (packed) or padded (the engine reports its time)
 
     def drafts(self, running: list[Live], steps: int, kv: int) -> tuple[list, list[RowInput], list[float]]:
         """Each running sequence's draft (None = plain decoding this step), its row input and the
@@ -80,7 +82,7 @@ class Drafter:
                           else RowInput(draft.tokens, draft.tree.depth, draft.tree.mask))
             spent.append(time.perf_counter() - t0)
         widths = [r.tokens.shape[0] for r in inputs]
-        budget.last_width = sum(widths) if self.packed else len(widths) * max(widths)
+        self.width = sum(widths) if self.packed else len(widths) * max(widths)
         return drafts, inputs, spent
 
     def _compiled(self, template, parent: list[int]) -> CompiledTree:
@@ -109,7 +111,7 @@ class Drafter:
         session, seq = live.session, live.seq
         m, template = session.matrix, live.tree.template
         rows, probs = m.host_views()  # [V, K] each
-        calib = self.budget.calibration(live)
+        calib = self.budget.rates.calibration(live)
         chains = []
         if calib.best_rate(CONTEXT) >= floor:
             chains.append(Chain.of(seq.lookup.propose(template.lookup), CONTEXT))
@@ -137,11 +139,20 @@ class Drafter:
         an AR one."""
         drafted = live.session.step(pending(live), live.root)  # [n_draft]
         if size is not None and size < plan.tree.n:
-            sub = self.budget.subtree(plan.tree, size)
+            sub = self._subtree(plan.tree, size)
             plan = StepPlan(sub, torch.arange(sub.n, device=self.device), explore=False)
         if proposal is not None and chain and chain < len(proposal.tokens):
             proposal = Proposal(proposal.tokens[:chain], proposal.ngram)
         return draft_step(live.seq, drafted, plan, proposal, lookup=bool(chain), source=source)
+
+    def _subtree(self, tree: CompiledTree, size: int) -> CompiledTree:
+        """The first `size` nodes of `tree` (root included), compiled once (a prefix of a checked tree)."""
+        key = (tree.template, size)
+        if key not in self._subtrees:
+            t = tree.template
+            sub = TreeTemplate.from_paths(f"{t.name}/{size}", t.paths[: size - 1], t.description, t.lookup)
+            self._subtrees[key] = get_compiled(sub, self.device, self.dtype)
+        return self._subtrees[key]
 
     def _plain_input(self, root: int) -> RowInput:
         """One token at depth 0 seeing itself: the depth and mask are the same every step (read only)."""

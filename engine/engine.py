@@ -61,8 +61,7 @@ class BatchEngine:
                                   native=target.loaded.native, topk=target.config.k,
                                   batch_step=target.loaded.batch_step)
         self.scheduler = Scheduler(config, self.runner.kv)
-        self.budget = TreeBudget(config, target, cost or device_proxy(self.runner.device.type),
-                                 packed=self.runner.native is not None)
+        self.budget = TreeBudget(config, cost or device_proxy(self.runner.device.type), self.runner.native is not None)
         # softmax probabilities of recycled ids: in C beside the native forward (~20x torch's logsumexp), else torch
         native = self.runner.native
         self.top_probs = native.top_probs if native is not None and target.device.type == "cpu" else top_probs
@@ -295,7 +294,7 @@ class BatchEngine:
         drafts, inputs, spent_drafting = self.drafter.drafts(running, self.steps, self.scheduler.mean_kv())
         t0 = time.perf_counter()
         logits = self.runner.step(inputs, probs=any(live.session is not None for live in running))  # per row [w_b, V]
-        budget.measured(budget.last_width, self.scheduler.mean_kv(), time.perf_counter() - t0)
+        budget.costs.measured(self.drafter.width, self.scheduler.mean_kv(), time.perf_counter() - t0)
         tops = self.runner.last_topk or [None] * len(logits)  # per row [w_b, k] where the forward computed them
         probs = self.runner.last_probs or [None] * len(logits)  # per row [w_b, k]: their confidences, likewise
         keep, k = [], self.target.config.k
@@ -312,13 +311,13 @@ class BatchEngine:
                 acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row), top,
                                                  self.top_probs if q is None else q)
                 new, path = acc.tokens, acc.path
-                budget.learn(live, draft, acc)
+                budget.rates.learn(live, draft, acc)
             keep.append(path)
             new = record_logprobs(seq, lg, seq.commit(new), path)  # the logits row path[i] chose new[i]
             seq.accepted_per_step.append(len(new))
             live.root = new[-1] if new else live.root
             self._emit(live, new)
-            budget.host(draft is not None, spent + time.perf_counter() - t0)
+            budget.costs.host(draft is not None, spent + time.perf_counter() - t0)
         budget.trees_verified(sum(live.session is not None for live in running), sum(d is not None for d in drafts))
         self.runner.keep(keep)
 

@@ -4,8 +4,9 @@ Per step every TR sequence offers options (plain decoding, or a base subtree of 
 without its lookup chain; each with the tokens it is expected to commit, from that tenant's
 measured node rates); `choose` picks one per sequence for the whole batch under the forward's cost
 model (engine/tuning/budget.py). The cost model is the calibration (or a proxy) corrected online
-by what this loop's forwards measure. Now and then one sequence (in turn) verifies its whole tree,
-within a time credit, so rates never measured stay measured.
+by what this loop's forwards measure (engine/step_costs.py); the rates are the tenant's
+(engine/tenant_rates.py). Now and then one sequence (in turn) verifies its whole tree, within a time
+credit, so rates never measured stay measured.
 """
 
 from __future__ import annotations
@@ -13,10 +14,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from trserve.engine.scheduler import EngineConfig, Live
-from trserve.engine.target import TargetModel
-from trserve.engine.tr.dynamic import HISTORY, Calibration, Grown
-from trserve.engine.tr.tree import CompiledTree, TreeTemplate
-from trserve.engine.tuning.budget import NodeRates, chain_kind, choose_options, choose_packed
+from trserve.engine.step_costs import StepCosts
+from trserve.engine.tenant_rates import TenantRates
+from trserve.engine.tr.dynamic import Grown
+from trserve.engine.tuning.budget import chain_kind, choose_options, choose_packed
 from trserve.engine.tuning.online import StepPlan
 
 SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # subtree sizes (root included) a step may pick
@@ -26,69 +27,27 @@ Option = tuple[int, float, int | None, int]  # (width, expected tokens, base nod
 
 
 class TreeBudget:
-    """The tree-size policy of one engine (engine thread only)."""
+    """The tree-size policy of one engine (engine thread only). What a step costs is `costs`'s and what
+    each tenant's drafts were worth is `rates`'s (each owns its state); this object owns the choice:
+    the exploration turn and credit, and the share of steps that verify trees."""
 
-    def __init__(self, config: EngineConfig, target: TargetModel, cost: Callable[[int, int], float],
-                 packed: bool) -> None:
-        self.config, self.target, self._cost_fn = config, target, cost
+    def __init__(self, config: EngineConfig, cost: Callable[[int, int], float], packed: bool) -> None:
+        self.config = config
         self.packed = packed  # rows packed without pads (the native forward): a step costs its summed width
-        self._costs: dict[tuple[int, int], float] = {}  # (width, kv // 32): the cost model, looked up once
-        self._rates: dict[tuple, NodeRates] = {}
-        self._calib: dict[tuple, Calibration] = {}  # per (tenant, tree): grown trees' calibration
-        self._subtrees: dict[tuple[TreeTemplate, int], CompiledTree] = {}
+        self.costs = StepCosts(cost)
+        self.rates = TenantRates()
         self.explorer: Live | None = None  # the sequence verifying its whole tree this step
         self._explore_credit = 0.0  # seconds of step time exploration may still spend
         self._explored = 0  # explorations so far (whose turn is next)
-        self.last_width = 1  # the previous step's total (packed) or padded width
-        # per-sequence host seconds of a step outside the forward (drafting, acceptance, recycling,
-        # streaming), measured: {True: a tree step, False: a plain one}; the difference is what a tree
-        # costs beyond its forward width (engine/tuning/budget.py, `extra`)
-        self.host_s = {True: 5e-4, False: 1e-4}
-        # measured forward seconds / the cost model's: the host's speed against the calibration's (one
-        # EMA over all steps), and per step width that width's own ratio relative to it (EMA; 1.0 until
-        # measured). The calibration's cells are each a fastest-of-a-few on a noisy host, and a few
-        # percent of error between width 1 and 2 decides whether a small tree pays (measured here:
-        # width 2 priced 3% above width 1, took 18% more in the decode loop); and a width never measured
-        # must be priced at the host's current speed, not the calibration's, or in a slow spell every
-        # wider step looks cheap next to the (measured) usual one
-        self._speed = 1.0
-        self._cost_ratio: dict[int, float] = {}
         # share of the TR sequences' steps that verified a tree (EMA over steps): what a TR request's own
         # extra work buys is drafts, worth something only while the batch verifies trees, so prompt
         # seeding (LM-head rows over the prompt's last positions) and exploration scale with it; under
         # a load where the budget verifies only plain steps a TR request then costs what an AR one does
         self.tree_share = 1.0
 
-    # ---- the cost model ---------------------------------------------------------------------------
     def cost(self, width: int, kv: int) -> float:
-        """Seconds of a forward of `width` tokens at KV length `kv` (to 32 tokens): the cost model,
-        corrected by what forwards of that width measured in this loop."""
-        return self._model_cost(width, kv) * self._speed * self._cost_ratio.get(width, 1.0)
-
-    def _model_cost(self, width: int, kv: int) -> float:
-        key = (width, kv // 32)
-        c = self._costs.get(key)
-        if c is None:
-            if len(self._costs) > 65536:
-                self._costs.clear()
-            c = self._costs[key] = self._cost_fn(width, key[1] * 32)
-        return c
-
-    def measured(self, width: int, kv: int, seconds: float) -> None:
-        """A forward of `width` tokens at KV length `kv` took `seconds`: the host's speed and the width's
-        own correction move towards it (EMAs, 0.1 per step; one sample's ratio clamped to [0.5, 2]: one
-        preempted step must not price a width out)."""
-        model = self._model_cost(width, kv)
-        if model <= 0:
-            return
-        r = min(max(seconds / model, 0.5), 2.0)
-        self._speed += 0.1 * (r - self._speed)
-        prev = self._cost_ratio.get(width, 1.0)
-        self._cost_ratio[width] = prev + 0.1 * (r / self._speed - prev)
-
-    def host(self, tree: bool, seconds: float) -> None:
-        """One sequence's host seconds outside the forward in a tree (or plain) step."""
-        self.host_s[tree] += 0.02 * (seconds - self.host_s[tree])
+        """The corrected cost model's seconds for a forward of `width` tokens at KV length `kv`."""
+        return self.costs.cost(width, kv)
 
     def trees_verified(self, tr: int, trees: int) -> None:
         """This step `trees` of the `tr` TR sequences verified a tree."""
@@ -104,7 +63,7 @@ class TreeBudget:
         there with the chain it would verify."""
         self.explorer = None
         b = len(running)
-        last = self.cost(self.last_width, kv)
+        last = self.cost(self.costs.last_width, kv)
         budget = self.config.explore_budget * max(self.tree_share, 0.25)  # a quarter of it while no tree pays
         self._explore_credit = min(self._explore_credit + budget * last, 1.0)
         if steps % (self.config.explore_every * b):
@@ -116,11 +75,12 @@ class TreeBudget:
 
     def _explore_price(self, width: int, b: int, kv: int) -> float:
         """Seconds an exploration of `width` tokens adds to this step (against the step's usual width)."""
-        last = self.cost(self.last_width, kv)
+        last_width = self.costs.last_width
+        last = self.cost(last_width, kv)
         if self.packed:  # only the explorer's own extra nodes
-            wider = self.last_width + width - 1
+            wider = last_width + width - 1
         else:  # padded: every row to the explorer's width
-            wider = b * max(self.last_width // b, width)
+            wider = b * max(last_width // b, width)
         return max(self.cost(wider, kv) - last, 0.0)
 
     def options(self, live: Live, plan: StepPlan, proposal, b: int, kv: int, history: bool = False) -> list[Option]:
@@ -138,7 +98,7 @@ class TreeBudget:
                 self._explore_credit -= price
                 return [(plan.tree.n + chain, 1.0, None, chain)]
             self.explorer = None
-        rates = self._node_rates(live)
+        rates = self.rates.node_rates(live)
         kind = chain_kind(history, proposal.ngram) if proposal is not None else 0
         return rates.options([s for s in SIZES if s < plan.tree.n] + [plan.tree.n], chain, kind)
 
@@ -177,7 +137,7 @@ class TreeBudget:
         are all below this verifies plain. Example, cost(n) = 7.5, 9.3, 12.5 ms at 1, 2, 4 rows, b = 1,
         no host time or margin: w = 2 needs p > 9.3 / 7.5 - 1 = 0.24, w = 4 needs (12.5 / 7.5 - 1) / 3
         = 0.22 -> 0.22."""
-        extra = max(self.host_s[True] - self.host_s[False], 0.0)
+        extra = self.costs.tree_extra_s
         plain = b / self.cost(b, kv) * (1 + self.config.tree_margin)  # tokens per second to beat
         floor = 1.0
         for w in (2, 4, 8, 16):
@@ -185,55 +145,12 @@ class TreeBudget:
             floor = min(floor, ((self.cost(total, kv) + extra) * plain - b) / (w - 1))
         return max(floor, 0.0)
 
-    def calibration(self, live: Live) -> Calibration:
-        """The confidence calibration of `live`'s tenant (created on first use)."""
-        calib = self._calib.get(live.rates_key)
-        if calib is None:
-            calib = self._calib[live.rates_key] = Calibration()
-        return calib
-
     def choose(self, options: list[list[Option]], kv: int) -> list[int]:
         """The option index per sequence for this step."""
         if all(len(o) == 1 for o in options):  # nothing to choose (most steps of a busy batch: ~0.2 ms at B = 8)
             return [0] * len(options)
         opts = [[(w, t) for w, t, _, _ in o] for o in options]
-        extra = max(self.host_s[True] - self.host_s[False], 0.0)  # a tree's host work beyond a plain step's
+        extra = self.costs.tree_extra_s  # a tree's host work beyond a plain step's
         if self.packed:
             return choose_packed(opts, lambda n: self.cost(n, kv), extra, self.config.tree_margin)
         return choose_options(opts, lambda w: self.cost(w, kv), extra, self.config.tree_margin)
-
-    def subtree(self, tree: CompiledTree, size: int) -> CompiledTree:
-        """The first `size` nodes of `tree` (root included), compiled once."""
-        key = (tree.template, size)
-        if key not in self._subtrees:
-            t = tree.template
-            sub = TreeTemplate.from_paths(f"{t.name}/{size}", t.paths[: size - 1], t.description, t.lookup)
-            self._subtrees[key] = self.target.compile(sub)
-        return self._subtrees[key]
-
-    def learn(self, live: Live, draft, acc) -> None:
-        """A verified draft's outcome into its tenant's node rates (a grown tree's: its calibration); a
-        draft the request's grammar changed says nothing about the unconstrained trees."""
-        if draft.constrained:
-            return
-        if draft.grown is not None:
-            w = draft.tokens.shape[0]
-            self.calibration(live).record(draft.grown.bins[:w], draft.grown.parent[:w], acc.path)
-            live.predicted += draft.grown.expected(w) - 1
-            live.realized += len(acc.path) - 1
-            return
-        if live.seq.tuner is not None:
-            return
-        rates = self._node_rates(live)
-        n_base = draft.plan.tree.n
-        base_path = [i for i in acc.path if i < n_base]
-        chain = draft.tokens.shape[0] - n_base
-        kind = chain_kind(draft.chain_source == HISTORY, draft.grafted.ngram) if draft.grafted is not None else 0
-        rates.record(n_base, base_path, chain, sum(i >= n_base for i in acc.path), kind)  # chain nodes accepted
-
-    def _node_rates(self, live: Live) -> NodeRates:
-        """The acceptance records of `live`'s tenant and base tree (created on first use)."""
-        rates = self._rates.get(live.rates_key)
-        if rates is None:
-            rates = self._rates[live.rates_key] = NodeRates(live.tree.n)
-        return rates

@@ -77,7 +77,7 @@ def test_a_request_whose_trees_miss_their_calibration_is_priced_at_what_it_accep
     from trserve.engine.tr.dynamic import Grown
     from trserve.engine.tree_budget import TRUST_CAP, TRUST_PRIOR, TreeBudget
 
-    budget = TreeBudget(EngineConfig(), target=None, cost=lambda w, kv: 1.0, packed=True)
+    budget = TreeBudget(EngineConfig(), cost=lambda w, kv: 1.0, packed=True)
     fresh = SimpleNamespace(predicted=0.0, realized=0.0)
     missing = SimpleNamespace(predicted=12.0, realized=4.0)  # 12 tokens expected, 4 accepted
     beating = SimpleNamespace(predicted=4.0, realized=40.0)
@@ -93,13 +93,13 @@ def test_a_request_whose_trees_miss_their_calibration_is_priced_at_what_it_accep
 def test_a_request_learns_its_trust_from_its_own_verified_trees(tiny):
     engine = BatchEngine(tiny, EngineConfig(max_batch=2), cost=lambda w, kv: 1.0)  # free width: trees always pay
     seen = []
-    learn = engine.budget.learn
+    learn = engine.budget.rates.learn
 
     def spy(live, draft, acc):
         learn(live, draft, acc)
         seen.append((live.predicted, live.realized))
 
-    engine.budget.learn = spy
+    engine.budget.rates.learn = spy
     _submit(engine, tiny, _request(1), matrix=tiny.new_tenant())
     _run(engine)
     assert seen and seen[-1][0] > 0 and 0 <= seen[-1][1]

@@ -321,11 +321,11 @@ def test_a_width_never_measured_is_priced_at_the_host_speed(tiny):
     width 4 and win steps it then loses)."""
     engine = BatchEngine(tiny, EngineConfig(max_batch=2), cost=lambda w, kv: 0.01 * w)
     for _ in range(200):
-        engine.budget.measured(4, 64, 0.06)
+        engine.budget.costs.measured(4, 64, 0.06)
     assert engine.cost(4, 64) == pytest.approx(0.06, rel=1e-3)
     assert engine.cost(5, 64) == pytest.approx(0.075, rel=1e-3)
     for _ in range(200):  # width 1 measured at 2x the calibration: its own ratio on top of the host's speed
-        engine.budget.measured(1, 64, 0.02)
+        engine.budget.costs.measured(1, 64, 0.02)
     assert engine.cost(1, 64) == pytest.approx(0.02, rel=1e-2)
 
 

@@ -47,7 +47,7 @@ def test_a_static_tree_grafts_its_tenants_history_and_another_tenant_never_does(
     assert "history" not in other[-1].stats.drafted and "history" not in first[-1].stats.drafted
     assert again[-1].stats.mat > other[-1].stats.mat
     # the budget measured the history's chains (matches of 3-4 or 5+ tokens) apart from the context's
-    rates = list(engine.budget._rates.values())
+    rates = list(engine.budget.rates._rates.values())
     assert sum(r.chain_verified[chain_kind(True, n), 0] for r in rates for n in (3, 5)) >= 1
 
 
