@@ -38,7 +38,8 @@ from trserve.engine.target import TargetModel
 from trserve.engine.tr.lookup import ContextLookup
 from trserve.engine.tr.recycle import seed_positions, top_ids, top_probs
 from trserve.engine.tr.sampling import choose, new_sampler
-from trserve.engine.drafting import Drafter, latest_rows, pending
+from trserve.engine.drafting import Drafter
+from trserve.engine.handover import latest_rows, pending
 from trserve.engine.tree_budget import TreeBudget
 from trserve.engine.tuning.cost import CostFn, device_proxy
 from trserve.engine.tuning.online import OnlineTuner
@@ -311,7 +312,7 @@ class BatchEngine:
                 acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row), top,
                                                  self.top_probs if q is None else q)
                 new, path = acc.tokens, acc.path
-                budget.rates.learn(live, draft, acc)
+                self.drafter.learn(live, draft, acc)
             keep.append(path)
             new = record_logprobs(seq, lg, seq.commit(new), path)  # the logits row path[i] chose new[i]
             seq.accepted_per_step.append(len(new))

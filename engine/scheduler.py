@@ -77,6 +77,7 @@ class Live:
     cached: int = 0  # of those, taken from the prefix cache (engine/prefix_cache.py)
     row: int = -1
     session: DraftSession | None = None  # None for plain decoding
+    proposer: object | None = None  # the draft method drafting it this step (engine/proposers/); None: plain
     recycled: RecycledRows | None = None
     plain: list = field(default_factory=list)  # (root, its top-k [K], their probs [K]) of plain steps since the last draft
     root: int = 0

@@ -1,13 +1,13 @@
 """What each tenant's drafts have been worth: per (tenant, base tree) the acceptance records of a
 static tree's nodes and chains (engine/tuning/budget.py:NodeRates), and the confidence calibration
-of grown trees (engine/tr/dynamic.py:Calibration). Verified drafts feed it (`learn`); the tree budget
-prices options with it. One object owns this state (engine thread only)."""
+of grown trees (engine/tr/dynamic.py:Calibration). The proposers that drafted them record verified
+drafts here (engine/proposers/); the tree budget prices options with it. One object owns this state (engine thread only)."""
 
 from __future__ import annotations
 
 from trserve.engine.scheduler import Live
-from trserve.engine.tr.dynamic import HISTORY, Calibration
-from trserve.engine.tuning.budget import NodeRates, chain_kind
+from trserve.engine.tr.dynamic import Calibration
+from trserve.engine.tuning.budget import NodeRates
 
 
 class TenantRates:
@@ -30,24 +30,3 @@ class TenantRates:
         if rates is None:
             rates = self._rates[live.rates_key] = NodeRates(live.tree.n)
         return rates
-
-    def learn(self, live: Live, draft, acc) -> None:
-        """A verified draft's outcome into its tenant's node rates (a grown tree's: its calibration, and
-        the request's own predicted / realized tokens); a draft the request's grammar changed says
-        nothing about the unconstrained trees."""
-        if draft.constrained:
-            return
-        if draft.grown is not None:
-            w = draft.tokens.shape[0]
-            self.calibration(live).record(draft.grown.bins[:w], draft.grown.parent[:w], acc.path)
-            live.predicted += draft.grown.expected(w) - 1
-            live.realized += len(acc.path) - 1
-            return
-        if live.seq.tuner is not None:
-            return
-        rates = self.node_rates(live)
-        n_base = draft.plan.tree.n
-        base_path = [i for i in acc.path if i < n_base]
-        chain = draft.tokens.shape[0] - n_base
-        kind = chain_kind(draft.chain_source == HISTORY, draft.grafted.ngram) if draft.grafted is not None else 0
-        rates.record(n_base, base_path, chain, sum(i >= n_base for i in acc.path), kind)  # chain nodes accepted

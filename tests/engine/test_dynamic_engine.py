@@ -93,13 +93,13 @@ def test_a_request_whose_trees_miss_their_calibration_is_priced_at_what_it_accep
 def test_a_request_learns_its_trust_from_its_own_verified_trees(tiny):
     engine = BatchEngine(tiny, EngineConfig(max_batch=2), cost=lambda w, kv: 1.0)  # free width: trees always pay
     seen = []
-    learn = engine.budget.rates.learn
+    learn = engine.drafter.learn
 
     def spy(live, draft, acc):
         learn(live, draft, acc)
         seen.append((live.predicted, live.realized))
 
-    engine.budget.rates.learn = spy
+    engine.drafter.learn = spy
     _submit(engine, tiny, _request(1), matrix=tiny.new_tenant())
     _run(engine)
     assert seen and seen[-1][0] > 0 and 0 <= seen[-1][1]

@@ -9,7 +9,7 @@ import torch
 
 from trserve.engine import GenerationRequest
 from trserve.engine.engine import BatchEngine, EngineConfig
-from trserve.engine.drafting import static_chain
+from trserve.engine.proposers import static_chain
 from trserve.engine.tr.dynamic import CONTEXT, HISTORY
 from trserve.engine.tr.history import SuffixHistory
 from trserve.engine.tr.lookup import ContextLookup, Proposal

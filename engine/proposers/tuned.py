@@ -1,0 +1,24 @@
+"""A static tree whose shape an online tuner picks (engine/tuning/online.py): the tuner's plan each
+step, verified whole (the budget offers it as it is); the tuner records the outcomes itself
+(engine/step.py:accept_step), so the tenant's node rates learn nothing from it."""
+
+from __future__ import annotations
+
+from trserve.engine.proposers.static import StaticTree
+from trserve.engine.scheduler import Live
+from trserve.engine.step import Draft
+from trserve.engine.tr.accept import Acceptance
+from trserve.engine.tuning.online import StepPlan
+
+
+class TunedTree(StaticTree):
+    name = "tuned"
+
+    def takes(self, live: Live) -> bool:
+        return live.seq.tuner is not None
+
+    def plan(self, live: Live) -> StepPlan:
+        return live.seq.tuner.plan()
+
+    def learn(self, live: Live, draft: Draft, acc: Acceptance) -> None:
+        pass
