@@ -1,11 +1,13 @@
 """The decode loop, the only one: each step verifies the trees of every running request in one
 forward (continuous batching); one request alone is the B=1 case.
 
-Per step: retire finished / cancelled / timed-out sequences (their KV row is freed at once); admit
-waiting ones within the budgets (engine/scheduler.py); run one prefill chunk (<= `prefill_chunk`
-tokens) of the sequence being prefilled, so a long prompt delays the running ones by at most one
-chunk per step; then one batch forward over all running sequences, each verifying what the tree
-budget (engine/tree_budget.py) chose for it this step. The runner (engine/model/runner.py) owns the
+Per step, schedule -> run -> postprocess: retire finished / cancelled / timed-out sequences (their
+KV row is freed at once) and admit waiting ones within the budgets (engine/scheduler.py); run one
+prefill chunk (<= `prefill_chunk` tokens) of the sequence being prefilled, so a long prompt delays
+the running ones by at most one chunk per step, then one batch forward over all running sequences,
+each verifying what its proposer drafted at the size the tree budget chose (engine/drafting.py);
+accept, recycle, commit and emit per sequence. TR specifics live in engine/proposers/ and engine/tr/
+(prompt seeding: tr/seeding.py; the rows of plain steps: tr/recycle.py:root_rows). The runner (engine/model/runner.py) owns the
 model and the batch KV; per sequence the TR step is engine/step.py. Host syncs per step: the accept
 decision of each sequence (its greedy tokens, `.tolist()`), nothing per tree node. Driven by `run`
 in a thread of its own (a worker) while callers `submit`, or by `stream`/`generate`, which submit and,
@@ -36,10 +38,11 @@ from trserve.engine.step import accept_step
 from trserve.engine.tr.logprobs import record_logprobs, record_prompt_logprobs
 from trserve.engine.target import TargetModel
 from trserve.engine.tr.lookup import ContextLookup
-from trserve.engine.tr.recycle import seed_positions, top_ids, top_probs
+from trserve.engine.tr.recycle import root_rows, top_probs
+from trserve.engine.tr.seeding import PromptSeeding
 from trserve.engine.tr.sampling import choose, new_sampler
 from trserve.engine.drafting import Drafter
-from trserve.engine.handover import latest_rows, pending
+from trserve.engine.handover import pending
 from trserve.engine.tree_budget import TreeBudget
 from trserve.engine.tuning.cost import CostFn, device_proxy
 from trserve.engine.tuning.online import OnlineTuner
@@ -214,10 +217,20 @@ class BatchEngine:
             self.times.step(time.perf_counter() - t0)
 
     def _step(self) -> int:
-        """One step; returns the prompt tokens it prefilled."""
-        sched = self.scheduler
+        """One step, schedule -> run -> postprocess; returns the prompt tokens it prefilled."""
         self.steps += 1
-        chunk = 0
+        prefilling = self._schedule()
+        chunk = self._prefill_chunk(prefilling) if prefilling is not None else 0  # run: a chunk of one prompt
+        self._retire_finished()  # a first token (the prefill's) that met a stop: done before any decoding step
+        if self.scheduler.running:
+            self._postprocess(*self._run())  # one forward for every running request; accept, commit, emit
+        self._retire_finished()
+        return chunk
+
+    def _schedule(self) -> Live | None:
+        """Retire the finished, cancelled and timed-out; admit within the budgets. Returns the request
+        to prefill a chunk of, if any."""
+        sched = self.scheduler
         self._retire([x for x in sched.running if x.stopping()])
         # a prompt whose next chunk would end past its deadline stops now: the caller's margin covers
         # a step the engine is in when the deadline passes, not a long prompt's chunk started just before
@@ -226,14 +239,10 @@ class BatchEngine:
             self._finish(gone)
         for live in sched.admit():
             self._finish(live)
-        if sched.prefilling is not None:
-            chunk = self._prefill_chunk(sched.prefilling)
-        # a sequence whose first token (the prefill's) met a stop is done before any decoding step
-        self._retire([x for x in sched.running if x.seq.finish_reason is not None])
-        if sched.running:
-            self._decode()
-        self._retire([x for x in sched.running if x.seq.finish_reason is not None])
-        return chunk
+        return sched.prefilling
+
+    def _retire_finished(self) -> None:
+        self._retire([x for x in self.scheduler.running if x.seq.finish_reason is not None])
 
     def _next_chunk_s(self, live: Live | None) -> float:
         """What `live`'s next prefill chunk should take, at the rate its last chunk ran (chunks only get
@@ -249,16 +258,13 @@ class BatchEngine:
         if live.done == 0:
             if self.prefix is not None and not echo:  # a cached prefix of its tenant's, loaded into its row
                 live.done = live.cached = self.prefix.reuse(live.tenant, ids, self.runner.kv, live.row)
-            if live.session is not None:
-                # seeding pays only while trees are verified: scaled by their share under the batch budget
+            if live.session is not None:  # prompt seeding (tr/seeding.py), scaled by the share of tree steps
                 share = self.budget.tree_share if self.config.batch_aware else 1.0
-                live.seed_n = min(p, round(d.config.seed_from_prompt * share))
-                first = max(live.done, p - live.seed_n)  # after any cached prefix
-                tail = list(ids[first:p])
-                live.seed_at = [first + i for i in seed_positions(tail, live.session.known_rows(tail))]
+                live.seeding = PromptSeeding.plan(list(ids), live.done, round(d.config.seed_from_prompt * share),
+                                                  live.session.known_rows)
         c = min(self.config.prefill_chunk, p - live.done)
         chunk = torch.tensor(ids[live.done : live.done + c], device=d.device)
-        seeded = [q - live.done for q in live.seed_at if live.done <= q < live.done + c]  # seed the matrix
+        seeded = live.seeding.in_chunk(live.done, c) if live.seeding is not None else []  # seed the matrix
         last = [c - 1] if live.done + c == p and (not seeded or seeded[-1] != c - 1) else []
         need = list(range(c)) if echo else seeded + last  # + the prompt's last (the first token's)
         t0 = time.perf_counter()
@@ -267,8 +273,7 @@ class BatchEngine:
         if seeded:
             at = seeded if echo else list(range(len(seeded)))  # their rows of `logits`
             known = self.runner.last_topk[at] if self.runner.last_topk is not None else None
-            top = top_ids(logits[at], d.config.k, known)  # [s, K]
-            live.seed.append((chunk[seeded], top, self.top_probs(logits[at], top)))
+            live.seeding.take(chunk[seeded], logits[at], known, d.config.k, self.top_probs)
         if echo:  # row q predicts prompt token done + q + 1
             record_prompt_logprobs(live.seq, logits, ids[live.done + 1: live.done + c + 1])
         live.done += c
@@ -283,23 +288,31 @@ class BatchEngine:
             self.prefix.share(live.tenant, live.seq.prepared.ids, self.scheduler.waiting_prompts(live.tenant),
                               self.runner.kv, live.row, live.cached)
         live.root = int(choose(last, live.seq.sampler, 0, rules=live.seq.rules, contexts=[[]])[0])
-        if live.seed:
-            live.recycled = latest_rows(*(torch.cat(part) for part in zip(*live.seed)))
-            live.seed = []
+        if live.seeding is not None:
+            live.recycled = live.seeding.take_rows()
         live.text = TextStream(self.target.tokenizer) if live.deltas else None
         live.prefill_s = time.perf_counter() - live.t0
         self._emit(live, record_logprobs(live.seq, last, live.seq.commit([live.root])))
 
-    def _decode(self) -> None:
-        running, budget = self.scheduler.running, self.budget
-        drafts, inputs, spent_drafting = self.drafter.drafts(running, self.steps, self.scheduler.mean_kv())
+    def _run(self) -> tuple:
+        """Every running request's draft (engine/drafting.py), then one forward over all of them."""
+        running = self.scheduler.running
+        drafts, inputs, spent = self.drafter.drafts(running, self.steps, self.scheduler.mean_kv())
         t0 = time.perf_counter()
         logits = self.runner.step(inputs, probs=any(live.session is not None for live in running))  # per row [w_b, V]
-        budget.costs.measured(self.drafter.width, self.scheduler.mean_kv(), time.perf_counter() - t0)
+        self.budget.costs.measured(self.drafter.width, self.scheduler.mean_kv(), time.perf_counter() - t0)
         tops = self.runner.last_topk or [None] * len(logits)  # per row [w_b, k] where the forward computed them
         probs = self.runner.last_probs or [None] * len(logits)  # per row [w_b, k]: their confidences, likewise
+        return drafts, logits, tops, probs, spent
+
+    def _postprocess(self, drafts: list, logits: list, tops: list, probs: list, spent_drafting: list) -> None:
+        """Per running request: accept (a tree's longest matching path, or the plain choice), recycle,
+        commit, emit; then the KV keeps only each row's accepted path."""
+        running, budget = self.scheduler.running, self.budget
         keep, k = [], self.target.config.k
-        plain_rows = iter(self._plain_rows(running, drafts, logits, tops, probs))
+        at = [i for i, (live, draft) in enumerate(zip(running, drafts)) if draft is None and live.session is not None]
+        plain_rows = iter(root_rows([logits[i] for i in at], [tops[i] for i in at], [probs[i] for i in at], k,
+                                    self.top_probs))  # recycled like any verified node's
         for live, draft, lg, top, q, spent in zip(running, drafts, logits, tops, probs, spent_drafting):
             t0 = time.perf_counter()
             seq = live.seq
@@ -321,22 +334,6 @@ class BatchEngine:
             budget.costs.host(draft is not None, spent + time.perf_counter() - t0)
         budget.trees_verified(sum(live.session is not None for live in running), sum(d is not None for d in drafts))
         self.runner.keep(keep)
-
-    def _plain_rows(self, running: list[Live], drafts: list, logits: list, tops: list, probs: list) -> list[tuple]:
-        """(top-K ids [K], their confidences [K]) of the root of every TR sequence decoding plain this
-        step, in batch order: the forward's own where it computed them (the native forward, in its pool
-        while each row was in cache: a C call per row afterwards took ~35 us a row at B = 8); else the
-        rows stacked and one call for all."""
-        k = self.target.config.k
-        at = [i for i, (live, draft) in enumerate(zip(running, drafts)) if draft is None and live.session is not None]
-        if not at:
-            return []
-        if probs[0] is not None and tops[0] is not None and tops[0].shape[-1] == k:
-            return [(tops[i][0], probs[i][0]) for i in at]  # ([K], [K]) each
-        lg = torch.cat([logits[i][:1] for i in at])  # [m, V]
-        known = [tops[i][:1] for i in at] if tops[0] is not None else None
-        ids = top_ids(lg, k, torch.cat(known) if known else None)  # [m, K]
-        return list(zip(ids, self.top_probs(lg, ids)))
 
     def cost(self, width: int, kv: int) -> float:
         """Seconds of a forward of `width` tokens at KV length `kv`, as the tree budget prices it."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from trserve.engine.scheduler import Live
-from trserve.engine.tr.recycle import RecycledRows, distinct_rows
+from trserve.engine.tr.recycle import RecycledRows, latest_rows
 
 
 def pending(live: Live) -> RecycledRows | None:
@@ -22,11 +22,3 @@ def pending(live: Live) -> RecycledRows | None:
     if last is not None:  # engine rows always carry confidences (engine/tr/recycle.py)
         tokens, topk, probs = (torch.cat(pair) for pair in ((last.tokens, tokens), (last.topk, topk), (last.probs, probs)))
     return latest_rows(tokens, topk, probs)
-
-
-def latest_rows(tokens: torch.Tensor, topk: torch.Tensor, probs: torch.Tensor) -> RecycledRows:
-    """tokens [m], topk [m, K], probs [m, K] in step order -> one row per token: a repeated token's latest."""
-    winners = distinct_rows(tokens, list(range(tokens.shape[0])))  # every row on the "path": the latest wins
-    if winners is None:  # no token repeats (the usual case): no gathers
-        return RecycledRows(tokens, topk, probs)
-    return RecycledRows(*(torch.index_select(x, 0, winners) for x in (tokens, topk, probs)))

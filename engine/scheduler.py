@@ -18,6 +18,7 @@ from trserve.engine.results import GenerationResult, StepChunk
 from trserve.engine.sequence import Sequence
 from trserve.engine.request.text import TextStream
 from trserve.engine.tr.recycle import RecycledRows
+from trserve.engine.tr.seeding import PromptSeeding
 from trserve.engine.tr.source import DraftSession
 from trserve.engine.tr.tree import CompiledTree
 
@@ -83,9 +84,7 @@ class Live:
     root: int = 0
     deltas: bool = True  # its StepChunks carry text (False: a caller reading only the result's)
     text: TextStream | None = None  # the deltas' state, while they are sent
-    seed: list = field(default_factory=list)  # (tokens [c], topk [c, K], probs [c, K]) of prompt seeding, per chunk
-    seed_n: int = 0  # the prompt's last positions that may seed its matrix (fixed when its prefill starts)
-    seed_at: list[int] = field(default_factory=list)  # of those, the ones that do (tr/recycle.py:seed_positions)
+    seeding: PromptSeeding | None = None  # a TR request's prompt seeding while it prefills (tr/seeding.py)
     # its grown trees' drafted tokens: expected (the calibrated scores of the nodes verified) and accepted
     predicted: float = 0.0
     realized: float = 0.0

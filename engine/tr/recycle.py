@@ -123,3 +123,26 @@ def recycle_rows(tokens: torch.Tensor, logits: torch.Tensor, k: int, accepted_pa
     compute = probs if callable(probs) else top_probs
     return RecycledRows(tokens=tokens, topk=rows, probs=compute(lg, rows))
 
+
+def latest_rows(tokens: torch.Tensor, topk: torch.Tensor, probs: torch.Tensor) -> RecycledRows:
+    """tokens [m], topk [m, K], probs [m, K] in step order -> one row per token: a repeated token's latest."""
+    winners = distinct_rows(tokens, list(range(tokens.shape[0])))  # every row on the "path": the latest wins
+    if winners is None:  # no token repeats (the usual case): no gathers
+        return RecycledRows(tokens, topk, probs)
+    return RecycledRows(*(torch.index_select(x, 0, winners) for x in (tokens, topk, probs)))
+
+
+def root_rows(logits: list[torch.Tensor], tops: list[torch.Tensor | None], probs: list[torch.Tensor | None], k: int,
+              probs_of=top_probs) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(top-K ids [K], their confidences [K]) of the root (row 0) of each given plain step's logits
+    [w, V]: the forward's own where it computed them (`tops`, `probs`: the native forward, in its pool
+    while each row was in cache; a C call per row afterwards took ~35 us a row at B = 8), else the
+    rows stacked and one call for all (`probs_of(logits [m, V], ids [m, K])`)."""
+    if not logits:
+        return []
+    if probs[0] is not None and tops[0] is not None and tops[0].shape[-1] == k:
+        return [(top[0], q[0]) for top, q in zip(tops, probs)]  # ([K], [K]) each
+    lg = torch.cat([x[:1] for x in logits])  # [m, V]
+    known = torch.cat([top[:1] for top in tops]) if tops[0] is not None else None
+    ids = top_ids(lg, k, known)  # [m, K]
+    return list(zip(ids, probs_of(lg, ids)))

@@ -110,6 +110,8 @@ def test_plain_rows_get_each_rows_own_confidences_from_the_forward(decoder):
     """The plain rows' confidences come from the native forward's pool (probs=True): the same values,
     in the same order, as one C call per row on the step's logits (an AR request's row in the middle
     is skipped)."""
+    from trserve.engine.tr.recycle import root_rows
+
     if decoder.engine.runner.native is None:
         pytest.skip("the forward's confidences are the native forward's")
     engine = BatchEngine(decoder, EngineConfig(max_batch=3, prefix_cache_mb=0), cost=lambda w, kv: float(w))
@@ -121,9 +123,11 @@ def test_plain_rows_get_each_rows_own_confidences_from_the_forward(decoder):
     with engine.stepping():
         logits = engine.runner.step([engine.drafter._plain_input(live.root) for live in running], probs=True)
         tops = engine.runner.last_topk
-        got = engine._plain_rows(running, [None] * 3, logits, tops, engine.runner.last_probs)
+        tr = [i for i, live in enumerate(running) if live.session is not None]  # the rows the engine recycles
+        probs = engine.runner.last_probs
+        got = root_rows([logits[i] for i in tr], [tops[i] for i in tr], [probs[i] for i in tr],
+                        decoder.config.k, engine.top_probs)
         engine.runner.keep([[0]] * 3)
-    tr = [i for i, live in enumerate(running) if live.session is not None]
     assert len(tr) == 2 and len(got) == 2
     for i, (ids, probs) in zip(tr, got):
         assert torch.equal(ids, tops[i][0])

@@ -216,7 +216,7 @@ def test_heavy_load_shrinks_trees_to_plain_steps(tiny):
     late = _submit(engine, tiny, GenerationRequest(input_ids=_prompt(9, 6), max_new_tokens=4, ignore_eos=True))
     with torch.inference_mode():
         engine.step()
-    assert engine.running[-1].seed_n < tiny.config.seed_from_prompt
+    assert engine.running[-1].seeding.n < tiny.config.seed_from_prompt
     _run(engine)
     assert late[-1].stats.mat == 1.0
     flat = BatchEngine(tiny, EngineConfig(max_batch=8), cost=lambda w, kv: 1.0)  # free width: whole trees
@@ -236,7 +236,7 @@ def test_prompt_seeding_skips_rows_the_tenant_already_knows(tiny):
                       matrix=matrix)
         with torch.inference_mode():
             engine.step()  # the whole prompt in one chunk: it joins the batch
-        at = engine.running[-1].seed_at
+        at = engine.running[-1].seeding.at
         _run(engine)
         assert out[-1].stats.generated_tokens == 3
         return [prompt[q] for q in at]
