@@ -11,7 +11,7 @@ import torch
 from trserve.engine.constrained import constrained_draft
 from trserve.engine.model.runner import RowInput
 from trserve.engine.proposers import PROPOSERS, Proposer, Shapes, StepInfo
-from trserve.engine.scheduler import Live
+from trserve.engine.sequence import Sequence
 from trserve.engine.step import Draft
 from trserve.engine.tr.accept import Acceptance
 from trserve.engine.tree_budget import TreeBudget
@@ -31,7 +31,7 @@ class Drafter:
         self._plain: tuple[torch.Tensor, torch.Tensor] | None = None  # a plain row's depth [1] and mask [1, 1]
         self.width = 1  # this step's forward width: summed (packed) or padded (the engine reports its time)
 
-    def drafts(self, running: list[Live], steps: int, kv: int) -> tuple[list, list[RowInput], list[float]]:
+    def drafts(self, running: list[Sequence], steps: int, kv: int) -> tuple[list, list[RowInput], list[float]]:
         """Each running sequence's draft (None = plain decoding this step), its row input and the
         seconds its drafting took, with tree sizes chosen for the whole batch (engine/tree_budget.py)."""
         budget = self.budget
@@ -49,9 +49,9 @@ class Drafter:
             t0 = time.perf_counter()
             option = opts[j]
             draft = None if live.proposer is None or option[2] == 1 else live.proposer.draft(live, stage, option)
-            if live.proposer is not None and live.seq.grammar is not None and budget.config.grammar_drafting:
+            if live.proposer is not None and live.grammar is not None and budget.config.grammar_drafting:
                 template = live.tree.template
-                draft = constrained_draft(draft, live.seq.grammar, live.root, template.max_width - 1,
+                draft = constrained_draft(draft, live.grammar, live.root, template.max_width - 1,
                                           lambda parent: self.shapes.of_parents(template, parent))
             drafts.append(draft)
             inputs.append(self._plain_input(live.root) if draft is None
@@ -62,7 +62,7 @@ class Drafter:
         return drafts, inputs, spent
 
     @staticmethod
-    def learn(live: Live, draft: Draft, acc: Acceptance) -> None:
+    def learn(live: Sequence, draft: Draft, acc: Acceptance) -> None:
         """A verified draft's outcome to the proposer that drafted it; a draft the request's grammar
         changed says nothing about the unconstrained drafts."""
         if not draft.constrained:

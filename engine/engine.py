@@ -7,8 +7,8 @@ prefill chunk (<= `prefill_chunk` tokens) of the sequence being prefilled, so a 
 the running ones by at most one chunk per step, then one batch forward over all running sequences,
 each verifying what its proposer drafted at the size the tree budget chose (engine/drafting.py);
 accept, recycle, commit and emit per sequence. TR specifics live in engine/proposers/ and engine/tr/
-(prompt seeding: tr/seeding.py; the rows of plain steps: tr/recycle.py:root_rows). The runner (engine/model/runner.py) owns the
-model and the batch KV; per sequence the TR step is engine/step.py. Host syncs per step: the accept
+(prompt seeding: tr/seeding.py; the rows of plain steps: tr/recycle.py:root_rows). One object per
+request: engine/sequence.py. The runner (engine/model/runner.py) owns the model and the batch KV; per sequence the TR step is engine/step.py. Host syncs per step: the accept
 decision of each sequence (its greedy tokens, `.tolist()`), nothing per tree node. Driven by `run`
 in a thread of its own (a worker) while callers `submit`, or by `stream`/`generate`, which submit and,
 while no thread runs the loop, step it in the caller's thread.
@@ -32,7 +32,7 @@ from trserve.engine.request.request import PreparedRequest
 from trserve.engine.request.stops import StopChecker
 from trserve.engine.request.text import TextStream
 from trserve.engine.results import GenerationResult, GenerationStats, StepChunk
-from trserve.engine.scheduler import EngineConfig, Live, Scheduler, StepTimes
+from trserve.engine.scheduler import EngineConfig, Scheduler, StepTimes
 from trserve.engine.sequence import Sequence
 from trserve.engine.step import accept_step
 from trserve.engine.tr.logprobs import record_logprobs, record_prompt_logprobs
@@ -103,13 +103,14 @@ class BatchEngine:
             raise InvalidArgument(f"acceptance log is for tree {acceptance.template.name!r}, "
                                   f"but this request uses {tree.template.name!r}")
         seq = Sequence(prepared, StopChecker(d.tokenizer, set(prepared.stop_ids), req.stop_strings),
-                       new_sampler(req.sampling, req.max_new_tokens, d.device), acceptance, tuner, d.device)
-        live = Live(seq, emit, tree, cancelled, deadline, (tenant, tree.template if tree else None), deltas=text)
-        self.scheduler.check_fits(live)
+                       new_sampler(req.sampling, req.max_new_tokens, d.device), acceptance, tuner, d.device,
+                       emit=emit, tree=tree, cancelled=cancelled, deadline=deadline,
+                       rates_key=(tenant, tree.template if tree else None), deltas=text)
+        self.scheduler.check_fits(seq)
         if req.mode == "tr":
-            live.session = d.draft_source(matrix).open(tree, d.spec)
+            seq.session = d.draft_source(matrix).open(tree, d.spec)
             seq.lookup = ContextLookup(list(prepared.ids), max_ngram=len(tree.template.lookup))
-        self.scheduler.enqueue(live)
+        self.scheduler.enqueue(seq)
 
     def stream(self, prepared: PreparedRequest, *, cancelled: Callable[[], bool] | None = None,
                **submit) -> Iterator[StepChunk | GenerationResult]:
@@ -175,7 +176,7 @@ class BatchEngine:
         finally:
             self._looping = False
         for live in self.scheduler.all():
-            live.seq.finish_reason = live.seq.finish_reason or "cancelled"
+            live.finish_reason = live.finish_reason or "cancelled"
             self._finish(live)
 
     def _guarded_step(self) -> None:
@@ -227,7 +228,7 @@ class BatchEngine:
         self._retire_finished()
         return chunk
 
-    def _schedule(self) -> Live | None:
+    def _schedule(self) -> Sequence | None:
         """Retire the finished, cancelled and timed-out; admit within the budgets. Returns the request
         to prefill a chunk of, if any."""
         sched = self.scheduler
@@ -242,19 +243,19 @@ class BatchEngine:
         return sched.prefilling
 
     def _retire_finished(self) -> None:
-        self._retire([x for x in self.scheduler.running if x.seq.finish_reason is not None])
+        self._retire([x for x in self.scheduler.running if x.finish_reason is not None])
 
-    def _next_chunk_s(self, live: Live | None) -> float:
+    def _next_chunk_s(self, live: Sequence | None) -> float:
         """What `live`'s next prefill chunk should take, at the rate its last chunk ran (chunks only get
         deeper); 0 before its first."""
         if live is None or not live.prefill_token_s:
             return 0.0
-        return live.prefill_token_s * min(self.config.prefill_chunk, len(live.seq.prepared.ids) - live.done)
+        return live.prefill_token_s * min(self.config.prefill_chunk, len(live.prepared.ids) - live.done)
 
-    def _prefill_chunk(self, live: Live) -> int:
+    def _prefill_chunk(self, live: Sequence) -> int:
         """The next chunk of `live`'s prompt (the first one after any cached prefix); returns its length."""
-        ids, d = live.seq.prepared.ids, self.target
-        p, echo = len(ids), live.seq.prompt_logprobs is not None  # echo: every position's logits
+        ids, d = live.prepared.ids, self.target
+        p, echo = len(ids), live.prompt_logprobs is not None  # echo: every position's logits
         if live.done == 0:
             if self.prefix is not None and not echo:  # a cached prefix of its tenant's, loaded into its row
                 live.done = live.cached = self.prefix.reuse(live.tenant, ids, self.runner.kv, live.row)
@@ -275,24 +276,24 @@ class BatchEngine:
             known = self.runner.last_topk[at] if self.runner.last_topk is not None else None
             live.seeding.take(chunk[seeded], logits[at], known, d.config.k, self.top_probs)
         if echo:  # row q predicts prompt token done + q + 1
-            record_prompt_logprobs(live.seq, logits, ids[live.done + 1: live.done + c + 1])
+            record_prompt_logprobs(live, logits, ids[live.done + 1: live.done + c + 1])
         live.done += c
         if live.done == p:
             self._start(live, logits[-1:])
         return c
 
-    def _start(self, live: Live, last: torch.Tensor) -> None:
+    def _start(self, live: Sequence, last: torch.Tensor) -> None:
         """The prompt is in: first token, draft session, and the sequence joins the batch."""
         self.scheduler.join(live)
         if self.prefix is not None:  # its tenant's waiting prompts that share its prefix (n > 1) prefill it once
-            self.prefix.share(live.tenant, live.seq.prepared.ids, self.scheduler.waiting_prompts(live.tenant),
+            self.prefix.share(live.tenant, live.prepared.ids, self.scheduler.waiting_prompts(live.tenant),
                               self.runner.kv, live.row, live.cached)
-        live.root = int(choose(last, live.seq.sampler, 0, rules=live.seq.rules, contexts=[[]])[0])
+        live.root = int(choose(last, live.sampler, 0, rules=live.rules, contexts=[[]])[0])
         if live.seeding is not None:
             live.recycled = live.seeding.take_rows()
         live.text = TextStream(self.target.tokenizer) if live.deltas else None
         live.prefill_s = time.perf_counter() - live.t0
-        self._emit(live, record_logprobs(live.seq, last, live.seq.commit([live.root])))
+        self._emit(live, record_logprobs(live, last, live.commit([live.root])))
 
     def _run(self) -> tuple:
         """Every running request's draft (engine/drafting.py), then one forward over all of them."""
@@ -315,20 +316,19 @@ class BatchEngine:
                                     self.top_probs))  # recycled like any verified node's
         for live, draft, lg, top, q, spent in zip(running, drafts, logits, tops, probs, spent_drafting):
             t0 = time.perf_counter()
-            seq = live.seq
             if draft is None:  # plain decoding this step
-                chosen = choose(lg, seq.sampler, len(seq.generated), top, seq.rules, [seq.generated])
+                chosen = choose(lg, live.sampler, len(live.generated), top, live.rules, [live.generated])
                 new, path = [int(chosen[0])], [0]
                 if live.session is not None:  # the root's top-k is recycled like any verified node's
                     live.plain.append((live.root, *next(plain_rows)))
             else:
-                acc, live.recycled = accept_step(seq, draft, lg, k, self.runner.kv.length(live.row), top,
+                acc, live.recycled = accept_step(live, draft, lg, k, self.runner.kv.length(live.row), top,
                                                  self.top_probs if q is None else q)
                 new, path = acc.tokens, acc.path
                 self.drafter.learn(live, draft, acc)
             keep.append(path)
-            new = record_logprobs(seq, lg, seq.commit(new), path)  # the logits row path[i] chose new[i]
-            seq.accepted_per_step.append(len(new))
+            new = record_logprobs(live, lg, live.commit(new), path)  # the logits row path[i] chose new[i]
+            live.accepted_per_step.append(len(new))
             live.root = new[-1] if new else live.root
             self._emit(live, new)
             budget.costs.host(draft is not None, spent + time.perf_counter() - t0)
@@ -340,32 +340,31 @@ class BatchEngine:
         return self.budget.cost(width, kv)
 
     # ---- output and retirement ------------------------------------------------------------------
-    def _emit(self, live: Live, new: list[int]) -> None:
+    def _emit(self, live: Sequence, new: list[int]) -> None:
         if new:
-            seq = live.seq
-            logprobs = tuple(seq.logprobs[-len(new):]) if seq.logprobs is not None else None
-            text = live.text.delta(seq.generated, cut=seq.stops.cut_text) if live.text is not None else ""
+            logprobs = tuple(live.logprobs[-len(new):]) if live.logprobs is not None else None
+            text = live.text.delta(live.generated, cut=live.stops.cut_text) if live.text is not None else ""
             live.emit(StepChunk(tokens=new, text=text, logprobs=logprobs))
 
-    def _retire(self, done: list[Live]) -> None:
+    def _retire(self, done: list[Sequence]) -> None:
         if self.prefix is not None:  # their rows (prompt and committed tokens) for their tenants' next prompts
             for live in done:
-                self.prefix.keep(live.tenant, list(live.seq.prepared.ids) + live.seq.generated, self.runner.kv, live.row)
+                self.prefix.keep(live.tenant, list(live.prepared.ids) + live.generated, self.runner.kv, live.row)
         self.scheduler.retire(done)
         for live in done:
             self._finish(live)
 
     @staticmethod
-    def _remember(live: Live) -> None:
+    def _remember(live: Sequence) -> None:
         """A finished request's prompt and output into its tenant's history (engine/tr/history.py), if kept."""
-        if not live.seq.generated:
+        if not live.generated:
             return
         try:
-            live.session.remember(list(live.seq.prepared.ids) + live.seq.generated)
+            live.session.remember(list(live.prepared.ids) + live.generated)
         except Exception:  # noqa: BLE001 - history is an optimisation: it must not fail the request
             log.exception("adding a request to its tenant's history failed")
 
-    def _finish(self, live: Live) -> None:
+    def _finish(self, live: Sequence) -> None:
         """`live` leaves the engine and its caller gets its result, or the error that building the result
         raised: a caller always hears back (a finish that raised once left its caller waiting forever,
         its request already gone from every list the failed step's clean-up reads)."""
@@ -377,8 +376,8 @@ class BatchEngine:
             result = exc
         live.emit(result)
 
-    def _result(self, live: Live) -> GenerationResult:
-        seq, d = live.seq, self.target
+    def _result(self, live: Sequence) -> GenerationResult:
+        d = self.target
         info = None
         if live.session is not None:
             self._remember(live)
@@ -388,9 +387,9 @@ class BatchEngine:
                 log.exception("closing a request's draft session failed; its last rows are not recycled")
             info = live.session.info()
         decode_s = time.perf_counter() - live.t0 - live.prefill_s
-        text = seq.stops.cut_text(d.tokenizer.decode(seq.generated, skip_special_tokens=True))
-        tree = d.tree_name(live.tree, seq.tuner) if live.session is not None else "none"
-        stats = GenerationStats.build(seq, live.prefill_s, decode_s, info, tree, live.cached)
-        return GenerationResult(ids=seq.generated, text=text, finish_reason=seq.finish_reason or "cancelled",
-                                stats=stats, logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None,
-                                prompt_logprobs=tuple(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)
+        text = live.stops.cut_text(d.tokenizer.decode(live.generated, skip_special_tokens=True))
+        tree = d.tree_name(live.tree, live.tuner) if live.session is not None else "none"
+        stats = GenerationStats.build(live, live.prefill_s, decode_s, info, tree, live.cached)
+        return GenerationResult(ids=live.generated, text=text, finish_reason=live.finish_reason or "cancelled",
+                                stats=stats, logprobs=tuple(live.logprobs) if live.logprobs is not None else None,
+                                prompt_logprobs=tuple(live.prompt_logprobs) if live.prompt_logprobs is not None else None)

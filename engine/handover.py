@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from trserve.engine.scheduler import Live
+from trserve.engine.sequence import Sequence
 from trserve.engine.tr.recycle import RecycledRows, latest_rows
 
 
-def pending(live: Live) -> RecycledRows | None:
+def pending(live: Sequence) -> RecycledRows | None:
     """Takes the rows `live` has not handed to its session yet: its last tree step's, then its plain
     steps' (for a token in both, the later row wins); `live` holds none afterwards."""
     last, plain = live.recycled, live.plain

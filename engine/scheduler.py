@@ -7,20 +7,12 @@ Thread-safe where the callers' threads meet the engine thread (`enqueue`, `stop`
 from __future__ import annotations
 
 import threading
-import time
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from trserve.core.errors import ResourceExhausted
 from trserve.engine.model.batch_kv import BatchKV
-from trserve.engine.results import GenerationResult, StepChunk
 from trserve.engine.sequence import Sequence
-from trserve.engine.request.text import TextStream
-from trserve.engine.tr.recycle import RecycledRows
-from trserve.engine.tr.seeding import PromptSeeding
-from trserve.engine.tr.source import DraftSession
-from trserve.engine.tr.tree import CompiledTree
 
 
 @dataclass(frozen=True)
@@ -61,56 +53,6 @@ class EngineConfig:
             raise ValueError(f"tree_margin must be in [0, 1), got {self.tree_margin}")
 
 
-@dataclass(eq=False)
-class Live:
-    """One request in the engine."""
-
-    seq: Sequence
-    emit: Callable[[StepChunk | GenerationResult | Exception], None]
-    tree: CompiledTree | None
-    cancelled: Callable[[], bool] | None
-    deadline: float | None
-    rates_key: tuple
-    t0: float = field(default_factory=time.perf_counter)
-    prefill_s: float = 0.0
-    prefill_token_s: float = 0.0  # seconds per token of its last prefill chunk (0 before the first)
-    done: int = 0  # prompt tokens prefilled
-    cached: int = 0  # of those, taken from the prefix cache (engine/prefix_cache.py)
-    row: int = -1
-    session: DraftSession | None = None  # None for plain decoding
-    proposer: object | None = None  # the draft method drafting it this step (engine/proposers/); None: plain
-    recycled: RecycledRows | None = None
-    plain: list = field(default_factory=list)  # (root, its top-k [K], their probs [K]) of plain steps since the last draft
-    root: int = 0
-    deltas: bool = True  # its StepChunks carry text (False: a caller reading only the result's)
-    text: TextStream | None = None  # the deltas' state, while they are sent
-    seeding: PromptSeeding | None = None  # a TR request's prompt seeding while it prefills (tr/seeding.py)
-    # its grown trees' drafted tokens: expected (the calibrated scores of the nodes verified) and accepted
-    predicted: float = 0.0
-    realized: float = 0.0
-
-    @property
-    def tenant(self) -> str:
-        return self.rates_key[0]
-
-    @property
-    def reserved(self) -> int:
-        width = self.tree.template.max_width if self.tree is not None else 1
-        return self.seq.prompt_len + self.seq.max_new_tokens + width
-
-    def stopping(self, ahead: float = 0.0) -> bool:
-        """Finished, or cancelled / past its deadline, or past it `ahead` seconds from now (what its
-        next step would take): then its finish reason is set here."""
-        seq = self.seq
-        if seq.finish_reason is not None:
-            return True
-        if self.cancelled is not None and self.cancelled():
-            seq.finish_reason = "cancelled"
-        elif self.deadline is not None and time.monotonic() + ahead > self.deadline:
-            seq.finish_reason = "time_limit"
-        return seq.finish_reason is not None
-
-
 class StepTimes:
     """What the engine's steps take (EMAs, 0.2 a sample): a decoding step without a prompt chunk,
     and a step with a full prefill chunk in it. Each starts from a guess that its first sample
@@ -134,15 +76,15 @@ class Scheduler:
 
     def __init__(self, config: EngineConfig, kv: BatchKV) -> None:
         self.config, self.kv = config, kv
-        self.waiting: deque[Live] = deque()
-        self.prefilling: Live | None = None
-        self.running: list[Live] = []  # running[i].row == i
+        self.waiting: deque[Sequence] = deque()
+        self.prefilling: Sequence | None = None
+        self.running: list[Sequence] = []  # running[i].row == i
         self.reserved = 0  # KV tokens the admitted sequences reserve
         self._lock = threading.Condition()
         self._stop = False
 
     # ---- callers' threads -------------------------------------------------------------------------
-    def check_fits(self, live: Live) -> None:
+    def check_fits(self, live: Sequence) -> None:
         """Raises ResourceExhausted when the request can never fit or the waiting queue is full."""
         if live.reserved > self.config.max_batch_tokens:
             raise ResourceExhausted(f"the request needs {live.reserved} KV tokens; this engine holds at most "
@@ -152,7 +94,7 @@ class Scheduler:
                 raise ResourceExhausted(f"engine full: {len(self.running)} decoding, {len(self.waiting)} waiting "
                                         f"(max_waiting={self.config.max_waiting}); retry later or use another worker")
 
-    def enqueue(self, live: Live) -> None:
+    def enqueue(self, live: Sequence) -> None:
         with self._lock:
             self.waiting.append(live)
             self._lock.notify()
@@ -160,7 +102,7 @@ class Scheduler:
     def waiting_prompts(self, tenant: str) -> list:
         """The prompts (token ids) of `tenant`'s waiting requests, oldest first (any thread)."""
         with self._lock:
-            return [x.seq.prepared.ids for x in self.waiting if x.tenant == tenant]
+            return [x.prepared.ids for x in self.waiting if x.tenant == tenant]
 
     def stop(self) -> None:
         with self._lock:
@@ -178,14 +120,14 @@ class Scheduler:
     def busy(self) -> bool:
         return bool(self.waiting or self.running or self.prefilling)
 
-    def all(self) -> list[Live]:
+    def all(self) -> list[Sequence]:
         with self._lock:
             return self._everyone()
 
-    def _everyone(self) -> list[Live]:
+    def _everyone(self) -> list[Sequence]:
         return [*self.running, *([self.prefilling] if self.prefilling else []), *self.waiting]
 
-    def clear(self) -> list[Live]:
+    def clear(self) -> list[Sequence]:
         """Drop every request (after a failed step): returns them; the KV starts empty."""
         with self._lock:
             lives = self._everyone()
@@ -195,7 +137,7 @@ class Scheduler:
         return lives
 
     # ---- the engine thread ------------------------------------------------------------------------
-    def admit(self) -> list[Live]:
+    def admit(self) -> list[Sequence]:
         """Start prefilling the head of the queue if it fits; returns the waiting requests that were
         cancelled or timed out meanwhile (the caller finishes them)."""
         gone = []
@@ -213,13 +155,13 @@ class Scheduler:
         self.prefilling = head
         return gone
 
-    def join(self, live: Live) -> None:
+    def join(self, live: Sequence) -> None:
         """`live`'s prompt is in: it leaves prefilling and runs."""
         self.kv.activate(live.row)
         self.prefilling = None
         self.running.append(live)
 
-    def drop_prefilling(self, ahead: float = 0.0) -> Live | None:
+    def drop_prefilling(self, ahead: float = 0.0) -> Sequence | None:
         """The sequence being prefilled, if it was cancelled or timed out, or would be by the end of its
         next chunk (`ahead` seconds): it leaves."""
         live = self.prefilling
@@ -228,7 +170,7 @@ class Scheduler:
         self.prefilling = None
         return live
 
-    def retire(self, done: list[Live]) -> None:
+    def retire(self, done: list[Sequence]) -> None:
         """Free the KV rows of `done` (running sequences) and compact the rest onto rows 0..B-1."""
         for live in done:
             row = self.running.index(live)
@@ -241,7 +183,7 @@ class Scheduler:
             self.kv.move_row(self.prefilling.row, self.kv.active)
             self.prefilling.row = self.kv.active
 
-    def release(self, live: Live) -> None:
+    def release(self, live: Sequence) -> None:
         """`live` leaves the engine: its reservation returns to the budget."""
         if live.reserved and live.row >= 0:
             self.reserved -= live.reserved

@@ -1,22 +1,36 @@
-"""One request in flight: its prepared request and everything about it that changes per step."""
+"""One request in flight, the only object per request: its prepared request, what it committed, and
+what the engine, the scheduler and its draft method hold for it while it runs."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
+
 from trserve.engine.request.request import PreparedRequest
 from trserve.engine.request.stops import StopChecker
+from trserve.engine.request.text import TextStream
 from trserve.engine.tr.logprobs import TokenLogprob
 from trserve.engine.tr.rules import LogitRules
 from trserve.engine.tr.lookup import ContextLookup
+from trserve.engine.tr.recycle import RecycledRows
 from trserve.engine.tr.sampling import Sampler
+from trserve.engine.tr.seeding import PromptSeeding
+from trserve.engine.tr.source import DraftSession
+from trserve.engine.tr.tree import CompiledTree
 from trserve.engine.tuning.online import OnlineTuner
 from trserve.engine.tuning.records import AcceptanceLog
 
 
 class Sequence:
-    """Committed tokens, stop/length bookkeeping and the per-request drafting helpers."""
+    """Committed tokens and their stop/length bookkeeping, the request's sampling and rules; in the
+    engine also its place (KV row, prefill progress), its caller (emit, cancellation, deadline) and its
+    drafting (session, the proposer drafting it and that proposer's own state, rows owed)."""
 
     def __init__(self, prepared: PreparedRequest, stops: StopChecker, sampler: Sampler | None,
-                 log: AcceptanceLog | None = None, tuner: OnlineTuner | None = None, device=None) -> None:
+                 log: AcceptanceLog | None = None, tuner: OnlineTuner | None = None, device=None, *,
+                 emit: Callable | None = None, tree: CompiledTree | None = None,
+                 cancelled: Callable[[], bool] | None = None, deadline: float | None = None,
+                 rates_key: tuple = ("", None), deltas: bool = True) -> None:
         self.prepared = prepared
         self.stops = stops
         self.sampler = sampler
@@ -38,6 +52,48 @@ class Sequence:
         self.prompt_logprobs: list | None = (
             [TokenLogprob(prepared.ids[0], None)] if prepared.request.prompt_logprobs is not None else None)
         self.finish_reason: str | None = None
+        # ---- in the engine (engine/engine.py, engine/scheduler.py) ----
+        self.emit = emit  # its StepChunks, then its GenerationResult (or the exception of a failed step)
+        self.tree = tree  # the tree it drafts (None: plain decoding)
+        self.cancelled, self.deadline = cancelled, deadline
+        self.rates_key = rates_key  # (tenant, tree template): whose acceptance rates its drafts use and feed
+        self.deltas = deltas  # its StepChunks carry text (False: a caller reading only the result's)
+        self.text: TextStream | None = None  # the deltas' state, while they are sent
+        self.t0 = time.perf_counter()
+        self.prefill_s = 0.0
+        self.prefill_token_s = 0.0  # seconds per token of its last prefill chunk (0 before the first)
+        self.done = 0  # prompt tokens prefilled
+        self.cached = 0  # of those, taken from the prefix cache (engine/prefix_cache.py)
+        self.row = -1  # its KV row while admitted
+        self.root = 0  # the last committed token: the next tree's root
+        # ---- drafting (TR) ----
+        self.session: DraftSession | None = None  # None for plain decoding
+        self.proposer = None  # the draft method drafting it this step (engine/proposers/); None: plain
+        self.drafting = None  # what that proposer keeps for it (e.g. proposers/grown.py:Trust); theirs only
+        self.seeding: PromptSeeding | None = None  # its prompt seeding while it prefills (tr/seeding.py)
+        self.recycled: RecycledRows | None = None  # its last tree step's rows, not yet with its session
+        self.plain: list = []  # (root, its top-k [K], their probs [K]) of plain steps since, likewise
+
+    @property
+    def tenant(self) -> str:
+        return self.rates_key[0]
+
+    @property
+    def reserved(self) -> int:
+        """KV tokens it may take: prompt, new tokens and its widest tree step."""
+        width = self.tree.template.max_width if self.tree is not None else 1
+        return self.prompt_len + self.max_new_tokens + width
+
+    def stopping(self, ahead: float = 0.0) -> bool:
+        """Finished, or cancelled / past its deadline, or past it `ahead` seconds from now (what its
+        next step would take): then its finish reason is set here."""
+        if self.finish_reason is not None:
+            return True
+        if self.cancelled is not None and self.cancelled():
+            self.finish_reason = "cancelled"
+        elif self.deadline is not None and time.monotonic() + ahead > self.deadline:
+            self.finish_reason = "time_limit"
+        return self.finish_reason is not None
 
     @property
     def prompt_len(self) -> int:

@@ -5,7 +5,7 @@ drafts here (engine/proposers/); the tree budget prices options with it. One obj
 
 from __future__ import annotations
 
-from trserve.engine.scheduler import Live
+from trserve.engine.sequence import Sequence
 from trserve.engine.tr.dynamic import Calibration
 from trserve.engine.tuning.budget import NodeRates
 
@@ -17,14 +17,14 @@ class TenantRates:
         self._rates: dict[tuple, NodeRates] = {}
         self._calib: dict[tuple, Calibration] = {}  # per (tenant, tree): grown trees' calibration
 
-    def calibration(self, live: Live) -> Calibration:
+    def calibration(self, live: Sequence) -> Calibration:
         """The confidence calibration of `live`'s tenant (created on first use)."""
         calib = self._calib.get(live.rates_key)
         if calib is None:
             calib = self._calib[live.rates_key] = Calibration()
         return calib
 
-    def node_rates(self, live: Live) -> NodeRates:
+    def node_rates(self, live: Sequence) -> NodeRates:
         """The acceptance records of `live`'s tenant and base tree (created on first use)."""
         rates = self._rates.get(live.rates_key)
         if rates is None:

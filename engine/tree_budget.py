@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from trserve.engine.scheduler import EngineConfig, Live
+from trserve.engine.scheduler import EngineConfig
+from trserve.engine.sequence import Sequence
 from trserve.engine.step_costs import StepCosts
 from trserve.engine.tenant_rates import TenantRates
 from trserve.engine.tr.dynamic import Grown
@@ -21,8 +22,6 @@ from trserve.engine.tuning.budget import chain_kind, choose_options, choose_pack
 from trserve.engine.tuning.online import StepPlan
 
 SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # subtree sizes (root included) a step may pick
-TRUST_PRIOR = 4.0  # drafted tokens a request's trees are assumed to have met before it has verified any
-TRUST_CAP = 1.25  # a request that beats its calibration is priced at most this much above it
 Option = tuple[int, float, int | None, int]  # (width, expected tokens, base nodes or None = the plan, chain)
 
 
@@ -36,7 +35,7 @@ class TreeBudget:
         self.packed = packed  # rows packed without pads (the native forward): a step costs its summed width
         self.costs = StepCosts(cost)
         self.rates = TenantRates()
-        self.explorer: Live | None = None  # the sequence verifying its whole tree this step
+        self.explorer: Sequence | None = None  # the sequence verifying its whole tree this step
         self._explore_credit = 0.0  # seconds of step time exploration may still spend
         self._explored = 0  # explorations so far (whose turn is next)
         # share of the TR sequences' steps that verified a tree (EMA over steps): what a TR request's own
@@ -55,7 +54,7 @@ class TreeBudget:
             self.tree_share += 0.05 * (trees / tr - self.tree_share)
 
     # ---- per step ---------------------------------------------------------------------------------
-    def begin_step(self, running: list[Live], steps: int, kv: int) -> None:
+    def begin_step(self, running: list[Sequence], steps: int, kv: int) -> None:
         """The sequence (in turn) that may verify its whole base tree (and lookup chain) this step, or
         None. Exploring keeps every node's rate measured; it is offered at most every explore_every * B
         steps, and `options` takes it only while the credit (explore_budget x the time of the steps so
@@ -70,7 +69,7 @@ class TreeBudget:
             return
         live = running[self._explored % b]
         self._explored += 1
-        if live.session is not None and live.seq.tuner is None:
+        if live.session is not None and live.tuner is None:
             self.explorer = live
 
     def _explore_price(self, width: int, b: int, kv: int) -> float:
@@ -83,12 +82,12 @@ class TreeBudget:
             wider = b * max(last_width // b, width)
         return max(self.cost(wider, kv) - last, 0.0)
 
-    def options(self, live: Live, plan: StepPlan, proposal, b: int, kv: int, history: bool = False) -> list[Option]:
+    def options(self, live: Sequence, plan: StepPlan, proposal, b: int, kv: int, history: bool = False) -> list[Option]:
         """(width, expected tokens, base nodes or None = the plan as it is, chain tokens) per option; the
         first is plain decoding. The chain (`proposal`) is priced at its kind's rates: its source (the
         request's own context, or with `history` the tenant's history) and its suffix match's size."""
         chain = len(proposal.tokens) if proposal is not None else 0
-        if live.seq.tuner is not None or not self.config.batch_aware:  # the tuner's (or the full) plan, always
+        if live.tuner is not None or not self.config.batch_aware:  # the tuner's (or the full) plan, always
             return [(plan.tree.n + chain, 1.0, None, chain)]
         if live is self.explorer:  # its whole base tree (and lookup chain) now and then, so every node's
             # rate and the chains' worth stay measured: a worth measured low on a cold matrix would
@@ -102,13 +101,13 @@ class TreeBudget:
         kind = chain_kind(history, proposal.ngram) if proposal is not None else 0
         return rates.options([s for s in SIZES if s < plan.tree.n] + [plan.tree.n], chain, kind)
 
-    def grown_options(self, live: Live, grown: Grown, b: int, kv: int) -> list[Option]:
+    def grown_options(self, live: Sequence, grown: Grown, b: int, kv: int, trust: float = 1.0) -> list[Option]:
         """Options of a tree grown by confidence: plain decoding, then its first w nodes for the sizes
-        up to its whole (expected tokens: 1 + the sum of their scores, engine/tr/dynamic.py)."""
+        up to its whole (expected tokens: 1 + the sum of their scores, engine/tr/dynamic.py, each
+        drafted token's worth scaled by `trust`: how far the request's own trees met their scores)."""
         plain: Option = (1, 1.0, 1, 0)
         if grown.n == 1:
             return [plain]
-        trust = self.trust(live)
         whole: Option = (grown.n, 1 + trust * (grown.expected(grown.n) - 1), grown.n, 0)
         if live is self.explorer:  # its whole grown tree now and then: bins the budget never picks stay measured
             price = self._explore_price(grown.n, b, kv)
@@ -119,15 +118,6 @@ class TreeBudget:
         if not self.config.batch_aware:
             return [whole]
         return [plain] + [(w, 1 + trust * (grown.expected(w) - 1), w, 0) for w in SIZES if w < grown.n] + [whole]
-
-    def trust(self, live: Live) -> float:
-        """How far `live`'s own grown trees met their calibrated expectation: accepted over expected
-        drafted tokens, with a prior of TRUST_PRIOR tokens met in full, at most TRUST_CAP. The tenant's
-        calibration averages over all its traffic; one request (a math question in a tenant that mostly
-        chats) may accept far less, and its trees are then priced at what it actually accepts.
-        Example: 12 tokens expected and 4 accepted over its trees so far -> (4 + 4) / (12 + 4) = 0.5:
-        a tree expected to add 1.2 tokens is priced at 0.6."""
-        return min((live.realized + TRUST_PRIOR) / (live.predicted + TRUST_PRIOR), TRUST_CAP)
 
     def row_floor(self, kv: int, b: int = 1) -> float:
         """The least score (P(accepted)) a node needs for some tree to pay in a step of `b` sequences:

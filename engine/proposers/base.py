@@ -7,7 +7,7 @@ from typing import Protocol
 
 import torch
 
-from trserve.engine.scheduler import Live
+from trserve.engine.sequence import Sequence
 from trserve.engine.step import Draft
 from trserve.engine.tr.accept import Acceptance
 from trserve.engine.tr.tree import CompiledTree, TreeTemplate, compile_parents, get_compiled
@@ -67,18 +67,18 @@ class Proposer(Protocol):
 
     name: str
 
-    def takes(self, live: Live) -> bool:
+    def takes(self, live: Sequence) -> bool:
         """Whether this method drafts for `live` (a TR request) this step."""
         ...
 
-    def offer(self, live: Live, step: StepInfo) -> tuple[object, list[Option]]:
+    def offer(self, live: Sequence, step: StepInfo) -> tuple[object, list[Option]]:
         """(a stage for `draft`, the options with their widths and expected tokens)."""
         ...
 
-    def draft(self, live: Live, stage: object, option: Option) -> Draft:
+    def draft(self, live: Sequence, stage: object, option: Option) -> Draft:
         """The draft of `option` (width > 1) from `stage`."""
         ...
 
-    def learn(self, live: Live, draft: Draft, acc: Acceptance) -> None:
+    def learn(self, live: Sequence, draft: Draft, acc: Acceptance) -> None:
         """A verified draft's outcome."""
         ...

@@ -8,7 +8,7 @@ import torch
 
 from trserve.engine.handover import pending
 from trserve.engine.proposers.base import Shapes, StepInfo
-from trserve.engine.scheduler import Live
+from trserve.engine.sequence import Sequence
 from trserve.engine.step import Draft, draft_step
 from trserve.engine.tr.accept import Acceptance
 from trserve.engine.tr.dynamic import CONTEXT, HISTORY
@@ -27,19 +27,19 @@ class StaticTree:
     def __init__(self, budget: TreeBudget, shapes: Shapes) -> None:
         self.budget, self.shapes = budget, shapes
 
-    def takes(self, live: Live) -> bool:
+    def takes(self, live: Sequence) -> bool:
         return True  # any TR request the methods before it do not take
 
-    def plan(self, live: Live) -> StepPlan:
+    def plan(self, live: Sequence) -> StepPlan:
         """The base tree this step: the request's own."""
         return StepPlan(live.tree, None, explore=False)
 
-    def offer(self, live: Live, step: StepInfo) -> tuple[Stage, list[Option]]:
+    def offer(self, live: Sequence, step: StepInfo) -> tuple[Stage, list[Option]]:
         plan = self.plan(live)
-        proposal, source = static_chain(live.seq.lookup, live.session.history, plan.tree.template.lookup)
+        proposal, source = static_chain(live.lookup, live.session.history, plan.tree.template.lookup)
         return (plan, proposal, source), self.budget.options(live, plan, proposal, step.b, step.kv, source == HISTORY)
 
-    def draft(self, live: Live, stage: Stage, option: Option) -> Draft:
+    def draft(self, live: Sequence, stage: Stage, option: Option) -> Draft:
         """Its base tree cut to the option's size (None: the plan as it is) and the option's chain tokens.
         Only a sequence that verifies a tree drafts (and hands over its pending rows) this step: a plain
         step costs a TR request no more than an AR one."""
@@ -51,9 +51,9 @@ class StaticTree:
             plan = StepPlan(sub, torch.arange(sub.n, device=self.shapes.device), explore=False)
         if proposal is not None and chain and chain < len(proposal.tokens):
             proposal = Proposal(proposal.tokens[:chain], proposal.ngram)
-        return draft_step(live.seq, drafted, plan, proposal, lookup=bool(chain), source=source)
+        return draft_step(live, drafted, plan, proposal, lookup=bool(chain), source=source)
 
-    def learn(self, live: Live, draft: Draft, acc: Acceptance) -> None:
+    def learn(self, live: Sequence, draft: Draft, acc: Acceptance) -> None:
         """Which base nodes and chain tokens were accepted, into the tenant's node rates."""
         rates = self.budget.rates.node_rates(live)
         n_base = draft.plan.tree.n

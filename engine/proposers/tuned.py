@@ -5,7 +5,7 @@ step, verified whole (the budget offers it as it is); the tuner records the outc
 from __future__ import annotations
 
 from trserve.engine.proposers.static import StaticTree
-from trserve.engine.scheduler import Live
+from trserve.engine.sequence import Sequence
 from trserve.engine.step import Draft
 from trserve.engine.tr.accept import Acceptance
 from trserve.engine.tuning.online import StepPlan
@@ -14,11 +14,11 @@ from trserve.engine.tuning.online import StepPlan
 class TunedTree(StaticTree):
     name = "tuned"
 
-    def takes(self, live: Live) -> bool:
-        return live.seq.tuner is not None
+    def takes(self, live: Sequence) -> bool:
+        return live.tuner is not None
 
-    def plan(self, live: Live) -> StepPlan:
-        return live.seq.tuner.plan()
+    def plan(self, live: Sequence) -> StepPlan:
+        return live.tuner.plan()
 
-    def learn(self, live: Live, draft: Draft, acc: Acceptance) -> None:
+    def learn(self, live: Sequence, draft: Draft, acc: Acceptance) -> None:
         pass

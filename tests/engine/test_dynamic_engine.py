@@ -70,22 +70,23 @@ def test_a_tenant_drafts_from_its_history_and_another_tenant_never_does(tiny):
 
 
 def test_a_request_whose_trees_miss_their_calibration_is_priced_at_what_it_accepts():
-    """The per-request trust (engine/tree_budget.py: TreeBudget.trust): a tenant's calibration averages
+    """The per-request trust (engine/proposers/grown.py: Trust): a tenant's calibration averages
     its traffic, so a request whose grown trees accept less than calibrated has its trees priced down."""
     from types import SimpleNamespace
 
     from trserve.engine.tr.dynamic import Grown
-    from trserve.engine.tree_budget import TRUST_CAP, TRUST_PRIOR, TreeBudget
+    from trserve.engine.proposers.grown import TRUST_CAP, TRUST_PRIOR, Trust
+    from trserve.engine.tree_budget import TreeBudget
 
     budget = TreeBudget(EngineConfig(), cost=lambda w, kv: 1.0, packed=True)
-    fresh = SimpleNamespace(predicted=0.0, realized=0.0)
-    missing = SimpleNamespace(predicted=12.0, realized=4.0)  # 12 tokens expected, 4 accepted
-    beating = SimpleNamespace(predicted=4.0, realized=40.0)
-    assert budget.trust(fresh) == 1.0
-    assert budget.trust(missing) == (4 + TRUST_PRIOR) / (12 + TRUST_PRIOR) == 0.5
-    assert budget.trust(beating) == TRUST_CAP
+    fresh, missing, beating = Trust(), Trust(12.0, 4.0), Trust(4.0, 40.0)  # missing: 12 tokens expected, 4 accepted
+    assert fresh.value() == 1.0
+    assert missing.value() == (4 + TRUST_PRIOR) / (12 + TRUST_PRIOR) == 0.5
+    assert beating.value() == TRUST_CAP
     grown = Grown(tokens=[1, 2, 3], parent=[0, 0, 1], source=[0, 1, 1], bins=[-1, 0, 0], score=[1.0, 0.8, 0.4])
-    fresh_opts, missing_opts = budget.grown_options(fresh, grown, 1, 0), budget.grown_options(missing, grown, 1, 0)
+    live = SimpleNamespace()  # the request (only its identity is read: is it exploring?)
+    fresh_opts = budget.grown_options(live, grown, 1, 0, fresh.value())
+    missing_opts = budget.grown_options(live, grown, 1, 0, missing.value())
     assert [o[1] for o in fresh_opts] == pytest.approx([1.0, 1.8, 2.2])  # plain, 2 nodes, the whole tree
     assert [o[1] for o in missing_opts] == pytest.approx([1.0, 1.4, 1.6])  # drafted tokens at half
 
@@ -97,7 +98,7 @@ def test_a_request_learns_its_trust_from_its_own_verified_trees(tiny):
 
     def spy(live, draft, acc):
         learn(live, draft, acc)
-        seen.append((live.predicted, live.realized))
+        seen.append((live.drafting.predicted, live.drafting.realized))  # the grown proposer's own state
 
     engine.drafter.learn = spy
     _submit(engine, tiny, _request(1), matrix=tiny.new_tenant())

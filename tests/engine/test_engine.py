@@ -128,7 +128,7 @@ def test_cancel_and_deadline_free_the_row_at_the_next_step(tiny):
     _run(engine, until=lambda: len(engine.running) == 3)
     reserved = engine.reserved
     flags["cancel"] = True
-    engine.running[[x.seq for x in engine.running].index(engine.running[2].seq)].deadline = 0.0  # now past
+    engine.running[2].deadline = 0.0  # now past
     _run(engine, limit=1)
     assert engine.runner.kv.active == 1 and len(engine.running) == 1 and engine.reserved < reserved
     assert gone[-1].finish_reason == "cancelled" and late[-1].finish_reason == "time_limit"

@@ -24,10 +24,10 @@ class Echo:
         self.learnt: list[tuple[int, int]] = []  # (drafted, accepted) per verified draft
 
     def takes(self, live) -> bool:
-        return len(live.seq.generated) >= self.n
+        return len(live.generated) >= self.n
 
     def offer(self, live, step: StepInfo):
-        chain = live.seq.generated[-self.n:]
+        chain = live.generated[-self.n:]
         return chain, [(1, 1.0, 1, 0), (1 + len(chain), 1.5, 1 + len(chain), 0)]  # plain, or the chain
 
     def draft(self, live, stage, option) -> Draft:
