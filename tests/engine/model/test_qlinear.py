@@ -389,3 +389,22 @@ def test_kernels_called_from_many_threads_and_a_forked_child_give_the_same_bits(
     child.start()
     child.join(timeout=60)
     assert child.exitcode == 0, f"forked child exit code {child.exitcode}"
+
+
+def test_units_compile_side_by_side_then_link_into_one_library(tmp_path):
+    """build_kernels compiles each unit on its own, at once, then links them: a library whose units call
+    each other loads and runs; a unit that does not compile is the result returned (its error)."""
+    import ctypes
+
+    from trserve.engine.model.kernels.build import _compile_and_link, _compiler
+
+    if _compiler() is None:
+        pytest.skip("no C compiler")
+    (tmp_path / "a.c").write_text("int f(void) { return 41; }\n")
+    (tmp_path / "b.c").write_text("int f(void);\nint g(void) { return f() + 1; }\n")
+    (tmp_path / "bad.c").write_text("int h(void) { return undefined_name; }\n")
+    out = tmp_path / "lib.so"
+    assert _compile_and_link("scalar", [tmp_path / "a.c", tmp_path / "b.c"], str(out)).returncode == 0
+    assert ctypes.CDLL(str(out)).g() == 42
+    failed = _compile_and_link("scalar", [tmp_path / "a.c", tmp_path / "bad.c"], str(tmp_path / "no.so"))
+    assert failed.returncode != 0 and "undefined_name" in failed.stderr
