@@ -190,16 +190,17 @@ class PrefixCache:
             self._store(tenant, tokens[:n], kv.row_view(row))  # straight from the row into blocks
 
     def share(self, tenant: str, prompt: list[int], waiting: list, kv, row: int, cached: int) -> bool:
-        """A prompt just prefilled into KV `row` (`cached` of its tokens came from here): kept now, not
-        only when it leaves, if a waiting prompt of `tenant` (`waiting`: their ids) shares more of it
-        than the cache already holds (>= min_tokens): the choices of an n > 1 request, or a burst with
-        one system turn, prefill their common prefix once. Returns whether it was kept."""
+        """A prompt just prefilled into KV `row` (`cached` of its tokens came from here): its prefix that a
+        waiting prompt of `tenant` (`waiting`: their ids) shares is kept now, not only when it leaves, if
+        that is more than the cache already held for it (>= min_tokens): the choices of an n > 1 request,
+        or a burst with one system turn, prefill their common prefix once (only that prefix is copied).
+        Returns whether it was kept."""
         ids = np.asarray(prompt, dtype=np.int64)
         # what a waiting prompt would reuse: at most its length - 1 (its last token is always run)
         gain = max((min(common_prefix(ids, np.asarray(w, dtype=np.int64)), len(w) - 1) for w in waiting), default=0)
         if gain < self.min_tokens or gain <= cached or row < 0:
             return False
-        return self._store(tenant, list(prompt), kv.row_view(row))
+        return self._store(tenant, list(prompt[:gain]), kv.row_view(row))  # what they share: one copy, no more
 
     def clear(self, release: bool = True) -> None:
         """Every entry gone; release False: their blocks stay, free, for the next entries (no fresh

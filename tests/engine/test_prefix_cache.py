@@ -201,4 +201,4 @@ def test_share_keeps_a_prompt_only_for_a_waiting_prompt_that_gains_from_it():
     assert not cache.share("a", prompt, [list(range(10))], kv, 0, 9)  # it already had all it could reuse
     assert cache.share("a", prompt, [list(range(10)) + [7]], kv, 0, 0)
     hit = cache.lookup("a", list(range(10)) + [7])
-    assert hit is not None and hit.tokens == 10
+    assert hit is not None and hit.tokens == 10 and hit.entry.tokens.tolist() == list(range(10))  # the shared part
