@@ -15,8 +15,7 @@ from trserve.engine.sequence import Sequence
 from trserve.engine.step import Draft
 from trserve.engine.tr.accept import Acceptance
 from trserve.engine.tree_budget import TreeBudget
-
-PLAIN = (1, 1.0, 1, 0)  # the option of plain decoding: one row, one token
+from trserve.engine.tuning.budget import PLAIN
 
 
 class Drafter:

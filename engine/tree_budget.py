@@ -18,7 +18,7 @@ from trserve.engine.sequence import Sequence
 from trserve.engine.step_costs import StepCosts
 from trserve.engine.tenant_rates import TenantRates
 from trserve.engine.tr.dynamic import Grown
-from trserve.engine.tuning.budget import chain_kind, choose_options, choose_packed
+from trserve.engine.tuning.budget import PLAIN, chain_kind, choose_options, choose_packed
 from trserve.engine.tuning.online import StepPlan
 
 SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # subtree sizes (root included) a step may pick
@@ -105,9 +105,8 @@ class TreeBudget:
         """Options of a tree grown by confidence: plain decoding, then its first w nodes for the sizes
         up to its whole (expected tokens: 1 + the sum of their scores, engine/tr/dynamic.py, each
         drafted token's worth scaled by `trust`: how far the request's own trees met their scores)."""
-        plain: Option = (1, 1.0, 1, 0)
         if grown.n == 1:
-            return [plain]
+            return [PLAIN]
         whole: Option = (grown.n, 1 + trust * (grown.expected(grown.n) - 1), grown.n, 0)
         if live is self.explorer:  # its whole grown tree now and then: bins the budget never picks stay measured
             price = self._explore_price(grown.n, b, kv)
@@ -117,7 +116,7 @@ class TreeBudget:
             self.explorer = None
         if not self.config.batch_aware:
             return [whole]
-        return [plain] + [(w, 1 + trust * (grown.expected(w) - 1), w, 0) for w in SIZES if w < grown.n] + [whole]
+        return [PLAIN] + [(w, 1 + trust * (grown.expected(w) - 1), w, 0) for w in SIZES if w < grown.n] + [whole]
 
     def row_floor(self, kv: int, b: int = 1) -> float:
         """The least score (P(accepted)) a node needs for some tree to pay in a step of `b` sequences:

@@ -48,6 +48,9 @@ import numpy as np
 Option = tuple[int, float]  # (width, expected committed tokens)
 
 
+PLAIN = (1, 1.0, 1, 0)  # the option of plain decoding: (width, expected tokens, base nodes, chain tokens)
+
+
 def choose_options(options: Sequence[Sequence[Option]], cost: Callable[[int], float], extra: float = 0.0,
                    margin: float = 0.0) -> list[int]:
     """options[b]: ascending widths (a sequence with one option must take it) -> the chosen index per
@@ -194,7 +197,7 @@ class NodeRates:
         chain of `chain` tokens of `kind` where one is proposed (chain > 0); sorted by width."""
         base, worth = self._base_tokens(), self._worth(kind)  # [n + 1], [C + 1]
         cuts = sorted({c for c in (1, 2, 4, 8, 16, 32) if c < chain} | ({min(chain, self.MAX_CHAIN)} if chain else set()))
-        out = [(1, 1.0, 1, 0)]
+        out = [PLAIN]
         for s in sizes:
             if s > 1:
                 tokens = float(base[s])
