@@ -132,7 +132,7 @@ def host_facts() -> dict:
     """The CPU and the ISA flags that decide the kernels (printed with every figure)."""
     from trserve.engine.model.kernels.build import _cpu_flags, available_isas
 
-    flags = sorted(f for f in _cpu_flags() if f.startswith(("avx512", "avx2", "avx_vnni", "fma", "f16c")))
+    flags = sorted(f for f in _cpu_flags() if f.startswith(("avx512", "avx2", "avx_vnni", "amx", "fma", "f16c")))
     model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
                   if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
     return {"cpu": model, "isa_flags": flags, "kernel_isas": available_isas(), "threads": torch.get_num_threads()}

@@ -4,8 +4,10 @@ For each forward kind this host runs (`transformers`: the eager modules; `native
 forward of engine/model/native.py), on the kernels `auto` picks here: the cost of one forward per
 width (1, 2, 4, 8, 16 new tokens over 512 cached ones, through the runner the decoders use), then
 a few prompts decoded serially in `ar` and `tr` mode with the time inside the runner's forwards
-and the time outside them (drafting, acceptance, recycling, sampling, streaming) per step.
-Written as JSON (bench-results/profile.json) and a table.
+and the time outside them (drafting, acceptance, recycling, sampling, streaming) per step. For the
+native forward, also its cost by phase per width (trserve/bench/phases.py: q/k/v, attention, MLP,
+LM head, ...), so where a verified row's cost goes is read off one table. Written as JSON
+(bench-results/profile.json) and a table, with the host's CPU and ISA flags.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 import torch
 
-from trserve.bench.runner import WARMUP, _avx512, select_questions
+from trserve.bench.fidelity import host_facts
+from trserve.bench.runner import WARMUP, select_questions
 
 log = logging.getLogger("trserve.bench")
 
@@ -50,6 +53,10 @@ def _profile_one(loaded, config: ProfileConfig, questions: list[dict]) -> dict:
     cost = measure(loaded.model, widths=config.widths, kv_lens=(config.kv,), reps=3, passes=2, native=loaded.native)
     out = {"forward": loaded.forward, "kernels": loaded.kernels, "isa": loaded.isa, "arithmetic": loaded.arithmetic,
            "width_ms": {str(w): round(1000 * s, 2) for w, s in zip(cost.widths, cost.seconds[0])}, "modes": {}}
+    if loaded.forward == "native" and loaded.isa:
+        from trserve.bench.phases import forward_phases
+
+        out["phases_ms"] = forward_phases(loaded, config.widths, config.kv)
     decoder = Decoder(DecoderConfig(model=_model_config(config, loaded.forward)), loaded=loaded)
     engine = decoder.engine
     runner = engine.runner
@@ -99,7 +106,7 @@ def run_profile(config: ProfileConfig) -> dict:
         torch.set_num_threads(config.threads)
     questions = select_questions(config.prompts, 1)[: config.n_prompts]
     report = {"config": asdict(config), "environment": {
-        "threads": torch.get_num_threads(), "avx512": _avx512(), "torch": torch.__version__,
+        **host_facts(), "torch": torch.__version__,
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}, "runs": []}
     loaded = None
     for forward in config.forwards:
@@ -119,7 +126,7 @@ def run_profile(config: ProfileConfig) -> dict:
 
 def format_profile(report: dict) -> str:
     env = report["environment"]
-    lines = [f"per-step profile ({env['threads']} threads, AVX-512: {'yes' if env['avx512'] else 'no'})", ""]
+    lines = [f"per-step profile ({env['threads']} threads; {env['cpu']}; {' '.join(env['isa_flags'])})", ""]
     widths = list(report["runs"][0]["width_ms"]) if report["runs"] else []
     lines.append(f"{'forward':<14}{'kernels':<22}" + "".join(f"{'w=' + w:>8}" for w in widths) + "   (ms per forward)")
     for r in report["runs"]:
@@ -132,4 +139,10 @@ def format_profile(report: dict) -> str:
             lines.append(f"{r['forward']:<14}{mode:<6}{m['tokens_per_s']:>8.1f}{m['tokens_per_step']:>10.2f}"
                          f"{m['forward_ms_per_step']:>9.2f}{m['other_ms_per_step']:>10.2f}"
                          f"{m['prefill_ms_per_prompt']:>12.1f}")
+    for r in report["runs"]:
+        if r.get("phases_ms"):
+            from trserve.bench.phases import format_phases
+
+            lines += ["", f"by phase ({r['kernels']}-{r['isa']}, {r['arithmetic']}, "
+                          f"{report['config']['kv']} cached tokens):", *format_phases(r["phases_ms"])]
     return "\n".join(lines)

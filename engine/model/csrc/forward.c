@@ -30,6 +30,40 @@
 #include "qlinear.h"
 #include "vec.h"
 
+/* ---- phase timing (profiling builds only) -----------------------------------------------------
+ * Built with -DTR_PHASES (engine/model/kernels/build.py:phases_library, for `trserve bench --profile`):
+ * the wall time of each phase of the forward as its thread 0 sees it, summed over calls until
+ * trserve_forward_phases reads them. Each phase but the LM head's ends at a barrier, so its time
+ * includes waiting for the slower thread. Other builds compile none of it. */
+#ifdef TR_PHASES
+#include <time.h>
+enum { PH_QKV, PH_ROPE, PH_ATTENTION, PH_O, PH_GATE_UP, PH_DOWN, PH_HEAD, PH_TOPK, PH_CALL, N_PHASES };
+static double phase_s[N_PHASES];
+static int64_t phase_calls;
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+#define PHASES_START double t_phase = id == 0 ? now_s() : 0.0
+#define PHASE(i) do { if (id == 0) { const double t_ = now_s(); phase_s[i] += t_ - t_phase; t_phase = t_; } } while (0)
+
+/* out[i] = phase i's seconds summed since the last read (i < n, at most N_PHASES: qkv, rope, attention,
+ * o, gate_up, down, head, topk, the whole call); resets them; returns the calls they cover. */
+int64_t trserve_forward_phases(double *out, int64_t n)
+{
+    for (int64_t i = 0; i < n && i < N_PHASES; i++) out[i] = phase_s[i];
+    memset(phase_s, 0, sizeof phase_s);
+    const int64_t calls = phase_calls;
+    phase_calls = 0;
+    return calls;
+}
+#else
+#define PHASES_START
+#define PHASE(i) ((void)0)
+#endif
+
 /* Queries of one head an attention pass takes side by side (they share each key and value load);
  * never changes a query's arithmetic. */
 #if defined(__AVX512F__)
@@ -457,6 +491,7 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
     float *sc = scs + id * sc_floats, *h = hs + id * N * H;
     qact_t *act = jb->acts + id;
     int64_t o0, o1;
+    PHASES_START;
     for (int64_t l = 0; l < M->n_layers; l++) {
         const tr_layer *L = M->layers + l;
         rms_rows(x, L->in_norm, h, 0, N, H, M->eps);
@@ -465,6 +500,7 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
         lin(M, &L->k, h, act, N, k, id, nt, &o0, &o1);
         lin(M, &L->v, h, act, N, v, id, nt, &o0, &o1);
         pool_barrier(nt);
+        PHASE(PH_QKV);
         /* rotary on q and k; k, v into the KV rows (work item u = token t, head j of q then k) */
         for (int64_t u = id; u < N * (Hq + Hkv); u += nt) {
             const int64_t t = u / (Hq + Hkv), j = u % (Hq + Hkv);
@@ -481,6 +517,7 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
             memcpy(vc[l] + at, v + (t * Hkv + g) * D, D * sizeof(float));
         }
         pool_barrier(nt);
+        PHASE(PH_ROPE);
         /* work items: (sequence, head, block of QBLOCK queries), item0[b] = sequence b's first; each
          * thread the contiguous range [split[id], split[id + 1]) of about equal cost (attention_split),
          * so the heads that share a KV head mostly share its reads */
@@ -492,11 +529,13 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
                    vc[l], cap, att, sc, sc_len);
         }
         pool_barrier(nt);
+        PHASE(PH_ATTENTION);
         lin_quant(M, &L->o, att, N, Hq * D, act);
         lin(M, &L->o, att, act, N, tmp, id, nt, &o0, &o1);
         for (int64_t t = 0; t < N; t++)
             for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
         pool_barrier(nt);
+        PHASE(PH_O);
         rms_rows(x, L->post_norm, h, 0, N, H, M->eps);
         lin_quant(M, &L->gate, h, N, H, act);
         lin(M, &L->gate, h, act, N, gt, id, nt, &o0, &o1);
@@ -510,11 +549,13 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
             for (int64_t i = 0; i < n; i++) g[i] = (g[i] / (1.0f + sc[i])) * u[i];
         }
         pool_barrier(nt);
+        PHASE(PH_GATE_UP);
         lin_quant(M, &L->down, gt, N, F, act);
         lin(M, &L->down, gt, act, N, tmp, id, nt, &o0, &o1);
         for (int64_t t = 0; t < N; t++)
             for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
         pool_barrier(nt);
+        PHASE(PH_DOWN);
     }
     /* final norm of the kept tokens, then the LM head */
     for (int64_t i = id; i < n_keep; i += nt) rms_rows(x + keep[i] * H, M->final_norm, hk + i * H, 0, 1, H, M->eps);
@@ -525,10 +566,14 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
     }
     if (K > 0) {
         pool_barrier(nt);
+        PHASE(PH_HEAD);
         for (int64_t i = id; i < n_keep; i += nt) {
             topk_row(logits + i * M->vocab, M->vocab, K, topk + i * K);
             if (jb->probs) top_probs_row(logits + i * M->vocab, M->vocab, K, topk + i * K, jb->probs + i * K);
         }
+        PHASE(PH_TOPK);
+    } else {
+        PHASE(PH_HEAD);
     }
 }
 
@@ -578,6 +623,9 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
                     float *logits, int64_t K, int32_t *topk, uint8_t *probs, int threads)
 {
     if (trserve_forward_check(M) || threads < 1 || K < 0 || K > 64 || K > M->vocab || (K && n_keep && !topk)) return -1;
+#ifdef TR_PHASES
+    const double t_call = now_s();
+#endif
     const int64_t N = tok0[B], H = M->hidden, D = M->head_dim, Hq = M->heads, Hkv = M->kv_heads, F = M->inter;
     int64_t max_ctx = 0, max_w = 0;
     for (int64_t b = 0; b < B; b++) {
@@ -622,6 +670,10 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
                          scs, topk, K > 0 ? probs : NULL, acts};
         pool_run(fwd_job, &job, threads);
     }
+#ifdef TR_PHASES
+    phase_s[PH_CALL] += now_s() - t_call;
+    phase_calls++;
+#endif
 done:
     for (int t = 0; acts && t < threads; t++) qact_free(acts + t);
     free(acts);

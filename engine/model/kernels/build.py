@@ -103,8 +103,8 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or which("gcc") or which("cc")
 
 
-def _cflags(isa: str) -> list[str]:
-    return [*_BASE_CFLAGS, *_ISAS[isa][1]]
+def _cflags(isa: str, defines: tuple[str, ...] = ()) -> list[str]:
+    return [*_BASE_CFLAGS, *_ISAS[isa][1], *(f"-D{d}" for d in defines)]
 
 
 def _sources() -> list[Path]:
@@ -113,7 +113,7 @@ def _sources() -> list[Path]:
     return sorted(p for p in _CSRC.iterdir() if p.suffix in (".c", ".h"))
 
 
-def kernel_build_key(isa: str) -> str:
+def kernel_build_key(isa: str, defines: tuple[str, ...] = ()) -> str:
     """16 hex digits naming one build of the kernel sources for `isa` (a resolved variant): it changes
     with any source file (name or text) and the flags, so caches of measured speeds (calibrations)
     follow the kernels."""
@@ -121,19 +121,20 @@ def kernel_build_key(isa: str) -> str:
     for p in _sources():
         text = p.read_bytes()
         h.update(f"{p.name}\0{len(text)}\0".encode() + text)
-    h.update(" ".join(_cflags(isa)).encode())
+    h.update(" ".join(_cflags(isa, defines)).encode())
     return h.hexdigest()[:16]
 
 
-def build_kernels(cache_dir: Path | None = None, isa: str = "auto") -> Path:
+def build_kernels(cache_dir: Path | None = None, isa: str = "auto", defines: tuple[str, ...] = ()) -> Path:
     """Compile csrc/*.c into one library for `isa` ("auto": this CPU's best) once per source version
     into `cache_dir`/kernels; returns the library. Any variant builds on any x86-64 host (an image can
-    hold all three); running it needs the CPU flags."""
+    hold all three); running it needs the CPU flags. `defines`: macros of a profiling build (its own
+    key and file; the served library never has them)."""
     from trserve.engine.model.paths import default_cache_dir
 
     _check_isa(isa)
     isa = kernel_isa() if isa == "auto" else isa
-    key = kernel_build_key(isa)
+    key = kernel_build_key(isa, defines)
     out = Path(cache_dir or default_cache_dir()) / "kernels" / f"qlinear-{isa}-{key}.so"
     if not out.exists():
         if _compiler() is None:
@@ -144,7 +145,7 @@ def build_kernels(cache_dir: Path | None = None, isa: str = "auto") -> Path:
         units = [p for p in _sources() if p.suffix == ".c"]
         log.warning("building the compressed kernels for %s (once per source version; ~20-40 s on 2 cores)", isa)
         t0 = time.perf_counter()
-        res = _compile_and_link(isa, units, tmp)
+        res = _compile_and_link(isa, units, tmp, defines)
         if res.returncode != 0:
             os.unlink(tmp)
             names = ", ".join(p.name for p in units)
@@ -155,7 +156,7 @@ def build_kernels(cache_dir: Path | None = None, isa: str = "auto") -> Path:
     return out
 
 
-def _compile_and_link(isa: str, units: list[Path], out: str) -> subprocess.CompletedProcess:
+def _compile_and_link(isa: str, units: list[Path], out: str, defines: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     """Each unit compiled on its own, as many at once as there are cores (the same object code as one
     driver call compiling them in turn: the same flags per unit), then linked into `out`; the first
     failure's result, else the link's."""
@@ -163,13 +164,14 @@ def _compile_and_link(isa: str, units: list[Path], out: str) -> subprocess.Compl
 
     with tempfile.TemporaryDirectory(dir=Path(out).parent) as tmp:
         objs = [str(Path(tmp) / f"{i}-{u.stem}.o") for i, u in enumerate(units)]
-        cmds = [[_compiler(), *_cflags(isa), "-c", "-o", o, str(u)] for o, u in zip(objs, units)]
+        cmds = [[_compiler(), *_cflags(isa, defines), "-c", "-o", o, str(u)] for o, u in zip(objs, units)]
         with ThreadPoolExecutor(max_workers=max(1, min(len(cmds), os.cpu_count() or 1))) as pool:
             results = list(pool.map(lambda cmd: subprocess.run(cmd, capture_output=True, text=True), cmds))
         failed = next((r for r in results if r.returncode != 0), None)
         if failed is not None:
             return failed
-        return subprocess.run([_compiler(), *_cflags(isa), "-o", out, *objs, "-lm"], capture_output=True, text=True)
+        return subprocess.run([_compiler(), *_cflags(isa, defines), "-o", out, *objs, "-lm"], capture_output=True,
+                              text=True)
 
 
 # ---- loading -------------------------------------------------------------------------------------
@@ -201,14 +203,33 @@ def _load(cache_dir: Path, isa: str) -> None:
     lib.trserve_qlinear_i8_kept.argtypes = [ctypes.c_int, P, i64, i64, i64, P, P, P, P, P, i64, P, P, ctypes.c_int]
     lib.trserve_quantize_rows.restype = ctypes.c_int
     lib.trserve_quantize_rows.argtypes = [P, i64, i64, P, P, P, P]
-    f = lib.trserve_forward
-    f.restype = ctypes.c_int
-    f.argtypes = [P, i64, P, P, P, P, P, P, P, P, P, i64, P, i64, P, i64, P, P, ctypes.c_int]
+    _forward_argtypes(lib.trserve_forward)
     lib.trserve_forward_check.restype = ctypes.c_int
     lib.trserve_forward_check.argtypes = [P]
     lib.trserve_top_probs.restype = ctypes.c_int
     lib.trserve_top_probs.argtypes = [P, i64, i64, i64, P, P]
     _libs[isa] = lib
+
+
+def _forward_argtypes(f) -> None:
+    P, i64 = ctypes.c_void_p, ctypes.c_int64
+    f.restype = ctypes.c_int
+    f.argtypes = [P, i64, P, P, P, P, P, P, P, P, P, i64, P, i64, P, i64, P, P, ctypes.c_int]
+
+
+PHASES = ("qkv", "rope", "attention", "o", "gate_up", "down", "head", "topk")  # csrc/forward.c, in order
+
+
+@functools.lru_cache(maxsize=None)
+def phases_library(isa: str):
+    """The profiling build of variant `isa` (-DTR_PHASES, built once into the default cache): its
+    trserve_forward (the served one's arithmetic and arguments, timing each phase) and
+    trserve_forward_phases (seconds per phase of PHASES, then the whole call; read and reset)."""
+    lib = ctypes.CDLL(str(build_kernels(None, isa, defines=("TR_PHASES",))))
+    _forward_argtypes(lib.trserve_forward)
+    lib.trserve_forward_phases.restype = ctypes.c_int64
+    lib.trserve_forward_phases.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    return lib.trserve_forward, lib.trserve_forward_phases
 
 
 def q4_layout(cache_dir: Path, isa: str) -> str:
