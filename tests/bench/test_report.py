@@ -59,3 +59,22 @@ def test_report_has_sources_per_tr_decoder_and_category_only():
 def test_table_has_no_source_section_without_tr():
     report = summarise([_rec("ar", "agent", 1)], ["ar"])
     assert "draft sources" not in format_table(report)
+
+
+def test_table_says_how_many_outputs_equal_ar_and_names_the_host():
+    """Every greedy bench run shows TR == AR per prompt and turn (the lossless claim in every table), and
+    the host's CPU and ISA flags at its head."""
+    different = _rec("tr", "agent", 2)
+    different["ids"] = [1, 3]
+    records = [_rec("ar", "agent", 1), _rec("ar", "agent", 2), _rec("ar", "agent", 1, turn=1),
+               _rec("tr", "agent", 1), different, _rec("tr", "agent", 1, turn=1)]
+    report = summarise(records, ["ar", "tr"])
+    assert report["decoders"]["tr"]["identical_to_ar"] == "2/3"
+    assert "identical_to_ar" not in report["decoders"]["ar"]
+    assert "identical_to_ar" not in summarise(records, ["ar", "tr"], sampled=True)["decoders"]["tr"]
+    report["environment"] = {"cpu": "Some CPU", "threads": 2, "isa_flags": ["avx2", "avx512_vnni"],
+                             "isa": "avx512vnni", "arithmetic": "int8"}
+    lines = format_table(report).splitlines()
+    assert lines[0] == "host: Some CPU, 2 threads; avx2 avx512_vnni; kernels avx512vnni, int8"
+    assert lines[1].endswith("same as hf  same as ar  tokens")
+    assert lines[3].split()[0] == "tr" and lines[3].split()[-2:] == ["2/3", "6"]  # same as ar, tokens

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trserve.bench.host import host_facts, host_line
 from trserve.bench.report import draft_sources, source_lines
 
 log = logging.getLogger("trserve.bench")
@@ -322,13 +323,13 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
     rows.sort(key=lambda r: config.modes.index(r["mode"]))  # stable: levels ascending within a mode
     fair = fairness(decoder, config, prompts)
     log.info("fairness: %s", fair)
-    report = {"config": asdict(config), "kernels": decoder.loaded.kernels, "isa": decoder.loaded.isa, "rows": rows,
-              "fairness": fair,
-              "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    loaded = decoder.loaded
+    report = {"config": asdict(config), "host": host_facts(), "kernels": loaded.kernels, "isa": loaded.isa,
+              "arithmetic": loaded.arithmetic, "rows": rows, "fairness": fair, "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     path = Path(config.json_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1))
-    table = format_table(rows) + (
+    table = f"{host_line(report['host'])}; kernels {loaded.isa}, {loaded.arithmetic}\n" + format_table(rows) + (
         f"\nfairness: a {fair['prompt_tokens']}-token prompt arrives while 4 requests decode: their p99 "
         f"inter-token gap {fair['gap_p99_before_s'] * 1e3:.0f} ms before, {fair['gap_p99_during_s'] * 1e3:.0f} ms "
         f"during its prefill ({fair['chunks']} chunks of {fair['prefill_chunk']}, "
@@ -340,8 +341,7 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    head = f"{'mode':<8}{'conc':>5}{'reqs':>6}{'tok/s':>9}{'req/s':>8}{'p50 lat':>9}{'p99 lat':>9}{'p50 ttft':>10}{'p99 ttft':>10}{'MAT':>6}{'prefill':>9}{'decode tok/s':>14}"
-    lines = [head]
+    lines = [f"{'mode':<8}{'conc':>5}{'reqs':>6}{'tok/s':>9}{'req/s':>8}{'p50 lat':>9}{'p99 lat':>9}{'p50 ttft':>10}{'p99 ttft':>10}{'MAT':>6}{'prefill':>9}{'decode tok/s':>14}"]
     for r in rows:
         lines.append(f"{r['mode']:<8}{r['concurrency']:>5}{r['requests']:>6}{r['tokens_per_s']:>9.1f}"
                      f"{r['requests_per_s']:>8.2f}{r['latency_p50_s']:>8.2f}s{r['latency_p99_s']:>8.2f}s"

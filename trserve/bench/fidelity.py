@@ -24,11 +24,12 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import platform
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from trserve.bench.host import host_facts
 
 log = logging.getLogger("trserve.bench")
 
@@ -126,16 +127,6 @@ def run_fidelity(config: FidelityConfig) -> dict:
     Path(config.json_path).write_text(json.dumps(report, indent=1))
     print(table(report))
     return report
-
-
-def host_facts() -> dict:
-    """The CPU and the ISA flags that decide the kernels (printed with every figure)."""
-    from trserve.engine.model.kernels.build import _cpu_flags, available_isas
-
-    flags = sorted(f for f in _cpu_flags() if f.startswith(("avx512", "avx2", "avx_vnni", "amx", "fma", "f16c")))
-    model = next((ln.split(":", 1)[1].strip() for ln in Path("/proc/cpuinfo").read_text().splitlines()
-                  if ln.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"cpu": model, "isa_flags": flags, "kernel_isas": available_isas(), "threads": torch.get_num_threads()}
 
 
 def table(report: dict) -> str:

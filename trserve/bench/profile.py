@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from trserve.bench.fidelity import host_facts
+from trserve.bench.host import host_facts
 from trserve.bench.runner import WARMUP, select_questions
 
 log = logging.getLogger("trserve.bench")

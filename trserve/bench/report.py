@@ -6,6 +6,8 @@ import json
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from trserve.bench.host import host_line
+
 SOURCES = ("matrix", "context", "history")  # the engine's draft sources, in table order (others after)
 
 
@@ -60,6 +62,7 @@ def summarise(records: list[dict], decoders: list[str], sampled: bool = False) -
     pld = _aggregate(by_dec["pld"], None)["tokens_per_s"] if "pld" in by_dec else None
     report = {"decoders": {}, "per_category": {}, "outputs": {}}
     hf_ids = {(r["question_id"], r["turn"]): r["ids"] for r in by_dec.get("hf", [])}
+    ar_ids = {(r["question_id"], r["turn"]): r["ids"] for r in by_dec.get("ar", [])}
     for name in decoders:
         agg = _aggregate(by_dec[name], hf, pld)
         if sampled:
@@ -68,6 +71,11 @@ def summarise(records: list[dict], decoders: list[str], sampled: bool = False) -
             # later turns depend on the decoder's own earlier answer, so compare first turns only
             firsts = [r for r in by_dec[name] if r["turn"] == 0]
             agg["identical_to_hf"] = f"{sum(r['ids'] == hf_ids[(r['question_id'], 0)] for r in firsts)}/{len(firsts)}"
+        if ar_ids and name != "ar" and not sampled:
+            # greedy TR is plain decoding's output on the same server, every turn (each turn's history is
+            # the decoder's own earlier answers, the same where they matched)
+            same = sum(r["ids"] == ar_ids.get((r["question_id"], r["turn"])) for r in by_dec[name])
+            agg["identical_to_ar"] = f"{same}/{len(by_dec[name])}"
         report["decoders"][name] = agg
         report["outputs"][name] = {}
         for r in by_dec[name]:
@@ -81,11 +89,14 @@ def summarise(records: list[dict], decoders: list[str], sampled: bool = False) -
 
 def format_table(report: dict) -> str:
     decs = list(report["decoders"])
-    lines = [f"{'decoder':<12}{'tok/s':>8}{'vs hf':>8}{'vs pld':>8}{'MAT':>7}{'same as hf':>12}{'tokens':>8}"]
+    env = report.get("environment", {})
+    lines = [host_line(env) + (f"; kernels {env['isa']}, {env['arithmetic']}" if env.get("isa") else "")] if env else []
+    lines.append(f"{'decoder':<12}{'tok/s':>8}{'vs hf':>8}{'vs pld':>8}{'MAT':>7}{'same as hf':>12}{'same as ar':>12}"
+                 f"{'tokens':>8}")
     for name, a in report["decoders"].items():
         lines.append(f"{name:<12}{a['tokens_per_s']:>8.2f}{_x(a['speedup_vs_hf']):>8}{_x(a.get('speedup_vs_pld')):>8}"
                      f"{_m(a['mat']):>7}"
-                     f"{a.get('identical_to_hf', '-'):>12}{a['tokens']:>8}")
+                     f"{a.get('identical_to_hf', '-'):>12}{a.get('identical_to_ar', '-'):>12}{a['tokens']:>8}")
     lines.append("")
     lines.append("per category: tok/s (speedup vs hf) [MAT]")
     vs_pld = "tr" in decs and "pld" in decs

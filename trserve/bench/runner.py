@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from trserve.bench.host import host_facts
 from trserve.bench.report import summarise, write_outputs
 from trserve.core.progress import Progress
 
@@ -309,8 +310,7 @@ def run_bench(config: BenchConfig) -> dict:
     report["environment"] = {
         "model": config.model or "smollm2-135m-instruct", "torch": torch.__version__,
         "transformers": __import__("transformers").__version__, "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
-        "avx512": _avx512(),
+        "python": platform.python_version(), **host_facts(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **meta,
     }
     if isinstance(runners.get("llamacpp"), _LlamaCpp):  # False: it crashed with them and ran without (see _LlamaCpp)
@@ -368,10 +368,3 @@ def _tokenizer(runners):
         return first.loaded.tokenizer
     return first.tokenizer if isinstance(first, _LlamaCpp) else first.decoder.tokenizer
 
-
-def _avx512() -> bool:
-    """Whether this host has AVX-512 (`grep -c avx512f /proc/cpuinfo` > 0): speeds differ a lot with it."""
-    try:
-        return "avx512f" in Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False

@@ -38,7 +38,7 @@ class StructuredConfig:
 
 
 def run_structured(config: StructuredConfig) -> dict:
-    from trserve.bench.fidelity import host_facts
+    from trserve.bench.host import host_facts
     from trserve.engine import Decoder, DecoderConfig, GenerationRequest
     from trserve.engine.engine import BatchEngine, EngineConfig
     from trserve.engine.model.loader import ModelConfig
