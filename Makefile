@@ -56,12 +56,18 @@ tools:
 bench: proto
 	$(VENV)/bin/trserve bench $(BENCH_ARGS)
 
-# The peers' engine too: llama-cpp-python builds llama.cpp from source (~9 minutes once on 2 cores),
-# then the same prompts through llama.cpp beside trserve and transformers.
+# The peers' engines too: llama-cpp-python builds llama.cpp from source (~9 minutes once on 2 cores),
+# and llama.cpp's own server is built with cmake from the llama.cpp inside that package's sdist
+# (`make llama-server`, once, into ~/.cache/trserve/llama-server/); then the same prompts through
+# llama.cpp (plain, and the server with its n-gram speculation) beside trserve and transformers.
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
-bench-peers: proto
+.PHONY: llama-server
+llama-server: proto
+	$(PY) -m trserve.bench.llama_server build
+bench-peers: proto llama-server
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install --no-deps "$(LLAMA_CPP_SPEC)" diskcache==5.6.3
-	$(VENV)/bin/trserve bench --decoders hf,pld,ar,tr,llamacpp --json bench-results/bench-peers.json $(BENCH_ARGS)
+	$(VENV)/bin/trserve bench --decoders hf,pld,ar,tr,llamacpp,llama-server,llama-server-ngram \
+		--json bench-results/bench-peers.json $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) trserve/v1 .pytest_cache

@@ -7,7 +7,7 @@ from trserve.engine.model.choices import ARITHMETIC_CHOICES
 
 DEFAULT_PROMPTS = str(prompt_file("spec_bench"))  # bundled with the repository (trserve/core/data/)
 DECODERS = ("hf", "pld", "ar", "tr", "tr-paper")
-OPTIONAL = ("tr-static", "tr-full", "tr-matrix", "tr-adaptive", "llamacpp")
+OPTIONAL = ("tr-static", "tr-full", "tr-matrix", "tr-adaptive", "llamacpp", "llama-server", "llama-server-ngram")
 
 
 def register(sub) -> None:
@@ -61,8 +61,9 @@ def register(sub) -> None:
                    help="with --concurrency: runs per level, the modes taking turns each time (rows sum them and "
                         "the table adds each run's tr/ar ratio)")
     p.add_argument("--modes", default="tr,ar,serial",
-                   help="with --concurrency: the modes to run, of tr, ar, serial and tr-full (batched TR verifying "
-                        "every request's whole tree each step: the batch budget off)")
+                   help="with --concurrency: the modes to run, of tr, ar, serial, tr-full (batched TR verifying "
+                        "every request's whole tree each step: the batch budget off), llama-server and "
+                        "llama-server-ngram (llama.cpp's own server, plain and n-gram; `make llama-server`)")
     p.set_defaults(func=_run)
 
 

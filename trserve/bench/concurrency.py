@@ -34,11 +34,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from trserve.bench.concurrency_report import format_runs, format_sources, format_table, plot
 from trserve.bench.host import host_facts, host_line
-from trserve.bench.report import draft_sources, source_lines
+from trserve.bench.report import draft_sources
 
 log = logging.getLogger("trserve.bench")
-MODES = ("tr", "ar", "serial", "tr-full")
+SERVERS = ("llama-server", "llama-server-ngram")  # llama.cpp's own server, plain and n-gram (bench/llama_server.py)
+MODES = ("tr", "ar", "serial", "tr-full", *SERVERS)
 Turn = tuple[str, list[dict], list[str]]  # (tenant, messages of this request, the conversation's user turns left)
 
 
@@ -206,6 +208,38 @@ def _batched(decoder, mode: str, c: int, config: ConcurrencyConfig, convs, matri
     return done, time.perf_counter() - t0, sum(chunk_s)
 
 
+def _server_batched(server, tokenizer, c: int, config: ConcurrencyConfig, convs) -> Run:
+    """c closed-loop clients on a llama-server (its slots batch them): the conversations, budget and
+    chat-templated prompt ids `_batched` sends trserve's engine. No prefill split: 0 prefill seconds."""
+    import threading
+
+    from trserve.bench.llama_server import tokens_per_forward
+
+    feed, lock, total, done = itertools.cycle(convs), threading.Lock(), config.requests(c), []
+    started = min(c, total)
+
+    def client(turn: Turn | None) -> None:
+        nonlocal started
+        while turn is not None:
+            ids = tokenizer.apply_chat_template(turn[1], add_generation_prompt=True, return_dict=False)
+            t0 = time.perf_counter()
+            out, ttft, timings = server.stream(list(ids), config.max_new_tokens)
+            latency, text = time.perf_counter() - t0, tokenizer.decode(out, skip_special_tokens=True)
+            with lock:
+                done.append({"tokens": len(out), "latency": latency, "ttft": ttft,
+                             "mat": tokens_per_forward(timings, len(out))})
+                turn, started = (_follow(feed, turn, text), started + 1) if started < total else (None, started)
+
+    openings = [_opening(feed) for _ in range(started)]
+    t0 = time.perf_counter()
+    clients = [threading.Thread(target=client, args=(turn,), daemon=True) for turn in openings]
+    for t in clients:
+        t.start()
+    for t in clients:
+        t.join()
+    return done, time.perf_counter() - t0, 0.0
+
+
 @contextmanager
 def _prefill_timed(runner):
     """While open, `runner.prefill` appends each chunk's seconds to the list it yields."""
@@ -287,24 +321,24 @@ def fairness(decoder, config: ConcurrencyConfig, prompts, long_tokens: int = 200
             "gap_p50_before_s": round(_percentile(before, 50), 4), "gap_p50_during_s": round(_percentile(during, 50), 4)}
 
 
-def run_concurrency(config: ConcurrencyConfig) -> dict:
-    from trserve.engine import Decoder, DecoderConfig, ModelConfig
+def _servers(config: ConcurrencyConfig) -> dict:
+    """A llama-server per peer mode asked for (its own process: no mode reuses another's prompt cache),
+    with as many slots as the highest level."""
+    if not set(SERVERS) & set(config.modes):
+        return {}
+    from trserve.bench.llama_server import start_mode
+    from trserve.bench.runner import _bundled_gguf
+
+    threads = config.threads or torch.get_num_threads()
+    return {m: start_mode(m, _bundled_gguf(), threads, parallel=max(config.levels)) for m in config.modes if m in SERVERS}
+
+
+def _levels(config: ConcurrencyConfig, decoder, convs, matrices: dict, engines: dict, servers: dict) -> list[dict]:
+    """Every level's rows, the modes taking turns within each run of a level."""
     from trserve.engine.tr.history import SuffixHistory
     from trserve.engine.tr.source import LocalDraftSource
 
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    model = ModelConfig(kernels=config.kernels, threads=config.threads, arithmetic=config.arithmetic)
-    decoder = Decoder(DecoderConfig(model=model))
-    prompts, convs = _prompts(config.prompts), conversations(config.prompts, config)
-    decoder.generate(messages=prompts[0], max_new_tokens=16)  # warm-up
     rows = []
-    # each mode's matrices stay hot per tenant across levels; the modes take turns at each level, so a
-    # shared host's slow minutes fall on all of them alike (run one after the other, a mode that ran in
-    # a slow spell looked up to 20% slower than one that did not)
-    tenants = list(dict.fromkeys(tenant for tenant, _ in convs))
-    matrices = {mode: {t: decoder.new_tenant() for t in tenants} for mode in config.modes}  # matrix + history
-    engines: dict = {}
     for c in config.levels:
         runs: dict[str, list[Run]] = {mode: [] for mode in config.modes}
         start = {mode: {t: s.matrix for t, s in matrices[mode].items()} for mode in config.modes}
@@ -316,11 +350,35 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
                 matrices[mode] = {t: LocalDraftSource(_copied(m) if r < config.repeats - 1 else m, SuffixHistory())
                                   for t, m in start[mode].items()}
                 run = (_serial(decoder, c, config, convs, matrices[mode]) if mode == "serial"
+                       else _server_batched(servers[mode], decoder.tokenizer, c, config, convs) if mode in servers
                        else _batched(decoder, mode, c, config, convs, matrices[mode], engines))
                 runs[mode].append(run)
                 log.info("%s", _summary(mode, c, *run))
         rows += [_merged(mode, c, runs[mode]) for mode in config.modes]
     rows.sort(key=lambda r: config.modes.index(r["mode"]))  # stable: levels ascending within a mode
+    return rows
+
+
+def run_concurrency(config: ConcurrencyConfig) -> dict:
+    from trserve.engine import Decoder, DecoderConfig, ModelConfig
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    model = ModelConfig(kernels=config.kernels, threads=config.threads, arithmetic=config.arithmetic)
+    decoder = Decoder(DecoderConfig(model=model))
+    prompts, convs = _prompts(config.prompts), conversations(config.prompts, config)
+    decoder.generate(messages=prompts[0], max_new_tokens=16)  # warm-up
+    # each mode's matrices stay hot per tenant across levels; the modes take turns at each level, so a
+    # shared host's slow minutes fall on all of them alike (run one after the other, a mode that ran in
+    # a slow spell looked up to 20% slower than one that did not)
+    tenants = list(dict.fromkeys(tenant for tenant, _ in convs))
+    matrices = {mode: {t: decoder.new_tenant() for t in tenants} for mode in config.modes}  # matrix + history
+    servers = _servers(config)
+    try:
+        rows = _levels(config, decoder, convs, matrices, {}, servers)
+    finally:
+        for server in servers.values():
+            server.close()
     fair = fairness(decoder, config, prompts)
     log.info("fairness: %s", fair)
     loaded = decoder.loaded
@@ -338,63 +396,3 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
     print(table)
     plot(rows, path.with_suffix(".png"))
     return report
-
-
-def format_table(rows: list[dict]) -> str:
-    lines = [f"{'mode':<8}{'conc':>5}{'reqs':>6}{'tok/s':>9}{'req/s':>8}{'p50 lat':>9}{'p99 lat':>9}{'p50 ttft':>10}{'p99 ttft':>10}{'MAT':>6}{'prefill':>9}{'decode tok/s':>14}"]
-    for r in rows:
-        lines.append(f"{r['mode']:<8}{r['concurrency']:>5}{r['requests']:>6}{r['tokens_per_s']:>9.1f}"
-                     f"{r['requests_per_s']:>8.2f}{r['latency_p50_s']:>8.2f}s{r['latency_p99_s']:>8.2f}s"
-                     f"{r['ttft_p50_s']:>9.2f}s{r['ttft_p99_s']:>9.2f}s{r['mat']:>6.2f}"
-                     f"{r['prefill_share'] * 100:>8.0f}%{r['decode_tokens_per_s']:>14.1f}")
-    return "\n".join(lines)
-
-
-def format_sources(rows: list[dict]) -> str:
-    """Draft tokens per source of the TR modes' levels, after a blank line, to append to a table ("" when
-    no row has them)."""
-    sources = [(f"{r['mode']:<8}{r['concurrency']:>5}", r["draft_sources"]) for r in rows if "draft_sources" in r]
-    if not sources:
-        return ""
-    return "\n\n" + "\n".join(["draft sources: accepted / drafted tokens (acceptance)",
-                                *source_lines(sources, f"{'mode':<8}{'conc':>5}")])
-
-
-def format_runs(rows: list[dict]) -> str:
-    """Each run's tr/ar tokens/s ratio per level, after a blank line ("" unless rows list their runs
-    and both modes ran): the spread that one summed figure hides."""
-    per = {(r["mode"], r["concurrency"]): r.get("runs_tokens_per_s") for r in rows}
-    lines = []
-    for c in dict.fromkeys(r["concurrency"] for r in rows):
-        tr, ar = per.get(("tr", c)), per.get(("ar", c))
-        if tr and ar:
-            ratios = [t / a for t, a in zip(tr, ar)]
-            lines.append(f"{c:>5}  " + " ".join(f"{x:.2f}" for x in ratios) + f"   (min {min(ratios):.2f})")
-    return "\n\ntr/ar tokens/s per run\n conc  runs\n" + "\n".join(lines) if lines else ""
-
-
-def plot(rows: list[dict], path: Path) -> None:
-    """Throughput and p99 latency against concurrency, per mode (PNG; needs matplotlib, else skipped)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.info("matplotlib is not installed: no plot (pip install matplotlib)")
-        return
-    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    for mode in dict.fromkeys(r["mode"] for r in rows):
-        mine = [r for r in rows if r["mode"] == mode]
-        xs = [r["concurrency"] for r in mine]
-        a.plot(xs, [r["tokens_per_s"] for r in mine], marker="o", label=mode)
-        b.plot(xs, [r["latency_p99_s"] for r in mine], marker="o", label=mode)
-    for ax, title in ((a, "aggregate tokens/s"), (b, "p99 request latency (s)")):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("concurrent requests")
-        ax.set_title(title)
-        ax.grid(True, alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)

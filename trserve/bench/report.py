@@ -91,10 +91,11 @@ def format_table(report: dict) -> str:
     decs = list(report["decoders"])
     env = report.get("environment", {})
     lines = [host_line(env) + (f"; kernels {env['isa']}, {env['arithmetic']}" if env.get("isa") else "")] if env else []
-    lines.append(f"{'decoder':<12}{'tok/s':>8}{'vs hf':>8}{'vs pld':>8}{'MAT':>7}{'same as hf':>12}{'same as ar':>12}"
+    w = max([12, *(len(name) + 1 for name in decs)])  # llama-server-ngram is long
+    lines.append(f"{'decoder':<{w}}{'tok/s':>8}{'vs hf':>8}{'vs pld':>8}{'MAT':>7}{'same as hf':>12}{'same as ar':>12}"
                  f"{'tokens':>8}")
     for name, a in report["decoders"].items():
-        lines.append(f"{name:<12}{a['tokens_per_s']:>8.2f}{_x(a['speedup_vs_hf']):>8}{_x(a.get('speedup_vs_pld')):>8}"
+        lines.append(f"{name:<{w}}{a['tokens_per_s']:>8.2f}{_x(a['speedup_vs_hf']):>8}{_x(a.get('speedup_vs_pld')):>8}"
                      f"{_m(a['mat']):>7}"
                      f"{a.get('identical_to_hf', '-'):>12}{a.get('identical_to_ar', '-'):>12}{a['tokens']:>8}")
     lines.append("")

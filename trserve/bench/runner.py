@@ -9,7 +9,9 @@ default tree at its full size every step (`Decoder.generate`), `tr-paper` = TR w
 tree; optional: `tr-matrix` = TR with the matrix-only `cpu-8` tree (no
 prompt lookup), `tr-adaptive` = TR re-tuning its tree online (`DecoderConfig(tree="adaptive")`),
 `llamacpp` = llama.cpp's plain greedy decoding of the same GGUF through llama-cpp-python (installed
-by `make bench-peers`), with the same threads, chat-templated prompt ids and token budget.
+by `make bench-peers`), `llama-server` and `llama-server-ngram` = llama.cpp's own C++ server, plain
+and with its n-gram speculation (trserve/bench/llama_server.py; `make llama-server` builds it), all
+with the same threads, chat-templated prompt ids and token budget.
 Each TR decoder keeps one matrix hot across all prompts (after an untimed warm-up), as a served
 deployment would. Multi-turn questions ask turn 2 after each decoder's own answer to turn 1.
 TR decoders also record their draft tokens per source (GenerationStats.drafted / accepted).
@@ -59,7 +61,8 @@ class BenchConfig:
     warm_per_category: int = 0
 
     def __post_init__(self) -> None:
-        known = {"hf", "pld", "ar", "tr", "tr-static", "tr-full", "tr-paper", "tr-matrix", "tr-adaptive", "llamacpp"}
+        known = {"hf", "pld", "ar", "tr", "tr-static", "tr-full", "tr-paper", "tr-matrix", "tr-adaptive", "llamacpp",
+                 "llama-server", "llama-server-ngram"}
         if not self.decoders or set(self.decoders) - known:
             raise ValueError(f"decoders must be a non-empty subset of {sorted(known)}, got {list(self.decoders)}")
         if self.per_category < 1 or self.max_new_tokens < 1 or self.warm_per_category < 0:
@@ -280,14 +283,18 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
                     forward=decoder.loaded.forward, device=str(decoder.device),
                     trees={"tr": tr_tree, "tr-static": STATIC_TREE, "tr-full": tr_tree, "tr-paper": "paper", "tr-matrix": "cpu-8",
                            "tr-adaptive": "adaptive"})
-    if "llamacpp" in config.decoders:
+    peers = [d for d in config.decoders if d == "llamacpp" or d.startswith("llama-server")]
+    if peers:
         from transformers import AutoTokenizer
 
+        from trserve.bench.llama_server import LLAMA_CPP_SPEC, ServerDecoder
         from trserve.engine.model.loader import resolve_source
 
         tok = AutoTokenizer.from_pretrained(resolve_source(model_cfg))
-        runners["llamacpp"] = _LlamaCpp(config.gguf or _bundled_gguf(), tok, config.threads or torch.get_num_threads())
-        meta["llamacpp"] = __import__("llama_cpp").__version__
+        gguf, threads = config.gguf or _bundled_gguf(), config.threads or torch.get_num_threads()
+        for name in peers:  # each its own process: no peer reuses another's prompt cache
+            runners[name] = _LlamaCpp(gguf, tok, threads) if name == "llamacpp" else ServerDecoder(name, gguf, tok, threads)
+        meta["llamacpp"] = LLAMA_CPP_SPEC.split("==")[1]
     return {name: runners[name] for name in config.decoders}, meta
 
 
@@ -313,11 +320,14 @@ def run_bench(config: BenchConfig) -> dict:
         "python": platform.python_version(), **host_facts(),
         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), **meta,
     }
+    for name, run in runners.items():  # the llama-server peers: their drafts (n-gram mode), how each ran
+        if hasattr(run, "server"):
+            report["environment"][name] = {"args": run.server.cmd[3:], "drafted": run.drafted, "accepted": run.accepted}
     if isinstance(runners.get("llamacpp"), _LlamaCpp):  # False: it crashed with them and ran without (see _LlamaCpp)
         report["environment"]["llamacpp_extra_bufts"] = runners["llamacpp"].extra_bufts
     write_outputs(report, records, config.json_path)
     for run in runners.values():
-        if isinstance(run, _LlamaCpp):
+        if hasattr(run, "close"):  # the llama.cpp peers' processes
             run.close()
     return report
 
@@ -366,5 +376,5 @@ def _tokenizer(runners):
     first = next(iter(runners.values()))
     if isinstance(first, _HF):
         return first.loaded.tokenizer
-    return first.tokenizer if isinstance(first, _LlamaCpp) else first.decoder.tokenizer
+    return first.decoder.tokenizer if isinstance(first, _TR) else first.tokenizer
 
