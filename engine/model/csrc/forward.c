@@ -298,15 +298,21 @@ INLINE void attend_pass(const int NQ, const int NV, int64_t D, float scale, cons
             for (int q = 0; q < NQ; q++) acc[q][v] = v_fma(x, scs[q] + j, acc[q][v]); /* fma(p, v[d], acc[d]) */
         }
     }
-    for (int q = 0; q < NQ; q++) {
-        int64_t k = L;
-        for (int64_t j = 0; j < w; j++)
+    /* the step's new keys, each query's visible ones in column order as above, the queries side by
+     * side (their accumulators stay in registers; a prefill chunk's query sees up to a chunk of them) */
+    const float *p[QPASS];
+    for (int q = 0; q < NQ; q++) p[q] = scs[q] + L;
+    for (int64_t j = 0; j < w; j++) {
+        const float *vj = Vn + j * D;
+#pragma GCC unroll 4
+        for (int q = 0; q < NQ; q++)
             if (masks[q][j]) {
-                const float *vj = Vn + j * D, *p = scs[q] + k++;
-                for (int v = 0; v < nv; v++) acc[q][v] = v_fma(v_load(vj + 16 * v), p, acc[q][v]);
+                for (int v = 0; v < nv; v++) acc[q][v] = v_fma(v_load(vj + 16 * v), p[q], acc[q][v]);
+                p[q]++;
             }
-        for (int v = 0; v < nv; v++) v_store(outs[q] + 16 * v, v_div(acc[q][v], l[q]));
     }
+    for (int q = 0; q < NQ; q++)
+        for (int v = 0; v < nv; v++) v_store(outs[q] + 16 * v, v_div(acc[q][v], l[q]));
 }
 
 /* Attention of sequence b's queries i0 .. i1 - 1 in head hd: out[t, hd*D ..] for those tokens t, QPASS
