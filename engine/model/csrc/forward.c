@@ -279,19 +279,19 @@ INLINE void attend_pass(const int NQ, const int NV, int64_t D, float scale, cons
         for (int64_t j = 0; j < m[q]; j++) sc[j] -= mx;
         exp_poly(sc, m[q]);
     }
-    float l[QPASS]; /* each query's sum in key order; the queries' chains interleaved */
-    int64_t common = m[0];
-    for (int q = 0; q < NQ; q++) l[q] = 0.0f, common = m[q] < common ? m[q] : common;
-    for (int64_t j = 0; j < common; j++)
-#pragma GCC unroll 4
-        for (int q = 0; q < NQ; q++) l[q] += scs[q][j];
-    for (int q = 0; q < NQ; q++)
-        for (int64_t j = common; j < m[q]; j++) l[q] += scs[q][j];
+    /* each query's sum of its exponentials l in key order (context keys, then its visible new keys),
+     * taken in the loops of the weighted sums below: its chain of adds waits on each add's latency,
+     * and beside the value accumulators' chains that wait costs nothing */
+    float l[QPASS];
     v16 acc[QPASS][MAX_NV];
-    for (int q = 0; q < NQ; q++)
+    for (int q = 0; q < NQ; q++) {
+        l[q] = 0.0f;
         for (int v = 0; v < nv; v++) acc[q][v] = v_zero();
+    }
     for (int64_t j = 0; j < L; j++) {
         const float *vj = V + j * D;
+#pragma GCC unroll 4
+        for (int q = 0; q < NQ; q++) l[q] += scs[q][j];
         for (int v = 0; v < nv; v++) {
             const v16 x = v_load(vj + 16 * v);
 #pragma GCC unroll 4
@@ -307,6 +307,7 @@ INLINE void attend_pass(const int NQ, const int NV, int64_t D, float scale, cons
 #pragma GCC unroll 4
         for (int q = 0; q < NQ; q++)
             if (masks[q][j]) {
+                l[q] += *p[q];
                 for (int v = 0; v < nv; v++) acc[q][v] = v_fma(v_load(vj + 16 * v), p[q], acc[q][v]);
                 p[q]++;
             }
