@@ -185,6 +185,9 @@ class NativeForward:
         out = torch.empty(m, self.vocab, dtype=torch.float32)
         top = torch.empty(m, topk, dtype=torch.int32) if topk else None
         q = torch.empty(m, topk, dtype=torch.uint8) if topk and probs else None
+        want = torch.float16 if self.arithmetic == "int8" else torch.float32  # what csrc/forward.c reads
+        if kv_k[0].dtype != want or kv_v[0].dtype != want:
+            raise ValueError(f"the native forward in {self.arithmetic} reads {want} KV buffers, got {kv_k[0].dtype}")
         key = (kv_k[0].data_ptr(), kv_v[0].data_ptr(), len(kv_k))  # the buffers change only when they grow
         if self._ptrs is None or self._ptrs[0] != key:
             self._ptrs = (key, (_P * len(kv_k))(*(t.data_ptr() for t in kv_k)),

@@ -71,6 +71,12 @@ class RowInput:
         return f"RowInput(w={self.tokens.shape[0]})"
 
 
+def kv_dtype(native, dtype: torch.dtype) -> torch.dtype:
+    """The KV buffers' dtype: float16 for the native forward in the int8 arithmetic (it writes keys and
+    values rounded to float16 and reads half the bytes: csrc/forward.c, attend_pass), else the model's."""
+    return torch.float16 if native is not None and native.arithmetic == "int8" else dtype
+
+
 class ModelRunner:
     """The model, its device and the batch KV cache (rows = sequences)."""
 
@@ -101,8 +107,8 @@ class ModelRunner:
         self.batch_step = batch_step
         # the native forward reads only columns it or an earlier step wrote: its KV needs no zeroing
         static = batch_step != "eager"
-        self.kv = BatchKV(model.config, max_rows, dtype, self.device, zero_holes=self.native is None,
-                          spare_rows=spare_rows(max_rows) if static else 0)
+        self.kv = BatchKV(model.config, max_rows, kv_dtype(self.native, dtype), self.device,
+                          zero_holes=self.native is None, spare_rows=spare_rows(max_rows) if static else 0)
         self.static = StaticStep(self._body, self.kv, dtype, self.device, graphs=batch_step == "graphs") if static \
             else None
         # logits in float32 whatever the model's dtype: bfloat16 logits tie too often for exact greedy

@@ -240,6 +240,56 @@ INLINE void key_scores(const int NB, const float *qv, const float *K, const int3
     reduce_keys_store(a, scale, sc);
 }
 
+/* key_scores over float16 keys (each widened in registers, exactly: the same bits as key_scores on
+ * their floats), for a pass of one query, where widening a block once for all queries gains nothing */
+INLINE void key_scores_h(const int NB, const float *qv, const uint16_t *K, int64_t D, float scale, float *sc)
+{
+    acc_t a[REDUCE_KEYS];
+#pragma GCC unroll 16
+    for (int s = 0; s < REDUCE_KEYS; s++) {
+        const uint16_t *k = K + REDUCE_KEY(s) * D;
+        a[s] = acc_zero();
+#pragma GCC unroll 8
+        for (int i = 0; i < NB; i++) {
+            const wblock_t w = float_block(qv + 32 * i);
+            acc_block_h(&a[s], &w, k + 32 * i);
+        }
+    }
+    reduce_keys_store(a, scale, sc);
+}
+
+/* Keys and values of the int8 arithmetic are float16 (H16; the KV buffers' dtype, BatchKV): written
+ * with v_to_half (rounded to nearest even, clamped to +-65504), widened exactly where they are used,
+ * so a pass reads half the bytes. widen: keys j0 .. j0 + n - 1 of K as floats in out [n, D]; key:
+ * key j as floats (float32 keys in place, float16 ones widened into buf); kv_vec: 16 elements of
+ * row j from element i. */
+INLINE void widen(const uint16_t *K, const int32_t *idx, int64_t j0, int64_t n, int64_t D, float *out)
+{
+    for (int64_t j = 0; j < n; j++)
+        for (int64_t i = 0; i < D; i += 16) v_store(out + j * D + i, v_half(K + (idx ? idx[j] : j0 + j) * D + i));
+}
+
+INLINE const float *key(const int H16, const void *K, int64_t j, int64_t D, float *buf)
+{
+    if (!H16) return (const float *)K + j * D;
+    widen(K, NULL, j, 1, D, buf);
+    return buf;
+}
+
+INLINE v16 kv_vec(const int H16, const void *X, int64_t j, int64_t D, int64_t i)
+{
+    return H16 ? v_half((const uint16_t *)X + j * D + i) : v_load((const float *)X + j * D + i);
+}
+
+/* x [n] (n % 16 == 0) -> h [n] as v_to_half writes keys and values (tests: every build the same bits,
+ * and numpy's rounding). 0, or -1 for n not a multiple of 16. */
+int trserve_to_half(const float *x, int64_t n, uint16_t *h)
+{
+    if (n % 16) return -1;
+    for (int64_t i = 0; i < n; i += 16) v_to_half(x + i, h + i);
+    return 0;
+}
+
 /* Attention of NQ queries of one head over one sequence's keys, side by side (each query's numbers
  * exactly as if alone): scores of the visible keys in ascending column order (context columns [0, L),
  * then the step's new columns where the query's mask row says so), max, exp, the sum of the
@@ -248,19 +298,26 @@ INLINE void key_scores(const int NB, const float *qv, const float *K, const int3
  * registers; 0 takes D at run time. qs, masks, scs, outs: per query its vector, mask row [w], score
  * buffer [L + w], output [D]. */
 #define MAX_NV 16
-INLINE void attend_pass(const int NQ, const int NV, int64_t D, float scale, const float *const *qs,
-                        const uint8_t *const *masks, const float *K, const float *V, const float *Kn, const float *Vn,
+INLINE void attend_pass(const int NQ, const int NV, const int H16, int64_t D, float scale, const float *const *qs,
+                        const uint8_t *const *masks, const void *K, const void *V, const void *Kn, const void *Vn,
                         int64_t L, int64_t w, float *const *scs, float *const *outs)
 {
     const int nv = NV ? NV : (int)(D / 16), nb = nv / 2; /* nb: a constant wherever NV is */
     int64_t m[QPASS];
     int64_t j0 = 0;
-    for (; j0 + REDUCE_KEYS <= L; j0 += REDUCE_KEYS) /* a block of keys stays in L1 for all the queries */
+    float kbuf[REDUCE_KEYS * 256]; /* float16 keys widened: a block once for all the pass's queries */
+    for (; j0 + REDUCE_KEYS <= L; j0 += REDUCE_KEYS) { /* a block of keys stays in L1 for all the queries */
+        if (H16 && NQ == 1) {
+            key_scores_h(nb, qs[0], (const uint16_t *)K + j0 * D, D, scale, scs[0] + j0);
+            continue;
+        }
+        const float *kb = H16 ? (widen(K, NULL, j0, REDUCE_KEYS, D, kbuf), kbuf) : (const float *)K + j0 * D;
 #pragma GCC unroll 4
-        for (int q = 0; q < NQ; q++) key_scores(nb, qs[q], K + j0 * D, NULL, D, scale, scs[q] + j0);
+        for (int q = 0; q < NQ; q++) key_scores(nb, qs[q], kb, NULL, D, scale, scs[q] + j0);
+    }
     for (int q = 0; q < NQ; q++) {
         float *sc = scs[q];
-        for (int64_t j = j0; j < L; j++) sc[j] = dot32(qs[q], K + j * D, D) * scale;
+        for (int64_t j = j0; j < L; j++) sc[j] = dot32(qs[q], key(H16, K, j, D, kbuf), D) * scale;
         m[q] = L;
         /* the step's visible new keys in column order, REDUCE_KEYS at a time as they are found (a
          * prefill chunk's causal rows), the last few one by one: the same numbers */
@@ -270,11 +327,16 @@ INLINE void attend_pass(const int NQ, const int NV, int64_t D, float scale, cons
             if (!masks[q][j]) continue;
             seen[n_seen++] = (int32_t)j;
             if (n_seen == REDUCE_KEYS) {
-                key_scores(nb, qs[q], Kn, seen, D, scale, sc + m[q]);
+                if (H16) {
+                    widen(Kn, seen, 0, REDUCE_KEYS, D, kbuf);
+                    key_scores(nb, qs[q], kbuf, NULL, D, scale, sc + m[q]);
+                } else {
+                    key_scores(nb, qs[q], Kn, seen, D, scale, sc + m[q]);
+                }
                 m[q] += REDUCE_KEYS, n_seen = 0;
             }
         }
-        for (int i = 0; i < n_seen; i++) sc[m[q]++] = dot32(qs[q], Kn + (int64_t)seen[i] * D, D) * scale;
+        for (int i = 0; i < n_seen; i++) sc[m[q]++] = dot32(qs[q], key(H16, Kn, seen[i], D, kbuf), D) * scale;
         const float mx = max_lanes(sc, m[q]);
         for (int64_t j = 0; j < m[q]; j++) sc[j] -= mx;
         exp_poly(sc, m[q]);
@@ -289,11 +351,10 @@ INLINE void attend_pass(const int NQ, const int NV, int64_t D, float scale, cons
         for (int v = 0; v < nv; v++) acc[q][v] = v_zero();
     }
     for (int64_t j = 0; j < L; j++) {
-        const float *vj = V + j * D;
 #pragma GCC unroll 4
         for (int q = 0; q < NQ; q++) l[q] += scs[q][j];
         for (int v = 0; v < nv; v++) {
-            const v16 x = v_load(vj + 16 * v);
+            const v16 x = kv_vec(H16, V, j, D, 16 * v);
 #pragma GCC unroll 4
             for (int q = 0; q < NQ; q++) acc[q][v] = v_fma(x, scs[q] + j, acc[q][v]); /* fma(p, v[d], acc[d]) */
         }
@@ -303,12 +364,11 @@ INLINE void attend_pass(const int NQ, const int NV, int64_t D, float scale, cons
     const float *p[QPASS];
     for (int q = 0; q < NQ; q++) p[q] = scs[q] + L;
     for (int64_t j = 0; j < w; j++) {
-        const float *vj = Vn + j * D;
 #pragma GCC unroll 4
         for (int q = 0; q < NQ; q++)
             if (masks[q][j]) {
                 l[q] += *p[q];
-                for (int v = 0; v < nv; v++) acc[q][v] = v_fma(v_load(vj + 16 * v), p[q], acc[q][v]);
+                for (int v = 0; v < nv; v++) acc[q][v] = v_fma(kv_vec(H16, Vn, j, D, 16 * v), p[q], acc[q][v]);
                 p[q]++;
             }
     }
@@ -324,8 +384,12 @@ static void attend(const tr_model *M, int64_t b, int64_t hd, int64_t i0, int64_t
 {
     const int64_t D = M->head_dim, Hq = M->heads, Hkv = M->kv_heads, g = hd / (Hq / Hkv);
     const int64_t w = tok0[b + 1] - tok0[b], L = ctx[b];
-    const float *K = kc + ((kv_row[b] * Hkv + g) * cap) * D, *V = vc + ((kv_row[b] * Hkv + g) * cap) * D;
-    const float *Kn = K + start[b] * D, *Vn = V + start[b] * D;
+    const int64_t at = ((kv_row[b] * Hkv + g) * cap) * D, at_new = at + start[b] * D; /* elements */
+    const int h16 = M->arith != 0; /* the int8 arithmetic's KV buffers hold float16 */
+    const void *K = h16 ? (const void *)((const uint16_t *)kc + at) : (const void *)(kc + at);
+    const void *V = h16 ? (const void *)((const uint16_t *)vc + at) : (const void *)(vc + at);
+    const void *Kn = h16 ? (const void *)((const uint16_t *)kc + at_new) : (const void *)(kc + at_new);
+    const void *Vn = h16 ? (const void *)((const uint16_t *)vc + at_new) : (const void *)(vc + at_new);
     for (int64_t i = i0; i < i1; i += QPASS) {
         const int nq = i1 - i < QPASS ? (int)(i1 - i) : QPASS;
         const float *qs[QPASS];
@@ -338,7 +402,8 @@ static void attend(const tr_model *M, int64_t b, int64_t hd, int64_t i0, int64_t
             scs[k] = sc + k * sc_len;
             outs[k] = out + (t * Hq + hd) * D;
         }
-#define PASS(NQ, NV) attend_pass(NQ, NV, D, M->scale, qs, masks, K, V, Kn, Vn, L, w, scs, outs)
+#define PASS(NQ, NV) (h16 ? attend_pass(NQ, NV, 1, D, M->scale, qs, masks, K, V, Kn, Vn, L, w, scs, outs) \
+                          : attend_pass(NQ, NV, 0, D, M->scale, qs, masks, K, V, Kn, Vn, L, w, scs, outs))
 #define PASSES(NV) switch (nq) { case 1: PASS(1, NV); break; case 2: if (QPASS >= 2) PASS(2, NV); break; \
                                  case 3: if (QPASS >= 3) PASS(3, NV); break; default: PASS(QPASS, NV); break; }
         if (D == 64) { PASSES(4) }
@@ -519,6 +584,16 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
             int64_t b = 0;
             while (tok0[b + 1] <= t) b++;
             const int64_t g = j - Hq, at = ((kv_row[b] * Hkv + g) * cap + start[b] + (t - tok0[b])) * D;
+            if (M->arith) { /* the int8 arithmetic's KV buffers hold float16 (attend_pass's H16) */
+                float kr[256];
+                memcpy(kr, k + (t * Hkv + g) * D, D * sizeof(float));
+                rope(kr, c, s, D);
+                for (int64_t i = 0; i < D; i += 16) {
+                    v_to_half(kr + i, (uint16_t *)kc[l] + at + i);
+                    v_to_half(v + (t * Hkv + g) * D + i, (uint16_t *)vc[l] + at + i);
+                }
+                continue;
+            }
             memcpy(kc[l] + at, k + (t * Hkv + g) * D, D * sizeof(float));
             rope(kc[l] + at, c, s, D);
             memcpy(vc[l] + at, v + (t * Hkv + g) * D, D * sizeof(float));

@@ -39,6 +39,7 @@ int trserve_forward_check(const tr_model *M);
 /* The K largest of each of m rows of x [m, V] -> idx [m, K], largest first (tests). 0, or -1 when K
  * is not 1..64 or above V. */
 int trserve_topk_rows(const float *x, int64_t m, int64_t V, int64_t K, int32_t *idx);
+int trserve_to_half(const float *x, int64_t n, uint16_t *h);
 int trserve_top_probs(const float *x, int64_t m, int64_t V, int64_t K, const int32_t *idx, uint8_t *q);
 
 /* One forward of B sequences' new tokens (packed, tok0 [B + 1] offsets) over their KV rows; logits of

@@ -29,9 +29,28 @@ INLINE float half_to_float(uint16_t h)
 }
 #endif
 
+/* float32 -> float16 rounded to nearest even, as vcvtps2ph does, for x within +-65504 (v_to_half
+ * clamps first; a NaN becomes -65504). Subnormal halves included. */
+INLINE uint16_t float_to_half(float f)
+{
+    uint32_t x;
+    memcpy(&x, &f, sizeof x);
+    const uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    const uint32_t a = x & 0x7FFFFFFFu;
+    if (a < 0x38800000u) { /* below 2^-14: a subnormal half (or zero), in units of 2^-24 (exact product) */
+        float m;
+        memcpy(&m, &a, sizeof m);
+        return sign | (uint16_t)nearbyintf(m * 0x1p24f);
+    }
+    const uint32_t h = a - 0x38000000u; /* exponent rebiased 127 -> 15 */
+    return sign | (uint16_t)((h + 0xFFFu + ((h >> 13) & 1u)) >> 13); /* 23 -> 10 mantissa bits, ties to even */
+}
+
 /* ---- the ISA-specific part: v16 = 16 float lanes ----------------------------------------------
- * v_half: 16 halves -> floats (exact); v_fma(w, x, acc): acc = fma(w, broadcast(*x), acc) per lane;
- * v_mul(v, x): v * broadcast(*x); v_fmav(a, b, acc): fma(a, b, acc) per lane. */
+ * v_half: 16 halves -> floats (exact); v_to_half: 16 floats -> halves (clamped to +-65504, a NaN to
+ * -65504, then rounded to nearest even: the same bits in every build); v_fma(w, x, acc): acc =
+ * fma(w, broadcast(*x), acc) per lane; v_mul(v, x): v * broadcast(*x); v_fmav(a, b, acc): fma(a, b,
+ * acc) per lane. */
 #if defined(__AVX512F__)
 
 typedef __m512 v16;
@@ -42,6 +61,11 @@ INLINE v16 v_add(v16 a, v16 b) { return _mm512_add_ps(a, b); }
 INLINE v16 v_div(v16 a, float s) { return _mm512_div_ps(a, _mm512_set1_ps(s)); }
 INLINE v16 v_fma(v16 w, const float *x, v16 acc) { return _mm512_fmadd_ps(w, _mm512_set1_ps(*x), acc); }
 INLINE v16 v_half(const uint16_t *h) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)h)); }
+INLINE void v_to_half(const float *x, uint16_t *h)
+{
+    const __m512 v = _mm512_min_ps(_mm512_max_ps(_mm512_loadu_ps(x), _mm512_set1_ps(-65504.0f)), _mm512_set1_ps(65504.0f));
+    _mm256_storeu_si256((__m256i *)h, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 INLINE v16 v_mul(v16 v, const float *x) { return _mm512_mul_ps(v, _mm512_set1_ps(*x)); }
 INLINE v16 v_fmav(v16 a, v16 b, v16 acc) { return _mm512_fmadd_ps(a, b, acc); }
 
@@ -68,6 +92,14 @@ INLINE v16 v_half(const uint16_t *h)
 {
     v16 v = {_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + 8)))};
     return v;
+}
+INLINE void v_to_half(const float *x, uint16_t *h)
+{
+    const __m256 lo = _mm256_set1_ps(-65504.0f), hi = _mm256_set1_ps(65504.0f);
+    for (int k = 0; k < 2; k++) {
+        const __m256 v = _mm256_min_ps(_mm256_max_ps(_mm256_loadu_ps(x + 8 * k), lo), hi);
+        _mm_storeu_si128((__m128i *)(h + 8 * k), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
 }
 INLINE v16 v_mul(v16 x, const float *s)
 {
@@ -96,6 +128,14 @@ INLINE v16 v_fma(v16 w, const float *x, v16 acc)
     return acc;
 }
 INLINE v16 v_half(const uint16_t *h) { v16 v; for (int l = 0; l < 16; l++) v.v[l] = half_to_float(h[l]); return v; }
+INLINE void v_to_half(const float *x, uint16_t *h)
+{
+    for (int l = 0; l < 16; l++) { /* as maxps / minps: a NaN takes the bound */
+        float v = x[l] > -65504.0f ? x[l] : -65504.0f;
+        v = v < 65504.0f ? v : 65504.0f;
+        h[l] = float_to_half(v);
+    }
+}
 INLINE v16 v_mul(v16 x, const float *s) { for (int l = 0; l < 16; l++) x.v[l] *= *s; return x; }
 INLINE v16 v_fmav(v16 x, v16 y, v16 acc)
 {

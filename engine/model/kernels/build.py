@@ -206,6 +206,8 @@ def _load(cache_dir: Path, isa: str) -> None:
     _forward_argtypes(lib.trserve_forward)
     lib.trserve_forward_check.restype = ctypes.c_int
     lib.trserve_forward_check.argtypes = [P]
+    lib.trserve_to_half.restype = ctypes.c_int  # tests: the float16 rounding of the int8 KV buffers
+    lib.trserve_to_half.argtypes = [P, i64, P]
     lib.trserve_top_probs.restype = ctypes.c_int
     lib.trserve_top_probs.argtypes = [P, i64, i64, i64, P, P]
     _libs[isa] = lib

@@ -199,13 +199,14 @@ def test_topk_skipping_blocks_picks_what_taking_each_value_does(tmp_path, isa):
                 assert idx[r].tolist() == want, (isa, V, K, r)
 
 
+@pytest.mark.parametrize("arithmetic", ["exact", "int8"])  # int8: float16 keys and values too
 @pytest.mark.parametrize("isa", isa_params())
-def test_isa_builds_give_the_same_bits(tmp_path, isa):
+def test_isa_builds_give_the_same_bits(tmp_path, isa, arithmetic):
     runs = available_isas()
     ref_isa = "scalar" if isa != "scalar" else runs[0]
     outs = {}
     for which in (isa, ref_isa):
-        model = quantized_llama(tmp_path, which)
+        model = quantized_llama(tmp_path, which, arithmetic=arithmetic)
         with torch.inference_mode():
             r = _prefilled(model, True, [list(range(3, 60))])
             outs[which] = r.step([_row([5, 6, 7, 8])])[0]
@@ -267,3 +268,28 @@ def test_top_probs_match_torch_softmax(tmp_path):
     assert q.dtype == torch.uint8 and q.shape == (4, 8)
     assert (q.int() - ref.int()).abs().max() <= 1
     assert q[2].tolist() == [0] * 8 and q[3, 0] == 255
+
+
+@pytest.mark.parametrize("isa", isa_params())
+def test_keys_and_values_round_to_float16_as_numpy_does(tmp_path, isa):
+    """The int8 arithmetic stores keys and values as float16 (csrc/vec.h:v_to_half): round to nearest
+    even (numpy's rounding), subnormals kept, clamped to +-65504, a NaN to -65504, on every build."""
+    import ctypes
+
+    import numpy as np
+
+    from trserve.engine.model.kernels.build import _libs
+
+    quantized_llama(tmp_path, isa)  # loads that variant's library
+    fn = _libs[isa].trserve_to_half
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    g = np.random.default_rng(5)
+    ties = np.array([1 + (2 * k + 1) * 2.0 ** -11 for k in range(8)], dtype=np.float32)  # halfway cases
+    x = np.concatenate([g.standard_normal(4000).astype(np.float32) * 30, ties, -ties,
+                        np.float32([6e-8, 3e-8, 1e-7, 6.1e-5, 6.09e-5, -5.96e-8, 0.0, -0.0, 65504, 65519, 65520, 1e6,
+                                    -1e6, np.inf, -np.inf, np.nan])]).astype(np.float32)
+    x = np.concatenate([x, np.zeros(-len(x) % 16, np.float32)])
+    h = np.empty(len(x), np.uint16)
+    assert fn(x.ctypes.data, len(x), h.ctypes.data) == 0
+    want = np.clip(np.nan_to_num(x, nan=-65504.0, posinf=65504.0, neginf=-65504.0), -65504, 65504).astype(np.float16)
+    assert np.array_equal(h, want.view(np.uint16))
