@@ -219,40 +219,25 @@ INLINE float max_lanes(const float *x, int64_t n)
     return r;
 }
 
-/* sc[L] = scale * dot(q, K[key L]) for the REDUCE_KEYS keys L = 0 .. REDUCE_KEYS - 1 of D floats
+/* sc[L] = scale * dot(q, K[key L]) for the REDUCE_KEYS keys L = 0 .. REDUCE_KEYS - 1 of D floats (H16: float16s)
  * each (row stride D; key L is row L, or row idx[L] given an index list), each dot product in
  * dot.h's 16-lane order (dot32) and the keys reduced side by side (reduce_keys_store gives
  * acc_reduce's bits). */
-INLINE void key_scores(const int NB, const float *qv, const float *K, const int32_t *idx, int64_t D, float scale,
-                       float *sc)
+INLINE void key_scores(const int NB, const int H16, const float *qv, const void *K, const int32_t *idx, int64_t D,
+                       float scale, float *sc)
 {
     acc_t a[REDUCE_KEYS];
 #pragma GCC unroll 16
     for (int s = 0; s < REDUCE_KEYS; s++) {
-        const float *k = K + (idx ? idx[REDUCE_KEY(s)] : REDUCE_KEY(s)) * D; /* so that key L ends in lane L */
+        const int64_t j = idx ? idx[REDUCE_KEY(s)] : REDUCE_KEY(s); /* so that key L ends in lane L */
         a[s] = acc_zero();
 #pragma GCC unroll 8
         for (int i = 0; i < NB; i++) {
             const wblock_t w = float_block(qv + 32 * i);
-            acc_block(&a[s], &w, k + 32 * i);
-        }
-    }
-    reduce_keys_store(a, scale, sc);
-}
-
-/* key_scores over float16 keys (each widened in registers, exactly: the same bits as key_scores on
- * their floats), for a pass of one query, where widening a block once for all queries gains nothing */
-INLINE void key_scores_h(const int NB, const float *qv, const uint16_t *K, int64_t D, float scale, float *sc)
-{
-    acc_t a[REDUCE_KEYS];
-#pragma GCC unroll 16
-    for (int s = 0; s < REDUCE_KEYS; s++) {
-        const uint16_t *k = K + REDUCE_KEY(s) * D;
-        a[s] = acc_zero();
-#pragma GCC unroll 8
-        for (int i = 0; i < NB; i++) {
-            const wblock_t w = float_block(qv + 32 * i);
-            acc_block_h(&a[s], &w, k + 32 * i);
+            if (H16) /* float16 keys widened in registers, exactly: the bits of their floats */
+                acc_block_h(&a[s], &w, (const uint16_t *)K + j * D + 32 * i);
+            else
+                acc_block(&a[s], &w, (const float *)K + j * D + 32 * i);
         }
     }
     reduce_keys_store(a, scale, sc);
@@ -308,12 +293,12 @@ INLINE void attend_pass(const int NQ, const int NV, const int H16, int64_t D, fl
     float kbuf[REDUCE_KEYS * 256]; /* float16 keys widened: a block once for all the pass's queries */
     for (; j0 + REDUCE_KEYS <= L; j0 += REDUCE_KEYS) { /* a block of keys stays in L1 for all the queries */
         if (H16 && NQ == 1) {
-            key_scores_h(nb, qs[0], (const uint16_t *)K + j0 * D, D, scale, scs[0] + j0);
+            key_scores(nb, 1, qs[0], (const uint16_t *)K + j0 * D, NULL, D, scale, scs[0] + j0); /* one query */
             continue;
         }
         const float *kb = H16 ? (widen(K, NULL, j0, REDUCE_KEYS, D, kbuf), kbuf) : (const float *)K + j0 * D;
 #pragma GCC unroll 4
-        for (int q = 0; q < NQ; q++) key_scores(nb, qs[q], kb, NULL, D, scale, scs[q] + j0);
+        for (int q = 0; q < NQ; q++) key_scores(nb, 0, qs[q], kb, NULL, D, scale, scs[q] + j0);
     }
     for (int q = 0; q < NQ; q++) {
         float *sc = scs[q];
@@ -329,9 +314,9 @@ INLINE void attend_pass(const int NQ, const int NV, const int H16, int64_t D, fl
             if (n_seen == REDUCE_KEYS) {
                 if (H16) {
                     widen(Kn, seen, 0, REDUCE_KEYS, D, kbuf);
-                    key_scores(nb, qs[q], kbuf, NULL, D, scale, sc + m[q]);
+                    key_scores(nb, 0, qs[q], kbuf, NULL, D, scale, sc + m[q]);
                 } else {
-                    key_scores(nb, qs[q], Kn, seen, D, scale, sc + m[q]);
+                    key_scores(nb, 0, qs[q], Kn, seen, D, scale, sc + m[q]);
                 }
                 m[q] += REDUCE_KEYS, n_seen = 0;
             }
