@@ -127,12 +127,16 @@ class LlamaServer:
         self._log.seek(0)
         return self._log.read().decode(errors="replace")[-800:]
 
+    def _request(self, ids: list[int], max_new_tokens: int, stream: bool) -> urllib.request.Request:
+        """POST /completion: greedy, the prompt as token ids, the generated ids returned."""
+        body = json.dumps({"prompt": [int(i) for i in ids], "n_predict": int(max_new_tokens), "temperature": 0.0,
+                           "top_k": 1, "cache_prompt": True, "stream": stream, "return_tokens": True}).encode()
+        return urllib.request.Request(self.url + "/completion", data=body, headers={"Content-Type": "application/json"})
+
     def complete(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], dict]:
         """Greedy tokens after the prompt `ids` (at most `max_new_tokens`; the server stops at EOS) and
         the server's timings (drafted / accepted counts in n-gram mode)."""
-        body = json.dumps({"prompt": [int(i) for i in ids], "n_predict": int(max_new_tokens), "temperature": 0.0,
-                           "top_k": 1, "cache_prompt": True, "return_tokens": True}).encode()
-        req = urllib.request.Request(self.url + "/completion", data=body, headers={"Content-Type": "application/json"})
+        req = self._request(ids, max_new_tokens, stream=False)
         try:
             with urllib.request.urlopen(req, timeout=600) as r:
                 out = json.loads(r.read())
@@ -142,9 +146,7 @@ class LlamaServer:
 
     def stream(self, ids: list[int], max_new_tokens: int) -> tuple[list[int], float, dict]:
         """As `complete`, streamed: (ids, seconds to the first generated token, the server's timings)."""
-        body = json.dumps({"prompt": [int(i) for i in ids], "n_predict": int(max_new_tokens), "temperature": 0.0,
-                           "top_k": 1, "cache_prompt": True, "stream": True, "return_tokens": True}).encode()
-        req = urllib.request.Request(self.url + "/completion", data=body, headers={"Content-Type": "application/json"})
+        req = self._request(ids, max_new_tokens, stream=True)
         t0, ttft, tokens, timings = time.perf_counter(), None, [], {}
         try:
             with urllib.request.urlopen(req, timeout=600) as r:
