@@ -72,8 +72,9 @@ class RowInput:
 
 
 def kv_dtype(native, dtype: torch.dtype) -> torch.dtype:
-    """The KV buffers' dtype: float16 for the native forward in the int8 arithmetic (it writes keys and
-    values rounded to float16 and reads half the bytes: csrc/forward.c, attend_pass), else the model's."""
+    """The KV buffers' dtype: float16 for the native forward in the int8 arithmetic (it writes values
+    rounded to float16 and each key as a slot of int8 codes and scales in a float16 row's bytes:
+    csrc/forward.c, csrc/ikeys.h), else the model's."""
     return torch.float16 if native is not None and native.arithmetic == "int8" else dtype
 
 

@@ -6,7 +6,6 @@
 #define TRSERVE_DOT_H
 
 #include "isa.h"
-#include "vec.h" /* half_to_float */
 
 /* ---- a 16-lane dot product ----------------------------------------------------------------------
  * acc[l] = 0 for the 16 lanes l = 0..15; per block of 32, for each lane l:
@@ -22,12 +21,6 @@ INLINE void acc_block(acc_t *a, const wblock_t *w, const float *xb)
 {
     a->v = _mm512_fmadd_ps(w->lo, _mm512_loadu_ps(xb), a->v);
     a->v = _mm512_fmadd_ps(w->hi, _mm512_loadu_ps(xb + 16), a->v);
-}
-/* acc_block with b given as float16s, widened exactly: the same bits as acc_block on their floats */
-INLINE void acc_block_h(acc_t *a, const wblock_t *w, const uint16_t *xb)
-{
-    a->v = _mm512_fmadd_ps(w->lo, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)xb)), a->v);
-    a->v = _mm512_fmadd_ps(w->hi, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(xb + 16))), a->v);
 }
 INLINE float acc_reduce(acc_t a)
 {
@@ -77,14 +70,6 @@ INLINE void acc_block(acc_t *a, const wblock_t *w, const float *xb)
     a->a = _mm256_fmadd_ps(w->w2, _mm256_loadu_ps(xb + 16), a->a);
     a->b = _mm256_fmadd_ps(w->w3, _mm256_loadu_ps(xb + 24), a->b);
 }
-INLINE __m256 half8(const uint16_t *h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)h)); }
-INLINE void acc_block_h(acc_t *a, const wblock_t *w, const uint16_t *xb)
-{
-    a->a = _mm256_fmadd_ps(w->w0, half8(xb), a->a);
-    a->b = _mm256_fmadd_ps(w->w1, half8(xb + 8), a->b);
-    a->a = _mm256_fmadd_ps(w->w2, half8(xb + 16), a->a);
-    a->b = _mm256_fmadd_ps(w->w3, half8(xb + 24), a->b);
-}
 INLINE float acc_reduce(acc_t a)
 {
     const __m256 s8 = _mm256_add_ps(a.a, a.b); /* acc[i] + acc[i + 8] */
@@ -122,13 +107,6 @@ INLINE void acc_block(acc_t *a, const wblock_t *w, const float *xb)
     for (int l = 0; l < 16; l++) {
         a->v[l] = fmaf(w->v[l], xb[l], a->v[l]);
         a->v[l] = fmaf(w->v[16 + l], xb[16 + l], a->v[l]);
-    }
-}
-INLINE void acc_block_h(acc_t *a, const wblock_t *w, const uint16_t *xb)
-{
-    for (int l = 0; l < 16; l++) {
-        a->v[l] = fmaf(w->v[l], half_to_float(xb[l]), a->v[l]);
-        a->v[l] = fmaf(w->v[16 + l], half_to_float(xb[16 + l]), a->v[l]);
     }
 }
 INLINE float acc_reduce(acc_t a)

@@ -27,6 +27,7 @@
 #include "forward.h"
 #include "dot.h"
 #include "pool.h"
+#include "ikeys.h"
 #include "qlinear.h"
 #include "vec.h"
 
@@ -219,12 +220,11 @@ INLINE float max_lanes(const float *x, int64_t n)
     return r;
 }
 
-/* sc[L] = scale * dot(q, K[key L]) for the REDUCE_KEYS keys L = 0 .. REDUCE_KEYS - 1 of D floats (H16: float16s)
- * each (row stride D; key L is row L, or row idx[L] given an index list), each dot product in
- * dot.h's 16-lane order (dot32) and the keys reduced side by side (reduce_keys_store gives
- * acc_reduce's bits). */
-INLINE void key_scores(const int NB, const int H16, const float *qv, const void *K, const int32_t *idx, int64_t D,
-                       float scale, float *sc)
+/* sc[L] = scale * dot(q, K[key L]) for the REDUCE_KEYS keys L = 0 .. REDUCE_KEYS - 1 of D floats each
+ * (row stride D; key L is row L, or row idx[L] given an index list), each dot product in dot.h's
+ * 16-lane order (dot32) and the keys reduced side by side (reduce_keys_store gives acc_reduce's bits). */
+INLINE void key_scores(const int NB, const float *qv, const float *K, const int32_t *idx, int64_t D, float scale,
+                       float *sc)
 {
     acc_t a[REDUCE_KEYS];
 #pragma GCC unroll 16
@@ -234,33 +234,15 @@ INLINE void key_scores(const int NB, const int H16, const float *qv, const void 
 #pragma GCC unroll 8
         for (int i = 0; i < NB; i++) {
             const wblock_t w = float_block(qv + 32 * i);
-            if (H16) /* float16 keys widened in registers, exactly: the bits of their floats */
-                acc_block_h(&a[s], &w, (const uint16_t *)K + j * D + 32 * i);
-            else
-                acc_block(&a[s], &w, (const float *)K + j * D + 32 * i);
+            acc_block(&a[s], &w, K + j * D + 32 * i);
         }
     }
     reduce_keys_store(a, scale, sc);
 }
 
-/* Keys and values of the int8 arithmetic are float16 (H16; the KV buffers' dtype, BatchKV): written
- * with v_to_half (rounded to nearest even, clamped to +-65504), widened exactly where they are used,
- * so a pass reads half the bytes. widen: keys j0 .. j0 + n - 1 of K as floats in out [n, D]; key:
- * key j as floats (float32 keys in place, float16 ones widened into buf); kv_vec: 16 elements of
- * row j from element i. */
-INLINE void widen(const uint16_t *K, const int32_t *idx, int64_t j0, int64_t n, int64_t D, float *out)
-{
-    for (int64_t j = 0; j < n; j++)
-        for (int64_t i = 0; i < D; i += 16) v_store(out + j * D + i, v_half(K + (idx ? idx[j] : j0 + j) * D + i));
-}
-
-INLINE const float *key(const int H16, const void *K, int64_t j, int64_t D, float *buf)
-{
-    if (!H16) return (const float *)K + j * D;
-    widen(K, NULL, j, 1, D, buf);
-    return buf;
-}
-
+/* Values of the int8 arithmetic are float16 (H16; the KV buffers' dtype, BatchKV): written with
+ * v_to_half (rounded to nearest even, clamped to +-65504), widened exactly where they are used, so a
+ * pass reads half the bytes (its keys: ikeys.h). kv_vec: 16 elements of row j from element i. */
 INLINE v16 kv_vec(const int H16, const void *X, int64_t j, int64_t D, int64_t i)
 {
     return H16 ? v_half((const uint16_t *)X + j * D + i) : v_load((const float *)X + j * D + i);
@@ -275,34 +257,21 @@ int trserve_to_half(const float *x, int64_t n, uint16_t *h)
     return 0;
 }
 
-/* Attention of NQ queries of one head over one sequence's keys, side by side (each query's numbers
- * exactly as if alone): scores of the visible keys in ascending column order (context columns [0, L),
- * then the step's new columns where the query's mask row says so), max, exp, the sum of the
- * exponentials in that order, then the weighted sum of values key by key in that order; out = acc / l.
- * NV = D / 16 vectors per row: a constant (2, 4, 8) keeps each query's value accumulators in
- * registers; 0 takes D at run time. qs, masks, scs, outs: per query its vector, mask row [w], score
- * buffer [L + w], output [D]. */
-#define MAX_NV 16
-INLINE void attend_pass(const int NQ, const int NV, const int H16, int64_t D, float scale, const float *const *qs,
-                        const uint8_t *const *masks, const void *K, const void *V, const void *Kn, const void *Vn,
-                        int64_t L, int64_t w, float *const *scs, float *const *outs)
+/* Scores of NQ queries of one head over one sequence's visible keys in ascending column order: context
+ * columns [0, L), then the step's new columns where the query's mask row says so, into scs[q] [m[q]
+ * of them]. fscores: float32 keys (the exact arithmetic), each dot product in dot.h's order; a block
+ * of keys stays in L1 for all the queries. */
+INLINE void fscores(const int NQ, const int nb, int64_t D, float scale, const float *const *qs,
+                    const uint8_t *const *masks, const float *K, const float *Kn, int64_t L, int64_t w,
+                    float *const *scs, int64_t *m)
 {
-    const int nv = NV ? NV : (int)(D / 16), nb = nv / 2; /* nb: a constant wherever NV is */
-    int64_t m[QPASS];
     int64_t j0 = 0;
-    float kbuf[REDUCE_KEYS * 256]; /* float16 keys widened: a block once for all the pass's queries */
-    for (; j0 + REDUCE_KEYS <= L; j0 += REDUCE_KEYS) { /* a block of keys stays in L1 for all the queries */
-        if (H16 && NQ == 1) {
-            key_scores(nb, 1, qs[0], (const uint16_t *)K + j0 * D, NULL, D, scale, scs[0] + j0); /* one query */
-            continue;
-        }
-        const float *kb = H16 ? (widen(K, NULL, j0, REDUCE_KEYS, D, kbuf), kbuf) : (const float *)K + j0 * D;
+    for (; j0 + REDUCE_KEYS <= L; j0 += REDUCE_KEYS)
 #pragma GCC unroll 4
-        for (int q = 0; q < NQ; q++) key_scores(nb, 0, qs[q], kb, NULL, D, scale, scs[q] + j0);
-    }
+        for (int q = 0; q < NQ; q++) key_scores(nb, qs[q], K + j0 * D, NULL, D, scale, scs[q] + j0);
     for (int q = 0; q < NQ; q++) {
         float *sc = scs[q];
-        for (int64_t j = j0; j < L; j++) sc[j] = dot32(qs[q], key(H16, K, j, D, kbuf), D) * scale;
+        for (int64_t j = j0; j < L; j++) sc[j] = dot32(qs[q], K + j * D, D) * scale;
         m[q] = L;
         /* the step's visible new keys in column order, REDUCE_KEYS at a time as they are found (a
          * prefill chunk's causal rows), the last few one by one: the same numbers */
@@ -312,16 +281,78 @@ INLINE void attend_pass(const int NQ, const int NV, const int H16, int64_t D, fl
             if (!masks[q][j]) continue;
             seen[n_seen++] = (int32_t)j;
             if (n_seen == REDUCE_KEYS) {
-                if (H16) {
-                    widen(Kn, seen, 0, REDUCE_KEYS, D, kbuf);
-                    key_scores(nb, 0, qs[q], kbuf, NULL, D, scale, sc + m[q]);
-                } else {
-                    key_scores(nb, 0, qs[q], Kn, seen, D, scale, sc + m[q]);
-                }
+                key_scores(nb, qs[q], Kn, seen, D, scale, sc + m[q]);
                 m[q] += REDUCE_KEYS, n_seen = 0;
             }
         }
-        for (int i = 0; i < n_seen; i++) sc[m[q]++] = dot32(qs[q], key(H16, Kn, seen[i], D, kbuf), D) * scale;
+        for (int i = 0; i < n_seen; i++) sc[m[q]++] = dot32(qs[q], Kn + seen[i] * D, D) * scale;
+    }
+}
+
+/* iscores: the int8 arithmetic's keys (ikeys.h: slots of 2 D bytes), the queries quantized once per
+ * pass. IKEYS keys at a time as a panel built once for all the pass's queries: the context's, then the
+ * step's new columns, visible or not (their scores land at column L + j and each query keeps its
+ * visible ones, in order, in place); the rest one by one. Every key's score is the same number either
+ * way. */
+INLINE void iscores(const int NQ, const int nb, int64_t D, float scale, const float *const *qs,
+                    const uint8_t *const *masks, const uint8_t *K, const uint8_t *Kn, int64_t L, int64_t w,
+                    float *const *scs, int64_t *m)
+{
+    const int64_t S = 2 * D; /* a slot's bytes */
+    iquery_t iq[QPASS];
+    const iquery_t *iqs[QPASS];
+    for (int q = 0; q < NQ; q++) iquery(qs[q], D, iq + q), iqs[q] = iq + q;
+    int64_t j0 = 0, j1 = 0; /* context keys [0, j0) and new ones [0, j1) scored by panels */
+#if IKEY_PANELS
+    uint8_t panel[IKEYS * 32 * MAX_IB];
+    float ks[IKEYS * MAX_IB];
+    const uint8_t *row[IKEYS];
+    float *o[QPASS];
+    for (; j0 + IKEYS <= L; j0 += IKEYS) {
+        for (int l = 0; l < IKEYS; l++) row[l] = K + (j0 + l) * S;
+        ikey_panel(row, D, panel, ks);
+        for (int q = 0; q < NQ; q++) o[q] = scs[q] + j0;
+        ikey_scores(NQ, nb, iqs, panel, ks, scale, o);
+    }
+    for (; j1 + IKEYS <= w; j1 += IKEYS) { /* a prefill chunk's keys (a tree step's are fewer) */
+        for (int l = 0; l < IKEYS; l++) row[l] = Kn + (j1 + l) * S;
+        ikey_panel(row, D, panel, ks);
+        for (int q = 0; q < NQ; q++) o[q] = scs[q] + L + j1;
+        ikey_scores(NQ, nb, iqs, panel, ks, scale, o);
+    }
+#else
+    (void)nb, (void)iqs;
+#endif
+    for (int q = 0; q < NQ; q++) {
+        float *sc = scs[q];
+        for (int64_t j = j0; j < L; j++) sc[j] = ikey_score(iq + q, K + j * S, D, scale);
+        m[q] = L;
+        for (int64_t j = 0; j < w; j++) /* m[q] <= L + j: in place */
+            if (masks[q][j]) sc[m[q]++] = j < j1 ? sc[L + j] : ikey_score(iq + q, Kn + j * S, D, scale);
+    }
+}
+
+/* Attention of NQ queries of one head over one sequence's keys, side by side (each query's numbers
+ * exactly as if alone): scores of the visible keys (fscores, or iscores where I8 says the keys are the
+ * int8 arithmetic's), max, exp, the sum of the exponentials in that order, then the weighted sum of
+ * values key by key in that order (float32 values, or H16 float16 ones widened exactly); out = acc / l.
+ * NV = D / 16 vectors per row: a constant (2, 4, 8) keeps each query's value accumulators in
+ * registers; 0 takes D at run time. qs, masks, scs, outs: per query its vector, mask row [w], score
+ * buffer [L + w], output [D]. */
+#define MAX_NV 16
+INLINE void attend_pass(const int NQ, const int NV, const int I8, int64_t D, float scale, const float *const *qs,
+                        const uint8_t *const *masks, const void *K, const void *V, const void *Kn, const void *Vn,
+                        int64_t L, int64_t w, float *const *scs, float *const *outs)
+{
+    const int H16 = I8; /* the int8 arithmetic's values are float16 */
+    const int nv = NV ? NV : (int)(D / 16), nb = nv / 2; /* nb: a constant wherever NV is */
+    int64_t m[QPASS];
+    if (I8)
+        iscores(NQ, nb, D, scale, qs, masks, (const uint8_t *)K, (const uint8_t *)Kn, L, w, scs, m);
+    else
+        fscores(NQ, nb, D, scale, qs, masks, (const float *)K, (const float *)Kn, L, w, scs, m);
+    for (int q = 0; q < NQ; q++) {
+        float *sc = scs[q];
         const float mx = max_lanes(sc, m[q]);
         for (int64_t j = 0; j < m[q]; j++) sc[j] -= mx;
         exp_poly(sc, m[q]);
@@ -370,7 +401,7 @@ static void attend(const tr_model *M, int64_t b, int64_t hd, int64_t i0, int64_t
     const int64_t D = M->head_dim, Hq = M->heads, Hkv = M->kv_heads, g = hd / (Hq / Hkv);
     const int64_t w = tok0[b + 1] - tok0[b], L = ctx[b];
     const int64_t at = ((kv_row[b] * Hkv + g) * cap) * D, at_new = at + start[b] * D; /* elements */
-    const int h16 = M->arith != 0; /* the int8 arithmetic's KV buffers hold float16 */
+    const int h16 = M->arith != 0; /* the int8 arithmetic's KV buffers hold float16 (key slots, values) */
     const void *K = h16 ? (const void *)((const uint16_t *)kc + at) : (const void *)(kc + at);
     const void *V = h16 ? (const void *)((const uint16_t *)vc + at) : (const void *)(vc + at);
     const void *Kn = h16 ? (const void *)((const uint16_t *)kc + at_new) : (const void *)(kc + at_new);
@@ -569,14 +600,12 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
             int64_t b = 0;
             while (tok0[b + 1] <= t) b++;
             const int64_t g = j - Hq, at = ((kv_row[b] * Hkv + g) * cap + start[b] + (t - tok0[b])) * D;
-            if (M->arith) { /* the int8 arithmetic's KV buffers hold float16 (attend_pass's H16) */
+            if (M->arith) { /* the int8 arithmetic's KV buffers hold float16: key slots (ikeys.h), float16 values */
                 float kr[256];
                 memcpy(kr, k + (t * Hkv + g) * D, D * sizeof(float));
                 rope(kr, c, s, D);
-                for (int64_t i = 0; i < D; i += 16) {
-                    v_to_half(kr + i, (uint16_t *)kc[l] + at + i);
-                    v_to_half(v + (t * Hkv + g) * D + i, (uint16_t *)vc[l] + at + i);
-                }
+                ikey_write(kr, D, (uint8_t *)((uint16_t *)kc[l] + at));
+                for (int64_t i = 0; i < D; i += 16) v_to_half(v + (t * Hkv + g) * D + i, (uint16_t *)vc[l] + at + i);
                 continue;
             }
             memcpy(kc[l] + at, k + (t * Hkv + g) * D, D * sizeof(float));
