@@ -348,7 +348,7 @@ def _compress(model, config: ModelConfig, tokenizer=None) -> str | None:
     None (packed kernels take over), InvalidArgument when they were asked for. The int8 arithmetic keeps
     each layer input's outlier dims in float32 (engine/model/kernels/outliers.py)."""
     from trserve.engine.model.kernels.build import kernel_isa
-    from trserve.engine.model.kernels.outliers import kept_inputs
+    from trserve.engine.model.kernels.outliers import attach_key_pairs, kept_inputs, key_pairs
     from trserve.engine.model.kernels.qlinear import quantize_linears
 
     try:
@@ -359,11 +359,16 @@ def _compress(model, config: ModelConfig, tokenizer=None) -> str | None:
             return None
         cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         arithmetic = resolve_arithmetic(config.arithmetic, isa)
-        kept = kept_inputs(model, tokenizer, model_fingerprint(tokenizer, model.config), cache) \
-            if arithmetic == "int8" and tokenizer is not None else None
+        kept = pairs = None
+        if arithmetic == "int8" and tokenizer is not None:  # calibrated on the float32 model, before the swap
+            fingerprint = model_fingerprint(tokenizer, model.config)
+            kept = kept_inputs(model, tokenizer, fingerprint, cache)
+            pairs = key_pairs(model, tokenizer, fingerprint, cache)
         swapped, _ = quantize_linears(model, cache, isa, arithmetic, kept)
         if not swapped:
             raise RuntimeError("no linear layer of this model holds exact 4/8-bit blocks")
+        if pairs:
+            attach_key_pairs(model, pairs)
         if isa == "scalar":
             log.warning("compressed kernels on their portable scalar variant (no AVX2/FMA/F16C): slow")
         return isa

@@ -35,7 +35,8 @@ class _QMat(ctypes.Structure):
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("in_norm", _P), ("post_norm", _P), *((n, _QMat) for n in ("q", "k", "v", "o", "gate", "up", "down"))]
+    _fields_ = [("in_norm", _P), ("post_norm", _P), *((n, _QMat) for n in ("q", "k", "v", "o", "gate", "up", "down")),
+                ("key_pair", _P)]
 
 
 class _Model(ctypes.Structure):
@@ -118,7 +119,10 @@ class NativeForward:
             a, m = layer.self_attn, layer.mlp
             norms = (self._ptr(layer.input_layernorm.weight), self._ptr(layer.post_attention_layernorm.weight))
             mats = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-            layers[i] = _Layer(*norms, *(_qmat(x) for x in mats))
+            pair = getattr(a.k_proj, "key_pair", None)  # int8: [kv_heads] int32 (kernels/outliers.py), or None
+            if pair is not None:
+                self._keep.append(pair)
+            layers[i] = _Layer(*norms, *(_qmat(x) for x in mats), pair.data_ptr() if pair is not None else None)
         self._layers = layers
         self._rotary = body.rotary_emb
         self._ptrs = None  # (buffers' identity, layer key pointers, layer value pointers)
@@ -129,8 +133,9 @@ class NativeForward:
                         self._ptr(body.embed_tokens.weight), self._ptr(body.norm.weight), layers, _qmat(head),
                         None, None, 0, ARITH_CODES[head.arithmetic])
         if forward_check_library(head.isa)(ctypes.byref(self.m)):
-            raise ValueError("native forward unavailable: a shape its fixed-size parts do not take, or kept inputs "
-                             "that differ between layers reading one input (q, k, v; gate, up)")
+            raise ValueError("native forward unavailable: a shape its fixed-size parts do not take, kept inputs "
+                             "that differ between layers reading one input (q, k, v; gate, up), or a kept key pair "
+                             "out of range")
         self.arithmetic = head.arithmetic
         self.vocab = head.out_features
         self._grow_rope(4096)

@@ -294,31 +294,31 @@ INLINE void fscores(const int NQ, const int nb, int64_t D, float scale, const fl
  * step's new columns, visible or not (their scores land at column L + j and each query keeps its
  * visible ones, in order, in place); the rest one by one. Every key's score is the same number either
  * way. */
-INLINE void iscores(const int NQ, const int nb, int64_t D, float scale, const float *const *qs,
+INLINE void iscores(const int NQ, const int nb, int64_t D, int32_t kp, float scale, const float *const *qs,
                     const uint8_t *const *masks, const uint8_t *K, const uint8_t *Kn, int64_t L, int64_t w,
                     float *const *scs, int64_t *m)
 {
     const int64_t S = 2 * D; /* a slot's bytes */
     iquery_t iq[QPASS];
     const iquery_t *iqs[QPASS];
-    for (int q = 0; q < NQ; q++) iquery(qs[q], D, iq + q), iqs[q] = iq + q;
+    for (int q = 0; q < NQ; q++) iquery(qs[q], D, kp, iq + q), iqs[q] = iq + q;
     int64_t j0 = 0, j1 = 0; /* context keys [0, j0) and new ones [0, j1) scored by panels */
 #if IKEY_PANELS
     uint8_t panel[IKEYS * 32 * MAX_IB];
-    float ks[IKEYS * MAX_IB];
+    float ks[IKEYS * (MAX_IB + 2)];
     const uint8_t *row[IKEYS];
     float *o[QPASS];
     for (; j0 + IKEYS <= L; j0 += IKEYS) {
         for (int l = 0; l < IKEYS; l++) row[l] = K + (j0 + l) * S;
-        ikey_panel(row, D, panel, ks);
+        ikey_panel(row, D, kp, panel, ks);
         for (int q = 0; q < NQ; q++) o[q] = scs[q] + j0;
-        ikey_scores(NQ, nb, iqs, panel, ks, scale, o);
+        ikey_scores(NQ, nb, kp >= 0, iqs, panel, ks, scale, o);
     }
     for (; j1 + IKEYS <= w; j1 += IKEYS) { /* a prefill chunk's keys (a tree step's are fewer) */
         for (int l = 0; l < IKEYS; l++) row[l] = Kn + (j1 + l) * S;
-        ikey_panel(row, D, panel, ks);
+        ikey_panel(row, D, kp, panel, ks);
         for (int q = 0; q < NQ; q++) o[q] = scs[q] + L + j1;
-        ikey_scores(NQ, nb, iqs, panel, ks, scale, o);
+        ikey_scores(NQ, nb, kp >= 0, iqs, panel, ks, scale, o);
     }
 #else
     (void)nb, (void)iqs;
@@ -340,7 +340,7 @@ INLINE void iscores(const int NQ, const int nb, int64_t D, float scale, const fl
  * registers; 0 takes D at run time. qs, masks, scs, outs: per query its vector, mask row [w], score
  * buffer [L + w], output [D]. */
 #define MAX_NV 16
-INLINE void attend_pass(const int NQ, const int NV, const int I8, int64_t D, float scale, const float *const *qs,
+INLINE void attend_pass(const int NQ, const int NV, const int I8, int64_t D, int32_t kp, float scale, const float *const *qs,
                         const uint8_t *const *masks, const void *K, const void *V, const void *Kn, const void *Vn,
                         int64_t L, int64_t w, float *const *scs, float *const *outs)
 {
@@ -348,7 +348,7 @@ INLINE void attend_pass(const int NQ, const int NV, const int I8, int64_t D, flo
     const int nv = NV ? NV : (int)(D / 16), nb = nv / 2; /* nb: a constant wherever NV is */
     int64_t m[QPASS];
     if (I8)
-        iscores(NQ, nb, D, scale, qs, masks, (const uint8_t *)K, (const uint8_t *)Kn, L, w, scs, m);
+        iscores(NQ, nb, D, kp, scale, qs, masks, (const uint8_t *)K, (const uint8_t *)Kn, L, w, scs, m);
     else
         fscores(NQ, nb, D, scale, qs, masks, (const float *)K, (const float *)Kn, L, w, scs, m);
     for (int q = 0; q < NQ; q++) {
@@ -396,9 +396,11 @@ INLINE void attend_pass(const int NQ, const int NV, const int I8, int64_t D, flo
  * queries per pass. sc: this thread's score buffers, QPASS x (ctx[b] + w + 1) floats at most. */
 static void attend(const tr_model *M, int64_t b, int64_t hd, int64_t i0, int64_t i1, const int64_t *tok0, const int64_t *ctx,
                    const int64_t *start, const int64_t *kv_row, const uint8_t *vis, const int64_t *vis0,
-                   const float *q, const float *kc, const float *vc, int64_t cap, float *out, float *sc, int64_t sc_len)
+                   const float *q, const float *kc, const float *vc, const int32_t *key_pair, int64_t cap, float *out,
+                   float *sc, int64_t sc_len)
 {
     const int64_t D = M->head_dim, Hq = M->heads, Hkv = M->kv_heads, g = hd / (Hq / Hkv);
+    const int32_t kp = key_pair ? key_pair[g] : -1; /* int8: the KV head's kept pair (ikeys.h) */
     const int64_t w = tok0[b + 1] - tok0[b], L = ctx[b];
     const int64_t at = ((kv_row[b] * Hkv + g) * cap) * D, at_new = at + start[b] * D; /* elements */
     const int h16 = M->arith != 0; /* the int8 arithmetic's KV buffers hold float16 (key slots, values) */
@@ -418,8 +420,8 @@ static void attend(const tr_model *M, int64_t b, int64_t hd, int64_t i0, int64_t
             scs[k] = sc + k * sc_len;
             outs[k] = out + (t * Hq + hd) * D;
         }
-#define PASS(NQ, NV) (h16 ? attend_pass(NQ, NV, 1, D, M->scale, qs, masks, K, V, Kn, Vn, L, w, scs, outs) \
-                          : attend_pass(NQ, NV, 0, D, M->scale, qs, masks, K, V, Kn, Vn, L, w, scs, outs))
+#define PASS(NQ, NV) (h16 ? attend_pass(NQ, NV, 1, D, kp, M->scale, qs, masks, K, V, Kn, Vn, L, w, scs, outs) \
+                          : attend_pass(NQ, NV, 0, D, -1, M->scale, qs, masks, K, V, Kn, Vn, L, w, scs, outs))
 #define PASSES(NV) switch (nq) { case 1: PASS(1, NV); break; case 2: if (QPASS >= 2) PASS(2, NV); break; \
                                  case 3: if (QPASS >= 3) PASS(3, NV); break; default: PASS(QPASS, NV); break; }
         if (D == 64) { PASSES(4) }
@@ -546,6 +548,8 @@ int trserve_forward_check(const tr_model *M)
             if (all[i]->n_kept < 0 || all[i]->n_kept > MAX_KEPT || (all[i]->n_kept && (!M->arith || !all[i]->kept_w)))
                 return -1;
         if (!same_kept(&L->q, &L->k) || !same_kept(&L->q, &L->v) || !same_kept(&L->gate, &L->up)) return -1;
+        for (int64_t g = 0; L->key_pair && g < M->kv_heads; g++)
+            if (!M->arith || L->key_pair[g] < 0 || L->key_pair[g] >= M->head_dim / 2) return -1;
     }
     return 0;
 }
@@ -604,7 +608,7 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
                 float kr[256];
                 memcpy(kr, k + (t * Hkv + g) * D, D * sizeof(float));
                 rope(kr, c, s, D);
-                ikey_write(kr, D, (uint8_t *)((uint16_t *)kc[l] + at));
+                ikey_write(kr, D, L->key_pair ? L->key_pair[g] : -1, (uint8_t *)((uint16_t *)kc[l] + at));
                 for (int64_t i = 0; i < D; i += 16) v_to_half(v + (t * Hkv + g) * D + i, (uint16_t *)vc[l] + at + i);
                 continue;
             }
@@ -622,7 +626,7 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
             const int64_t w = tok0[b + 1] - tok0[b], blocks = (w + QBLOCK - 1) / QBLOCK, r = u - item0[b];
             const int64_t hd = r / blocks, i0 = (r % blocks) * QBLOCK;
             attend(M, b, hd, i0, i0 + QBLOCK < w ? i0 + QBLOCK : w, tok0, ctx, start, kv_row, vis, vis0, q, kc[l],
-                   vc[l], cap, att, sc, sc_len);
+                   vc[l], L->key_pair, cap, att, sc, sc_len);
         }
         pool_barrier(nt);
         PHASE(PH_ATTENTION);

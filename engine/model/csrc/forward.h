@@ -19,6 +19,8 @@ typedef struct {
 typedef struct {
     const float *in_norm, *post_norm; /* [H] */
     tr_qmat q, k, v, o, gate, up, down;
+    const int32_t *key_pair; /* int8: [kv_heads] the RoPE pair i (dims i, i + D/2) each KV head's keys keep in
+                              * float32 (ikeys.h; engine/model/kernels/outliers.py), or NULL: none */
 } tr_layer;
 
 typedef struct {

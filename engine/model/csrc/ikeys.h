@@ -8,10 +8,17 @@
  * slot as it is):
  *   bytes [0, D): the key's codes + 128 (biased: vpdpbusd's unsigned operand), per block of 32
  *                 quantized as the activations are (quant_block: amax / 127, round to nearest even);
- *   bytes [D, D + 4 D / 32): the blocks' float32 scales s_k.
- * A query is quantized the same way (codes, scale s_q, code sum c per block). Its score on a key:
- *   acc = 0;  for each block b in order:  acc = fma((float)isum_b * s_q[b], s_k[b], acc);  score = acc * scale
+ *   bytes [D, D + 4 D / 32): the blocks' float32 scales s_k;
+ *   then, where the KV head keeps a RoPE pair kp (dims kp and kp + D / 2, chosen once per model:
+ *   engine/model/kernels/outliers.py), their two float32 values; those dims are quantized as zeros.
+ * A query is quantized the same way (codes, scale s_q, code sum c per block; the kept dims as zeros,
+ * their values aside). Its score on a key:
+ *   acc = 0;  for each block b in order:  acc = fma((float)isum_b * s_q[b], s_k[b], acc);
+ *   with a kept pair:  acc = fma(q[kp], k[kp], acc);  acc = fma(q[kp + D/2], k[kp + D/2], acc)
+ *   score = acc * scale
  * isum_b = the exact integer dot product of the codes (|isum| <= 32 * 127 * 127 < 2^24, exact as a float).
+ * A large pair (the keys' outlier dims peak in one rotary pair; a rotation keeps a pair's norm) would
+ * coarsen its blocks' scales for every other dim.
  */
 #ifndef TRSERVE_IKEYS_H
 #define TRSERVE_IKEYS_H
@@ -21,31 +28,50 @@
 #define IKEYS 16 /* keys per panel: a panel's 16 int32 lanes */
 #define MAX_IB 8 /* blocks of 32 per key (head_dim <= 256) */
 
-/* Key k [D] (rotated) -> its slot. */
-INLINE void ikey_write(const float *k, int64_t D, uint8_t *slot)
+/* x [D] with the kept pair kp (if kp >= 0) as zeros -> buf; its values -> kept[2]. */
+INLINE const float *set_aside(const float *x, int64_t D, int32_t kp, float *buf, float *kept)
 {
+    if (kp < 0) return x;
+    memcpy(buf, x, D * sizeof(float));
+    kept[0] = x[kp], kept[1] = x[kp + D / 2];
+    buf[kp] = buf[kp + D / 2] = 0.0f;
+    return buf;
+}
+
+/* Key k [D] (rotated) -> its slot. */
+INLINE void ikey_write(const float *k, int64_t D, int32_t kp, uint8_t *slot)
+{
+    float buf[32 * MAX_IB], kept[2];
+    const float *x = set_aside(k, D, kp, buf, kept);
     for (int64_t b = 0; b < D / 32; b++) {
         int8_t q[32];
         float s;
         int32_t c;
-        quant_block(k + 32 * b, q, &s, &c);
+        quant_block(x + 32 * b, q, &s, &c);
         for (int i = 0; i < 32; i++) slot[32 * b + i] = (uint8_t)(q[i] + 128);
         memcpy(slot + D + 4 * b, &s, sizeof s);
     }
+    if (kp >= 0) memcpy(slot + D + 4 * (D / 32), kept, sizeof kept);
 }
 
-/* A query quantized: codes, and per block its scale and -128 x its code sum (dp8's bias taken back out). */
+/* A query quantized: codes, per block its scale and -128 x its code sum (dp8's bias taken back out),
+ * and the kept pair's values (kp < 0: none). */
 typedef struct {
     int8_t q[32 * MAX_IB];
     float s[MAX_IB];
     int32_t c[MAX_IB];
+    float kept[2];
+    int32_t kp;
 } iquery_t;
 
-INLINE void iquery(const float *x, int64_t D, iquery_t *q)
+INLINE void iquery(const float *x, int64_t D, int32_t kp, iquery_t *q)
 {
+    float buf[32 * MAX_IB];
+    const float *y = set_aside(x, D, kp, buf, q->kept);
+    q->kp = kp;
     for (int64_t b = 0; b < D / 32; b++) {
         int32_t c;
-        quant_block(x + 32 * b, q->q + 32 * b, q->s + b, &c);
+        quant_block(y + 32 * b, q->q + 32 * b, q->s + b, &c);
         q->c[b] = -128 * c;
     }
 }
@@ -65,6 +91,12 @@ INLINE float ikey_score(const iquery_t *q, const uint8_t *slot, int64_t D, float
         float sk;
         memcpy(&sk, slot + D + 4 * b, sizeof sk);
         acc = fmaf((float)isum * q->s[b], sk, acc);
+    }
+    if (q->kp >= 0) {
+        float kept[2];
+        memcpy(kept, slot + D + 4 * (D / 32), sizeof kept);
+        acc = fmaf(q->kept[0], kept[0], acc);
+        acc = fmaf(q->kept[1], kept[1], acc);
     }
     return acc * scale;
 }
@@ -104,8 +136,9 @@ INLINE void transpose16(const uint8_t *const *row, int64_t off, uint8_t *out)
 
 /* 16 keys' slots (row[l]: key l's) as a q8 panel-block per block of 32 (qlinear_i8.c's layout: for
  * block b, group g of 4 inputs, 64 bytes whose lane l holds key l's codes 32 b + 4 g .. + 3) and
- * ks[16 b + l] = key l's scale of block b. */
-INLINE void ikey_panel(const uint8_t *const *row, int64_t D, uint8_t *panel, float *ks)
+ * ks[16 b + l] = key l's scale of block b; with a kept pair (kp >= 0) then its two values,
+ * ks[16 (nb + i) + l] for i = 0, 1. */
+INLINE void ikey_panel(const uint8_t *const *row, int64_t D, int32_t kp, uint8_t *panel, float *ks)
 {
     int64_t c = 0;
 #if defined(__AVX512F__)
@@ -113,14 +146,14 @@ INLINE void ikey_panel(const uint8_t *const *row, int64_t D, uint8_t *panel, flo
 #endif
     for (; c < D; c += 4)
         for (int l = 0; l < IKEYS; l++) memcpy(panel + 16 * c + 4 * l, row[l] + c, 4);
-    for (int64_t b = 0; b < D / 32; b++)
+    for (int64_t b = 0; b < D / 32 + (kp >= 0 ? 2 : 0); b++) /* the scales, then the kept values */
         for (int l = 0; l < IKEYS; l++) memcpy(ks + IKEYS * b + l, row[l] + D + 4 * b, sizeof(float));
 }
 
-/* sc[q][l] = the score of panel key l for query q < NQ (NB blocks of 32; NQ <= 4): per block the
- * integer products (dp8, the key group prepared once for all queries), then the float part in block
- * order, the 16 keys side by side in a v16. */
-INLINE void ikey_scores(const int NQ, const int NB, const iquery_t *const *qs, const uint8_t *panel,
+/* sc[q][l] = the score of panel key l for query q < NQ (NB blocks of 32; NQ <= 4; KP: the keys keep a
+ * pair): per block the integer products (dp8, the key group prepared once for all queries), then the
+ * float part in block order and the kept pair, the 16 keys side by side in a v16. */
+INLINE void ikey_scores(const int NQ, const int NB, const int KP, const iquery_t *const *qs, const uint8_t *panel,
                         const float *ks, float scale, float *const *sc)
 {
     v16 acc[4];
@@ -140,6 +173,13 @@ INLINE void ikey_scores(const int NQ, const int NB, const iquery_t *const *qs, c
         const v16 vk = v_load(ks + IKEYS * b);
 #pragma GCC unroll 4
         for (int q = 0; q < NQ; q++) acc[q] = v_fmav(v_mul(vi_float(ia[q]), qs[q]->s + b), vk, acc[q]);
+    }
+    if (KP) { /* fma(k, q, acc): the same product as fmaf(q, k, acc) */
+#pragma GCC unroll 4
+        for (int q = 0; q < NQ; q++) {
+            acc[q] = v_fma(v_load(ks + IKEYS * NB), qs[q]->kept, acc[q]);
+            acc[q] = v_fma(v_load(ks + IKEYS * (NB + 1)), qs[q]->kept + 1, acc[q]);
+        }
     }
 #pragma GCC unroll 4
     for (int q = 0; q < NQ; q++) v_store(sc[q], v_mul(acc[q], &scale));

@@ -58,7 +58,13 @@ def calibrate(model: nn.Module, tokenizer, k: int = KEPT) -> dict[str, list[int]
             peaks[name] = torch.maximum(peaks[name], x) if name in peaks else x
         return pre
 
-    handles = [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    _run_prompts(model, tokenizer, [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()
+                                    if isinstance(m, nn.Linear)])
+    return {n: sorted(torch.topk(p, min(k, p.numel())).indices.tolist()) for n, p in sorted(peaks.items())}
+
+
+def _run_prompts(model: nn.Module, tokenizer, handles: list) -> None:
+    """The calibration prompts through `model` (float32, before its linears are swapped), then the hooks off."""
     try:
         with torch.inference_mode():
             for text in _prompts():
@@ -68,7 +74,57 @@ def calibrate(model: nn.Module, tokenizer, k: int = KEPT) -> dict[str, list[int]
     finally:
         for h in handles:
             h.remove()
-    return {n: sorted(torch.topk(p, min(k, p.numel())).indices.tolist()) for n, p in sorted(peaks.items())}
+
+
+# ---- the int8 keys' kept pair (csrc/ikeys.h) ----------------------------------------------------------
+# A model's keys peak in a few dims, and rotary embedding turns each dim i with i + head_dim / 2 as a
+# pair, so per KV head one pair is kept in float32: the one whose norm (which a rotation keeps, so the
+# choice holds at every position) peaks highest in the calibration prompts' k_proj outputs. Measured
+# in torch (queries and keys quantized per block of 32 and nothing else, 20 held-out prompts x 128
+# tokens, against the exact model): KL mean 0.00062 without, 0.00038 with it.
+
+def key_pairs(model: nn.Module, tokenizer, fingerprint: str, cache_dir: Path) -> list[list[int]]:
+    """Per decoder layer, per KV head: its kept pair i (dims i, i + head_dim / 2), from the shipped or
+    cached `keypairs-<fingerprint>.json`, else calibrated now and cached."""
+    name = f"keypairs-{fingerprint}.json"
+    for path in (SHIPPED / name, cache_dir / name):
+        if path.exists():
+            return json.loads(path.read_text())["pairs"]
+    pairs = calibrate_pairs(model, tokenizer)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = cache_dir / f"{name}.tmp"
+    tmp.write_text(json.dumps({"fingerprint": fingerprint, "pairs": pairs}))
+    tmp.replace(cache_dir / name)
+    log.info("int8 arithmetic: kept key pairs calibrated (%d layers) into %s", len(pairs), cache_dir / name)
+    return pairs
+
+
+def calibrate_pairs(model: nn.Module, tokenizer) -> list[list[int]]:
+    """Per layer and KV head, the pair i whose norm sqrt(k_i^2 + k_(i+D/2)^2) peaks highest over the
+    calibration prompts' tokens (the first such i on a tie)."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    D = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    layers = model.get_decoder().layers
+    peaks: list[torch.Tensor | None] = [None] * len(layers)
+
+    def hook(i):
+        def post(_module, _args, out):
+            k = out.detach().float().reshape(-1, kv, D)  # [T, Hkv, D]
+            norm = torch.sqrt(k[..., : D // 2] ** 2 + k[..., D // 2:] ** 2).amax(0)  # [Hkv, D / 2]
+            peaks[i] = norm if peaks[i] is None else torch.maximum(peaks[i], norm)
+        return post
+
+    _run_prompts(model, tokenizer, [layer.self_attn.k_proj.register_forward_hook(hook(i))
+                                    for i, layer in enumerate(layers)])
+    return [p.argmax(-1).tolist() for p in peaks]
+
+
+def attach_key_pairs(model: nn.Module, pairs: list[list[int]]) -> None:
+    """Each layer's pairs onto its k_proj (`key_pair`, [Hkv] int32), where the native forward reads them."""
+    for layer, p in zip(model.get_decoder().layers, pairs):
+        layer.self_attn.k_proj.key_pair = torch.tensor(p, dtype=torch.int32)
 
 
 def _prompts() -> list[str]:

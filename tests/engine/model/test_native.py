@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from trserve.engine.model.kernels.build import available_isas
+from trserve.engine.model.kernels.outliers import attach_key_pairs
 from trserve.engine.model.kernels.qlinear import quantize_linears
 from trserve.engine.model.native import native_unsupported
 from trserve.engine.model.runner import ModelRunner, RowInput
@@ -16,9 +17,11 @@ HIDE = torch.finfo(torch.float32).min
 
 
 def quantized_llama(tmp_path, isa: str = "auto", vocab: int = 256, seed: int = 0, bias: bool = False,
-                    arithmetic: str = "exact", kept_inputs: dict[str, list[int]] | None = None, heads: int = 4):
+                    arithmetic: str = "exact", kept_inputs: dict[str, list[int]] | None = None, heads: int = 4,
+                    key_pair: int | None = None):
     """A 2-layer llama (head_dim 128 / heads: 32, or 64 with heads=2; grouped KV) with Q4_1 linears and a
-    Q8_0 LM head, on `isa` (int8: with `kept_inputs` per linear layer name, engine/model/kernels/outliers.py)."""
+    Q8_0 LM head, on `isa` (int8: with `kept_inputs` per linear layer name and every KV head keeping
+    rotary pair `key_pair` of its keys, engine/model/kernels/outliers.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -40,6 +43,8 @@ def quantized_llama(tmp_path, isa: str = "auto", vocab: int = 256, seed: int = 0
             layer.post_attention_layernorm.weight.copy_(1 + 0.2 * torch.randn(128))
     swapped, kept = quantize_linears(model, tmp_path, isa, arithmetic, kept_inputs)
     assert kept == 0 and swapped == 15
+    if key_pair is not None:
+        attach_key_pairs(model, [[key_pair + g for g in range(heads // 2)]] * 2)
     return model
 
 
@@ -150,10 +155,11 @@ def test_runner_confidences_from_the_forward_equal_the_c_call_on_its_logits(tmp_
         assert any(q.max() > 0 for q in r.last_probs)  # not all empty buckets
 
 
-def test_tree_nodes_equal_tokens_decoded_alone(tmp_path):
+@pytest.mark.parametrize("arithmetic, key_pair", [("exact", None), ("int8", 3)])
+def test_tree_nodes_equal_tokens_decoded_alone(tmp_path, arithmetic, key_pair):
     """Bit for bit: a tree's nodes, in a batch next to another sequence, give the logits the same
     tokens give decoded one at a time, alone (what makes TR == plain decoding exactly)."""
-    model = quantized_llama(tmp_path)
+    model = quantized_llama(tmp_path, arithmetic=arithmetic, key_pair=key_pair)
     prompt = list(range(40, 90))
     other = list(range(7, 30))
     with torch.inference_mode():
@@ -199,15 +205,17 @@ def test_topk_skipping_blocks_picks_what_taking_each_value_does(tmp_path, isa):
                 assert idx[r].tolist() == want, (isa, V, K, r)
 
 
-# int8: integer key scores (csrc/ikeys.h; head_dim 64 takes the 16 x 16 transposes) and float16 values
-@pytest.mark.parametrize("arithmetic, heads", [("exact", 4), ("int8", 4), ("int8", 2)])
+# int8: integer key scores (csrc/ikeys.h; head_dim 64 takes the 16 x 16 transposes; with and without
+# a kept rotary pair) and float16 values
+@pytest.mark.parametrize("arithmetic, heads, key_pair", [("exact", 4, None), ("int8", 4, None), ("int8", 4, 3),
+                                                         ("int8", 2, 5)])
 @pytest.mark.parametrize("isa", isa_params())
-def test_isa_builds_give_the_same_bits(tmp_path, isa, arithmetic, heads):
+def test_isa_builds_give_the_same_bits(tmp_path, isa, arithmetic, heads, key_pair):
     runs = available_isas()
     ref_isa = "scalar" if isa != "scalar" else runs[0]
     outs = {}
     for which in (isa, ref_isa):
-        model = quantized_llama(tmp_path, which, arithmetic=arithmetic, heads=heads)
+        model = quantized_llama(tmp_path, which, arithmetic=arithmetic, heads=heads, key_pair=key_pair)
         with torch.inference_mode():
             r = _prefilled(model, True, [list(range(3, 60))])
             outs[which] = r.step([_row([5, 6, 7, 8])])[0]

@@ -302,3 +302,22 @@ def test_the_bundled_models_kept_inputs_are_what_calibration_picks_here(hf_refer
     assert calibrate(hf_reference.model, hf_reference.tokenizer) == shipped
     assert len(shipped) == 211 and all(len(v) == 4 for v in shipped.values())
     assert shipped["model.layers.3.self_attn.q_proj"] == shipped["model.layers.3.self_attn.v_proj"]
+
+
+@pytest.mark.slow
+def test_the_bundled_models_kept_key_pairs_are_what_calibration_picks_here(hf_reference):
+    """engine/model/kernels/kept/keypairs-*.json: the rotary pair each KV head's int8 keys keep in float32
+    (csrc/ikeys.h) is what calibrating the float model picks on this host too, a pair index per KV head
+    and layer, and the served int8 model's k_proj layers carry them to the native forward."""
+    import json
+
+    from trserve.engine.model.kernels.outliers import SHIPPED, calibrate_pairs
+    from trserve.engine.model.loader import ModelConfig, load_model
+
+    (path,) = SHIPPED.glob(f"keypairs-{hf_reference.fingerprint}.json")
+    shipped = json.loads(path.read_text())["pairs"]
+    assert calibrate_pairs(hf_reference.model, hf_reference.tokenizer) == shipped
+    assert len(shipped) == 30 and all(len(p) == 3 and all(0 <= i < 32 for i in p) for p in shipped)
+    served = load_model(ModelConfig(arithmetic="int8", kernels="compressed"))
+    got = [layer.self_attn.k_proj.key_pair.tolist() for layer in served.model.get_decoder().layers]
+    assert got == shipped
