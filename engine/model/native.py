@@ -121,6 +121,9 @@ class NativeForward:
             mats = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
             pair = getattr(a.k_proj, "key_pair", None)  # int8: [kv_heads] int32 (kernels/outliers.py), or None
             if pair is not None:
+                if pair.dtype != torch.int32 or pair.shape != (self.kv_heads,) or not pair.is_contiguous():
+                    raise ValueError(f"native forward unavailable: layer {i}'s kept key pairs are not "
+                                     f"[{self.kv_heads}] int32")
                 self._keep.append(pair)
             layers[i] = _Layer(*norms, *(_qmat(x) for x in mats), pair.data_ptr() if pair is not None else None)
         self._layers = layers

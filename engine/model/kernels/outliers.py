@@ -101,12 +101,16 @@ def key_pairs(model: nn.Module, tokenizer, fingerprint: str, cache_dir: Path) ->
 
 def calibrate_pairs(model: nn.Module, tokenizer) -> list[list[int]]:
     """Per layer and KV head, the pair i whose norm sqrt(k_i^2 + k_(i+D/2)^2) peaks highest over the
-    calibration prompts' tokens (the first such i on a tie)."""
+    calibration prompts' tokens (the first such i on a tie); [] for a model without llama's layout
+    (layers with self_attn.k_proj), which the native forward does not run anyway."""
     cfg = model.config
     heads = cfg.num_attention_heads
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    layers = model.get_decoder().layers
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not layers or not all(isinstance(getattr(getattr(x, "self_attn", None), "k_proj", None), nn.Linear)
+                             for x in layers):
+        return []
     peaks: list[torch.Tensor | None] = [None] * len(layers)
 
     def hook(i):

@@ -222,6 +222,22 @@ def test_isa_builds_give_the_same_bits(tmp_path, isa, arithmetic, heads, key_pai
     assert torch.equal(outs[isa], outs[ref_isa])
 
 
+def test_kept_key_pairs_out_of_range_or_misshapen_are_refused(tmp_path):
+    """A kept key pair (csrc/ikeys.h) must name a rotary pair of the head (0 .. head_dim / 2 - 1), one per
+    KV head, as int32: else the native forward refuses the model instead of reading past them."""
+    from trserve.engine.model.native import NativeForward
+
+    model = quantized_llama(tmp_path, arithmetic="int8", key_pair=3)
+    NativeForward(model)
+    k = model.model.layers[1].self_attn.k_proj
+    k.key_pair = torch.tensor([16, 0], dtype=torch.int32)  # head_dim 32: pairs 0 .. 15
+    with pytest.raises(ValueError, match="out of range"):
+        NativeForward(model)
+    k.key_pair = torch.tensor([1], dtype=torch.int32)  # 2 KV heads
+    with pytest.raises(ValueError, match="int32"):
+        NativeForward(model)
+
+
 @pytest.mark.parametrize("arithmetic, seed", [("exact", 3), ("int8", 4)])  # seeds whose drafts get accepted
 def test_tr_equals_ar_on_the_native_forward(tmp_path, arithmetic, seed):
     from trserve.engine import Decoder, DecoderConfig, GenerationRequest
