@@ -314,7 +314,15 @@ INLINE void iscores(const int NQ, const int nb, int64_t D, int32_t kp, float sca
         for (int q = 0; q < NQ; q++) o[q] = scs[q] + j0;
         ikey_scores(NQ, nb, kp >= 0, iqs, panel, ks, scale, o);
     }
-    for (; j1 + IKEYS <= w; j1 += IKEYS) { /* a prefill chunk's keys (a tree step's are fewer) */
+    int64_t wv = 0; /* new columns up to the last any of the pass's queries sees (a prefill chunk's
+                     * early queries see few of them) */
+    for (int q = 0; q < NQ; q++)
+        for (int64_t j = w - 1; j >= wv; j--)
+            if (masks[q][j]) {
+                wv = j + 1;
+                break;
+            }
+    for (; j1 + IKEYS <= wv; j1 += IKEYS) { /* a prefill chunk's keys (a tree step's are fewer) */
         for (int l = 0; l < IKEYS; l++) row[l] = Kn + (j1 + l) * S;
         ikey_panel(row, D, kp, panel, ks);
         for (int q = 0; q < NQ; q++) o[q] = scs[q] + L + j1;
