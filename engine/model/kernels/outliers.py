@@ -35,17 +35,24 @@ MAX_TOKENS = 96  # per calibration prompt
 def kept_inputs(model: nn.Module, tokenizer, fingerprint: str, cache_dir: Path) -> dict[str, list[int]]:
     """Linear layer name -> the input dims it keeps in float32 (from the shipped or cached file, else
     calibrated now and cached)."""
-    name = f"kept-{fingerprint}.json"
+    kept = _shipped_or_cached(f"kept-{fingerprint}.json", cache_dir, "kept", lambda: calibrate(model, tokenizer),
+                              "kept inputs", {"fingerprint": fingerprint, "per_input": KEPT})
+    return {k: list(v) for k, v in kept.items()}
+
+
+def _shipped_or_cached(name: str, cache_dir: Path, field: str, compute, what: str, header: dict):
+    """`field` of the shipped or cached file `name`; else compute() now, written (with `header`) into
+    cache_dir by an atomic rename."""
     for path in (SHIPPED / name, cache_dir / name):
         if path.exists():
-            return {k: list(v) for k, v in json.loads(path.read_text())["kept"].items()}
-    kept = calibrate(model, tokenizer)
+            return json.loads(path.read_text())[field]
+    value = compute()
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f"{name}.tmp"
-    tmp.write_text(json.dumps({"fingerprint": fingerprint, "per_input": KEPT, "kept": kept}, sort_keys=True))
+    tmp.write_text(json.dumps({**header, field: value}, sort_keys=True))
     tmp.replace(cache_dir / name)
-    log.info("int8 arithmetic: kept inputs calibrated (%d layers) into %s", len(kept), cache_dir / name)
-    return kept
+    log.info("int8 arithmetic: %s calibrated (%d layers) into %s", what, len(value), cache_dir / name)
+    return value
 
 
 def calibrate(model: nn.Module, tokenizer, k: int = KEPT) -> dict[str, list[int]]:
@@ -86,17 +93,8 @@ def _run_prompts(model: nn.Module, tokenizer, handles: list) -> None:
 def key_pairs(model: nn.Module, tokenizer, fingerprint: str, cache_dir: Path) -> list[list[int]]:
     """Per decoder layer, per KV head: its kept pair i (dims i, i + head_dim / 2), from the shipped or
     cached `keypairs-<fingerprint>.json`, else calibrated now and cached."""
-    name = f"keypairs-{fingerprint}.json"
-    for path in (SHIPPED / name, cache_dir / name):
-        if path.exists():
-            return json.loads(path.read_text())["pairs"]
-    pairs = calibrate_pairs(model, tokenizer)
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = cache_dir / f"{name}.tmp"
-    tmp.write_text(json.dumps({"fingerprint": fingerprint, "pairs": pairs}))
-    tmp.replace(cache_dir / name)
-    log.info("int8 arithmetic: kept key pairs calibrated (%d layers) into %s", len(pairs), cache_dir / name)
-    return pairs
+    return _shipped_or_cached(f"keypairs-{fingerprint}.json", cache_dir, "pairs",
+                              lambda: calibrate_pairs(model, tokenizer), "kept key pairs", {"fingerprint": fingerprint})
 
 
 def calibrate_pairs(model: nn.Module, tokenizer) -> list[list[int]]:
