@@ -11,7 +11,7 @@ import torch
 from trserve.engine.constrained import constrained_draft
 from trserve.engine.model.runner import RowInput
 from trserve.engine.proposers import PROPOSERS, Proposer, Shapes, StepInfo
-from trserve.engine.sequence import Sequence
+from trserve.engine.sequence import Sequence, alone
 from trserve.engine.step import Draft
 from trserve.engine.tr.accept import Acceptance
 from trserve.engine.tree_budget import TreeBudget
@@ -38,20 +38,21 @@ class Drafter:
         step = StepInfo(budget, len(running), kv)
         staged, options = [], []
         for live in running:
-            live.proposer = None if live.session is None else next(p for p in self.proposers if p.takes(live))
-            stage, opts = (None, [PLAIN]) if live.proposer is None else live.proposer.offer(live, step)
+            stage, opts = None, [PLAIN]
+            with alone(live):  # a request whose drafting fails ends alone (a plain row until it retires)
+                live.proposer = None if live.session is None else next(p for p in self.proposers if p.takes(live))
+                if live.proposer is not None:
+                    stage, opts = live.proposer.offer(live, step)
             staged.append(stage)
             options.append(opts)
         chosen = budget.choose(options, kv)
         drafts, inputs, spent = [], [], []
         for live, stage, opts, j in zip(running, staged, options, chosen):
-            t0 = time.perf_counter()
-            option = opts[j]
-            draft = None if live.proposer is None or option[2] == 1 else live.proposer.draft(live, stage, option)
-            if live.proposer is not None and live.grammar is not None and budget.config.grammar_drafting:
-                template = live.tree.template
-                draft = constrained_draft(draft, live.grammar, live.root, template.max_width - 1,
-                                          lambda parent: self.shapes.of_parents(template, parent))
+            t0, draft = time.perf_counter(), None
+            if live.error is None:
+                with alone(live):
+                    draft = self._draft(live, stage, opts[j])
+                draft = draft if live.error is None else None
             drafts.append(draft)
             inputs.append(self._plain_input(live.root) if draft is None
                           else RowInput(draft.tokens, draft.tree.depth, draft.tree.mask))
@@ -59,6 +60,15 @@ class Drafter:
         widths = [r.tokens.shape[0] for r in inputs]
         self.width = sum(widths) if self.packed else len(widths) * max(widths)
         return drafts, inputs, spent
+
+    def _draft(self, live: Sequence, stage, option) -> Draft | None:
+        """`live`'s draft at the chosen option, shaped by its grammar where it has one (None: plain)."""
+        draft = None if live.proposer is None or option[2] == 1 else live.proposer.draft(live, stage, option)
+        if live.proposer is not None and live.grammar is not None and self.budget.config.grammar_drafting:
+            template = live.tree.template
+            draft = constrained_draft(draft, live.grammar, live.root, template.max_width - 1,
+                                      lambda parent: self.shapes.of_parents(template, parent))
+        return draft
 
     @staticmethod
     def learn(live: Sequence, draft: Draft, acc: Acceptance) -> None:

@@ -33,7 +33,7 @@ from trserve.engine.request.stops import StopChecker
 from trserve.engine.request.text import TextStream
 from trserve.engine.results import GenerationResult, GenerationStats, StepChunk
 from trserve.engine.scheduler import EngineConfig, Scheduler, StepTimes
-from trserve.engine.sequence import Sequence
+from trserve.engine.sequence import Sequence, alone
 from trserve.engine.step import accept_step
 from trserve.engine.tr.logprobs import record_logprobs, record_prompt_logprobs
 from trserve.engine.target import TargetModel
@@ -180,6 +180,9 @@ class BatchEngine:
             self._finish(live)
 
     def _guarded_step(self) -> None:
+        """One step; what a request's own part of it raises (its grammar, rules, logprobs, drafting) ends
+        that request alone (engine/sequence.py:alone); only a failure of the step as a whole (the batch forward) fails
+        every request in it."""
         try:
             self.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not stop serving
@@ -220,8 +223,12 @@ class BatchEngine:
     def _step(self) -> int:
         """One step, schedule -> run -> postprocess; returns the prompt tokens it prefilled."""
         self.steps += 1
-        prefilling = self._schedule()
-        chunk = self._prefill_chunk(prefilling) if prefilling is not None else 0  # run: a chunk of one prompt
+        prefilling, chunk = self._schedule(), 0
+        if prefilling is not None:  # run: a chunk of one prompt
+            with alone(prefilling):
+                chunk = self._prefill_chunk(prefilling)
+            if prefilling.error is not None and (gone := self.scheduler.drop_prefilling()) is not None:
+                self._finish(gone)  # failed before it joined the batch (after, it retires below)
         self._retire_finished()  # a first token (the prefill's) that met a stop: done before any decoding step
         if self.scheduler.running:
             self._postprocess(*self._run())  # one forward for every running request; accept, commit, emit
@@ -315,26 +322,34 @@ class BatchEngine:
         plain_rows = iter(root_rows([logits[i] for i in at], [tops[i] for i in at], [probs[i] for i in at], k,
                                     self.top_probs))  # recycled like any verified node's
         for live, draft, lg, top, q, spent in zip(running, drafts, logits, tops, probs, spent_drafting):
-            t0 = time.perf_counter()
-            if draft is None:  # plain decoding this step
-                chosen = choose(lg, live.sampler, len(live.generated), top, live.rules, [live.generated])
-                new, path = [int(chosen[0])], [0]
-                if live.session is not None:  # the root's top-k is recycled like any verified node's
-                    live.plain.append((live.root, *next(plain_rows)))
-            else:
-                acc, live.recycled = accept_step(live, draft, lg, k, self.runner.kv.length(live.row), top,
-                                                 self.top_probs if q is None else q)
-                new, path = acc.tokens, acc.path
-                self.drafter.learn(live, draft, acc)
-            keep.append(path)
-            new = record_logprobs(live, lg, live.commit(new), path)  # the logits row path[i] chose new[i]
-            live.accepted_per_step.append(len(new))
-            live.root = new[-1] if new else live.root
-            self._emit(live, new)
-            budget.costs.host(draft is not None, spent + time.perf_counter() - t0)
+            plain = next(plain_rows) if draft is None and live.session is not None else None
+            keep.append([0])  # a request that fails here keeps its root alone until it retires
+            if live.error is not None:  # failed while drafting
+                continue
+            with alone(live):
+                keep[-1] = self._accept(live, draft, lg, top, q, plain, spent)
         budget.trees_verified(sum(live.session is not None for live in running), sum(d is not None for d in drafts))
         self.runner.keep(keep)
 
+    def _accept(self, live: Sequence, draft, lg: torch.Tensor, top, q, plain, spent: float) -> list[int]:
+        """One request's accept, recycle, commit and emit; returns the path of its row the KV keeps."""
+        t0, k = time.perf_counter(), self.target.config.k
+        if draft is None:  # plain decoding this step
+            chosen = choose(lg, live.sampler, len(live.generated), top, live.rules, [live.generated])
+            new, path = [int(chosen[0])], [0]
+            if plain is not None:  # the root's top-k is recycled like any verified node's
+                live.plain.append((live.root, *plain))
+        else:
+            acc, live.recycled = accept_step(live, draft, lg, k, self.runner.kv.length(live.row), top,
+                                             self.top_probs if q is None else q)
+            new, path = acc.tokens, acc.path
+            self.drafter.learn(live, draft, acc)
+        new = record_logprobs(live, lg, live.commit(new), path)  # the logits row path[i] chose new[i]
+        live.accepted_per_step.append(len(new))
+        live.root = new[-1] if new else live.root
+        self._emit(live, new)
+        self.budget.costs.host(draft is not None, spent + time.perf_counter() - t0)
+        return path
     def cost(self, width: int, kv: int) -> float:
         """Seconds of a forward of `width` tokens at KV length `kv`, as the tree budget prices it."""
         return self.budget.cost(width, kv)
@@ -349,7 +364,8 @@ class BatchEngine:
     def _retire(self, done: list[Sequence]) -> None:
         if self.prefix is not None:  # their rows (prompt and committed tokens) for their tenants' next prompts
             for live in done:
-                self.prefix.keep(live.tenant, list(live.prepared.ids) + live.generated, self.runner.kv, live.row)
+                if live.error is None:  # a failed request's row may hold more than its committed tokens
+                    self.prefix.keep(live.tenant, list(live.prepared.ids) + live.generated, self.runner.kv, live.row)
         self.scheduler.retire(done)
         for live in done:
             self._finish(live)
@@ -369,6 +385,14 @@ class BatchEngine:
         raised: a caller always hears back (a finish that raised once left its caller waiting forever,
         its request already gone from every list the failed step's clean-up reads)."""
         self.scheduler.release(live)
+        if live.error is not None:  # it ended alone: its rows are not recycled, its caller gets the error
+            if live.session is not None:
+                try:
+                    live.session.close(None)
+                except Exception:  # noqa: BLE001
+                    log.exception("closing a failed request's draft session")
+            live.emit(live.error)
+            return
         try:
             result = self._result(live)
         except Exception as exc:  # noqa: BLE001 - the caller maps it to a status

@@ -3,8 +3,12 @@ what the engine, the scheduler and its draft method hold for it while it runs.""
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from trserve.core.errors import TRServeError
 
 from trserve.engine.request.request import PreparedRequest
 from trserve.engine.request.stops import StopChecker
@@ -19,6 +23,23 @@ from trserve.engine.tr.source import DraftSession
 from trserve.engine.tr.tree import CompiledTree
 from trserve.engine.tuning.online import OnlineTuner
 from trserve.engine.tuning.records import AcceptanceLog
+
+log = logging.getLogger("trserve.engine")
+
+
+@contextmanager
+def alone(live: Sequence) -> Iterator[None]:
+    """Around a request's own part of an engine step (its drafting, its choice, accept and commit, its
+    prefill): an exception there ends `live` alone (Sequence.fail; the engine retires it after the step
+    and its caller gets the exception), and the requests beside it go on."""
+    try:
+        yield
+    except Exception as exc:  # noqa: BLE001 - the request's caller maps it to a status
+        if isinstance(exc, TRServeError):
+            log.info("a request ended alone: %s", exc)
+        else:
+            log.exception("a request failed in its own part of a step; the requests beside it go on")
+        live.fail(exc)
 
 
 class Sequence:
@@ -52,6 +73,7 @@ class Sequence:
         self.prompt_logprobs: list | None = (
             [TokenLogprob(prepared.ids[0], None)] if prepared.request.prompt_logprobs is not None else None)
         self.finish_reason: str | None = None
+        self.error: Exception | None = None  # what ended it alone (its grammar, its rules): its caller gets it
         # ---- in the engine (engine/engine.py, engine/scheduler.py) ----
         self.emit = emit  # its StepChunks, then its GenerationResult (or the exception of a failed step)
         self.tree = tree  # the tree it drafts (None: plain decoding)
@@ -94,6 +116,12 @@ class Sequence:
         elif self.deadline is not None and time.monotonic() + ahead > self.deadline:
             self.finish_reason = "time_limit"
         return self.finish_reason is not None
+
+    def fail(self, exc: Exception) -> None:
+        """Something of this request's own (its grammar or rules, its logprobs) cannot go on: it ends
+        alone, its caller gets `exc`, and the requests beside it go on."""
+        self.error = exc
+        self.finish_reason = "error"
 
     @property
     def prompt_len(self) -> int:

@@ -110,8 +110,15 @@ class TargetModel:
         stop_ids = frozenset(check_token_ids(request.stop_token_ids, self.vocab_size, "stop token ids"))
         check_token_ids([i for i, _ in request.logit_bias], self.vocab_size, "logit_bias token ids")
         grammar = self.grammars.compile(request.structured) if request.structured is not None else None
-        return PreparedRequest(request, tuple(ids), tree, stop_ids | (frozenset() if request.ignore_eos else self.eos_ids),
-                               grammar)
+        stops = stop_ids | (frozenset() if request.ignore_eos else self.eos_ids)
+        if grammar is not None and request.min_tokens and stops:
+            first = grammar.first()  # [V]
+            first[[i for i in stops if i < first.shape[0]]] = False
+            if not first.any():
+                raise InvalidArgument(f"structured output {request.structured.kind!r} allows only a stop token "
+                                      f"first, and min_tokens={request.min_tokens} forbids stop tokens before then: "
+                                      "drop min_tokens or the stop ids the output would start with")
+        return PreparedRequest(request, tuple(ids), tree, stops, grammar)
 
     def _resolve_tree(self, tree: str | TreeTemplate | CompiledTree) -> CompiledTree:
         if isinstance(tree, CompiledTree):

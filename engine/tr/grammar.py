@@ -26,13 +26,22 @@ from dataclasses import dataclass
 
 import torch
 
-from trserve.core.errors import InvalidArgument
+from trserve.core.errors import InvalidArgument, OutputStuck
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # JSON as json.dumps writes it: one space after ':' and ',' and none elsewhere. Small models ramble
 # whitespace where it is free (vLLM's default); this keeps replies compact and forces more tokens.
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 MAX_SPEC_CHARS = 100_000
+# Tokens a new grammar is walked at validation (the lowest id it allows, or what it forces, each step):
+# the grammar engine's limits (items a parser row, lexer states) mostly bite in the first tokens, and a
+# request that would hit them there is refused with the limit's words before it takes a row.
+PROBE_TOKENS = 4
+
+
+def engine_error(matcher) -> str:
+    """The first line of the grammar engine's error (the rest is its parser state dump)."""
+    return (matcher.get_error() or "unknown error").strip().splitlines()[0]
 
 
 @dataclass(frozen=True)
@@ -105,13 +114,18 @@ class GrammarCompiler:
 
         try:
             text = spec.grammar()
-        except (ValueError, SyntaxError, KeyError, IndexError) as e:  # the GBNF converter's
-            raise InvalidArgument(f"structured output {spec.kind!r} cannot be read: {e}") from None
+        except RecursionError:  # the GBNF converter recurses per nested group
+            raise InvalidArgument(f"structured output {spec.kind!r} nests too deeply to be read") from None
+        except Exception as e:  # noqa: BLE001 - the converters raise their own (GbnfToLarkError, bare Exception)
+            raise InvalidArgument(f"structured output {spec.kind!r} cannot be read: "
+                                  f"{type(e).__name__}: {str(e).strip() or 'no message'}") from None
         tok = self.tokenizer()
         error = LLMatcher.validate_grammar(text, tok)
         if error and not error.startswith("WARNING"):
             raise InvalidArgument(f"structured output {spec.kind!r} cannot be compiled: {error.strip()}")
-        return CompiledGrammar(spec, text, tok, self.vocab_size)
+        compiled = CompiledGrammar(spec, text, tok, self.vocab_size)
+        compiled.probe(self._eos)
+        return compiled
 
 
 @dataclass(frozen=True)
@@ -128,15 +142,47 @@ class CompiledGrammar:
 
         m = LLMatcher(self.tokenizer, self.text, log_level=0)
         if m.is_error():
-            raise InvalidArgument(f"structured output {self.spec.kind!r}: {m.get_error()}")
-        return Grammar(m, self.vocab_size)
+            raise InvalidArgument(f"structured output {self.spec.kind!r}: {engine_error(m)}")
+        return Grammar(m, self.vocab_size, self.spec.kind)
+
+    def first(self) -> torch.Tensor:
+        """[V] bool: the ids the grammar allows as the output's first token."""
+        return self.matcher().allowed([[]])[0]
+
+    def probe(self, eos: list[int]) -> None:
+        """Refuse at validation (InvalidArgument naming why) a grammar that can match no output, one
+        that allows only the empty output where a JSON value is required, and one that hits a limit of
+        the grammar engine within its first PROBE_TOKENS tokens (walking the lowest allowed id)."""
+        g, kind = self.matcher(), self.spec.kind
+        try:
+            g.allowed([[]])
+        except OutputStuck as e:  # no token, not even the stop, can start it
+            raise InvalidArgument(f"structured output {kind!r} can match no output (the grammar engine: {e.why}); "
+                                  "check it for a rule that only refers to itself, an empty character class or a $ref loop") from None
+        if kind in ("json_schema", "json_object") and g.m.is_accepting():
+            raise InvalidArgument(f"structured output {kind!r} matches only the empty output, which is not a "
+                                  "JSON value: check the schema's $ref and types")
+        try:
+            for _ in range(PROBE_TOKENS):
+                ids = g.forced()[:1]
+                if not ids:
+                    ok = g.allowed([[]])[0]  # [V]
+                    ok[list(eos)] = False
+                    ids = ok.nonzero().flatten()[:1].tolist()
+                if not ids or g.take(ids) == 0 or g.done:
+                    return
+        except OutputStuck as e:
+            raise InvalidArgument(f"structured output {kind!r} exceeds a limit of the grammar engine within its "
+                                  f"first {g.committed + 1} tokens: {e.why}; simplify it (fewer alternatives or "
+                                  "optional properties at one level, shorter repetitions)") from None
 
 
 class Grammar:
-    """One request's grammar state, after its committed output tokens."""
+    """One request's grammar state, after its committed output tokens. Where the grammar engine cannot
+    go on (a limit of its parser or lexer, or a path it refuses), OutputStuck: the request ends alone."""
 
-    def __init__(self, matcher, vocab_size: int) -> None:
-        self.m, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher, vocab_size: int, kind: str = "grammar") -> None:
+        self.m, self.vocab_size, self.kind = matcher, vocab_size, kind
         self.words = (vocab_size + 31) // 32
         self.committed = 0  # output tokens consumed
         self.done = False  # the grammar is complete and takes nothing more
@@ -145,10 +191,12 @@ class Grammar:
         """paths [n] (tokens after the committed output) -> [n, V] bool: what each may be followed by."""
         bits = torch.zeros((len(paths), self.words), dtype=torch.int32)  # [n, V/32]
         for i, path in enumerate(paths):
-            if path and not self.m.consume_tokens(path):
-                raise AssertionError(f"a path the grammar forbids reached a choice: {path}")  # the masks prevent it
+            if path and not self.m.consume_tokens(path):  # the masks prevent it but for the engine's limits
+                self._stuck(f"after {self.committed} output tokens, {len(path)} drafted")
             row = bits[i]
             self.m.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * 4)
+            if self.m.is_error():  # an error while masking leaves a mask of the stop alone: not the grammar's
+                self._stuck(f"after {self.committed + len(path)} output tokens")
             if path:
                 self.m.rollback(len(path))
         shifts = torch.arange(32, dtype=torch.int32)
@@ -169,10 +217,15 @@ class Grammar:
             if self.done:
                 return n
             if not self.m.consume_token(t):
-                raise AssertionError(f"the grammar refused committed token {t}: {self.m.get_error()}")
+                self._stuck(f"at output token {self.committed}")
             self.committed += 1
             self.done = self.m.is_stopped()
         return len(tokens)
+
+    def _stuck(self, where: str) -> None:
+        raise OutputStuck(f"structured output {self.kind!r} cannot go on {where}: the grammar engine says "
+                          f"{engine_error(self.m)!r}; simplify the grammar (fewer alternatives or optional "
+                          "properties a level, shorter repetitions)", why=engine_error(self.m))
 
     def valid_prefix(self, path: list[int]) -> int:
         """How many leading tokens of `path` (after the committed output) the grammar allows."""
@@ -180,4 +233,9 @@ class Grammar:
 
     def forced(self) -> list[int]:
         """The tokens the grammar forces next (its only choices, whatever the model says); [] if none."""
-        return [] if self.done else list(self.m.compute_ff_tokens())
+        if self.done:
+            return []
+        forced = list(self.m.compute_ff_tokens())
+        if self.m.is_error():
+            self._stuck(f"after {self.committed} output tokens")
+        return forced

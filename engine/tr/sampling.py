@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trserve.core.errors import InvalidArgument
+from trserve.core.errors import InvalidArgument, OutputStuck
 
 MAX_SEED = 2**64 - 1
 # Sampling temperatures outside [MIN, MAX] are refused: below ~1e-37 logits / T overflow float32
@@ -217,6 +217,12 @@ def choose(logits: torch.Tensor, sampler: Sampler | None, positions: torch.Tenso
     """
     if rules is not None:
         logits, topk = rules.apply(logits, positions, contexts), None
+        dead = torch.isneginf(logits.max(dim=-1).values).nonzero().flatten()  # rows with nothing allowed
+        if dead.numel():
+            at = positions if isinstance(positions, int) else int(positions[dead[0]])
+            raise OutputStuck(f"no token is allowed at output token {at}: the request's structured output allows "
+                              f"only stop tokens there and min_tokens={rules.min_tokens} forbids them",
+                              why=f"no token allowed at output token {at}")
     if sampler is None:
         return topk[:, 0].long() if topk is not None else logits.argmax(dim=-1)
     if isinstance(positions, int):

@@ -20,6 +20,16 @@ class InvalidArgument(TRServeError, ValueError):
     status = "INVALID_ARGUMENT"
 
 
+class OutputStuck(InvalidArgument):
+    """A request's own output rules cannot go on while it decodes: its grammar hit a limit of the grammar
+    engine, or its rules (grammar, min_tokens, stop ids) leave no token allowed. That request alone
+    ends with this; the same request would end the same way again. `why`: the cause alone."""
+
+    def __init__(self, message: str, why: str = "") -> None:
+        super().__init__(message)
+        self.why = why or message
+
+
 class NotFound(TRServeError, LookupError):
     """A named thing (tenant, version, tree template) does not exist."""
 

@@ -10,7 +10,7 @@ import json
 import pytest
 import torch
 
-from trserve.core.errors import InvalidArgument
+from trserve.core.errors import InvalidArgument, OutputStuck
 from trserve.engine.constrained import constrained_draft
 from trserve.engine.step import Draft
 from trserve.engine.tr.grammar import GrammarCompiler, StructuredOutput
@@ -96,3 +96,69 @@ def test_gbnf_grammars_are_taken_too(compiler, ids) -> None:
     a, b, c, x = ids("a", "b", "c", "x")
     ok = g.allowed([[a]])
     assert ok[0, b] and ok[0, c] and not ok[0, x]
+
+
+# a schema the validation walk passes (it stays in the free string) whose second key opens a level of
+# 1000 optional properties: past the parser's 2000 items a row once the model closes the string
+LATE_LIMIT = {"type": "object", "required": ["name", "a"], "additionalProperties": False, "properties": {
+    "name": {"type": "string"}, "a": {"type": "object", "properties": {f"p{i}": {"type": "integer"}
+                                                                        for i in range(1000)}}}}
+
+
+@pytest.mark.parametrize("spec, words", [  # issue 56, defects 1-3: each refused at validation, naming why
+    (StructuredOutput("choice", choices=tuple(f"opt{i}" for i in range(2001))), "max is 2000"),
+    (StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {
+        f"p{i}": {"type": "integer"} for i in range(1000)}})), "limit of the grammar engine.*max is 2000"),
+    (StructuredOutput("regex", "(a{1000}){1000}"), "limit of the grammar engine.*too many expressions"),
+    (StructuredOutput("grammar", 'start: "a" start'), "limit of the grammar engine"),
+    (StructuredOutput("json_schema", json.dumps({"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/a"}}})),
+     "can match no output"),
+    (StructuredOutput("regex", "[^\\s\\S]"), "can match no output"),
+    (StructuredOutput("grammar", "start: start"), "can match no output"),
+    (StructuredOutput("grammar", "root ::= (((("), "cannot be read: GbnfToLarkError: Expected '\\)'"),
+    (StructuredOutput("grammar", "root ::= ["), "cannot be read: GbnfToLarkError: Unexpected end"),
+    (StructuredOutput("grammar", "root ::= x{5,2}"), "cannot be read: .*Rule 'x' not found"),
+    (StructuredOutput("grammar", "root ::= " + "(" * 3000 + '"a"' + ")" * 3000), "nests too deeply"),
+])
+def test_grammars_that_cannot_be_served_are_refused_naming_why(compiler, spec, words) -> None:
+    with pytest.raises(InvalidArgument, match=words):
+        compiler.compile(spec)
+
+
+@pytest.mark.parametrize("spec", [
+    StructuredOutput("regex", "a{0}"),  # the empty output is a match: served (it stops at once)
+    StructuredOutput("choice", choices=tuple(f"opt{i}" for i in range(1500))),
+    StructuredOutput("json_schema", json.dumps({"type": "object", "properties": {
+        f"p{i}": {"type": "integer"} for i in range(400)}})),
+    StructuredOutput("json_schema", json.dumps({"$defs": {"A": {"type": "object", "properties": {
+        "x": {"type": "integer"}}}}, "type": "object", "properties": {"a": {"$ref": "#/$defs/A"}}})),
+])
+def test_grammars_within_the_limits_are_taken(compiler, spec) -> None:
+    compiler.compile(spec)
+
+
+def test_a_limit_met_while_decoding_ends_with_output_stuck(compiler, loaded_smollm2) -> None:
+    """Past the validation walk, the grammar engine's limit is OutputStuck (the request ends alone),
+    never an assertion or a mask of the stop alone."""
+    g = compiler.compile(StructuredOutput("json_schema", json.dumps(LATE_LIMIT))).matcher()
+    tokens = loaded_smollm2.tokenizer.encode('{"name": "Bob", "a": {"p1": 1}}')
+    with pytest.raises(OutputStuck, match="max is 2000"):
+        for t in tokens:
+            g.allowed([[]])
+            g.take([t])
+    assert 3 < g.committed < len(tokens) - 3  # past the walk, before the object closed
+
+
+def test_no_allowed_token_is_output_stuck(compiler, ids) -> None:
+    """A grammar that allows only the stop where min_tokens forbids it: the row has no allowed token."""
+    from trserve.engine.tr.rules import LogitRules
+    from trserve.engine.tr.sampling import choose
+
+    g = compiler.compile(StructuredOutput("regex", "ab")).matcher()
+    g.take(ids("a", "b"))
+    eos = compiler._eos[0]
+    rules = LogitRules(torch.zeros(0, dtype=torch.long), torch.zeros(0), torch.tensor([eos]), 5, grammar=g)
+    logits = torch.randn(1, compiler.vocab_size)
+    with pytest.raises(OutputStuck, match="no token is allowed at output token 2.*min_tokens=5"):
+        choose(logits, None, 2, rules=rules, contexts=[[]])
+    assert int(choose(logits, None, 5, rules=rules, contexts=[[]])[0]) == eos  # past min_tokens: the stop
