@@ -73,14 +73,28 @@ class JsonFormatter(logging.Formatter):
         import json
         from datetime import datetime, timezone
 
+        from trserve.services.common.logcontext import escape_controls
+
         stamp = datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds")
         out = {"time": stamp.replace("+00:00", "Z"), "level": record.levelname, "logger": record.name,
-               "message": record.getMessage()}
+               "message": escape_controls(record.getMessage())}  # as the text format writes it
         if getattr(record, "request_id", None):
             out["request_id"] = record.request_id
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return json.dumps(out, ensure_ascii=False)
+
+
+def log_handler(log_format: str, stream=None) -> logging.Handler:
+    """The handler every command logs through: each line carries its request's id, and no value a caller
+    controls can break a line (text: control characters escaped; JSON: escaped by JSON itself)."""
+    from trserve.services.common.logcontext import RequestIdFilter, TextFormatter
+
+    handler = logging.StreamHandler(stream)
+    handler.addFilter(RequestIdFilter())  # a request's id on each line logged on its behalf
+    handler.setFormatter(JsonFormatter() if log_format == "json"
+                         else TextFormatter("%(asctime)s %(levelname)s %(name)s: %(message)s%(request_suffix)s"))
+    return handler
 
 
 def main(argv: list[str] | None = None, environ: dict[str, str] | None = None,
@@ -96,13 +110,7 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None,
         check_parsed(args)  # a bad variable counts only where the command line did not give its flag
     except BadEnv as bad:
         parser.exit(2, f"trserve {args.command or ''}: error: {bad}\n".replace("trserve : ", "trserve: "))
-    from trserve.services.common.logcontext import RequestIdFilter
-
-    handler = logging.StreamHandler()
-    handler.addFilter(RequestIdFilter())  # a request's id on each line logged on its behalf
-    handler.setFormatter(JsonFormatter() if args.log_format == "json"
-                         else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s%(request_suffix)s"))
-    logging.basicConfig(level=getattr(logging, args.log_level), handlers=[handler])
+    logging.basicConfig(level=getattr(logging, args.log_level), handlers=[log_handler(args.log_format)])
     if not getattr(args, "func", None):
         parser.print_help()
         return 2

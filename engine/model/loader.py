@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from trserve.core.errors import InvalidArgument, NotFound
+from trserve.core.errors import FailedPrecondition, InvalidArgument, NotFound
 from trserve.engine.model.choices import (ARITHMETIC_CHOICES, ARITHMETICS, BATCH_STEPS, BUILTIN_MODEL, FORWARDS,  # noqa: F401 - re-exported
                                          KERNELS)
 from trserve.engine.model.paths import default_cache_dir
@@ -188,9 +188,40 @@ def resolve_source(config: ModelConfig) -> str:
         if not Path(config.source).is_file():
             raise NotFound(f"the GGUF file {config.source!r} does not exist")
         return str(gguf_model_dir(Path(config.source), config.cache_dir))
-    if not Path(config.source).is_dir():
+    path = Path(config.source)
+    if path.is_dir():
+        check_model_dir(path)
+    elif path.exists():
+        raise NotFound(f"--model {config.source!r} is a file but not a .gguf one: pass a GGUF file or a "
+                       "transformers checkpoint directory (config.json, tokenizer, weights)")
+    elif config.source.startswith((".", "/", "~")) or config.source.count("/") > 1:
+        raise NotFound(f"--model {config.source!r} does not exist (not a file or directory here)")
+    else:
         _check_hub_model(config.source)
     return config.source
+
+
+WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
+TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "*.tiktoken")
+
+
+def check_model_dir(path: Path) -> None:
+    """NotFound naming `path` and what it lacks, where it is no transformers checkpoint: config.json,
+    a tokenizer (tokenizer.json, tokenizer.model, vocab.json, ...) and weights (safetensors or .bin)."""
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json")
+    if not any(any(path.glob(p)) for p in TOKENIZER):
+        missing.append("a tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
+    if not any(any(path.glob(p)) for p in WEIGHTS):
+        missing.append("weights (*.safetensors or pytorch_model*.bin)")
+    if missing:
+        raise NotFound(f"--model directory {str(path)!r} is not a transformers checkpoint: it lacks "
+                       f"{', '.join(missing)}")
+
+
+def _first_line(e: Exception) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0]
 
 
 def _check_hub_model(source: str) -> None:
@@ -269,7 +300,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     except OSError as e:
-        raise NotFound(f"cannot load model {config.source!r}: {e}") from None
+        raise NotFound(f"cannot load model {config.source!r}: {_first_line(e)}") from None
+    except (ValueError, TypeError, KeyError, ImportError, AttributeError) as e:  # a checkpoint transformers cannot read
+        raise FailedPrecondition(f"cannot load model {config.source!r}: {type(e).__name__}: {_first_line(e)}") from None
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
     model.to(device).eval()
@@ -304,7 +337,9 @@ def model_spec_of(config: ModelConfig, k: int):
         tokenizer = AutoTokenizer.from_pretrained(path)
         model_config = AutoConfig.from_pretrained(path)
     except OSError as e:
-        raise NotFound(f"cannot load model {config.source!r}: {e}") from None
+        raise NotFound(f"cannot load model {config.source!r}: {_first_line(e)}") from None
+    except (ValueError, TypeError, KeyError, ImportError, AttributeError) as e:  # a checkpoint transformers cannot read
+        raise FailedPrecondition(f"cannot load model {config.source!r}: {type(e).__name__}: {_first_line(e)}") from None
     return ModelSpec(model_fingerprint(tokenizer, model_config), int(model_config.vocab_size), k)
 
 

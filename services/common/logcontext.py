@@ -15,6 +15,24 @@ from contextvars import ContextVar
 REQUEST_ID: ContextVar[str | None] = ContextVar("trserve_request_id", default=None)
 HEADER = "x-request-id"
 _SANE = re.compile(r"[A-Za-z0-9._:+=/@-]{1,128}")  # what is echoed and logged as given
+# what could end or rewrite a log line on a terminal or in a line-based collector: C0 and C1 controls
+# (newline, carriage return, escape sequences), DEL, and Unicode's line and paragraph separators
+_CONTROLS = re.compile("[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def escape_controls(text: str) -> str:
+    """`text` with each control character written as its Python escape (\\n, \\x1b, \\u2028): a logged
+    value a caller controls (a decoded path, a header, a tenant, a model name) stays on its own line."""
+    return _CONTROLS.sub(lambda m: m.group().encode("unicode_escape").decode("ascii"), text)
+
+
+class TextFormatter(logging.Formatter):
+    """The text log format, one line per record: the message's control characters escaped (a traceback,
+    when there is one, follows on lines of its own as Python writes it)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        record.message = escape_controls(record.message)
+        return super().formatMessage(record)
 
 
 def request_id(given: str | None) -> str:

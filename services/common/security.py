@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 
 from trserve.core.tenants import validate_tenant_id
+from trserve.services.common.logcontext import HEADER, REQUEST_ID, request_id
 
 AUTH_HEADER = "authorization"
 MIN_SECRET_CHARS = 16
@@ -193,9 +194,18 @@ def _handler_like(handler: grpc.RpcMethodHandler, behavior: Callable) -> grpc.Rp
                 response_serializer=handler.response_serializer)
 
 
+async def refuse_call(context: grpc.aio.ServicerContext, code: grpc.StatusCode, details: str) -> None:
+    """An interceptor's refusal, with the call's request id in its trailing metadata as every other error
+    has it (the caller's plain `x-request-id`, else a new one; set as the log context too)."""
+    given = next((value for key, value in context.invocation_metadata() or () if key == HEADER), None)
+    rid = request_id(given if isinstance(given, str) else None)
+    REQUEST_ID.set(rid)
+    await context.abort(code, details, trailing_metadata=((HEADER, rid),))
+
+
 def _refusing(handler: grpc.RpcMethodHandler, code: grpc.StatusCode, details: str) -> grpc.RpcMethodHandler:
     async def refuse(request, context: grpc.aio.ServicerContext) -> None:
-        await context.abort(code, details)
+        await refuse_call(context, code, details)
 
     return _handler_like(handler, refuse)
 
@@ -291,11 +301,11 @@ class TenantAuth(_BearerAuth):
         async def check(request, context: grpc.aio.ServicerContext) -> None:
             asked = getattr(request, "tenant", None)
             if asked is not None and (asked or self._default) != tenant:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                                    f"this token belongs to another tenant than {asked or self._default!r}")
+                await refuse_call(context, grpc.StatusCode.PERMISSION_DENIED,
+                                  f"this token belongs to another tenant than {asked or self._default!r}")
             problem = domain_refusal(self._tokens, tenant, request)
             if problem is not None:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, problem)
+                await refuse_call(context, grpc.StatusCode.PERMISSION_DENIED, problem)
 
         if handler.response_streaming:
             async def stream(request, context: grpc.aio.ServicerContext):

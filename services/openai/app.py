@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import math
@@ -41,6 +40,7 @@ from trserve.services.common.errors import status_for
 from trserve.services.openai import convert
 from trserve.services.openai.convert import BadParam, ModelNotFound
 from trserve.services.openai.observe import RequestLog
+from trserve.services.openai.options import Vocabulary
 from trserve.services.openai.streams import first_items, merged
 from trserve.services.worker.admission import QueueFull
 from trserve.services.worker.servicer import GenerateServicer, StreamEnd
@@ -157,9 +157,9 @@ class OpenAIApp:
         self.model_id = servicer.model_name
         self.fingerprint = servicer.decoder.fingerprint
         self.created = int(time.time())
-        tokenizer = servicer.decoder.tokenizer
-        # a token's text, for logprobs (the engine thread decodes too: decoding is safe to share)
-        self.token_text = functools.lru_cache(maxsize=1 << 16)(lambda token: tokenizer.decode([token]))
+        decoder = servicer.decoder
+        # each token's own bytes, as the grammar engine reads the vocabulary (its view is built on first use)
+        self.vocab = Vocabulary(decoder.tokenizer, lambda token: decoder.grammars.tokenizer().decode_bytes([token]))
 
     def asgi(self):
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -271,7 +271,7 @@ class OpenAIApp:
         self._count(method, None)
         results = [result for result, _ in done]
         request.state.tokens = (results[0].stats.prompt_tokens, sum(r.stats.generated_tokens for r in results))
-        return JSONResponse(convert.completion(req, results, done[0][1].queue_s, self.fingerprint, self.token_text))
+        return JSONResponse(convert.completion(req, results, done[0][1].queue_s, self.fingerprint, self.vocab))
 
     async def _complete_while_connected(self, request: Request, generate, deadline: HttpDeadline):
         """servicer.complete of a Generate request, cancelled (its decode slot freed at the next step)
@@ -294,7 +294,7 @@ class OpenAIApp:
         """Waits for each choice's first chunk (after the prefills), so refusals are still plain HTTP errors."""
         streams = [self.servicer.stream(r, deadline) for r in convert.choice_requests(req)]
         firsts = await first_items(streams)
-        writers = convert.ChunkWriter.of(req, self.fingerprint, self.token_text).choices(len(streams))
+        writers = convert.ChunkWriter.of(req, self.fingerprint, self.vocab).choices(len(streams))
         return StreamingResponse(self._events(writers, merged(streams, firsts, StreamEnd), method, state),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                           "X-Accel-Buffering": "no"})

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from trserve.engine.results import GenerationResult, GenerationStats
 from trserve.services.openai.errors import BadParam, ModelNotFound  # noqa: F401 - re-exported
-from trserve.services.openai.options import (echo_options, logprobs_json, logprobs_options, rules_options,
+from trserve.services.openai.options import (Vocabulary, echo_options, logprobs_json, logprobs_options, rules_options,
                                              structured_options)
 from trserve.services.openai.tools import assistant_content, tool_calls, tool_options
 from trserve.v1 import generate_pb2 as pb
@@ -237,19 +237,19 @@ def extras(result: GenerationResult, finish_reason: str, queue_s: float, tenant:
 
 
 def completion(req: OpenAIRequest, result: GenerationResult | list[GenerationResult], queue_s: float,
-               fingerprint: str, token_text) -> dict:
-    """The non-streamed answer, of one result or of each choice's; `token_text(id)`: a token's text
-    (for logprobs). trserve's own figures are the first choice's."""
+               fingerprint: str, vocab: Vocabulary) -> dict:
+    """The non-streamed answer, of one result or of each choice's; `vocab`: the tokens' bytes and text
+    (for logprobs and echo). trserve's own figures are the first choice's."""
     results = result if isinstance(result, list) else [result]
     choices = []
     for i, r in enumerate(results):
         text, logprobs = ("", () if r.logprobs is not None else None) if req.echo_only else (r.text, r.logprobs)
         if req.echo is not None:  # completions' echo: the prompt first, its logprobs too where asked
-            prompt = req.echo or "".join(token_text(lp.token) for lp in r.prompt_logprobs or ())
+            prompt = req.echo or vocab.text([lp.token for lp in r.prompt_logprobs or ()])
             text = prompt + text
             logprobs = (*r.prompt_logprobs, *logprobs) if logprobs is not None else None
         choice: dict = {"index": i, "finish_reason": "length" if req.echo_only else FINISH[r.finish_reason],
-                        "logprobs": logprobs_json(req.kind, logprobs, token_text)}
+                        "logprobs": logprobs_json(req.kind, logprobs, vocab)}
         calls = tool_calls(text, req.tools) if req.tools and r.finish_reason == "grammar" else None
         if calls:
             choice.update(finish_reason="tool_calls", message={"role": "assistant", "content": None, "tool_calls": calls})
@@ -275,23 +275,23 @@ class ChunkWriter:
     id: str
     created: int
     fingerprint: str
-    token_text: object = None  # id -> the token's text (for logprobs)
-    offset: int = 0  # characters of token text the chunks' logprobs have covered (completions' text_offset)
+    vocab: Vocabulary | None = None  # the tokens' bytes and text (for logprobs)
+    offset: int = 0  # characters of text the chunks' logprobs have covered (completions' text_offset)
     held: str = ""  # a tool call's text so far: sent whole as tool_calls at the end
     index: int = 0  # the choice these chunks are of (n > 1: one writer per choice, one id)
     started: bool = False  # a chunk was sent (the first carries the role)
 
     @classmethod
-    def of(cls, req: OpenAIRequest, fingerprint: str, token_text=None) -> ChunkWriter:
-        return cls(req, new_id(req.kind), int(time.time()), fingerprint, token_text)
+    def of(cls, req: OpenAIRequest, fingerprint: str, vocab: Vocabulary | None = None) -> ChunkWriter:
+        return cls(req, new_id(req.kind), int(time.time()), fingerprint, vocab)
 
     def chunk(self, text: str | None, finish_reason: str | None = None, role: bool = False,
               token_ids: list[int] | None = None, logprobs=None) -> dict:
         if self.req.tools and finish_reason is None:
             self.held, text = self.held + (text or ""), None
-        lp = logprobs_json(self.req.kind, logprobs, self.token_text, self.offset) if logprobs else None
+        lp = logprobs_json(self.req.kind, logprobs, self.vocab, self.offset) if logprobs else None
         if lp is not None and self.req.kind != "chat":
-            self.offset = lp["text_offset"][-1] + len(lp["tokens"][-1]) if lp["tokens"] else self.offset
+            self.offset += self.vocab.chars([x.token for x in logprobs])
         choice: dict = {"index": self.index, "finish_reason": finish_reason, "logprobs": lp}
         if self.req.kind == "chat":
             delta = {"role": "assistant"} if role else {}

@@ -5,6 +5,8 @@ OpenAI's logprobs object of an answer."""
 
 from __future__ import annotations
 
+import functools
+
 import json
 
 from trserve.services.openai.errors import BadParam
@@ -84,25 +86,48 @@ def logprobs_options(body: dict, kind: str, req: pb.GenerateRequest) -> None:
     req.logprobs, req.top_logprobs = True, logprobs
 
 
-def logprobs_json(kind: str, logprobs, token_text, offset: int = 0) -> dict | None:
+class Vocabulary:
+    """The served model's tokens as logprobs and echo show them. `token_bytes(id)`: a token's own bytes
+    (a token may hold part of a character: an emoji or a CJK character is often split over two or three)."""
+
+    def __init__(self, tokenizer, token_bytes) -> None:
+        self._tokenizer = tokenizer
+        self.bytes = functools.lru_cache(maxsize=1 << 16)(token_bytes)
+
+    def piece(self, token: int) -> str:
+        """A token's text where its bytes are whole UTF-8, else OpenAI's spelling of raw bytes
+        ("bytes:\\xf0\\x9f"); `bytes` in the logprobs carries the bytes themselves either way."""
+        raw = self.bytes(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+
+    def text(self, ids: list[int]) -> str:
+        """The text of token ids together (characters split across tokens whole)."""
+        return self._tokenizer.decode(list(ids))
+
+    def chars(self, ids: list[int]) -> int:
+        """Characters the text of `ids` adds after text ending on a character boundary (a character's
+        last bytes count it; its first bytes alone count nothing)."""
+        return len(b"".join(self.bytes(i) for i in ids).decode("utf-8", "ignore"))
+
+
+def logprobs_json(kind: str, logprobs, vocab: Vocabulary, offset: int = 0) -> dict | None:
     """OpenAI's logprobs object of these tokens (engine TokenLogprobs; None where none were asked):
-    chat's {"content": [...]} or completions' tokens / token_logprobs / top_logprobs / text_offset
-    (`offset`: the characters of completion text before the first of them)."""
+    chat's {"content": [...]} with each token's own bytes, or completions' tokens / token_logprobs /
+    top_logprobs / text_offset (`offset`: the characters of completion text before the first of them)."""
     if logprobs is None:
         return None
     if kind == "chat":
         def entry(token: int, logprob: float) -> dict:
-            text = token_text(token)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            return {"token": vocab.piece(token), "logprob": logprob, "bytes": list(vocab.bytes(token))}
         return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
                             for lp in logprobs], "refusal": None}
-    tokens = [token_text(lp.token) for lp in logprobs]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [lp.logprob for lp in logprobs],
-            "top_logprobs": [{token_text(i): v for i, v in lp.top} if lp.logprob is not None else None
+    ids = [lp.token for lp in logprobs]
+    offsets = [offset + vocab.chars(ids[:i]) for i in range(len(ids))]
+    return {"tokens": [vocab.piece(i) for i in ids], "token_logprobs": [lp.logprob for lp in logprobs],
+            "top_logprobs": [{vocab.piece(i): v for i, v in lp.top} if lp.logprob is not None else None
                              for lp in logprobs] if any(lp.top for lp in logprobs) else None, "text_offset": offsets}
 
 

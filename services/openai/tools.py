@@ -53,11 +53,33 @@ def tool_options(body: dict, req: pb.GenerateRequest, kind: str) -> tuple[str, .
         functions = {name: functions[name]}
     if req.HasField("structured_output"):
         raise BadParam("a tool call and response_format (or guided_*) cannot both shape one reply", "tool_choice")
-    calls = [{"type": "object", "properties": {"name": {"const": n}, "arguments": f.get("parameters") or {"type": "object"}},
-              "required": ["name", "arguments"], "additionalProperties": False} for n, f in functions.items()]
-    req.structured_output.json_schema = json.dumps(calls[0] if len(calls) == 1 else {"anyOf": calls})
+    req.structured_output.json_schema = json.dumps(call_schema(functions))
     _describe(req, functions)
     return tuple(functions)
+
+
+def call_schema(functions: dict[str, dict]) -> dict:
+    """The JSON Schema of a reply that calls one of `functions`: {"name": its name, "arguments": its
+    parameters}. Each function's parameters are a schema document of their own (pydantic's `$defs` and
+    `#/...` refs point into them): kept whole under the wrapper's $defs, their local refs re-rooted there,
+    so whatever validates as response_format validates as a tool's parameters."""
+    defs, calls = {}, []
+    for i, (name, f) in enumerate(functions.items()):
+        at = f"/$defs/tool_{i}"
+        defs[f"tool_{i}"] = _rerooted(f.get("parameters") or {"type": "object"}, at)
+        calls.append({"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": "#" + at}},
+                      "required": ["name", "arguments"], "additionalProperties": False})
+    return {"$defs": defs, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
+
+
+def _rerooted(schema: object, at: str) -> object:
+    """`schema` with every local "$ref" ("#", "#/...") pointing at the same place below JSON pointer `at`."""
+    if isinstance(schema, dict):
+        return {k: "#" + at + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rerooted(v, at)
+                for k, v in schema.items()}
+    if isinstance(schema, list):
+        return [_rerooted(v, at) for v in schema]
+    return schema
 
 
 def _functions(tools: object) -> dict[str, dict]:

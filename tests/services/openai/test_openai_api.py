@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import openai
@@ -31,7 +32,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    """A `trserve serve` process: (gRPC address, OpenAI base URL)."""
+    """A `trserve serve` process: (gRPC address, OpenAI base URL, its log file)."""
     tmp = tmp_path_factory.mktemp("openai")
     (tmp / "tokens.json").write_text(json.dumps(TOKENS))
     log = (tmp / "serve.log").open("w")
@@ -42,7 +43,7 @@ def server(tmp_path_factory):
         grpc_line, http_line = proc.stdout.readline(), proc.stdout.readline()
         assert grpc_line.startswith("trserve listening on 127.0.0.1:"), (grpc_line, (tmp / "serve.log").read_text())
         assert http_line.startswith("trserve OpenAI API on http://127.0.0.1:"), http_line
-        yield grpc_line.split()[-1], http_line.split()[-1]
+        yield grpc_line.split()[-1], http_line.split()[-1], tmp / "serve.log"
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -318,3 +319,48 @@ def test_tool_calls_as_the_openai_package_reads_them(client, model_id):
         client.chat.completions.create(**ask)  # tool_choice defaults to "auto" with tools
     with pytest.raises(openai.BadRequestError, match="tool_choice"):
         client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "nope"}})
+
+
+def test_a_forged_path_cannot_write_a_log_line(server):
+    """Issue 56, defect 5: a percent-encoded newline in the path (no credentials) stays on its access
+    line, escaped, in the log `trserve serve` writes."""
+    import urllib.error
+    import urllib.request
+
+    forged = "FORGED INFO trserve.access: GET /admin -> 200"
+    path = "/v1/models/x%0a" + urllib.request.quote(forged) + "%0d%1b%5b31m"
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(server[1].removesuffix("/v1") + path, timeout=30)
+    for _ in range(50):  # the access line is written once the response has ended
+        lines = server[2].read_text().splitlines()
+        if any(forged in line for line in lines):
+            break
+        time.sleep(0.1)
+    hits = [line for line in lines if forged in line]
+    assert hits and all(" trserve.access: GET /v1/models/x\\nFORGED" in line and "\\r\\x1b[31m" in line
+                        for line in hits), hits
+    assert not any(line.startswith("FORGED") for line in lines)
+
+
+def test_tenant_token_refusals_carry_the_request_id(server):
+    """Issue 56, defect 8: the gRPC interceptor's refusals (no token, an unknown one, another tenant's)
+    carry the call's request id in their trailers, as every other error does; made when not given."""
+    import grpc
+
+    from trserve.v1 import generate_pb2 as pb
+    from trserve.v1 import generate_pb2_grpc
+
+    with grpc.insecure_channel(server[0]) as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        ask = pb.GenerateRequest(text="Hi", max_new_tokens=1, tenant="bob")
+        for token, code in ((None, grpc.StatusCode.UNAUTHENTICATED), ("nope", grpc.StatusCode.UNAUTHENTICATED),
+                            (TOKENS["alice"], grpc.StatusCode.PERMISSION_DENIED)):
+            auth = (("authorization", f"Bearer {token}"),) if token else ()
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Generate(ask, metadata=auth + (("x-request-id", f"r-{code.name}"),), timeout=30)
+            assert refused.value.code() == code
+            assert ("x-request-id", f"r-{code.name}") in refused.value.trailing_metadata()
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Generate(ask, timeout=30)
+        made = dict(refused.value.trailing_metadata())["x-request-id"]
+        assert len(made) == 32

@@ -105,3 +105,71 @@ def test_grammars_that_cannot_be_served_are_400s(worker, body, words) -> None:
         c.chat.completions.create(model=c.models.list().data[0].id, max_tokens=8, extra_body=body,
                                   messages=[{"role": "user", "content": "Hi"}])
     assert err.value.status_code == 400 and json.dumps(err.value.body).count("Traceback") == 0
+
+
+def test_tools_whose_parameters_use_defs_and_refs(worker) -> None:
+    """Defect 4: a tool made by openai.pydantic_function_tool from nested pydantic models ($defs, $ref,
+    anyOf) is taken, and the call the model writes validates as that model, as response_format does."""
+    import pydantic
+
+    class Address(pydantic.BaseModel):
+        street: str
+        city: str
+
+    class Move(pydantic.BaseModel):
+        """Record a person's move to a new address."""
+        person: str
+        to: Address
+        previous: Address | None = None
+
+    c = client(worker, "alice")
+    tool = openai.pydantic_function_tool(Move)
+    assert "$defs" in json.dumps(tool)  # the premise: parameters with refs of their own
+    reply = c.chat.completions.create(
+        model=c.models.list().data[0].id, max_tokens=96, temperature=0, tools=[tool], tool_choice="required",
+        messages=[{"role": "user", "content": "Ana moved to 5 Main Street, Springfield."}])
+    call = reply.choices[0].message.tool_calls[0].function
+    assert reply.choices[0].finish_reason == "tool_calls" and call.name == "Move"
+    Move.model_validate_json(call.arguments)
+
+
+def test_call_schema_keeps_each_tools_parameters_a_document_of_their_own() -> None:
+    from trserve.services.openai.tools import call_schema
+
+    params = {"$defs": {"A": {"type": "integer"}}, "type": "object",
+              "properties": {"a": {"$ref": "#/$defs/A"}, "self": {"$ref": "#"}, "$ref": {"type": "string"}}}
+    got = call_schema({"f": {"parameters": params}, "g": {}})
+    assert got["$defs"]["tool_0"]["properties"] == {"a": {"$ref": "#/$defs/tool_0/$defs/A"},
+                                                   "self": {"$ref": "#/$defs/tool_0"}, "$ref": {"type": "string"}}
+    assert got["$defs"]["tool_1"] == {"type": "object"} and params["properties"]["a"] == {"$ref": "#/$defs/A"}
+    assert [c["properties"]["arguments"] for c in got["anyOf"]] == [{"$ref": "#/$defs/tool_0"},
+                                                                    {"$ref": "#/$defs/tool_1"}]
+
+
+def test_logprobs_carry_each_tokens_own_bytes_and_echo_its_exact_text(worker, decoder) -> None:
+    """Defect 6: an answer whose characters are split across tokens (an emoji, a CJK character): each
+    logprob's `bytes` are the token's own, so joined they rebuild the text (OpenAI's documented way),
+    a partial token reads "bytes:\\x..", and echo of a token-id prompt returns its exact text."""
+    c = client(worker, "alice")
+    model = c.models.list().data[0].id
+    answer = "Dragons 🐉 are 龍"
+    reply = c.chat.completions.create(model=model, max_tokens=16, temperature=0, logprobs=True, top_logprobs=2,
+                                      messages=[{"role": "user", "content": "Hi"}], extra_body={"guided_choice": [answer]})
+    content = reply.choices[0].logprobs.content
+    assert reply.choices[0].message.content == answer
+    assert bytes(b for e in content for b in e.bytes).decode("utf-8") == answer
+    assert any(e.token.startswith("bytes:\\x") for e in content) and not any("\ufffd" in e.token for e in content)
+    for e in content:
+        for alt in e.top_logprobs:
+            assert "\ufffd" not in alt.token and isinstance(alt.bytes, list)
+    ids = decoder.tokenizer.encode(answer)
+    echo = c.completions.create(model=model, prompt=ids, max_tokens=1, temperature=0, echo=True, logprobs=1)
+    assert echo.choices[0].text.startswith(answer)
+    lp = echo.choices[0].logprobs
+    text = echo.choices[0].text
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[len(ids)] == len(answer)
+    assert lp.text_offset[-1] <= len(text)
+    streamed = list(c.completions.create(model=model, prompt="Dragons are called", max_tokens=8, temperature=0,
+                                         logprobs=1, stream=True, extra_body={"guided_choice": [" 龍 or 🐉"]}))
+    offsets = [o for ch in streamed if ch.choices and ch.choices[0].logprobs for o in ch.choices[0].logprobs.text_offset]
+    assert offsets == sorted(offsets) and offsets[0] == 0

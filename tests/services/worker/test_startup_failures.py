@@ -43,6 +43,11 @@ def test_a_start_that_fails_stops_the_engine_thread(decoder) -> None:
     (["--redis-url", "not-a-url"], {}, "argument --redis-url: 'not-a-url' is not a Redis URL"),
     ([], {"TRSERVE_GRACE": "nan"}, "TRSERVE_GRACE='nan' is not a valid value for --grace"),
     ([], {"TRSERVE_MAX_CONNECTION_AGE_S": "inf"}, "TRSERVE_MAX_CONNECTION_AGE_S='inf' is not a valid value"),
+    # issue 56, defect 7: an unusable --model path, named with what it lacks
+    (["--model", "EMPTY"], {}, "is not a transformers checkpoint: it lacks config.json, a tokenizer"),
+    (["--model", "CONFIG_ONLY"], {}, "it lacks a tokenizer (tokenizer.json, tokenizer.model or vocab.json), weights"),
+    (["--model", "./no/such/dir"], {}, "--model './no/such/dir' does not exist"),
+    (["--model", "FILE"], {}, "is a file but not a .gguf one"),
 ])
 def test_the_process_exits_at_once_naming_the_cause(flags: list[str], env: dict, says: str, tmp_path) -> None:
     """Issue 45, defect 1: the six configurations the probe round found each leave a process that never
@@ -57,6 +62,10 @@ def test_the_process_exits_at_once_naming_the_cause(flags: list[str], env: dict,
     free.bind(("127.0.0.1", 0))
     free_port = str(free.getsockname()[1])
     free.close()
+    for name in ("EMPTY", "CONFIG_ONLY"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "CONFIG_ONLY" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "FILE").write_text("not a model")
     args = [a.replace("TAKEN", str(taken.getsockname()[1])).replace("FREE", free_port) for a in flags]
     says = says.replace("FREE", free_port)
     if "--port" not in args:
