@@ -207,7 +207,7 @@ class BatchEngine:
         or 1.5 full prefill chunks (deep in a long prompt one attends to more than the average) plus a
         decoding step; with `prompt_tokens` and no other prompt prefilling or waiting, the part it fills."""
         fill = 1.0
-        if prompt_tokens is not None and self.prefilling is None and not self.waiting:
+        if prompt_tokens is not None and not self.scheduler.prefills and not self.waiting:
             fill = min(1.0, prompt_tokens / self.config.prefill_chunk)
         t = self.times
         return max(2 * t.step_s, 1.5 * t.chunk_s * fill + t.step_s)
@@ -227,8 +227,9 @@ class BatchEngine:
         if prefilling is not None:  # run: a chunk of one prompt
             with alone(prefilling):
                 chunk = self._prefill_chunk(prefilling)
-            if prefilling.error is not None and (gone := self.scheduler.drop_prefilling()) is not None:
-                self._finish(gone)  # failed before it joined the batch (after, it retires below)
+            if prefilling.error is not None and prefilling in self.scheduler.prefills:
+                for gone in self.scheduler.drop_prefills():  # failed before it joined the batch (after, it
+                    self._finish(gone)  # retires below)
         self._retire_finished()  # a first token (the prefill's) that met a stop: done before any decoding step
         if self.scheduler.running:
             self._postprocess(*self._run())  # one forward for every running request; accept, commit, emit
@@ -243,11 +244,11 @@ class BatchEngine:
         # a prompt whose next chunk would end past its deadline stops now: the caller's margin covers
         # a step the engine is in when the deadline passes, not a long prompt's chunk started just before
         # (a chunk deep in a 2000-token prompt took over 1.5x the mean chunk on a loaded host)
-        if (gone := sched.drop_prefilling(self._next_chunk_s(sched.prefilling))) is not None:
+        for gone in sched.drop_prefills(self._next_chunk_s):
             self._finish(gone)
         for live in sched.admit():
             self._finish(live)
-        return sched.prefilling
+        return sched.pick_prefill(self.config.prefill_chunk)
 
     def _retire_finished(self) -> None:
         self._retire([x for x in self.scheduler.running if x.finish_reason is not None])

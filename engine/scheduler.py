@@ -1,6 +1,15 @@
-"""The engine's queues and KV budget: requests wait, one at a time is prefilled, then they run
-(running[i] holds KV row i). Admission is by batch size and the KV tokens each request reserves
-(prompt + max_new_tokens + its widest tree); retirement frees a row at once and compacts the rest.
+"""The engine's queues and KV budget: requests wait, are admitted to prefill, then run (running[i]
+holds KV row i). Admission is by batch size and the KV tokens each request reserves (prompt +
+max_new_tokens + its widest tree), and a tenant's queued prompt tokens are bounded; retirement frees
+a row at once and compacts the rest.
+
+Fair prefill: every admitted prompt holds an inactive KV row (rows active .. active + P - 1) and each
+step prefills one chunk of one of them, the one with the fewest chunks left less the steps it has
+waited since its last chunk (`pick_prefill`): a short prompt is not queued behind long ones (its first
+token comes after at most one chunk of theirs); and a prompt that has waited max(4, P) steps goes
+first (the longest waiting first), so a long one still gets a chunk every max(4, P) + 1 steps or
+sooner, however many short ones arrive. A prompt whose prefill is done
+joins the batch at row `active` (swapped there with the prompt in progress that held it).
 Thread-safe where the callers' threads meet the engine thread (`enqueue`, `stop`, `wait_for_work`,
 `all`); the rest runs on the engine thread."""
 
@@ -17,9 +26,12 @@ from trserve.engine.sequence import Sequence
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_batch: int = 16  # sequences decoding at once (running + the one prefilling)
+    max_batch: int = 16  # sequences decoding at once (running + those prefilling)
     max_batch_tokens: int = 32768  # KV tokens the admitted sequences may reserve (prompt + max_new + tree)
     max_waiting: int = 64  # admitted beyond the budgets: wait; beyond this: ResourceExhausted
+    # prompt tokens one tenant may have queued (waiting or prefilling, not yet prefilled): beyond, its next
+    # request is ResourceExhausted (a tenant with nothing queued is always taken, however long its prompt)
+    max_tenant_prompt_tokens: int = 16384
     prefill_chunk: int = 128  # prompt tokens prefilled per step
     batch_aware: bool = True  # trees sized per step for the batch; False = every sequence its full tree
     explore_every: int = 4  # batch-aware: at most every N * B steps one sequence (in turn) verifies its whole tree
@@ -43,6 +55,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_batch < 1 or self.max_batch_tokens < 64 or self.max_waiting < 0 or self.prefill_chunk < 1:
             raise ValueError("max_batch >= 1, max_batch_tokens >= 64, max_waiting >= 0, prefill_chunk >= 1")
+        if self.max_tenant_prompt_tokens < 1:
+            raise ValueError(f"max_tenant_prompt_tokens must be >= 1, got {self.max_tenant_prompt_tokens}")
         if self.explore_every < 1:
             raise ValueError(f"explore_every must be >= 1, got {self.explore_every}")
         if not 0 < self.explore_budget <= 1:
@@ -77,7 +91,7 @@ class Scheduler:
     def __init__(self, config: EngineConfig, kv: BatchKV) -> None:
         self.config, self.kv = config, kv
         self.waiting: deque[Sequence] = deque()
-        self.prefilling: Sequence | None = None
+        self.prefills: list[Sequence] = []  # admitted, prompts in progress: rows active .. active + P - 1
         self.running: list[Sequence] = []  # running[i].row == i
         self.reserved = 0  # KV tokens the admitted sequences reserve
         self._lock = threading.Condition()
@@ -93,9 +107,21 @@ class Scheduler:
             if len(self.waiting) >= self.config.max_waiting:
                 raise ResourceExhausted(f"engine full: {len(self.running)} decoding, {len(self.waiting)} waiting "
                                         f"(max_waiting={self.config.max_waiting}); retry later or use another worker")
+            self._check_tenant(live)
+
+    def _check_tenant(self, live: Sequence) -> None:
+        """ResourceExhausted where `live`'s tenant already has prompts queued and `live`'s would take it
+        past max_tenant_prompt_tokens (under the lock)."""
+        queued = sum(x.prompt_len - x.done for x in (*self.prefills, *self.waiting) if x.tenant == live.tenant)
+        bound = self.config.max_tenant_prompt_tokens
+        if queued and queued + live.prompt_len > bound:
+            raise ResourceExhausted(f"tenant {live.tenant or 'default'!r} has {queued} prompt tokens queued; with this "
+                                    f"request's {live.prompt_len} it would pass its bound of {bound} "
+                                    "(max_tenant_prompt_tokens): retry when its earlier prompts have started")
 
     def enqueue(self, live: Sequence) -> None:
         with self._lock:
+            self._check_tenant(live)  # again: another request of the tenant may have come in since
             self.waiting.append(live)
             self._lock.notify()
 
@@ -118,57 +144,91 @@ class Scheduler:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running or self.prefilling)
+        return bool(self.waiting or self.running or self.prefills)
+
+    @property
+    def prefilling(self) -> Sequence | None:
+        """A prompt in progress (the one `pick_prefill` would take next), or None."""
+        return min(self.prefills, key=self._urgency) if self.prefills else None
 
     def all(self) -> list[Sequence]:
         with self._lock:
             return self._everyone()
 
     def _everyone(self) -> list[Sequence]:
-        return [*self.running, *([self.prefilling] if self.prefilling else []), *self.waiting]
+        return [*self.running, *self.prefills, *self.waiting]
 
     def clear(self) -> list[Sequence]:
         """Drop every request (after a failed step): returns them; the KV starts empty."""
         with self._lock:
             lives = self._everyone()
-            self.running, self.prefilling, self.waiting = [], None, deque()
+            self.running, self.prefills, self.waiting = [], [], deque()
         self.kv.reset()
         self.reserved = 0
         return lives
 
     # ---- the engine thread ------------------------------------------------------------------------
     def admit(self) -> list[Sequence]:
-        """Start prefilling the head of the queue if it fits; returns the waiting requests that were
-        cancelled or timed out meanwhile (the caller finishes them)."""
-        gone = []
+        """Admit the waiting requests at the head of the queue while they fit (each to prefill into a
+        row of its own); returns the waiting requests that were cancelled or timed out meanwhile (the
+        caller finishes them)."""
+        gone, admitted = [], []
         with self._lock:
-            while self.waiting and self.waiting[0].stopping():
-                gone.append(self.waiting.popleft())
-            if self.prefilling is not None or not self.waiting:
-                return gone
-            head = self.waiting[0]
-            if len(self.running) + 1 > self.config.max_batch or self.reserved + head.reserved > self.config.max_batch_tokens:
-                return gone
-            self.waiting.popleft()
-        self.reserved += head.reserved
-        head.row = self.kv.open_row()
-        self.prefilling = head
+            while self.waiting:
+                head = self.waiting[0]
+                if head.stopping():
+                    gone.append(self.waiting.popleft())
+                    continue
+                if len(self.running) + len(self.prefills) + 1 > self.config.max_batch or \
+                        self.reserved + head.reserved > self.config.max_batch_tokens:
+                    break
+                self.waiting.popleft()
+                head.row = self.kv.active + len(self.prefills)
+                self.kv.open_row(head.row)
+                self.reserved += head.reserved
+                self.prefills.append(head)
+                admitted.append(head)
         return gone
 
+    def _urgency(self, live: Sequence) -> tuple[int, int, float]:
+        """Lower first. A prompt that has waited max(4, P) steps or more since its last chunk goes first,
+        the longest waiting first; else the fewest chunks left less the steps waited; then arrival."""
+        starved = max(4, len(self.prefills))
+        if live.prefill_waited >= starved:
+            return 0, -live.prefill_waited, live.t0
+        return 1, live.prefill_chunks_left - live.prefill_waited, live.t0
+
+    def pick_prefill(self, chunk: int) -> Sequence | None:
+        """The prompt to prefill a chunk of (at most `chunk` tokens) this step, or None; the others
+        count a step waited."""
+        for live in self.prefills:
+            live.prefill_chunks_left = -(-(live.prompt_len - live.done) // chunk)
+        live = self.prefilling
+        for other in self.prefills:
+            other.prefill_waited = 0 if other is live else other.prefill_waited + 1
+        return live
+
     def join(self, live: Sequence) -> None:
-        """`live`'s prompt is in: it leaves prefilling and runs."""
+        """`live`'s prompt is in: it leaves the prompts in progress and runs, at row `active`."""
+        active = self.kv.active
+        if live.row != active:  # the prompt in progress that holds row `active` takes live's row
+            holder = next(x for x in self.prefills if x.row == active)
+            self.kv.swap_rows(live.row, active)
+            holder.row, live.row = live.row, active
         self.kv.activate(live.row)
-        self.prefilling = None
+        self.prefills.remove(live)
         self.running.append(live)
 
-    def drop_prefilling(self, ahead: float = 0.0) -> Sequence | None:
-        """The sequence being prefilled, if it was cancelled or timed out, or would be by the end of its
-        next chunk (`ahead` seconds): it leaves."""
-        live = self.prefilling
-        if live is None or not live.stopping(ahead):
-            return None
-        self.prefilling = None
-        return live
+    def drop_prefills(self, ahead=lambda live: 0.0) -> list[Sequence]:
+        """The prompts in progress that were cancelled, timed out or failed, or would time out by the end
+        of their next chunk (`ahead(live)` seconds): they leave, their rows to the others."""
+        gone = [x for x in self.prefills if x.stopping(ahead(x))]
+        for live in gone:
+            self.prefills.remove(live)
+            self.kv.open_row(live.row)  # empty: nothing of it is read again
+        if gone:
+            self._compact_prefills()
+        return gone
 
     def retire(self, done: list[Sequence]) -> None:
         """Free the KV rows of `done` (running sequences) and compact the rest onto rows 0..B-1."""
@@ -179,9 +239,18 @@ class Scheduler:
                 self.running[row] = self.running[moved]
                 self.running[row].row = row
             self.running.pop()
-        if done and self.prefilling is not None and self.prefilling.row != self.kv.active:
-            self.kv.move_row(self.prefilling.row, self.kv.active)
-            self.prefilling.row = self.kv.active
+        if done:
+            self._compact_prefills()
+
+    def _compact_prefills(self) -> None:
+        """The prompts in progress onto rows active .. active + P - 1 (those outside move into the gaps)."""
+        targets = range(self.kv.active, self.kv.active + len(self.prefills))
+        free = sorted(set(targets) - {x.row for x in self.prefills})
+        for live in self.prefills:
+            if live.row not in targets:
+                row = free.pop(0)
+                self.kv.move_row(live.row, row)
+                live.row = row
 
     def release(self, live: Sequence) -> None:
         """`live` leaves the engine: its reservation returns to the budget."""

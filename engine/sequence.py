@@ -85,6 +85,8 @@ class Sequence:
         self.prefill_s = 0.0
         self.prefill_token_s = 0.0  # seconds per token of its last prefill chunk (0 before the first)
         self.done = 0  # prompt tokens prefilled
+        self.prefill_chunks_left = 0  # chunks of its prompt still to prefill, and steps since its last
+        self.prefill_waited = 0  # chunk while it prefills (the scheduler's fair order: scheduler.py)
         self.cached = 0  # of those, taken from the prefix cache (engine/prefix_cache.py)
         self.row = -1  # its KV row while admitted
         self.root = 0  # the last committed token: the next tree's root

@@ -170,13 +170,14 @@ class BatchKV:
             r.buf[:, :, b, :, dst].copy_(r.buf[:, :, b, :, src])
 
     # ---- rows -----------------------------------------------------------------------------------
-    def open_row(self) -> int:
-        """The row a new sequence prefills into (the first inactive one), emptied."""
+    def open_row(self, row: int | None = None) -> int:
+        """The row a new sequence prefills into (`row`, an inactive one; default the first), emptied."""
         r = self.rows
-        if r.active >= r.max_rows:
-            raise RuntimeError("no free KV row")
-        r.lens[r.active] = 0
-        return r.active
+        row = r.active if row is None else row
+        if not r.active <= row < r.max_rows:
+            raise RuntimeError(f"no free KV row {row} (active {r.active}, rows {r.max_rows})")
+        r.lens[row] = 0
+        return row
 
     def activate(self, row: int) -> None:
         """The prefilled `row` (== active) joins the batch forwards."""
@@ -223,6 +224,17 @@ class BatchKV:
         if r.buf is not None:
             r.buf[:, :, dst, :, :n] = r.buf[:, :, src, :, :n]
         r.lens[dst], r.lens[src] = n, 0
+
+    def swap_rows(self, a: int, b: int) -> None:
+        """Exchange two inactive rows' entries (prefills in progress)."""
+        r = self.rows
+        assert a >= r.active and b >= r.active, "only inactive rows are swapped"
+        na, nb = r.lens[a], r.lens[b]
+        if r.buf is not None:
+            held = r.buf[:, :, a, :, :na].clone()
+            r.buf[:, :, a, :, :nb] = r.buf[:, :, b, :, :nb]
+            r.buf[:, :, b, :, :na] = held
+        r.lens[a], r.lens[b] = nb, na
 
     def reset(self) -> None:
         """Every row empty and inactive (the buffers are kept)."""

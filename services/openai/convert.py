@@ -245,7 +245,7 @@ def completion(req: OpenAIRequest, result: GenerationResult | list[GenerationRes
     for i, r in enumerate(results):
         text, logprobs = ("", () if r.logprobs is not None else None) if req.echo_only else (r.text, r.logprobs)
         if req.echo is not None:  # completions' echo: the prompt first, its logprobs too where asked
-            prompt = req.echo or vocab.text([lp.token for lp in r.prompt_logprobs or ()])
+            prompt = req.echo or vocab.text(list(req.request.token_ids.ids))  # "": a prompt of token ids
             text = prompt + text
             logprobs = (*r.prompt_logprobs, *logprobs) if logprobs is not None else None
         choice: dict = {"index": i, "finish_reason": "length" if req.echo_only else FINISH[r.finish_reason],

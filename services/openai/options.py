@@ -25,7 +25,7 @@ def echo_options(body: dict, kind: str, req: pb.GenerateRequest, stream: bool) -
         return None, False
     if kind == "chat" or stream:
         raise BadParam("echo is answered for unary completions only", "echo")
-    req.prompt_logprobs = True  # the prompt's ids (and, with logprobs N, what to answer of them)
+    req.prompt_logprobs = req.logprobs  # scored only where logprobs are asked: echo alone needs no logits
     only = req.HasField("max_new_tokens") and req.max_new_tokens == 0
     if only:
         req.max_new_tokens = 1  # the engine decodes at least one token: it is dropped from the answer
