@@ -63,6 +63,9 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="every TR request verifies its whole tree each step (default: trees sized per step for the "
                         "batch under the measured forward cost, down to plain one-token steps)")
     p.add_argument("--max-queue", type=integer(0), default=16, help="requests waiting for a batch place before RESOURCE_EXHAUSTED")
+    p.add_argument("--max-tenant-prompt-tokens", type=integer(1), default=16384,
+                   help="prompt tokens one tenant may have queued, not yet prefilled, before its next request gets "
+                        "RESOURCE_EXHAUSTED (a tenant with nothing queued is always taken; default 16384)")
     p.add_argument("--max-new-tokens-cap", type=integer(1), default=2048, help="largest max_new_tokens a request may ask")
     p.add_argument("--max-prompt-tokens", type=integer(1), default=4096, help="longest prompt accepted, in tokens")
     p.add_argument("--max-messages", type=integer(1), default=256, help="chat messages a request may have (default 256)")
@@ -133,7 +136,7 @@ def build_configs(args: argparse.Namespace):
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
         served_model_name=args.served_model_name,
         max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
-        max_queue=args.max_queue, full_trees=args.full_trees, prefix_cache_mb=args.prefix_cache_mb, limits=limits,
+        max_queue=args.max_queue, max_tenant_prompt_tokens=args.max_tenant_prompt_tokens, full_trees=args.full_trees, prefix_cache_mb=args.prefix_cache_mb, limits=limits,
         grace_s=args.grace,
         redis_url=args.redis_url, redis_password=password_file(args.redis_password_file, "--redis-password-file"),
         max_request_bytes=args.max_request_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,

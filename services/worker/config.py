@@ -65,6 +65,7 @@ class WorkerConfig:
     max_batch: int = 16
     max_batch_tokens: int = 65536
     prefill_chunk: int = 128
+    max_tenant_prompt_tokens: int = 16384  # a tenant's queued prompt tokens (engine/scheduler.py)
     max_queue: int = 16  # requests waiting for a batch place; beyond -> RESOURCE_EXHAUSTED
     # finished requests' keys and values kept for the same tenant's later prompts that start the same way
     # (engine/prefix_cache.py), MiB; 0 = off
@@ -130,6 +131,8 @@ class WorkerConfig:
             raise ValueError(f"max_concurrent_rpcs must be >= 1, got {self.max_concurrent_rpcs}")
         if self.prefix_cache_mb < 0:
             raise ValueError(f"prefix_cache_mb must be >= 0 (0 = off), got {self.prefix_cache_mb}")
+        if self.max_tenant_prompt_tokens < 1:
+            raise ValueError(f"max_tenant_prompt_tokens must be >= 1, got {self.max_tenant_prompt_tokens}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
         if not 0 <= self.deadline_margin_s < 10:
@@ -143,4 +146,5 @@ class WorkerConfig:
         # admission (services/worker/admission.py) lets at most max_batch + max_queue reach the engine
         return EngineConfig(max_batch=self.max_batch, max_batch_tokens=self.max_batch_tokens,
                             max_waiting=self.max_batch + self.max_queue, prefill_chunk=self.prefill_chunk,
-                            batch_aware=not self.full_trees, prefix_cache_mb=self.prefix_cache_mb)
+                            batch_aware=not self.full_trees, prefix_cache_mb=self.prefix_cache_mb,
+                            max_tenant_prompt_tokens=self.max_tenant_prompt_tokens)

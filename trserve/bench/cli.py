@@ -54,6 +54,10 @@ def register(sub) -> None:
     p.add_argument("--structured", action="store_true",
                    help="structured output instead: the bundled JSON Schema extraction set under ar, tr and tr without "
                         "grammar-aware drafting, one request at a time (bench-results/structured.json)")
+    p.add_argument("--fair-prefill", action="store_true",
+                   help="the fairness workload instead: a real `trserve serve`, three concurrent scoring completions "
+                        "of a 3,236-token prompt from one tenant and another tenant's short chat beside them; the "
+                        "bystander's time to first token (bench-results/fair_prefill.json)")
     p.add_argument("--concurrency", default=None,
                    help="e.g. 1,2,4,8,16: instead of the decoder comparison, closed-loop load on the batching engine "
                         "(modes tr, ar, serial) with throughput, latency and TTFT per level (trserve/bench/concurrency.py)")
@@ -92,6 +96,12 @@ def _run(args) -> int:
         run_structured(StructuredConfig(prompts=args.prompts or str(prompt_file("structured")), kernels=args.kernels,
                                         arithmetic=args.arithmetic, threads=args.threads,
                                         json_path=args.json or "bench-results/structured.json"))
+        return 0
+    if args.fair_prefill:
+        from trserve.bench.fair_prefill import FairPrefillConfig, run_fair_prefill
+
+        run_fair_prefill(FairPrefillConfig(arithmetic=args.arithmetic, threads=args.threads,
+                                           json_path=args.json or "bench-results/fair_prefill.json"))
         return 0
     if args.concurrency:
         return _run_concurrency(args)
