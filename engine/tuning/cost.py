@@ -42,6 +42,19 @@ def engine_cost(target, *, measure: bool = False) -> CostFn:
     model = load_or_measure(target.loaded, cache) if measure else cached_cost_model(target.loaded, cache)
     if model is not None:
         return model.cost
+    loaded = target.loaded
+    if target.device.type == "cpu" and not loaded.native:
+        log.warning("this model runs a fallback forward (%s kernels, transformers' modules) whose costs are not "
+                    "measured: trees are drafted only once `trserve tune` has measured it on this machine (until "
+                    "then every step is plain decoding, never slower than it)", loaded.kernels)
+        return unmeasured_cost
     log.info("no calibration of this model and device is cached: batch tree budgets use a default cost "
              "curve (run `trserve tune` once to measure this machine)")
     return device_proxy(target.device.type)
+
+
+def unmeasured_cost(width: int, kv: int) -> float:
+    """A path whose costs are unknown priced as if every row cost a whole forward: no tree can promise
+    more tokens per second than plain decoding under it, so the budget drafts nothing (issue 55, item
+    5: TR never loses on a path it cannot price)."""
+    return width * proxy_cost(1, kv)

@@ -29,7 +29,9 @@ def register(sub) -> None:
                    help="skip the second turn of multi-turn questions (--concurrency sends first turns only "
                         "anyway, except with --workload repetitive)")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for the 'pld' decoder")
-    p.add_argument("--model", default=None, help="model source (default: the bundled SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default=None,
+                   help="model source, in every mode (default: the bundled SmolLM2-135M-Instruct; the llama.cpp peers "
+                        "need it as a .gguf file)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--kernels", default="auto", choices=("auto", "stock", "packed", "compressed"),
                    help="kernels of trserve's decoders (ar, tr*); hf and pld always use stock transformers")
@@ -82,12 +84,13 @@ def _run(args) -> int:
 
         run_profile(ProfileConfig(prompts=prompts_of(args), max_new_tokens=min(args.max_new_tokens, 64),
                                   kernels=args.kernels, arithmetic=args.arithmetic,
-                                  threads=args.threads, json_path=args.json or "bench-results/profile.json"))
+                                  threads=args.threads, json_path=args.json or "bench-results/profile.json",
+                                  model=args.model))
         return 0
     if args.fidelity:
         from trserve.bench.fidelity import FidelityConfig, run_fidelity
 
-        run_fidelity(FidelityConfig(prompts=prompts_of(args), threads=args.threads,
+        run_fidelity(FidelityConfig(prompts=prompts_of(args), threads=args.threads, model=args.model,
                                     json_path=args.json or "bench-results/fidelity.json"))
         return 0
     if args.structured:
@@ -95,12 +98,12 @@ def _run(args) -> int:
 
         run_structured(StructuredConfig(prompts=args.prompts or str(prompt_file("structured")), kernels=args.kernels,
                                         arithmetic=args.arithmetic, threads=args.threads,
-                                        json_path=args.json or "bench-results/structured.json"))
+                                        json_path=args.json or "bench-results/structured.json", model=args.model))
         return 0
     if args.fair_prefill:
         from trserve.bench.fair_prefill import FairPrefillConfig, run_fair_prefill
 
-        run_fair_prefill(FairPrefillConfig(arithmetic=args.arithmetic, threads=args.threads,
+        run_fair_prefill(FairPrefillConfig(arithmetic=args.arithmetic, threads=args.threads, model=args.model,
                                            json_path=args.json or "bench-results/fair_prefill.json"))
         return 0
     if args.concurrency:
@@ -129,6 +132,7 @@ def _run_concurrency(args) -> int:
         modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         json_path=args.json or "bench-results/concurrency.json",
         all_turns=repetitive and not args.first_turn_only, tenant_per_category=repetitive, repeats=args.repeats,
+        model=args.model,
     )
     run_concurrency(config)
     return 0

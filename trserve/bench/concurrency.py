@@ -60,6 +60,7 @@ class ConcurrencyConfig:
     all_turns: bool = False  # send every turn of a question (each after the client's own answer), not only the first
     tenant_per_category: bool = False  # a tenant per category (its requests share a matrix), not `tenants` in turn
     repeats: int = 1  # runs per level (the modes take turns each time); rows sum them
+    model: str | None = None  # `--model` (None: the bundled model); llama-server peers need it as a .gguf
 
     def __post_init__(self) -> None:
         if not self.levels or min(self.levels) < 1 or set(self.modes) - set(MODES) or not self.modes or self.repeats < 1:
@@ -330,7 +331,10 @@ def _servers(config: ConcurrencyConfig) -> dict:
     from trserve.bench.runner import _bundled_gguf
 
     threads = config.threads or torch.get_num_threads()
-    return {m: start_mode(m, _bundled_gguf(), threads, parallel=max(config.levels)) for m in config.modes if m in SERVERS}
+    gguf = config.model or _bundled_gguf()
+    if not gguf.endswith(".gguf"):
+        raise ValueError(f"the llama-server modes run a GGUF file; --model {gguf!r} is not one")
+    return {m: start_mode(m, gguf, threads, parallel=max(config.levels)) for m in config.modes if m in SERVERS}
 
 
 def _levels(config: ConcurrencyConfig, decoder, convs, matrices: dict, engines: dict, servers: dict) -> list[dict]:
@@ -364,7 +368,8 @@ def run_concurrency(config: ConcurrencyConfig) -> dict:
 
     if config.threads:
         torch.set_num_threads(config.threads)
-    model = ModelConfig(kernels=config.kernels, threads=config.threads, arithmetic=config.arithmetic)
+    model = ModelConfig(**({"source": config.model} if config.model else {}), kernels=config.kernels,
+                        threads=config.threads, arithmetic=config.arithmetic)
     decoder = Decoder(DecoderConfig(model=model))
     prompts, convs = _prompts(config.prompts), conversations(config.prompts, config)
     decoder.generate(messages=prompts[0], max_new_tokens=16)  # warm-up

@@ -35,6 +35,7 @@ class FairPrefillConfig:
     arithmetic: str = "auto"
     threads: int | None = None
     json_path: str = "bench-results/fair_prefill.json"
+    model: str | None = None  # `--model` served (None: the bundled model)
 
 
 def _serve(config: FairPrefillConfig) -> tuple[subprocess.Popen, str]:
@@ -46,6 +47,8 @@ def _serve(config: FairPrefillConfig) -> tuple[subprocess.Popen, str]:
             "--http-port", str(http_port), "--metrics-port", "-1", "--arithmetic", config.arithmetic]
     if config.threads:
         args += ["--threads", str(config.threads)]
+    if config.model:
+        args += ["--model", config.model]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         m = re.search(r"OpenAI API on (http://\S+)", line)

@@ -43,6 +43,7 @@ class FidelityConfig:
     threads: int | None = None
     bfloat16: bool = True  # also measure transformers' stock model in bfloat16
     json_path: str = "bench-results/fidelity.json"
+    model: str | None = None  # `--model` (None: the bundled model)
 
     def __post_init__(self) -> None:
         if self.new_tokens < 1 or self.per_category < 1 or self.skip_first < 0:
@@ -94,13 +95,14 @@ def run_fidelity(config: FidelityConfig) -> dict:
     if config.threads:
         torch.set_num_threads(config.threads)
     # the reference named, never the default: the default became int8 (`auto`), and this compared int8 to itself
-    exact = Decoder(DecoderConfig(model=ModelConfig(threads=config.threads, arithmetic="exact")))
-    others = {"int8": load_model(ModelConfig(threads=config.threads, arithmetic="int8", kernels="compressed"))}
+    source = {"source": config.model} if config.model else {}
+    exact = Decoder(DecoderConfig(model=ModelConfig(**source, threads=config.threads, arithmetic="exact")))
+    others = {"int8": load_model(ModelConfig(**source, threads=config.threads, arithmetic="int8", kernels="compressed"))}
     if exact.loaded.arithmetic != "exact" or others["int8"].arithmetic != "int8":
         raise RuntimeError(f"fidelity needs the exact and int8 arithmetics; got {exact.loaded.arithmetic} and "
                            f"{others['int8'].arithmetic}")
     if config.bfloat16:
-        others["bfloat16"] = load_model(ModelConfig(threads=config.threads, kernels="stock", dtype="bfloat16",
+        others["bfloat16"] = load_model(ModelConfig(**source, threads=config.threads, kernels="stock", dtype="bfloat16",
                                                     device="cpu"))
     parts: dict[str, list[dict]] = {name: [] for name in others}
     # the logits' bits, for comparing hosts: exact and int8 promise the same bits on every build and host

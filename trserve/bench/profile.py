@@ -38,6 +38,7 @@ class ProfileConfig:
     arithmetic: str = "auto"  # the compressed kernels' arithmetic (ModelConfig)
     threads: int | None = None
     json_path: str = "bench-results/profile.json"
+    model: str | None = None  # `--model`: the model measured (None: the bundled one)
 
     def __post_init__(self) -> None:
         if not self.forwards or set(self.forwards) - {"transformers", "native"}:
@@ -96,7 +97,8 @@ def _generate(decoder, engine, messages: list[dict], max_new_tokens: int, mode: 
 def _model_config(config: ProfileConfig, forward: str):
     from trserve.engine import ModelConfig
 
-    return ModelConfig(kernels=config.kernels, threads=config.threads, forward=forward, arithmetic=config.arithmetic)
+    return ModelConfig(**({"source": config.model} if config.model else {}), kernels=config.kernels,
+                       threads=config.threads, forward=forward, arithmetic=config.arithmetic)
 
 
 def run_profile(config: ProfileConfig) -> dict:

@@ -35,6 +35,7 @@ class StructuredConfig:
     arithmetic: str = "auto"
     threads: int | None = None
     json_path: str = "bench-results/structured.json"
+    model: str | None = None  # `--model` (None: the bundled model)
 
 
 def run_structured(config: StructuredConfig) -> dict:
@@ -44,7 +45,8 @@ def run_structured(config: StructuredConfig) -> dict:
     from trserve.engine.model.loader import ModelConfig
     from trserve.engine.tr.grammar import StructuredOutput
 
-    decoder = Decoder(DecoderConfig(model=ModelConfig(kernels=config.kernels, arithmetic=config.arithmetic,
+    decoder = Decoder(DecoderConfig(model=ModelConfig(**({"source": config.model} if config.model else {}),
+                                                      kernels=config.kernels, arithmetic=config.arithmetic,
                                                       threads=config.threads)))
     questions = [json.loads(line) for line in Path(config.prompts).read_text().splitlines() if line.strip()]
     engines = {mode: BatchEngine(decoder, EngineConfig(max_batch=1,

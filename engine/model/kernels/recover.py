@@ -17,18 +17,23 @@ def _fp16_candidates(v: torch.Tensor, steps: int):
 def recover_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """w: [O, I] float32, I % 32 == 0 -> (codes [O, I/2] uint8, d [O, I/32], m [O, I/32]) or None.
 
-    Each block of 32 must be exactly q * d + m (q in 0..15, d and m float16 values). Codes pack
-    q_j in the low and q_{j+16} in the high nibble of byte j of the block.
+    Each block of 32 must be exactly q * d + m (q in 0..15, d and m float16 values): Q4_1's blocks, and
+    Q4_0's ((q - 8) * d, so m = -8 d; d may be negative). Codes pack q_j in the low and q_{j+16} in the
+    high nibble of byte j of the block, as both formats do.
     """
     O, I = w.shape
     if I % 32 or w.dtype != torch.float32:  # the kernel takes blocks of 32
         return None
     blocks = w.reshape(O, I // 32, 32)
-    m = blocks.amin(-1)  # [O, nb] the q = 0 element
-    if not torch.equal(m.to(torch.float16).to(torch.float32), m):
+    q0, d0, m0, ok0 = _q4_0_form(blocks)
+    if bool(ok0.all()):  # a Q4_0 file's weights: every block
+        return _packed(q0, d0, m0, O, I)
+    m = blocks.amin(-1)  # [O, nb] the q = 0 element (Q4_1's form: q * d + m, both float16)
+    if not bool((ok0 | (m.to(torch.float16).to(torch.float32) == m)).all()):
         return None
     span = blocks.amax(-1) - m  # ~ 15 d
-    best_q, best_d, ok_all = None, None, torch.zeros_like(m, dtype=torch.bool)
+    best_q, best_d, ok_all = q0, d0, ok0.clone()  # blocks of the Q4_0 form are kept as they are
+    m = torch.where(ok0, m0, m)
     for d in _fp16_candidates(span / 15, 2):  # the exact scale is span / 15 up to rounding
         safe = torch.where(d > 0, d, torch.ones_like(d))
         q = torch.round((blocks - m[..., None]) / safe[..., None]).clamp(0, 15)
@@ -41,9 +46,29 @@ def recover_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
             break
     if not bool(ok_all.all()):
         return None
-    q = best_q.to(torch.uint8)  # [O, nb, 32]
+    return _packed(best_q, best_d, m, O, I)
+
+
+def _packed(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, O: int, I: int):
+    """q [O, nb, 32] codes 0..15, d and m [O, nb] -> (codes [O, I/2] uint8, d, m) as the kernel takes them."""
+    q = q.to(torch.uint8)
     codes = (q[..., :16] | (q[..., 16:] << 4)).reshape(O, I // 2)
-    return codes.contiguous(), best_d.contiguous(), m.contiguous()
+    return codes.contiguous(), d.contiguous(), m.contiguous()
+
+
+def _q4_0_form(blocks: torch.Tensor):
+    """blocks [O, nb, 32] -> (q, d, m, ok [O, nb]): each block as Q4_0 writes it, (q - 8) * d with d a
+    float16 value, as q * d + m with m = -8 d (the same float32 value, exactly). ggml's Q4_0 takes d =
+    x / -8 for the block's element x of largest magnitude (that element's code is 0), so d is read off it."""
+    far = blocks.abs().argmax(-1, keepdim=True)  # [O, nb, 1]
+    d = -blocks.gather(-1, far).squeeze(-1) / 8  # [O, nb] exact: a power of two
+    ok = d.to(torch.float16).to(torch.float32) == d
+    safe = torch.where(d != 0, d, torch.ones_like(d))
+    q = torch.where((d != 0)[..., None], torch.round(blocks / safe[..., None]) + 8, torch.full_like(blocks, 8))
+    q = q.clamp(0, 15)
+    m = -8 * d
+    ok &= ((q * d[..., None] + m[..., None]) == blocks).all(-1)
+    return q, d, m, ok
 
 
 def recover_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

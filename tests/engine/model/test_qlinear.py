@@ -2,6 +2,7 @@
 variants (AVX-512, AVX2, scalar), which must give the same bits as each other and as an exact
 float32 reference of the written-out op order (csrc/qlinear.c)."""
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -33,6 +34,16 @@ def q4_weights(out_f: int, in_f: int, seed: int = 0, scale: float = 0.02) -> tor
     d = (torch.rand(out_f, nb, generator=g) * scale + 1e-4).half().float()
     m = (-7.5 * d * (0.5 + torch.rand(out_f, nb, generator=g))).half().float()
     return (q * d[..., None] + m[..., None]).reshape(out_f, in_f)
+
+
+def q4_0_weights(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
+    """[out_f, in_f] float32 weights as a Q4_0 file holds them: gguf-py's Q4_0 quantization of random
+    weights, dequantized as ggml does ((q - 8) * d; d negative where a block's largest value is positive)."""
+    from gguf import GGMLQuantizationType, quants
+
+    x = np.random.default_rng(seed).standard_normal((out_f, in_f)).astype(np.float32) * 0.02
+    blocks = quants.quantize(x, GGMLQuantizationType.Q4_0)
+    return torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q4_0).astype(np.float32))
 
 
 def q8_weights(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
@@ -122,6 +133,20 @@ def test_recover_q4_is_bit_exact_and_packs_nibbles():
     assert torch.equal(q * d[..., None] + m[..., None], w.reshape(6, 2, 32))  # bit for bit
 
 
+def test_recover_q4_takes_q4_0_blocks_exactly():
+    """Issue 55: a Q4_0 block is q * d + m with m = -8 d: recovered exactly, negative scales included,
+    and a tensor mixing Q4_0 and Q4_1 blocks too."""
+    w = q4_0_weights(8, 256, seed=2)
+    codes, d, m = recover_q4(w)
+    assert (d < 0).any() and (d > 0).any() and torch.equal(m, -8 * d)
+    q = torch.cat([codes.reshape(8, 8, 16) & 15, codes.reshape(8, 8, 16) >> 4], -1).float()
+    assert torch.equal((q * d[..., None] + m[..., None]).reshape(8, 256), w)
+    mixed = torch.cat([w[:, :128], q4_weights(8, 128, seed=3)], 1)
+    codes, d, m = recover_q4(mixed)
+    q = torch.cat([codes.reshape(8, 8, 16) & 15, codes.reshape(8, 8, 16) >> 4], -1).float()
+    assert torch.equal((q * d[..., None] + m[..., None]).reshape(8, 256), mixed)
+
+
 def test_recover_rejects_weights_that_are_not_blocks():
     w = torch.randn(4, 64)
     assert recover_q4(w) is None and recover_q8(w) is None
@@ -167,6 +192,7 @@ CASES = {  # name: (weights, bias); outputs of one partial panel, several panels
     "q4": (lambda: wide_range_q4_weights(6, 576, seed=4), False),
     "q8": (lambda: q8_weights(10, 96, seed=5), False),
     "q8-bias-576": (lambda: q8_weights(4, 576, seed=6), True),
+    "q4_0-panels-bias": (lambda: q4_0_weights(40, 576, seed=16), True),  # issue 55: Q4_0 files' blocks
 }
 
 

@@ -118,3 +118,13 @@ def test_margin_keeps_plain_decoding_when_a_tree_only_ties_it():
     assert choose_packed(chain, {1: 8.0, 6: 12.0}.get, margin=0.05) == [1]
     two = [[(1, 1.0), (5, 2.5)], [(1, 1.0), (5, 1.2)]]
     assert choose_packed(two, lambda n: 10 + n, margin=0.05) == [1, 0]  # 0.219 / 1.05 still beats 0.167
+
+
+def test_an_unmeasured_fallback_path_drafts_nothing():
+    """Issue 55, item 5: priced as if each row cost a forward, no tree beats plain decoding, even a
+    chain whose every draft would be accepted (w tokens for width w)."""
+    from trserve.engine.tuning.cost import unmeasured_cost
+
+    opts = [[(1, 1.0), (4, 4.0), (16, 9.0)], [(1, 1.0), (8, 8.0)]]
+    assert choose_options(opts, lambda w: unmeasured_cost(w, 512)) == [0, 0]
+    assert choose_packed(opts, lambda n: unmeasured_cost(n, 512)) == [0, 0]
