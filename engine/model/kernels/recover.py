@@ -72,16 +72,27 @@ def _q4_0_form(blocks: torch.Tensor):
 
 
 def recover_q8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """w: [O, I] float32 -> (codes [O, I] int8, d [O, I/32]) with every block exactly q * d, or None."""
+    """w: [O, I] float32 -> (codes [O, I] int8, d [O, I/32]) with every block exactly q * d, or None: Q8_0's
+    blocks (the |q| = 127 element gives d), and Q5_0's ((q - 16) * d, codes -16..15; d may be negative)."""
     O, I = w.shape
     if I % 32 or w.dtype != torch.float32:  # the kernel takes blocks of 32
         return None
     blocks = w.reshape(O, I // 32, 32)
-    d = blocks.abs().amax(-1) / 127  # the |q| = 127 element gives d exactly
-    if not torch.equal(d.to(torch.float16).to(torch.float32), d):
-        return None
-    safe = torch.where(d > 0, d, torch.ones_like(d))
-    q = torch.round(blocks / safe[..., None]).clamp(-128, 127)
-    if not torch.equal(q * d[..., None], blocks):
-        return None
+    q, d, ok = _multiple_form(blocks, blocks.abs().amax(-1) / 127, -127, 127)  # Q8_0
+    if not bool(ok.all()):
+        far = blocks.abs().argmax(-1, keepdim=True)  # Q5_0: d = x / -16 for the element x of largest magnitude
+        q5, d5, ok5 = _multiple_form(blocks, -blocks.gather(-1, far).squeeze(-1) / 16, -16, 15)
+        q, d, ok = torch.where(ok5[..., None], q5, q), torch.where(ok5, d5, d), ok | ok5
+        if not bool(ok.all()):
+            return None
     return q.to(torch.int8).reshape(O, I).contiguous(), d.contiguous()
+
+
+def _multiple_form(blocks: torch.Tensor, d: torch.Tensor, lo: int, hi: int):
+    """blocks [O, nb, 32], d [O, nb] -> (q, d, ok [O, nb]): where d is a float16 value and each block is
+    exactly q * d with integer q in lo..hi."""
+    ok = d.to(torch.float16).to(torch.float32) == d
+    safe = torch.where(d != 0, d, torch.ones_like(d))
+    q = torch.round(blocks / safe[..., None]).clamp(lo, hi)
+    q = torch.where((d != 0)[..., None], q, torch.zeros_like(q))
+    return q, d, ok & ((q * d[..., None]) == blocks).all(-1)

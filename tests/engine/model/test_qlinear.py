@@ -46,6 +46,15 @@ def q4_0_weights(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
     return torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q4_0).astype(np.float32))
 
 
+def q5_0_weights(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
+    """The same for Q5_0 ((q - 16) * d): exactly the kernels' 8-bit blocks, codes -16..15."""
+    from gguf import GGMLQuantizationType, quants
+
+    x = np.random.default_rng(seed).standard_normal((out_f, in_f)).astype(np.float32) * 0.02
+    blocks = quants.quantize(x, GGMLQuantizationType.Q5_0)
+    return torch.from_numpy(quants.dequantize(blocks, GGMLQuantizationType.Q5_0).astype(np.float32))
+
+
 def q8_weights(out_f: int, in_f: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     nb = in_f // 32
@@ -147,6 +156,16 @@ def test_recover_q4_takes_q4_0_blocks_exactly():
     assert torch.equal((q * d[..., None] + m[..., None]).reshape(8, 256), mixed)
 
 
+def test_recover_q8_takes_q5_0_blocks_exactly():
+    w = q5_0_weights(8, 256, seed=4)
+    codes, d = recover_q8(w)
+    assert (d < 0).any() and codes.min() >= -16 and codes.max() <= 15
+    assert torch.equal((codes.float().reshape(8, 8, 32) * d[..., None]).reshape(8, 256), w)
+    mixed = torch.cat([w[:, :128], q8_weights(8, 128, seed=3)], 1)
+    codes, d = recover_q8(mixed)
+    assert torch.equal((codes.float().reshape(8, 8, 32) * d[..., None]).reshape(8, 256), mixed)
+
+
 def test_recover_rejects_weights_that_are_not_blocks():
     w = torch.randn(4, 64)
     assert recover_q4(w) is None and recover_q8(w) is None
@@ -193,6 +212,7 @@ CASES = {  # name: (weights, bias); outputs of one partial panel, several panels
     "q8": (lambda: q8_weights(10, 96, seed=5), False),
     "q8-bias-576": (lambda: q8_weights(4, 576, seed=6), True),
     "q4_0-panels-bias": (lambda: q4_0_weights(40, 576, seed=16), True),  # issue 55: Q4_0 files' blocks
+    "q5_0-panels": (lambda: q5_0_weights(24, 576, seed=17), False),  # and Q5_0's, as 8-bit blocks
 }
 
 

@@ -1,6 +1,7 @@
 """The files users bring (issue 55), made here from the bundled model with gguf-py (no download, no
-llama.cpp build): the bundled model re-quantized to Q4_0 reaches the compressed kernels and the native
-forward in every layer (it fell to float32 in 210 of 211 before), its exact arithmetic equals
+llama.cpp build): the bundled model re-quantized to Q4_0 (and Q5_0, as 8-bit blocks) reaches the
+compressed kernels and the native forward in every layer (Q4_0 fell to float32 in 210 of 211
+before), its exact arithmetic equals
 transformers' greedy decoding on the same file's dequantized weights, and TR equals plain decoding
 token for token in both arithmetics."""
 
@@ -18,11 +19,18 @@ pytestmark = pytest.mark.skipif(not qlinear_supported(), reason="the compressed 
 
 
 @pytest.fixture(scope="module")
-def q4_0_file(tmp_path_factory):
+def files(tmp_path_factory):
+    """The bundled model re-quantized, by type (made once for the module)."""
     from trserve.bench.requant import requantize
     from trserve.bench.runner import _bundled_gguf
 
-    return requantize(_bundled_gguf(), tmp_path_factory.mktemp("files") / "smollm2-q4_0.gguf", "Q4_0")
+    folder, made = tmp_path_factory.mktemp("files"), {}
+
+    def get(qtype: str):
+        if qtype not in made:
+            made[qtype] = requantize(_bundled_gguf(), folder / f"smollm2-{qtype.lower()}.gguf", qtype)
+        return made[qtype]
+    return get
 
 
 def _prompts(decoder, n: int = 4) -> list[list[int]]:
@@ -30,9 +38,10 @@ def _prompts(decoder, n: int = 4) -> list[list[int]]:
             for q in load_prompts("spec_bench")[1: 1 + 4 * n: 4]]
 
 
-@pytest.mark.parametrize("arithmetic", ["exact", "int8"])
-def test_a_q4_0_file_runs_on_the_kernels_and_tr_equals_ar(q4_0_file, arithmetic) -> None:
-    d = Decoder(DecoderConfig(model=ModelConfig(source=str(q4_0_file), arithmetic=arithmetic)))
+@pytest.mark.parametrize("qtype, arithmetic", [("Q4_0", "exact"), ("Q4_0", "int8"), ("Q5_0", "int8")])
+def test_a_file_runs_on_the_kernels_and_tr_equals_ar(files, qtype, arithmetic) -> None:
+    path = files(qtype)
+    d = Decoder(DecoderConfig(model=ModelConfig(source=str(path), arithmetic=arithmetic)))
     loaded = d.loaded
     assert loaded.kernels == "compressed" and loaded.forward == "native" and loaded.arithmetic == arithmetic
     for ids in _prompts(d):
@@ -40,7 +49,7 @@ def test_a_q4_0_file_runs_on_the_kernels_and_tr_equals_ar(q4_0_file, arithmetic)
         tr = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="tr", ignore_eos=True))
         assert tr.ids == ar.ids
     if arithmetic == "exact":  # transformers on the same file's weights, dequantized by gguf-py
-        stock = load_model(ModelConfig(source=str(q4_0_file), kernels="stock"))
+        stock = load_model(ModelConfig(source=str(path), kernels="stock"))
         for ids in _prompts(d, 2):
             ours = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="ar", ignore_eos=True)).ids
             ref, logits = _generate(stock, ids, 40)
