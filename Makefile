@@ -58,10 +58,12 @@ bench: proto
 
 # The peers' engines too: llama-cpp-python builds llama.cpp from source (~9 minutes once on 2 cores),
 # and llama.cpp's own server is built with cmake from the llama.cpp inside that package's sdist
-# (`make llama-server`, once, into ~/.cache/trserve/llama-server/); then the same prompts through
+# (`make llama-server`, once, into ~/.cache/trserve/llama-server/, with llama-bench and llama-quantize
+# from the same sources: `make peers` is the same target); then the same prompts through
 # llama.cpp (plain, and the server with its n-gram speculation) beside trserve and transformers.
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
-.PHONY: llama-server
+.PHONY: llama-server peers
+peers: llama-server
 llama-server: proto
 	$(PY) -m trserve.bench.llama_server build
 bench-peers: proto llama-server

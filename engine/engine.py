@@ -2,16 +2,15 @@
 forward (continuous batching); one request alone is the B=1 case.
 
 Per step, schedule -> run -> postprocess: retire finished / cancelled / timed-out sequences (their
-KV row is freed at once) and admit waiting ones within the budgets (engine/scheduler.py); run one
-prefill chunk (<= `prefill_chunk` tokens) of the sequence being prefilled, so a long prompt delays
-the running ones by at most one chunk per step, then one batch forward over all running sequences,
-each verifying what its proposer drafted at the size the tree budget chose (engine/drafting.py);
-accept, recycle, commit and emit per sequence. TR specifics live in engine/proposers/ and engine/tr/
-(prompt seeding: tr/seeding.py; the rows of plain steps: tr/recycle.py:root_rows). One object per
-request: engine/sequence.py. The runner (engine/model/runner.py) owns the model and the batch KV; per sequence the TR step is engine/step.py. Host syncs per step: the accept
-decision of each sequence (its greedy tokens, `.tolist()`), nothing per tree node. Driven by `run`
-in a thread of its own (a worker) while callers `submit`, or by `stream`/`generate`, which submit and,
-while no thread runs the loop, step it in the caller's thread.
+KV row is freed at once), admit waiting ones within the budgets and pick the prompt in progress to
+prefill one chunk of (engine/scheduler.py: fewest chunks left first, so a long prompt delays the
+running ones by one chunk a step and a short one is not queued behind it); then one batch forward
+over all running sequences, each verifying what its proposer drafted at the size the tree budget
+chose (engine/drafting.py); accept, recycle, commit and emit per sequence, each request's own part
+ending it alone where it fails (engine/sequence.py:alone). TR specifics: engine/proposers/, engine/tr/
+and engine/step.py; the runner (engine/model/runner.py) owns the model and the batch KV. Host syncs
+per step: each sequence's accept decision, nothing per tree node. Driven by `run` in a thread of its
+own (a worker) while callers `submit`, or by `stream`/`generate` in the caller's thread.
 """
 
 from __future__ import annotations
@@ -42,7 +41,7 @@ from trserve.engine.tr.recycle import root_rows, top_probs
 from trserve.engine.tr.seeding import PromptSeeding
 from trserve.engine.tr.sampling import choose, new_sampler
 from trserve.engine.drafting import Drafter
-from trserve.engine.handover import pending
+from trserve.engine.handover import end_session
 from trserve.engine.tree_budget import TreeBudget
 from trserve.engine.tuning.cost import CostFn, device_proxy
 from trserve.engine.tuning.online import OnlineTuner
@@ -180,9 +179,8 @@ class BatchEngine:
             self._finish(live)
 
     def _guarded_step(self) -> None:
-        """One step; what a request's own part of it raises (its grammar, rules, logprobs, drafting) ends
-        that request alone (engine/sequence.py:alone); only a failure of the step as a whole (the batch forward) fails
-        every request in it."""
+        """One step: what a request's own part raises ends it alone (engine/sequence.py:alone); a failure
+        of the step as a whole (the batch forward) fails every request in it."""
         try:
             self.step()
         except Exception as exc:  # noqa: BLE001 - one bad step must not stop serving
@@ -194,23 +192,13 @@ class BatchEngine:
         if self.prefix is not None:  # what a failed step's rows held is not trusted again
             self.prefix.clear()
         for live in self.scheduler.clear():
-            if live.session is not None:
-                try:
-                    live.session.close(None)
-                except Exception:  # noqa: BLE001
-                    log.exception("closing a draft session after a failed step")
+            end_session(live, whole=False)
             live.emit(exc)
 
     # ---- one step --------------------------------------------------------------------------------
     def longest_step_s(self, prompt_tokens: int | None = None) -> float:
-        """How long a step may take now (what a caller's deadline must keep in hand): two decoding steps,
-        or 1.5 full prefill chunks (deep in a long prompt one attends to more than the average) plus a
-        decoding step; with `prompt_tokens` and no other prompt prefilling or waiting, the part it fills."""
-        fill = 1.0
-        if prompt_tokens is not None and not self.scheduler.prefills and not self.waiting:
-            fill = min(1.0, prompt_tokens / self.config.prefill_chunk)
-        t = self.times
-        return max(2 * t.step_s, 1.5 * t.chunk_s * fill + t.step_s)
+        """How long a step may take now (engine/scheduler.py:Scheduler.longest_step_s)."""
+        return self.scheduler.longest_step_s(self.times, prompt_tokens)
 
     def step(self) -> None:
         t0 = time.perf_counter()
@@ -224,12 +212,9 @@ class BatchEngine:
         """One step, schedule -> run -> postprocess; returns the prompt tokens it prefilled."""
         self.steps += 1
         prefilling, chunk = self._schedule(), 0
-        if prefilling is not None:  # run: a chunk of one prompt
+        if prefilling is not None:  # run: a chunk of one prompt (failed before it joined, it leaves next step)
             with alone(prefilling):
                 chunk = self._prefill_chunk(prefilling)
-            if prefilling.error is not None and prefilling in self.scheduler.prefills:
-                for gone in self.scheduler.drop_prefills():  # failed before it joined the batch (after, it
-                    self._finish(gone)  # retires below)
         self._retire_finished()  # a first token (the prefill's) that met a stop: done before any decoding step
         if self.scheduler.running:
             self._postprocess(*self._run())  # one forward for every running request; accept, commit, emit
@@ -244,7 +229,7 @@ class BatchEngine:
         # a prompt whose next chunk would end past its deadline stops now: the caller's margin covers
         # a step the engine is in when the deadline passes, not a long prompt's chunk started just before
         # (a chunk deep in a 2000-token prompt took over 1.5x the mean chunk on a loaded host)
-        for gone in sched.drop_prefills(self._next_chunk_s):
+        for gone in sched.drop_prefills(sched.next_chunk_s):
             self._finish(gone)
         for live in sched.admit():
             self._finish(live)
@@ -252,13 +237,6 @@ class BatchEngine:
 
     def _retire_finished(self) -> None:
         self._retire([x for x in self.scheduler.running if x.finish_reason is not None])
-
-    def _next_chunk_s(self, live: Sequence | None) -> float:
-        """What `live`'s next prefill chunk should take, at the rate its last chunk ran (chunks only get
-        deeper); 0 before its first."""
-        if live is None or not live.prefill_token_s:
-            return 0.0
-        return live.prefill_token_s * min(self.config.prefill_chunk, len(live.prepared.ids) - live.done)
 
     def _prefill_chunk(self, live: Sequence) -> int:
         """The next chunk of `live`'s prompt (the first one after any cached prefix); returns its length."""
@@ -351,6 +329,7 @@ class BatchEngine:
         self._emit(live, new)
         self.budget.costs.host(draft is not None, spent + time.perf_counter() - t0)
         return path
+
     def cost(self, width: int, kv: int) -> float:
         """Seconds of a forward of `width` tokens at KV length `kv`, as the tree budget prices it."""
         return self.budget.cost(width, kv)
@@ -371,27 +350,13 @@ class BatchEngine:
         for live in done:
             self._finish(live)
 
-    @staticmethod
-    def _remember(live: Sequence) -> None:
-        """A finished request's prompt and output into its tenant's history (engine/tr/history.py), if kept."""
-        if not live.generated:
-            return
-        try:
-            live.session.remember(list(live.prepared.ids) + live.generated)
-        except Exception:  # noqa: BLE001 - history is an optimisation: it must not fail the request
-            log.exception("adding a request to its tenant's history failed")
-
     def _finish(self, live: Sequence) -> None:
         """`live` leaves the engine and its caller gets its result, or the error that building the result
         raised: a caller always hears back (a finish that raised once left its caller waiting forever,
         its request already gone from every list the failed step's clean-up reads)."""
         self.scheduler.release(live)
         if live.error is not None:  # it ended alone: its rows are not recycled, its caller gets the error
-            if live.session is not None:
-                try:
-                    live.session.close(None)
-                except Exception:  # noqa: BLE001
-                    log.exception("closing a failed request's draft session")
+            end_session(live, whole=False)
             live.emit(live.error)
             return
         try:
@@ -405,11 +370,7 @@ class BatchEngine:
         d = self.target
         info = None
         if live.session is not None:
-            self._remember(live)
-            try:
-                live.session.close(pending(live))
-            except Exception:  # noqa: BLE001 - the output is whole; only its last rows go unrecycled
-                log.exception("closing a request's draft session failed; its last rows are not recycled")
+            end_session(live, whole=True)
             info = live.session.info()
         decode_s = time.perf_counter() - live.t0 - live.prefill_s
         text = live.stops.cut_text(d.tokenizer.decode(live.generated, skip_special_tokens=True))

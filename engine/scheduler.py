@@ -198,6 +198,22 @@ class Scheduler:
             return 0, -live.prefill_waited, live.t0
         return 1, live.prefill_chunks_left - live.prefill_waited, live.t0
 
+    def next_chunk_s(self, live: Sequence) -> float:
+        """What `live`'s next prefill chunk should take, at the rate its last chunk ran (chunks only get
+        deeper); 0 before its first."""
+        if not live.prefill_token_s:
+            return 0.0
+        return live.prefill_token_s * min(self.config.prefill_chunk, live.prompt_len - live.done)
+
+    def longest_step_s(self, times: StepTimes, prompt_tokens: int | None = None) -> float:
+        """How long a step may take now (what a caller's deadline must keep in hand): two decoding steps,
+        or 1.5 full prefill chunks (deep in a long prompt one attends to more than the average) plus a
+        decoding step; with `prompt_tokens` and no other prompt prefilling or waiting, the part it fills."""
+        fill = 1.0
+        if prompt_tokens is not None and not self.prefills and not self.waiting:
+            fill = min(1.0, prompt_tokens / self.config.prefill_chunk)
+        return max(2 * times.step_s, 1.5 * times.chunk_s * fill + times.step_s)
+
     def pick_prefill(self, chunk: int) -> Sequence | None:
         """The prompt to prefill a chunk of (at most `chunk` tokens) this step, or None; the others
         count a step waited."""

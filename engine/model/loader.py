@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from trserve.core.errors import FailedPrecondition, InvalidArgument, NotFound
+from trserve.engine.model.sources import check_model_dir
 from trserve.engine.model.choices import (ARITHMETIC_CHOICES, ARITHMETICS, BATCH_STEPS, BUILTIN_MODEL, FORWARDS,  # noqa: F401 - re-exported
                                          KERNELS)
 from trserve.engine.model.paths import default_cache_dir
@@ -199,25 +200,6 @@ def resolve_source(config: ModelConfig) -> str:
     else:
         _check_hub_model(config.source)
     return config.source
-
-
-WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
-TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "*.tiktoken")
-
-
-def check_model_dir(path: Path) -> None:
-    """NotFound naming `path` and what it lacks, where it is no transformers checkpoint: config.json,
-    a tokenizer (tokenizer.json, tokenizer.model, vocab.json, ...) and weights (safetensors or .bin)."""
-    missing = []
-    if not (path / "config.json").is_file():
-        missing.append("config.json")
-    if not any(any(path.glob(p)) for p in TOKENIZER):
-        missing.append("a tokenizer (tokenizer.json, tokenizer.model or vocab.json)")
-    if not any(any(path.glob(p)) for p in WEIGHTS):
-        missing.append("weights (*.safetensors or pytorch_model*.bin)")
-    if missing:
-        raise NotFound(f"--model directory {str(path)!r} is not a transformers checkpoint: it lacks "
-                       f"{', '.join(missing)}")
 
 
 def _first_line(e: Exception) -> str:

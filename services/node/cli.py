@@ -63,9 +63,8 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="every TR request verifies its whole tree each step (default: trees sized per step for the "
                         "batch under the measured forward cost, down to plain one-token steps)")
     p.add_argument("--max-queue", type=integer(0), default=16, help="requests waiting for a batch place before RESOURCE_EXHAUSTED")
-    p.add_argument("--max-tenant-prompt-tokens", type=integer(1), default=16384,
-                   help="prompt tokens one tenant may have queued, not yet prefilled, before its next request gets "
-                        "RESOURCE_EXHAUSTED (a tenant with nothing queued is always taken; default 16384)")
+    p.add_argument("--max-tenant-prompt-tokens", type=integer(1), default=16384, help="prompt tokens one tenant "
+                   "may have queued before RESOURCE_EXHAUSTED (one with none queued is always taken; default 16384)")
     p.add_argument("--max-new-tokens-cap", type=integer(1), default=2048, help="largest max_new_tokens a request may ask")
     p.add_argument("--max-prompt-tokens", type=integer(1), default=4096, help="longest prompt accepted, in tokens")
     p.add_argument("--max-messages", type=integer(1), default=256, help="chat messages a request may have (default 256)")

@@ -146,7 +146,9 @@ def test_logprobs_of_tr_equal_plain_decodings_bit_for_bit_and_the_models(decoder
         assert [lp.token for lp in tr.logprobs] == tr.ids and all(len(lp.top) == 5 for lp in tr.logprobs)
         assert all(lp.top[0][1] >= lp.logprob for lp in tr.logprobs)
         mats.append(tr.stats.mat)
-    assert sum(mats) / len(mats) > 1.2  # trees were verified and accepted
+    # trees were verified and accepted (1.20 with prompts prefilled in arrival order; 1.199 since the
+    # shortest go first: issue 56's fair prefill changes which requests warm the shared cold matrix first)
+    assert sum(mats) / len(mats) > 1.15
     ref_ids, ref_logits = _reference(hf_reference, prompt_ids[0], NEW_TOKENS)
     ours = outs[0][-1].logprobs
     n = next((i for i, (a, b) in enumerate(zip(outs[0][-1].ids, ref_ids)) if a != b), len(ours))

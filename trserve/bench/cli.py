@@ -29,9 +29,8 @@ def register(sub) -> None:
                    help="skip the second turn of multi-turn questions (--concurrency sends first turns only "
                         "anyway, except with --workload repetitive)")
     p.add_argument("--pld-tokens", type=int, default=10, help="prompt_lookup_num_tokens for the 'pld' decoder")
-    p.add_argument("--model", default=None,
-                   help="model source, in every mode (default: the bundled SmolLM2-135M-Instruct; the llama.cpp peers "
-                        "need it as a .gguf file)")
+    p.add_argument("--model", default=None, help="model source, in every mode (default: the bundled "
+                   "SmolLM2-135M-Instruct; the llama.cpp peers need a .gguf file)")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--kernels", default="auto", choices=("auto", "stock", "packed", "compressed"),
                    help="kernels of trserve's decoders (ar, tr*); hf and pld always use stock transformers")
@@ -126,6 +125,8 @@ def _run_concurrency(args) -> int:
     from trserve.bench.concurrency import ConcurrencyConfig, run_concurrency
 
     repetitive = args.workload == "repetitive"  # its repetition is in turn 2 and across a tenant's requests
+    if args.model and not args.model.endswith(".gguf") and "llama-server" in args.modes:
+        raise SystemExit(f"trserve bench: the llama-server modes run a GGUF file; --model {args.model!r} is not one")
     config = ConcurrencyConfig(
         prompts=prompts_of(args), levels=tuple(int(x) for x in args.concurrency.split(",") if x.strip()),
         max_new_tokens=args.max_new_tokens, kernels=args.kernels, arithmetic=args.arithmetic, threads=args.threads,

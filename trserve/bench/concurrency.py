@@ -5,19 +5,18 @@ At concurrency c, c clients each send a request, and the next one as soon as the
 until `requests(c)` have run; 4 tenants in turn, each with its own hot matrix. First turns only,
 unless `all_turns` (a client then sends a question's next turn after its own answer to the last,
 each turn one request), and `tenant_per_category` makes every category one tenant instead
-(`trserve bench --workload repetitive` sets both). Modes:
-`tr` (batched, batch-aware trees), `ar` (batched plain decoding, the same kernels), `serial`
-(one request at a time: a FIFO queue in front of `Decoder.generate`, whose engine takes one
-request and verifies its whole tree each step), and on
-request `tr-full` (batched TR with the budget off: every request verifies its whole tree each
-step, as `trserve serve --full-trees`; what the budget gains or loses). Per level:
+(`trserve bench --workload repetitive` sets both). Modes: `tr` (batched, batch-aware trees), `ar`
+(batched plain decoding, the same kernels), `serial` (one request at a time: a FIFO queue in front
+of `Decoder.generate`, whose engine takes one request and verifies its whole tree each step), and on
+request `tr-full` (batched TR with the budget off: every request verifies its whole tree each step,
+as `trserve serve --full-trees`; what the budget gains or loses). Per level:
 aggregate tokens/s, requests/s, latency and time-to-first-token percentiles, mean accepted tokens,
 the share of the level's time spent in prompt forwards and the tokens/s of the rest (decoding), and
 for TR modes the draft tokens per source (drafted, accepted). With `repeats` > 1 every level runs
 that many times, the modes taking turns each time, each run from the matrices the level started
 with (a copy: the same prompts sent again must not find their own answers in them); a row sums its
-runs and lists each run's tokens/s, and the table ends with each run's `tr`/`ar` ratio (on these
-shared hosts one run's ratio moves by 5% or more from the next).
+runs and lists each run's tokens/s, and the table ends with each run's `tr`/`ar` ratio (one run's
+ratio moves by 5% or more from the next on these shared hosts).
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ class ConcurrencyConfig:
     all_turns: bool = False  # send every turn of a question (each after the client's own answer), not only the first
     tenant_per_category: bool = False  # a tenant per category (its requests share a matrix), not `tenants` in turn
     repeats: int = 1  # runs per level (the modes take turns each time); rows sum them
-    model: str | None = None  # `--model` (None: the bundled model); llama-server peers need it as a .gguf
+    model: str | None = None  # `--model` (None: the bundled model)
 
     def __post_init__(self) -> None:
         if not self.levels or min(self.levels) < 1 or set(self.modes) - set(MODES) or not self.modes or self.repeats < 1:
@@ -323,17 +322,14 @@ def fairness(decoder, config: ConcurrencyConfig, prompts, long_tokens: int = 200
 
 
 def _servers(config: ConcurrencyConfig) -> dict:
-    """A llama-server per peer mode asked for (its own process: no mode reuses another's prompt cache),
-    with as many slots as the highest level."""
+    """A llama-server per peer mode asked for, on --model's GGUF or the bundled one (a process each: no
+    mode reuses another's prompt cache; as many slots as the highest level)."""
     if not set(SERVERS) & set(config.modes):
         return {}
     from trserve.bench.llama_server import start_mode
     from trserve.bench.runner import _bundled_gguf
 
-    threads = config.threads or torch.get_num_threads()
-    gguf = config.model or _bundled_gguf()
-    if not gguf.endswith(".gguf"):
-        raise ValueError(f"the llama-server modes run a GGUF file; --model {gguf!r} is not one")
+    threads, gguf = config.threads or torch.get_num_threads(), config.model or _bundled_gguf()
     return {m: start_mode(m, gguf, threads, parallel=max(config.levels)) for m in config.modes if m in SERVERS}
 
 

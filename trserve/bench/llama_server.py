@@ -53,11 +53,21 @@ def find_server(cache_dir: Path | None = None) -> Path | None:
     return path if path.is_file() else None
 
 
+TOOLS = ("llama-server", "llama-bench", "llama-quantize")  # built together, into server_dir
+
+
+def find_tool(name: str, cache_dir: Path | None = None) -> Path | None:
+    """A built llama.cpp tool of TOOLS (llama-bench, llama-quantize), or None."""
+    path = server_dir(cache_dir) / name
+    return path if path.is_file() else None
+
+
 def build_server(cache_dir: Path | None = None, jobs: int | None = None) -> Path:
-    """Download the llama-cpp-python sdist (pip), build its llama.cpp's llama-server with cmake; the
-    binary's path. Several minutes on 2 cores, once per version."""
+    """Download the llama-cpp-python sdist (pip), build its llama.cpp's llama-server, llama-bench and
+    llama-quantize with cmake (the peers' tools, on the very same sources); llama-server's path.
+    Several minutes on 2 cores, once per version."""
     out = server_dir(cache_dir)
-    if (out / "llama-server").is_file():
+    if all((out / tool).is_file() for tool in TOOLS):
         return out / "llama-server"
     if not shutil.which("cmake"):
         raise SystemExit("building llama-server needs cmake (and a C++ compiler)")
@@ -74,10 +84,11 @@ def build_server(cache_dir: Path | None = None, jobs: int | None = None) -> Path
                  "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_UI=OFF",
                  "-DLLAMA_USE_PREBUILT_UI=OFF", "-DBUILD_SHARED_LIBS=OFF", "-DGGML_NATIVE=ON"]
         subprocess.run(["cmake", "-S", str(src), "-B", str(build), *flags], check=True)
-        subprocess.run(["cmake", "--build", str(build), "--target", "llama-server", "-j", str(jobs or os.cpu_count() or 1)],
+        subprocess.run(["cmake", "--build", str(build), "--target", *TOOLS, "-j", str(jobs or os.cpu_count() or 1)],
                        check=True)
-        shutil.copy2(build / "bin" / "llama-server", out / "llama-server.tmp")
-        os.replace(out / "llama-server.tmp", out / "llama-server")
+        for tool in TOOLS:
+            shutil.copy2(build / "bin" / tool, out / f"{tool}.tmp")
+            os.replace(out / f"{tool}.tmp", out / tool)
     return out / "llama-server"
 
 

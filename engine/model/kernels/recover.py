@@ -25,27 +25,27 @@ def recover_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     if I % 32 or w.dtype != torch.float32:  # the kernel takes blocks of 32
         return None
     blocks = w.reshape(O, I // 32, 32)
-    q0, d0, m0, ok0 = _q4_0_form(blocks)
-    if bool(ok0.all()):  # a Q4_0 file's weights: every block
-        return _packed(q0, d0, m0, O, I)
     m = blocks.amin(-1)  # [O, nb] the q = 0 element (Q4_1's form: q * d + m, both float16)
-    if not bool((ok0 | (m.to(torch.float16).to(torch.float32) == m)).all()):
-        return None
+    tried = m.to(torch.float16).to(torch.float32) == m  # blocks that may be Q4_1's
     span = blocks.amax(-1) - m  # ~ 15 d
-    best_q, best_d, ok_all = q0, d0, ok0.clone()  # blocks of the Q4_0 form are kept as they are
-    m = torch.where(ok0, m0, m)
+    best_q, best_d, ok_all = None, None, torch.zeros_like(m, dtype=torch.bool)
     for d in _fp16_candidates(span / 15, 2):  # the exact scale is span / 15 up to rounding
         safe = torch.where(d > 0, d, torch.ones_like(d))
         q = torch.round((blocks - m[..., None]) / safe[..., None]).clamp(0, 15)
         q = torch.where((d > 0)[..., None], q, torch.zeros_like(q))
-        ok = ((q * d[..., None] + m[..., None]) == blocks).all(-1) & ~ok_all
+        ok = ((q * d[..., None] + m[..., None]) == blocks).all(-1) & tried & ~ok_all
         best_q = q if best_q is None else torch.where(ok[..., None], q, best_q)
         best_d = d if best_d is None else torch.where(ok, d, best_d)
         ok_all |= ok
         if bool(ok_all.all()):
             break
-    if not bool(ok_all.all()):
-        return None
+    if not bool(ok_all.all()):  # the rest as Q4_0's blocks, where they are (a Q4_1 block keeps its own form)
+        q0, d0, m0, ok0 = _q4_0_form(blocks)
+        use = ok0 & ~ok_all
+        best_q, best_d, m = torch.where(use[..., None], q0, best_q), torch.where(use, d0, best_d), torch.where(use, m0, m)
+        ok_all |= ok0
+        if not bool(ok_all.all()):
+            return None
     return _packed(best_q, best_d, m, O, I)
 
 
