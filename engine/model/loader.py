@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from trserve.core.errors import FailedPrecondition, InvalidArgument, NotFound
-from trserve.engine.model.sources import check_model_dir
+from trserve.engine.model.sources import check_local_source
 from trserve.engine.model.choices import (ARITHMETIC_CHOICES, ARITHMETICS, BATCH_STEPS, BUILTIN_MODEL, FORWARDS,  # noqa: F401 - re-exported
                                          KERNELS)
 from trserve.engine.model.paths import default_cache_dir
@@ -189,15 +189,7 @@ def resolve_source(config: ModelConfig) -> str:
         if not Path(config.source).is_file():
             raise NotFound(f"the GGUF file {config.source!r} does not exist")
         return str(gguf_model_dir(Path(config.source), config.cache_dir))
-    path = Path(config.source)
-    if path.is_dir():
-        check_model_dir(path)
-    elif path.exists():
-        raise NotFound(f"--model {config.source!r} is a file but not a .gguf one: pass a GGUF file or a "
-                       "transformers checkpoint directory (config.json, tokenizer, weights)")
-    elif config.source.startswith((".", "/", "~")) or config.source.count("/") > 1:
-        raise NotFound(f"--model {config.source!r} does not exist (not a file or directory here)")
-    else:
+    if not check_local_source(config.source):  # not a path here: a hub id, perhaps cached
         _check_hub_model(config.source)
     return config.source
 
@@ -292,9 +284,11 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.arithmetic == "int8" and not isa:
         raise InvalidArgument(f"arithmetic {config.arithmetic} needs the compressed kernels, which this model or "
                               f"host cannot take (kernels: {kernels}; see docs/kernels.md)")
-    arithmetic = resolve_arithmetic(config.arithmetic, isa)
+    from trserve.engine.model.kernels.qlinear import QLinear
+
+    arithmetic = next((m.arithmetic for m in model.modules() if isinstance(m, QLinear)),  # as swapped (_compress)
+                      resolve_arithmetic(config.arithmetic, isa))
     if isa:  # the compressed kernels run on their own threads: as many as configured, whichever thread calls
-        from trserve.engine.model.kernels.qlinear import QLinear
 
         threads = config.threads or torch.get_num_threads()
         for module in model.modules():
@@ -367,6 +361,7 @@ def _compress(model, config: ModelConfig, tokenizer=None) -> str | None:
     from trserve.engine.model.kernels.build import kernel_isa
     from trserve.engine.model.kernels.outliers import attach_key_pairs, kept_inputs, key_pairs
     from trserve.engine.model.kernels.qlinear import quantize_linears
+    from trserve.engine.model.kernels.recover import every_linear_recovers
 
     try:
         isa = kernel_isa()
@@ -376,6 +371,10 @@ def _compress(model, config: ModelConfig, tokenizer=None) -> str | None:
             return None
         cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         arithmetic = resolve_arithmetic(config.arithmetic, isa)
+        if arithmetic == "int8" and not every_linear_recovers(model):  # no native forward (recover.py says why)
+            arithmetic = "exact" if config.arithmetic == "auto" else arithmetic
+            log.warning("not every linear layer holds exact blocks: no native forward, %s arithmetic%s", arithmetic,
+                        "" if arithmetic == "exact" else " (TR is not guaranteed to equal plain decoding)")
         kept = pairs = None
         if arithmetic == "int8" and tokenizer is not None:  # calibrated on the float32 model, before the swap
             fingerprint = model_fingerprint(tokenizer, model.config)

@@ -24,3 +24,18 @@ def check_model_dir(path: Path) -> None:
     if missing:
         raise NotFound(f"--model directory {str(path)!r} is not a transformers checkpoint: it lacks "
                        f"{', '.join(missing)}")
+
+
+def check_local_source(source: str) -> bool:
+    """True where `source` (not a .gguf file) is a local checkpoint directory holding what it needs;
+    NotFound, in one line, where it is a path that is not one; False where it reads as a hub id."""
+    path = Path(source)
+    if path.is_dir():
+        check_model_dir(path)
+        return True
+    if path.exists():
+        raise NotFound(f"--model {source!r} is a file but not a .gguf one: pass a GGUF file or a transformers "
+                       "checkpoint directory (config.json, tokenizer, weights)")
+    if source.startswith((".", "/", "~")) or source.count("/") > 1:
+        raise NotFound(f"--model {source!r} does not exist (not a file or directory here)")
+    return False

@@ -97,6 +97,15 @@ class QLinear(nn.Module):
                 f"{self.isa}, {self.arithmetic}{kept}")
 
 
+def set_threads(model: nn.Module, threads: int) -> str | None:
+    """Every QLinear of `model` on `threads` kernel threads; returns their arithmetic (None: there are none)."""
+    arithmetic = None
+    for module in model.modules():
+        if isinstance(module, QLinear):
+            module.threads, arithmetic = threads, module.arithmetic
+    return arithmetic
+
+
 def quantize_linears(model: nn.Module, cache_dir: Path, isa: str = "auto",
                      arithmetic: str = "exact", kept_inputs: dict[str, list[int]] | None = None) -> tuple[int, int]:
     """Swap every nn.Linear whose weight recovers exactly for a QLinear on kernel variant `isa`
