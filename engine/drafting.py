@@ -50,9 +50,8 @@ class Drafter:
         for live, stage, opts, j in zip(running, staged, options, chosen):
             t0, draft = time.perf_counter(), None
             if live.error is None:
-                with alone(live):
+                with alone(live):  # where it fails, draft stays None: a plain row until it retires
                     draft = self._draft(live, stage, opts[j])
-                draft = draft if live.error is None else None
             drafts.append(draft)
             inputs.append(self._plain_input(live.root) if draft is None
                           else RowInput(draft.tokens, draft.tree.depth, draft.tree.mask))

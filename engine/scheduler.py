@@ -8,8 +8,8 @@ step prefills one chunk of one of them, the one with the fewest chunks left less
 waited since its last chunk (`pick_prefill`): a short prompt is not queued behind long ones (its first
 token comes after at most one chunk of theirs); and a prompt that has waited max(4, P) steps goes
 first (the longest waiting first), so a long one still gets a chunk every max(4, P) + 1 steps or
-sooner, however many short ones arrive. A prompt whose prefill is done
-joins the batch at row `active` (swapped there with the prompt in progress that held it).
+sooner, however many short ones arrive. A prompt whose prefill is done joins the batch at row
+`active` (swapped there with the prompt in progress that held it).
 Thread-safe where the callers' threads meet the engine thread (`enqueue`, `stop`, `wait_for_work`,
 `all`); the rest runs on the engine thread."""
 
@@ -172,7 +172,7 @@ class Scheduler:
         """Admit the waiting requests at the head of the queue while they fit (each to prefill into a
         row of its own); returns the waiting requests that were cancelled or timed out meanwhile (the
         caller finishes them)."""
-        gone, admitted = [], []
+        gone = []
         with self._lock:
             while self.waiting:
                 head = self.waiting[0]
@@ -187,7 +187,6 @@ class Scheduler:
                 self.kv.open_row(head.row)
                 self.reserved += head.reserved
                 self.prefills.append(head)
-                admitted.append(head)
         return gone
 
     def _urgency(self, live: Sequence) -> tuple[int, int, float]:

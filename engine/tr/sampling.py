@@ -217,8 +217,9 @@ def choose(logits: torch.Tensor, sampler: Sampler | None, positions: torch.Tenso
     """
     if rules is not None:
         logits, topk = rules.apply(logits, positions, contexts), None
-        dead = torch.isneginf(logits.max(dim=-1).values).nonzero().flatten()  # rows with nothing allowed
-        if dead.numel():
+        # only a grammar can forbid every id (with min_tokens banning the stops it leaves)
+        dead = torch.isneginf(logits.max(dim=-1).values).nonzero().flatten() if rules.grammar is not None else ()
+        if len(dead):
             at = positions if isinstance(positions, int) else int(positions[dead[0]])
             raise OutputStuck(f"no token is allowed at output token {at}: the request's structured output allows "
                               f"only stop tokens there and min_tokens={rules.min_tokens} forbids them",

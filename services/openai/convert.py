@@ -291,7 +291,7 @@ class ChunkWriter:
             self.held, text = self.held + (text or ""), None
         lp = logprobs_json(self.req.kind, logprobs, self.vocab, self.offset) if logprobs else None
         if lp is not None and self.req.kind != "chat":
-            self.offset += self.vocab.chars([x.token for x in logprobs])
+            self.offset = self.vocab.offsets([x.token for x in logprobs], self.offset)[1]
         choice: dict = {"index": self.index, "finish_reason": finish_reason, "logprobs": lp}
         if self.req.kind == "chat":
             delta = {"role": "assistant"} if role else {}

@@ -5,6 +5,7 @@ OpenAI's logprobs object of an answer."""
 
 from __future__ import annotations
 
+import codecs
 import functools
 
 import json
@@ -107,10 +108,14 @@ class Vocabulary:
         """The text of token ids together (characters split across tokens whole)."""
         return self._tokenizer.decode(list(ids))
 
-    def chars(self, ids: list[int]) -> int:
-        """Characters the text of `ids` adds after text ending on a character boundary (a character's
-        last bytes count it; its first bytes alone count nothing)."""
-        return len(b"".join(self.bytes(i) for i in ids).decode("utf-8", "ignore"))
+    def offsets(self, ids: list[int], offset: int = 0) -> tuple[list[int], int]:
+        """Each token's character offset in the text of `ids` after `offset` characters, and the offset
+        after them all (a character split over tokens counts at its last byte), in one pass."""
+        decoder, out = codecs.getincrementaldecoder("utf-8")(errors="ignore"), []
+        for i in ids:
+            out.append(offset)
+            offset += len(decoder.decode(self.bytes(i)))
+        return out, offset
 
 
 def logprobs_json(kind: str, logprobs, vocab: Vocabulary, offset: int = 0) -> dict | None:
@@ -125,7 +130,7 @@ def logprobs_json(kind: str, logprobs, vocab: Vocabulary, offset: int = 0) -> di
         return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(i, v) for i, v in lp.top]}
                             for lp in logprobs], "refusal": None}
     ids = [lp.token for lp in logprobs]
-    offsets = [offset + vocab.chars(ids[:i]) for i in range(len(ids))]
+    offsets, _ = vocab.offsets(ids, offset)
     return {"tokens": [vocab.piece(i) for i in ids], "token_logprobs": [lp.logprob for lp in logprobs],
             "top_logprobs": [{vocab.piece(i): v for i, v in lp.top} if lp.logprob is not None else None
                              for lp in logprobs] if any(lp.top for lp in logprobs) else None, "text_offset": offsets}
