@@ -359,6 +359,7 @@ def _compress(model, config: ModelConfig, tokenizer=None) -> str | None:
     None (packed kernels take over), InvalidArgument when they were asked for. The int8 arithmetic keeps
     each layer input's outlier dims in float32 (engine/model/kernels/outliers.py)."""
     from trserve.engine.model.kernels.build import kernel_isa
+    from trserve.engine.model.kernels.kquants import file_blocks
     from trserve.engine.model.kernels.outliers import attach_key_pairs, kept_inputs, key_pairs
     from trserve.engine.model.kernels.qlinear import quantize_linears
     from trserve.engine.model.kernels.recover import every_linear_recovers
@@ -371,7 +372,8 @@ def _compress(model, config: ModelConfig, tokenizer=None) -> str | None:
             return None
         cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         arithmetic = resolve_arithmetic(config.arithmetic, isa)
-        if arithmetic == "int8" and not every_linear_recovers(model):  # no native forward (recover.py says why)
+        blocks = file_blocks(config.source, model) if config.source.endswith(".gguf") else {}
+        if arithmetic == "int8" and not every_linear_recovers(model, blocks):  # no native forward (recover.py says why)
             arithmetic = "exact" if config.arithmetic == "auto" else arithmetic
             log.warning("not every linear layer holds exact blocks: no native forward, %s arithmetic%s", arithmetic,
                         "" if arithmetic == "exact" else " (TR is not guaranteed to equal plain decoding)")
@@ -380,7 +382,7 @@ def _compress(model, config: ModelConfig, tokenizer=None) -> str | None:
             fingerprint = model_fingerprint(tokenizer, model.config)
             kept = kept_inputs(model, tokenizer, fingerprint, cache)
             pairs = key_pairs(model, tokenizer, fingerprint, cache)
-        swapped, _ = quantize_linears(model, cache, isa, arithmetic, kept)
+        swapped, _ = quantize_linears(model, cache, isa, arithmetic, kept, blocks)
         if not swapped:
             raise RuntimeError("no linear layer of this model holds exact 4/8-bit blocks")
         if pairs:

@@ -93,7 +93,7 @@ def native_unsupported(model) -> str | None:
 def _qmat(q: QLinear) -> _QMat:
     k = q.kept.numel()  # int8: inputs kept in float32 (engine/model/kernels/outliers.py)
     return _QMat(q.kind, q.in_features, q.out_features, q.codes.data_ptr(), q.d.data_ptr(),
-                 q.m.data_ptr() if q.kind == 4 else None, q.bias.data_ptr() if q.bias is not None else None,
+                 q.m.data_ptr() if q.m.numel() else None, q.bias.data_ptr() if q.bias is not None else None,
                  k, q.kept.data_ptr() if k else None, q.kept_w.data_ptr() if k else None)
 
 

@@ -6,7 +6,11 @@
  * d and m are float16 values (stored as IEEE half bits, converted exactly to float32 here). q * d is
  * exact in float32 for these ranges (8 bits x 11 bits), so q * d + m has a single rounding and the
  * rebuilt weight equals the stored float32 weight bit for bit (engine/model/kernels/recover.py checks
- * this at load).
+ * this at load). The K-quant kinds (qlinear.h: 5, 9, 17) hold float32 d and m, the products of a
+ * super-block's float16 scale and a sub-block's 6- or 8-bit one, and q8 codes with a min (kind 9:
+ * W = q * d + m) or with a scale per 16 inputs (kind 17: inputs 32b + j, j < 16, take d[o, 2b], the
+ * rest d[o, 2b + 1]); q * d stays exact (at most 24 bits), so each weight is ggml's value bit for bit
+ * (engine/model/kernels/kquants.py checks it at load).
  *
  * Layout: outputs in panels of 16 (O padded to a multiple of 16 with zero weights). Panel p, block b:
  *   q4 codes, "bytes" (avx512, scalar builds): 16 x 16 bytes, byte [j][l] = q[16p + l, 32b + 2j] |
@@ -197,7 +201,15 @@ INLINE v16 deq8(const uint8_t *c, v16 d)
 /* ---- tiles (shared by all builds) ------------------------------------------------------------
  * kind, R (rows) and T (panels) are constants wherever these are called (the drivers name them
  * literally and always_inline propagates them). A panel-block is 256 (q4) or 512 (q8) code bytes. */
-#define PANEL_BLOCK_BYTES(kind) ((kind) == 4 ? 256 : 512)
+#define PANEL_BLOCK_BYTES(kind) (KQ4(kind) ? 256 : 512)
+
+/* Input j's weights of a q8 panel-block (c: its codes): code * d (+ m where the kind has a min; the
+ * product is exact, so the sum rounds once, as an fma would). */
+INLINE v16 deq8k(const int kind, const uint8_t *c, const int j, v16 d, v16 m)
+{
+    const v16 w = deq8(c + 16 * j, d);
+    return KMIN(kind) ? v_add(w, m) : w;
+}
 
 /* Inputs 2j and 2j + 1 of a q4 block into a tile's accumulators: the weights of panels t from codes
  * c[t] and scales vd[t], vm[t]; xb: the block's packed rows (xb[i * R + r]). */
@@ -229,26 +241,27 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
         for (int t = 0; t < T; t++) acc[r][t] = v_zero();
     (void)I;
     for (int64_t b = 0; b < nb; b++) {
-        v16 vd[MAX_PANELS], vm[MAX_PANELS];
+        v16 vd[MAX_PANELS], vm[MAX_PANELS], vd2[MAX_PANELS];
         const uint8_t *c[MAX_PANELS];
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
             const int64_t pb = (p + t) * nb + b;
-            vd[t] = v_half(w->d + PANEL * pb);
-            if (kind == 4) vm[t] = v_half(w->m + PANEL * pb);
+            vd[t] = v_scale(w->d, kind, pb, 0);
+            vd2[t] = kind == 17 ? v_scale(w->d, kind, pb, 1) : vd[t];
+            vm[t] = KMIN(kind) ? v_scale(w->m, kind, pb, 0) : v_zero();
             c[t] = w->codes + PANEL_BLOCK_BYTES(kind) * pb;
 #if PREFETCH_BLOCKS
             /* the stream PREFETCH_BLOCKS blocks ahead (into the next panels at a panel's end: the next tile's) */
             const uint8_t *pc = c[t] + PREFETCH_BLOCKS * PANEL_BLOCK_BYTES(kind);
             for (int l = 0; l < PANEL_BLOCK_BYTES(kind); l += 64) __builtin_prefetch(pc + l, 0, PREFETCH_LOCALITY);
             if ((b & 1) == 0) {
-                __builtin_prefetch(w->d + PANEL * (pb + PREFETCH_BLOCKS), 0, PREFETCH_LOCALITY);
-                if (kind == 4) __builtin_prefetch(w->m + PANEL * (pb + PREFETCH_BLOCKS), 0, PREFETCH_LOCALITY);
+                __builtin_prefetch(scale_at(w->d, kind, pb + PREFETCH_BLOCKS), 0, PREFETCH_LOCALITY);
+                if (KMIN(kind)) __builtin_prefetch(scale_at(w->m, kind, pb + PREFETCH_BLOCKS), 0, PREFETCH_LOCALITY);
             }
 #endif
         }
         const float *xb = x + 32 * R * b; /* the tile's rows packed: xb[i * R + r] */
-        if (kind == 4) {
+        if (KQ4(kind)) {
             if (Q4_LAYOUT && R * T <= Q4_UNROLL_TILE) { /* the lanes layout's shifts as immediates */
 #pragma GCC unroll 16
                 for (int j = 0; j < 16; j++) tile_q4_pair(R, T, j, c, vd, vm, xb, acc);
@@ -256,15 +269,16 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
                 for (int j = 0; j < 16; j++) tile_q4_pair(R, T, j, c, vd, vm, xb, acc);
             }
         } else {
-            for (int j = 0; j < 32; j++) {
-                v16 wj[MAX_PANELS];
+            for (int h = 0; h < 2; h++) /* the block's halves: kind 17's two scales */
+                for (int j = 16 * h; j < 16 * h + 16; j++) {
+                    v16 wj[MAX_PANELS];
 #pragma GCC unroll 4
-                for (int t = 0; t < T; t++) wj[t] = deq8(c[t] + 16 * j, vd[t]);
+                    for (int t = 0; t < T; t++) wj[t] = deq8k(kind, c[t], j, h ? vd2[t] : vd[t], vm[t]);
 #pragma GCC unroll 16
-                for (int r = 0; r < R; r++)
+                    for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-                    for (int t = 0; t < T; t++) acc[r][t] = v_fma(wj[t], xb + j * R + r, acc[r][t]);
-            }
+                        for (int t = 0; t < T; t++) acc[r][t] = v_fma(wj[t], xb + j * R + r, acc[r][t]);
+                }
         }
     }
     store_tile(w, R, T, acc, y, p, r0);
@@ -278,10 +292,11 @@ INLINE void rebuild_panels(const qmat_t *w, const int kind, const int T, int64_t
     for (int64_t b = 0; b < nb; b++)
         for (int t = 0; t < T; t++) {
             const int64_t pb = (p + t) * nb + b;
-            const v16 vd = v_half(w->d + PANEL * pb), vm = kind == 4 ? v_half(w->m + PANEL * pb) : v_zero();
+            const v16 vd = v_scale(w->d, kind, pb, 0), vm = KMIN(kind) ? v_scale(w->m, kind, pb, 0) : v_zero();
+            const v16 vd2 = kind == 17 ? v_scale(w->d, kind, pb, 1) : vd;
             const uint8_t *c = w->codes + PANEL_BLOCK_BYTES(kind) * pb;
             float *o = wb + (32 * b * T + t) * PANEL; /* input 32b, panel t */
-            if (kind == 4) {
+            if (KQ4(kind)) {
 #if Q4_LAYOUT
 #pragma GCC unroll 16
 #endif
@@ -292,7 +307,7 @@ INLINE void rebuild_panels(const qmat_t *w, const int kind, const int T, int64_t
                     v_store(o + (2 * j + 1) * T * PANEL, w1);
                 }
             } else {
-                for (int j = 0; j < 32; j++) v_store(o + j * T * PANEL, deq8(c + 16 * j, vd));
+                for (int j = 0; j < 32; j++) v_store(o + j * T * PANEL, deq8k(kind, c, j, j >= 16 ? vd2 : vd, vm));
             }
         }
 }
@@ -352,6 +367,8 @@ INLINE void mem_call(const qmat_t *w, const int R, const int T, const float *wb,
     TILE_FN(K, 6, T) TILE_FN(K, 7, T) TILE_FN(K, 8, T) TILE_FN(K, 9, T) TILE_FN(K, 10, T) TILE_FN(K, 11, T) \
     TILE_FN(K, 12, T) TILE_FN(K, 13, T) TILE_FN(K, 14, T) TILE_FN(K, 15, T) TILE_FN(K, 16, T)
 TILE_FNS(4, 1) TILE_FNS(4, 2) TILE_FNS(4, 3) TILE_FNS(4, 4) TILE_FNS(8, 1) TILE_FNS(8, 2) TILE_FNS(8, 3) TILE_FNS(8, 4)
+TILE_FNS(5, 1) TILE_FNS(5, 2) TILE_FNS(5, 3) TILE_FNS(5, 4) TILE_FNS(9, 1) TILE_FNS(9, 2) TILE_FNS(9, 3) TILE_FNS(9, 4)
+TILE_FNS(17, 1) TILE_FNS(17, 2) TILE_FNS(17, 3) TILE_FNS(17, 4)
 #undef TILE_FNS
 #undef TILE_FN
 /* tile_K_R_T for constant kind, R, T (every call site's are: all but one test folds away). */
@@ -363,6 +380,8 @@ INLINE void tile_call(const qmat_t *w, const int kind, const int R, const int T,
     TC(K, 8, TT) TC(K, 9, TT) TC(K, 10, TT) TC(K, 11, TT) TC(K, 12, TT) TC(K, 13, TT) TC(K, 14, TT) TC(K, 15, TT) \
     TC(K, 16, TT)
     TCS(4, 1) TCS(4, 2) TCS(4, 3) TCS(4, 4) TCS(8, 1) TCS(8, 2) TCS(8, 3) TCS(8, 4)
+    TCS(5, 1) TCS(5, 2) TCS(5, 3) TCS(5, 4) TCS(9, 1) TCS(9, 2) TCS(9, 3) TCS(9, 4)
+    TCS(17, 1) TCS(17, 2) TCS(17, 3) TCS(17, 4)
 #undef TCS
 #undef TC
     __builtin_unreachable();
@@ -411,12 +430,10 @@ INLINE void part(const qmat_t *w, const int kind, const int RR, const int T, con
     {                                                                                                           \
         part(w, kind, RR, T, x, n, y, p0, p1);                                                                  \
     }
-PLAN(one_q4, 4, 1, ONE_PANELS)
-PLAN(one_q8, 8, 1, ONE_PANELS)
-PLAN(narrow_q4, 4, NARROW_ROWS, NARROW_PANELS)
-PLAN(narrow_q8, 8, NARROW8_ROWS, NARROW8_PANELS)
-PLAN(wide_q4, 4, WIDE_ROWS, WIDE_PANELS)
-PLAN(wide_q8, 8, WIDE_ROWS, WIDE_PANELS)
+#define PLANS(K, NR, NP) PLAN(one_##K, K, 1, ONE_PANELS) PLAN(narrow_##K, K, NR, NP) PLAN(wide_##K, K, WIDE_ROWS, WIDE_PANELS)
+PLANS(4, NARROW_ROWS, NARROW_PANELS) PLANS(5, NARROW_ROWS, NARROW_PANELS)
+PLANS(8, NARROW8_ROWS, NARROW8_PANELS) PLANS(9, NARROW8_ROWS, NARROW8_PANELS) PLANS(17, NARROW8_ROWS, NARROW8_PANELS)
+#undef PLANS
 #undef PLAN
 
 /* *buf grown to at least `need` floats (this thread's scratch; kept for its next calls). 0, or -1
@@ -454,15 +471,24 @@ INLINE void deq_part(const qmat_t *w, const int kind, const float *x, int64_t n,
     for (; p + DEQ_PANELS <= p1; p += DEQ_PANELS) deq_group(w, kind, DEQ_PANELS, p, x, n, y);
     for (; p < p1; p++) deq_group(w, kind, 1, p, x, n, y);
 }
-static __attribute__((noinline)) void deq_q4(const qmat_t *w, const float *x, int64_t n, float *y, int64_t p0,
-                                             int64_t p1)
+#define DEQ_PLAN(K)                                                                                              \
+    static __attribute__((noinline)) void deq_##K(const qmat_t *w, const float *x, int64_t n, float *y, int64_t p0, \
+                                                  int64_t p1) { deq_part(w, K, x, n, y, p0, p1); }
+DEQ_PLAN(4) DEQ_PLAN(8) DEQ_PLAN(5) DEQ_PLAN(9) DEQ_PLAN(17)
+#undef DEQ_PLAN
+
+/* A kind's plans. */
+typedef void (*plan_fn)(const qmat_t *, const float *, int64_t, float *, int64_t, int64_t);
+typedef struct {
+    plan_fn one, narrow, wide, deq;
+} plans_t;
+static plans_t plans_of(int kind)
 {
-    deq_part(w, 4, x, n, y, p0, p1);
-}
-static __attribute__((noinline)) void deq_q8(const qmat_t *w, const float *x, int64_t n, float *y, int64_t p0,
-                                             int64_t p1)
-{
-    deq_part(w, 8, x, n, y, p0, p1);
+#define PL(K) if (kind == K) { const plans_t p = {one_##K, narrow_##K, wide_##K, deq_##K}; return p; }
+    PL(4) PL(5) PL(9) PL(17)
+#undef PL
+    const plans_t p = {one_8, narrow_8, wide_8, deq_8};
+    return p;
 }
 
 /* x[n, I] -> this thread's buffer, row tiles of RR rows (the last one ragged) one after another, each
@@ -490,22 +516,22 @@ void qmat_rows(const qmat_t *w, const float *x, int64_t n, float *y, int64_t id,
     *o0 = PANEL * p0 < w->out ? PANEL * p0 : w->out;
     *o1 = PANEL * p1 < w->out ? PANEL * p1 : w->out;
     if (p1 <= p0 || n <= 0) return;
-    const int q4 = w->kind == 4;
+    const plans_t pl = plans_of(w->kind);
     if (n == 1) {
-        (q4 ? one_q4 : one_q8)(w, x, n, y, p0, p1);
+        pl.one(w, x, n, y, p0, p1);
         return;
     }
-    const int narrow = n <= (q4 ? NARROW_ROWS : NARROW8_ROWS);
+    const int narrow = n <= (KQ4(w->kind) ? NARROW_ROWS : NARROW8_ROWS);
     /* without memory for the rebuilt panels, the wide plan (same bits) */
     const int deq = n >= DEQ_MIN_ROWS && !grow_buf(&deq_buf, &deq_cap, w->in * DEQ_PANELS * PANEL);
     const float *xp = pack_rows(x, n, w->in, narrow ? n : deq ? DEQ_ROWS : WIDE_ROWS);
     if (!xp) { /* no memory for the packed copy: row by row (a row alone is its own packed layout; same bits) */
-        for (int64_t r = 0; r < n; r++) (q4 ? one_q4 : one_q8)(w, x + r * w->in, 1, y + r * w->out, p0, p1);
+        for (int64_t r = 0; r < n; r++) pl.one(w, x + r * w->in, 1, y + r * w->out, p0, p1);
         return;
     }
-    if (deq) (q4 ? deq_q4 : deq_q8)(w, xp, n, y, p0, p1);
-    else if (narrow) (q4 ? narrow_q4 : narrow_q8)(w, xp, n, y, p0, p1);
-    else (q4 ? wide_q4 : wide_q8)(w, xp, n, y, p0, p1);
+    if (deq) pl.deq(w, xp, n, y, p0, p1);
+    else if (narrow) pl.narrow(w, xp, n, y, p0, p1);
+    else pl.wide(w, xp, n, y, p0, p1);
 }
 
 /* Which build this is ("avx512", "avx2", "scalar"): the loader checks it got the one it asked for. */
@@ -532,10 +558,11 @@ static void qlinear_job(void *arg, int64_t id, int64_t nt)
 }
 
 /* x: [n, I] row-major, I % 32 == 0; codes, d, m: the panel layout above for ceil(O / 16) panels (m
- * only for kind 4); bias: [O] or NULL; y: [n, O]. Returns 0. */
+ * only where the kind has a min); bias: [O] or NULL; y: [n, O]. Returns 0, or -3 for an unknown kind. */
 int trserve_qlinear(int kind, const float *x, int64_t n, int64_t I, int64_t O, const uint8_t *codes,
                     const uint16_t *d, const uint16_t *m, const float *bias, float *y, int threads)
 {
+    if (!KNOWN_KIND(kind)) return -3;
     const qmat_t w = {kind, I, O, I / 32, codes, d, m, bias};
     qlinear_job_t job = {&w, x, n, y};
     pool_run(qlinear_job, &job, threads);

@@ -12,12 +12,25 @@
 
 #define PANEL 16 /* outputs per panel of the packed layout */
 
+/* Kinds of compressed matrix: the codes' width, the scales' type and block, whether a min is added.
+ *   4  q4 codes, float16 d and m per block of 32 (Q4_0, Q4_1)
+ *   8  q8 codes, float16 d per block of 32 (Q8_0, Q5_0)
+ *   5  q4 codes, float32 d and m per block of 32 (Q4_K: d = d_super * sc, m = -dmin_super * mn)
+ *   9  q8 codes, float32 d and m per block of 32 (Q5_K, Q5_1)
+ *   17 q8 codes, float32 d per 16 inputs, two per block (Q6_K: d = d_super * sc)
+ * Every product code * d is exact in float32 for these ranges, so W = code * d (+ m) has at most one
+ * rounding: ggml's own dequantized value. */
+#define KQ4(k) ((k) == 4 || (k) == 5)                /* 4-bit codes (else 8-bit) */
+#define KMIN(k) ((k) == 4 || (k) == 5 || (k) == 9)   /* a min per block */
+#define KF16(k) ((k) == 4 || (k) == 8)               /* float16 scales (else float32) */
+#define KNOWN_KIND(k) ((k) == 4 || (k) == 8 || (k) == 5 || (k) == 9 || (k) == 17)
+
 /* One compressed matrix, [out, in] as y = x W^T (+ bias) takes it. */
 typedef struct {
     int kind;
     int64_t in, out, nb; /* in = 32 nb */
     const uint8_t *codes;
-    const uint16_t *d, *m; /* m only for kind 4 */
+    const uint16_t *d, *m; /* float16 or (cast) float32 values as kind says; m only where KMIN(kind) */
     const float *bias;     /* [out] or NULL */
     int64_t n_kept;        /* int8 arithmetic: inputs kept in float32 (qact_t.kept), 0..MAX_KEPT */
     const float *kept_w;   /* [n_kept, out]: W[:, those inputs], added after the integer part */
@@ -25,6 +38,20 @@ typedef struct {
 
 #define MAX_ROWS 16  /* register tiles: rows x panels at most */
 #define MAX_PANELS 4
+
+/* The scales of panel-block pb (16 outputs side by side; h: which half of the block, kind 17 only) as
+ * floats: float16 values converted exactly, or float32 ones as they are. */
+INLINE v16 v_scale(const uint16_t *s, const int kind, int64_t pb, int h)
+{
+    if (KF16(kind)) return v_half(s + PANEL * pb);
+    if (kind == 17) return v_load((const float *)s + PANEL * (2 * pb + h));
+    return v_load((const float *)s + PANEL * pb);
+}
+/* Where panel-block pb's scales lie (prefetches). */
+INLINE const void *scale_at(const uint16_t *s, const int kind, int64_t pb)
+{
+    return KF16(kind) ? (const void *)(s + PANEL * pb) : (const void *)((const float *)s + PANEL * (kind == 17 ? 2 * pb : pb));
+}
 
 /* acc of rows [r0, r0 + R) and panels [p, p + T) -> y (outputs past `out` are padding: dropped). */
 INLINE void store_tile(const qmat_t *w, const int R, const int T, v16 acc[MAX_ROWS][MAX_PANELS], float *y, int64_t p,
@@ -52,12 +79,14 @@ HIDDEN void qmat_rows(const qmat_t *w, const float *x, int64_t n, float *y, int6
                       int64_t *o1);
 
 /* Activations quantized for the int8 arithmetic (qlinear_i8.c): n rows of I inputs, block-major:
- * row r's block b is q[(b n + r) 32 ..], its scale s[b n + r], xm m[b n + r], -128 x code sum c[b n + r]. */
+ * row r's block b is q[(b n + r) 32 ..], its scale s[b n + r], xm m[b n + r], -128 x code sum c[b n + r],
+ * -128 x the sum of its first 16 codes c16[b n + r] (kind 17's halves; NULL where not wanted). */
 typedef struct {
     int64_t n;
     int8_t *q;
     float *s, *m;
     int32_t *c;
+    int32_t *c16;
     int64_t n_kept; /* inputs kept in float32 (quantized as zeros): kept[r n_kept + j] = x[r, dims[j]] */
     float *kept, *row; /* [n, MAX_KEPT], and a row's scratch [I] */
 } qact_t;

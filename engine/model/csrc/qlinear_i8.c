@@ -7,8 +7,10 @@
  * Then per output o and block b, an exact integer dot product of the codes with xq, and the float part
  * in one fixed order:
  *   acc = 0;  for b in order:  f = (float)isum(o, b) * s_b;  acc = fma(f, d[o, b], acc);
- *                              q4 only: acc = fma(m[o, b], xm_b, acc)
+ *                              kinds with a min (qlinear.h): acc = fma(m[o, b], xm_b, acc)
  *   y = acc (+ bias[o])
+ * Kind 17 (a scale per 16 inputs) splits each block's integer sum in its halves, each with its scale:
+ *   acc = fma((float)isum_lo * s_b, d[o, 2b], acc);  acc = fma((float)isum_hi * s_b, d[o, 2b + 1], acc)
  * isum is exact (|isum| <= 32 * 255 * 127 < 2^24, so its float is exact too); the float ops are the
  * same IEEE operations in every build. So a row's outputs are the same bits alone or in a batch of any
  * width, and the same bits on the avx512vnni, avx512, avx2 and scalar builds: only how the integer
@@ -58,6 +60,11 @@ void quant_rows(const float *x, int64_t n, int64_t I, qact_t *a, const int32_t *
             quant_block(xr + 32 * b, a->q + 32 * k, a->s + k, &c);
             a->m[k] = (float)c * a->s[k];
             a->c[k] = -128 * c;
+            if (a->c16) {
+                int32_t lo = 0;
+                for (int i = 0; i < 16; i++) lo += a->q[32 * k + i];
+                a->c16[k] = -128 * lo;
+            }
         }
     }
 }
@@ -81,7 +88,7 @@ static void add_kept(const qmat_t *w, const qact_t *a, float *y, int64_t o0, int
 }
 
 /* ---- tiles ------------------------------------------------------------------------------------ */
-#define IBLOCK_BYTES(kind) ((kind) == 4 ? 256 : 512) /* a panel-block's codes */
+#define IBLOCK_BYTES(kind) (KQ4(kind) ? 256 : 512) /* a panel-block's codes */
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 /* Rows [r0, r0 + R) x panels [p, p + T): per block, the codes unpacked once for the tile's rows. */
@@ -97,7 +104,7 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *xb = a->q + (b * n + r0) * 32; /* row r's block at xb + 32 r */
         const float *xs = a->s + b * n + r0, *xm = a->m + b * n + r0;
-        const int32_t *xc = a->c + b * n + r0;
+        const int32_t *xc = a->c + b * n + r0, *xc16 = kind == 17 ? a->c16 + b * n + r0 : xc;
         const uint8_t *c[MAX_PANELS];
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
@@ -105,8 +112,8 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
             const uint8_t *pc = c[t] + 2 * IBLOCK_BYTES(kind); /* two blocks ahead, into L2 */
             for (int l = 0; l < IBLOCK_BYTES(kind); l += 64) __builtin_prefetch(pc + l, 0, 2);
         }
-        vi16 ia[MAX_ROWS][MAX_PANELS];
-        if (kind == 4) { /* without VNNI the block's products add up in 16 bits: 16 of them <= 16 x 15 x 127 */
+        vi16 ia[MAX_ROWS][MAX_PANELS], ih[MAX_ROWS][MAX_PANELS]; /* ih: kind 17's first half */
+        if (KQ4(kind)) { /* without VNNI the block's products add up in 16 bits: 16 of them <= 16 x 15 x 127 */
             a4_t s4[MAX_ROWS][MAX_PANELS];
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++)
@@ -132,9 +139,17 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-                for (int t = 0; t < T; t++) ia[r][t] = Q8_BIAS ? vi_set1(xc[r]) : vi_zero();
+                for (int t = 0; t < T; t++) ia[r][t] = Q8_BIAS ? vi_set1(kind == 17 ? xc16[r] : xc[r]) : vi_zero();
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) {
+                if (kind == 17 && g == 4) /* the second half's sums start afresh (its share of the bias) */
+#pragma GCC unroll 16
+                    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                        for (int t = 0; t < T; t++) {
+                            ih[r][t] = ia[r][t];
+                            ia[r][t] = Q8_BIAS ? vi_set1(xc[r] - xc16[r]) : vi_zero();
+                        }
                 w8_t wg[MAX_PANELS];
 #pragma GCC unroll 4
                 for (int t = 0; t < T; t++) wg[t] = w8(c[t] + 64 * g);
@@ -149,11 +164,17 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
             const int64_t pb = (p + t) * nb + b;
-            const v16 vd = v_half(w->d + PANEL * pb), vm = kind == 4 ? v_half(w->m + PANEL * pb) : v_zero();
+            const v16 vd = v_scale(w->d, kind, pb, 0), vm = KMIN(kind) ? v_scale(w->m, kind, pb, 0) : v_zero();
+            const v16 vd2 = kind == 17 ? v_scale(w->d, kind, pb, 1) : vd;
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++) {
-                acc[r][t] = v_fmav(v_mul(vi_float(ia[r][t]), xs + r), vd, acc[r][t]);
-                if (kind == 4) acc[r][t] = v_fma(vm, xm + r, acc[r][t]);
+                if (kind == 17) {
+                    acc[r][t] = v_fmav(v_mul(vi_float(ih[r][t]), xs + r), vd, acc[r][t]);
+                    acc[r][t] = v_fmav(v_mul(vi_float(ia[r][t]), xs + r), vd2, acc[r][t]);
+                } else {
+                    acc[r][t] = v_fmav(v_mul(vi_float(ia[r][t]), xs + r), vd, acc[r][t]);
+                }
+                if (KMIN(kind)) acc[r][t] = v_fma(vm, xm + r, acc[r][t]);
             }
         }
     }
@@ -161,10 +182,21 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
 }
 #endif
 
+/* Output l's scale of panel-block pb (h: kind 17's half) as a float. */
+INLINE float scale1(const uint16_t *s, int kind, int64_t pb, int h, int l)
+{
+    if (!KF16(kind)) return ((const float *)s)[PANEL * (kind == 17 ? 2 * pb + h : pb) + l];
+#if defined(__AVX512F__) || defined(__AVX2__)
+    return _cvtsh_ss(s[PANEL * pb + l]);
+#else
+    return half_to_float(s[PANEL * pb + l]);
+#endif
+}
+
 /* The code of output l of a panel-block c (int8 layout), input i of the block: its weight's integer. */
 INLINE int32_t icode(const uint8_t *c, int kind, int l, int i)
 {
-    if (kind == 4) {
+    if (KQ4(kind)) {
         const uint8_t byte = c[64 * (i / 8) + 4 * l + i % 4];
         return i % 8 < 4 ? byte & 0xF : byte >> 4;
     }
@@ -176,6 +208,7 @@ INLINE int32_t icode(const uint8_t *c, int kind, int l, int i)
 static void itile_any(const qmat_t *w, int R, int T, const qact_t *a, float *y, int64_t p, int64_t r0)
 {
     const int64_t nb = w->nb, n = a->n;
+    const int kind = w->kind, halves = kind == 17 ? 2 : 1;
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) {
             float out[PANEL];
@@ -183,24 +216,16 @@ static void itile_any(const qmat_t *w, int R, int T, const qact_t *a, float *y, 
                 float s = 0.0f;
                 for (int64_t b = 0; b < nb; b++) {
                     const int64_t pb = (p + t) * nb + b, k = b * n + r0 + r;
-                    const uint8_t *c = w->codes + (w->kind == 4 ? 256 : 512) * pb;
+                    const uint8_t *c = w->codes + IBLOCK_BYTES(kind) * pb;
                     const int8_t *xq = a->q + 32 * k;
-                    int32_t isum = w->kind == 8 && Q8_BIAS ? a->c[k] : 0;
-                    for (int i = 0; i < 32; i++) isum += icode(c, w->kind, l, i) * xq[i];
-                    const float f = (float)isum * a->s[k];
-#if defined(__AVX512F__) || defined(__AVX2__)
-                    const float d = _cvtsh_ss(w->d[PANEL * pb + l]);
-#else
-                    const float d = half_to_float(w->d[PANEL * pb + l]);
-#endif
-                    s = fmaf(f, d, s);
-                    if (w->kind == 4) {
-#if defined(__AVX512F__) || defined(__AVX2__)
-                        s = fmaf(_cvtsh_ss(w->m[PANEL * pb + l]), a->m[k], s);
-#else
-                        s = fmaf(half_to_float(w->m[PANEL * pb + l]), a->m[k], s);
-#endif
+                    for (int h = 0; h < halves; h++) {
+                        int32_t isum = 0;
+                        if (!KQ4(kind) && Q8_BIAS) isum = kind == 17 ? (h ? a->c[k] - a->c16[k] : a->c16[k]) : a->c[k];
+                        for (int i = 32 * h / halves; i < 32 * (h + 1) / halves; i++) isum += icode(c, kind, l, i) * xq[i];
+                        const float f = (float)isum * a->s[k];
+                        s = fmaf(f, scale1(w->d, kind, pb, h, l), s);
                     }
+                    if (KMIN(kind)) s = fmaf(scale1(w->m, kind, pb, 0, l), a->m[k], s);
                 }
                 out[l] = s;
             }
@@ -262,6 +287,8 @@ static void itile_any(const qmat_t *w, int R, int T, const qact_t *a, float *y, 
 #define ITILE_FNS(K, T) ITILE_FN(K, 1, T) ITILE_FN(K, 2, T) ITILE_FN(K, 3, T) ITILE_FN(K, 4, T) ITILE_FN(K, 5, T) \
     ITILE_FN(K, 6, T) ITILE_FN(K, 7, T) ITILE_FN(K, 8, T)
 ITILE_FNS(4, 1) ITILE_FNS(4, 2) ITILE_FN(4, 1, 4) ITILE_FNS(8, 1) ITILE_FNS(8, 2) ITILE_FN(8, 1, 4)
+ITILE_FNS(5, 1) ITILE_FNS(5, 2) ITILE_FN(5, 1, 4) ITILE_FNS(9, 1) ITILE_FNS(9, 2) ITILE_FN(9, 1, 4)
+ITILE_FNS(17, 1) ITILE_FNS(17, 2) ITILE_FN(17, 1, 4)
 #undef ITILE_FNS
 #undef ITILE_FN
 #endif
@@ -273,6 +300,8 @@ static void itile_call(const qmat_t *w, int R, int T, const qact_t *a, float *y,
 #define ICS(K, TT) IC(K, 1, TT) IC(K, 2, TT) IC(K, 3, TT) IC(K, 4, TT) IC(K, 5, TT) IC(K, 6, TT) IC(K, 7, TT) \
     IC(K, 8, TT)
     ICS(4, 1) ICS(4, 2) IC(4, 1, 4) ICS(8, 1) ICS(8, 2) IC(8, 1, 4)
+    ICS(5, 1) ICS(5, 2) IC(5, 1, 4) ICS(9, 1) ICS(9, 2) IC(9, 1, 4)
+    ICS(17, 1) ICS(17, 2) IC(17, 1, 4)
 #undef ICS
 #undef IC
     if (T > 1) { /* a shape not compiled (-D plans): its panels one by one, the same numbers */
@@ -311,12 +340,12 @@ int qact_alloc(qact_t *a, int64_t n, int64_t I)
     const int64_t k = n * (I / 32) + 1;
     a->n = n, a->n_kept = 0;
     a->q = malloc(32 * k), a->s = malloc(sizeof(float) * k), a->m = malloc(sizeof(float) * k);
-    a->c = malloc(sizeof(int32_t) * k);
+    a->c = malloc(sizeof(int32_t) * k), a->c16 = malloc(sizeof(int32_t) * k);
     a->kept = malloc(sizeof(float) * (n * MAX_KEPT + 1)), a->row = malloc(sizeof(float) * (I + 1));
-    return a->q && a->s && a->m && a->c && a->kept && a->row ? 0 : -1;
+    return a->q && a->s && a->m && a->c && a->c16 && a->kept && a->row ? 0 : -1;
 }
 
-void qact_free(qact_t *a) { free(a->q), free(a->s), free(a->m), free(a->c), free(a->kept), free(a->row); }
+void qact_free(qact_t *a) { free(a->q), free(a->s), free(a->m), free(a->c), free(a->c16), free(a->kept), free(a->row); }
 
 typedef struct {
     const qmat_t *w;
@@ -339,6 +368,7 @@ int trserve_qlinear_i8_kept(int kind, const float *x, int64_t n, int64_t I, int6
                             int64_t n_dims, const float *kept_w, float *y, int threads)
 {
     if (n_dims < 0 || n_dims > MAX_KEPT) return -2;
+    if (!KNOWN_KIND(kind)) return -3;
     const qmat_t w = {kind, I, O, I / 32, codes, d, m, bias, n_dims, kept_w};
     qact_t a;
     int rc = -1;
@@ -362,7 +392,7 @@ int trserve_qlinear_i8(int kind, const float *x, int64_t n, int64_t I, int64_t O
  * int32 (-128 times the block's code sum). 0, or -1 without memory. */
 int trserve_quantize_rows(const float *x, int64_t n, int64_t I, int8_t *q, float *s, float *m, int32_t *c)
 {
-    qact_t a = {n, q, s, m, c, 0, NULL, NULL};
+    qact_t a = {n, q, s, m, c, NULL, 0, NULL, NULL};
     quant_rows(x, n, I, &a, NULL, 0);
     return 0;
 }

@@ -35,7 +35,7 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str =
         shifts = 4 * torch.arange(8, dtype=torch.int64)  # nibble k of a word: bits 4k .. 4k + 3
         words = (q.reshape(P, PANEL, nb, 4, 8).to(torch.int64) << shifts).sum(-1)  # [P, l, nb, g]
         packed = _le_bytes(words.permute(0, 2, 3, 1)).reshape(P, nb, 16, 16)  # words [P, nb, g, l]
-    return packed.contiguous(), _panel_scales(d, P), _panel_scales(m, P)
+    return packed.contiguous(), panel_scales(d, P), panel_scales(m, P)
 
 
 def _q4_values(codes: torch.Tensor, O: int, nb: int, P: int) -> torch.Tensor:
@@ -55,19 +55,20 @@ def pack_q4_i8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
     P = -(-O // PANEL)
     q = _q4_values(codes, O, nb, P).reshape(P, PANEL, nb, 4, 2, 4)  # [P, l, nb, h, half, k]
     packed = (q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [P, nb, h, l, k]
-    return packed.reshape(P, nb, 4, 64).contiguous(), _panel_scales(d, P), _panel_scales(m, P)
+    return packed.reshape(P, nb, 4, 64).contiguous(), panel_scales(d, P), panel_scales(m, P)
 
 
 def pack_q8_i8(codes: torch.Tensor, d: torch.Tensor):
-    """recover_q8's (codes [O, I] int8, or its uint8 view; d [O, I/32]) -> the int8 arithmetic's layout:
-    codes [P, nb, 8, 64] uint8, group g byte [4l + k] = q[16p + l, 32b + 4g + k] + 128; d [P, nb, 16]."""
-    O, nb = d.shape
+    """recover_q8's (codes [O, I] int8, or its uint8 view; d [O, I/32], or [O, I/16] for a scale per 16
+    inputs) -> the int8 arithmetic's layout: codes [P, nb, 8, 64] uint8, group g byte [4l + k] =
+    q[16p + l, 32b + 4g + k] + 128; d [P, nb, 16] ([P, 2 nb, 16])."""
+    O, nb = codes.shape[0], codes.shape[1] // 32
     P = -(-O // PANEL)
     biased = (codes.view(torch.uint8) ^ 0x80).reshape(O, nb, 32)  # q + 128 as a byte
     q = _pad_outputs(biased, P)  # padded outputs: q = 0 (128 biased: their weights are 0 * d)
     q[O:] = 0x80
     q = q.reshape(P, PANEL, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [P, nb, g, l, k]
-    return q.reshape(P, nb, 8, 64).contiguous(), _panel_scales(d, P)
+    return q.reshape(P, nb, 8, 64).contiguous(), panel_scales(d, P)
 
 
 def _le_bytes(words: torch.Tensor) -> torch.Tensor:
@@ -76,15 +77,15 @@ def _le_bytes(words: torch.Tensor) -> torch.Tensor:
 
 
 def pack_q8(codes: torch.Tensor, d: torch.Tensor):
-    """recover_q8's (codes [O, I] int8, d [O, I/32]) -> codes [P, nb, 32, 16] (byte [p, b, j, l] =
-    q[16p + l, 32b + j]) and d [P, nb, 16]."""
-    O, nb = d.shape
+    """recover_q8's (codes [O, I] int8, d [O, I/32], or [O, I/16] for a scale per 16 inputs) -> codes
+    [P, nb, 32, 16] (byte [p, b, j, l] = q[16p + l, 32b + j]) and d [P, nb, 16] ([P, 2 nb, 16])."""
+    O, nb = codes.shape[0], codes.shape[1] // 32
     P = -(-O // PANEL)
     q = _pad_outputs(codes.reshape(O, nb, 32), P).reshape(P, PANEL, nb, 32)
-    return q.permute(0, 2, 3, 1).contiguous(), _panel_scales(d, P)
+    return q.permute(0, 2, 3, 1).contiguous(), panel_scales(d, P)
 
 
-def _panel_scales(s: torch.Tensor, panels: int) -> torch.Tensor:
-    """[O, nb] -> [P, nb, 16]: panel p's 16 outputs' scales of block b side by side."""
+def panel_scales(s: torch.Tensor, panels: int) -> torch.Tensor:
+    """[O, nb] -> [P, nb, 16]: panel p's 16 outputs' scales of block b side by side (any dtype)."""
     nb = s.shape[1]
     return _pad_outputs(s, panels).reshape(panels, PANEL, nb).permute(0, 2, 1).contiguous()

@@ -10,8 +10,12 @@ import torch
 from torch import nn
 
 from trserve.engine.model.kernels.build import ARITHMETICS, _library, kernel_isa, q4_layout
-from trserve.engine.model.kernels.pack import pack_q4, pack_q4_i8, pack_q8, pack_q8_i8
+from trserve.engine.model.kernels.pack import PANEL, pack_q4, pack_q4_i8, pack_q8, pack_q8_i8, panel_scales
 from trserve.engine.model.kernels.recover import recover_q4, recover_q8
+
+# kinds (csrc/qlinear.h): codes' bits, whether scales are float16, scales per block of 32, a min per block
+KINDS = {4: (4, True, 1, True), 8: (8, True, 1, False), 5: (4, False, 1, True), 9: (8, False, 1, True),
+         17: (8, False, 2, False)}
 
 log = logging.getLogger("trserve.engine")
 
@@ -25,11 +29,13 @@ def _half(v: torch.Tensor) -> torch.Tensor:
 
 
 class QLinear(nn.Module):
-    """`nn.Linear` replacement over exactly recovered 4-bit (kind 4) or 8-bit (kind 8) blocks.
+    """`nn.Linear` replacement over exactly recovered 4-bit (kind 4) or 8-bit (kind 8) blocks, or a GGUF
+    file's K-quant blocks (kinds 5, 9, 17: float32 scales; engine/model/kernels/kquants.py).
 
-    codes: [O, I/2] (kind 4) or [O, I] (kind 8) uint8 as recover_q4 / recover_q8 give them; d, m:
-    [O, I/32] float32 holding float16 values (m None for kind 8). Held in the kernels' panel layout
-    (`pack_q4` / `pack_q8`), scales as float16; isa: the kernel variant ("auto": this CPU's best);
+    codes: [O, I/2] (4-bit kinds) or [O, I] (8-bit) uint8 as recover_q4 / recover_q8 give them; d, m:
+    [O, I/32] float32 (float16 values for kinds 4 and 8; kind 17: d [O, I/16]; m None where the kind has
+    no min). Held in the kernels' panel layout (`pack_q4` / `pack_q8`), scales as float16 or float32 as
+    the kind says; isa: the kernel variant ("auto": this CPU's best);
     arithmetic: "exact" (float32 fma chains over the rebuilt weights, csrc/qlinear.c) or "int8"
     (activations quantized per block of 32, integer dot products, csrc/qlinear_i8.c; its own code
     layout, `pack_q4_i8` / `pack_q8_i8`)."""
@@ -39,24 +45,29 @@ class QLinear(nn.Module):
         super().__init__()
         if arithmetic not in ARITHMETICS:
             raise ValueError(f"arithmetic must be one of {', '.join(ARITHMETICS)}; got {arithmetic!r}")
-        if kind not in (4, 8) or in_features % 32 or out_features < 1:
-            raise ValueError(f"QLinear takes q4/q8 blocks of 32 and at least one output; got q{kind} "
-                             f"{in_features} -> {out_features}")
+        if kind not in KINDS or in_features % 32 or out_features < 1:
+            raise ValueError(f"QLinear takes blocks of 32 of kinds {sorted(KINDS)} and at least one output; got "
+                             f"kind {kind} {in_features} -> {out_features}")
+        bits, f16, per, has_min = KINDS[kind]
         nb = in_features // 32
-        if codes.shape != (out_features, in_features // (2 if kind == 4 else 1)) or d.shape != (out_features, nb):
-            raise ValueError(f"codes {tuple(codes.shape)} / scales {tuple(d.shape)} do not match q{kind} "
+        if codes.shape != (out_features, in_features * bits // 8) or d.shape != (out_features, nb * per) or \
+                (has_min and (m is None or m.shape != (out_features, nb))):
+            raise ValueError(f"codes {tuple(codes.shape)} / scales {tuple(d.shape)} do not match kind {kind} "
                              f"{in_features} -> {out_features}")
         self.kind, self.in_features, self.out_features = kind, in_features, out_features
         self.isa, self.arithmetic = kernel_isa(isa), arithmetic
-        if kind == 4 and arithmetic == "int8":
-            codes, d, m = pack_q4_i8(codes, _half(d), _half(m))
-        elif kind == 4:
-            codes, d, m = pack_q4(codes, _half(d), _half(m), q4_layout(cache_dir, self.isa))
+        scale = _half if f16 else (lambda v: v.to(torch.float32).contiguous())
+        d, m = scale(d), scale(m) if has_min else None
+        if bits == 4 and arithmetic == "int8":
+            codes, d, m = pack_q4_i8(codes, d, m)
+        elif bits == 4:
+            codes, d, m = pack_q4(codes, d, m, q4_layout(cache_dir, self.isa))
         else:
-            codes, d = (pack_q8_i8 if arithmetic == "int8" else pack_q8)(codes, _half(d))
+            codes, d = (pack_q8_i8 if arithmetic == "int8" else pack_q8)(codes, d)
+            m = panel_scales(m, -(-out_features // PANEL)) if has_min else None
         self.register_buffer("codes", codes, persistent=False)  # [P, nb, 256 or 512 bytes] uint8
-        self.register_buffer("d", d, persistent=False)  # [P, nb, 16] float16
-        self.register_buffer("m", m if kind == 4 else torch.zeros(0, dtype=torch.float16), persistent=False)
+        self.register_buffer("d", d, persistent=False)  # [P, nb (2 nb for kind 17), 16] float16 or float32
+        self.register_buffer("m", m if has_min else torch.zeros(0, dtype=torch.float16), persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self._fn = _library(cache_dir, self.isa, arithmetic)
         self.threads: int | None = None  # the kernels' threads (csrc/pool.h); None: torch.get_num_threads()
@@ -81,19 +92,22 @@ class QLinear(nn.Module):
             raise TypeError(f"QLinear takes float32 input, got {x2.dtype}")
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)  # [n, O]
         bias = self.bias.data_ptr() if self.bias is not None else None
-        m = self.m.data_ptr() if self.kind == 4 else None
+        m = self.m.data_ptr() if self.m.numel() else None
         args = (self.kind, x2.data_ptr(), x2.shape[0], self.in_features, self.out_features, self.codes.data_ptr(),
                 self.d.data_ptr(), m, bias)
         if self.arithmetic == "int8":
             args += (self.kept.data_ptr() if self.kept.numel() else None, self.kept.numel(),
                      self.kept_w.data_ptr() if self.kept.numel() else None)
-        if self._fn(*args, y.data_ptr(), self.threads or torch.get_num_threads()):
+        rc = self._fn(*args, y.data_ptr(), self.threads or torch.get_num_threads())
+        if rc == -3:
+            raise ValueError(f"this build of the compressed kernels does not know kind {self.kind}")
+        if rc:
             raise MemoryError("compressed kernel: no memory for its buffers")
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         kept = f", {self.kept.numel()} inputs kept" if self.kept.numel() else ""
-        return (f"in_features={self.in_features}, out_features={self.out_features}, exact q{self.kind} blocks, "
+        return (f"in_features={self.in_features}, out_features={self.out_features}, kind {self.kind} blocks, "
                 f"{self.isa}, {self.arithmetic}{kept}")
 
 
@@ -106,10 +120,11 @@ def set_threads(model: nn.Module, threads: int) -> str | None:
     return arithmetic
 
 
-def quantize_linears(model: nn.Module, cache_dir: Path, isa: str = "auto",
-                     arithmetic: str = "exact", kept_inputs: dict[str, list[int]] | None = None) -> tuple[int, int]:
-    """Swap every nn.Linear whose weight recovers exactly for a QLinear on kernel variant `isa`
-    ("auto": this CPU's best; others for tests and measurements) in `arithmetic` (int8: with the
+def quantize_linears(model: nn.Module, cache_dir: Path, isa: str = "auto", arithmetic: str = "exact",
+                     kept_inputs: dict[str, list[int]] | None = None, blocks: dict | None = None) -> tuple[int, int]:
+    """Swap every nn.Linear whose weight recovers exactly, or that a GGUF file's K-quant `blocks` rebuild
+    (module name -> kquants.Blocks, checked by kquants.file_blocks), for a QLinear on kernel variant
+    `isa` ("auto": this CPU's best; others for tests and measurements) in `arithmetic` (int8: with the
     layers' `kept_inputs`, engine/model/kernels/outliers.py); returns (swapped, kept)."""
     from trserve.engine.model.kernels.outliers import columns
 
@@ -123,8 +138,14 @@ def quantize_linears(model: nn.Module, cache_dir: Path, isa: str = "auto",
                 continue
             w = child.weight.detach()
             bias = child.bias.detach().contiguous() if child.bias is not None else None
-            q4 = recover_q4(w)
-            if q4 is not None:
+            found = (blocks or {}).get(names.get(id(child)))
+            q4 = recover_q4(w) if found is None else None
+            if found is not None:
+                kind, codes, d, m = found
+                new = QLinear(kind, torch.from_numpy(codes), torch.from_numpy(d),
+                              None if m is None else torch.from_numpy(m), bias, child.in_features,
+                              child.out_features, cache_dir, isa, arithmetic)
+            elif q4 is not None:
                 new = QLinear(4, *q4, bias, child.in_features, child.out_features, cache_dir, isa, arithmetic)
             else:
                 q8 = recover_q8(w)

@@ -49,13 +49,15 @@ def recover_q4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return _packed(best_q, best_d, m, O, I)
 
 
-def every_linear_recovers(model) -> bool:
+def every_linear_recovers(model, blocks: dict | None = None) -> bool:
     """Whether every nn.Linear of `model` rebuilds exactly as 4- or 8-bit blocks: what the native forward
     needs. Without it transformers' modules run the forward, whose tree rows are not the same bits as a
     plain step's; the int8 arithmetic turns such last-bit differences into other codes, then other
-    tokens (tr == ar on 1 of 13 prompts for a Q4_K_M file, 13 of 13 in the exact arithmetic)."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    return all(recover_q4(m.weight.detach()) is not None or recover_q8(m.weight.detach()) is not None for m in linears)
+    tokens (tr == ar on 1 of 13 prompts for a Q4_K_M file, 13 of 13 in the exact arithmetic). `blocks`:
+    the layers a GGUF file's K-quant blocks rebuild (kquants.file_blocks), by module name."""
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    return all(n in (blocks or {}) or recover_q4(m.weight.detach()) is not None or
+               recover_q8(m.weight.detach()) is not None for n, m in linears)
 
 
 def _packed(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor, O: int, I: int):

@@ -1,9 +1,9 @@
 """The files users bring (issue 55), made here from the bundled model with gguf-py (no download, no
-llama.cpp build): the bundled model re-quantized to Q4_0 (and Q5_0, as 8-bit blocks) reaches the
-compressed kernels and the native forward in every layer (Q4_0 fell to float32 in 210 of 211
-before), its exact arithmetic equals
-transformers' greedy decoding on the same file's dequantized weights, and TR equals plain decoding
-token for token in both arithmetics."""
+llama.cpp build): the bundled model re-quantized to Q4_0, Q5_0, and the K-quant mixes Q4_K_M, Q5_K_M
+and Q6_K (trserve/bench/kencode.py; rows of 576 take llama-quantize's fallbacks) reaches the
+compressed kernels and the native forward in every layer (Q4_0 fell to float32 in 210 of 211 before,
+Q4_K_M in 196), its exact arithmetic equals transformers' greedy decoding on the same file's
+dequantized weights, and TR equals plain decoding token for token in both arithmetics."""
 
 from __future__ import annotations
 
@@ -26,11 +26,14 @@ def files(tmp_path_factory):
 
     folder, made = tmp_path_factory.mktemp("files"), {}
 
+    halves = {f"blk.{i}.ffn_down.": "Q6_K" for i in range(0, 30, 2)}  # as llama-quantize's _M mixes do
+    recipes = {"mixed": ("Q4_0", {"ffn_down": "F16"}),  # float16 down projections: no block form
+               "Q4_K_M": ("Q4_K", halves), "Q5_K_M": ("Q5_K", halves)}
+
     def get(qtype: str):
         if qtype not in made:
-            mixed = {"ffn_down": "Q5_1"} if qtype == "mixed" else None  # Q5_1: no exact block form here
-            made[qtype] = requantize(_bundled_gguf(), folder / f"smollm2-{qtype.lower()}.gguf",
-                                     "Q4_0" if mixed else qtype, mixed)
+            main, others = recipes.get(qtype, (qtype, None))
+            made[qtype] = requantize(_bundled_gguf(), folder / f"smollm2-{qtype.lower()}.gguf", main, others)
         return made[qtype]
     return get
 
@@ -40,7 +43,9 @@ def _prompts(decoder, n: int = 4) -> list[list[int]]:
             for q in load_prompts("spec_bench")[1: 1 + 4 * n: 4]]
 
 
-@pytest.mark.parametrize("qtype, arithmetic", [("Q4_0", "exact"), ("Q4_0", "int8"), ("Q5_0", "int8")])
+@pytest.mark.parametrize("qtype, arithmetic", [("Q4_0", "exact"), ("Q4_0", "int8"), ("Q5_0", "int8"),
+                                               ("Q4_K_M", "exact"), ("Q4_K_M", "int8"), ("Q5_K_M", "int8"),
+                                               ("Q6_K", "int8")])
 def test_a_file_runs_on_the_kernels_and_tr_equals_ar(files, qtype, arithmetic) -> None:
     path = files(qtype)
     d = Decoder(DecoderConfig(model=ModelConfig(source=str(path), arithmetic=arithmetic)))
@@ -62,8 +67,8 @@ def test_a_file_runs_on_the_kernels_and_tr_equals_ar(files, qtype, arithmetic) -
 
 
 def test_a_mixed_file_without_the_native_forward_stays_lossless(files) -> None:
-    """Issue 55: a file with some layers in no exact block form (as Q4_K_M files are: here Q5_1 down
-    projections) cannot run the native forward; `auto` then takes the exact arithmetic, not int8,
+    """Issue 55: a file with some layers in no block form the kernels take (here float16 down
+    projections, as llama-quantize can leave them) cannot run the native forward; `auto` then takes the exact arithmetic, not int8,
     whose codes turned transformers' last-bit differences into other tokens (tr == ar 1/13 on a
     Q4_K_M file of the bundled model, 13/13 in exact)."""
     d = Decoder(DecoderConfig(model=ModelConfig(source=str(files("mixed")))))

@@ -1,0 +1,146 @@
+"""A GGUF file's K-quant (and Q5_1) blocks as the kernels hold them: the codes and the float32 scales
+and mins that rebuild each weight to exactly the float32 value ggml (and gguf-py, hence transformers)
+dequantizes it to (pure array functions, and the map from a model's linear layers to the file's tensors).
+
+Per 256 weights (a super-block), from ggml's block layouts:
+  Q4_K: w = (d * sc) * q - dmin * mn, q in 0..15, sc and mn 6-bit per 32 weights   -> kind 5
+  Q5_K: the same with q in 0..31                                                   -> kind 9
+  Q6_K: w = (d * sc) * q, q in -32..31, sc a signed byte per 16 weights            -> kind 17
+  Q5_1 (per 32): w = d * q + m, q in 0..31, d and m float16                        -> kind 9
+d * sc is exact in float32 (11 x 8 bits), and so is its product with q (at most 24 bits), so
+code * scale (+ min) rounds at most once: the kernels' weight is ggml's bit for bit. `rebuild` gives
+that float32 matrix; the loader takes blocks only where it equals the weight transformers loaded.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+log = logging.getLogger("trserve.engine")
+
+QK_K = 256
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q5_1": 24}  # bytes per super-block (Q5_1: per 32)
+KIND = {"Q4_K": 5, "Q5_K": 9, "Q6_K": 17, "Q5_1": 9}
+# A layer's blocks: (kind, codes [O, I/2] or [O, I] uint8, d [O, I/32] (kind 17: [O, I/16]), m [O, I/32] or None)
+Blocks = tuple
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    """[N, 2] bytes -> [N, 1] float32 (the float16 values they hold)."""
+    return np.ascontiguousarray(b).view(np.float16).astype(np.float32)
+
+
+def _scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 packed bytes [N, 12] -> the 8 sub-blocks' 6-bit scales and mins, each [N, 8]."""
+    s = scales.reshape(-1, 3, 4)
+    d, m, md = s[:, 0], s[:, 1], s[:, 2]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def decode(kind_name: str, raw: np.ndarray, O: int, I: int) -> Blocks:
+    """raw: the tensor's bytes [O, I / block * BLOCK_BYTES] uint8 (GGUF's row-major blocks) -> its Blocks.
+
+    Worked example (Q6_K, one row of 256): d = 0.5 and the first sub-block's sc = -3 give that sub-block's
+    scale -1.5 (d[o, 0]); a 6-bit value 40 there is code 8, weight -12.0."""
+    if kind_name not in BLOCK_BYTES:
+        raise ValueError(f"no K-quant decoder for {kind_name}")
+    per = 32 if kind_name == "Q5_1" else QK_K
+    blocks = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES[kind_name])  # [N, bytes]
+    if kind_name == "Q6_K":
+        ql, qh, sc, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], blocks[:, 208:]
+        lo = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+        hi = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 0x03
+        q = (lo.reshape(-1, 8, 32) | (hi.reshape(-1, 8, 32) << 4)).astype(np.int8) - np.int8(32)  # [N, 8, 32]
+        scale = _f16(d) * sc.view(np.int8).astype(np.float32)  # [N, 16] exact
+        return 17, q.reshape(O, I).view(np.uint8), scale.reshape(O, I // 16), None
+    if kind_name == "Q5_1":
+        d, m = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+        qh = np.ascontiguousarray(blocks[:, 4:8]).view(np.uint32)  # [N, 1]
+        lo = (blocks[:, 8:].reshape(-1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 0x0F
+        hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, 32]
+        q = lo.reshape(-1, 32) | (hi << 4)
+        return 9, q.reshape(O, I), d.reshape(O, I // 32), m.reshape(O, I // 32)
+    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
+    sc, mn = _scale_min(blocks[:, 4:16])
+    scale, low = d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))  # [N, 8] exact
+    if kind_name == "Q4_K":
+        q = (blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+        q = q.reshape(-1, 8, 32)
+        codes = q[..., :16] | (q[..., 16:] << 4)  # recover_q4's packing: byte j = q_j | q_{j+16} << 4
+        return 5, codes.reshape(O, I // 2), scale.reshape(O, I // 32), low.reshape(O, I // 32)
+    qh, qs = blocks[:, 16:48], blocks[:, 48:]  # Q5_K
+    lo = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    hi = (qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 0x01
+    q = lo.reshape(-1, 8, 32) | (hi << 4)
+    return 9, q.reshape(O, I), scale.reshape(O, I // 32), low.reshape(O, I // 32)
+
+
+def rebuild(blocks: Blocks) -> torch.Tensor:
+    """Blocks -> the float32 weight [O, I] the kernels compute with (code * scale (+ min), one rounding)."""
+    kind, codes, d, m = blocks
+    codes, d = torch.as_tensor(np.asarray(codes)), torch.as_tensor(np.asarray(d))
+    O = codes.shape[0]
+    if kind == 5:
+        q = torch.cat([codes.reshape(O, -1, 16) & 0xF, codes.reshape(O, -1, 16) >> 4], dim=-1).to(torch.float32)
+    else:
+        q = codes.view(torch.int8).reshape(O, d.shape[1], -1).to(torch.float32)  # [O, scales, 32 or 16]
+    w = q.reshape(O, d.shape[1], -1) * d[..., None]
+    if m is not None:
+        w = w + torch.as_tensor(np.asarray(m))[..., None]
+    return w.reshape(O, -1)
+
+
+def row_order(module_name: str, config) -> list[np.ndarray | None]:
+    """The row orders a layer's GGUF tensor may be stored in relative to transformers' weight: as it is,
+    and for Llama-converted q/k projections llama.cpp's rotary permutation (transformers undoes it)."""
+    orders: list[np.ndarray | None] = [None]
+    if module_name.endswith(("q_proj", "k_proj")):
+        heads = config.num_attention_heads
+        n = heads if module_name.endswith("q_proj") else (getattr(config, "num_key_value_heads", None) or heads)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        rows = np.arange(n * head_dim)  # transformers' weight row r is the file's row rows[...][r]
+        orders.append(rows.reshape(n, head_dim // 2, 2).swapaxes(2, 1).reshape(-1))
+    return orders
+
+
+def file_blocks(path: str, model) -> dict[str, Blocks]:
+    """The K-quant and Q5_1 blocks of GGUF file `path` for `model`'s linear layers (module name -> Blocks),
+    each one checked to rebuild its layer's float32 weight bit for bit (a layer that does not is left out,
+    and said). Tensors of other types are not read here (recover.py takes Q4_0/Q4_1/Q5_0/Q8_0)."""
+    from gguf import GGUFReader, MODEL_ARCH_NAMES, get_tensor_name_map
+
+    reader = GGUFReader(path)  # memory-mapped
+    tensors = {t.name: t for t in reader.tensors}
+    field = reader.fields.get("general.architecture")
+    arch = bytes(field.parts[field.data[0]]).decode() if field else ""
+    arch_enum = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
+    if arch_enum is None:
+        return {}
+    names = get_tensor_name_map(arch_enum, model.config.num_hidden_layers)
+    out: dict[str, Blocks] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        base = names.get_name(name)
+        candidates = [base] + (["token_embd"] if base == "output" else [])
+        t = next((tensors[c + ".weight"] for c in candidates if c and c + ".weight" in tensors), None)
+        if t is None or t.tensor_type.name not in BLOCK_BYTES:
+            continue
+        O, I = module.out_features, module.in_features
+        blocks = decode(t.tensor_type.name, np.asarray(t.data), O, I)
+        w = module.weight.detach()
+        for order in row_order(name, model.config):
+            b = blocks if order is None else (blocks[0], blocks[1][order], blocks[2][order],
+                                              None if blocks[3] is None else blocks[3][order])
+            if torch.equal(rebuild(b), w):
+                out[name] = tuple(np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x for x in b)
+                break
+        else:
+            log.warning("%s: the file's %s blocks do not rebuild the loaded weight; kept in float32", name,
+                        t.tensor_type.name)
+    return out

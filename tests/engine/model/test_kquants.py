@@ -1,0 +1,178 @@
+"""Issue 55: a GGUF file's K-quant blocks (Q4_K, Q5_K, Q6_K) and Q5_1 read as they are onto the kernels
+(kinds 5, 9, 17): the test encoder against gguf-py, the decoder's weights against gguf-py's
+dequantization bit for bit, both arithmetics' kernels against op-by-op references on every ISA build
+this CPU runs, and the rotary row order transformers undoes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from trserve.bench.kencode import ENCODERS
+from trserve.engine.model.kernels.build import available_isas
+from trserve.engine.model.kernels.kquants import decode, rebuild, row_order
+from trserve.engine.model.kernels.qlinear import QLinear
+from tests.engine.model.test_qlinear import fma32, isa_params, needs_kernel, reference_linear, wide_range_x
+from tests.engine.model.test_qlinear_i8 import activations, reference_quant
+
+gguf = pytest.importorskip("gguf")
+from gguf import GGMLQuantizationType as T  # noqa: E402
+from gguf import quants  # noqa: E402
+
+
+def rows(O: int, I: int, seed: int) -> np.ndarray:
+    """Weights with the spread of a trained layer's: mostly small, some rows shifted, one all zero."""
+    g = np.random.default_rng(seed)
+    w = (g.standard_normal((O, I)) * 0.03).astype(np.float32)
+    w[1] += 0.05  # a row with no negative minimum in most sub-blocks
+    w[2, :256] = 0.0
+    w[:, 7] *= 20  # an outlier column
+    return w
+
+
+def raw_of(kind_name: str, w: np.ndarray) -> np.ndarray:
+    return ENCODERS[kind_name](w) if kind_name in ENCODERS else quants.quantize(w, T[kind_name])
+
+
+TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q5_1"]
+
+
+@pytest.mark.parametrize("kind_name", TYPES)
+def test_blocks_rebuild_ggufs_dequantized_weights_bit_for_bit(kind_name):
+    w = rows(40, 512, seed=1)
+    raw = raw_of(kind_name, w)
+    want = quants.dequantize(raw, T[kind_name])  # what transformers loads from the file
+    blocks = decode(kind_name, raw, 40, 512)
+    got = rebuild(blocks).numpy()
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+    err = np.abs(want - w).max() / np.abs(w).max()
+    assert err < {"Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02, "Q5_1": 0.04}[kind_name], err  # real quantization
+    assert not np.array_equal(want, w)
+
+
+def test_q6_k_worked_example():
+    """decode's docstring: d = 0.5, the first sub-block's sc = -3, a 6-bit value 40 -> code 8, weight -12."""
+    block = np.zeros(210, np.uint8)
+    block[0] = 40 & 0xF  # ql: low nibble of element 0
+    block[128] = 40 >> 4  # qh: its two high bits
+    block[192] = np.int8(-3).view(np.uint8)
+    block[208:210] = np.array([0.5], np.float16).view(np.uint8)
+    kind, codes, d, m = decode("Q6_K", block[None], 1, 256)
+    assert kind == 17 and m is None
+    assert codes.view(np.int8)[0, 0] == 8 and d[0, 0] == -1.5
+    assert rebuild((kind, codes, d, m))[0, 0] == -12.0
+    assert np.array_equal(quants.dequantize(block[None], T.Q6_K)[0, :1], [-12.0])
+
+
+def test_row_order_is_the_permutation_transformers_undoes():
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    class Cfg:
+        num_attention_heads, num_key_value_heads, hidden_size, head_dim = 4, 2, 128, 32
+
+    proc = LlamaTensorProcessor(config={"num_attention_heads": 4, "num_key_value_heads": 2})
+    for name, n_rows in (("model.layers.0.self_attn.q_proj", 128), ("model.layers.0.self_attn.k_proj", 64)):
+        file_rows = np.arange(n_rows * 3).reshape(n_rows, 3)
+        gguf_name = "blk.0.attn_q.weight" if "q_proj" in name else "blk.0.attn_k.weight"
+        want = proc.process(file_rows, gguf_name).weights
+        orders = row_order(name, Cfg)
+        assert orders[0] is None and np.array_equal(file_rows[orders[1]], want)
+    assert row_order("model.layers.0.mlp.down_proj", Cfg) == [None]
+
+
+def layer(kind_name: str, O: int, I: int, seed: int, isa: str, kernel_dir, arithmetic: str):
+    w = rows(O, I, seed)
+    blocks = decode(kind_name, raw_of(kind_name, w), O, I)
+    kind, codes, d, m = blocks
+    bias = torch.randn(O, generator=torch.Generator().manual_seed(seed)) * 0.1 if seed % 2 else None
+    q = QLinear(kind, torch.from_numpy(codes), torch.from_numpy(d), None if m is None else torch.from_numpy(m),
+                bias, I, O, kernel_dir, isa, arithmetic)
+    return blocks, bias, q
+
+
+@pytest.fixture(scope="module")
+def kernel_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("kquants")
+
+
+SHAPES = [("Q4_K", 40, 512, 3), ("Q5_K", 37, 256, 4), ("Q6_K", 21, 512, 5), ("Q5_1", 33, 96, 6)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("isa", isa_params())
+def test_exact_kernel_equals_the_reference_on_ggufs_weights(isa, shape, kernel_dir):
+    """Bits of one fma chain per output over ggml's dequantized weights, for 1..19 rows (one row, narrow
+    and wide tiles) and 80/91 rows (rebuilt panels), and every row alone."""
+    kind_name, O, I, seed = shape
+    blocks, bias, q = layer(kind_name, O, I, seed, isa, kernel_dir, "exact")
+    x = wide_range_x(91, I, seed=seed)
+    ref = reference_linear(rebuild(blocks), x, bias)
+    for n in (*range(1, 20), 80, 91):
+        assert torch.equal(q(x[:n]), ref[:n]), f"{isa} {kind_name} differs at n = {n}"
+    for i in range(0, 19, 3):
+        assert torch.equal(q(x[i : i + 1]), ref[i : i + 1])
+
+
+def reference_i8(blocks, bias, x: torch.Tensor) -> torch.Tensor:
+    """csrc/qlinear_i8.c's op order for kinds 5, 9, 17: per block, f = isum * s, acc = fma(f, d, acc)
+    (kind 17: each half's isum with its own d), then the min: acc = fma(m, c * s, acc)."""
+    kind, codes, d, m = blocks
+    codes, d = torch.from_numpy(codes), torch.from_numpy(d)
+    O = codes.shape[0]
+    if kind == 5:
+        c = codes.reshape(O, -1, 16).to(torch.int64)
+        wq = torch.cat([c & 0xF, c >> 4], dim=-1)  # [O, nb, 32]
+    else:
+        wq = codes.view(torch.int8).reshape(O, -1, 32).to(torch.int64)
+    xq, s, c = reference_quant(x)  # [n, nb, 32], [n, nb], [n, nb]
+    halves = 2 if kind == 17 else 1
+    acc = torch.zeros(x.shape[0], O)
+    for b in range(wq.shape[1]):
+        for h in range(halves):
+            part = slice(32 * h // halves, 32 * (h + 1) // halves)
+            isum = torch.einsum("rj,oj->ro", xq[:, b, part], wq[:, b, part])
+            f = isum.float() * s[:, b, None]
+            acc = fma32(f, d[None, :, halves * b + h].expand_as(acc), acc)
+        if m is not None:
+            xm = (c[:, b].float() * s[:, b])[:, None]
+            acc = fma32(torch.from_numpy(m)[None, :, b].expand_as(acc), xm.expand_as(acc), acc)
+    return acc + bias if bias is not None else acc
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", SHAPES, ids=[s[0] for s in SHAPES])
+@pytest.mark.parametrize("isa", isa_params())
+def test_int8_kernel_equals_its_reference_on_ggufs_blocks(isa, shape, kernel_dir):
+    kind_name, O, I, seed = shape
+    blocks, bias, q = layer(kind_name, O, I, seed, isa, kernel_dir, "int8")
+    x = activations(19, I, seed=seed)
+    ref = reference_i8(blocks, bias, x)
+    for n in range(1, 20):
+        assert torch.equal(q(x[:n]), ref[:n]), f"{isa} {kind_name} differs at n = {n}"
+    for i in range(19):
+        assert torch.equal(q(x[i : i + 1]), ref[i : i + 1])
+    exact = x @ rebuild(blocks).T + (bias if bias is not None else 0)
+    assert (ref - exact).norm() / exact.norm() < 0.02  # the int8 arithmetic stays near the weights' own
+
+
+@needs_kernel
+@pytest.mark.parametrize("arithmetic", ["exact", "int8"])
+def test_every_build_gives_the_same_bits_on_k_blocks(arithmetic, kernel_dir):
+    x = activations(24, 512, seed=9)
+    for kind_name in ("Q4_K", "Q6_K"):
+        outs = {isa: layer(kind_name, 40, 512, 7, isa, kernel_dir, arithmetic)[2](x) for isa in available_isas()}
+        for isa, y in outs.items():
+            assert torch.equal(y, outs["scalar"]), f"{isa} != scalar ({kind_name}, {arithmetic})"
+
+
+def test_qlinear_checks_k_block_shapes(kernel_dir):
+    _, codes, d, m = decode("Q4_K", ENCODERS["Q4_K"](rows(16, 256, 1)), 16, 256)
+    with pytest.raises(ValueError, match="do not match"):
+        QLinear(5, torch.from_numpy(codes), torch.from_numpy(d), None, None, 256, 16, kernel_dir, "scalar")
+    with pytest.raises(ValueError, match="kinds"):
+        QLinear(6, torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m), None, 256, 16, kernel_dir)
+    assert isinstance(QLinear(5, torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m), None, 256, 16,
+                              kernel_dir, "scalar"), nn.Module)
