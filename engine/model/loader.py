@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from trserve.core.errors import FailedPrecondition, InvalidArgument, NotFound
-from trserve.engine.model.sources import check_local_source
+from trserve.engine.model.sources import check_hub_model, check_local_source
 from trserve.engine.model.choices import (ARITHMETIC_CHOICES, ARITHMETICS, BATCH_STEPS, BUILTIN_MODEL, FORWARDS,  # noqa: F401 - re-exported
                                          KERNELS)
 from trserve.engine.model.paths import default_cache_dir
@@ -190,32 +190,20 @@ def resolve_source(config: ModelConfig) -> str:
             raise NotFound(f"the GGUF file {config.source!r} does not exist")
         return str(gguf_model_dir(Path(config.source), config.cache_dir))
     if not check_local_source(config.source):  # not a path here: a hub id, perhaps cached
-        _check_hub_model(config.source)
+        check_hub_model(config.source)
     return config.source
+
+
+def source_files(config: ModelConfig) -> tuple[str, dict]:
+    """Where transformers reads a model's tokenizer and config: a GGUF file itself (no conversion), else
+    resolve_source's directory or id. (path, from_pretrained's extra arguments)."""
+    if config.source.endswith(".gguf") and Path(config.source).is_file():
+        return str(Path(config.source).parent), {"gguf_file": Path(config.source).name}
+    return resolve_source(config), {}
 
 
 def _first_line(e: Exception) -> str:
     return (str(e).strip().splitlines() or [type(e).__name__])[0]
-
-
-def _check_hub_model(source: str) -> None:
-    """A hub id must be in the local model cache, or the hub must answer for it, within seconds: else
-    NotFound at once (transformers would retry for about a minute on a machine without a hub)."""
-    from huggingface_hub import model_info, try_to_load_from_cache
-
-    try:
-        if isinstance(try_to_load_from_cache(source, "config.json"), str):
-            return  # cached: transformers loads it without asking the hub
-    except ValueError:  # not a valid repository id either
-        raise NotFound(f"model {source!r} is not a builtin name ({BUILTIN_MODEL}), a local directory or a "
-                       "hub id") from None
-    try:
-        model_info(source, timeout=10)
-    except Exception as e:  # unreachable, offline mode, unknown or gated repository
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise NotFound(f"model {source!r} is not a builtin name ({BUILTIN_MODEL}), a local directory or in the "
-                       f"local model cache, and the hub could not provide it ({type(e).__name__}: {reason}); "
-                       "pass a local transformers directory") from None
 
 
 def model_fingerprint(tokenizer, model_config) -> str:
@@ -269,18 +257,26 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.batch_step == "graphs" and device.type != "cuda":
         raise InvalidArgument(f"batch_step graphs needs a CUDA device; the model is on {device}")
     batch_step = resolve_batch_step(config.batch_step, device)
-    path = resolve_source(config)
+    from trserve.engine.model.gguf_file import direct_isa, load_direct
+
+    isa = direct_isa(config, device, dtype)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+        if isa:  # a GGUF file read as it is (engine/model/gguf_file.py): no float32 copy
+            cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+            model, tokenizer, kernels, _ = load_direct(config, isa, cache, model_fingerprint)
+        else:
+            path = resolve_source(config)
+            tokenizer = AutoTokenizer.from_pretrained(path)
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
     except OSError as e:
         raise NotFound(f"cannot load model {config.source!r}: {_first_line(e)}") from None
     except (ValueError, TypeError, KeyError, ImportError, AttributeError) as e:  # a checkpoint transformers cannot read
         raise FailedPrecondition(f"cannot load model {config.source!r}: {type(e).__name__}: {_first_line(e)}") from None
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
-    model.to(device).eval()
-    kernels, isa = _apply_kernels(model, config, device, dtype, tokenizer)
+    if not isa:
+        model.to(device).eval()
+        kernels, isa = _apply_kernels(model, config, device, dtype, tokenizer)
     if config.arithmetic == "int8" and not isa:
         raise InvalidArgument(f"arithmetic {config.arithmetic} needs the compressed kernels, which this model or "
                               f"host cannot take (kernels: {kernels}; see docs/kernels.md)")
@@ -308,10 +304,10 @@ def model_spec_of(config: ModelConfig, k: int):
 
     from trserve.core.model_spec import ModelSpec
 
-    path = resolve_source(config)
+    path, file = source_files(config)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model_config = AutoConfig.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(path, **file)
+        model_config = AutoConfig.from_pretrained(path, **file)
     except OSError as e:
         raise NotFound(f"cannot load model {config.source!r}: {_first_line(e)}") from None
     except (ValueError, TypeError, KeyError, ImportError, AttributeError) as e:  # a checkpoint transformers cannot read

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from trserve.core.errors import NotFound
+from trserve.engine.model.choices import BUILTIN_MODEL
 
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "*.tiktoken")
@@ -39,3 +40,23 @@ def check_local_source(source: str) -> bool:
     if source.startswith((".", "/", "~")) or source.count("/") > 1:
         raise NotFound(f"--model {source!r} does not exist (not a file or directory here)")
     return False
+
+
+def check_hub_model(source: str) -> None:
+    """A hub id must be in the local model cache, or the hub must answer for it, within seconds: else
+    NotFound at once (transformers would retry for about a minute on a machine without a hub)."""
+    from huggingface_hub import model_info, try_to_load_from_cache
+
+    try:
+        if isinstance(try_to_load_from_cache(source, "config.json"), str):
+            return  # cached: transformers loads it without asking the hub
+    except ValueError:  # not a valid repository id either
+        raise NotFound(f"model {source!r} is not a builtin name ({BUILTIN_MODEL}), a local directory or a "
+                       "hub id") from None
+    try:
+        model_info(source, timeout=10)
+    except Exception as e:  # unreachable, offline mode, unknown or gated repository
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise NotFound(f"model {source!r} is not a builtin name ({BUILTIN_MODEL}), a local directory or in the "
+                       f"local model cache, and the hub could not provide it ({type(e).__name__}: {reason}); "
+                       "pass a local transformers directory") from None

@@ -32,6 +32,8 @@ def _quantize(rows: np.ndarray, to: str) -> tuple[np.ndarray, str]:
 
     if to in ("F16", "F32"):  # left unquantized, as llama-quantize can leave a tensor
         return rows.astype(np.float16 if to == "F16" else np.float32), to
+    if to not in WRITABLE:  # another type gguf-py writes (BF16, TQ2_0, MXFP4, ...): a file trserve refuses
+        return quants.quantize(rows, T[to]), to
     if to in ENCODERS:
         if rows.shape[-1] % 256 == 0:
             return ENCODERS[to](rows), to
@@ -41,13 +43,13 @@ def _quantize(rows: np.ndarray, to: str) -> tuple[np.ndarray, str]:
 
 def requantize(src: Path, dst: Path, qtype: str, others: dict[str, str] | None = None) -> Path:
     """`others`: another type for the tensors whose name holds a key (a mixed file, as llama-quantize's
-    _M types write: e.g. {"ffn_down": "Q5_1"})."""
+    _M types write: e.g. {"ffn_down": "Q5_1"}; any type gguf-py writes, F16/BF16/F32 included)."""
     import gguf
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
     others = others or {}
-    if qtype not in WRITABLE or set(others.values()) - set(WRITABLE) - {"F16", "F32"}:
+    if qtype not in WRITABLE or set(others.values()) - set(WRITABLE) - set(T.__members__):
         raise ValueError(f"requant writes {', '.join(WRITABLE)} blocks; {qtype!r} needs llama.cpp's llama-quantize")
     reader = gguf.GGUFReader(str(src))
     arch = reader.fields[gguf.Keys.General.ARCHITECTURE].contents()

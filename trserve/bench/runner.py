@@ -288,9 +288,10 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
         from transformers import AutoTokenizer
 
         from trserve.bench.llama_server import LLAMA_CPP_SPEC, ServerDecoder
-        from trserve.engine.model.loader import resolve_source
+        from trserve.engine.model.loader import source_files
 
-        tok = AutoTokenizer.from_pretrained(resolve_source(model_cfg))
+        path, file = source_files(model_cfg)
+        tok = AutoTokenizer.from_pretrained(path, **file)
         gguf, threads = config.gguf or _bundled_gguf(), config.threads or torch.get_num_threads()
         for name in peers:  # each its own process: no peer reuses another's prompt cache
             runners[name] = _LlamaCpp(gguf, tok, threads) if name == "llamacpp" else ServerDecoder(name, gguf, tok, threads)

@@ -7,6 +7,8 @@ Per 256 weights (a super-block), from ggml's block layouts:
   Q5_K: the same with q in 0..31                                                   -> kind 9
   Q6_K: w = (d * sc) * q, q in -32..31, sc a signed byte per 16 weights            -> kind 17
   Q5_1 (per 32): w = d * q + m, q in 0..31, d and m float16                        -> kind 9
+  Q4_0, Q4_1, Q5_0, Q8_0 (per 32): the float16 kinds 4 and 8 (Q4_0 as q * d + m with m = -8 d, Q5_0 as
+  8-bit codes q - 16), as recover.py finds them in float weights
 d * sc is exact in float32 (11 x 8 bits), and so is its product with q (at most 24 bits), so
 code * scale (+ min) rounds at most once: the kernels' weight is ggml's bit for bit. `rebuild` gives
 that float32 matrix; the loader takes blocks only where it equals the weight transformers loaded.
@@ -22,8 +24,9 @@ import torch
 log = logging.getLogger("trserve.engine")
 
 QK_K = 256
-BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q5_1": 24}  # bytes per super-block (Q5_1: per 32)
-KIND = {"Q4_K": 5, "Q5_K": 9, "Q6_K": 17, "Q5_1": 9}
+# bytes per block: per super-block of 256 for the K-quants, per 32 for the others
+BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q5_1": 24, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
+KIND = {"Q4_K": 5, "Q5_K": 9, "Q6_K": 17, "Q5_1": 9, "Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q8_0": 8}
 # A layer's blocks: (kind, codes [O, I/2] or [O, I] uint8, d [O, I/32] (kind 17: [O, I/16]), m [O, I/32] or None)
 Blocks = tuple
 
@@ -49,8 +52,9 @@ def decode(kind_name: str, raw: np.ndarray, O: int, I: int) -> Blocks:
     scale -1.5 (d[o, 0]); a 6-bit value 40 there is code 8, weight -12.0."""
     if kind_name not in BLOCK_BYTES:
         raise ValueError(f"no K-quant decoder for {kind_name}")
-    per = 32 if kind_name == "Q5_1" else QK_K
     blocks = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES[kind_name])  # [N, bytes]
+    if kind_name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
+        return _legacy(kind_name, blocks, O, I)
     if kind_name == "Q6_K":
         ql, qh, sc, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], blocks[:, 208:]
         lo = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
@@ -80,12 +84,31 @@ def decode(kind_name: str, raw: np.ndarray, O: int, I: int) -> Blocks:
     return 9, q.reshape(O, I), scale.reshape(O, I // 32), low.reshape(O, I // 32)
 
 
+def _legacy(kind_name: str, blocks: np.ndarray, O: int, I: int) -> Blocks:
+    """Q4_0/Q4_1/Q5_0/Q8_0 blocks [N, bytes] -> kinds 4 and 8 (scales float16 values, held as float32)."""
+    d = _f16(blocks[:, 0:2])
+    if kind_name == "Q8_0":
+        return 8, np.ascontiguousarray(blocks[:, 2:]).reshape(O, I), d.reshape(O, I // 32), None
+    if kind_name == "Q5_0":
+        qh = np.ascontiguousarray(blocks[:, 2:6]).view(np.uint32)
+        lo = (blocks[:, 6:].reshape(-1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 0x0F
+        q = (lo.reshape(-1, 32) | (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)).astype(np.int8)
+        return 8, (q - np.int8(16)).view(np.uint8).reshape(O, I), d.reshape(O, I // 32), None
+    if kind_name == "Q4_1":  # byte j holds q_j low and q_{j+16} high: recover_q4's packing already
+        return 4, np.ascontiguousarray(blocks[:, 4:]).reshape(O, I // 2), d.reshape(O, -1), \
+            _f16(blocks[:, 2:4]).reshape(O, -1)
+    m = -8 * d  # Q4_0: (q - 8) * d = q * d + (-8 d), exact
+    if not np.array_equal(m.astype(np.float16).astype(np.float32), m):
+        raise ValueError("a Q4_0 scale too large for its min as a float16 value")
+    return 4, np.ascontiguousarray(blocks[:, 2:]).reshape(O, I // 2), d.reshape(O, -1), m.reshape(O, -1)
+
+
 def rebuild(blocks: Blocks) -> torch.Tensor:
     """Blocks -> the float32 weight [O, I] the kernels compute with (code * scale (+ min), one rounding)."""
     kind, codes, d, m = blocks
     codes, d = torch.as_tensor(np.asarray(codes)), torch.as_tensor(np.asarray(d))
     O = codes.shape[0]
-    if kind == 5:
+    if kind in (4, 5):
         q = torch.cat([codes.reshape(O, -1, 16) & 0xF, codes.reshape(O, -1, 16) >> 4], dim=-1).to(torch.float32)
     else:
         q = codes.view(torch.int8).reshape(O, d.shape[1], -1).to(torch.float32)  # [O, scales, 32 or 16]

@@ -66,12 +66,20 @@ def calibrate(model: nn.Module, tokenizer, k: int = KEPT) -> dict[str, list[int]
         return pre
 
     _run_prompts(model, tokenizer, [m.register_forward_pre_hook(hook(n)) for n, m in model.named_modules()
-                                    if isinstance(m, nn.Linear)])
+                                    if _linear(m)])
     return {n: sorted(torch.topk(p, min(k, p.numel())).indices.tolist()) for n, p in sorted(peaks.items())}
 
 
+def _linear(m) -> bool:
+    """A linear layer: float (before the swap) or on the exact kernels (a GGUF file read as it is)."""
+    from trserve.engine.model.kernels.qlinear import QLinear
+
+    return isinstance(m, nn.Linear) or (isinstance(m, QLinear) and m.arithmetic == "exact")
+
+
 def _run_prompts(model: nn.Module, tokenizer, handles: list) -> None:
-    """The calibration prompts through `model` (float32, before its linears are swapped), then the hooks off."""
+    """The calibration prompts through `model` (float32 before its linears are swapped, or on the exact
+    kernels), then the hooks off."""
     try:
         with torch.inference_mode():
             for text in _prompts():
@@ -106,8 +114,7 @@ def calibrate_pairs(model: nn.Module, tokenizer) -> list[list[int]]:
     kv = getattr(cfg, "num_key_value_heads", None) or heads
     D = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     layers = getattr(model.get_decoder(), "layers", None)
-    if not layers or not all(isinstance(getattr(getattr(x, "self_attn", None), "k_proj", None), nn.Linear)
-                             for x in layers):
+    if not layers or not all(_linear(getattr(getattr(x, "self_attn", None), "k_proj", None)) for x in layers):
         return []
     peaks: list[torch.Tensor | None] = [None] * len(layers)
 

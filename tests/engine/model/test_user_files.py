@@ -78,3 +78,49 @@ def test_a_mixed_file_without_the_native_forward_stays_lossless(files) -> None:
         ar = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=24, mode="ar", ignore_eos=True))
         tr = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=24, mode="tr", ignore_eos=True))
         assert tr.ids == ar.ids
+
+
+def test_a_file_is_read_as_it_is_without_a_float32_copy(files, tmp_path) -> None:
+    """Issue 55: a GGUF's linear layers come from the memory-mapped file's blocks onto the kernels
+    (engine/model/gguf_file.py): nothing converted into the cache, and the layers hold their block
+    bytes (Q4_K at 0.75 bytes per weight, the 8-bit kinds about 1.1-1.25), not float32's 4."""
+    import shutil
+
+    from trserve.engine.model.kernels.qlinear import QLinear
+    from trserve.engine.model.paths import default_cache_dir
+
+    path = tmp_path / "read-as-it-is.gguf"  # a name of its own: no other test converts it
+    shutil.copy(files("Q4_K_M"), path)
+    loaded = load_model(ModelConfig(source=str(path)))
+    assert loaded.kernels == "compressed" and loaded.forward == "native" and loaded.arithmetic == "int8"
+    assert not list((default_cache_dir() / "models").glob("gguf-read-as-it-is-*"))
+    layers = [m for m in loaded.model.modules() if isinstance(m, QLinear)]
+    assert len(layers) == 211 and {m.kind for m in layers} == {5, 8, 17}
+    held = sum(b.numel() * b.element_size() for m in layers for b in (m.codes, m.d, m.m))
+    weights = sum(m.in_features * m.out_features for m in layers)
+    assert held < 1.2 * weights, held / weights
+
+
+def test_a_file_with_a_type_the_kernels_do_not_take_is_refused_in_one_line(tmp_path) -> None:
+    from trserve.bench.requant import requantize
+    from trserve.bench.runner import _bundled_gguf
+    from trserve.core.errors import FailedPrecondition
+
+    path = requantize(_bundled_gguf(), tmp_path / "ternary.gguf", "Q4_0", {"blk.3.ffn_down.": "TQ2_0"})
+    with pytest.raises(FailedPrecondition, match=r"tensor blk\.3\.ffn_down\.weight is TQ2_0: .*Q4_K"):
+        load_model(ModelConfig(source=str(path)))
+
+
+def test_float_linears_of_a_file_run_in_float32_beside_the_blocks(tmp_path) -> None:
+    """BF16 down projections (left unquantized by llama-quantize's --tensor-type): the exact arithmetic
+    under auto, transformers' modules, and TR still equals plain decoding."""
+    from trserve.bench.requant import requantize
+    from trserve.bench.runner import _bundled_gguf
+
+    path = requantize(_bundled_gguf(), tmp_path / "bf16-down.gguf", "Q4_K", {"ffn_down": "BF16"})
+    d = Decoder(DecoderConfig(model=ModelConfig(source=str(path))))
+    assert d.loaded.kernels == "compressed+packed" and d.loaded.arithmetic == "exact"
+    for ids in _prompts(d, 1):
+        ar = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=24, mode="ar", ignore_eos=True))
+        tr = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=24, mode="tr", ignore_eos=True))
+        assert tr.ids == ar.ids

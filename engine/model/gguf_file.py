@@ -1,0 +1,203 @@
+"""A GGUF file served as it is: the model built on the meta device from the file's config, every linear
+layer's blocks read from the memory-mapped file straight onto the compressed kernels, and only the
+rest (embeddings, norms, biases, float16/32 linears) dequantized to float32. No float32 copy of the
+weights is made or written to the cache, so a worker holds about the kernels' bytes per weight
+(docs/kernels.md) instead of 4, and loads in seconds.
+
+It serves the Llama family's files (llama.cpp's `llama` and `qwen2` architectures: Llama, Mistral,
+Qwen2) on CPU where the compressed kernels run; anything else takes the conversion path
+(engine/model/loader.py:gguf_model_dir). The weights are the ones transformers would load from the
+file (its own name map and row order: `get_gguf_hf_weights_map`, `TENSOR_PROCESSORS`), and each
+block type's decoder equals gguf-py's dequantization bit for bit (tests/engine/model/test_kquants.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from trserve.core.errors import FailedPrecondition
+
+log = logging.getLogger("trserve.engine")
+
+ARCHS = ("llama", "qwen2")  # general.architecture values this path serves
+FLOATS = ("F32", "F16", "BF16")
+
+
+class GGUFWeights:
+    """The file's tensors by transformers' parameter names, as float32 tensors or kernel blocks."""
+
+    def __init__(self, path: Path, model, arch: str) -> None:
+        from gguf import GGUFReader
+        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                              get_gguf_hf_weights_map)
+
+        self.reader = GGUFReader(str(path))  # memory-mapped: a tensor's bytes are read when used
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
+        self.names = {hf: name for name, hf in get_gguf_hf_weights_map(model, self.processor).items()}
+        if "lm_head.weight" in self.names and self.names["lm_head.weight"] not in self.tensors:
+            self.names["lm_head.weight"] = "token_embd.weight"  # tied: the head reads the embedding's blocks
+
+    def tensor(self, hf_name: str):
+        name = self.names.get(hf_name)
+        if name is None or name not in self.tensors:
+            raise FailedPrecondition(f"the GGUF file has no tensor for {hf_name} (looked for {name})")
+        return name, self.tensors[name]
+
+    def floats(self, hf_name: str) -> torch.Tensor:
+        """A tensor dequantized to float32 as gguf-py does, in transformers' row order."""
+        from gguf import quants
+
+        name, t = self.tensor(hf_name)
+        w = quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        w = np.ascontiguousarray(self.processor.process(weights=w, name=name).weights)
+        return torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors are the file's read-only map
+
+    def blocks(self, hf_name: str, out_f: int, in_f: int):
+        """A linear weight's kernel blocks (kquants.Blocks) in transformers' row order, or None for a float
+        tensor (F32/F16/BF16); FailedPrecondition for a block type the kernels do not take."""
+        from trserve.engine.model.kernels.kquants import BLOCK_BYTES, decode
+
+        name, t = self.tensor(hf_name)
+        kind = t.tensor_type.name
+        if kind in FLOATS:
+            return None
+        if kind not in BLOCK_BYTES:
+            raise FailedPrecondition(f"tensor {name} is {kind}: this server reads Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
+                                     f"Q4_K, Q5_K, Q6_K and F16/BF16/F32 tensors; re-quantize the file to one of those")
+        b = decode(kind, np.asarray(t.data), out_f, in_f)
+        order = self.processor.process(weights=np.arange(out_f).reshape(out_f, 1), name=name).weights[:, 0]
+        if np.array_equal(order, np.arange(out_f)):
+            return b
+        return (b[0], np.ascontiguousarray(b[1][order]), np.ascontiguousarray(b[2][order]),
+                None if b[3] is None else np.ascontiguousarray(b[3][order]))
+
+
+def architecture(path: Path) -> str:
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get("general.architecture")
+    return bytes(field.parts[field.data[0]]).decode() if field else ""
+
+
+def load_file(path: Path, cache_dir: Path, isa: str, arithmetic: str, fingerprint_of):
+    """(model, tokenizer, floats, arithmetic): the file's model with every block-quantized linear on the
+    compressed kernels, its float linears left as nn.Linear (`floats` of them) for the caller to pack.
+    int8 (kept inputs calibrated on the exact model where no cached set exists) only where no linear is
+    float, unless asked for by name ("int8!"); else exact."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from trserve.engine.model.kernels.outliers import attach_key_pairs, kept_inputs, key_pairs
+
+    arch = architecture(path)
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    weights = GGUFWeights(path, model, arch)
+    fixed = _materialize(model, weights)
+    floats = _linears(model, weights, cache_dir, isa, "exact", None)
+    if arithmetic == "int8" and floats:
+        log.warning("%d linear layers of %s are float tensors: no native forward, exact arithmetic", floats, path.name)
+        arithmetic = "exact"
+    if arithmetic.startswith("int8"):  # the exact model calibrates the kept inputs (once per fingerprint), then int8
+        fingerprint = fingerprint_of(tokenizer, model.config)
+        kept = kept_inputs(model, tokenizer, fingerprint, cache_dir)
+        pairs = key_pairs(model, tokenizer, fingerprint, cache_dir)
+        _linears(model, weights, cache_dir, isa, "int8", kept)
+        if pairs:
+            attach_key_pairs(model, pairs)
+    log.info("GGUF %s read as it is (%s): %d float tensors, %d float linear layers", path.name, arch, fixed, floats)
+    return model.eval(), tokenizer, floats, arithmetic.rstrip("!")
+
+
+def _linears(model, weights: GGUFWeights, cache_dir: Path, isa: str, arithmetic: str, kept) -> int:
+    """Every linear layer from the file's blocks onto a QLinear in `arithmetic` (replacing what is there,
+    one layer at a time); float tensors as float32 nn.Linear. Returns how many stayed float."""
+    from trserve.engine.model.kernels.qlinear import QLinear
+
+    floats = 0
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if not isinstance(child, (nn.Linear, QLinear)):
+                continue
+            name = f"{parent_name}.{child_name}" if parent_name else child_name
+            blocks = weights.blocks(f"{name}.weight", child.out_features, child.in_features)
+            bias = child.bias
+            bias = None if bias is None else (weights.floats(f"{name}.bias") if bias.is_meta else bias)
+            if blocks is None:
+                if isinstance(child, nn.Linear) and child.weight.is_meta:
+                    child.weight = nn.Parameter(weights.floats(f"{name}.weight"), requires_grad=False)
+                    child.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+                floats += 1
+                continue
+            kind, codes, d, m = blocks
+            new = QLinear(kind, torch.from_numpy(codes), torch.from_numpy(d), None if m is None else torch.from_numpy(m),
+                          bias, child.in_features, child.out_features, cache_dir, isa, arithmetic)
+            if kept and kept.get(name):
+                from trserve.engine.model.kernels.kquants import rebuild
+
+                dims = torch.tensor(kept[name], dtype=torch.int32)
+                new.keep_inputs(dims, rebuild(blocks)[:, dims.long()].t().contiguous())
+            setattr(parent, child_name, new)
+    return floats
+
+
+def _materialize(model, weights: GGUFWeights) -> int:
+    """The non-linear parameters (embeddings, norms) from the file, the rotary tables recomputed; returns
+    how many tensors were read. Linear layers stay on the meta device for _linears."""
+    count = 0
+    for parent_name, parent in list(model.named_modules()):
+        if isinstance(parent, nn.Linear):
+            continue
+        for pname, p in list(parent.named_parameters(recurse=False)):
+            if p.is_meta:
+                full = f"{parent_name}.{pname}" if parent_name else pname
+                setattr(parent, pname, nn.Parameter(weights.floats(full), requires_grad=False))
+                count += 1
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if any(b.is_meta for b in child.buffers(recurse=False)) and not isinstance(child, nn.Linear):
+                setattr(parent, child_name, type(child)(config=model.config))  # e.g. the rotary embedding
+    left = [n for n, b in model.named_buffers() if b.is_meta]
+    if left:
+        raise FailedPrecondition(f"the GGUF model's buffers {left[:3]} cannot be built outside transformers' loader")
+    return count
+
+
+def direct_isa(config, device: torch.device, dtype: torch.dtype) -> str | None:
+    """The compressed kernels' variant when `config` (loader.ModelConfig) names a GGUF file this path serves
+    on this host: a CPU float32 model, kernels auto or compressed, an architecture in ARCHS, and kernels
+    that run here (under auto, not the scalar variant); else None (the conversion path)."""
+    from trserve.engine.model.kernels.build import kernel_isa
+
+    if not config.source.endswith(".gguf") or device.type != "cpu" or dtype != torch.float32 or \
+            config.kernels not in ("auto", "compressed") or not Path(config.source).is_file():
+        return None
+    try:
+        if architecture(Path(config.source)) not in ARCHS:
+            return None
+        isa = kernel_isa()
+    except (OSError, RuntimeError, ValueError):
+        return None
+    return None if isa == "scalar" and config.kernels == "auto" else isa
+
+
+def load_direct(config, isa: str, cache_dir: Path, fingerprint_of):
+    """(model, tokenizer, kernels, arithmetic) for a file direct_isa accepted: its float linears packed for
+    oneDNN, grouped attention on. Under auto the arithmetic is int8 where every linear holds blocks (the
+    native forward), else exact (as loader._compress decides for converted models)."""
+    from trserve.engine.model.attention import use_grouped_sdpa
+    from trserve.engine.model.packed import pack_linears
+
+    path = Path(config.source)
+    probe = {"auto": "int8", "int8": "int8!"}.get(config.arithmetic, config.arithmetic)
+    model, tokenizer, floats, arithmetic = load_file(path, cache_dir, isa, probe, fingerprint_of)
+    kernels = "compressed+packed" if pack_linears(model) else "compressed"
+    use_grouped_sdpa(model)
+    return model, tokenizer, kernels, arithmetic
