@@ -25,6 +25,19 @@ from trserve.core.errors import FailedPrecondition
 log = logging.getLogger("trserve.engine")
 
 ARCHS = ("llama", "qwen2")  # general.architecture values this path serves
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the system (glibc): decoding a layer frees tens of MB of numpy
+    temporaries, which glibc keeps in its heap; without this a 1.7B Q4_K_M file's load peaked at 6.5 GB
+    resident and held 5.1 GB after it, against 2.2 GB trimmed."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to do
+        pass
 FLOATS = ("F32", "F16", "BF16")
 
 
@@ -42,6 +55,16 @@ class GGUFWeights:
         self.names = {hf: name for name, hf in get_gguf_hf_weights_map(model, self.processor).items()}
         if "lm_head.weight" in self.names and self.names["lm_head.weight"] not in self.tensors:
             self.names["lm_head.weight"] = "token_embd.weight"  # tied: the head reads the embedding's blocks
+
+    def release(self) -> None:
+        """The file's pages read so far out of this process's resident set (they are clean: read again
+        from the page cache if needed), and freed heap memory back to the system."""
+        import mmap
+
+        mapped = getattr(self.reader.data, "_mmap", None)
+        if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapped.madvise(mmap.MADV_DONTNEED)
+        _trim()
 
     def tensor(self, hf_name: str):
         name = self.names.get(hf_name)
@@ -145,6 +168,8 @@ def _linears(model, weights: GGUFWeights, cache_dir: Path, isa: str, arithmetic:
                 dims = torch.tensor(kept[name], dtype=torch.int32)
                 new.keep_inputs(dims, rebuild(blocks)[:, dims.long()].t().contiguous())
             setattr(parent, child_name, new)
+            del blocks, child
+            weights.release()
     return floats
 
 

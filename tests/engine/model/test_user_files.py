@@ -124,3 +124,31 @@ def test_float_linears_of_a_file_run_in_float32_beside_the_blocks(tmp_path) -> N
         ar = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=24, mode="ar", ignore_eos=True))
         tr = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=24, mode="tr", ignore_eos=True))
         assert tr.ids == ar.ids
+
+
+@pytest.mark.parametrize("mix, arithmetic", [("Q4_K_M", "exact"), ("Q4_K_M", "int8"), ("Q5_K_M", "int8"),
+                                             ("Q6_K", "exact")])
+def test_a_tiny_model_all_in_k_quants(tmp_path, mix, arithmetic) -> None:
+    """A random Llama of a tiny shape whose every linear takes K-quant super-blocks (no fallback types)
+    and 4 query heads on 2 KV heads (the q/k row order transformers undoes): every layer on the kernels
+    and the native forward, TR == AR; in the exact arithmetic, transformers' greedy decoding on the same
+    file's dequantized weights."""
+    from trserve.bench.shaped import make_shaped
+
+    path = make_shaped("tiny", mix, tmp_path / f"tiny-{mix}.gguf")
+    d = Decoder(DecoderConfig(model=ModelConfig(source=str(path), arithmetic=arithmetic)))
+    assert d.loaded.kernels == "compressed" and d.loaded.forward == "native" and d.loaded.arithmetic == arithmetic
+    prompts = _prompts(d, 2)
+    for ids in prompts:
+        ar = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=32, mode="ar", ignore_eos=True))
+        tr = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=32, mode="tr", ignore_eos=True))
+        assert tr.ids == ar.ids
+    if arithmetic == "exact":
+        stock = load_model(ModelConfig(source=str(path), kernels="stock", cache_dir=str(tmp_path / "cache")))
+        for ids in prompts:
+            ours = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=32, mode="ar", ignore_eos=True)).ids
+            ref, logits = _generate(stock, ids, 32)
+            if ours != ref:
+                p = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
+                top2 = logits[p].float().topk(2).values
+                assert float(top2[0] - top2[1]) < NEAR_TIE_EPS, (p, ours[p:p + 3], ref[p:p + 3])
