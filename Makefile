@@ -62,7 +62,11 @@ bench: proto
 # from the same sources: `make peers` is the same target); then the same prompts through
 # llama.cpp (plain, and the server with its n-gram speculation) beside trserve and transformers.
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
-.PHONY: llama-server peers
+.PHONY: llama-server peers bench-files
+# The files users bring (trserve/bench/files.py): per GGUF type its path, load, memory and forward
+# times beside llama-bench (built by `make peers` first, so llama-quantize makes the real _M mixes).
+bench-files: proto llama-server
+	$(VENV)/bin/trserve bench --files $(BENCH_ARGS)
 peers: llama-server
 llama-server: proto
 	$(PY) -m trserve.bench.llama_server build

@@ -59,6 +59,10 @@ def register(sub) -> None:
                    help="the fairness workload instead: a real `trserve serve`, three concurrent scoring completions "
                         "of a 3,236-token prompt from one tenant and another tenant's short chat beside them; the "
                         "bystander's time to first token (bench-results/fair_prefill.json)")
+    p.add_argument("--files", action="store_true",
+                   help="the GGUF files users bring instead: the bundled model re-quantized (Q4_0, Q4_K_M, Q5_K_M, "
+                        "Q6_K, Q8_0), a 1.7B-shaped random Q4_K_M and --model if given; per file its path, load time, "
+                        "peak/steady RSS and forward ms per width, beside llama-bench (bench-results/files.json)")
     p.add_argument("--concurrency", default=None,
                    help="e.g. 1,2,4,8,16: instead of the decoder comparison, closed-loop load on the batching engine "
                         "(modes tr, ar, serial) with throughput, latency and TTFT per level (trserve/bench/concurrency.py)")
@@ -98,6 +102,12 @@ def _run(args) -> int:
         run_structured(StructuredConfig(prompts=args.prompts or str(prompt_file("structured")), kernels=args.kernels,
                                         arithmetic=args.arithmetic, threads=args.threads,
                                         json_path=args.json or "bench-results/structured.json", model=args.model))
+        return 0
+    if args.files:
+        from trserve.bench.files import FilesConfig, run_files
+
+        run_files(FilesConfig(files=(args.model,) if args.model else (), threads=args.threads,
+                              arithmetic=args.arithmetic, json_path=args.json or "bench-results/files.json"))
         return 0
     if args.fair_prefill:
         from trserve.bench.fair_prefill import FairPrefillConfig, run_fair_prefill

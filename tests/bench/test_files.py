@@ -1,0 +1,28 @@
+"""`trserve bench --files` (issue 55): each file measured in a process of its own, with its serving path,
+load time, memory and forward ms per width; llama-bench beside it where built (not in CI)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trserve.engine.model.kernels.build import qlinear_supported
+
+pytestmark = pytest.mark.skipif(not qlinear_supported(), reason="the compressed kernels need x86-64 Linux")
+
+
+def test_files_table_measures_each_file_in_its_own_process(tmp_path):
+    from trserve.bench.files import FilesConfig, run_files
+
+    config = FilesConfig(bundled=(), shaped=("tiny:Q4_K_M",), widths=(1, 2), threads=2, arithmetic="exact",
+                         work_dir=str(tmp_path / "files"), json_path=str(tmp_path / "files.json"))
+    report = run_files(config)
+    shipped, tiny = report["files"]
+    assert shipped["file"].startswith("bundled Q4_1") and "error" not in shipped, shipped
+    assert tiny["kernels"] == "compressed" and tiny["forward"] == "native" and tiny["arithmetic"] == "exact"
+    assert 5 in tiny["kinds"] and 17 in tiny["kinds"]  # Q4_K and Q6_K blocks as they are
+    for row in (shipped, tiny):
+        assert row["load_s"] > 0 and 0 < row["steady_rss_gb"] <= row["peak_rss_gb"]
+        assert set(row["width_ms"]) == {"1", "2"} and all(v > 0 for v in row["width_ms"].values())
+    assert shipped["width_ms"]["1"] > tiny["width_ms"]["1"]  # 135M parameters against 2 tiny layers
+    text = (tmp_path / "files.txt").read_text()
+    assert "host:" in text and "tiny (random) Q4_K_M" in text and "compressed/exact/native" in text
