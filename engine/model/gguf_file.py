@@ -66,6 +66,11 @@ class GGUFWeights:
             mapped.madvise(mmap.MADV_DONTNEED)
         _trim()
 
+    def float_linears(self, model) -> int:
+        """How many of `model`'s linear layers the file holds as float tensors (F32/F16/BF16)."""
+        names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        return sum(self.tensor(f"{n}.weight")[1].tensor_type.name in FLOATS for n in names)
+
     def tensor(self, hf_name: str):
         name = self.names.get(hf_name)
         if name is None or name not in self.tensors:
@@ -115,7 +120,7 @@ def load_file(path: Path, cache_dir: Path, isa: str, arithmetic: str, fingerprin
     float, unless asked for by name ("int8!"); else exact."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from trserve.engine.model.kernels.outliers import attach_key_pairs, kept_inputs, key_pairs
+    from trserve.engine.model.kernels.outliers import attach_key_pairs, calibrated, kept_inputs, key_pairs
 
     arch = architecture(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -124,17 +129,21 @@ def load_file(path: Path, cache_dir: Path, isa: str, arithmetic: str, fingerprin
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     weights = GGUFWeights(path, model, arch)
     fixed = _materialize(model, weights)
-    floats = _linears(model, weights, cache_dir, isa, "exact", None)
+    floats = weights.float_linears(model)
     if arithmetic == "int8" and floats:
         log.warning("%d linear layers of %s are float tensors: no native forward, exact arithmetic", floats, path.name)
         arithmetic = "exact"
-    if arithmetic.startswith("int8"):  # the exact model calibrates the kept inputs (once per fingerprint), then int8
+    kept = pairs = None
+    if arithmetic.startswith("int8"):  # kept inputs: cached, or calibrated once on the exact model
         fingerprint = fingerprint_of(tokenizer, model.config)
+        if not calibrated(fingerprint, cache_dir):
+            _linears(model, weights, cache_dir, isa, "exact", None)
         kept = kept_inputs(model, tokenizer, fingerprint, cache_dir)
         pairs = key_pairs(model, tokenizer, fingerprint, cache_dir)
-        _linears(model, weights, cache_dir, isa, "int8", kept)
-        if pairs:
-            attach_key_pairs(model, pairs)
+    _linears(model, weights, cache_dir, isa, arithmetic.rstrip("!"), kept)
+    if pairs:
+        attach_key_pairs(model, pairs)
+    _trim()
     log.info("GGUF %s read as it is (%s): %d float tensors, %d float linear layers", path.name, arch, fixed, floats)
     return model.eval(), tokenizer, floats, arithmetic.rstrip("!")
 

@@ -45,6 +45,22 @@ def register(sub) -> None:
                         "seeded per prompt")
     p.add_argument("--json", default=None, help="where to write the JSON report (default bench-results/bench.json, "
                    "or bench-results/concurrency.json with --concurrency)")
+    _instead(p)
+    p.add_argument("--concurrency", default=None,
+                   help="e.g. 1,2,4,8,16: instead of the decoder comparison, closed-loop load on the batching engine "
+                        "(modes tr, ar, serial) with throughput, latency and TTFT per level (trserve/bench/concurrency.py)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="with --concurrency: runs per level, the modes taking turns each time (rows sum them and "
+                        "the table adds each run's tr/ar ratio)")
+    p.add_argument("--modes", default="tr,ar,serial",
+                   help="with --concurrency: the modes to run, of tr, ar, serial, tr-full (batched TR verifying "
+                        "every request's whole tree each step: the batch budget off), llama-server and "
+                        "llama-server-ngram (llama.cpp's own server, plain and n-gram; `make llama-server`)")
+    p.set_defaults(func=_run)
+
+
+def _instead(p) -> None:
+    """The modes that measure something else instead of the decoder comparison."""
     p.add_argument("--profile", action="store_true",
                    help="per-step profile instead: forward cost per width and the time outside the forward, "
                         "for the transformers and the native forward (bench-results/profile.json)")
@@ -59,21 +75,8 @@ def register(sub) -> None:
                    help="the fairness workload instead: a real `trserve serve`, three concurrent scoring completions "
                         "of a 3,236-token prompt from one tenant and another tenant's short chat beside them; the "
                         "bystander's time to first token (bench-results/fair_prefill.json)")
-    p.add_argument("--files", action="store_true",
-                   help="the GGUF files users bring instead: the bundled model re-quantized (Q4_0, Q4_K_M, Q5_K_M, "
-                        "Q6_K, Q8_0), a 1.7B-shaped random Q4_K_M and --model if given; per file its path, load time, "
-                        "peak/steady RSS and forward ms per width, beside llama-bench (bench-results/files.json)")
-    p.add_argument("--concurrency", default=None,
-                   help="e.g. 1,2,4,8,16: instead of the decoder comparison, closed-loop load on the batching engine "
-                        "(modes tr, ar, serial) with throughput, latency and TTFT per level (trserve/bench/concurrency.py)")
-    p.add_argument("--repeats", type=int, default=1,
-                   help="with --concurrency: runs per level, the modes taking turns each time (rows sum them and "
-                        "the table adds each run's tr/ar ratio)")
-    p.add_argument("--modes", default="tr,ar,serial",
-                   help="with --concurrency: the modes to run, of tr, ar, serial, tr-full (batched TR verifying "
-                        "every request's whole tree each step: the batch budget off), llama-server and "
-                        "llama-server-ngram (llama.cpp's own server, plain and n-gram; `make llama-server`)")
-    p.set_defaults(func=_run)
+    p.add_argument("--files", action="store_true", help="GGUF files users bring instead, beside llama-bench "
+                   "(trserve/bench/files.py; bench-results/files.json)")
 
 
 def prompts_of(args) -> str:

@@ -40,6 +40,12 @@ def kept_inputs(model: nn.Module, tokenizer, fingerprint: str, cache_dir: Path) 
     return {k: list(v) for k, v in kept.items()}
 
 
+def calibrated(fingerprint: str, cache_dir: Path) -> bool:
+    """Whether both the kept inputs and the kept key pairs of `fingerprint` are shipped or cached."""
+    return all((SHIPPED / n).exists() or (cache_dir / n).exists()
+               for n in (f"kept-{fingerprint}.json", f"keypairs-{fingerprint}.json"))
+
+
 def _shipped_or_cached(name: str, cache_dir: Path, field: str, compute, what: str, header: dict):
     """`field` of the shipped or cached file `name`; else compute() now, written (with `header`) into
     cache_dir by an atomic rename."""
