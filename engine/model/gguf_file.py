@@ -106,6 +106,31 @@ class GGUFWeights:
                 None if b[3] is None else np.ascontiguousarray(b[3][order]))
 
 
+def file_blocks(path: str, model) -> dict:
+    """For a model transformers loaded from GGUF file `path` (the conversion path): module name -> the
+    kernels' blocks of each linear layer the file holds in a block type, where they rebuild the loaded
+    float32 weight bit for bit (a layer that does not keeps its float kernel, and is said)."""
+    from trserve.engine.model.kernels.kquants import rebuild
+
+    try:
+        weights = GGUFWeights(Path(path), model, architecture(Path(path)))
+    except (NotImplementedError, ValueError, KeyError):  # an architecture gguf-py or transformers does not map
+        return {}
+    out = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        try:
+            blocks = weights.blocks(f"{name}.weight", module.out_features, module.in_features)
+        except FailedPrecondition:  # no such tensor, or a type the kernels do not take: its float kernel
+            continue
+        if blocks is not None and torch.equal(rebuild(blocks), module.weight.detach()):
+            out[name] = blocks
+        elif blocks is not None:
+            log.warning("%s: the file's blocks do not rebuild the loaded weight; kept in float32", name)
+    return out
+
+
 def architecture(path: Path) -> str:
     from gguf import GGUFReader
 

@@ -355,7 +355,7 @@ def _compress(model, config: ModelConfig, tokenizer=None) -> str | None:
     None (packed kernels take over), InvalidArgument when they were asked for. The int8 arithmetic keeps
     each layer input's outlier dims in float32 (engine/model/kernels/outliers.py)."""
     from trserve.engine.model.kernels.build import kernel_isa
-    from trserve.engine.model.kernels.kquants import file_blocks
+    from trserve.engine.model.gguf_file import file_blocks
     from trserve.engine.model.kernels.outliers import attach_key_pairs, kept_inputs, key_pairs
     from trserve.engine.model.kernels.qlinear import quantize_linears
     from trserve.engine.model.kernels.recover import every_linear_recovers

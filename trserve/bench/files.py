@@ -127,6 +127,7 @@ def run_files(config: FilesConfig) -> dict:
     import torch
 
     from trserve.bench.host import host_facts
+    from trserve.bench.report import write_report
 
     threads = config.threads or torch.get_num_threads()
     report = {"config": asdict(config), "environment": {**host_facts(), "threads": threads,
@@ -143,19 +144,16 @@ def run_files(config: FilesConfig) -> dict:
             row.update(json.loads(res.stdout.strip().splitlines()[-1]))
         row["llama_bench"] = llama_bench(path, threads, config.widths)
         report["files"].append(row)
-    path = Path(config.json_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    text = format_files(report)
-    path.with_suffix(".txt").write_text(text + "\n")
-    print(text)
+    write_report(config.json_path, report, format_files(report))
     return report
 
 
 def format_files(report: dict) -> str:
+    from trserve.bench.host import host_line
+
     env = report["environment"]
     widths = report["config"]["widths"]
-    lines = [f"host: {env.get('cpu', '?')}, {env['threads']} threads; {' '.join(env.get('isa_flags', []))}",
+    lines = [host_line(env),
              "file                            MB  path                             load s  peak/steady GB  "
              + "  ".join(f"w={w:<5}" for w in widths) + "  (trserve forward ms; llama-bench: tg ms, pp w ms)"]
     for row in report["files"]:

@@ -12,15 +12,14 @@ LM head, ...), so where a verified row's cost goes is read off one table. Writte
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
 import torch
 
 from trserve.bench.host import host_facts
+from trserve.bench.report import write_report
 from trserve.bench.runner import WARMUP, select_questions
 
 log = logging.getLogger("trserve.bench")
@@ -117,12 +116,7 @@ def run_profile(config: ProfileConfig) -> dict:
             log.warning("forward %s does not apply to this model here; skipped", forward)
             continue
         report["runs"].append(_profile_one(loaded, config, questions))
-    path = Path(config.json_path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(report, indent=2))
-    text = format_profile(report)
-    path.with_suffix(".txt").write_text(text + "\n")
-    print(text)
+    write_report(config.json_path, report, format_profile(report))
     return report
 
 

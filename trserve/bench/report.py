@@ -150,6 +150,15 @@ def _m(v):
     return f"{v:.2f}" if v is not None else "-"
 
 
+def write_report(path: str | Path, report: dict, text: str) -> None:
+    """A bench mode's report as JSON at `path` and its table beside it (.txt), the table printed."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    out.with_suffix(".txt").write_text(text + "\n")
+    print(text)
+
+
 def write_outputs(report: dict, records: list[dict], path: str) -> None:
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """A GGUF file's K-quant (and Q5_1) blocks as the kernels hold them: the codes and the float32 scales
 and mins that rebuild each weight to exactly the float32 value ggml (and gguf-py, hence transformers)
-dequantizes it to (pure array functions, and the map from a model's linear layers to the file's tensors).
+dequantizes it to (pure array functions; engine/model/gguf_file.py maps a model's layers to them).
 
 Per 256 weights (a super-block), from ggml's block layouts:
   Q4_K: w = (d * sc) * q - dmin * mn, q in 0..15, sc and mn 6-bit per 32 weights   -> kind 5
@@ -11,17 +11,13 @@ Per 256 weights (a super-block), from ggml's block layouts:
   8-bit codes q - 16), as recover.py finds them in float weights
 d * sc is exact in float32 (11 x 8 bits), and so is its product with q (at most 24 bits), so
 code * scale (+ min) rounds at most once: the kernels' weight is ggml's bit for bit. `rebuild` gives
-that float32 matrix; the loader takes blocks only where it equals the weight transformers loaded.
+that float32 matrix.
 """
 
 from __future__ import annotations
 
-import logging
-
 import numpy as np
 import torch
-
-log = logging.getLogger("trserve.engine")
 
 QK_K = 256
 # bytes per block: per super-block of 256 for the K-quants, per 32 for the others
@@ -116,54 +112,3 @@ def rebuild(blocks: Blocks) -> torch.Tensor:
     if m is not None:
         w = w + torch.as_tensor(np.asarray(m))[..., None]
     return w.reshape(O, -1)
-
-
-def row_order(module_name: str, config) -> list[np.ndarray | None]:
-    """The row orders a layer's GGUF tensor may be stored in relative to transformers' weight: as it is,
-    and for Llama-converted q/k projections llama.cpp's rotary permutation (transformers undoes it)."""
-    orders: list[np.ndarray | None] = [None]
-    if module_name.endswith(("q_proj", "k_proj")):
-        heads = config.num_attention_heads
-        n = heads if module_name.endswith("q_proj") else (getattr(config, "num_key_value_heads", None) or heads)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        rows = np.arange(n * head_dim)  # transformers' weight row r is the file's row rows[...][r]
-        orders.append(rows.reshape(n, head_dim // 2, 2).swapaxes(2, 1).reshape(-1))
-    return orders
-
-
-def file_blocks(path: str, model) -> dict[str, Blocks]:
-    """The K-quant and Q5_1 blocks of GGUF file `path` for `model`'s linear layers (module name -> Blocks),
-    each one checked to rebuild its layer's float32 weight bit for bit (a layer that does not is left out,
-    and said). Tensors of other types are not read here (recover.py takes Q4_0/Q4_1/Q5_0/Q8_0)."""
-    from gguf import GGUFReader, MODEL_ARCH_NAMES, get_tensor_name_map
-
-    reader = GGUFReader(path)  # memory-mapped
-    tensors = {t.name: t for t in reader.tensors}
-    field = reader.fields.get("general.architecture")
-    arch = bytes(field.parts[field.data[0]]).decode() if field else ""
-    arch_enum = next((k for k, v in MODEL_ARCH_NAMES.items() if v == arch), None)
-    if arch_enum is None:
-        return {}
-    names = get_tensor_name_map(arch_enum, model.config.num_hidden_layers)
-    out: dict[str, Blocks] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        base = names.get_name(name)
-        candidates = [base] + (["token_embd"] if base == "output" else [])
-        t = next((tensors[c + ".weight"] for c in candidates if c and c + ".weight" in tensors), None)
-        if t is None or t.tensor_type.name not in BLOCK_BYTES:
-            continue
-        O, I = module.out_features, module.in_features
-        blocks = decode(t.tensor_type.name, np.asarray(t.data), O, I)
-        w = module.weight.detach()
-        for order in row_order(name, model.config):
-            b = blocks if order is None else (blocks[0], blocks[1][order], blocks[2][order],
-                                              None if blocks[3] is None else blocks[3][order])
-            if torch.equal(rebuild(b), w):
-                out[name] = tuple(np.ascontiguousarray(x) if isinstance(x, np.ndarray) else x for x in b)
-                break
-        else:
-            log.warning("%s: the file's %s blocks do not rebuild the loaded weight; kept in float32", name,
-                        t.tensor_type.name)
-    return out

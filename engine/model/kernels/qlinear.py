@@ -123,7 +123,7 @@ def set_threads(model: nn.Module, threads: int) -> str | None:
 def quantize_linears(model: nn.Module, cache_dir: Path, isa: str = "auto", arithmetic: str = "exact",
                      kept_inputs: dict[str, list[int]] | None = None, blocks: dict | None = None) -> tuple[int, int]:
     """Swap every nn.Linear whose weight recovers exactly, or that a GGUF file's K-quant `blocks` rebuild
-    (module name -> kquants.Blocks, checked by kquants.file_blocks), for a QLinear on kernel variant
+    (module name -> kquants.Blocks, checked by gguf_file.file_blocks), for a QLinear on kernel variant
     `isa` ("auto": this CPU's best; others for tests and measurements) in `arithmetic` (int8: with the
     layers' `kept_inputs`, engine/model/kernels/outliers.py); returns (swapped, kept)."""
     from trserve.engine.model.kernels.outliers import columns

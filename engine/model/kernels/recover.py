@@ -54,7 +54,7 @@ def every_linear_recovers(model, blocks: dict | None = None) -> bool:
     needs. Without it transformers' modules run the forward, whose tree rows are not the same bits as a
     plain step's; the int8 arithmetic turns such last-bit differences into other codes, then other
     tokens (tr == ar on 1 of 13 prompts for a Q4_K_M file, 13 of 13 in the exact arithmetic). `blocks`:
-    the layers a GGUF file's K-quant blocks rebuild (kquants.file_blocks), by module name."""
+    the layers a GGUF file's K-quant blocks rebuild (engine/model/gguf_file.py:file_blocks), by module name."""
     linears = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     return all(n in (blocks or {}) or recover_q4(m.weight.detach()) is not None or
                recover_q8(m.weight.detach()) is not None for n, m in linears)

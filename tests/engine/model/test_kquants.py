@@ -1,7 +1,7 @@
 """Issue 55: a GGUF file's K-quant blocks (Q4_K, Q5_K, Q6_K) and Q5_1 read as they are onto the kernels
 (kinds 5, 9, 17): the test encoder against gguf-py, the decoder's weights against gguf-py's
-dequantization bit for bit, both arithmetics' kernels against op-by-op references on every ISA build
-this CPU runs, and the rotary row order transformers undoes."""
+dequantization bit for bit, and both arithmetics' kernels against op-by-op references on every ISA
+build this CPU runs (the rotary row order: the tiny GQA model of test_user_files.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import nn
 
 from trserve.bench.kencode import ENCODERS
 from trserve.engine.model.kernels.build import available_isas
-from trserve.engine.model.kernels.kquants import decode, rebuild, row_order
+from trserve.engine.model.kernels.kquants import decode, rebuild
 from trserve.engine.model.kernels.qlinear import QLinear
 from tests.engine.model.test_qlinear import fma32, isa_params, needs_kernel, reference_linear, wide_range_x
 from tests.engine.model.test_qlinear_i8 import activations, reference_quant
@@ -64,22 +64,6 @@ def test_q6_k_worked_example():
     assert codes.view(np.int8)[0, 0] == 8 and d[0, 0] == -1.5
     assert rebuild((kind, codes, d, m))[0, 0] == -12.0
     assert np.array_equal(quants.dequantize(block[None], T.Q6_K)[0, :1], [-12.0])
-
-
-def test_row_order_is_the_permutation_transformers_undoes():
-    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
-
-    class Cfg:
-        num_attention_heads, num_key_value_heads, hidden_size, head_dim = 4, 2, 128, 32
-
-    proc = LlamaTensorProcessor(config={"num_attention_heads": 4, "num_key_value_heads": 2})
-    for name, n_rows in (("model.layers.0.self_attn.q_proj", 128), ("model.layers.0.self_attn.k_proj", 64)):
-        file_rows = np.arange(n_rows * 3).reshape(n_rows, 3)
-        gguf_name = "blk.0.attn_q.weight" if "q_proj" in name else "blk.0.attn_k.weight"
-        want = proc.process(file_rows, gguf_name).weights
-        orders = row_order(name, Cfg)
-        assert orders[0] is None and np.array_equal(file_rows[orders[1]], want)
-    assert row_order("model.layers.0.mlp.down_proj", Cfg) == [None]
 
 
 def layer(kind_name: str, O: int, I: int, seed: int, isa: str, kernel_dir, arithmetic: str):

@@ -8,6 +8,7 @@ dequantized weights, and TR equals plain decoding token for token in both arithm
 from __future__ import annotations
 
 import pytest
+import torch
 
 from trserve.engine import Decoder, DecoderConfig, GenerationRequest
 from trserve.engine.model.kernels.build import qlinear_supported
@@ -151,3 +152,18 @@ def test_a_tiny_model_all_in_k_quants(tmp_path, mix, arithmetic) -> None:
                 p = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
                 top2 = logits[p].float().topk(2).values
                 assert float(top2[0] - top2[1]) < NEAR_TIE_EPS, (p, ours[p:p + 3], ref[p:p + 3])
+
+
+def test_the_conversion_path_finds_every_layers_blocks_in_transformers_row_order(tmp_path) -> None:
+    """Where a GGUF takes the conversion (here: the stock model transformers loads), gguf_file.file_blocks
+    maps each linear layer to the file's blocks through transformers' own name map and q/k row order
+    (4 query heads on 2 KV heads) and keeps only blocks that rebuild the loaded weight bit for bit."""
+    from trserve.bench.shaped import make_shaped
+    from trserve.engine.model.gguf_file import file_blocks
+
+    path = make_shaped("tiny", "Q4_K_M", tmp_path / "tiny.gguf")
+    stock = load_model(ModelConfig(source=str(path), kernels="stock", cache_dir=str(tmp_path / "cache")))
+    linears = [n for n, m in stock.model.named_modules() if isinstance(m, torch.nn.Linear)]
+    blocks = file_blocks(str(path), stock.model)
+    assert sorted(blocks) == sorted(linears) and len(linears) == 15
+    assert {b[0] for b in blocks.values()} == {5, 17}
