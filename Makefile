@@ -12,7 +12,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard protos/trserve/v1/*.proto)
-PROTO_OUT := $(patsubst protos/%.proto,%_pb2.py,$(PROTOS))
+PROTO_OUT := $(patsubst protos/%.proto,build/proto/%_pb2.py,$(PROTOS))
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 RUN_ARGS ?=
@@ -33,8 +33,10 @@ $(STAMP): requirements.txt requirements-runtime.txt pyproject.toml setup.py
 
 proto: $(STAMP) $(PROTO_OUT)
 
-trserve/v1/%_pb2.py: protos/trserve/v1/%.proto $(STAMP)
-	$(PY) -m grpc_tools.protoc -I protos --python_out=. --grpc_python_out=. --pyi_out=. $<
+build/proto/trserve/v1/%_pb2.py: protos/trserve/v1/%.proto $(STAMP)
+	mkdir -p build/proto
+	$(PY) -m grpc_tools.protoc -I protos --python_out=build/proto --grpc_python_out=build/proto --pyi_out=build/proto $<
+	test -f build/proto/trserve/v1/__init__.py || echo '"""trserve.v1: the gRPC code generated from protos/trserve/v1 (setup.py, make proto)."""' > build/proto/trserve/v1/__init__.py
 
 run: proto
 	$(VENV)/bin/trserve serve $(RUN_ARGS)
@@ -63,7 +65,7 @@ bench: proto
 # llama.cpp (plain, and the server with its n-gram speculation) beside trserve and transformers.
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 .PHONY: llama-server peers bench-files
-# The files users bring (trserve/bench/files.py): per GGUF type its path, load, memory and forward
+# The files users bring (bench/files.py): per GGUF type its path, load, memory and forward
 # times beside llama-bench (built by `make peers` first, so llama-quantize makes the real _M mixes).
 bench-files: proto llama-server
 	$(VENV)/bin/trserve bench --files $(BENCH_ARGS)
@@ -76,7 +78,7 @@ bench-peers: proto llama-server
 		--json bench-results/bench-peers.json $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) trserve/v1 .pytest_cache
+	rm -rf $(VENV) build/proto .pytest_cache
 
 # The split deployment as local processes (Redis, matrix service, N workers) on loopback:
 #   make cluster CLUSTER_ARGS="--workers 2 --threads 1"; then trserve cluster status|down

@@ -1,12 +1,11 @@
-"""Build hook: the generated gRPC code (trserve/v1/*_pb2*.py) is gitignored, so a clean clone has
-none; building runs protoc on protos/ (grpcio-tools is a build requirement, pyproject.toml).
+"""Build hook: the generated gRPC code (trserve.v1: build/proto/trserve/v1/*_pb2*.py) is gitignored,
+so a clean clone has none; building runs protoc on protos/ into build/proto/ first (grpcio-tools is a
+build requirement, pyproject.toml), where pyproject.toml's package-dir finds trserve.v1 (a wheel
+copies it from there; an editable install imports it there, as `make proto` regenerates it).
 
-A wheel gets the code in its build directory; an editable install imports from the source tree,
-so it is generated there, as `make proto` does.
-
-Packages: pyproject.toml's package-dir maps each import root to its folder (trserve.engine ->
-engine/, ...); the packages are every package (data folders too, as namespaces) under those folders, named under their root.
-Everything else is declared in pyproject.toml.
+Packages: the repository's root is the package trserve (package-dir "trserve" = "."), and each code
+folder X/ is trserve.X; the packages are every package under those folders (data folders too, as
+namespaces). Everything else is declared in pyproject.toml.
 """
 
 from __future__ import annotations
@@ -15,10 +14,12 @@ import tomllib
 from pathlib import Path
 
 from setuptools import find_namespace_packages, setup
-from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).resolve().parent
 PROTO_DIR = ROOT / "protos"
+GENERATED = ROOT / "build" / "proto"  # trserve.v1 (pyproject.toml's package-dir)
+INIT = '"""trserve.v1: the gRPC code generated from protos/trserve/v1 (setup.py, `make proto`)."""\n'
+CODE = ("core", "engine", "matrix_store", "services", "bench")  # the code folders: trserve.<folder>
 
 
 def generate_protos(out: Path) -> None:
@@ -34,19 +35,16 @@ def generate_protos(out: Path) -> None:
             f"--pyi_out={out}", *protos]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed on {protos}")
-
-
-class BuildPyWithProtos(build_py):
-    def run(self) -> None:
-        super().run()
-        generate_protos(ROOT if self.editable_mode else Path(self.build_lib))
+    (out / "trserve" / "v1" / "__init__.py").write_text(INIT)
 
 
 def packages() -> list[str]:
-    """Each package-dir root and the packages under its folder, named under the root."""
-    roots = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    found = {root: find_namespace_packages(str(ROOT / folder), exclude=["*__pycache__*"]) for root, folder in roots.items()}
-    return sorted({*found, *(f"{root}.{sub}" for root, subs in found.items() for sub in subs)})
+    """trserve, trserve.v1, and each code folder's packages, named under trserve."""
+    found = [f"trserve.{folder}" + (f".{sub}" if sub else "") for folder in CODE
+             for sub in ("", *find_namespace_packages(str(ROOT / folder), exclude=["*__pycache__*"]))]
+    return sorted({"trserve", "trserve.v1", *found})
 
 
-setup(packages=packages(), cmdclass={"build_py": BuildPyWithProtos})
+if (PROTO_DIR / "trserve" / "v1").is_dir():  # a source tree or sdist (a wheel's build has run it already)
+    generate_protos(GENERATED)
+setup(packages=packages())

@@ -1,16 +1,17 @@
 """Token Recycling decoding engine (no grpc, no redis).
 
     engine.py     the decode loop (BatchEngine: submit / step / run / stream; one request is B=1)
-    scheduler.py  queues and KV budget (EngineConfig)  tree_budget.py  how much each sequence verifies
+    scheduler.py  queues and KV budget (EngineConfig)   sequence.py  one request in flight
     target.py     the model facade (TargetModel: prepare, trees, matrices, tuners)
     decoder.py    the Python API (Decoder: a TargetModel with its engine; generate / stream)
-    step.py       one sequence's TR step around the forward   sequence.py  one request in flight
-    results.py    what it returns                             config.py    DecoderConfig
+    results.py    what it returns                       config.py    DecoderConfig
     runtime.py    what a decoder runs on (device, kernels, attention, tree, threads)
-    tr/           the algorithm: trees, drafting, acceptance, recycling, sampling, lookup chains,
-                  the adjacency matrix and the draft-source boundary
+    prefix_cache.py  shared prompt prefixes' KV
+    drafting/     drafting: the drafter, the TR step, proposers, the tree budget, draft sources
+    tr/           the algorithm: trees, gather, acceptance, recycling, sampling, the adjacency matrix
     model/        the target model: loading, kernels, attention, KV cache, the verification forward
-    tuning/       acceptance records, calibration, the tree optimiser, online re-tuning, `trserve tune`
+    tuning/       acceptance records, calibration, the tree optimiser, online re-tuning (the
+                  `trserve tune` command is bench/tune.py)
     request/      the request type, prompt building, stop conditions, streamed text
 
 Public names are imported lazily so that `import trserve.engine` stays cheap (no torch until used).

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trserve.engine.model.loader import ModelConfig
-from trserve.engine.tuning.online import AutoTuneConfig
+from .model.loader import ModelConfig
+from .tuning.online import AutoTuneConfig
 
 # The best known tree per device kind and linear kernels (see README "Benchmarks"; `trserve tune`
 # makes one for another machine, `trserve bench --tree` compares). A forward's cost per width

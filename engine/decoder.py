@@ -14,19 +14,19 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 
-from trserve.core.errors import InvalidArgument
-from trserve.engine.config import DecoderConfig
-from trserve.engine.engine import BatchEngine
-from trserve.engine.model.loader import LoadedModel
-from trserve.engine.request.request import GenerationRequest, PreparedRequest
-from trserve.engine.results import GenerationResult, StepChunk
-from trserve.engine.scheduler import EngineConfig
-from trserve.engine.target import TargetModel
-from trserve.engine.tr.matrix import AdjacencyMatrix
-from trserve.engine.tr.source import DraftSource
-from trserve.engine.tuning.cost import CostFn
-from trserve.engine.tuning.online import OnlineTuner
-from trserve.engine.tuning.records import AcceptanceLog
+from ..core.errors import InvalidArgument
+from .config import DecoderConfig
+from .engine import BatchEngine
+from .model.loader import LoadedModel
+from .request.request import GenerationRequest, PreparedRequest
+from .results import GenerationResult, StepChunk
+from .scheduler import EngineConfig
+from .target import TargetModel
+from .tr.matrix import AdjacencyMatrix
+from .tr.source import DraftSource
+from .tuning.cost import CostFn
+from .tuning.online import OnlineTuner
+from .tuning.records import AcceptanceLog
 
 ONE_AT_A_TIME = EngineConfig(max_batch=1, batch_aware=False)
 

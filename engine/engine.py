@@ -6,9 +6,9 @@ KV row is freed at once), admit waiting ones within the budgets and pick the pro
 prefill one chunk of (engine/scheduler.py: fewest chunks left first, so a long prompt delays the
 running ones by one chunk a step and a short one is not queued behind it); then one batch forward
 over all running sequences, each verifying what its proposer drafted at the size the tree budget
-chose (engine/drafting.py); accept, recycle, commit and emit per sequence, each request's own part
-ending it alone where it fails (engine/sequence.py:alone). TR specifics: engine/proposers/, engine/tr/
-and engine/step.py; the runner (engine/model/runner.py) owns the model and the batch KV. Host syncs
+chose (engine/drafting/drafter.py); accept, recycle, commit and emit per sequence, each request's own part
+ending it alone where it fails (engine/sequence.py:alone). TR specifics: engine/drafting/proposers/, engine/tr/
+and engine/drafting/step.py; the runner (engine/model/runner.py) owns the model and the batch KV. Host syncs
 per step: each sequence's accept decision, nothing per tree node. Driven by `run` in a thread of its
 own (a worker) while callers `submit`, or by `stream`/`generate` in the caller's thread.
 """
@@ -24,28 +24,28 @@ from contextlib import contextmanager
 
 import torch
 
-from trserve.core.errors import InvalidArgument
-from trserve.engine.model.runner import ModelRunner, quiet_torch_threads, uses_kernel_pool
-from trserve.engine.prefix_cache import PrefixCache
-from trserve.engine.request.request import PreparedRequest
-from trserve.engine.request.stops import StopChecker
-from trserve.engine.request.text import TextStream
-from trserve.engine.results import GenerationResult, GenerationStats, StepChunk
-from trserve.engine.scheduler import EngineConfig, Scheduler, StepTimes
-from trserve.engine.sequence import Sequence, alone
-from trserve.engine.step import accept_step
-from trserve.engine.tr.logprobs import record_logprobs, record_prompt_logprobs
-from trserve.engine.target import TargetModel
-from trserve.engine.tr.lookup import ContextLookup
-from trserve.engine.tr.recycle import root_rows, top_probs
-from trserve.engine.tr.seeding import PromptSeeding
-from trserve.engine.tr.sampling import choose, new_sampler
-from trserve.engine.drafting import Drafter
-from trserve.engine.handover import end_session
-from trserve.engine.tree_budget import TreeBudget
-from trserve.engine.tuning.cost import CostFn, device_proxy
-from trserve.engine.tuning.online import OnlineTuner
-from trserve.engine.tuning.records import AcceptanceLog
+from ..core.errors import InvalidArgument
+from .model.runner import ModelRunner, quiet_torch_threads, uses_kernel_pool
+from .prefix_cache import PrefixCache
+from .request.request import PreparedRequest
+from .request.stops import StopChecker
+from .request.text import TextStream
+from .results import GenerationResult, GenerationStats, StepChunk
+from .scheduler import EngineConfig, Scheduler, StepTimes
+from .sequence import Sequence, alone
+from .drafting.step import accept_step
+from .tr.logprobs import record_logprobs, record_prompt_logprobs
+from .target import TargetModel
+from .tr.lookup import ContextLookup
+from .tr.recycle import root_rows, top_probs
+from .tr.seeding import PromptSeeding
+from .tr.sampling import choose, new_sampler
+from .drafting.drafter import Drafter
+from .drafting.handover import end_session
+from .drafting.budget.tree import TreeBudget
+from .tuning.cost import CostFn, device_proxy
+from .tuning.online import OnlineTuner
+from .tuning.records import AcceptanceLog
 
 __all__ = ["BatchEngine", "EngineConfig"]
 log = logging.getLogger("trserve.engine")
@@ -282,7 +282,7 @@ class BatchEngine:
         self._emit(live, record_logprobs(live, last, live.commit([live.root])))
 
     def _run(self) -> tuple:
-        """Every running request's draft (engine/drafting.py), then one forward over all of them."""
+        """Every running request's draft (engine/drafting/drafter.py), then one forward over all of them."""
         running = self.scheduler.running
         drafts, inputs, spent = self.drafter.drafts(running, self.steps, self.scheduler.mean_kv())
         t0 = time.perf_counter()

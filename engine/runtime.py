@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from trserve.engine.target import TargetModel
+    from .target import TargetModel
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class RuntimeInfo:
     def of(cls, decoder: TargetModel) -> RuntimeInfo:
         import torch
 
-        from trserve.engine.model.attention import attention_in_use
+        from .model.attention import attention_in_use
 
         loaded = decoder.loaded
         # torch.get_num_threads() answers for the calling OS thread (OpenMP), which need not be a

@@ -19,9 +19,9 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from trserve.core.errors import ResourceExhausted
-from trserve.engine.model.batch_kv import BatchKV
-from trserve.engine.sequence import Sequence
+from ..core.errors import ResourceExhausted
+from .model.batch_kv import BatchKV
+from .sequence import Sequence
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class EngineConfig:
     # calibrated costs: steep width costs, e.g. AVX2 CPUs, explore less often)
     explore_budget: float = 0.04
     # batch-aware: a step with trees must promise this much more than plain decoding (a share of tok/s) under
-    # the cost model, whose calibration is noisy (engine/tuning/budget.py)
+    # the cost model, whose calibration is noisy (engine/drafting/budget/choose.py)
     tree_margin: float = 0.05
     # prefix caching (engine/prefix_cache.py): MiB of finished sequences' keys and values kept for their
     # tenant's later prompts that start the same way (multi-turn chats, agent loops); 0 = off. Used
@@ -48,7 +48,7 @@ class EngineConfig:
     # shorter shared prefixes are prefilled again; 16 lets the chat template's system turn (24 tokens for
     # the bundled model) be reused: 36 Spec-Bench first turns of one tenant prefilled in 3.9 s against 4.8-5.4 s
     prefix_min_tokens: int = 16
-    # TR under a grammar drafts its forced tokens and cuts the drafts it forbids (engine/constrained.py);
+    # TR under a grammar drafts its forced tokens and cuts the drafts it forbids (engine/drafting/constrained.py);
     # False verifies the unconstrained drafts (the A/B of `trserve bench --structured`)
     grammar_drafting: bool = True
 

@@ -8,21 +8,21 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-from trserve.core.errors import TRServeError
+from ..core.errors import TRServeError
 
-from trserve.engine.request.request import PreparedRequest
-from trserve.engine.request.stops import StopChecker
-from trserve.engine.request.text import TextStream
-from trserve.engine.tr.logprobs import TokenLogprob
-from trserve.engine.tr.rules import LogitRules
-from trserve.engine.tr.lookup import ContextLookup
-from trserve.engine.tr.recycle import RecycledRows
-from trserve.engine.tr.sampling import Sampler
-from trserve.engine.tr.seeding import PromptSeeding
-from trserve.engine.tr.source import DraftSession
-from trserve.engine.tr.tree import CompiledTree
-from trserve.engine.tuning.online import OnlineTuner
-from trserve.engine.tuning.records import AcceptanceLog
+from .request.request import PreparedRequest
+from .request.stops import StopChecker
+from .request.text import TextStream
+from .tr.logprobs import TokenLogprob
+from .tr.rules import LogitRules
+from .tr.lookup import ContextLookup
+from .tr.recycle import RecycledRows
+from .tr.sampling import Sampler
+from .tr.seeding import PromptSeeding
+from .tr.source import DraftSession
+from .tr.tree import CompiledTree
+from .tuning.online import OnlineTuner
+from .tuning.records import AcceptanceLog
 
 log = logging.getLogger("trserve.engine")
 
@@ -60,7 +60,7 @@ class Sequence:
         self.lookup: ContextLookup | None = None  # prompt + output so far, for hybrid drafting (TR only)
         self.generated: list[int] = []
         self.accepted_per_step: list[int] = []
-        # per draft source (engine/step.py:SOURCES): draft tokens verified, and of those accepted
+        # per draft source (engine/drafting/step.py:SOURCES): draft tokens verified, and of those accepted
         self.drafted: dict[str, int] = {}
         self.accepted: dict[str, int] = {}
         self.draft_steps = 0  # steps that verified at least one draft token
@@ -92,7 +92,7 @@ class Sequence:
         self.root = 0  # the last committed token: the next tree's root
         # ---- drafting (TR) ----
         self.session: DraftSession | None = None  # None for plain decoding
-        self.proposer = None  # the draft method drafting it this step (engine/proposers/); None: plain
+        self.proposer = None  # the draft method drafting it this step (engine/drafting/proposers/); None: plain
         self.drafting = None  # what that proposer keeps for it (e.g. proposers/grown.py:Trust); theirs only
         self.seeding: PromptSeeding | None = None  # its prompt seeding while it prefills (tr/seeding.py)
         self.recycled: RecycledRows | None = None  # its last tree step's rows, not yet with its session

@@ -7,18 +7,18 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
-from trserve.core.errors import InvalidArgument
-from trserve.core.model_spec import ModelSpec
-from trserve.engine.config import DecoderConfig
-from trserve.engine.model.loader import LoadedModel, load_model
-from trserve.engine.request.prompt import PromptBuilder, check_token_ids
-from trserve.engine.request.request import GenerationRequest, PreparedRequest
-from trserve.engine.tr.grammar import GrammarCompiler
-from trserve.engine.tr.history import SuffixHistory
-from trserve.engine.tr.matrix import AdjacencyMatrix
-from trserve.engine.tr.source import DraftSource, LocalDraftSource
-from trserve.engine.tr.tree import CompiledTree, TreeTemplate, get_compiled, load_template
-from trserve.engine.tuning.online import OnlineTuner
+from ..core.errors import InvalidArgument
+from ..core.model_spec import ModelSpec
+from .config import DecoderConfig
+from .model.loader import LoadedModel, load_model
+from .request.prompt import PromptBuilder, check_token_ids
+from .request.request import GenerationRequest, PreparedRequest
+from .tr.grammar import GrammarCompiler
+from .tr.history import SuffixHistory
+from .tr.matrix import AdjacencyMatrix
+from .tr.source import DraftSource, LocalDraftSource
+from .tr.tree import CompiledTree, TreeTemplate, get_compiled, load_template
+from .tuning.online import OnlineTuner
 
 
 class TargetModel:
@@ -59,8 +59,8 @@ class TargetModel:
                                   f"keeps K={self.config.k} per token; use a tree with ranks < {self.config.k}")
 
     def _new_autotuner(self) -> OnlineTuner:
-        from trserve.engine.model.paths import default_cache_dir
-        from trserve.engine.tuning.calibrate import load_or_measure
+        from .model.paths import default_cache_dir
+        from .tuning.calibrate import load_or_measure
 
         cost = load_or_measure(self.loaded, Path(self.config.cache_dir) if self.config.cache_dir else default_cache_dir())
         return self._tuner(cost)

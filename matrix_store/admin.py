@@ -11,17 +11,17 @@ import time
 
 import numpy as np
 
-from trserve.core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
-from trserve.core.tenants import validate_tenant_id
-from trserve.matrix_store.config import StoreConfig, validate_fingerprint
-from trserve.matrix_store.redis_backend import RedisBackend
-from trserve.matrix_store.registry import ModelRegistry
-from trserve.matrix_store.restore import read_stored
-from trserve.matrix_store.side_state import SideStates
-from trserve.matrix_store.snapshotter import Snapshotter, require_backend
-from trserve.matrix_store.table import TenantTable
-from trserve.matrix_store.tenant import TenantState, TenantSummary
-from trserve.matrix_store.tombstones import Tombstones
+from ..core.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from ..core.tenants import validate_tenant_id
+from .config import StoreConfig, validate_fingerprint
+from .redis_backend import RedisBackend
+from .registry import ModelRegistry
+from .restore import read_stored
+from .side_state import SideStates
+from .snapshotter import Snapshotter, require_backend
+from .table import TenantTable
+from .tenant import TenantState, TenantSummary
+from .tombstones import Tombstones
 
 log = logging.getLogger("trserve.matrix_store")
 

@@ -1,13 +1,13 @@
 """Configuration of the matrix store (validated once, passed down) and model fingerprints; the model
-identity `ModelSpec` lives in trserve/core/model_spec.py (the engine uses it too) and tenant ids in
-trserve/core/tenants.py (the services validate them too)."""
+identity `ModelSpec` lives in core/model_spec.py (the engine uses it too) and tenant ids in
+core/tenants.py (the services validate them too)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trserve.core.errors import InvalidArgument
-from trserve.core.model_spec import ModelSpec
+from ..core.errors import InvalidArgument
+from ..core.model_spec import ModelSpec
 
 
 # Bytes one matrix entry takes in memory: an int32 successor id and its uint8 confidence

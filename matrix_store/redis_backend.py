@@ -40,7 +40,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from trserve.core.errors import Unavailable
+from ..core.errors import Unavailable
 
 _T = TypeVar("_T")
 _MIN_BACKOFF_S = 0.25

@@ -6,9 +6,9 @@ from __future__ import annotations
 import logging
 import threading
 
-from trserve.core.errors import FingerprintMismatch, ModelNotServed
-from trserve.core.model_spec import ModelSpec
-from trserve.matrix_store.config import StoreConfig, matrix_bytes
+from ..core.errors import FingerprintMismatch, ModelNotServed
+from ..core.model_spec import ModelSpec
+from .config import StoreConfig, matrix_bytes
 
 log = logging.getLogger("trserve.matrix_store")
 

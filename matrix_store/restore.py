@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from trserve.core.errors import FingerprintMismatch
-from trserve.core.model_spec import ModelSpec
-from trserve.matrix_store.redis_backend import RedisBackend
-from trserve.matrix_store.snapshot import Snapshot, SnapshotError, decode_snapshot
+from ..core.errors import FingerprintMismatch
+from ..core.model_spec import ModelSpec
+from .redis_backend import RedisBackend
+from .snapshot import Snapshot, SnapshotError, decode_snapshot
 
 log = logging.getLogger("trserve.matrix_store")
 

@@ -8,10 +8,10 @@ import logging
 import threading
 from collections import OrderedDict
 
-from trserve.core.errors import Unavailable
-from trserve.core.tenants import validate_tenant_id
-from trserve.matrix_store.config import StoreConfig, validate_fingerprint
-from trserve.matrix_store.redis_backend import RedisBackend
+from ..core.errors import Unavailable
+from ..core.tenants import validate_tenant_id
+from .config import StoreConfig, validate_fingerprint
+from .redis_backend import RedisBackend
 
 log = logging.getLogger("trserve.matrix_store")
 

@@ -8,14 +8,14 @@ import logging
 import threading
 import time
 
-from trserve.core.errors import FailedPrecondition, FingerprintMismatch, NotFound, Unavailable
-from trserve.matrix_store.config import StoreConfig
-from trserve.matrix_store.redis_backend import Fenced, RedisBackend
-from trserve.matrix_store.restore import read_stored
-from trserve.matrix_store.snapshot import encode_snapshot
-from trserve.matrix_store.table import TenantTable
-from trserve.matrix_store.tenant import TenantState
-from trserve.matrix_store.tombstones import Tombstones
+from ..core.errors import FailedPrecondition, FingerprintMismatch, NotFound, Unavailable
+from .config import StoreConfig
+from .redis_backend import Fenced, RedisBackend
+from .restore import read_stored
+from .snapshot import encode_snapshot
+from .table import TenantTable
+from .tenant import TenantState
+from .tombstones import Tombstones
 
 log = logging.getLogger("trserve.matrix_store")
 

@@ -49,18 +49,18 @@ import time
 
 import numpy as np
 
-from trserve.core.errors import ResourceExhausted
-from trserve.core.model_spec import ModelSpec
-from trserve.core.tenants import validate_tenant_id
-from trserve.matrix_store.admin import StoreAdmin
-from trserve.matrix_store.config import StoreConfig
-from trserve.matrix_store.redis_backend import RedisBackend
-from trserve.matrix_store.registry import ModelRegistry
-from trserve.matrix_store.side_state import SideStates
-from trserve.matrix_store.snapshotter import Snapshotter
-from trserve.matrix_store.table import TenantTable
-from trserve.matrix_store.tenant import Checkout, TenantState, TenantSummary, apply_rows, validate_batch
-from trserve.matrix_store.tombstones import Tombstones
+from ..core.errors import ResourceExhausted
+from ..core.model_spec import ModelSpec
+from ..core.tenants import validate_tenant_id
+from .admin import StoreAdmin
+from .config import StoreConfig
+from .redis_backend import RedisBackend
+from .registry import ModelRegistry
+from .side_state import SideStates
+from .snapshotter import Snapshotter
+from .table import TenantTable
+from .tenant import Checkout, TenantState, TenantSummary, apply_rows, validate_batch
+from .tombstones import Tombstones
 
 
 class NotLoaded(Exception):

@@ -9,14 +9,14 @@ from collections import OrderedDict
 
 import numpy as np
 
-from trserve.core.errors import FingerprintMismatch, NotFound, ResourceExhausted, Unavailable
-from trserve.core.model_spec import ModelSpec
-from trserve.core.tenants import GLOBAL_TENANT, domain_tenant, validate_tenant_id
-from trserve.matrix_store.config import validate_fingerprint
-from trserve.matrix_store.redis_backend import RedisBackend
-from trserve.matrix_store.restore import Stored, read_stored, spec_from_meta
-from trserve.matrix_store.snapshot import Snapshot
-from trserve.matrix_store.tenant import TenantState
+from ..core.errors import FingerprintMismatch, NotFound, ResourceExhausted, Unavailable
+from ..core.model_spec import ModelSpec
+from ..core.tenants import GLOBAL_TENANT, domain_tenant, validate_tenant_id
+from .config import validate_fingerprint
+from .redis_backend import RedisBackend
+from .restore import Stored, read_stored, spec_from_meta
+from .snapshot import Snapshot
+from .tenant import TenantState
 
 Key = tuple[str, str]  # (fingerprint, tenant)
 

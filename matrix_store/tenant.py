@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from trserve.core.errors import InvalidArgument
-from trserve.core.model_spec import ModelSpec
+from ..core.errors import InvalidArgument
+from ..core.model_spec import ModelSpec
 
 # Where the matrix handed out by a checkout came from (see MatrixStore.checkout).
 SOURCES = ("tenant", "domain", "global", "zeros", "redis")

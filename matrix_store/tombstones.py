@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 
-from trserve.core.errors import FailedPrecondition, Unavailable
-from trserve.matrix_store.redis_backend import RedisBackend
+from ..core.errors import FailedPrecondition, Unavailable
+from .redis_backend import RedisBackend
 
 
 class Tombstones:

@@ -1,7 +1,9 @@
-"""The services' command line: subcommands registered by the packages that own them. The whole
-`trserve` command (these plus the tools above the services, bench and tune) is trserve/cli.py.
+"""The whole `trserve` command line: subcommands registered by the packages that own them, the
+services' commands and the tools that sit above the services, `bench` and `tune` (bench/; named here
+as strings, imported only to register them). The installed `trserve` script and the image's entry
+point run this `main`.
 
-Each module in SERVICE_COMMANDS defines `register(subparsers)`, adding its subcommands with
+Each module in COMMANDS defines `register(subparsers)`, adding its subcommands with
 `set_defaults(func=callable(args) -> int)`. Those modules keep heavy imports (torch, grpc)
 inside the functions so `trserve --help` stays fast.
 """
@@ -13,17 +15,19 @@ import importlib
 import logging
 import sys
 
-SERVICE_COMMANDS = (
+COMMANDS = (
     "trserve.services.node.cli",  # serve, worker (worker + OpenAI API)
     "trserve.services.client.cli",  # generate
     "trserve.services.matrix.cli",  # matrix, matrix-admin, model-spec, secret
     "trserve.services.cluster.cli",  # cluster up|down|status, health
     "trserve.services.load.cli",  # load
+    "trserve.bench.cli",  # bench
+    "trserve.bench.tune",  # tune
 )
 
 
-def build_parser(modules: tuple[str, ...] = SERVICE_COMMANDS) -> argparse.ArgumentParser:
-    from trserve.core.version import __version__
+def build_parser(modules: tuple[str, ...] = COMMANDS) -> argparse.ArgumentParser:
+    from ..core.version import __version__
 
     parser = argparse.ArgumentParser(prog="trserve", description="Lossless speculative decoding with Token Recycling",
                                      epilog="Every flag may also be set by a TRSERVE_* environment variable "
@@ -44,7 +48,7 @@ def build_parser(modules: tuple[str, ...] = SERVICE_COMMANDS) -> argparse.Argume
 
 
 def _log_flags(parser: argparse.ArgumentParser) -> None:
-    from trserve.services.common.argtypes import log_level
+    from .common.argtypes import log_level
 
     parser.add_argument("--log-level", default="INFO", type=log_level, help="DEBUG, INFO, WARNING, ERROR (default INFO)")
     parser.add_argument("--log-format", default="text", choices=("text", "json"),
@@ -54,7 +58,7 @@ def _log_flags(parser: argparse.ArgumentParser) -> None:
 def _each_command_takes_log_flags(sub: argparse._SubParsersAction) -> None:
     """`trserve serve --log-level DEBUG` as well as `trserve --log-level DEBUG serve`: the flags after
     the command override the ones before it only when given (SUPPRESS leaves the earlier value)."""
-    from trserve.services.common.argtypes import log_level
+    from .common.argtypes import log_level
 
     for command in sub.choices.values():
         for action in command._actions:
@@ -73,7 +77,7 @@ class JsonFormatter(logging.Formatter):
         import json
         from datetime import datetime, timezone
 
-        from trserve.services.common.logcontext import escape_controls
+        from .common.logcontext import escape_controls
 
         stamp = datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds")
         out = {"time": stamp.replace("+00:00", "Z"), "level": record.levelname, "logger": record.name,
@@ -88,7 +92,7 @@ class JsonFormatter(logging.Formatter):
 def log_handler(log_format: str, stream=None) -> logging.Handler:
     """The handler every command logs through: each line carries its request's id, and no value a caller
     controls can break a line (text: control characters escaped; JSON: escaped by JSON itself)."""
-    from trserve.services.common.logcontext import RequestIdFilter, TextFormatter
+    from .common.logcontext import RequestIdFilter, TextFormatter
 
     handler = logging.StreamHandler(stream)
     handler.addFilter(RequestIdFilter())  # a request's id on each line logged on its behalf
@@ -98,10 +102,10 @@ def log_handler(log_format: str, stream=None) -> logging.Handler:
 
 
 def main(argv: list[str] | None = None, environ: dict[str, str] | None = None,
-         modules: tuple[str, ...] = SERVICE_COMMANDS) -> int:
+         modules: tuple[str, ...] = COMMANDS) -> int:
     import os
 
-    from trserve.services.envconfig import BadEnv, apply_env, check_parsed
+    from .envconfig import BadEnv, apply_env, check_parsed
 
     parser = build_parser(modules)
     apply_env(parser, os.environ if environ is None else environ)

@@ -88,9 +88,7 @@ def _shown(default) -> str:
     """A default as the table shows it: paths inside the repository relative to it (a checkout's
     location must not change the documented table)."""
     text = str(default)
-    import trserve
-
-    root = str(Path(trserve.__file__).resolve().parents[1]) + "/"  # the folder holding trserve/
+    root = str(Path(__file__).resolve().parents[1]) + "/"  # the repository's root (the trserve package)
     return text[len(root):] if text.startswith(root) else text
 
 
@@ -133,6 +131,6 @@ This table is generated from the parser (`services/envconfig.py:env_table`); a t
 
 
 def environment_doc(parser: argparse.ArgumentParser) -> str:
-    """docs/environment.md: `python -c "from trserve.cli import build_parser; from trserve.services.envconfig import
+    """docs/environment.md: `python -c "from trserve.services.cli import build_parser; from trserve.services.envconfig import
     environment_doc; print(environment_doc(build_parser()), end='')" > docs/environment.md` (every command)."""
     return DOC_HEADER + env_table(parser)

@@ -30,7 +30,7 @@ def promtool() -> str:
 
 
 def load_prompts(name: str) -> list[dict]:
-    """A bundled prompt set (trserve/core/data/), as question dicts."""
+    """A bundled prompt set (core/data/), as question dicts."""
     return [json.loads(line) for line in prompt_file(name).read_text().splitlines() if line.strip()]
 
 

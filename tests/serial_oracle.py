@@ -12,7 +12,7 @@ from trserve.engine.request.request import GenerationRequest
 from trserve.engine.request.stops import StopChecker
 from trserve.engine.results import GenerationResult
 from trserve.engine.sequence import Sequence
-from trserve.engine.step import accept_step, draft_step
+from trserve.engine.drafting.step import accept_step, draft_step
 from trserve.engine.target import TargetModel
 from trserve.engine.tr.lookup import ContextLookup
 from trserve.engine.tr.recycle import recycle_rows

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from trserve.core.version import __version__
-from trserve.cli import build_parser, main
+from trserve.services.cli import build_parser, main
 from trserve.services.envconfig import apply_env, environment_doc
 
 REPO = Path(__file__).resolve().parent.parent

@@ -77,14 +77,14 @@ def test_the_build_uses_the_pinned_code_generator() -> None:
 
 
 def _clean_copy(dest: Path) -> Path:
-    """What a clone holds (tracked and new, not ignored, files): no generated trserve/ code."""
+    """What a clone holds (tracked and new, not ignored, files): no generated code (build/proto/)."""
     files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
                            check=True).stdout.decode().split("\0")
     for name in filter(None, files):
         if (REPO / name).is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             (dest / name).write_bytes((REPO / name).read_bytes())
-    assert not (dest / "trserve" / "v1").exists()
+    assert not (dest / "build").exists()
     return dest
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from trserve.cli import build_parser
+from trserve.services.cli import build_parser
 from tests.conftest import REPO
 
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
@@ -34,7 +34,7 @@ NAMED_REF = re.compile(rf"([\w./-]+\.(?:{'|'.join(CODE_EXT)})):([\w.]+)")
 PATH_EXT = (*CODE_EXT, "md", "png", "txt", "jsonl", "cfg", "in", "ini", "sh")
 PATH_LIKE = re.compile(r"[\w.-]+(?:/[\w.-]+)*/?")
 # written by the tools, not in the repository: bench and tune output, the generated protos, the venv
-GENERATED = ("bench-results/", "trserve/v1/", ".venv/", ".cache/")
+GENERATED = ("bench-results/", "build/proto/trserve/v1/", ".venv/", ".cache/")
 LINK = re.compile(r"\]\(([^)\s]+)\)")
 
 

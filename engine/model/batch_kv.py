@@ -18,7 +18,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from trserve.core.errors import InvalidArgument
+from ...core.errors import InvalidArgument
 
 
 class _Rows:

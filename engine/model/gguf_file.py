@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from trserve.core.errors import FailedPrecondition
+from ...core.errors import FailedPrecondition
 
 log = logging.getLogger("trserve.engine")
 
@@ -89,7 +89,7 @@ class GGUFWeights:
     def blocks(self, hf_name: str, out_f: int, in_f: int):
         """A linear weight's kernel blocks (kquants.Blocks) in transformers' row order, or None for a float
         tensor (F32/F16/BF16); FailedPrecondition for a block type the kernels do not take."""
-        from trserve.engine.model.kernels.kquants import BLOCK_BYTES, decode
+        from .kernels.kquants import BLOCK_BYTES, decode
 
         name, t = self.tensor(hf_name)
         kind = t.tensor_type.name
@@ -110,7 +110,7 @@ def file_blocks(path: str, model) -> dict:
     """For a model transformers loaded from GGUF file `path` (the conversion path): module name -> the
     kernels' blocks of each linear layer the file holds in a block type, where they rebuild the loaded
     float32 weight bit for bit (a layer that does not keeps its float kernel, and is said)."""
-    from trserve.engine.model.kernels.kquants import rebuild
+    from .kernels.kquants import rebuild
 
     try:
         weights = GGUFWeights(Path(path), model, architecture(Path(path)))
@@ -145,7 +145,7 @@ def load_file(path: Path, cache_dir: Path, isa: str, arithmetic: str, fingerprin
     float, unless asked for by name ("int8!"); else exact."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from trserve.engine.model.kernels.outliers import attach_key_pairs, calibrated, kept_inputs, key_pairs
+    from .kernels.outliers import attach_key_pairs, calibrated, kept_inputs, key_pairs
 
     arch = architecture(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -176,7 +176,7 @@ def load_file(path: Path, cache_dir: Path, isa: str, arithmetic: str, fingerprin
 def _linears(model, weights: GGUFWeights, cache_dir: Path, isa: str, arithmetic: str, kept) -> int:
     """Every linear layer from the file's blocks onto a QLinear in `arithmetic` (replacing what is there,
     one layer at a time); float tensors as float32 nn.Linear. Returns how many stayed float."""
-    from trserve.engine.model.kernels.qlinear import QLinear
+    from .kernels.qlinear import QLinear
 
     floats = 0
     for parent_name, parent in list(model.named_modules()):
@@ -197,7 +197,7 @@ def _linears(model, weights: GGUFWeights, cache_dir: Path, isa: str, arithmetic:
             new = QLinear(kind, torch.from_numpy(codes), torch.from_numpy(d), None if m is None else torch.from_numpy(m),
                           bias, child.in_features, child.out_features, cache_dir, isa, arithmetic)
             if kept and kept.get(name):
-                from trserve.engine.model.kernels.kquants import rebuild
+                from .kernels.kquants import rebuild
 
                 dims = torch.tensor(kept[name], dtype=torch.int32)
                 new.keep_inputs(dims, rebuild(blocks)[:, dims.long()].t().contiguous())
@@ -233,7 +233,7 @@ def direct_isa(config, device: torch.device, dtype: torch.dtype) -> str | None:
     """The compressed kernels' variant when `config` (loader.ModelConfig) names a GGUF file this path serves
     on this host: a CPU float32 model, kernels auto or compressed, an architecture in ARCHS, and kernels
     that run here (under auto, not the scalar variant); else None (the conversion path)."""
-    from trserve.engine.model.kernels.build import kernel_isa
+    from .kernels.build import kernel_isa
 
     if not config.source.endswith(".gguf") or device.type != "cpu" or dtype != torch.float32 or \
             config.kernels not in ("auto", "compressed") or not Path(config.source).is_file():
@@ -251,8 +251,8 @@ def load_direct(config, isa: str, cache_dir: Path, fingerprint_of):
     """(model, tokenizer, kernels, arithmetic) for a file direct_isa accepted: its float linears packed for
     oneDNN, grouped attention on. Under auto the arithmetic is int8 where every linear holds blocks (the
     native forward), else exact (as loader._compress decides for converted models)."""
-    from trserve.engine.model.attention import use_grouped_sdpa
-    from trserve.engine.model.packed import pack_linears
+    from .attention import use_grouped_sdpa
+    from .packed import pack_linears
 
     path = Path(config.source)
     probe = {"auto": "int8", "int8": "int8!"}.get(config.arithmetic, config.arithmetic)

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-from trserve.core.errors import FailedPrecondition, InvalidArgument, NotFound
-from trserve.engine.model.sources import check_hub_model, check_local_source
-from trserve.engine.model.choices import (ARITHMETIC_CHOICES, ARITHMETICS, BATCH_STEPS, BUILTIN_MODEL, FORWARDS,  # noqa: F401 - re-exported
+from ...core.errors import FailedPrecondition, InvalidArgument, NotFound
+from .sources import check_hub_model, check_local_source
+from .choices import (ARITHMETIC_CHOICES, ARITHMETICS, BATCH_STEPS, BUILTIN_MODEL, FORWARDS,  # noqa: F401 - re-exported
                                          KERNELS)
-from trserve.engine.model.paths import default_cache_dir
+from .paths import default_cache_dir
 
 log = logging.getLogger("trserve.engine")
 
@@ -257,7 +257,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.batch_step == "graphs" and device.type != "cuda":
         raise InvalidArgument(f"batch_step graphs needs a CUDA device; the model is on {device}")
     batch_step = resolve_batch_step(config.batch_step, device)
-    from trserve.engine.model.gguf_file import direct_isa, load_direct
+    from .gguf_file import direct_isa, load_direct
 
     isa = direct_isa(config, device, dtype)
     try:
@@ -280,7 +280,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.arithmetic == "int8" and not isa:
         raise InvalidArgument(f"arithmetic {config.arithmetic} needs the compressed kernels, which this model or "
                               f"host cannot take (kernels: {kernels}; see docs/kernels.md)")
-    from trserve.engine.model.kernels.qlinear import QLinear
+    from .kernels.qlinear import QLinear
 
     arithmetic = next((m.arithmetic for m in model.modules() if isinstance(m, QLinear)),  # as swapped (_compress)
                       resolve_arithmetic(config.arithmetic, isa))
@@ -302,7 +302,7 @@ def model_spec_of(config: ModelConfig, k: int):
     its tokenizer and config alone (no weights loaded): what a matrix service is told to serve."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from trserve.core.model_spec import ModelSpec
+    from ...core.model_spec import ModelSpec
 
     path, file = source_files(config)
     try:
@@ -316,7 +316,7 @@ def model_spec_of(config: ModelConfig, k: int):
 
 
 def _forward_kind(model, config: ModelConfig) -> str:
-    from trserve.engine.model.native import native_unsupported
+    from .native import native_unsupported
 
     if config.forward == "transformers" or (config.kernels == "stock" and config.forward == "auto"):
         return "transformers"  # stock: the model exactly as transformers runs it
@@ -334,8 +334,8 @@ def _apply_kernels(model, config: ModelConfig, device: torch.device, dtype: torc
     """Swap the linear layers' kernels as configured; returns what is in use and the compressed
     kernels' ISA variant (None without them). "stock" leaves the model exactly as transformers loads
     it (attention included): the reference for plain `generate`."""
-    from trserve.engine.model.attention import use_grouped_sdpa
-    from trserve.engine.model.packed import pack_linears, packed_kernels_available
+    from .attention import use_grouped_sdpa
+    from .packed import pack_linears, packed_kernels_available
 
     if config.kernels == "stock" or (config.kernels == "auto" and not packed_kernels_available(device, dtype)):
         return "stock", None
@@ -354,11 +354,11 @@ def _compress(model, config: ModelConfig, tokenizer=None) -> str | None:
     or under auto where the CPU would only run the scalar variant (several times slower than oneDNN):
     None (packed kernels take over), InvalidArgument when they were asked for. The int8 arithmetic keeps
     each layer input's outlier dims in float32 (engine/model/kernels/outliers.py)."""
-    from trserve.engine.model.kernels.build import kernel_isa
-    from trserve.engine.model.gguf_file import file_blocks
-    from trserve.engine.model.kernels.outliers import attach_key_pairs, kept_inputs, key_pairs
-    from trserve.engine.model.kernels.qlinear import quantize_linears
-    from trserve.engine.model.kernels.recover import every_linear_recovers
+    from .kernels.build import kernel_isa
+    from .gguf_file import file_blocks
+    from .kernels.outliers import attach_key_pairs, kept_inputs, key_pairs
+    from .kernels.qlinear import quantize_linears
+    from .kernels.recover import every_linear_recovers
 
     try:
         isa = kernel_isa()

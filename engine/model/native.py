@@ -22,8 +22,8 @@ import ctypes
 
 import torch
 
-from trserve.engine.model.kernels.build import forward_check_library, forward_library, top_probs_library
-from trserve.engine.model.kernels.qlinear import QLinear
+from .kernels.build import forward_check_library, forward_library, top_probs_library
+from .kernels.qlinear import QLinear
 
 _i64 = ctypes.c_int64
 _P = ctypes.c_void_p

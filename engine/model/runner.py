@@ -25,15 +25,15 @@ from dataclasses import dataclass
 import torch
 
 
-from trserve.engine.model.batch_kv import BatchKV
-from trserve.engine.model.loader import resolve_batch_step
-from trserve.engine.model.native import NativeForward, native_unsupported
-from trserve.engine.model.static_step import StaticStep, spare_rows
+from .batch_kv import BatchKV
+from .loader import resolve_batch_step
+from .native import NativeForward, native_unsupported
+from .static_step import StaticStep, spare_rows
 
 
 def uses_kernel_pool(model) -> bool:
     """Whether `model`'s linear layers run on the compressed kernels (their own thread pool)."""
-    from trserve.engine.model.kernels.qlinear import QLinear
+    from .kernels.qlinear import QLinear
 
     return any(isinstance(m, QLinear) for m in model.modules())
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from trserve.core.errors import NotFound
-from trserve.engine.model.choices import BUILTIN_MODEL
+from ...core.errors import NotFound
+from .choices import BUILTIN_MODEL
 
 WEIGHTS = ("*.safetensors", "pytorch_model*.bin", "*.safetensors.index.json", "pytorch_model.bin.index.json")
 TOKENIZER = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "*.tiktoken")

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trserve.engine.model.batch_kv import BatchKV
+from .batch_kv import BatchKV
 
 log = logging.getLogger("trserve.engine")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 
-from trserve.core.errors import InvalidArgument
+from ...core.errors import InvalidArgument
 
 ROLES = ("system", "user", "assistant", "tool")
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trserve.core.errors import InvalidArgument
-from trserve.engine.tr.grammar import CompiledGrammar, StructuredOutput
-from trserve.engine.tr.sampling import SamplingParams
-from trserve.engine.tr.tree import CompiledTree, TreeTemplate
+from ...core.errors import InvalidArgument
+from ..tr.grammar import CompiledGrammar, StructuredOutput
+from ..tr.sampling import SamplingParams
+from ..tr.tree import CompiledTree, TreeTemplate
 
 MODES = ("tr", "ar")
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trserve.engine.tr.tree import CompiledTree
+from .tree import CompiledTree
 
 
 @dataclass(frozen=True)

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from trserve.engine.tr.gather import fill_levels
-from trserve.engine.tr.tree import CompiledTree
+from .gather import fill_levels
+from .tree import CompiledTree
 
 
 def draft_tokens(matrix: torch.Tensor, root: int, tree: CompiledTree) -> torch.Tensor:

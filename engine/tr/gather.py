@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from trserve.engine.tr.template import TreeTemplate, tree_layout
+from .template import TreeTemplate, tree_layout
 
 
 def fill_levels(tokens, matrix, levels) -> None:

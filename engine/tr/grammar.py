@@ -13,7 +13,7 @@ position t, so each node's choice is plain decoding's choice there and acceptanc
 decoding would have emitted. The grammar only ever sees committed tokens (`take`); a path is
 checked by consuming it and rolling it back.
 
-Grammar-aware drafting (engine/constrained.py) uses the same matcher: tokens the grammar forces
+Grammar-aware drafting (engine/drafting/constrained.py) uses the same matcher: tokens the grammar forces
 next are drafted as a certain chain, and drafted nodes it forbids are cut before the forward, since
 no choice under the mask can accept them.
 """
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trserve.core.errors import InvalidArgument, OutputStuck
+from ...core.errors import InvalidArgument, OutputStuck
 
 KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 # JSON as json.dumps writes it: one space after ':' and ',' and none elsewhere. Small models ramble

@@ -32,8 +32,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from trserve.engine.tr.lookup import Proposal
-from trserve.engine.tr.ngram_table import doc_hashes, insert, mix, probe
+from .lookup import Proposal
+from .ngram_table import doc_hashes, insert, mix, probe
 
 _MAX_LOAD = 0.75  # the tables are rebuilt larger before more slots than this are taken
 _MIN_SLOTS = 256

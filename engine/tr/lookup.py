@@ -2,7 +2,7 @@
 
 The adjacency matrix is first-order (one token of context), so it cannot know that a request is
 copying a span of its input (translation, summarisation, RAG, code edits). An n-gram match over
-prompt + output catches exactly that; `engine/tr/hybrid.py` hangs the proposal into the draft tree.
+prompt + output catches exactly that; `engine/drafting/hybrid.py` hangs the proposal into the draft tree.
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ import threading
 import numpy as np
 import torch
 
-from trserve.core.errors import InvalidArgument
-from trserve.core.model_spec import ModelSpec
-from trserve.engine.tr.draft import draft_tokens
-from trserve.engine.tr.recycle import RecycledRows
-from trserve.engine.tr.tree import CompiledTree
+from ...core.errors import InvalidArgument
+from ...core.model_spec import ModelSpec
+from .draft import draft_tokens
+from .recycle import RecycledRows
+from .tree import CompiledTree
 
 log = logging.getLogger("trserve.engine")
 

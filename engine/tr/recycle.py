@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trserve.engine.tr.confidence import encode
+from .confidence import encode
 
 
 @dataclass(frozen=True, repr=False)

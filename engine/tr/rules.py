@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trserve.engine.tr.grammar import Grammar
+from .grammar import Grammar
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trserve.core.errors import InvalidArgument, OutputStuck
+from ...core.errors import InvalidArgument, OutputStuck
 
 MAX_SEED = 2**64 - 1
 # Sampling temperatures outside [MIN, MAX] are refused: below ~1e-37 logits / T overflow float32

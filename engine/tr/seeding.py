@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from trserve.engine.tr.recycle import RecycledRows, latest_rows, seed_positions, top_ids
+from .recycle import RecycledRows, latest_rows, seed_positions, top_ids
 
 
 @dataclass

@@ -17,11 +17,11 @@ from typing import Protocol
 
 import torch
 
-from trserve.core.model_spec import ModelSpec
-from trserve.engine.tr.history import SuffixHistory
-from trserve.engine.tr.matrix import AdjacencyMatrix
-from trserve.engine.tr.recycle import RecycledRows
-from trserve.engine.tr.tree import CompiledTree
+from ...core.model_spec import ModelSpec
+from .history import SuffixHistory
+from .matrix import AdjacencyMatrix
+from .recycle import RecycledRows
+from .tree import CompiledTree
 
 log = logging.getLogger("trserve.engine")
 
@@ -37,7 +37,7 @@ class DraftInfo:
 
 
 class DraftSession(Protocol):
-    """Every member the engine and its drafter use (engine/engine.py, engine/drafting.py), none probed
+    """Every member the engine and its drafter use (engine/engine.py, engine/drafting/drafter.py), none probed
     for: `MatrixSession` implements them all once, and every source's session derives from it."""
 
     matrix: AdjacencyMatrix  # the private copy: grown trees draft from it, prompt seeding asks it
@@ -104,7 +104,7 @@ class MatrixSession:
 
     def update(self, recycled: RecycledRows | None) -> None:
         """Apply the last verification's rows (to the copy, then onwards) without drafting a static
-        tree: for an engine that grows its tree from `matrix` itself (engine/tr/dynamic.py)."""
+        tree: for an engine that grows its tree from `matrix` itself (engine/drafting/dynamic.py)."""
         recycled = self._apply_rows(recycled)
         if recycled is not None:
             self._push(recycled)

@@ -22,7 +22,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from trserve.core.errors import InvalidArgument, NotFound
+from ...core.errors import InvalidArgument, NotFound
 
 BUILTIN_DIR = Path(__file__).parent / "trees"
 MAX_RANK = 64
@@ -41,7 +41,7 @@ class TreeTemplate:
     # Hybrid drafting: lookup[n-1] = most prompt-lookup chain nodes grafted when the longest
     # suffix match has n tokens (0 = ignore such matches); () = matrix drafting only.
     lookup: tuple[int, ...] = ()
-    # Dynamic trees (engine/tr/dynamic.py): > 0 = each step grow up to this many nodes (root included)
+    # Dynamic trees (engine/drafting/dynamic.py): > 0 = each step grow up to this many nodes (root included)
     # by confidence instead of filling `paths`; the paths are then what a session that cannot grow
     # trees (drafting by the matrix service) verifies. 0 = static.
     dynamic: int = 0

@@ -21,7 +21,7 @@ from functools import cached_property, lru_cache
 import numpy as np
 import torch
 
-from trserve.engine.tr.template import (
+from .template import (
     BUILTIN_DIR,
     MAX_CHAIN,
     MAX_NGRAM,
@@ -130,7 +130,7 @@ def get_compiled(template: TreeTemplate, device: torch.device | str, dtype: torc
 def compile_parents(template: TreeTemplate, parent: list[int], device: torch.device | str = "cpu",
                     dtype=torch.float32) -> CompiledTree:
     """A tree given as parents (parent[0] = 0, every parent before its child: a grown tree,
-    engine/tr/dynamic.py) -> the index tensors verification and acceptance read. Built per step, so
+    engine/drafting/dynamic.py) -> the index tensors verification and acceptance read. Built per step, so
     on host lists and numpy. Example: parent [0, 0, 1, 1, 0] -> depth [0, 1, 2, 2, 1]."""
     n = len(parent)
     paths: list[tuple[int, ...]] = [(0,)]

@@ -1,3 +1,4 @@
 """Choosing the tree for a device and a workload: acceptance records from real decoding
-(records.py), the forward cost per width (calibrate.py), the tree optimiser (optimise.py), online
-re-tuning while serving (online.py), and `trserve tune` (cli.py)."""
+(records.py), the forward cost per width (calibrate.py, cost.py), the tree optimiser (optimise.py)
+and online re-tuning while serving (online.py). The command `trserve tune` is bench/tune.py; the
+per-step option choosers are engine/drafting/budget/."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from trserve.core.progress import Progress
+from ...core.progress import Progress
 
 log = logging.getLogger("trserve.engine")
 
@@ -71,7 +71,7 @@ def measure(model, widths=WIDTHS, kv_lens=KV_LENS, reps: int = 2, passes: int = 
     other load only ever adds time, and sweeping the grid repeatedly spreads slow spells (shared
     or throttled cores) over all cells instead of skewing a few.
     """
-    from trserve.engine.model.runner import ModelRunner, quiet_torch_threads, uses_kernel_pool
+    from ..model.runner import ModelRunner, quiet_torch_threads, uses_kernel_pool
 
     device = model.device
     dtype = next(model.parameters()).dtype
@@ -102,7 +102,7 @@ def measure(model, widths=WIDTHS, kv_lens=KV_LENS, reps: int = 2, passes: int = 
 def _time_forward(runner, row: int, w: int, reps: int, vocab: int, g) -> float:
     """Fastest of `reps` timed forwards (after one untimed) of w tokens on KV row `row` alone (the
     other rows stay as they are: a single-row step of the runner, as one sequence decodes)."""
-    from trserve.engine.model.runner import RowInput
+    from ..model.runner import RowInput
 
     device = runner.device
     ids = torch.randint(0, vocab, (w,), generator=g).to(device)
@@ -130,7 +130,7 @@ def cost_model_path(loaded, cache_dir: Path) -> Path:
     attention = getattr(loaded.model.config, "_attn_implementation", None) or "eager"
     isa = getattr(loaded, "isa", None)  # the compressed kernels' speed depends on their ISA variant
     if isa:  # a build of other kernel sources has other speeds: its key names the calibration too
-        from trserve.engine.model.kernels.build import kernel_build_key
+        from ..model.kernels.build import kernel_build_key
 
         kernels = f"{loaded.kernels}-{isa}-{getattr(loaded, 'arithmetic', 'exact')}-{kernel_build_key(isa)[:8]}"
     else:

@@ -33,8 +33,8 @@ def device_proxy(device_type: str) -> CostFn:
 def engine_cost(target, *, measure: bool = False) -> CostFn:
     """The cost curve for an engine over `target` (engine/target.py:TargetModel). `measure`: calibrate
     now (~1 min, cached) when no calibration is cached (benchmarks); else fall back to the proxy."""
-    from trserve.engine.model.paths import default_cache_dir
-    from trserve.engine.tuning.calibrate import cached_cost_model, load_or_measure
+    from ..model.paths import default_cache_dir
+    from .calibrate import cached_cost_model, load_or_measure
 
     if target.autotuner is not None:
         return target.autotuner.cost.cost

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trserve.engine.tr.tree import CompiledTree, TreeTemplate, get_compiled
-from trserve.engine.tuning.calibrate import CostModel
-from trserve.engine.tuning.optimise import tune
-from trserve.engine.tuning.records import FIELDS, AcceptanceLog
+from ..tr.tree import CompiledTree, TreeTemplate, get_compiled
+from .calibrate import CostModel
+from .optimise import tune
+from .records import FIELDS, AcceptanceLog
 
 log = logging.getLogger("trserve.engine")
 

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from trserve.engine.tr.tree import MAX_NGRAM, TreeTemplate, grow_tree
-from trserve.engine.tuning.calibrate import CostModel
+from ..tr.tree import MAX_NGRAM, TreeTemplate, grow_tree
+from .calibrate import CostModel
 
 CHAIN_OPTIONS = (0, 2, 3, 4, 6, 8, 10, 12, 16)
 

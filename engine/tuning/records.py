@@ -18,7 +18,7 @@ from collections import deque
 
 import numpy as np
 
-from trserve.engine.tr.tree import TreeTemplate
+from ..tr.tree import TreeTemplate
 
 FIELDS = ("node", "kv", "ngram", "plen", "run", "graft")
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass
 
 import grpc
 
-from trserve.services.client.client import build_request
-from trserve.services.common.security import bearer_metadata, check_plaintext_tokens, client_channel
-from trserve.v1 import generate_pb2 as pb
-from trserve.v1 import generate_pb2_grpc
+from .client import build_request
+from ..common.security import bearer_metadata, check_plaintext_tokens, client_channel
+from ...v1 import generate_pb2 as pb
+from ...v1 import generate_pb2_grpc
 
 RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 AFFINITIES = ("none", "tenant")

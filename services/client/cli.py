@@ -57,14 +57,14 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _client(args):
     """One plain channel, or the balanced client when several workers, a token or TLS are given."""
-    from trserve.services.client.client import TRServeClient
+    from .client import TRServeClient
 
     addrs = [a.strip() for a in args.addr.split(",") if a.strip()]
     if len(addrs) == 1 and not args.token_file and not args.tls_ca:
         return TRServeClient(addrs[0], timeout=args.timeout)
     from pathlib import Path
 
-    from trserve.services.client.balanced import BalancedClient
+    from .balanced import BalancedClient
 
     try:
         tokens = {args.tenant or "default": Path(args.token_file).read_text().strip()} if args.token_file else None
@@ -103,7 +103,7 @@ def _stream(client, kwargs: dict, as_json: bool) -> int:
 
 
 def stats_line(finish_reason: int, stats) -> str:
-    from trserve.v1 import generate_pb2 as pb
+    from ...v1 import generate_pb2 as pb
 
     reason = pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
     version = f"v{stats.matrix_version}" if stats.HasField("matrix_version") else "-"

@@ -6,7 +6,7 @@
         for chunk in client.stream("Once upon a time", max_new_tokens=32):
             print(chunk.text, end="")
 
-Responses are the protobuf messages of trserve/v1/generate.proto. Errors are grpc.RpcError
+Responses are the protobuf messages of protos/trserve/v1/generate.proto. Errors are grpc.RpcError
 with the status code and an actionable message from the server.
 """
 
@@ -16,9 +16,9 @@ import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from trserve.services.common.security import bearer_metadata, check_plaintext_tokens, client_channel
-from trserve.v1 import generate_pb2 as pb
-from trserve.v1 import generate_pb2_grpc
+from ..common.security import bearer_metadata, check_plaintext_tokens, client_channel
+from ...v1 import generate_pb2 as pb
+from ...v1 import generate_pb2_grpc
 
 # The standard gRPC service config for Generate clients in any language (services/client/service_config.json):
 # round_robin over every address the target resolves to (a headless Service's pods), client-side health

@@ -9,7 +9,7 @@ import os
 import sys
 from pathlib import Path
 
-from trserve.services.cluster.config import DRAFT_MODES
+from .config import DRAFT_MODES
 
 TRSERVE_MARKER, REDIS_MARKER = "trserve.services.cli", "redis-server"
 
@@ -64,9 +64,9 @@ def _add_run_dir(p: argparse.ArgumentParser) -> None:
 
 
 def run_up(args: argparse.Namespace) -> int:
-    from trserve.services.cluster.config import ClusterConfig
-    from trserve.services.cluster.procs import StartError
-    from trserve.services.cluster.runner import LocalCluster
+    from .config import ClusterConfig
+    from .procs import StartError
+    from .runner import LocalCluster
 
     run_dir = args.run_dir or default_run_dir()
     if _live(_load_state(run_dir)):
@@ -98,7 +98,7 @@ def run_up(args: argparse.Namespace) -> int:
 
 
 def _load_state(run_dir: str) -> dict | None:
-    from trserve.services.cluster.runner import STATE_FILE
+    from .runner import STATE_FILE
 
     path = Path(run_dir) / STATE_FILE
     return json.loads(path.read_text()) if path.exists() else None
@@ -113,7 +113,7 @@ def _members(state: dict) -> list[tuple[str, int | None, str | None, str]]:
 
 
 def _live(state: dict | None) -> bool:
-    from trserve.services.cluster.procs import pid_runs
+    from .procs import pid_runs
 
     return state is not None and any(pid and pid_runs(pid, marker) for _, pid, _, marker in _members(state))
 
@@ -128,7 +128,7 @@ def _existing(args: argparse.Namespace) -> tuple[str, dict | None]:
 
 
 def run_status(args: argparse.Namespace) -> int:
-    from trserve.services.cluster.procs import health_status, pid_runs
+    from .procs import health_status, pid_runs
 
     run_dir, state = _existing(args)
     if state is None:
@@ -151,8 +151,8 @@ def run_status(args: argparse.Namespace) -> int:
 
 
 def run_down(args: argparse.Namespace) -> int:
-    from trserve.services.cluster.procs import stop_pid
-    from trserve.services.cluster.runner import STATE_FILE
+    from .procs import stop_pid
+    from .runner import STATE_FILE
 
     run_dir, state = _existing(args)
     if state is None:
@@ -167,7 +167,7 @@ def run_down(args: argparse.Namespace) -> int:
 
 
 def run_health(args: argparse.Namespace) -> int:
-    from trserve.services.cluster.procs import health_status
+    from .procs import health_status
 
     status = health_status(args.addr, args.tls_ca, args.timeout_s)
     print(status)

@@ -14,7 +14,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from trserve.services.common.security import client_channel
+from ..common.security import client_channel
 
 
 class StartError(RuntimeError):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import redis
 
-from trserve.services.cluster.config import ClusterConfig
-from trserve.services.cluster.procs import Proc, StartError, free_port, wait_serving
+from .config import ClusterConfig
+from .procs import Proc, StartError, free_port, wait_serving
 
 STATE_FILE = "cluster.json"
 HOST = "127.0.0.1"

@@ -1,6 +1,6 @@
 """One place that maps domain errors to gRPC status codes (used by every servicer).
 
-Domain errors carry the status name they map to (trserve/core/errors.py); builtin ValueErrors are
+Domain errors carry the status name they map to (core/errors.py); builtin ValueErrors are
 INVALID_ARGUMENT; anything else is logged with its traceback and returned as INTERNAL without
 leaking internals to the caller.
 """
@@ -13,9 +13,9 @@ import logging
 
 import grpc
 
-from trserve.core import errors as domain
-from trserve.core.errors import TRServeError
-from trserve.services.common.logcontext import HEADER, REQUEST_ID
+from ...core import errors as domain
+from ...core.errors import TRServeError
+from .logcontext import HEADER, REQUEST_ID
 
 log = logging.getLogger("trserve.services")
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from trserve.core.errors import Unavailable
-from trserve.engine.tr.history import SuffixHistory
-from trserve.matrix_store import MatrixStore
-from trserve.services.common.throttle import Throttle as _Throttle
+from ...core.errors import Unavailable
+from ...engine.tr.history import SuffixHistory
+from ...matrix_store import MatrixStore
+from .throttle import Throttle as _Throttle
 
 SIDE_STATE = "history"  # the store's side-state name of a tenant's history
 _THROTTLE = _Throttle()

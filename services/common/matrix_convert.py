@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from trserve.core.errors import InvalidArgument
-from trserve.core.model_spec import ModelSpec
-from trserve.core.tenants import validate_tenant_id
-from trserve.matrix_store.tenant import TenantSummary
-from trserve.v1 import matrix_pb2 as pb
+from ...core.errors import InvalidArgument
+from ...core.model_spec import ModelSpec
+from ...core.tenants import validate_tenant_id
+from ...matrix_store.tenant import TenantSummary
+from ...v1 import matrix_pb2 as pb
 
 WIRE_DTYPE = np.dtype("<i4")
 WIRE_PROBS = np.dtype("u1")

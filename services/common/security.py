@@ -29,8 +29,8 @@ from pathlib import Path
 
 import grpc
 
-from trserve.core.tenants import validate_tenant_id
-from trserve.services.common.logcontext import HEADER, REQUEST_ID, request_id
+from ...core.tenants import validate_tenant_id
+from .logcontext import HEADER, REQUEST_ID, request_id
 
 AUTH_HEADER = "authorization"
 MIN_SECRET_CHARS = 16
@@ -269,7 +269,7 @@ class SharedSecretAuth(_BearerAuth):
 def domain_refusal(tokens: TenantTokens | None, tenant: str, request: object) -> str | None:
     """Why `tenant` may not name the request's domain, or None when it may (or names none).
     Without tenant tokens (an open worker) any domain may be named: domains are operator-written
-    matrices in their own namespace (trserve/core/tenants.py), never another tenant's."""
+    matrices in their own namespace (core/tenants.py), never another tenant's."""
     has_field = getattr(request, "HasField", None)
     try:
         named = bool(has_field("domain")) if has_field is not None else bool(getattr(request, "domain", ""))

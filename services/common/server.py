@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from trserve.services.common.security import ServerTLS
+from .security import ServerTLS
 
 log = logging.getLogger("trserve.services")
 

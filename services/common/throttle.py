@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 
-from trserve.core.errors import TRServeError
+from ...core.errors import TRServeError
 
 log = logging.getLogger("trserve.worker")
 LOG_EVERY_S = 60.0

@@ -22,13 +22,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from trserve.services.client.client import build_request
-from trserve.services.common.security import bearer_metadata, client_channel, load_tokens_by_tenant
-from trserve.services.load.prompts import PROMPTS
-from trserve.services.load.report import percentile
-from trserve.services.load.runner import is_loopback
-from trserve.v1 import generate_pb2 as pb
-from trserve.v1 import generate_pb2_grpc
+from ..client.client import build_request
+from ..common.security import bearer_metadata, client_channel, load_tokens_by_tenant
+from .prompts import PROMPTS
+from .report import percentile
+from .runner import is_loopback
+from ...v1 import generate_pb2 as pb
+from ...v1 import generate_pb2_grpc
 
 C = grpc.StatusCode
 BUSY = C.RESOURCE_EXHAUSTED

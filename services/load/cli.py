@@ -35,7 +35,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_abuse_cli(args: argparse.Namespace) -> int:
-    from trserve.services.load.abuse import AbuseConfig, run_abuse
+    from .abuse import AbuseConfig, run_abuse
 
     try:
         config = AbuseConfig(addr=args.addrs.split(",")[0].strip(), duration_s=args.duration_s,
@@ -54,7 +54,7 @@ def run_abuse_cli(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.abuse:
         return run_abuse_cli(args)
-    from trserve.services.load.runner import LoadConfig, run_load
+    from .runner import LoadConfig, run_load
 
     try:
         config = LoadConfig(

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import grpc
 from tqdm import tqdm
 
-from trserve.services.client.balanced import BalancedClient
-from trserve.services.common.security import load_tokens_by_tenant
-from trserve.services.load.prompts import PROMPTS
-from trserve.services.load.report import LoadReport, RequestRecord
+from ..client.balanced import BalancedClient
+from ..common.security import load_tokens_by_tenant
+from .prompts import PROMPTS
+from .report import LoadReport, RequestRecord
 
 MAX_REQUESTS, MAX_CONCURRENCY = 10_000, 64
 

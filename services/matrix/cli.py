@@ -10,7 +10,7 @@ ADMIN_ACTIONS = ("list", "describe", "versions", "snapshot", "rollback", "fork",
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from trserve.services.common.argtypes import integer, port, redis_url, seconds
+    from ..common.argtypes import integer, port, redis_url, seconds
 
     run = sub.add_parser("matrix", help="run the matrix service (per-tenant adjacency matrices, Redis snapshots)")
     run.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1, as the worker)")
@@ -91,9 +91,9 @@ def _register_secret_and_admin(sub: argparse._SubParsersAction) -> None:
 
 def service_config(args: argparse.Namespace):
     """The MatrixServiceConfig of `trserve matrix`'s flags; ValueError / LookupError on bad ones."""
-    from trserve.matrix_store import StoreConfig
-    from trserve.services.common.security import SharedSecret, password_file, server_tls
-    from trserve.services.matrix.server import MatrixServiceConfig
+    from ...matrix_store import StoreConfig
+    from ..common.security import SharedSecret, password_file, server_tls
+    from .server import MatrixServiceConfig
 
     store = StoreConfig(redis_url=args.redis_url,
                         redis_password=password_file(args.redis_password_file, "--redis-password-file"),
@@ -114,7 +114,7 @@ def service_config(args: argparse.Namespace):
 def run_service(args: argparse.Namespace) -> int:
     import asyncio
 
-    from trserve.services.matrix.server import serve
+    from .server import serve
 
     try:
         config = service_config(args)
@@ -153,20 +153,20 @@ def run_make_secrets(args: argparse.Namespace) -> int:
 def _served_model(text: str):
     """A --model value: FINGERPRINT:V:K as is, else a model source (builtin name, directory) whose spec
     is read from its tokenizer and config, with the workers' default K."""
-    from trserve.matrix_store.config import parse_model
+    from ...matrix_store.config import parse_model
 
     if ":" in text:  # FINGERPRINT:V:K (parse_model says what is wrong with a bad one)
         return parse_model(text)
-    from trserve.engine.config import DecoderConfig
-    from trserve.engine.model.loader import ModelConfig, model_spec_of
+    from ...engine.config import DecoderConfig
+    from ...engine.model.loader import ModelConfig, model_spec_of
 
     return model_spec_of(ModelConfig(source=text), DecoderConfig().k)
 
 
 def run_model_spec(args: argparse.Namespace) -> int:
     """Print FINGERPRINT:V:K of a model, as `trserve matrix --model` takes it."""
-    from trserve.core.errors import NotFound
-    from trserve.engine.model.choices import BUILTIN_MODEL
+    from ...core.errors import NotFound
+    from ...engine.model.choices import BUILTIN_MODEL
 
     try:
         spec = _served_model(args.model or BUILTIN_MODEL)
@@ -174,7 +174,7 @@ def run_model_spec(args: argparse.Namespace) -> int:
         print(f"trserve model-spec: {exc}", file=sys.stderr)
         return 2
     if args.k is not None:
-        from trserve.core.model_spec import ModelSpec
+        from ...core.model_spec import ModelSpec
 
         spec = ModelSpec(spec.fingerprint, spec.vocab_size, args.k)
     print(f"{spec.fingerprint}:{spec.vocab_size}:{spec.k}")
@@ -184,8 +184,8 @@ def run_model_spec(args: argparse.Namespace) -> int:
 def run_admin(args: argparse.Namespace) -> int:
     import grpc
 
-    from trserve.services.common.security import SharedSecret, client_channel
-    from trserve.v1 import matrix_pb2_grpc as pb_grpc
+    from ..common.security import SharedSecret, client_channel
+    from ...v1 import matrix_pb2_grpc as pb_grpc
 
     problem = _usage_problem(args)
     try:
@@ -229,7 +229,7 @@ def _usage_problem(args: argparse.Namespace) -> str | None:
 
 def _only_fingerprint(stub, timeout: float) -> str:
     """The one model the service holds tenants of; LookupError naming them when there are several or none."""
-    from trserve.v1 import matrix_pb2 as pb
+    from ...v1 import matrix_pb2 as pb
 
     found = sorted({t.fingerprint for t in stub.ListTenants(pb.ListTenantsRequest(), timeout=timeout).tenants})
     if len(found) != 1:
@@ -239,7 +239,7 @@ def _only_fingerprint(stub, timeout: float) -> str:
 
 
 def _list(stub, args: argparse.Namespace) -> int:
-    from trserve.v1 import matrix_pb2 as pb
+    from ...v1 import matrix_pb2 as pb
 
     reply = stub.ListTenants(pb.ListTenantsRequest(fingerprint=args.fingerprint or ""), timeout=args.timeout_s)
     rows = [_summary(t) for t in reply.tenants]
@@ -267,7 +267,7 @@ def _known(value):
 
 
 def _tenant_table(rows: list[dict]) -> str:
-    from trserve.core.progress import format_duration
+    from ...core.progress import format_duration
 
     def show(value) -> str:
         return "-" if value is None else str(value)
@@ -284,7 +284,7 @@ def _tenant_table(rows: list[dict]) -> str:
 
 
 def _admin_call(stub, args: argparse.Namespace, fingerprint: str) -> dict:
-    from trserve.v1 import matrix_pb2 as pb
+    from ...v1 import matrix_pb2 as pb
 
     t, ref = args.timeout_s, pb.TenantRef(tenant=args.tenant, fingerprint=fingerprint)
     if args.action == "describe":

@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from trserve.matrix_store import MatrixStore
+from ...matrix_store import MatrixStore
 
 
 class StoreCollector(Collector):
@@ -41,7 +41,7 @@ def serve_metrics(store: MatrixStore, host: str, port: int, histories=None):
     registry = CollectorRegistry()
     registry.register(StoreCollector(store))
     if histories is not None:
-        from trserve.services.common.histories import HistoryCollector
+        from ..common.histories import HistoryCollector
 
         registry.register(HistoryCollector(histories))
     try:

@@ -14,12 +14,12 @@ from dataclasses import dataclass, field
 import grpc
 from grpc_health.v1.health import aio as health_aio
 
-from trserve.matrix_store import MatrixStore, StoreConfig
-from trserve.services.common.histories import HistoryBook
-from trserve.services.common.security import ServerTLS, SharedSecret, SharedSecretAuth, is_loopback
-from trserve.services.common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
-from trserve.services.matrix.metrics import serve_metrics
-from trserve.services.matrix.servicer import ADMIN_METHODS, SERVICE_NAME, MatrixServicer, ServicerLimits, add_to_server
+from ...matrix_store import MatrixStore, StoreConfig
+from ..common.histories import HistoryBook
+from ..common.security import ServerTLS, SharedSecret, SharedSecretAuth, is_loopback
+from ..common.server import add_standard_services, bind, new_server, serve_until_signal, set_status
+from .metrics import serve_metrics
+from .servicer import ADMIN_METHODS, SERVICE_NAME, MatrixServicer, ServicerLimits, add_to_server
 
 log = logging.getLogger("trserve.matrix")
 

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from trserve.core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
-from trserve.core.tenants import is_reserved
-from trserve.matrix_store import MatrixStore
-from trserve.matrix_store.store import NotLoaded
-from trserve.services.common.errors import grpc_errors
-from trserve.services.common.histories import HistoryBook
-from trserve.services.common.matrix_convert import (
+from ...core.errors import FailedPrecondition, InvalidArgument, PermissionDenied, ResourceExhausted
+from ...core.tenants import is_reserved
+from ...matrix_store import MatrixStore
+from ...matrix_store.store import NotLoaded
+from ..common.errors import grpc_errors
+from ..common.histories import HistoryBook
+from ..common.matrix_convert import (
     documents_from_pb, documents_to_pb,
     rows_from_pb,
     rows_to_pb,
@@ -32,9 +32,9 @@ from trserve.services.common.matrix_convert import (
     summary_to_pb,
     tenant_from_pb,
 )
-from trserve.services.matrix.sessions import RemoteDraft, plan_for, resolve_tree
-from trserve.v1 import matrix_pb2 as pb
-from trserve.v1 import matrix_pb2_grpc as pb_grpc
+from .sessions import RemoteDraft, plan_for, resolve_tree
+from ...v1 import matrix_pb2 as pb
+from ...v1 import matrix_pb2_grpc as pb_grpc
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["MatrixService"].full_name
 ADMIN_RPCS = ("Describe", "ListVersions", "Snapshot", "Rollback", "Fork", "Delete", "ListTenants")

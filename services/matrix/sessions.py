@@ -8,12 +8,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from trserve.core.errors import InvalidArgument, NotFound
-from trserve.core.model_spec import ModelSpec
-from trserve.engine.tr.gather import draft_host, host_levels
-from trserve.engine.tr.template import TreeTemplate, builtin_trees, load_template
-from trserve.matrix_store import MatrixStore
-from trserve.services.common.matrix_convert import check_root
+from ...core.errors import InvalidArgument, NotFound
+from ...core.model_spec import ModelSpec
+from ...engine.tr.gather import draft_host, host_levels
+from ...engine.tr.template import TreeTemplate, builtin_trees, load_template
+from ...matrix_store import MatrixStore
+from ..common.matrix_convert import check_root
 
 
 @dataclass(frozen=True, repr=False)

@@ -11,7 +11,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the Generate API (embedded: worker + in-process matrix store)",
                        description="Serve the Generate API with an in-process matrix store (Redis only with --redis-url).")
     _add_worker_flags(p)
-    from trserve.services.common.argtypes import redis_url
+    from ..common.argtypes import redis_url
 
     p.add_argument("--redis-url", default=None, type=redis_url, help="snapshot tenant matrices to this Redis (redis://host:6379/0)")
     p.add_argument("--redis-password-file", default=None, help="file holding Redis' password (its requirepass)")
@@ -35,8 +35,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_worker_flags(p: argparse.ArgumentParser) -> None:
-    from trserve.engine.model.choices import ARITHMETIC_CHOICES, BATCH_STEPS, KERNELS
-    from trserve.services.common.argtypes import integer, port, seconds
+    from ...engine.model.choices import ARITHMETIC_CHOICES, BATCH_STEPS, KERNELS
+    from ..common.argtypes import integer, port, seconds
 
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1; 0.0.0.0 = all)")
     p.add_argument("--port", type=port(), default=50051, help="gRPC port (default 50051; 0 = pick a free one and print it)")
@@ -110,12 +110,12 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
 
 def build_configs(args: argparse.Namespace):
     """(WorkerConfig, DecoderConfig) from the parsed flags; raises ValueError on bad values."""
-    from trserve.engine import DecoderConfig, ModelConfig
-    from trserve.services.common.security import TenantTokens, password_file, server_tls
-    from trserve.services.worker.config import Limits, WorkerConfig
+    from ...engine import DecoderConfig, ModelConfig
+    from ..common.security import TenantTokens, password_file, server_tls
+    from ..worker.config import Limits, WorkerConfig
 
-    from trserve.core.errors import TRServeError
-    from trserve.engine.tr.template import load_template
+    from ...core.errors import TRServeError
+    from ...engine.tr.template import load_template
 
     if args.tree != "auto":  # a tree that does not exist fails before the model loads
         try:
@@ -188,9 +188,9 @@ def check_ports(config) -> None:
 
 def build_split_config(args: argparse.Namespace, max_batch: int):
     """The worker's SplitConfig; raises ValueError on a bad address or secret."""
-    from trserve.services.common.security import SharedSecret
-    from trserve.services.worker.drafting.link import DraftClientConfig
-    from trserve.services.worker.drafting.split import SplitConfig
+    from ..common.security import SharedSecret
+    from ..worker.drafting.link import DraftClientConfig
+    from ..worker.drafting.split import SplitConfig
 
     secret = SharedSecret.from_file(args.matrix_secret_file) if args.matrix_secret_file else None
     client = DraftClientConfig(tls_ca_file=args.matrix_tls_ca, secret=secret,
@@ -216,10 +216,10 @@ def _run(command: str, args: argparse.Namespace, split: bool) -> int:
     except ValueError as e:
         print(f"trserve {command}: {e}", file=sys.stderr)
         return 2
-    from trserve.services.worker.drafting.split import MatrixServiceSources
-    from trserve.services.worker.server import WarmUpFailed, serve
+    from ..worker.drafting.split import MatrixServiceSources
+    from ..worker.server import WarmUpFailed, serve
 
-    from trserve.core.errors import FailedPrecondition, InvalidArgument, NotFound
+    from ...core.errors import FailedPrecondition, InvalidArgument, NotFound
 
     try:
         check_ports(worker_config)  # in seconds, before the model loads
@@ -229,7 +229,7 @@ def _run(command: str, args: argparse.Namespace, split: bool) -> int:
     sources = MatrixServiceSources(split_config) if split_config is not None else None
     front_end = None
     if worker_config.http_port is not None:  # uvicorn and starlette only when the API is on
-        from trserve.services.openai.server import front_end
+        from ..openai.server import front_end
     try:
         return serve(worker_config, decoder_config, sources, front_end)
     except (NotFound, InvalidArgument, FailedPrecondition) as e:  # the operator's choice of model, tree, device

@@ -33,17 +33,17 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from trserve.core.errors import PermissionDenied, TRServeError
-from trserve.core.tenants import validate_tenant_id
-from trserve.engine.results import StepChunk
-from trserve.services.common.errors import status_for
-from trserve.services.openai import convert
-from trserve.services.openai.convert import BadParam, ModelNotFound
-from trserve.services.openai.observe import RequestLog
-from trserve.services.openai.options import Vocabulary
-from trserve.services.openai.streams import first_items, merged
-from trserve.services.worker.admission import QueueFull
-from trserve.services.worker.servicer import GenerateServicer, StreamEnd
+from ...core.errors import PermissionDenied, TRServeError
+from ...core.tenants import validate_tenant_id
+from ...engine.results import StepChunk
+from ..common.errors import status_for
+from . import convert
+from .convert import BadParam, ModelNotFound
+from .observe import RequestLog
+from .options import Vocabulary
+from .streams import first_items, merged
+from ..worker.admission import QueueFull
+from ..worker.servicer import GenerateServicer, StreamEnd
 
 log = logging.getLogger("trserve.openai")
 

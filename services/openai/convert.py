@@ -11,12 +11,12 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from trserve.engine.results import GenerationResult, GenerationStats
-from trserve.services.openai.errors import BadParam, ModelNotFound  # noqa: F401 - re-exported
-from trserve.services.openai.options import (Vocabulary, echo_options, logprobs_json, logprobs_options, rules_options,
+from ...engine.results import GenerationResult, GenerationStats
+from .errors import BadParam, ModelNotFound  # noqa: F401 - re-exported
+from .options import (Vocabulary, echo_options, logprobs_json, logprobs_options, rules_options,
                                              structured_options)
-from trserve.services.openai.tools import assistant_content, tool_calls, tool_options
-from trserve.v1 import generate_pb2 as pb
+from .tools import assistant_content, tool_calls, tool_options
+from ...v1 import generate_pb2 as pb
 
 # trserve's finish reasons -> OpenAI's: a result cut short for any reason but a stop is "length"
 FINISH = {"eos": "stop", "stop": "stop", "grammar": "stop", "length": "length", "time_limit": "length", "cancelled": "length",

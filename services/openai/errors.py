@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trserve.core.errors import InvalidArgument
+from ...core.errors import InvalidArgument
 
 
 class BadParam(InvalidArgument):

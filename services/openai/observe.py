@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 
-from trserve.services.common.logcontext import HEADER, REQUEST_ID, request_id
+from ..common.logcontext import HEADER, REQUEST_ID, request_id
 
 access = logging.getLogger("trserve.access")
 QUIET_PATHS = ("/health", "/metrics")

@@ -10,8 +10,8 @@ import functools
 
 import json
 
-from trserve.services.openai.errors import BadParam
-from trserve.v1 import generate_pb2 as pb
+from .errors import BadParam
+from ...v1 import generate_pb2 as pb
 
 
 def echo_options(body: dict, kind: str, req: pb.GenerateRequest, stream: bool) -> tuple[str | None, bool]:

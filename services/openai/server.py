@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import uvicorn
 
-from trserve.services.common.security import ServerTLS
-from trserve.services.openai.app import OpenAIApp
-from trserve.services.worker.config import WorkerConfig
-from trserve.services.worker.servicer import GenerateServicer
+from ..common.security import ServerTLS
+from .app import OpenAIApp
+from ..worker.config import WorkerConfig
+from ..worker.servicer import GenerateServicer
 
 log = logging.getLogger("trserve.openai")
 

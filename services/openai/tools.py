@@ -18,8 +18,8 @@ import json
 import re
 import uuid
 
-from trserve.services.openai.errors import BadParam
-from trserve.v1 import generate_pb2 as pb
+from .errors import BadParam
+from ...v1 import generate_pb2 as pb
 
 MAX_TOOLS = 64
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")

@@ -16,7 +16,7 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
 
-from trserve.core.errors import ResourceExhausted
+from ...core.errors import ResourceExhausted
 
 
 class QueueFull(ResourceExhausted):

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
-from trserve.engine.results import GenerationResult, StepChunk
+from ...engine.results import GenerationResult, StepChunk
 
 
 class EngineStream:

@@ -7,8 +7,8 @@ import re
 
 from dataclasses import dataclass, field
 
-from trserve.engine.engine import EngineConfig
-from trserve.services.common.security import ServerTLS, TenantTokens
+from ...engine.engine import EngineConfig
+from ..common.security import ServerTLS, TenantTokens
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class WorkerConfig:
     # (engine/prefix_cache.py), MiB; 0 = off
     prefix_cache_mb: int = 512
     # Every TR request verifies its whole tree each step; default (False): trees sized per step for the
-    # batch under the measured cost model (engine/tuning/budget.py), down to plain one-token steps
+    # batch under the measured cost model (engine/drafting/budget/choose.py), down to plain one-token steps
     full_trees: bool = False
     stream_buffer: int = 256  # chunks a stream's reader may fall behind before its request is cancelled
     stream_stall_s: float = 15.0  # ...or seconds it may take none of the chunks waiting for it

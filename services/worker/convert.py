@@ -11,19 +11,19 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from trserve.core.errors import InvalidArgument, NotFound
-from trserve.core.tenants import validate_tenant_id
-from trserve.engine.request.request import GenerationRequest
-from trserve.engine.results import GenerationResult, GenerationStats, StepChunk
-from trserve.engine.runtime import RuntimeInfo
-from trserve.engine.tr.grammar import StructuredOutput
-from trserve.engine.tr.sampling import SamplingParams
-from trserve.engine.tr.tree import builtin_trees
-from trserve.services.worker.config import MESSAGE_OVERHEAD_CHARS, Limits
-from trserve.v1 import generate_pb2 as pb
+from ...core.errors import InvalidArgument, NotFound
+from ...core.tenants import validate_tenant_id
+from ...engine.request.request import GenerationRequest
+from ...engine.results import GenerationResult, GenerationStats, StepChunk
+from ...engine.runtime import RuntimeInfo
+from ...engine.tr.grammar import StructuredOutput
+from ...engine.tr.sampling import SamplingParams
+from ...engine.tr.tree import builtin_trees
+from .config import MESSAGE_OVERHEAD_CHARS, Limits
+from ...v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:
-    from trserve.engine.target import TargetModel
+    from ...engine.target import TargetModel
 
 FINISH_REASONS = {
     "length": pb.FINISH_REASON_LENGTH,

@@ -10,9 +10,9 @@ import inspect
 
 import grpc
 
-from trserve.services.common.errors import status_for
-from trserve.services.common.logcontext import HEADER, REQUEST_ID, request_id
-from trserve.services.worker.admission import QueueFull
+from ..common.errors import status_for
+from ..common.logcontext import HEADER, REQUEST_ID, request_id
+from .admission import QueueFull
 
 
 def _retry_trailers(retry_after_s: float) -> tuple[tuple[str, str], ...]:

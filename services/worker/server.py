@@ -12,15 +12,15 @@ from typing import Protocol
 import grpc
 from grpc_health.v1.health import aio as health_aio
 
-from trserve.core.model_spec import ModelSpec
-from trserve.core.version import __version__
-from trserve.engine import Decoder, DecoderConfig
-from trserve.engine.engine import BatchEngine
-from trserve.engine.runtime import RuntimeInfo
-from trserve.engine.tuning.cost import engine_cost
-from trserve.matrix_store import MatrixStore, StoreConfig
-from trserve.services.common.security import TenantAuth
-from trserve.services.common.server import (
+from ...core.model_spec import ModelSpec
+from ...core.version import __version__
+from ...engine import Decoder, DecoderConfig
+from ...engine.engine import BatchEngine
+from ...engine.runtime import RuntimeInfo
+from ...engine.tuning.cost import engine_cost
+from ...matrix_store import MatrixStore, StoreConfig
+from ..common.security import TenantAuth
+from ..common.server import (
     add_standard_services,
     bind,
     graceful_stop,
@@ -28,14 +28,14 @@ from trserve.services.common.server import (
     serve_until_signal,
     set_status,
 )
-from trserve.services.matrix.metrics import StoreCollector
-from trserve.services.worker.config import WorkerConfig
-from trserve.services.worker.drafting.embedded import DraftSourceFactory, embedded_factory
-from trserve.services.common.histories import HistoryBook, HistoryCollector
-from trserve.services.worker.drafting.split import MatrixServiceSources, watch_matrix_auth
-from trserve.services.worker.metrics import WorkerMetrics
-from trserve.services.worker.servicer import GenerateServicer
-from trserve.v1 import generate_pb2, generate_pb2_grpc
+from ..matrix.metrics import StoreCollector
+from .config import WorkerConfig
+from .drafting.embedded import DraftSourceFactory, embedded_factory
+from ..common.histories import HistoryBook, HistoryCollector
+from .drafting.split import MatrixServiceSources, watch_matrix_auth
+from .metrics import WorkerMetrics
+from .servicer import GenerateServicer
+from ...v1 import generate_pb2, generate_pb2_grpc
 
 log = logging.getLogger("trserve.worker")
 MAX_REPLY_BYTES = 16 << 20  # largest reply a worker sends (requests: WorkerConfig.max_request_bytes)

@@ -33,23 +33,23 @@ from typing import Protocol
 
 import grpc
 
-from trserve.core.errors import InvalidArgument, PermissionDenied, TRServeError, Unavailable
-from trserve.engine.target import TargetModel
-from trserve.engine.engine import BatchEngine
-from trserve.engine.request.request import GenerationRequest, PreparedRequest
-from trserve.engine.request.text import HeldText
-from trserve.engine.results import GenerationResult, StepChunk
-from trserve.engine.tuning.online import OnlineTuner, TunerBook
-from trserve.services.common.errors import grpc_errors
-from trserve.services.worker import convert
-from trserve.services.worker.admission import Admission
-from trserve.services.worker.bridge import EngineStream
-from trserve.services.worker.config import WorkerConfig
-from trserve.services.worker.drafting.embedded import DraftSourceFactory
-from trserve.services.worker.metrics import WorkerMetrics
-from trserve.services.worker.observed import observed
-from trserve.v1 import generate_pb2 as pb
-from trserve.v1 import generate_pb2_grpc
+from ...core.errors import InvalidArgument, PermissionDenied, TRServeError, Unavailable
+from ...engine.target import TargetModel
+from ...engine.engine import BatchEngine
+from ...engine.request.request import GenerationRequest, PreparedRequest
+from ...engine.request.text import HeldText
+from ...engine.results import GenerationResult, StepChunk
+from ...engine.tuning.online import OnlineTuner, TunerBook
+from ..common.errors import grpc_errors
+from . import convert
+from .admission import Admission
+from .bridge import EngineStream
+from .config import WorkerConfig
+from .drafting.embedded import DraftSourceFactory
+from .metrics import WorkerMetrics
+from .observed import observed
+from ...v1 import generate_pb2 as pb
+from ...v1 import generate_pb2_grpc
 
 log = logging.getLogger("trserve.worker")
 

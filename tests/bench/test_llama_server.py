@@ -1,4 +1,4 @@
-"""llama.cpp's own server as a bench peer (trserve/bench/llama_server.py): a real llama-server on a
+"""llama.cpp's own server as a bench peer (bench/llama_server.py): a real llama-server on a
 loopback port, where `make llama-server` has built it (it takes minutes; without it these skip)."""
 
 import pytest

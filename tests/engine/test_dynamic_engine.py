@@ -70,13 +70,13 @@ def test_a_tenant_drafts_from_its_history_and_another_tenant_never_does(tiny):
 
 
 def test_a_request_whose_trees_miss_their_calibration_is_priced_at_what_it_accepts():
-    """The per-request trust (engine/proposers/grown.py: Trust): a tenant's calibration averages
+    """The per-request trust (engine/drafting/proposers/grown.py: Trust): a tenant's calibration averages
     its traffic, so a request whose grown trees accept less than calibrated has its trees priced down."""
     from types import SimpleNamespace
 
-    from trserve.engine.tr.dynamic import Grown
-    from trserve.engine.proposers.grown import TRUST_CAP, TRUST_PRIOR, Trust
-    from trserve.engine.tree_budget import TreeBudget
+    from trserve.engine.drafting.dynamic import Grown
+    from trserve.engine.drafting.proposers.grown import TRUST_CAP, TRUST_PRIOR, Trust
+    from trserve.engine.drafting.budget.tree import TreeBudget
 
     budget = TreeBudget(EngineConfig(), cost=lambda w, kv: 1.0, packed=True)
     fresh, missing, beating = Trust(), Trust(12.0, 4.0), Trust(4.0, 40.0)  # missing: 12 tokens expected, 4 accepted

@@ -9,11 +9,11 @@ import torch
 
 from trserve.engine import GenerationRequest
 from trserve.engine.engine import BatchEngine, EngineConfig
-from trserve.engine.proposers import static_chain
-from trserve.engine.tr.dynamic import CONTEXT, HISTORY
+from trserve.engine.drafting.proposers import static_chain
+from trserve.engine.drafting.dynamic import CONTEXT, HISTORY
 from trserve.engine.tr.history import SuffixHistory
 from trserve.engine.tr.lookup import ContextLookup, Proposal
-from trserve.engine.tuning.budget import chain_kind
+from trserve.engine.drafting.budget.choose import chain_kind
 from tests.conftest import tiny_decoder
 from tests.engine.test_engine import _prompt, _run, _submit
 

@@ -46,7 +46,7 @@
  * rows (NARROW8_ROWS for q8 matrices) one tile of n rows x NARROW_PANELS (NARROW8_PANELS) panels;
  * wider batches tiles of WIDE_ROWS rows (the last one ragged) x WIDE_PANELS panels. Plans only
  * change which independent chains run side by side, never the arithmetic of one.
- * Measured on 2 cores (trserve/bench/qlinear_isa.py, us per call): q4 tiles cost ~29 us + ~6 us per row on
+ * Measured on 2 cores (bench/qlinear_isa.py, us per call): q4 tiles cost ~29 us + ~6 us per row on
  * gate/up shapes whatever the narrow plan; the q8 LM head at 4 rows takes 1250 us as 4 x 4, 1870 us
  * as 8 x 1 (Intel Xeon); wide tiles 8 x 2 are ~10% faster than 8 x 1 (Xeon), larger ones spill. */
 #if defined(__AVX512F__)

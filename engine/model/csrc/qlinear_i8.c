@@ -235,7 +235,7 @@ static void itile_any(const qmat_t *w, int R, int T, const qact_t *a, float *y, 
         }
 }
 
-/* Plans per ISA (register tiles; measured on the bundled model's shapes, trserve/bench/qlinear_isa.py):
+/* Plans per ISA (register tiles; measured on the bundled model's shapes, bench/qlinear_isa.py):
  * one row takes I_ONE_PANELS panels; n <= I_NARROW_ROWS rows one tile of n x I_NARROW_PANELS; wider
  * batches tiles of I_WIDE_ROWS x I_WIDE_PANELS. They change which chains run side by side, never the
  * arithmetic of one. */

@@ -15,8 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from trserve.engine.model.choices import ARITHMETICS
-from trserve.engine.model.kernels.pack import PANEL, Q4_LAYOUTS
+from ..choices import ARITHMETICS
+from .pack import PANEL, Q4_LAYOUTS
 
 log = logging.getLogger("trserve.engine")
 
@@ -130,7 +130,7 @@ def build_kernels(cache_dir: Path | None = None, isa: str = "auto", defines: tup
     into `cache_dir`/kernels; returns the library. Any variant builds on any x86-64 host (an image can
     hold all three); running it needs the CPU flags. `defines`: macros of a profiling build (its own
     key and file; the served library never has them)."""
-    from trserve.engine.model.paths import default_cache_dir
+    from ..paths import default_cache_dir
 
     _check_isa(isa)
     isa = kernel_isa() if isa == "auto" else isa

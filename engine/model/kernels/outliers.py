@@ -78,7 +78,7 @@ def calibrate(model: nn.Module, tokenizer, k: int = KEPT) -> dict[str, list[int]
 
 def _linear(m) -> bool:
     """A linear layer: float (before the swap) or on the exact kernels (a GGUF file read as it is)."""
-    from trserve.engine.model.kernels.qlinear import QLinear
+    from .qlinear import QLinear
 
     return isinstance(m, nn.Linear) or (isinstance(m, QLinear) and m.arithmetic == "exact")
 
@@ -143,7 +143,7 @@ def attach_key_pairs(model: nn.Module, pairs: list[list[int]]) -> None:
 
 
 def _prompts() -> list[str]:
-    from trserve.core.datasets import prompt_file
+    from ....core.datasets import prompt_file
 
     last: dict[str, str] = {}
     for line in prompt_file("spec_bench").read_text().splitlines():
@@ -151,14 +151,3 @@ def _prompts() -> list[str]:
             q = json.loads(line)
             last[q["category"]] = q["turns"][0]
     return list(last.values())[:CALIBRATION_PROMPTS]
-
-
-def columns(model: nn.Module, kept: dict[str, list[int]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """Per linear layer with kept inputs: (dims [k] int32, W[:, dims] as [k, out] float32), taken from its
-    float32 weights before they are swapped for compressed kernels."""
-    out = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and kept.get(name):
-            dims = torch.tensor(kept[name], dtype=torch.int32)
-            out[name] = (dims, module.weight.detach()[:, dims.long()].t().contiguous().float())
-    return out

@@ -9,9 +9,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from trserve.engine.model.kernels.build import ARITHMETICS, _library, kernel_isa, q4_layout
-from trserve.engine.model.kernels.pack import PANEL, pack_q4, pack_q4_i8, pack_q8, pack_q8_i8, panel_scales
-from trserve.engine.model.kernels.recover import recover_q4, recover_q8
+from .build import ARITHMETICS, _library, kernel_isa, q4_layout
+from .pack import PANEL, pack_q4, pack_q4_i8, pack_q8, pack_q8_i8, panel_scales
+from .recover import recover_q4, recover_q8
 
 # kinds (csrc/qlinear.h): codes' bits, whether scales are float16, scales per block of 32, a min per block
 KINDS = {4: (4, True, 1, True), 8: (8, True, 1, False), 5: (4, False, 1, True), 9: (8, False, 1, True),
@@ -126,11 +126,9 @@ def quantize_linears(model: nn.Module, cache_dir: Path, isa: str = "auto", arith
     (module name -> kquants.Blocks, checked by gguf_file.file_blocks), for a QLinear on kernel variant
     `isa` ("auto": this CPU's best; others for tests and measurements) in `arithmetic` (int8: with the
     layers' `kept_inputs`, engine/model/kernels/outliers.py); returns (swapped, kept)."""
-    from trserve.engine.model.kernels.outliers import columns
-
     isa = kernel_isa(isa)
     swapped = kept = 0
-    cols = columns(model, kept_inputs) if kept_inputs and arithmetic == "int8" else {}
+    cols = _kept_columns(model, kept_inputs) if kept_inputs and arithmetic == "int8" else {}
     names = {id(m): n for n, m in model.named_modules()}
     for module in list(model.modules()):
         for name, child in list(module.named_children()):
@@ -160,3 +158,15 @@ def quantize_linears(model: nn.Module, cache_dir: Path, isa: str = "auto", arith
             swapped += 1
     log.info("compressed kernels (%s, %s): %d linear layers swapped, %d kept", isa, arithmetic, swapped, kept)
     return swapped, kept
+
+
+def _kept_columns(model: nn.Module, kept: dict[str, list[int]]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Per linear layer with kept inputs: (dims [k] int32, W[:, dims] as [k, out] float32), taken from its
+    float32 weights before they are swapped for compressed kernels."""
+    out = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and kept.get(name):
+            dims = torch.tensor(kept[name], dtype=torch.int32)
+            out[name] = (dims, module.weight.detach()[:, dims.long()].t().contiguous().float())
+    return out
+

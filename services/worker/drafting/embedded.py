@@ -15,17 +15,17 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from trserve.core.errors import InvalidArgument
-from trserve.core.model_spec import ModelSpec
-from trserve.engine.tr.matrix import AdjacencyMatrix
-from trserve.engine.tr.recycle import RecycledRows
-from trserve.engine.tr.source import DraftSource, MatrixSession
-from trserve.engine.tr.tree import CompiledTree
-from trserve.matrix_store import MatrixStore
-from trserve.services.common.throttle import Throttle
+from ....core.errors import InvalidArgument
+from ....core.model_spec import ModelSpec
+from ....engine.tr.matrix import AdjacencyMatrix
+from ....engine.tr.recycle import RecycledRows
+from ....engine.tr.source import DraftSource, MatrixSession
+from ....engine.tr.tree import CompiledTree
+from ....matrix_store import MatrixStore
+from ...common.throttle import Throttle
 
 if TYPE_CHECKING:
-    from trserve.services.common.histories import HistoryBook
+    from ...common.histories import HistoryBook
 
 log = logging.getLogger("trserve.worker")
 

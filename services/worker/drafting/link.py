@@ -13,16 +13,16 @@ from typing import Protocol
 
 import grpc
 
-from trserve.core.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, ModelNotServed, NotFound, TRServeError
-from trserve.engine.tr.matrix import AdjacencyMatrix
-from trserve.engine.tr.recycle import RecycledRows
-from trserve.engine.tr.source import MatrixSession
-from trserve.engine.tr.tree import CompiledTree
-from trserve.services.common.errors import domain_error_from
-from trserve.services.common.matrix_convert import rows_to_pb
-from trserve.services.common.security import SharedSecret, client_channel
-from trserve.v1 import matrix_pb2 as pb
-from trserve.v1 import matrix_pb2_grpc as pb_grpc
+from ....core.errors import FailedPrecondition, FingerprintMismatch, InvalidArgument, ModelNotServed, NotFound, TRServeError
+from ....engine.tr.matrix import AdjacencyMatrix
+from ....engine.tr.recycle import RecycledRows
+from ....engine.tr.source import MatrixSession
+from ....engine.tr.tree import CompiledTree
+from ...common.errors import domain_error_from
+from ...common.matrix_convert import rows_to_pb
+from ...common.security import SharedSecret, client_channel
+from ....v1 import matrix_pb2 as pb
+from ....v1 import matrix_pb2_grpc as pb_grpc
 
 log = logging.getLogger("trserve.matrix.client")
 

@@ -11,7 +11,7 @@ Caller errors at open (INVALID_ARGUMENT, FAILED_PRECONDITION, NOT_FOUND) are rai
 
 The tenant's suffix history comes from the service as a replica's does (replica_history.py: a copy
 caught up in the background, finished requests pushed back by the source's pusher thread); the
-engine grafts its continuations into the service's static trees as chains (engine/drafting.py).
+engine grafts its continuations into the service's static trees as chains (engine/drafting/drafter.py).
 """
 
 from __future__ import annotations
@@ -22,15 +22,15 @@ import queue
 import grpc
 import torch
 
-from trserve.core.model_spec import ModelSpec
-from trserve.engine.tr.matrix import AdjacencyMatrix
-from trserve.engine.tr.recycle import RecycledRows
-from trserve.engine.tr.tree import CompiledTree
-from trserve.services.common.matrix_convert import spec_to_pb, tenant_from_pb
-from trserve.services.worker.drafting.link import DraftClientConfig, Link, ServiceSession, describe, raise_caller_error, rows_pb
-from trserve.services.worker.drafting.replica import Pusher
-from trserve.services.worker.drafting.replica_history import ReplicaHistory
-from trserve.v1 import matrix_pb2 as pb
+from ....core.model_spec import ModelSpec
+from ....engine.tr.matrix import AdjacencyMatrix
+from ....engine.tr.recycle import RecycledRows
+from ....engine.tr.tree import CompiledTree
+from ...common.matrix_convert import spec_to_pb, tenant_from_pb
+from .link import DraftClientConfig, Link, ServiceSession, describe, raise_caller_error, rows_pb
+from .replica import Pusher
+from .replica_history import ReplicaHistory
+from ....v1 import matrix_pb2 as pb
 
 log = logging.getLogger("trserve.matrix.client")
 

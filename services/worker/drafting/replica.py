@@ -11,16 +11,16 @@ import grpc
 import numpy as np
 import torch
 
-from trserve.core.errors import InvalidArgument
-from trserve.core.model_spec import ModelSpec
-from trserve.engine.tr.matrix import AdjacencyMatrix
-from trserve.engine.tr.recycle import RecycledRows
-from trserve.engine.tr.tree import CompiledTree
-from trserve.matrix_store.tenant import validate_batch
-from trserve.services.common.matrix_convert import rows_from_pb, rows_to_pb, spec_to_pb, tenant_from_pb
-from trserve.services.worker.drafting.link import DraftClientConfig, Link, ServiceSession, raise_caller_error
-from trserve.services.worker.drafting.replica_history import ReplicaHistory
-from trserve.v1 import matrix_pb2 as pb
+from ....core.errors import InvalidArgument
+from ....core.model_spec import ModelSpec
+from ....engine.tr.matrix import AdjacencyMatrix
+from ....engine.tr.recycle import RecycledRows
+from ....engine.tr.tree import CompiledTree
+from ....matrix_store.tenant import validate_batch
+from ...common.matrix_convert import rows_from_pb, rows_to_pb, spec_to_pb, tenant_from_pb
+from .link import DraftClientConfig, Link, ServiceSession, raise_caller_error
+from .replica_history import ReplicaHistory
+from ....v1 import matrix_pb2 as pb
 
 
 class Pusher:

@@ -26,13 +26,13 @@ from collections.abc import Sequence
 import grpc
 import numpy as np
 
-from trserve.core.errors import TRServeError
-from trserve.core.model_spec import ModelSpec
-from trserve.engine.tr.history import SuffixHistory
-from trserve.services.common.matrix_convert import documents_from_pb, documents_to_pb, spec_to_pb
-from trserve.services.worker.drafting.link import Link, describe
-from trserve.services.common.throttle import Throttle
-from trserve.v1 import matrix_pb2 as pb
+from ....core.errors import TRServeError
+from ....core.model_spec import ModelSpec
+from ....engine.tr.history import SuffixHistory
+from ...common.matrix_convert import documents_from_pb, documents_to_pb, spec_to_pb
+from .link import Link, describe
+from ...common.throttle import Throttle
+from ....v1 import matrix_pb2 as pb
 
 log = logging.getLogger("trserve.matrix.client")
 _THROTTLE = Throttle()

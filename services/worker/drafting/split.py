@@ -11,11 +11,11 @@ from dataclasses import dataclass
 
 import grpc
 
-from trserve.engine.tr.source import DraftSource
-from trserve.services.common.security import check_plaintext_secret, client_channel
-from trserve.services.worker.drafting.link import DraftClientConfig
-from trserve.services.worker.drafting.remote import RemoteDraftSource
-from trserve.services.worker.drafting.replica import ReplicaDraftSource
+from ....engine.tr.source import DraftSource
+from ...common.security import check_plaintext_secret, client_channel
+from .link import DraftClientConfig
+from .remote import RemoteDraftSource
+from .replica import ReplicaDraftSource
 
 DRAFT_MODES = ("remote", "replica")
 log = logging.getLogger("trserve.matrix.client")
@@ -84,8 +84,8 @@ class MatrixServiceSources:
         c = self.config.client
         with client_channel(self.config.matrix_addr, c.tls_ca_file, c.secret,
                             allow_plaintext_secret=c.allow_plaintext_secret) as channel:
-            from trserve.v1 import matrix_pb2 as pb
-            from trserve.v1 import matrix_pb2_grpc as pb_grpc
+            from ....v1 import matrix_pb2 as pb
+            from ....v1 import matrix_pb2_grpc as pb_grpc
 
             try:
                 pb_grpc.MatrixServiceStub(channel).PushRows(pb.PushRowsRequest(tenant="probe"), timeout=timeout_s)

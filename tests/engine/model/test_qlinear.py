@@ -379,7 +379,7 @@ def test_kernel_libraries_are_built_once_per_variant_and_loadable_by_other_users
 
 
 def test_kernel_bench_weights_recover_as_blocks():
-    """trserve/bench/qlinear_isa.py times the compressed kernels on its own block weights: they must recover
+    """bench/qlinear_isa.py times the compressed kernels on its own block weights: they must recover
     (it once timed oneDNN's nn.Linear under every kernel's name because they did not)."""
     from trserve.bench.qlinear_isa import block_weights
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from trserve.engine.model.forward import forward_one, verify_tree
-from trserve.engine.model.kv import KVCache
+from tests.engine.model.serial_forward import forward_one, verify_tree
+from tests.engine.model.serial_kv import KVCache
 from trserve.engine.model.packed import pack_linears
 from trserve.engine.model.kernels.qlinear import quantize_linears
 from trserve.engine.tr.tree import compile_tree, load_template
@@ -64,7 +64,7 @@ def test_compaction_keeps_exactly_the_accepted_path():
 
 @torch.inference_mode()
 def test_grafted_lookup_chain_sees_its_stem_and_chain_only():
-    from trserve.engine.tr.hybrid import attach_chain
+    from trserve.engine.drafting.hybrid import attach_chain
 
     model = tiny_llama()
     base, context, tokens, cache = _prefilled(model, seed=3, context_len=7)

@@ -84,7 +84,7 @@ def test_host_and_tensor_rules_agree_on_random_trees():
     """accept_greedy and select_rows run on Python ints for host tensors and as tensor ops on a
     device; both must give the same answer (here: random trees, chains, small vocabularies)."""
     from trserve.engine.tr.accept import _accept_host, _accept_tensor
-    from trserve.engine.tr.hybrid import attach_chain
+    from trserve.engine.drafting.hybrid import attach_chain
     from trserve.engine.tr.recycle import _select_host, _select_tensor
 
     g = torch.Generator().manual_seed(0)

@@ -1,4 +1,4 @@
-"""Structured output (engine/tr/grammar.py) and grammar-aware drafting (engine/constrained.py) on the
+"""Structured output (engine/tr/grammar.py) and grammar-aware drafting (engine/drafting/constrained.py) on the
 real tokenizer with tiny grammars: masks per path leave the committed state as it was, a complete
 grammar ends the output, forced tokens become a chain, forbidden drafts are cut with their subtrees,
 and bad specs are InvalidArgument with the grammar engine's message."""
@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from trserve.core.errors import InvalidArgument, OutputStuck
-from trserve.engine.constrained import constrained_draft
-from trserve.engine.step import Draft
+from trserve.engine.drafting.constrained import constrained_draft
+from trserve.engine.drafting.step import Draft
 from trserve.engine.tr.grammar import GrammarCompiler, StructuredOutput
 from trserve.engine.tr.tree import compile_parents, load_template
 from trserve.engine.tuning.online import StepPlan

@@ -6,6 +6,8 @@ check-jsonschema's compose-spec and kubernetes-validate, see README "Deployment"
 
 from __future__ import annotations
 
+import ast
+import re
 import tomllib
 from pathlib import Path
 
@@ -85,14 +87,15 @@ def test_kubernetes_workers_probe_grpc_health_request_a_gpu_and_scale() -> None:
 
 
 def test_the_image_installs_the_projects_wheel() -> None:
-    """One name in site-packages: the image builds the wheel (engine/, services/, matrix_store/ mapped
-    under trserve) and installs it, without its dependencies (the pinned runtime ones come first)."""
+    """One name in site-packages: the image builds the wheel (the root is the package trserve, each code
+    folder trserve.X) and installs it, without its dependencies (the pinned runtime ones come first)."""
     dirs = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    assert {p.split(".")[0] for p in dirs} == {"trserve"}
+    assert {p.split(".")[0] for p in dirs} == {"trserve"} and dirs["trserve"] == "."
+    code = ast.literal_eval(re.search(r"^CODE = (\(.*?\))", (REPO / "setup.py").read_text(), re.M).group(1))
     dockerfile = (REPO / "docker" / "Dockerfile").read_text()
     wheel_stage = dockerfile[dockerfile.index("AS wheel"):dockerfile.index("AS base")]
-    assert "pip wheel --no-deps" in wheel_stage
-    for folder in {*dirs.values(), "protos"}:
+    assert "pip wheel --no-deps" in wheel_stage and "__init__.py ./" in wheel_stage
+    for folder in {*code, "protos"}:
         assert f"COPY {folder} {folder}" in wheel_stage, folder
     runtime = dockerfile[dockerfile.index("AS base"):]
     assert "COPY --from=wheel /dist /dist" in runtime and "pip install --no-deps /dist/trserve-" in runtime

@@ -1,0 +1,176 @@
+"""`trserve bench --files`: the GGUF files users bring, one row each, beside llama.cpp's `llama-bench` on
+the very same file and threads.
+
+The files: the bundled model re-quantized to Q4_0, Q4_K_M, Q5_K_M, Q6_K and Q8_0 (by llama.cpp's own
+`llama-quantize` where `make peers` built it, else bench/requant.py), a 1.7B model of
+SmolLM2-1.7B's shape with random weights as Q4_K_M (bench/shaped.py), and `--model FILE` if
+given; made once into bench-results/files/. Each file is loaded in a process of its own (its load
+time and peak resident memory are its own), then: which path serves it (kernels, arithmetic, forward,
+kernel kinds), load seconds, peak and steady RSS, and forward ms at widths 1/2/4/8/16 over 512 cached
+tokens (the runner the decoders use). llama-bench beside it: its token time (tg64) and its batch of w
+prompt tokens (pp w), in ms. Written as JSON (bench-results/files.json) and a table, with the host's
+CPU and ISA flags.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+BUNDLED = ("Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
+SHAPED = ("smollm2-1.7b:Q4_K_M",)
+_RECIPES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}  # requant's stand-in for the _M mixes
+
+
+@dataclass(frozen=True)
+class FilesConfig:
+    files: tuple[str, ...] = ()  # more files (--model)
+    bundled: tuple[str, ...] = BUNDLED
+    shaped: tuple[str, ...] = SHAPED
+    widths: tuple[int, ...] = (1, 2, 4, 8, 16)
+    threads: int | None = None
+    arithmetic: str = "auto"
+    work_dir: str = "bench-results/files"
+    json_path: str = "bench-results/files.json"
+
+
+def make_files(config: FilesConfig) -> list[tuple[str, Path]]:
+    """(label, path) of every file measured, made where missing."""
+    from .llama_server import find_tool
+    from .runner import _bundled_gguf
+    from .shaped import make_shaped
+
+    work = Path(config.work_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    quantize, out = find_tool("llama-quantize"), [("bundled Q4_1 (shipped)", Path(_bundled_gguf()))]
+    for qtype in config.bundled:
+        path = work / f"smollm2-135m-{qtype}.gguf"
+        if not path.exists():
+            _requantize(quantize, _bundled_gguf(), path, qtype)
+        out.append((f"bundled {qtype}", path))
+    for item in config.shaped:
+        shape, mix = item.split(":")
+        path = work / f"{shape}-random-{mix}.gguf"
+        if not path.exists():
+            make_shaped(shape, mix, path)
+        out.append((f"{shape} (random) {mix}", path))
+    return out + [(Path(f).name, Path(f)) for f in config.files]
+
+
+def _requantize(quantize: Path | None, src: Path, dst: Path, qtype: str) -> None:
+    if quantize is not None:
+        subprocess.run([str(quantize), "--allow-requantize", str(src), str(dst), qtype], check=True,
+                       capture_output=True)
+        return
+    from .requant import requantize
+
+    main, high = _RECIPES.get(qtype, (qtype, None))
+    requantize(src, dst, main, {f"blk.{i}.ffn_down.": high for i in range(0, 30, 2)} if high else None)
+
+
+def measure_one(path: str, arithmetic: str, threads: int | None, widths: tuple[int, ...]) -> dict:
+    """In this process: load `path`, then the forward cost per width (run as `python -m trserve.bench.files`)."""
+    import torch
+
+    from ..engine.model.kernels.qlinear import QLinear
+    from ..engine.model.loader import ModelConfig, load_model
+    from ..engine.tuning.calibrate import measure
+
+    if threads:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    loaded = load_model(ModelConfig(source=path, arithmetic=arithmetic, threads=threads))
+    load_s = time.perf_counter() - t0
+    steady = _status("VmRSS")
+    cost = measure(loaded.model, widths=widths, kv_lens=(512,), reps=3, passes=2, native=loaded.native)
+    kinds = sorted({m.kind for m in loaded.model.modules() if isinstance(m, QLinear)})
+    return {"kernels": loaded.kernels, "arithmetic": loaded.arithmetic, "forward": loaded.forward, "kinds": kinds,
+            "load_s": round(load_s, 1), "peak_rss_gb": round(_status("VmHWM") / 1e6, 2),
+            "steady_rss_gb": round(steady / 1e6, 2),
+            "width_ms": {str(w): round(1000 * s, 2) for w, s in zip(cost.widths, cost.seconds[0])}}
+
+
+def _status(field: str) -> int:
+    """A /proc/self/status memory figure in kB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def llama_bench(path: Path, threads: int, widths: tuple[int, ...]) -> dict | None:
+    """llama-bench's tg64 token time and pp w batch times in ms, or None where it is not built."""
+    from .llama_server import find_tool
+
+    tool = find_tool("llama-bench")
+    if tool is None:
+        return None
+    pp = ",".join(str(w) for w in widths if w > 1)
+    res = subprocess.run([str(tool), "-m", str(path), "-t", str(threads), "-p", pp, "-n", "64", "-r", "2", "-o", "json"],
+                         capture_output=True, text=True, timeout=1800)
+    if res.returncode:
+        return {"error": res.stderr.strip().splitlines()[-1:]}
+    out = {}
+    for run in json.loads(res.stdout):  # avg_ts: tokens per second of the run
+        if run["n_gen"]:
+            out["tg_ms"] = round(1000 / run["avg_ts"], 2)
+        else:
+            out[f"pp{run['n_prompt']}_ms"] = round(1000 * run["n_prompt"] / run["avg_ts"], 2)
+    return out
+
+
+def run_files(config: FilesConfig) -> dict:
+    import torch
+
+    from .host import host_facts
+    from .report import write_report
+
+    threads = config.threads or torch.get_num_threads()
+    report = {"config": asdict(config), "environment": {**host_facts(), "threads": threads,
+                                                        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
+              "files": []}
+    for label, path in make_files(config):
+        cmd = [sys.executable, "-m", "trserve.bench.files", str(path), config.arithmetic, str(threads),
+               ",".join(map(str, config.widths))]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+        row = {"file": label, "path": str(path), "mb": round(path.stat().st_size / 1e6, 1)}
+        if res.returncode:
+            row["error"] = (res.stderr.strip().splitlines() or ["failed"])[-1]
+        else:
+            row.update(json.loads(res.stdout.strip().splitlines()[-1]))
+        row["llama_bench"] = llama_bench(path, threads, config.widths)
+        report["files"].append(row)
+    write_report(config.json_path, report, format_files(report))
+    return report
+
+
+def format_files(report: dict) -> str:
+    from .host import host_line
+
+    env = report["environment"]
+    widths = report["config"]["widths"]
+    lines = [host_line(env),
+             "file                            MB  path                             load s  peak/steady GB  "
+             + "  ".join(f"w={w:<5}" for w in widths) + "  (trserve forward ms; llama-bench: tg ms, pp w ms)"]
+    for row in report["files"]:
+        head = f"{row['file']:<28} {row['mb']:>6}  "
+        if "error" in row:
+            lines.append(head + f"failed: {row['error']}")
+            continue
+        path = f"{row['kernels']}/{row['arithmetic']}/{row['forward']} k{','.join(map(str, row['kinds']))}"
+        lines.append(head + f"{path:<32} {row['load_s']:>6}  {row['peak_rss_gb']:>5}/{row['steady_rss_gb']:<5}   "
+                     + "  ".join(f"{row['width_ms'][str(w)]:<7}" for w in widths))
+        lb = row.get("llama_bench")
+        if lb and "error" not in lb:
+            cells = [f"{lb.get('tg_ms', '-'):<7}"] + [f"{lb.get(f'pp{w}_ms', '-'):<7}" for w in widths[1:]]
+            lines.append(" " * 88 + "llama.cpp " + "  ".join(cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # one file's measurement, in a process of its own
+    _path, _arith, _threads, _widths = sys.argv[1:5]
+    print(json.dumps(measure_one(_path, _arith, int(_threads), tuple(int(w) for w in _widths.split(",")))))

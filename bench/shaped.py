@@ -1,0 +1,101 @@
+"""GGUF files of real models' shapes with random weights, for what the bundled 135M model cannot show
+(a 1.7B's or a 7B's memory and forward times): `python -m trserve.bench.shaped smollm2-1.7b Q4_K_M DST`.
+
+The bundled file's metadata (tokenizer, chat template) with the shape's hyperparameters; weights
+normal(0, 0.02) per tensor, norms ones, encoded one tensor at a time (a 7B needs no float32 copy of
+itself). Q4_K_M as llama-quantize mixes it: Q4_K, with Q6_K for the embedding/head and half the layers'
+attn_v and ffn_down (the first half, a simplification of its rule). Random weights decode nonsense,
+so a TR run of them drafts little (MAT ~1): these files measure forwards, loading and memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+SHAPES = {  # hidden, MLP, layers, heads, KV heads (vocab: the bundled tokenizer's 49,152)
+    "smollm2-1.7b": (2048, 8192, 24, 32, 32),
+    "llama-7b": (4096, 11008, 32, 32, 32),
+    "tiny": (256, 512, 2, 4, 2),  # the tests': every linear in super-blocks of 256, grouped-query attention
+}
+MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K"), "Q6_K": ("Q6_K", "Q6_K"), "Q8_0": ("Q8_0", "Q8_0"),
+         "Q4_0": ("Q4_0", "Q4_0")}
+
+
+def _encode(rows: np.ndarray, qtype: str) -> np.ndarray:
+    from gguf import GGMLQuantizationType as T
+    from gguf import quants
+
+    from .kencode import ENCODERS
+
+    return ENCODERS[qtype](rows) if qtype in ENCODERS else quants.quantize(rows, T[qtype])
+
+
+def make_shaped(shape: str, mix: str, dst: Path, seed: int = 0) -> Path:
+    import gguf
+    from gguf import GGMLQuantizationType as T
+
+    from .runner import _bundled_gguf
+
+    hidden, inter, layers, heads, kv = SHAPES[shape]
+    main, high = MIXES[mix]
+    reader = gguf.GGUFReader(str(_bundled_gguf()))
+    writer = gguf.GGUFWriter(str(dst), "llama")
+    own = {"llama.embedding_length": hidden, "llama.feed_forward_length": inter, "llama.block_count": layers,
+           "llama.attention.head_count": heads, "llama.attention.head_count_kv": kv,
+           "llama.rope.dimension_count": hidden // heads}
+    for field in reader.fields.values():
+        if field.name in own or field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) or \
+                field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+    for key, value in own.items():
+        writer.add_uint32(key, value)
+    vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    head_dim = hidden // heads
+    tensors = [("token_embd.weight", (vocab, hidden), high), ("output_norm.weight", (hidden,), "F32")]
+    for i in range(layers):
+        later = i >= layers // 2
+        tensors += [(f"blk.{i}.attn_norm.weight", (hidden,), "F32"), (f"blk.{i}.ffn_norm.weight", (hidden,), "F32"),
+                    (f"blk.{i}.attn_q.weight", (heads * head_dim, hidden), main),
+                    (f"blk.{i}.attn_k.weight", (kv * head_dim, hidden), main),
+                    (f"blk.{i}.attn_v.weight", (kv * head_dim, hidden), main if later else high),
+                    (f"blk.{i}.attn_output.weight", (hidden, heads * head_dim), main),
+                    (f"blk.{i}.ffn_gate.weight", (inter, hidden), main), (f"blk.{i}.ffn_up.weight", (inter, hidden), main),
+                    (f"blk.{i}.ffn_down.weight", (hidden, inter), main if later else high)]
+    rng = np.random.default_rng(seed)
+    datas = []
+    for name, shp, qtype in tensors:
+        if qtype == "F32":
+            data = np.ones(shp, np.float32)
+        else:
+            data = _encode(rng.standard_normal(shp, dtype=np.float32) * np.float32(0.02), qtype)
+        writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, T[qtype])
+        datas.append(data)
+    writer.add_file_type(gguf.LlamaFileType[{"Q4_K_M": "MOSTLY_Q4_K_M", "Q5_K_M": "MOSTLY_Q5_K_M"}.get(mix, f"MOSTLY_{mix}")])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_ti_data_to_file()
+    for data in datas:
+        writer.write_tensor_data(data)
+    writer.close()
+    return dst
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("mix", choices=sorted(MIXES))
+    ap.add_argument("dst")
+    args = ap.parse_args(argv)
+    print(make_shaped(args.shape, args.mix, Path(args.dst)))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
