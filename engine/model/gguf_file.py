@@ -1,6 +1,7 @@
 """A GGUF file served as it is: the model built on the meta device from the file's config, every linear
 layer's blocks read from the memory-mapped file straight onto the compressed kernels, and only the
-rest (embeddings, norms, biases, float16/32 linears) dequantized to float32. No float32 copy of the
+rest (norms, biases, float16/32 linears) dequantized to float32, the token embedding row by row as
+it is first looked up (engine/model/embedding.py). No float32 copy of the
 weights is made or written to the cache, so a worker holds about the kernels' bytes per weight
 (docs/kernels.md) instead of 4, and loads in seconds.
 
@@ -85,6 +86,18 @@ class GGUFWeights:
         w = quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
         w = np.ascontiguousarray(self.processor.process(weights=w, name=name).weights)
         return torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors are the file's read-only map
+
+    def embedding(self, module_name: str, module: nn.Embedding):
+        """`module` as a FileEmbedding over the file's rows (engine/model/embedding.py), or None where the
+        file holds it in float32 or transformers reorders its rows (then `floats` as for the rest)."""
+        from .embedding import FileEmbedding
+
+        name, t = self.tensor(f"{module_name}.weight")
+        num, dim = module.num_embeddings, module.embedding_dim
+        order = self.processor.process(weights=np.arange(num).reshape(num, 1), name=name).weights[:, 0]
+        if t.tensor_type.name == "F32" or not np.array_equal(order, np.arange(num)) or t.data.shape[0] != num:
+            return None
+        return FileEmbedding(t.data, t.tensor_type, num, dim)
 
     def blocks(self, hf_name: str, out_f: int, in_f: int):
         """A linear weight's kernel blocks (kquants.Blocks) in transformers' row order, or None for a float
@@ -211,6 +224,13 @@ def _materialize(model, weights: GGUFWeights) -> int:
     """The non-linear parameters (embeddings, norms) from the file, the rotary tables recomputed; returns
     how many tensors were read. Linear layers stay on the meta device for _linears."""
     count = 0
+    for parent_name, parent in list(model.named_modules()):
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, nn.Embedding) and child.weight.is_meta:
+                table = weights.embedding(f"{parent_name}.{child_name}" if parent_name else child_name, child)
+                if table is not None:
+                    setattr(parent, child_name, table)
+                    count += 1
     for parent_name, parent in list(model.named_modules()):
         if isinstance(parent, nn.Linear):
             continue

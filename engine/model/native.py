@@ -22,6 +22,7 @@ import ctypes
 
 import torch
 
+from .embedding import FileEmbedding
 from .kernels.build import forward_check_library, forward_library, top_probs_library
 from .kernels.qlinear import QLinear
 
@@ -133,7 +134,7 @@ class NativeForward:
         eps = body.norm.variance_epsilon if hasattr(body.norm, "variance_epsilon") else cfg.rms_norm_eps
         self.m = _Model(len(body.layers), cfg.hidden_size, self.heads, self.kv_heads, self.head_dim,
                         cfg.intermediate_size, head.out_features, float(eps), float(body.layers[0].self_attn.scaling),
-                        self._ptr(body.embed_tokens.weight), self._ptr(body.norm.weight), layers, _qmat(head),
+                        self._embed_ptr(body.embed_tokens), self._ptr(body.norm.weight), layers, _qmat(head),
                         None, None, 0, ARITH_CODES[head.arithmetic])
         if forward_check_library(head.isa)(ctypes.byref(self.m)):
             raise ValueError("native forward unavailable: a shape its fixed-size parts do not take, kept inputs "
@@ -142,6 +143,16 @@ class NativeForward:
         self.arithmetic = head.arithmetic
         self.vocab = head.out_features
         self._grow_rope(4096)
+
+    def _embed_ptr(self, embed) -> int:
+        """The embedding table's pointer. A GGUF file's table (FileEmbedding) fills its rows as they are
+        first looked up: each call ensures its ids' rows first (`_ensure`)."""
+        if isinstance(embed, FileEmbedding):
+            self._ensure = embed.ensure
+            self._keep.append(embed.table)
+            return embed.table.data_ptr()
+        self._ensure = None
+        return self._ptr(embed.weight)
 
     def _ptr(self, t: torch.Tensor) -> int:
         t = t.detach()
@@ -201,6 +212,8 @@ class NativeForward:
             self._ptrs = (key, (_P * len(kv_k))(*(t.data_ptr() for t in kv_k)),
                           (_P * len(kv_v))(*(t.data_ptr() for t in kv_v)))
         _, kp, vp = self._ptrs
+        if self._ensure is not None:
+            self._ensure(ids)
         ids, pos, vis = ids.contiguous(), pos.to(torch.int64).contiguous(), vis.to(torch.uint8).contiguous()
         cap = kv_k[0].shape[2]
         rc = self._fn(ctypes.byref(self.m), b, tok0.data_ptr(), ids.data_ptr(), pos.data_ptr(), meta[0].data_ptr(),

@@ -99,6 +99,20 @@ def test_a_file_is_read_as_it_is_without_a_float32_copy(files, tmp_path) -> None
     held = sum(b.numel() * b.element_size() for m in layers for b in (m.codes, m.d, m.m))
     weights = sum(m.in_features * m.out_features for m in layers)
     assert held < 1.2 * weights, held / weights
+    # the embedding stays the file's rows, each looked-up row exactly gguf-py's dequantized one
+    import numpy as np
+    from gguf import GGUFReader, quants
+
+    from trserve.engine.model.embedding import FileEmbedding
+
+    embed = loaded.model.get_input_embeddings()
+    assert isinstance(embed, FileEmbedding) and not any(True for _ in embed.parameters())
+    (tensor,) = [t for t in GGUFReader(str(path)).tensors if t.name == "token_embd.weight"]
+    table = quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+    ids = torch.tensor([[0, 1, 17], [49151, 1000, 17]])
+    assert torch.equal(embed(ids), torch.from_numpy(table[ids.numpy()]))
+    with pytest.raises(IndexError):
+        embed(torch.tensor([49152]))
 
 
 def test_a_file_with_a_type_the_kernels_do_not_take_is_refused_in_one_line(tmp_path) -> None:
