@@ -8,8 +8,12 @@ given; made once into bench-results/files/. Each file is loaded in a process of 
 time and peak resident memory are its own), then: which path serves it (kernels, arithmetic, forward,
 kernel kinds), load seconds, peak and steady RSS, and forward ms at widths 1/2/4/8/16 over 512 cached
 tokens (the runner the decoders use). llama-bench beside it: its token time (tg64) and its batch of w
-prompt tokens (pp w), in ms. Written as JSON (bench-results/files.json) and a table, with the host's
-CPU and ISA flags.
+prompt tokens (pp w), in ms. Then, in another process, whether each file is served losslessly: `tr`
+against `ar` token for token on held-out first turns (spec_bench, one per category after the bench's
+first three) in both arithmetics, with each one's tokens per second; and for the real model's files
+the int8 arithmetic's fidelity to the exact one (top-1 agreement and KL, teacher-forced over the exact
+greedy continuations, as bench/fidelity.py measures). Written as JSON (bench-results/files.json) and
+a table, with the host's CPU and ISA flags.
 """
 
 from __future__ import annotations
@@ -34,6 +38,8 @@ class FilesConfig:
     widths: tuple[int, ...] = (1, 2, 4, 8, 16)
     threads: int | None = None
     arithmetic: str = "auto"
+    prompts: int = 13  # held-out first turns for tr == ar (4 for random-weight files: their text means nothing)
+    new_tokens: int = 64
     work_dir: str = "bench-results/files"
     json_path: str = "bench-results/files.json"
 
@@ -94,6 +100,48 @@ def measure_one(path: str, arithmetic: str, threads: int | None, widths: tuple[i
             "width_ms": {str(w): round(1000 * s, 2) for w, s in zip(cost.widths, cost.seconds[0])}}
 
 
+def lossless_one(path: str, threads: int | None, n_prompts: int, new_tokens: int, fidelity: bool) -> dict:
+    """In this process: per arithmetic (exact, int8), tr == ar on held-out first turns and each one's tokens
+    per second; with `fidelity`, int8's top-1 agreement and KL against exact over exact's greedy tokens."""
+    import torch
+
+    from ..core.datasets import prompt_file
+    from ..engine import Decoder, DecoderConfig, GenerationRequest
+    from ..engine.model.loader import ModelConfig
+    from .fidelity import compare, held_out, summarise, teacher_forced
+
+    texts, out, models, runs = held_out(str(prompt_file("spec_bench")), 1, 3)[:n_prompts], {}, {}, []
+    for arith in ("exact", "int8"):
+        d = Decoder(DecoderConfig(model=ModelConfig(source=path, arithmetic=arith, threads=threads)))
+        if d.loaded.arithmetic != arith:
+            out[arith] = {"error": f"served in {d.loaded.arithmetic}"}
+            continue
+        same, secs, tokens = 0, {"ar": 0.0, "tr": 0.0}, 0
+        for text in texts:
+            prompt = d.prompts.chat_ids([{"role": "user", "content": text}])
+            res = {}
+            for mode in ("ar", "tr"):
+                t0 = time.perf_counter()
+                res[mode] = d.generate(GenerationRequest(input_ids=prompt, max_new_tokens=new_tokens, mode=mode,
+                                                         ignore_eos=True)).ids
+                secs[mode] += time.perf_counter() - t0
+            same, tokens = same + (res["tr"] == res["ar"]), tokens + len(res["ar"])
+            if arith == "exact":
+                runs.append((prompt, res["ar"]))
+        out[arith] = {"tr_eq_ar": same, "prompts": len(texts), "ar_tok_s": round(tokens / secs["ar"], 1),
+                      "tr_tok_s": round(tokens / secs["tr"], 1), "tr_over_ar": round(secs["ar"] / secs["tr"], 3)}
+        models[arith] = d.loaded.model if fidelity else None
+        del d
+    if fidelity and all(models.values()):
+        parts = []
+        for prompt, ids in runs:
+            ref = teacher_forced(models["exact"], prompt + ids, len(prompt))
+            parts.append(compare(ref, teacher_forced(models["int8"], prompt + ids, len(prompt)), torch.tensor(ids)))
+        summary = summarise(parts)
+        out["fidelity"] = {k: summary[k] for k in ("top1_agreement", "kl_mean", "positions")}
+    return out
+
+
 def _status(field: str) -> int:
     """A /proc/self/status memory figure in kB."""
     for line in Path("/proc/self/status").read_text().splitlines():
@@ -134,18 +182,23 @@ def run_files(config: FilesConfig) -> dict:
                                                         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
               "files": []}
     for label, path in make_files(config):
-        cmd = [sys.executable, "-m", "trserve.bench.files", str(path), config.arithmetic, str(threads),
-               ",".join(map(str, config.widths))]
-        res = subprocess.run(cmd, capture_output=True, text=True)
         row = {"file": label, "path": str(path), "mb": round(path.stat().st_size / 1e6, 1)}
-        if res.returncode:
-            row["error"] = (res.stderr.strip().splitlines() or ["failed"])[-1]
-        else:
-            row.update(json.loads(res.stdout.strip().splitlines()[-1]))
+        row.update(_child(["measure", str(path), config.arithmetic, str(threads), ",".join(map(str, config.widths))]))
         row["llama_bench"] = llama_bench(path, threads, config.widths)
+        real = label.startswith("bundled")  # a real model's file (else random weights: a few prompts, no fidelity)
+        n = config.prompts if real else min(4, config.prompts)
+        row["lossless"] = _child(["lossless", str(path), str(threads), str(n), str(config.new_tokens), str(int(real))])
         report["files"].append(row)
     write_report(config.json_path, report, format_files(report))
     return report
+
+
+def _child(args: list[str]) -> dict:
+    """`python -m trserve.bench.files ARGS` (a process of its own): its JSON result, or {"error": ...}."""
+    res = subprocess.run([sys.executable, "-m", "trserve.bench.files", *args], capture_output=True, text=True)
+    if res.returncode:
+        return {"error": (res.stderr.strip().splitlines() or ["failed"])[-1]}
+    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 def format_files(report: dict) -> str:
@@ -168,9 +221,27 @@ def format_files(report: dict) -> str:
         if lb and "error" not in lb:
             cells = [f"{lb.get('tg_ms', '-'):<7}"] + [f"{lb.get(f'pp{w}_ms', '-'):<7}" for w in widths[1:]]
             lines.append(" " * 88 + "llama.cpp " + "  ".join(cells))
+        lines.append(" " * 30 + _lossless_cell(row.get("lossless") or {}))
     return "\n".join(lines)
 
 
+def _lossless_cell(res: dict) -> str:
+    """tr == ar per arithmetic (with tr's speed over ar's), and int8's fidelity to exact where measured."""
+    if "error" in res:
+        return f"lossless check failed: {res['error']}"
+    cells = [f"{a}: tr==ar {r['tr_eq_ar']}/{r['prompts']} (tr {r['tr_tok_s']} / ar {r['ar_tok_s']} tok/s = "
+             f"{r['tr_over_ar']}x)" if "error" not in r else f"{a}: {r['error']}"
+             for a, r in res.items() if a in ("exact", "int8")]
+    if "fidelity" in res:
+        f = res["fidelity"]
+        cells.append(f"int8 vs exact: top-1 {100 * f['top1_agreement']:.2f}%, KL {f['kl_mean']:.2e}")
+    return "; ".join(cells)
+
+
 if __name__ == "__main__":  # one file's measurement, in a process of its own
-    _path, _arith, _threads, _widths = sys.argv[1:5]
-    print(json.dumps(measure_one(_path, _arith, int(_threads), tuple(int(w) for w in _widths.split(",")))))
+    if sys.argv[1] == "measure":
+        _path, _arith, _threads, _widths = sys.argv[2:6]
+        print(json.dumps(measure_one(_path, _arith, int(_threads), tuple(int(w) for w in _widths.split(",")))))
+    else:
+        _path, _threads, _n, _tokens, _fid = sys.argv[2:7]
+        print(json.dumps(lossless_one(_path, int(_threads), int(_n), int(_tokens), _fid == "1")))

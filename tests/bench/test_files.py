@@ -14,7 +14,7 @@ def test_files_table_measures_each_file_in_its_own_process(tmp_path):
     from trserve.bench.files import FilesConfig, run_files
 
     config = FilesConfig(bundled=(), shaped=("tiny:Q4_K_M",), widths=(1, 2), threads=2, arithmetic="exact",
-                         work_dir=str(tmp_path / "files"), json_path=str(tmp_path / "files.json"))
+                         prompts=2, new_tokens=16, work_dir=str(tmp_path / "files"), json_path=str(tmp_path / "files.json"))
     report = run_files(config)
     shipped, tiny = report["files"]
     assert shipped["file"].startswith("bundled Q4_1") and "error" not in shipped, shipped
@@ -24,5 +24,11 @@ def test_files_table_measures_each_file_in_its_own_process(tmp_path):
         assert row["load_s"] > 0 and 0 < row["steady_rss_gb"] <= row["peak_rss_gb"]
         assert set(row["width_ms"]) == {"1", "2"} and all(v > 0 for v in row["width_ms"].values())
     assert shipped["width_ms"]["1"] > tiny["width_ms"]["1"]  # 135M parameters against 2 tiny layers
+    # lossless in both arithmetics on every file; int8's fidelity to exact on the real model's
+    for row, n in ((shipped, 2), (tiny, 2)):
+        for arith in ("exact", "int8"):
+            assert row["lossless"][arith]["tr_eq_ar"] == row["lossless"][arith]["prompts"] == n, row["lossless"]
+    assert shipped["lossless"]["fidelity"]["top1_agreement"] > 0.9 and "fidelity" not in tiny["lossless"]
     text = (tmp_path / "files.txt").read_text()
+    assert "exact: tr==ar 2/2" in text and "int8 vs exact: top-1" in text
     assert "host:" in text and "tiny (random) Q4_K_M" in text and "compressed/exact/native" in text
