@@ -1,8 +1,10 @@
-"""gRPC end to end vs in-process: `python -m trserve.bench.service [--prompts P] [--n N] [--max-new-tokens M]`.
+"""Through the service, one caller: `python -m trserve.bench.service [--model FILE] [--threads T] [--peer]`.
 
-Starts `trserve serve` as a separate process (port 0), then runs the same prompts through its
-Generate RPC and through an in-process Decoder, alternating per prompt so drift hits both; each
-side has its own fresh hot matrix (one tenant). Prints a table and writes JSON.
+Starts `trserve serve` as a separate process (port 0; `--model`, `--threads` passed on), then sends the
+same chat prompts, one at a time, through its Generate RPC (tenant "bench", its own hot matrix) and
+through the other sides, alternating per prompt so drift hits all: an in-process Decoder of the same
+model (what gRPC costs), and with `--peer` llama.cpp's own server on the same file and threads
+(`make llama-server`; the prompt as the same chat-templated ids, greedy). Prints a table and writes JSON.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from pathlib import Path
 from .cli import DEFAULT_PROMPTS
 
 
-def _start_server() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "trserve.services.cli", "--log-level", "WARNING", "serve", "--port", "0", "--http-port", "0",
-                             "--metrics-port", "-1"], stdout=subprocess.PIPE, text=True)
+def _start_server(model: str | None, threads: int | None) -> tuple[subprocess.Popen, str]:
+    extra = [*(["--model", model] if model else []), *(["--threads", str(threads)] if threads else [])]
+    proc = subprocess.Popen([sys.executable, "-m", "trserve.services.cli", "--log-level", "WARNING", "serve", "--port", "0",
+                             "--http-port", "0", "--metrics-port", "-1", *extra], stdout=subprocess.PIPE, text=True)
     for line in proc.stdout:
         m = re.search(r"listening on (\S+)", line)
         if m:
@@ -38,41 +41,78 @@ def _questions(path: str, n: int) -> list[str]:
     return (firsts * (n // len(firsts) + 1))[:n]
 
 
+def _sides(args, client, stack) -> dict:
+    """name -> callable(messages) -> generated token count, for each side measured."""
+    from ..engine import Decoder, DecoderConfig, ModelConfig
+
+    source = {"source": args.model} if args.model else {}
+    decoder = Decoder(DecoderConfig(model=ModelConfig(**source, threads=args.threads)))
+    matrix = decoder.new_matrix()
+    sides = {"grpc": lambda m: client.generate(messages=m, tenant="bench", max_new_tokens=args.max_new_tokens
+                                                ).stats.generated_tokens,
+             "in-process": lambda m: len(decoder.generate(messages=m, max_new_tokens=args.max_new_tokens,
+                                                          matrix=matrix).ids)}
+    if args.peer:
+        from .llama_server import ServerDecoder
+
+        if not (args.model or "").endswith(".gguf"):
+            raise SystemExit("--peer needs --model FILE.gguf (llama-server runs the same file)")
+        peer = stack.enter_context(_closing(ServerDecoder("llama-server", args.model, decoder.tokenizer,
+                                                          args.threads or 2)))
+        sides["llama-server"] = lambda m: len(peer(m, args.max_new_tokens)[0])
+    return sides
+
+
+class _closing:
+    def __init__(self, thing) -> None:
+        self.thing = thing
+
+    def __enter__(self):
+        return self.thing
+
+    def __exit__(self, *exc) -> None:
+        self.thing.close()
+
+
 def main(argv: list[str] | None = None) -> int:
+    from contextlib import ExitStack
+
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--prompts", default=DEFAULT_PROMPTS)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--model", default=None, help="model source for every side (default: the bundled model)")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--peer", action="store_true", help="also llama.cpp's own server on the same --model file")
     ap.add_argument("--json", default="bench-results/grpc_vs_inprocess.json")
     args = ap.parse_args(argv)
 
-    from ..engine import Decoder, DecoderConfig
     from ..services.client.client import TRServeClient
+    from .host import host_facts, host_line
 
-    proc, addr = _start_server()
+    proc, addr = _start_server(args.model, args.threads)
     try:
-        decoder = Decoder(DecoderConfig())
-        matrix = decoder.new_matrix()
-        totals = {"grpc": [0, 0.0], "in-process": [0, 0.0]}
-        with TRServeClient(addr, timeout=600) as client:
+        with ExitStack() as stack, TRServeClient(addr, timeout=600) as client:
+            sides = _sides(args, client, stack)
+            totals = {name: [0, 0.0] for name in sides}
             for prompt in _questions(args.prompts, args.n):
-                messages = [{"role": "user", "content": prompt}]
-                t = time.perf_counter()
-                r = client.generate(messages=messages, tenant="bench", max_new_tokens=args.max_new_tokens)
-                totals["grpc"][0] += r.stats.generated_tokens
-                totals["grpc"][1] += time.perf_counter() - t
-                t = time.perf_counter()
-                local = decoder.generate(messages=messages, max_new_tokens=args.max_new_tokens, matrix=matrix)
-                totals["in-process"][0] += len(local.ids)
-                totals["in-process"][1] += time.perf_counter() - t
+                for name, run in sides.items():
+                    t = time.perf_counter()
+                    totals[name][0] += run([{"role": "user", "content": prompt}])
+                    totals[name][1] += time.perf_counter() - t
     finally:
         proc.terminate()
         proc.wait(30)
     report = {k: {"tokens": n, "seconds": round(s, 3), "tokens_per_s": round(n / s, 3)} for k, (n, s) in totals.items()}
     report["grpc_vs_in_process"] = round(report["grpc"]["tokens_per_s"] / report["in-process"]["tokens_per_s"], 4)
-    for k in ("grpc", "in-process"):
-        print(f"{k:<11} {report[k]['tokens_per_s']:7.2f} tok/s  ({report[k]['tokens']} tokens)")
-    print(f"gRPC / in-process = {report['grpc_vs_in_process']:.3f}")
+    if "llama-server" in report:
+        report["grpc_vs_llama_server"] = round(report["grpc"]["tokens_per_s"] / report["llama-server"]["tokens_per_s"], 4)
+    report["config"], report["environment"] = vars(args), host_facts()
+    print(host_line({**report["environment"], "threads": args.threads or "default"}))
+    for k in totals:
+        print(f"{k:<13} {report[k]['tokens_per_s']:7.2f} tok/s  ({report[k]['tokens']} tokens)")
+    print(f"gRPC / in-process = {report['grpc_vs_in_process']:.3f}" + (
+        f"; gRPC / llama-server = {report['grpc_vs_llama_server']:.3f}" if "grpc_vs_llama_server" in report else ""))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
