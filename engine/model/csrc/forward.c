@@ -553,7 +553,8 @@ int trserve_forward_check(const tr_model *M)
         const tr_layer *L = M->layers + l;
         const tr_qmat *all[] = {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down, &M->head};
         for (int i = 0; i < 8; i++)
-            if (all[i]->n_kept < 0 || all[i]->n_kept > MAX_KEPT || (all[i]->n_kept && (!M->arith || !all[i]->kept_w)))
+            if (all[i]->n_kept < 0 || all[i]->n_kept > MAX_KEPT || (all[i]->n_kept && (!M->arith || !all[i]->kept_w))
+                || !KNOWN_KIND(all[i]->kind) || (KTWO(all[i]->kind) && all[i]->in % 256))
                 return -1;
         if (!same_kept(&L->q, &L->k) || !same_kept(&L->q, &L->v) || !same_kept(&L->gate, &L->up)) return -1;
         for (int64_t g = 0; L->key_pair && g < M->kv_heads; g++)

@@ -7,9 +7,9 @@
 #include <stdint.h>
 
 typedef struct {
-    int64_t kind, in, out; /* 4 or 8 (qlinear.c), in/out features */
+    int64_t kind, in, out; /* qlinear.h's kinds, in/out features */
     const uint8_t *codes;
-    const uint16_t *d, *m; /* float16 bits; m only for kind 4 */
+    const uint16_t *d, *m; /* the kind's scales and mins (qlinear.h); m only where it has a min */
     const float *bias;     /* [out] or NULL */
     int64_t n_kept;        /* int8 arithmetic: inputs kept in float32 (qlinear_i8.c), 0..16 */
     const int32_t *kept;   /* [n_kept] their indices (the same for the matrices sharing an input) */

@@ -6,11 +6,14 @@
  * d and m are float16 values (stored as IEEE half bits, converted exactly to float32 here). q * d is
  * exact in float32 for these ranges (8 bits x 11 bits), so q * d + m has a single rounding and the
  * rebuilt weight equals the stored float32 weight bit for bit (engine/model/kernels/recover.py checks
- * this at load). The K-quant kinds (qlinear.h: 5, 9, 17) hold float32 d and m, the products of a
- * super-block's float16 scale and a sub-block's 6- or 8-bit one, and q8 codes with a min (kind 9:
- * W = q * d + m) or with a scale per 16 inputs (kind 17: inputs 32b + j, j < 16, take d[o, 2b], the
- * rest d[o, 2b + 1]); q * d stays exact (at most 24 bits), so each weight is ggml's value bit for bit
- * (engine/model/kernels/kquants.py checks it at load).
+ * this at load). A GGUF file's K-quant kinds (qlinear.h: 6, 10, 18) hold the file's two-level scales:
+ * d[o, b] = d16 * sc, the product of a super-block's float16 scale and a sub-block's 6- or 8-bit one,
+ * formed in registers per panel-block (exact in float32), and m[o, b] = -(dmin16 * mn) likewise; q8
+ * codes with a min (kind 10, and kind 9's float32 d and m: W = q * d + m) or with a scale per 16
+ * inputs (kind 18: inputs 32b + j, j < 16, take the block's first scale, the rest its second); q * d
+ * stays exact (at most 24 bits), so each weight is ggml's value bit for bit
+ * (engine/model/kernels/kquants.py checks it at load). Kinds 5 and 17 hold the same products as float32
+ * (the two-level kinds' reference in the tests; one row and one panel at a time).
  *
  * Layout: outputs in panels of 16 (O padded to a multiple of 16 with zero weights). Panel p, block b:
  *   q4 codes, "bytes" (avx512, scalar builds): 16 x 16 bytes, byte [j][l] = q[16p + l, 32b + 2j] |
@@ -18,7 +21,9 @@
  *   q4 codes, "lanes" (avx2 build): 4 x 16 little-endian uint32, word [g][l] = sum over k < 8 of
  *             q[16p + l, 32b + 8g + k] << 4k
  *   q8 codes: 32 x 16 bytes, byte [j][l] = q[16p + l, 32b + j]
- *   d, m:     16 halves, [l] = d[16p + l, b]
+ *   d, m:     16 halves, [l] = d[16p + l, b] (kinds 5, 9: 16 floats; kind 17: 32 floats, two per output)
+ *   two-level kinds (6, 10, 18): per panel super-block (8 blocks), a record of the 16 outputs' float16
+ *             super-block scale, then their sub-block scales as bytes, 16 per sub-block (qlinear.h)
  * so one load gives one, two or eight inputs' weights for 16 outputs, one vector lane per output.
  * Both q4 layouts hold the same codes in the same 256 bytes; the loader packs the one its library
  * reports (trserve_qlinear_q4_layout). "lanes" exists because on AVX2 the byte layout's widening
@@ -247,8 +252,8 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
         for (int t = 0; t < T; t++) {
             const int64_t pb = (p + t) * nb + b;
             vd[t] = v_scale(w->d, kind, pb, 0);
-            vd2[t] = kind == 17 ? v_scale(w->d, kind, pb, 1) : vd[t];
-            vm[t] = KMIN(kind) ? v_scale(w->m, kind, pb, 0) : v_zero();
+            vd2[t] = KH16(kind) ? v_scale(w->d, kind, pb, 1) : vd[t];
+            vm[t] = KMIN(kind) ? v_min(w->m, kind, pb) : v_zero();
             c[t] = w->codes + PANEL_BLOCK_BYTES(kind) * pb;
 #if PREFETCH_BLOCKS
             /* the stream PREFETCH_BLOCKS blocks ahead (into the next panels at a panel's end: the next tile's) */
@@ -269,7 +274,7 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
                 for (int j = 0; j < 16; j++) tile_q4_pair(R, T, j, c, vd, vm, xb, acc);
             }
         } else {
-            for (int h = 0; h < 2; h++) /* the block's halves: kind 17's two scales */
+            for (int h = 0; h < 2; h++) /* the block's halves: KH16 kinds' two scales */
                 for (int j = 16 * h; j < 16 * h + 16; j++) {
                     v16 wj[MAX_PANELS];
 #pragma GCC unroll 4
@@ -292,8 +297,8 @@ INLINE void rebuild_panels(const qmat_t *w, const int kind, const int T, int64_t
     for (int64_t b = 0; b < nb; b++)
         for (int t = 0; t < T; t++) {
             const int64_t pb = (p + t) * nb + b;
-            const v16 vd = v_scale(w->d, kind, pb, 0), vm = KMIN(kind) ? v_scale(w->m, kind, pb, 0) : v_zero();
-            const v16 vd2 = kind == 17 ? v_scale(w->d, kind, pb, 1) : vd;
+            const v16 vd = v_scale(w->d, kind, pb, 0), vm = KMIN(kind) ? v_min(w->m, kind, pb) : v_zero();
+            const v16 vd2 = KH16(kind) ? v_scale(w->d, kind, pb, 1) : vd;
             const uint8_t *c = w->codes + PANEL_BLOCK_BYTES(kind) * pb;
             float *o = wb + (32 * b * T + t) * PANEL; /* input 32b, panel t */
             if (KQ4(kind)) {
@@ -366,9 +371,10 @@ INLINE void mem_call(const qmat_t *w, const int R, const int T, const float *wb,
 #define TILE_FNS(K, T) TILE_FN(K, 1, T) TILE_FN(K, 2, T) TILE_FN(K, 3, T) TILE_FN(K, 4, T) TILE_FN(K, 5, T) \
     TILE_FN(K, 6, T) TILE_FN(K, 7, T) TILE_FN(K, 8, T) TILE_FN(K, 9, T) TILE_FN(K, 10, T) TILE_FN(K, 11, T) \
     TILE_FN(K, 12, T) TILE_FN(K, 13, T) TILE_FN(K, 14, T) TILE_FN(K, 15, T) TILE_FN(K, 16, T)
-TILE_FNS(4, 1) TILE_FNS(4, 2) TILE_FNS(4, 3) TILE_FNS(4, 4) TILE_FNS(8, 1) TILE_FNS(8, 2) TILE_FNS(8, 3) TILE_FNS(8, 4)
-TILE_FNS(5, 1) TILE_FNS(5, 2) TILE_FNS(5, 3) TILE_FNS(5, 4) TILE_FNS(9, 1) TILE_FNS(9, 2) TILE_FNS(9, 3) TILE_FNS(9, 4)
-TILE_FNS(17, 1) TILE_FNS(17, 2) TILE_FNS(17, 3) TILE_FNS(17, 4)
+#define TILE_KIND(K) TILE_FNS(K, 1) TILE_FNS(K, 2) TILE_FNS(K, 3) TILE_FNS(K, 4)
+TILE_KIND(4) TILE_KIND(8) TILE_KIND(6) TILE_KIND(10) TILE_KIND(18) TILE_KIND(9)
+TILE_FN(5, 1, 1) TILE_FN(17, 1, 1) /* the reference kinds: one row, one panel */
+#undef TILE_KIND
 #undef TILE_FNS
 #undef TILE_FN
 /* tile_K_R_T for constant kind, R, T (every call site's are: all but one test folds away). */
@@ -379,9 +385,9 @@ INLINE void tile_call(const qmat_t *w, const int kind, const int R, const int T,
 #define TCS(K, TT) TC(K, 1, TT) TC(K, 2, TT) TC(K, 3, TT) TC(K, 4, TT) TC(K, 5, TT) TC(K, 6, TT) TC(K, 7, TT) \
     TC(K, 8, TT) TC(K, 9, TT) TC(K, 10, TT) TC(K, 11, TT) TC(K, 12, TT) TC(K, 13, TT) TC(K, 14, TT) TC(K, 15, TT) \
     TC(K, 16, TT)
-    TCS(4, 1) TCS(4, 2) TCS(4, 3) TCS(4, 4) TCS(8, 1) TCS(8, 2) TCS(8, 3) TCS(8, 4)
-    TCS(5, 1) TCS(5, 2) TCS(5, 3) TCS(5, 4) TCS(9, 1) TCS(9, 2) TCS(9, 3) TCS(9, 4)
-    TCS(17, 1) TCS(17, 2) TCS(17, 3) TCS(17, 4)
+#define TCK(K) TCS(K, 1) TCS(K, 2) TCS(K, 3) TCS(K, 4)
+    TCK(4) TCK(8) TCK(6) TCK(10) TCK(18) TCK(9) TC(5, 1, 1) TC(17, 1, 1)
+#undef TCK
 #undef TCS
 #undef TC
     __builtin_unreachable();
@@ -431,8 +437,10 @@ INLINE void part(const qmat_t *w, const int kind, const int RR, const int T, con
         part(w, kind, RR, T, x, n, y, p0, p1);                                                                  \
     }
 #define PLANS(K, NR, NP) PLAN(one_##K, K, 1, ONE_PANELS) PLAN(narrow_##K, K, NR, NP) PLAN(wide_##K, K, WIDE_ROWS, WIDE_PANELS)
-PLANS(4, NARROW_ROWS, NARROW_PANELS) PLANS(5, NARROW_ROWS, NARROW_PANELS)
-PLANS(8, NARROW8_ROWS, NARROW8_PANELS) PLANS(9, NARROW8_ROWS, NARROW8_PANELS) PLANS(17, NARROW8_ROWS, NARROW8_PANELS)
+PLANS(4, NARROW_ROWS, NARROW_PANELS) PLANS(6, NARROW_ROWS, NARROW_PANELS)
+PLANS(8, NARROW8_ROWS, NARROW8_PANELS) PLANS(10, NARROW8_ROWS, NARROW8_PANELS) PLANS(18, NARROW8_ROWS, NARROW8_PANELS)
+PLANS(9, NARROW8_ROWS, NARROW8_PANELS)
+PLAN(one_5, 5, 1, 1) PLAN(one_17, 17, 1, 1) /* the reference kinds: qmat_rows gives them one row at a time */
 #undef PLANS
 #undef PLAN
 
@@ -474,7 +482,7 @@ INLINE void deq_part(const qmat_t *w, const int kind, const float *x, int64_t n,
 #define DEQ_PLAN(K)                                                                                              \
     static __attribute__((noinline)) void deq_##K(const qmat_t *w, const float *x, int64_t n, float *y, int64_t p0, \
                                                   int64_t p1) { deq_part(w, K, x, n, y, p0, p1); }
-DEQ_PLAN(4) DEQ_PLAN(8) DEQ_PLAN(5) DEQ_PLAN(9) DEQ_PLAN(17)
+DEQ_PLAN(4) DEQ_PLAN(8) DEQ_PLAN(6) DEQ_PLAN(10) DEQ_PLAN(18) DEQ_PLAN(9)
 #undef DEQ_PLAN
 
 /* A kind's plans. */
@@ -485,7 +493,9 @@ typedef struct {
 static plans_t plans_of(int kind)
 {
 #define PL(K) if (kind == K) { const plans_t p = {one_##K, narrow_##K, wide_##K, deq_##K}; return p; }
-    PL(4) PL(5) PL(9) PL(17)
+#define PL_REF(K) if (kind == K) { const plans_t p = {one_##K, one_##K, one_##K, one_##K}; return p; }
+    PL(4) PL(6) PL(10) PL(18) PL(9) PL_REF(5) PL_REF(17)
+#undef PL_REF
 #undef PL
     const plans_t p = {one_8, narrow_8, wide_8, deq_8};
     return p;
@@ -519,6 +529,10 @@ void qmat_rows(const qmat_t *w, const float *x, int64_t n, float *y, int64_t id,
     const plans_t pl = plans_of(w->kind);
     if (n == 1) {
         pl.one(w, x, n, y, p0, p1);
+        return;
+    }
+    if (KREF(w->kind)) { /* the reference kinds: row by row (the same bits as any plan) */
+        for (int64_t r = 0; r < n; r++) pl.one(w, x + r * w->in, 1, y + r * w->out, p0, p1);
         return;
     }
     const int narrow = n <= (KQ4(w->kind) ? NARROW_ROWS : NARROW8_ROWS);
@@ -557,12 +571,13 @@ static void qlinear_job(void *arg, int64_t id, int64_t nt)
     qmat_rows(j->w, j->x, j->n, j->y, id, nt, &o0, &o1);
 }
 
-/* x: [n, I] row-major, I % 32 == 0; codes, d, m: the panel layout above for ceil(O / 16) panels (m
- * only where the kind has a min); bias: [O] or NULL; y: [n, O]. Returns 0, or -3 for an unknown kind. */
+/* x: [n, I] row-major, I % 32 == 0 (two-level kinds: I % 256 == 0); codes, d, m: the panel layout above
+ * for ceil(O / 16) panels (m only where the kind has a min); bias: [O] or NULL; y: [n, O]. Returns 0, or
+ * -3 for an unknown kind (or a two-level kind's I not a multiple of 256). */
 int trserve_qlinear(int kind, const float *x, int64_t n, int64_t I, int64_t O, const uint8_t *codes,
                     const uint16_t *d, const uint16_t *m, const float *bias, float *y, int threads)
 {
-    if (!KNOWN_KIND(kind)) return -3;
+    if (!KNOWN_KIND(kind) || (KTWO(kind) && I % 256)) return -3;
     const qmat_t w = {kind, I, O, I / 32, codes, d, m, bias};
     qlinear_job_t job = {&w, x, n, y};
     pool_run(qlinear_job, &job, threads);

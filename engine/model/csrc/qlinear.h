@@ -12,25 +12,40 @@
 
 #define PANEL 16 /* outputs per panel of the packed layout */
 
-/* Kinds of compressed matrix: the codes' width, the scales' type and block, whether a min is added.
+/* Kinds of compressed matrix: the codes' width, the scales' form and block, whether a min is added.
  *   4  q4 codes, float16 d and m per block of 32 (Q4_0, Q4_1)
  *   8  q8 codes, float16 d per block of 32 (Q8_0, Q5_0)
- *   5  q4 codes, float32 d and m per block of 32 (Q4_K: d = d_super * sc, m = -dmin_super * mn)
- *   9  q8 codes, float32 d and m per block of 32 (Q5_K, Q5_1)
- *   17 q8 codes, float32 d per 16 inputs, two per block (Q6_K: d = d_super * sc)
- * Every product code * d is exact in float32 for these ranges, so W = code * d (+ m) has at most one
- * rounding: ggml's own dequantized value. */
-#define KQ4(k) ((k) == 4 || (k) == 5)                /* 4-bit codes (else 8-bit) */
-#define KMIN(k) ((k) == 4 || (k) == 5 || (k) == 9)   /* a min per block */
-#define KF16(k) ((k) == 4 || (k) == 8)               /* float16 scales (else float32) */
-#define KNOWN_KIND(k) ((k) == 4 || (k) == 8 || (k) == 5 || (k) == 9 || (k) == 17)
+ *   6  q4 codes, a GGUF file's two-level scales (Q4_K): d = d16 * sc, m = -(dmin16 * mn) per block of 32
+ *   10 q8 codes, the same two-level scales and mins (Q5_K)
+ *   18 q8 codes, two-level scales per 16 inputs, two per block: d = d16 * sc, sc signed (Q6_K)
+ *   9  q8 codes, float32 d and m per block of 32 (Q5_1: float16 values)
+ *   5, 17: kinds 6 and 18 with each product held as float32 (5: d and m per 32; 17: d per 16), the
+ *      compact kinds' reference (tests: the same bits); compiled for one row and one panel at a time
+ * The two-level kinds (KTWO) hold the file's own scales: a record per panel super-block (16 outputs x
+ * 256 inputs: 8 blocks; in % 256 == 0), KREC_BYTES(kind) bytes, panel super-block ps = pb / 8 at
+ * ps KREC_BYTES(kind) of the stream:
+ *   bytes [0, 32):   the 16 outputs' float16 super-block scale (d; dmin in the min's stream), [l] output l
+ *   then 16 bytes per sub-block: [16 k + l] output l's scale of sub-block k (uint8 sc and mn, 6-bit
+ *   values, k = block 0..7; kind 18: int8 sc, k = 2 block + half 0..15)
+ * d16 * sc is exact in float32 (11 x 8 bits), as is dmin16 * mn: the float32 kinds' very values, formed
+ * in registers. Every product code * d is exact in float32 for these ranges, so W = code * d (+ m) has
+ * at most one rounding: ggml's own dequantized value. */
+#define KQ4(k) ((k) == 4 || (k) == 5 || (k) == 6)                             /* 4-bit codes (else 8-bit) */
+#define KMIN(k) ((k) == 4 || (k) == 5 || (k) == 6 || (k) == 9 || (k) == 10)  /* a min per block */
+#define KF16(k) ((k) == 4 || (k) == 8)                                        /* float16 scales per block */
+#define KTWO(k) ((k) == 6 || (k) == 10 || (k) == 18)                          /* two-level scale records */
+#define KH16(k) ((k) == 17 || (k) == 18)                                      /* a scale per 16 inputs */
+#define KREF(k) ((k) == 5 || (k) == 17)                                       /* reference kinds: one row */
+#define KNOWN_KIND(k) ((k) == 4 || (k) == 8 || (k) == 6 || (k) == 10 || (k) == 18 || (k) == 9 || KREF(k))
+#define SUPER 8                                               /* blocks of 32 per super-block */
+#define KREC_BYTES(k) (2 * PANEL + PANEL * (KH16(k) ? 16 : 8)) /* a panel super-block's scale record */
 
 /* One compressed matrix, [out, in] as y = x W^T (+ bias) takes it. */
 typedef struct {
     int kind;
     int64_t in, out, nb; /* in = 32 nb */
     const uint8_t *codes;
-    const uint16_t *d, *m; /* float16 or (cast) float32 values as kind says; m only where KMIN(kind) */
+    const uint16_t *d, *m; /* float16, (cast) float32 values, or (cast) KTWO records, as kind says; m only where KMIN(kind) */
     const float *bias;     /* [out] or NULL */
     int64_t n_kept;        /* int8 arithmetic: inputs kept in float32 (qact_t.kept), 0..MAX_KEPT */
     const float *kept_w;   /* [n_kept, out]: W[:, those inputs], added after the integer part */
@@ -39,18 +54,41 @@ typedef struct {
 #define MAX_ROWS 16  /* register tiles: rows x panels at most */
 #define MAX_PANELS 4
 
-/* The scales of panel-block pb (16 outputs side by side; h: which half of the block, kind 17 only) as
- * floats: float16 values converted exactly, or float32 ones as they are. */
+/* A two-level kind's record of panel-block pb (its super-block's), and the block's sub-block scales in it
+ * (h: which half of the block, kind 18 only). */
+INLINE const uint8_t *k_record(const uint16_t *s, const int kind, int64_t pb)
+{
+    return (const uint8_t *)s + KREC_BYTES(kind) * (pb >> 3);
+}
+INLINE const uint8_t *k_sub(const uint16_t *s, const int kind, int64_t pb, int h)
+{
+    return k_record(s, kind, pb) + 2 * PANEL + PANEL * (KH16(kind) ? 2 * (pb & 7) + h : (pb & 7));
+}
+
+/* The scales of panel-block pb (16 outputs side by side; h: which half of the block, kinds 17 and 18)
+ * as floats: float16 values converted exactly, float32 ones as they are, or a two-level kind's
+ * d16 * sc (exact). For a min's stream, v_min. */
 INLINE v16 v_scale(const uint16_t *s, const int kind, int64_t pb, int h)
 {
     if (KF16(kind)) return v_half(s + PANEL * pb);
-    if (kind == 17) return v_load((const float *)s + PANEL * (2 * pb + h));
+    if (KTWO(kind)) {
+        const uint8_t *sc = k_sub(s, kind, pb, h);
+        return v_mulv(v_half((const uint16_t *)k_record(s, kind, pb)), KH16(kind) ? v_i8(sc) : v_u8(sc));
+    }
+    if (KH16(kind)) return v_load((const float *)s + PANEL * (2 * pb + h));
     return v_load((const float *)s + PANEL * pb);
 }
-/* Where panel-block pb's scales lie (prefetches). */
+/* The mins of panel-block pb: as v_scale, a two-level kind's as -(dmin16 * mn). */
+INLINE v16 v_min(const uint16_t *m, const int kind, int64_t pb)
+{
+    return KTWO(kind) ? v_neg(v_scale(m, kind, pb, 0)) : v_scale(m, kind, pb, 0);
+}
+/* Where panel-block pb's scales lie (prefetches; a two-level kind's: the block's sub-block scales). */
 INLINE const void *scale_at(const uint16_t *s, const int kind, int64_t pb)
 {
-    return KF16(kind) ? (const void *)(s + PANEL * pb) : (const void *)((const float *)s + PANEL * (kind == 17 ? 2 * pb : pb));
+    if (KF16(kind)) return s + PANEL * pb;
+    if (KTWO(kind)) return k_sub(s, kind, pb, 0);
+    return (const float *)s + PANEL * (KH16(kind) ? 2 * pb : pb);
 }
 
 /* acc of rows [r0, r0 + R) and panels [p, p + T) -> y (outputs past `out` are padding: dropped). */
@@ -80,7 +118,7 @@ HIDDEN void qmat_rows(const qmat_t *w, const float *x, int64_t n, float *y, int6
 
 /* Activations quantized for the int8 arithmetic (qlinear_i8.c): n rows of I inputs, block-major:
  * row r's block b is q[(b n + r) 32 ..], its scale s[b n + r], xm m[b n + r], -128 x code sum c[b n + r],
- * -128 x the sum of its first 16 codes c16[b n + r] (kind 17's halves; NULL where not wanted). */
+ * -128 x the sum of its first 16 codes c16[b n + r] (KH16 kinds' halves; NULL where not wanted). */
 typedef struct {
     int64_t n;
     int8_t *q;

@@ -9,8 +9,11 @@
  *   acc = 0;  for b in order:  f = (float)isum(o, b) * s_b;  acc = fma(f, d[o, b], acc);
  *                              kinds with a min (qlinear.h): acc = fma(m[o, b], xm_b, acc)
  *   y = acc (+ bias[o])
- * Kind 17 (a scale per 16 inputs) splits each block's integer sum in its halves, each with its scale:
+ * Kinds 18 and 17 (a scale per 16 inputs) split each block's integer sum in its halves, each with its
+ * scale:
  *   acc = fma((float)isum_lo * s_b, d[o, 2b], acc);  acc = fma((float)isum_hi * s_b, d[o, 2b + 1], acc)
+ * d and m are the kind's scales as floats (qlinear.h: v_scale, v_min; the two-level kinds' d16 * sc and
+ * -(dmin16 * mn), exact), so the two-level kinds give their float32 reference kinds' bits.
  * isum is exact (|isum| <= 32 * 255 * 127 < 2^24, so its float is exact too); the float ops are the
  * same IEEE operations in every build. So a row's outputs are the same bits alone or in a batch of any
  * width, and the same bits on the avx512vnni, avx512, avx2 and scalar builds: only how the integer
@@ -21,7 +24,7 @@
  *   q4: 4 chunks of 64 bytes per panel-block; chunk h byte [4l + k] = q[16p + l, 32b + 8h + k] |
  *       q[16p + l, 32b + 8h + 4 + k] << 4 (low nibbles: inputs 8h..8h+3, high: 8h+4..8h+7)
  *   q8: 8 groups of 64 bytes; group g byte [4l + k] = q[16p + l, 32b + 4g + k] + 128 (biased, unsigned)
- *   d, m: as qlinear.c (16 halves per panel-block)
+ *   d, m: as qlinear.c (16 halves per panel-block; the two-level kinds' records per super-block)
  * The unsigned operand of vpdpbusd is the q4 code (0..15) or the biased q8 code (0..255); the signed
  * one the activations. q8's bias is taken back out exactly: the block's accumulators start at
  * -128 * c. Without VNNI, vpmaddubsw takes q4 codes as they are (2 * 15 * 127 cannot saturate int16)
@@ -104,7 +107,7 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
     for (int64_t b = 0; b < nb; b++) {
         const int8_t *xb = a->q + (b * n + r0) * 32; /* row r's block at xb + 32 r */
         const float *xs = a->s + b * n + r0, *xm = a->m + b * n + r0;
-        const int32_t *xc = a->c + b * n + r0, *xc16 = kind == 17 ? a->c16 + b * n + r0 : xc;
+        const int32_t *xc = a->c + b * n + r0, *xc16 = KH16(kind) ? a->c16 + b * n + r0 : xc;
         const uint8_t *c[MAX_PANELS];
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
@@ -112,7 +115,7 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
             const uint8_t *pc = c[t] + 2 * IBLOCK_BYTES(kind); /* two blocks ahead, into L2 */
             for (int l = 0; l < IBLOCK_BYTES(kind); l += 64) __builtin_prefetch(pc + l, 0, 2);
         }
-        vi16 ia[MAX_ROWS][MAX_PANELS], ih[MAX_ROWS][MAX_PANELS]; /* ih: kind 17's first half */
+        vi16 ia[MAX_ROWS][MAX_PANELS], ih[MAX_ROWS][MAX_PANELS]; /* ih: KH16 kinds' first half */
         if (KQ4(kind)) { /* without VNNI the block's products add up in 16 bits: 16 of them <= 16 x 15 x 127 */
             a4_t s4[MAX_ROWS][MAX_PANELS];
 #pragma GCC unroll 16
@@ -139,10 +142,10 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-                for (int t = 0; t < T; t++) ia[r][t] = Q8_BIAS ? vi_set1(kind == 17 ? xc16[r] : xc[r]) : vi_zero();
+                for (int t = 0; t < T; t++) ia[r][t] = Q8_BIAS ? vi_set1(KH16(kind) ? xc16[r] : xc[r]) : vi_zero();
 #pragma GCC unroll 8
             for (int g = 0; g < 8; g++) {
-                if (kind == 17 && g == 4) /* the second half's sums start afresh (its share of the bias) */
+                if (KH16(kind) && g == 4) /* the second half's sums start afresh (its share of the bias) */
 #pragma GCC unroll 16
                     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
@@ -164,11 +167,11 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
             const int64_t pb = (p + t) * nb + b;
-            const v16 vd = v_scale(w->d, kind, pb, 0), vm = KMIN(kind) ? v_scale(w->m, kind, pb, 0) : v_zero();
-            const v16 vd2 = kind == 17 ? v_scale(w->d, kind, pb, 1) : vd;
+            const v16 vd = v_scale(w->d, kind, pb, 0), vm = KMIN(kind) ? v_min(w->m, kind, pb) : v_zero();
+            const v16 vd2 = KH16(kind) ? v_scale(w->d, kind, pb, 1) : vd;
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++) {
-                if (kind == 17) {
+                if (KH16(kind)) {
                     acc[r][t] = v_fmav(v_mul(vi_float(ih[r][t]), xs + r), vd, acc[r][t]);
                     acc[r][t] = v_fmav(v_mul(vi_float(ia[r][t]), xs + r), vd2, acc[r][t]);
                 } else {
@@ -182,15 +185,31 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
 }
 #endif
 
-/* Output l's scale of panel-block pb (h: kind 17's half) as a float. */
+INLINE float half1(uint16_t h)
+{
+#if defined(__AVX512F__) || defined(__AVX2__)
+    return _cvtsh_ss(h);
+#else
+    return half_to_float(h);
+#endif
+}
+
+/* Output l's scale of panel-block pb (h: a KH16 kind's half) as a float: v_scale's lane l. */
 INLINE float scale1(const uint16_t *s, int kind, int64_t pb, int h, int l)
 {
-    if (!KF16(kind)) return ((const float *)s)[PANEL * (kind == 17 ? 2 * pb + h : pb) + l];
-#if defined(__AVX512F__) || defined(__AVX2__)
-    return _cvtsh_ss(s[PANEL * pb + l]);
-#else
-    return half_to_float(s[PANEL * pb + l]);
-#endif
+    if (KF16(kind)) return half1(s[PANEL * pb + l]);
+    if (KTWO(kind)) {
+        uint16_t d16;
+        memcpy(&d16, k_record(s, kind, pb) + 2 * l, sizeof d16);
+        const uint8_t sc = k_sub(s, kind, pb, h)[l];
+        return half1(d16) * (KH16(kind) ? (float)(int8_t)sc : (float)sc);
+    }
+    return ((const float *)s)[PANEL * (KH16(kind) ? 2 * pb + h : pb) + l];
+}
+/* Output l's min of panel-block pb: v_min's lane l. */
+INLINE float min1(const uint16_t *m, int kind, int64_t pb, int l)
+{
+    return KTWO(kind) ? -scale1(m, kind, pb, 0, l) : scale1(m, kind, pb, 0, l);
 }
 
 /* The code of output l of a panel-block c (int8 layout), input i of the block: its weight's integer. */
@@ -208,7 +227,7 @@ INLINE int32_t icode(const uint8_t *c, int kind, int l, int i)
 static void itile_any(const qmat_t *w, int R, int T, const qact_t *a, float *y, int64_t p, int64_t r0)
 {
     const int64_t nb = w->nb, n = a->n;
-    const int kind = w->kind, halves = kind == 17 ? 2 : 1;
+    const int kind = w->kind, halves = KH16(kind) ? 2 : 1;
     for (int r = 0; r < R; r++)
         for (int t = 0; t < T; t++) {
             float out[PANEL];
@@ -220,12 +239,12 @@ static void itile_any(const qmat_t *w, int R, int T, const qact_t *a, float *y, 
                     const int8_t *xq = a->q + 32 * k;
                     for (int h = 0; h < halves; h++) {
                         int32_t isum = 0;
-                        if (!KQ4(kind) && Q8_BIAS) isum = kind == 17 ? (h ? a->c[k] - a->c16[k] : a->c16[k]) : a->c[k];
+                        if (!KQ4(kind) && Q8_BIAS) isum = KH16(kind) ? (h ? a->c[k] - a->c16[k] : a->c16[k]) : a->c[k];
                         for (int i = 32 * h / halves; i < 32 * (h + 1) / halves; i++) isum += icode(c, kind, l, i) * xq[i];
                         const float f = (float)isum * a->s[k];
                         s = fmaf(f, scale1(w->d, kind, pb, h, l), s);
                     }
-                    if (KMIN(kind)) s = fmaf(scale1(w->m, kind, pb, 0, l), a->m[k], s);
+                    if (KMIN(kind)) s = fmaf(min1(w->m, kind, pb, l), a->m[k], s);
                 }
                 out[l] = s;
             }
@@ -286,9 +305,10 @@ static void itile_any(const qmat_t *w, int R, int T, const qact_t *a, float *y, 
                                                               int64_t p, int64_t r0) { itile(w, K, R, T, a, y, p, r0); }
 #define ITILE_FNS(K, T) ITILE_FN(K, 1, T) ITILE_FN(K, 2, T) ITILE_FN(K, 3, T) ITILE_FN(K, 4, T) ITILE_FN(K, 5, T) \
     ITILE_FN(K, 6, T) ITILE_FN(K, 7, T) ITILE_FN(K, 8, T)
-ITILE_FNS(4, 1) ITILE_FNS(4, 2) ITILE_FN(4, 1, 4) ITILE_FNS(8, 1) ITILE_FNS(8, 2) ITILE_FN(8, 1, 4)
-ITILE_FNS(5, 1) ITILE_FNS(5, 2) ITILE_FN(5, 1, 4) ITILE_FNS(9, 1) ITILE_FNS(9, 2) ITILE_FN(9, 1, 4)
-ITILE_FNS(17, 1) ITILE_FNS(17, 2) ITILE_FN(17, 1, 4)
+#define ITILE_KIND(K) ITILE_FNS(K, 1) ITILE_FNS(K, 2) ITILE_FN(K, 1, 4)
+ITILE_KIND(4) ITILE_KIND(8) ITILE_KIND(6) ITILE_KIND(10) ITILE_KIND(18) ITILE_KIND(9)
+ITILE_FN(5, 1, 1) ITILE_FN(17, 1, 1) /* the reference kinds: one row, one panel (imat_rows) */
+#undef ITILE_KIND
 #undef ITILE_FNS
 #undef ITILE_FN
 #endif
@@ -299,9 +319,9 @@ static void itile_call(const qmat_t *w, int R, int T, const qact_t *a, float *y,
 #define IC(K, RR, TT) if (w->kind == K && R == RR && T == TT) { itile_##K##_##RR##_##TT(w, a, y, p, r0); return; }
 #define ICS(K, TT) IC(K, 1, TT) IC(K, 2, TT) IC(K, 3, TT) IC(K, 4, TT) IC(K, 5, TT) IC(K, 6, TT) IC(K, 7, TT) \
     IC(K, 8, TT)
-    ICS(4, 1) ICS(4, 2) IC(4, 1, 4) ICS(8, 1) ICS(8, 2) IC(8, 1, 4)
-    ICS(5, 1) ICS(5, 2) IC(5, 1, 4) ICS(9, 1) ICS(9, 2) IC(9, 1, 4)
-    ICS(17, 1) ICS(17, 2) IC(17, 1, 4)
+#define ICK(K) ICS(K, 1) ICS(K, 2) IC(K, 1, 4)
+    ICK(4) ICK(8) ICK(6) ICK(10) ICK(18) ICK(9) IC(5, 1, 1) IC(17, 1, 1)
+#undef ICK
 #undef ICS
 #undef IC
     if (T > 1) { /* a shape not compiled (-D plans): its panels one by one, the same numbers */
@@ -329,7 +349,8 @@ void imat_rows(const qmat_t *w, const qact_t *a, float *y, int64_t id, int64_t n
     *o0 = PANEL * p0 < w->out ? PANEL * p0 : w->out;
     *o1 = PANEL * p1 < w->out ? PANEL * p1 : w->out;
     if (p1 <= p0 || a->n <= 0) return;
-    if (a->n == 1) ipart(w, 1, I_ONE_PANELS, a, y, p0, p1);
+    if (KREF(w->kind)) ipart(w, 1, 1, a, y, p0, p1); /* the reference kinds: one row, one panel at a time */
+    else if (a->n == 1) ipart(w, 1, I_ONE_PANELS, a, y, p0, p1);
     else if (a->n <= I_NARROW_ROWS) ipart(w, (int)a->n, I_NARROW_PANELS, a, y, p0, p1);
     else ipart(w, I_WIDE_ROWS, I_WIDE_PANELS, a, y, p0, p1);
     if (w->n_kept) add_kept(w, a, y, *o0, *o1);
@@ -368,7 +389,7 @@ int trserve_qlinear_i8_kept(int kind, const float *x, int64_t n, int64_t I, int6
                             int64_t n_dims, const float *kept_w, float *y, int threads)
 {
     if (n_dims < 0 || n_dims > MAX_KEPT) return -2;
-    if (!KNOWN_KIND(kind)) return -3;
+    if (!KNOWN_KIND(kind) || (KTWO(kind) && I % 256)) return -3;
     const qmat_t w = {kind, I, O, I / 32, codes, d, m, bias, n_dims, kept_w};
     qact_t a;
     int rc = -1;

@@ -50,7 +50,8 @@ INLINE uint16_t float_to_half(float f)
  * v_half: 16 halves -> floats (exact); v_to_half: 16 floats -> halves (clamped to +-65504, a NaN to
  * -65504, then rounded to nearest even: the same bits in every build); v_fma(w, x, acc): acc =
  * fma(w, broadcast(*x), acc) per lane; v_mul(v, x): v * broadcast(*x); v_fmav(a, b, acc): fma(a, b,
- * acc) per lane. */
+ * acc) per lane; v_u8, v_i8: 16 unsigned or signed bytes -> floats (exact); v_mulv(a, b): a * b per
+ * lane; v_neg: the sign bit flipped (-0.0 for +0.0, as C's unary minus). */
 #if defined(__AVX512F__)
 
 typedef __m512 v16;
@@ -68,6 +69,13 @@ INLINE void v_to_half(const float *x, uint16_t *h)
 }
 INLINE v16 v_mul(v16 v, const float *x) { return _mm512_mul_ps(v, _mm512_set1_ps(*x)); }
 INLINE v16 v_fmav(v16 a, v16 b, v16 acc) { return _mm512_fmadd_ps(a, b, acc); }
+INLINE v16 v_u8(const uint8_t *c) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c))); }
+INLINE v16 v_i8(const uint8_t *c) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))); }
+INLINE v16 v_mulv(v16 a, v16 b) { return _mm512_mul_ps(a, b); }
+INLINE v16 v_neg(v16 a)
+{
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(a), _mm512_set1_epi32((int)0x80000000u)));
+}
 
 #elif defined(__AVX2__)
 
@@ -112,6 +120,25 @@ INLINE v16 v_fmav(v16 x, v16 y, v16 acc)
     v16 v = {_mm256_fmadd_ps(x.a, y.a, acc.a), _mm256_fmadd_ps(x.b, y.b, acc.b)};
     return v;
 }
+INLINE v16 v_u8(const uint8_t *c)
+{
+    const __m128i raw = _mm_loadu_si128((const __m128i *)c);
+    v16 v = {_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(raw)), _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(raw, 8)))};
+    return v;
+}
+INLINE v16 v_i8(const uint8_t *c)
+{
+    const __m128i raw = _mm_loadu_si128((const __m128i *)c);
+    v16 v = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)), _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(raw, 8)))};
+    return v;
+}
+INLINE v16 v_mulv(v16 x, v16 y) { v16 v = {_mm256_mul_ps(x.a, y.a), _mm256_mul_ps(x.b, y.b)}; return v; }
+INLINE v16 v_neg(v16 x)
+{
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    v16 v = {_mm256_xor_ps(x.a, sign), _mm256_xor_ps(x.b, sign)};
+    return v;
+}
 
 #else /* scalar */
 
@@ -142,6 +169,10 @@ INLINE v16 v_fmav(v16 x, v16 y, v16 acc)
     for (int l = 0; l < 16; l++) acc.v[l] = fmaf(x.v[l], y.v[l], acc.v[l]);
     return acc;
 }
+INLINE v16 v_u8(const uint8_t *c) { v16 v; for (int l = 0; l < 16; l++) v.v[l] = (float)c[l]; return v; }
+INLINE v16 v_i8(const uint8_t *c) { v16 v; for (int l = 0; l < 16; l++) v.v[l] = (float)(int8_t)c[l]; return v; }
+INLINE v16 v_mulv(v16 x, v16 y) { for (int l = 0; l < 16; l++) x.v[l] *= y.v[l]; return x; }
+INLINE v16 v_neg(v16 x) { for (int l = 0; l < 16; l++) x.v[l] = -x.v[l]; return x; }
 
 #endif
 

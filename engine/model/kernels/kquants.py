@@ -1,17 +1,23 @@
-"""A GGUF file's K-quant (and Q5_1) blocks as the kernels hold them: the codes and the float32 scales
-and mins that rebuild each weight to exactly the float32 value ggml (and gguf-py, hence transformers)
+"""A GGUF file's K-quant (and Q5_1) blocks as the kernels hold them: the codes and the file's own
+scales, which rebuild each weight to exactly the float32 value ggml (and gguf-py, hence transformers)
 dequantizes it to (pure array functions; engine/model/gguf_file.py maps a model's layers to them).
 
 Per 256 weights (a super-block), from ggml's block layouts:
-  Q4_K: w = (d * sc) * q - dmin * mn, q in 0..15, sc and mn 6-bit per 32 weights   -> kind 5
-  Q5_K: the same with q in 0..31                                                   -> kind 9
-  Q6_K: w = (d * sc) * q, q in -32..31, sc a signed byte per 16 weights            -> kind 17
-  Q5_1 (per 32): w = d * q + m, q in 0..31, d and m float16                        -> kind 9
+  Q4_K: w = (d * sc) * q - dmin * mn, q in 0..15, sc and mn 6-bit per 32 weights   -> kind 6
+  Q5_K: the same with q in 0..31                                                   -> kind 10
+  Q6_K: w = (d * sc) * q, q in -32..31, sc a signed byte per 16 weights            -> kind 18
+  Q5_1 (per 32): w = d * q + m, q in 0..31, d and m float16 (held as float32)      -> kind 9
   Q4_0, Q4_1, Q5_0, Q8_0 (per 32): the float16 kinds 4 and 8 (Q4_0 as q * d + m with m = -8 d, Q5_0 as
   8-bit codes q - 16), as recover.py finds them in float weights
-d * sc is exact in float32 (11 x 8 bits), and so is its product with q (at most 24 bits), so
-code * scale (+ min) rounds at most once: the kernels' weight is ggml's bit for bit. `rebuild` gives
-that float32 matrix.
+The K-quants keep their two levels (csrc/qlinear.h): per row and super-block a record of the float16
+d's two bytes (little-endian) and the sub-block scales as bytes (d [O, I/256, 10]: d, then sc of the
+8 blocks of 32; kind 18: d [O, I/256, 18], d then the 16 int8 sc), and for kinds 6 and 10 the min's
+record likewise (m: dmin, then the 8 mn). The kernels form d * sc and -(dmin * mn) in registers: d * sc
+is exact in float32 (11 x 8 bits), and so is its product with q (at most 24 bits), so code * scale
+(+ min) rounds at most once: the kernels' weight is ggml's bit for bit. So Q4_K is held at 4 + 16/32 +
+32/256 = 4.625 bits per weight (the file: 4.5), Q5_K at 8.625 (8-bit codes), Q6_K at 8.5625.
+`expand` gives the same blocks with the products as float32 (kinds 5, 9, 17: the kernels' reference
+kinds), `rebuild` the float32 matrix.
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ import torch
 QK_K = 256
 # bytes per block: per super-block of 256 for the K-quants, per 32 for the others
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q5_1": 24, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
-KIND = {"Q4_K": 5, "Q5_K": 9, "Q6_K": 17, "Q5_1": 9, "Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q8_0": 8}
-# A layer's blocks: (kind, codes [O, I/2] or [O, I] uint8, d [O, I/32] (kind 17: [O, I/16]), m [O, I/32] or None)
+KIND = {"Q4_K": 6, "Q5_K": 10, "Q6_K": 18, "Q5_1": 9, "Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q8_0": 8}
+# A layer's blocks: (kind, codes [O, I/2] or [O, I] uint8, d, m or None): d, m [O, I/32] float32 (kind 17:
+# d [O, I/16]), or the two-level kinds' records [O, I/256, 10] uint8 (kind 18: d [O, I/256, 18])
 Blocks = tuple
+TWO_LEVEL = {6: 5, 10: 9, 18: 17}  # a two-level kind -> the kind holding its products as float32
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -44,8 +52,9 @@ def _scale_min(scales: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def decode(kind_name: str, raw: np.ndarray, O: int, I: int) -> Blocks:
     """raw: the tensor's bytes [O, I / block * BLOCK_BYTES] uint8 (GGUF's row-major blocks) -> its Blocks.
 
-    Worked example (Q6_K, one row of 256): d = 0.5 and the first sub-block's sc = -3 give that sub-block's
-    scale -1.5 (d[o, 0]); a 6-bit value 40 there is code 8, weight -12.0."""
+    Worked example (Q6_K, one row of 256): d = 0.5 and the first sub-block's sc = -3 (the record
+    d[o, 0] = 00 38 fd ..., float16 0.5's bytes, then sc) give that sub-block's scale -1.5 (expand's d[o, 0]);
+    a 6-bit value 40 there is code 8, weight -12.0."""
     if kind_name not in BLOCK_BYTES:
         raise ValueError(f"no K-quant decoder for {kind_name}")
     blocks = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES[kind_name])  # [N, bytes]
@@ -56,8 +65,7 @@ def decode(kind_name: str, raw: np.ndarray, O: int, I: int) -> Blocks:
         lo = (ql.reshape(-1, 2, 1, 64) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
         hi = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 0x03
         q = (lo.reshape(-1, 8, 32) | (hi.reshape(-1, 8, 32) << 4)).astype(np.int8) - np.int8(32)  # [N, 8, 32]
-        scale = _f16(d) * sc.view(np.int8).astype(np.float32)  # [N, 16] exact
-        return 17, q.reshape(O, I).view(np.uint8), scale.reshape(O, I // 16), None
+        return 18, q.reshape(O, I).view(np.uint8), _records(d, sc, O, I), None
     if kind_name == "Q5_1":
         d, m = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
         qh = np.ascontiguousarray(blocks[:, 4:8]).view(np.uint32)  # [N, 1]
@@ -65,19 +73,40 @@ def decode(kind_name: str, raw: np.ndarray, O: int, I: int) -> Blocks:
         hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, 32]
         q = lo.reshape(-1, 32) | (hi << 4)
         return 9, q.reshape(O, I), d.reshape(O, I // 32), m.reshape(O, I // 32)
-    d, dmin = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
     sc, mn = _scale_min(blocks[:, 4:16])
-    scale, low = d * sc.astype(np.float32), -(dmin * mn.astype(np.float32))  # [N, 8] exact
+    scale, low = _records(blocks[:, 0:2], sc, O, I), _records(blocks[:, 2:4], mn, O, I)  # d, sc; dmin, mn
     if kind_name == "Q4_K":
         q = (blocks[:, 16:].reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
         q = q.reshape(-1, 8, 32)
         codes = q[..., :16] | (q[..., 16:] << 4)  # recover_q4's packing: byte j = q_j | q_{j+16} << 4
-        return 5, codes.reshape(O, I // 2), scale.reshape(O, I // 32), low.reshape(O, I // 32)
+        return 6, codes.reshape(O, I // 2), scale, low
     qh, qs = blocks[:, 16:48], blocks[:, 48:]  # Q5_K
     lo = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     hi = (qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 0x01
     q = lo.reshape(-1, 8, 32) | (hi << 4)
-    return 9, q.reshape(O, I), scale.reshape(O, I // 32), low.reshape(O, I // 32)
+    return 10, q.reshape(O, I), scale, low
+
+
+def _records(half: np.ndarray, sub: np.ndarray, O: int, I: int) -> np.ndarray:
+    """A super-block's float16 scale's bytes [N, 2] and its sub-block scales [N, k] (bytes) -> the
+    two-level records [O, I/256, 2 + k] uint8."""
+    return np.concatenate([half, sub.view(np.uint8)], axis=-1).reshape(O, I // QK_K, -1)
+
+
+def expand(blocks: Blocks) -> Blocks:
+    """Two-level blocks (kinds 6, 10, 18) -> the same blocks with each sub-block's scale d * sc and min
+    -(dmin * mn) as float32 values (kinds 5, 9, 17; exact products, the values the kernels form in
+    registers); other kinds as they are."""
+    kind, codes, d, m = blocks
+    if kind not in TWO_LEVEL:
+        return blocks
+    O = codes.shape[0]
+
+    def products(rec: np.ndarray, signed: bool) -> np.ndarray:
+        sub = rec[..., 2:].view(np.int8) if signed else rec[..., 2:]
+        return (_f16(rec[..., :2].reshape(-1, 2)).reshape(*rec.shape[:2], 1) * sub.astype(np.float32)).reshape(O, -1)
+
+    return TWO_LEVEL[kind], codes, products(d, kind == 18), None if m is None else -products(m, False)
 
 
 def _legacy(kind_name: str, blocks: np.ndarray, O: int, I: int) -> Blocks:
@@ -101,7 +130,7 @@ def _legacy(kind_name: str, blocks: np.ndarray, O: int, I: int) -> Blocks:
 
 def rebuild(blocks: Blocks) -> torch.Tensor:
     """Blocks -> the float32 weight [O, I] the kernels compute with (code * scale (+ min), one rounding)."""
-    kind, codes, d, m = blocks
+    kind, codes, d, m = expand(blocks)
     codes, d = torch.as_tensor(np.asarray(codes)), torch.as_tensor(np.asarray(d))
     O = codes.shape[0]
     if kind in (4, 5):

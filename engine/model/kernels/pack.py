@@ -1,5 +1,7 @@
 """The kernels' panel layouts (csrc/qlinear.c's and csrc/qlinear_i8.c's top comments): recovered codes
-and float16 scales rearranged so one load gives 16 outputs' weights (pure tensor functions)."""
+and their scales rearranged so one load gives 16 outputs' weights (pure tensor functions). Scales are
+[O, nb] (nb per block or half-block) values of any dtype, or a two-level kind's records [O, I/256, 2 + k]
+uint8 (kquants.py): `pack_scales` takes either."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str =
     panels, padded outputs zero)."""
     if layout not in Q4_LAYOUTS:
         raise ValueError(f"q4 layout must be one of {Q4_LAYOUTS}, got {layout!r}")
-    O, nb = d.shape
+    O, nb = codes.shape[0], codes.shape[1] // 16
     P = -(-O // PANEL)
     blk = codes.reshape(O, nb, 16)
     q = torch.cat([blk & 0xF, blk >> 4], dim=-1)  # [O, nb, 32]: input 32b + i
@@ -35,7 +37,7 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str =
         shifts = 4 * torch.arange(8, dtype=torch.int64)  # nibble k of a word: bits 4k .. 4k + 3
         words = (q.reshape(P, PANEL, nb, 4, 8).to(torch.int64) << shifts).sum(-1)  # [P, l, nb, g]
         packed = _le_bytes(words.permute(0, 2, 3, 1)).reshape(P, nb, 16, 16)  # words [P, nb, g, l]
-    return packed.contiguous(), panel_scales(d, P), panel_scales(m, P)
+    return packed.contiguous(), pack_scales(d, P), pack_scales(m, P)
 
 
 def _q4_values(codes: torch.Tensor, O: int, nb: int, P: int) -> torch.Tensor:
@@ -51,11 +53,11 @@ def pack_q4_i8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
 
     Worked example, one output (l = 0) whose block holds q = 0, 1, ..., 15, 0, 1, ..., 15: chunk 0's
     bytes 0..3 are 0x40, 0x51, 0x62, 0x73 (inputs 0..3 low, 4..7 high)."""
-    O, nb = d.shape
+    O, nb = codes.shape[0], codes.shape[1] // 16
     P = -(-O // PANEL)
     q = _q4_values(codes, O, nb, P).reshape(P, PANEL, nb, 4, 2, 4)  # [P, l, nb, h, half, k]
     packed = (q[:, :, :, :, 0] | (q[:, :, :, :, 1] << 4)).permute(0, 2, 3, 1, 4)  # [P, nb, h, l, k]
-    return packed.reshape(P, nb, 4, 64).contiguous(), panel_scales(d, P), panel_scales(m, P)
+    return packed.reshape(P, nb, 4, 64).contiguous(), pack_scales(d, P), pack_scales(m, P)
 
 
 def pack_q8_i8(codes: torch.Tensor, d: torch.Tensor):
@@ -68,7 +70,7 @@ def pack_q8_i8(codes: torch.Tensor, d: torch.Tensor):
     q = _pad_outputs(biased, P)  # padded outputs: q = 0 (128 biased: their weights are 0 * d)
     q[O:] = 0x80
     q = q.reshape(P, PANEL, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [P, nb, g, l, k]
-    return q.reshape(P, nb, 8, 64).contiguous(), panel_scales(d, P)
+    return q.reshape(P, nb, 8, 64).contiguous(), pack_scales(d, P)
 
 
 def _le_bytes(words: torch.Tensor) -> torch.Tensor:
@@ -82,10 +84,27 @@ def pack_q8(codes: torch.Tensor, d: torch.Tensor):
     O, nb = codes.shape[0], codes.shape[1] // 32
     P = -(-O // PANEL)
     q = _pad_outputs(codes.reshape(O, nb, 32), P).reshape(P, PANEL, nb, 32)
-    return q.permute(0, 2, 3, 1).contiguous(), panel_scales(d, P)
+    return q.permute(0, 2, 3, 1).contiguous(), pack_scales(d, P)
 
 
 def panel_scales(s: torch.Tensor, panels: int) -> torch.Tensor:
     """[O, nb] -> [P, nb, 16]: panel p's 16 outputs' scales of block b side by side (any dtype)."""
     nb = s.shape[1]
     return _pad_outputs(s, panels).reshape(panels, PANEL, nb).permute(0, 2, 1).contiguous()
+
+
+def panel_records(r: torch.Tensor, panels: int) -> torch.Tensor:
+    """Two-level records [O, S, 2 + k] uint8 (per super-block of 256 inputs: a float16's two bytes, then k
+    sub-block scale bytes) -> [P, S, 32 + 16 k]: panel p's 16 float16 scales side by side, then per
+    sub-block its 16 outputs' scale bytes side by side (csrc/qlinear.h; padded outputs all zero)."""
+    S, w = r.shape[1], r.shape[2]
+    r = _pad_outputs(r, panels).reshape(panels, PANEL, S, w)
+    halves = r[..., :2].permute(0, 2, 1, 3).reshape(panels, S, 2 * PANEL)  # [P, S, l, byte]
+    subs = r[..., 2:].permute(0, 2, 3, 1).reshape(panels, S, (w - 2) * PANEL)  # [P, S, k, l]
+    return torch.cat([halves, subs], dim=-1).contiguous()
+
+
+def pack_scales(s: torch.Tensor, panels: int) -> torch.Tensor:
+    """A kind's scales or mins in the panel layout: [O, nb] values (panel_scales) or two-level records
+    [O, S, 2 + k] (panel_records)."""
+    return panel_records(s, panels) if s.dim() == 3 else panel_scales(s, panels)

@@ -10,14 +10,30 @@ import torch
 from torch import nn
 
 from .build import ARITHMETICS, _library, kernel_isa, q4_layout
-from .pack import PANEL, pack_q4, pack_q4_i8, pack_q8, pack_q8_i8, panel_scales
+from .pack import PANEL, pack_q4, pack_q4_i8, pack_q8, pack_q8_i8, pack_scales
 from .recover import recover_q4, recover_q8
 
-# kinds (csrc/qlinear.h): codes' bits, whether scales are float16, scales per block of 32, a min per block
-KINDS = {4: (4, True, 1, True), 8: (8, True, 1, False), 5: (4, False, 1, True), 9: (8, False, 1, True),
-         17: (8, False, 2, False)}
+# kinds (csrc/qlinear.h): codes' bits, the scales' form ("f16", "f32" values, or "two": a GGUF file's
+# two-level records, kquants.py), scales per block of 32, a min per block
+KINDS = {4: (4, "f16", 1, True), 8: (8, "f16", 1, False), 6: (4, "two", 1, True), 10: (8, "two", 1, True),
+         18: (8, "two", 2, False), 9: (8, "f32", 1, True), 5: (4, "f32", 1, True), 17: (8, "f32", 2, False)}
 
 log = logging.getLogger("trserve.engine")
+
+
+def _scale_shapes(kind: int, in_features: int, out_features: int) -> tuple[tuple, tuple]:
+    """The shapes QLinear takes a kind's scales and mins in."""
+    _, form, per, _ = KINDS[kind]
+    nb = in_features // 32
+    if form == "two":  # per row and super-block of 256: a float16's 2 bytes, then a byte per sub-block
+        return (out_features, nb // 8, 2 + 8 * per), (out_features, nb // 8, 10)
+    return (out_features, nb * per), (out_features, nb)
+
+
+def _records(v: torch.Tensor) -> torch.Tensor:
+    if v.dtype != torch.uint8:
+        raise ValueError("two-level scales are byte records (kquants.decode)")
+    return v.contiguous()
 
 
 def _half(v: torch.Tensor) -> torch.Tensor:
@@ -30,12 +46,14 @@ def _half(v: torch.Tensor) -> torch.Tensor:
 
 class QLinear(nn.Module):
     """`nn.Linear` replacement over exactly recovered 4-bit (kind 4) or 8-bit (kind 8) blocks, or a GGUF
-    file's K-quant blocks (kinds 5, 9, 17: float32 scales; engine/model/kernels/kquants.py).
+    file's blocks (engine/model/kernels/kquants.py): the K-quants' two-level scales (kinds 6, 10, 18),
+    Q5_1's float32 ones (kind 9), or the K-quants' float32 products (kinds 5, 17: the reference kinds).
 
     codes: [O, I/2] (4-bit kinds) or [O, I] (8-bit) uint8 as recover_q4 / recover_q8 give them; d, m:
     [O, I/32] float32 (float16 values for kinds 4 and 8; kind 17: d [O, I/16]; m None where the kind has
-    no min). Held in the kernels' panel layout (`pack_q4` / `pack_q8`), scales as float16 or float32 as
-    the kind says; isa: the kernel variant ("auto": this CPU's best);
+    no min), or the two-level kinds' records [O, I/256, 10] uint8 (kind 18: d [O, I/256, 18]; I % 256 ==
+    0). Held in the kernels' panel layout (`pack_q4` / `pack_q8`), scales as float16, float32 or records
+    as the kind says; isa: the kernel variant ("auto": this CPU's best);
     arithmetic: "exact" (float32 fma chains over the rebuilt weights, csrc/qlinear.c) or "int8"
     (activations quantized per block of 32, integer dot products, csrc/qlinear_i8.c; its own code
     layout, `pack_q4_i8` / `pack_q8_i8`)."""
@@ -45,18 +63,18 @@ class QLinear(nn.Module):
         super().__init__()
         if arithmetic not in ARITHMETICS:
             raise ValueError(f"arithmetic must be one of {', '.join(ARITHMETICS)}; got {arithmetic!r}")
-        if kind not in KINDS or in_features % 32 or out_features < 1:
-            raise ValueError(f"QLinear takes blocks of 32 of kinds {sorted(KINDS)} and at least one output; got "
-                             f"kind {kind} {in_features} -> {out_features}")
-        bits, f16, per, has_min = KINDS[kind]
-        nb = in_features // 32
-        if codes.shape != (out_features, in_features * bits // 8) or d.shape != (out_features, nb * per) or \
-                (has_min and (m is None or m.shape != (out_features, nb))):
+        if kind not in KINDS or out_features < 1 or in_features % (256 if KINDS[kind][1] == "two" else 32):
+            raise ValueError(f"QLinear takes blocks of 32 (two-level kinds: 256) of kinds {sorted(KINDS)} and at "
+                             f"least one output; got kind {kind} {in_features} -> {out_features}")
+        bits, form, _, has_min = KINDS[kind]
+        d_shape, m_shape = _scale_shapes(kind, in_features, out_features)
+        if codes.shape != (out_features, in_features * bits // 8) or d.shape != d_shape or \
+                (has_min and (m is None or m.shape != m_shape)):
             raise ValueError(f"codes {tuple(codes.shape)} / scales {tuple(d.shape)} do not match kind {kind} "
                              f"{in_features} -> {out_features}")
         self.kind, self.in_features, self.out_features = kind, in_features, out_features
         self.isa, self.arithmetic = kernel_isa(isa), arithmetic
-        scale = _half if f16 else (lambda v: v.to(torch.float32).contiguous())
+        scale = {"f16": _half, "two": _records}.get(form, lambda v: v.to(torch.float32).contiguous())
         d, m = scale(d), scale(m) if has_min else None
         if bits == 4 and arithmetic == "int8":
             codes, d, m = pack_q4_i8(codes, d, m)
@@ -64,9 +82,10 @@ class QLinear(nn.Module):
             codes, d, m = pack_q4(codes, d, m, q4_layout(cache_dir, self.isa))
         else:
             codes, d = (pack_q8_i8 if arithmetic == "int8" else pack_q8)(codes, d)
-            m = panel_scales(m, -(-out_features // PANEL)) if has_min else None
+            m = pack_scales(m, -(-out_features // PANEL)) if has_min else None
         self.register_buffer("codes", codes, persistent=False)  # [P, nb, 256 or 512 bytes] uint8
-        self.register_buffer("d", d, persistent=False)  # [P, nb (2 nb for kind 17), 16] float16 or float32
+        # [P, nb (2 nb for kind 17), 16] float16 or float32; two-level kinds: [P, I/256, 160 or 288] uint8
+        self.register_buffer("d", d, persistent=False)
         self.register_buffer("m", m if has_min else torch.zeros(0, dtype=torch.float16), persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self._fn = _library(cache_dir, self.isa, arithmetic)

@@ -1,7 +1,9 @@
 """Issue 55: a GGUF file's K-quant blocks (Q4_K, Q5_K, Q6_K) and Q5_1 read as they are onto the kernels
-(kinds 5, 9, 17): the test encoder against gguf-py, the decoder's weights against gguf-py's
-dequantization bit for bit, and both arithmetics' kernels against op-by-op references on every ISA
-build this CPU runs (the rotary row order: the tiny GQA model of test_user_files.py)."""
+(kinds 6, 10, 18: the file's two-level scales; 9): the test encoder against gguf-py, the decoder's
+weights against gguf-py's dequantization bit for bit, and both arithmetics' kernels against op-by-op
+references on every ISA build this CPU runs (the rotary row order: the tiny GQA model of
+test_user_files.py). The two-level kinds hold the file's bytes per weight (Q4_K 4.625 bits) and give
+the bits of the kinds holding their scales as float32 products (5, 9, 17)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from torch import nn
 
 from trserve.bench.kencode import ENCODERS
 from trserve.engine.model.kernels.build import available_isas
-from trserve.engine.model.kernels.kquants import decode, rebuild
+from trserve.engine.model.kernels.kquants import BLOCK_BYTES, decode, expand, rebuild
 from trserve.engine.model.kernels.qlinear import QLinear
 from tests.engine.model.test_qlinear import fma32, isa_params, needs_kernel, reference_linear, wide_range_x
 from tests.engine.model.test_qlinear_i8 import activations, reference_quant
@@ -53,15 +55,17 @@ def test_blocks_rebuild_ggufs_dequantized_weights_bit_for_bit(kind_name):
 
 
 def test_q6_k_worked_example():
-    """decode's docstring: d = 0.5, the first sub-block's sc = -3, a 6-bit value 40 -> code 8, weight -12."""
+    """decode's docstring: d = 0.5, the first sub-block's sc = -3, a 6-bit value 40 -> code 8, weight -12;
+    the record holds the file's bytes, expand the product."""
     block = np.zeros(210, np.uint8)
     block[0] = 40 & 0xF  # ql: low nibble of element 0
     block[128] = 40 >> 4  # qh: its two high bits
     block[192] = np.int8(-3).view(np.uint8)
     block[208:210] = np.array([0.5], np.float16).view(np.uint8)
     kind, codes, d, m = decode("Q6_K", block[None], 1, 256)
-    assert kind == 17 and m is None
-    assert codes.view(np.int8)[0, 0] == 8 and d[0, 0] == -1.5
+    assert kind == 18 and m is None and d.shape == (1, 1, 18) and d.dtype == np.uint8
+    assert list(d[0, 0, :3]) == [0x00, 0x38, 0xFD]
+    assert codes.view(np.int8)[0, 0] == 8 and expand((kind, codes, d, m))[2][0, 0] == -1.5
     assert rebuild((kind, codes, d, m))[0, 0] == -12.0
     assert np.array_equal(quants.dequantize(block[None], T.Q6_K)[0, :1], [-12.0])
 
@@ -101,9 +105,10 @@ def test_exact_kernel_equals_the_reference_on_ggufs_weights(isa, shape, kernel_d
 
 
 def reference_i8(blocks, bias, x: torch.Tensor) -> torch.Tensor:
-    """csrc/qlinear_i8.c's op order for kinds 5, 9, 17: per block, f = isum * s, acc = fma(f, d, acc)
-    (kind 17: each half's isum with its own d), then the min: acc = fma(m, c * s, acc)."""
-    kind, codes, d, m = blocks
+    """csrc/qlinear_i8.c's op order for kinds 5, 9, 17 (and 6, 10, 18: their products): per block,
+    f = isum * s, acc = fma(f, d, acc) (kind 17: each half's isum with its own d), then the min:
+    acc = fma(m, c * s, acc)."""
+    kind, codes, d, m = expand(blocks)
     codes, d = torch.from_numpy(codes), torch.from_numpy(d)
     O = codes.shape[0]
     if kind == 5:
@@ -153,10 +158,71 @@ def test_every_build_gives_the_same_bits_on_k_blocks(arithmetic, kernel_dir):
 
 
 def test_qlinear_checks_k_block_shapes(kernel_dir):
-    _, codes, d, m = decode("Q4_K", ENCODERS["Q4_K"](rows(16, 256, 1)), 16, 256)
+    kind, codes, d, m = (torch.from_numpy(a) if isinstance(a, np.ndarray) else a
+                         for a in decode("Q4_K", ENCODERS["Q4_K"](rows(16, 256, 1)), 16, 256))
     with pytest.raises(ValueError, match="do not match"):
-        QLinear(5, torch.from_numpy(codes), torch.from_numpy(d), None, None, 256, 16, kernel_dir, "scalar")
+        QLinear(kind, codes, d, None, None, 256, 16, kernel_dir, "scalar")
+    with pytest.raises(ValueError, match="do not match"):  # float32 products are kind 5's, not 6's
+        QLinear(kind, codes, *(torch.from_numpy(a) for a in expand((kind, codes.numpy(), d.numpy(), m.numpy()))[2:]),
+                None, 256, 16, kernel_dir, "scalar")
+    with pytest.raises(ValueError, match="byte records"):
+        QLinear(kind, codes, d.float(), m, None, 256, 16, kernel_dir, "scalar")
     with pytest.raises(ValueError, match="kinds"):
-        QLinear(6, torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m), None, 256, 16, kernel_dir)
-    assert isinstance(QLinear(5, torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m), None, 256, 16,
-                              kernel_dir, "scalar"), nn.Module)
+        QLinear(7, codes, d, m, None, 256, 16, kernel_dir)
+    with pytest.raises(ValueError, match="256"):  # two-level scales come per super-block of 256 inputs
+        QLinear(kind, codes[:, :64], d, m, None, 128, 16, kernel_dir, "scalar")
+    assert isinstance(QLinear(kind, codes, d, m, None, 256, 16, kernel_dir, "scalar"), nn.Module)
+
+
+def random_raw(kind_name: str, O: int, I: int, seed: int) -> np.ndarray:
+    """A K-quant tensor's bytes with every field random (codes, 6-bit or signed sub-block scales), its
+    float16 super-block scales of either sign from subnormal (2^-24) to 6 (no overflow downstream)."""
+    g = np.random.default_rng(seed)
+    raw = g.integers(0, 256, (O * I // 256, BLOCK_BYTES[kind_name]), dtype=np.uint8)
+    n = raw.shape[0]
+
+    def halves(k: int) -> np.ndarray:
+        v = g.choice([-1.0, 1.0], (n, k)) * 2.0 ** g.integers(-24, 2, (n, k)) * (1 + g.random((n, k)) * 2)
+        v[g.random((n, k)) < 0.05] = 0.0
+        return v.astype(np.float16).view(np.uint8).reshape(n, 2 * k)
+
+    if kind_name == "Q6_K":
+        raw[:, 208:210] = halves(1)
+    else:
+        raw[:, 0:4] = halves(2)
+    return raw.reshape(O, -1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arithmetic", ["exact", "int8"])
+@pytest.mark.parametrize("isa", isa_params())
+def test_two_level_kinds_give_the_float32_kinds_bits(isa, arithmetic, kernel_dir):
+    """Kinds 6, 10, 18 (the file's scales, the products formed in registers) against 5, 9, 17 (the same
+    products held as float32) on the same blocks: the same bits for 1..19 rows (one row, narrow and wide
+    tiles) and 80/91 rows (the exact arithmetic's rebuilt panels), with biases, ragged panels, random
+    scale bytes and float16 scales down to subnormals."""
+    x = wide_range_x(91, 512, seed=11) if arithmetic == "exact" else activations(91, 512, seed=11)
+    for kind_name, O, seed in (("Q4_K", 37, 1), ("Q5_K", 40, 2), ("Q6_K", 21, 3), ("Q4_K", 16, 4)):
+        for raw in (random_raw(kind_name, O, 512, seed), raw_of(kind_name, rows(O, 512, seed))):
+            two = decode(kind_name, raw, O, 512)
+            bias = torch.randn(O, generator=torch.Generator().manual_seed(seed)) if seed % 2 else None
+            q2, q32 = (QLinear(b[0], *(None if a is None else torch.from_numpy(a) for a in b[1:]), bias, 512, O,
+                               kernel_dir, isa, arithmetic) for b in (two, expand(two)))
+            assert (q2.kind, q32.kind) == ({"Q4_K": 6, "Q5_K": 10, "Q6_K": 18}[kind_name], {6: 5, 10: 9, 18: 17}[q2.kind])
+            for n in (*range(1, 20), 80, 91):
+                y = q2(x[:n])
+                assert torch.equal(y, q32(x[:n])), f"{isa} {arithmetic} {kind_name} O={O} differs at n = {n}"
+                assert not y.isnan().any()
+
+
+@pytest.mark.parametrize("kind_name, bits", [("Q4_K", 4.625), ("Q5_K", 8.625), ("Q6_K", 8.5625)])
+def test_two_level_kinds_hold_the_files_bytes_per_weight(kind_name, bits, kernel_dir):
+    """Codes, scales and mins as QLinear holds them (both arithmetics' layouts), per weight: Q4_K 4 + 16/32 +
+    32/256 bits (the file: 4.5; float32 products: 6), Q5_K 8.625 (8-bit codes), Q6_K 8 + 8/16 + 16/256."""
+    O, I = 64, 1024
+    blocks = decode(kind_name, raw_of(kind_name, rows(O, I, 5)), O, I)
+    for arithmetic in ("exact", "int8"):
+        q = QLinear(blocks[0], *(None if a is None else torch.from_numpy(a) for a in blocks[1:]), None, I, O,
+                    kernel_dir, "scalar", arithmetic)
+        held = sum(b.numel() * b.element_size() for b in (q.codes, q.d, q.m))
+        assert 8 * held / (O * I) == bits, (arithmetic, 8 * held / (O * I))
