@@ -130,6 +130,7 @@ def test_every_session_has_every_member_of_the_contract_and_the_engine_probes_no
         assert issubclass(cls, MatrixSession), cls  # so they carry the instance members MatrixSession sets
         assert all(hasattr(cls, m) for m in members - set(DraftSession.__annotations__) | {"local_drafts"}), cls
     engine = Path(inspect.getfile(DraftSession)).parents[1]
-    for path in (engine / "engine.py", engine / "drafting.py", engine / "step.py", engine / "tree_budget.py"):
+    for path in (engine / "engine.py", engine / "drafting" / "drafter.py", engine / "drafting" / "step.py",
+                 engine / "drafting" / "budget" / "tree.py"):
         text = path.read_text()
         assert not re.search(r"(getattr|hasattr)\([^)]*session|isinstance\([^)]*session", text), path
