@@ -22,7 +22,7 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str =
     codes [P, nb, 16, 16] uint8, either "bytes" (byte [p, b, j, l] = q[16p + l, 32b + 2j] |
     q[.., 32b + 2j + 1] << 4) or "lanes" (the 256 bytes of panel-block [p, b] are 4 x 16 little-endian
     uint32, word [g, l] = sum_k q[16p + l, 32b + 8g + k] << 4k); d, m [P, nb, 16] (P = ceil(O / 16)
-    panels, padded outputs zero)."""
+    panels, padded outputs zero), or two-level records [O, I/256, 10] as pack_scales packs them."""
     if layout not in Q4_LAYOUTS:
         raise ValueError(f"q4 layout must be one of {Q4_LAYOUTS}, got {layout!r}")
     O, nb = codes.shape[0], codes.shape[1] // 16
