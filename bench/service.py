@@ -16,6 +16,7 @@ import re
 import subprocess
 import sys
 import time
+from contextlib import closing
 from pathlib import Path
 
 from .cli import DEFAULT_PROMPTS
@@ -57,21 +58,10 @@ def _sides(args, client, stack) -> dict:
 
         if not (args.model or "").endswith(".gguf"):
             raise SystemExit("--peer needs --model FILE.gguf (llama-server runs the same file)")
-        peer = stack.enter_context(_closing(ServerDecoder("llama-server", args.model, decoder.tokenizer,
+        peer = stack.enter_context(closing(ServerDecoder("llama-server", args.model, decoder.tokenizer,
                                                           args.threads or 2)))
         sides["llama-server"] = lambda m: len(peer(m, args.max_new_tokens)[0])
     return sides
-
-
-class _closing:
-    def __init__(self, thing) -> None:
-        self.thing = thing
-
-    def __enter__(self):
-        return self.thing
-
-    def __exit__(self, *exc) -> None:
-        self.thing.close()
 
 
 def main(argv: list[str] | None = None) -> int:
