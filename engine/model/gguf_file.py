@@ -102,7 +102,7 @@ class GGUFWeights:
     def blocks(self, hf_name: str, out_f: int, in_f: int):
         """A linear weight's kernel blocks (kquants.Blocks) in transformers' row order, or None for a float
         tensor (F32/F16/BF16); FailedPrecondition for a block type the kernels do not take."""
-        from .kernels.kquants import BLOCK_BYTES, decode
+        from .kernels.kquants import BLOCK_BYTES
 
         name, t = self.tensor(hf_name)
         kind = t.tensor_type.name
@@ -111,12 +111,29 @@ class GGUFWeights:
         if kind not in BLOCK_BYTES:
             raise FailedPrecondition(f"tensor {name} is {kind}: this server reads Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
                                      f"Q4_K, Q5_K, Q6_K and F16/BF16/F32 tensors; re-quantize the file to one of those")
-        b = decode(kind, np.asarray(t.data), out_f, in_f)
+        b = _decode_rows(kind, np.asarray(t.data), out_f, in_f)
         order = self.processor.process(weights=np.arange(out_f).reshape(out_f, 1), name=name).weights[:, 0]
         if np.array_equal(order, np.arange(out_f)):
             return b
         return (b[0], np.ascontiguousarray(b[1][order]), np.ascontiguousarray(b[2][order]),
                 None if b[3] is None else np.ascontiguousarray(b[3][order]))
+
+
+def _decode_rows(kind: str, raw: np.ndarray, O: int, I: int, rows: int = 4096):
+    """kquants.decode of a tensor's bytes [O, row bytes], `rows` rows at a time into arrays allocated once:
+    its temporaries stay a chunk's (a 49,152-row head decoded whole took 0.47 GB beyond its blocks)."""
+    from .kernels.kquants import decode
+
+    if O <= rows:
+        return decode(kind, raw, O, I)
+    first = decode(kind, raw[:rows], rows, I)
+    out = [None if a is None else np.empty((O, *a.shape[1:]), a.dtype) for a in first[1:]]
+    for i in range(0, O, rows):
+        part = first if i == 0 else decode(kind, raw[i:i + rows], min(rows, O - i), I)
+        for dst, src in zip(out, part[1:]):
+            if dst is not None:
+                dst[i:i + rows] = src
+    return (first[0], *out)
 
 
 def file_blocks(path: str, model) -> dict:
@@ -188,36 +205,52 @@ def load_file(path: Path, cache_dir: Path, isa: str, arithmetic: str, fingerprin
 
 def _linears(model, weights: GGUFWeights, cache_dir: Path, isa: str, arithmetic: str, kept) -> int:
     """Every linear layer from the file's blocks onto a QLinear in `arithmetic` (replacing what is there,
-    one layer at a time); float tensors as float32 nn.Linear. Returns how many stayed float."""
+    one layer at a time, each old one freed before the next is built: only names are held across the
+    loop, so a second pass over an exact model never holds both forms of it); float tensors as float32
+    nn.Linear. Returns how many stayed float."""
     from .kernels.qlinear import QLinear
 
     floats = 0
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            if not isinstance(child, (nn.Linear, QLinear)):
-                continue
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            blocks = weights.blocks(f"{name}.weight", child.out_features, child.in_features)
-            bias = child.bias
-            bias = None if bias is None else (weights.floats(f"{name}.bias") if bias.is_meta else bias)
-            if blocks is None:
-                if isinstance(child, nn.Linear) and child.weight.is_meta:
-                    child.weight = nn.Parameter(weights.floats(f"{name}.weight"), requires_grad=False)
-                    child.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-                floats += 1
-                continue
-            kind, codes, d, m = blocks
-            new = QLinear(kind, torch.from_numpy(codes), torch.from_numpy(d), None if m is None else torch.from_numpy(m),
-                          bias, child.in_features, child.out_features, cache_dir, isa, arithmetic)
-            if kept and kept.get(name):
-                from .kernels.kquants import rebuild
-
-                dims = torch.tensor(kept[name], dtype=torch.int32)
-                new.keep_inputs(dims, rebuild(blocks)[:, dims.long()].t().contiguous())
-            setattr(parent, child_name, new)
-            del blocks, child
-            weights.release()
+    layers = [(n, m.in_features * m.out_features) for n, m in model.named_modules() if isinstance(m, (nn.Linear, QLinear))]
+    names = [n for n, _ in sorted(layers, key=lambda x: -x[1])]  # the largest first: its temporaries on the least
+    del layers
+    weights.release()  # what ran before (a calibration) gives its freed heap back first
+    for name in names:
+        parent_name, _, child_name = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        child = getattr(parent, child_name)
+        blocks = weights.blocks(f"{name}.weight", child.out_features, child.in_features)
+        weights.release()  # the file's pages just read: the blocks are a copy
+        bias = child.bias
+        bias = None if bias is None else (weights.floats(f"{name}.bias") if bias.is_meta else bias)
+        if blocks is None:
+            if isinstance(child, nn.Linear) and child.weight.is_meta:
+                child.weight = nn.Parameter(weights.floats(f"{name}.weight"), requires_grad=False)
+                child.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+            floats += 1
+            continue
+        kind, codes, d, m = blocks
+        new = QLinear(kind, torch.from_numpy(codes), torch.from_numpy(d), None if m is None else torch.from_numpy(m),
+                      bias, child.in_features, child.out_features, cache_dir, isa, arithmetic)
+        if kept and kept.get(name):
+            dims = torch.tensor(kept[name], dtype=torch.int32)
+            new.keep_inputs(dims, kept_columns(blocks, dims.long()))
+        del child, bias
+        setattr(parent, child_name, new)
+        del blocks, new
+        weights.release()
     return floats
+
+
+def kept_columns(blocks, dims: torch.Tensor, rows: int = 512) -> torch.Tensor:
+    """W[:, dims] as [k, O] float32 from a layer's blocks, rebuilt `rows` outputs at a time (a head of
+    49,152 x 2,048 rebuilt whole would take 1.2 GB for a moment)."""
+    from .kernels.kquants import rebuild
+
+    kind, codes, d, m = blocks
+    parts = [rebuild((kind, codes[i:i + rows], d[i:i + rows], None if m is None else m[i:i + rows]))[:, dims]
+             for i in range(0, codes.shape[0], rows)]
+    return torch.cat(parts).t().contiguous()
 
 
 def _materialize(model, weights: GGUFWeights) -> int:

@@ -66,11 +66,10 @@ def pack_q8_i8(codes: torch.Tensor, d: torch.Tensor):
     q[16p + l, 32b + 4g + k] + 128; d [P, nb, 16] ([P, 2 nb, 16])."""
     O, nb = codes.shape[0], codes.shape[1] // 32
     P = -(-O // PANEL)
-    biased = (codes.view(torch.uint8) ^ 0x80).reshape(O, nb, 32)  # q + 128 as a byte
-    q = _pad_outputs(biased, P)  # padded outputs: q = 0 (128 biased: their weights are 0 * d)
-    q[O:] = 0x80
-    q = q.reshape(P, PANEL, nb, 8, 4).permute(0, 2, 3, 1, 4)  # [P, nb, g, l, k]
-    return q.reshape(P, nb, 8, 64).contiguous(), pack_scales(d, P)
+    q = _pad_outputs(codes.view(torch.uint8).reshape(O, nb, 32), P)  # padded outputs: q = 0
+    packed = q.reshape(P, PANEL, nb, 8, 4).permute(0, 2, 3, 1, 4).contiguous()  # [P, nb, g, l, k]
+    packed ^= 0x80  # q + 128 as a byte, in the one copy made (a head's codes are 100 MB)
+    return packed.reshape(P, nb, 8, 64), pack_scales(d, P)
 
 
 def _le_bytes(words: torch.Tensor) -> torch.Tensor:
