@@ -15,7 +15,9 @@
  * dp4 = vpdpbusd; else 2 int16 lanes per output, summed to int32 once per block by a4_sum); a4_dp:
  * acc += q4 group . x (4 signed bytes, every lane);
  * w8 / dp8: a q8 group prepared once per tile, then acc += group . x per row. Q8_BIAS: whether dp8
- * leaves the +128 bias in (accumulators then start at -128 c). */
+ * leaves the +128 bias in (accumulators then start at -128 c). wq5: a q5 panel-block's high bits of
+ * chunk h (its plane, qlinear_i8.c's layout comment) put into wq4's bytes at bit 4. A4_I16: whether a4_t
+ * holds int16 lanes (without VNNI), which q5 codes fill in two chunks (4 x 2 x 31 x 127 = 31496). */
 INLINE int32_t x4(const int8_t *x)
 {
     int32_t v;
@@ -29,11 +31,20 @@ typedef __m512i vi16;
 INLINE vi16 vi_zero(void) { return _mm512_setzero_si512(); }
 INLINE vi16 vi_set1(int32_t v) { return _mm512_set1_epi32(v); }
 INLINE v16 vi_float(vi16 v) { return _mm512_cvtepi32_ps(v); }
+INLINE vi16 vi_add(vi16 a, vi16 b) { return _mm512_add_epi32(a, b); }
 INLINE void wq4(const uint8_t *c, vi16 *lo, vi16 *hi)
 {
     const __m512i v = _mm512_loadu_si512(c), mask = _mm512_set1_epi8(0x0F);
     *lo = _mm512_and_si512(v, mask);
     *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+}
+/* Byte bit h (lo's) and 4 + h (hi's) to bit 4 by 16-bit shifts: a bit crossing into the next byte lands
+ * below bit 4 or above it (h < 4), and the mask drops it. lo | (shifted & 0x10) is one vpternlogd. */
+INLINE void wq5(const uint8_t *plane, const int h, vi16 *lo, vi16 *hi)
+{
+    const __m512i p = _mm512_loadu_si512(plane), b4 = _mm512_set1_epi8(0x10);
+    *lo = _mm512_ternarylogic_epi32(*lo, _mm512_slli_epi16(p, 4 - h), b4, 0xF8);
+    *hi = _mm512_ternarylogic_epi32(*hi, _mm512_srli_epi16(p, h), b4, 0xF8);
 }
 #if defined(__AVX512VNNI__)
 #define Q8_BIAS 1
@@ -67,12 +78,23 @@ typedef struct { __m256i a, b; } vi16; /* lanes 0..7, 8..15 */
 INLINE vi16 vi_zero(void) { vi16 v = {_mm256_setzero_si256(), _mm256_setzero_si256()}; return v; }
 INLINE vi16 vi_set1(int32_t x) { vi16 v = {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; return v; }
 INLINE v16 vi_float(vi16 x) { v16 v = {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; return v; }
+INLINE vi16 vi_add(vi16 x, vi16 y) { vi16 v = {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; return v; }
 INLINE void wq4(const uint8_t *c, vi16 *lo, vi16 *hi)
 {
     const __m256i va = _mm256_loadu_si256((const __m256i *)c), vb = _mm256_loadu_si256((const __m256i *)(c + 32));
     const __m256i mask = _mm256_set1_epi8(0x0F);
     lo->a = _mm256_and_si256(va, mask), lo->b = _mm256_and_si256(vb, mask);
     hi->a = _mm256_and_si256(_mm256_srli_epi16(va, 4), mask), hi->b = _mm256_and_si256(_mm256_srli_epi16(vb, 4), mask);
+}
+/* As the AVX-512 wq5: bit h (lo's) and 4 + h (hi's) of each plane byte to bit 4, masked, or-ed in. */
+INLINE void wq5(const uint8_t *plane, const int h, vi16 *lo, vi16 *hi)
+{
+    const __m256i pa = _mm256_loadu_si256((const __m256i *)plane), pb = _mm256_loadu_si256((const __m256i *)(plane + 32));
+    const __m256i b4 = _mm256_set1_epi8(0x10);
+    lo->a = _mm256_or_si256(lo->a, _mm256_and_si256(_mm256_slli_epi16(pa, 4 - h), b4));
+    lo->b = _mm256_or_si256(lo->b, _mm256_and_si256(_mm256_slli_epi16(pb, 4 - h), b4));
+    hi->a = _mm256_or_si256(hi->a, _mm256_and_si256(_mm256_srli_epi16(pa, h), b4));
+    hi->b = _mm256_or_si256(hi->b, _mm256_and_si256(_mm256_srli_epi16(pb, h), b4));
 }
 #if defined(__AVXVNNI__)
 #define Q8_BIAS 1
@@ -129,8 +151,12 @@ INLINE vi16 dp8(vi16 acc, w8_t w, int32_t x)
 #define Q8_BIAS 0
 
 #endif
+#if !Q8_BIAS
+#define A4_I16 1 /* vpmaddubsw's int16 lanes (the scalar build has no a4_t) */
+#endif
 
 #if Q8_BIAS /* VNNI (either width): a q4 block's products go straight into the int32 lanes */
+#define A4_I16 0
 typedef vi16 a4_t;
 INLINE a4_t a4_zero(void) { return vi_zero(); }
 INLINE a4_t a4_dp(a4_t acc, vi16 u, int32_t x) { return dp4(acc, u, x); }
