@@ -15,8 +15,9 @@
  * dp4 = vpdpbusd; else 2 int16 lanes per output, summed to int32 once per block by a4_sum); a4_dp:
  * acc += q4 group . x (4 signed bytes, every lane);
  * w8 / dp8: a q8 group prepared once per tile, then acc += group . x per row. Q8_BIAS: whether dp8
- * leaves the +128 bias in (accumulators then start at -128 c). wq5: a q5 panel-block's high bits of
- * chunk h (its plane, qlinear_i8.c's layout comment) put into wq4's bytes at bit 4. A4_I16: whether a4_t
+ * leaves the +128 bias in (accumulators then start at -128 c). wq5: wq4 of a q5 panel-block's chunk h,
+ * its high bits (from its plane, qlinear_i8.c's layout comment; Q5_MASKS: which of its two layouts this
+ * build reads) at bit 4 of each byte. A4_I16: whether a4_t
  * holds int16 lanes (without VNNI), which q5 codes fill in two chunks (4 x 2 x 31 x 127 = 31496). */
 INLINE int32_t x4(const int8_t *x)
 {
@@ -38,13 +39,17 @@ INLINE void wq4(const uint8_t *c, vi16 *lo, vi16 *hi)
     *lo = _mm512_and_si512(v, mask);
     *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
 }
-/* Byte bit h (lo's) and 4 + h (hi's) to bit 4 by 16-bit shifts: a bit crossing into the next byte lands
- * below bit 4 or above it (h < 4), and the mask drops it. lo | (shifted & 0x10) is one vpternlogd. */
-INLINE void wq5(const uint8_t *plane, const int h, vi16 *lo, vi16 *hi)
+/* wq4 of a q5 panel-block's chunk h (c: the chunk) with its high bits from the "masks" plane: two
+ * 64-bit masks (one bit per byte of lo, of hi) select 0x10s, or-ed in as the nibbles are masked (one
+ * vpternlogd: (v & 0x0F) | bits). */
+#define Q5_MASKS 1
+INLINE void wq5(const uint8_t *c, const uint8_t *plane, const int h, vi16 *lo, vi16 *hi)
 {
-    const __m512i p = _mm512_loadu_si512(plane), b4 = _mm512_set1_epi8(0x10);
-    *lo = _mm512_ternarylogic_epi32(*lo, _mm512_slli_epi16(p, 4 - h), b4, 0xF8);
-    *hi = _mm512_ternarylogic_epi32(*hi, _mm512_srli_epi16(p, h), b4, 0xF8);
+    const __m512i v = _mm512_loadu_si512(c), mask = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10);
+    uint64_t kl, kh;
+    memcpy(&kl, plane + 16 * h, 8), memcpy(&kh, plane + 16 * h + 8, 8);
+    *lo = _mm512_ternarylogic_epi32(v, _mm512_maskz_mov_epi8((__mmask64)kl, b4), mask, 0xEC);
+    *hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_maskz_mov_epi8((__mmask64)kh, b4), mask, 0xEC);
 }
 #if defined(__AVX512VNNI__)
 #define Q8_BIAS 1
@@ -86,9 +91,12 @@ INLINE void wq4(const uint8_t *c, vi16 *lo, vi16 *hi)
     lo->a = _mm256_and_si256(va, mask), lo->b = _mm256_and_si256(vb, mask);
     hi->a = _mm256_and_si256(_mm256_srli_epi16(va, 4), mask), hi->b = _mm256_and_si256(_mm256_srli_epi16(vb, 4), mask);
 }
-/* As the AVX-512 wq5: bit h (lo's) and 4 + h (hi's) of each plane byte to bit 4, masked, or-ed in. */
-INLINE void wq5(const uint8_t *plane, const int h, vi16 *lo, vi16 *hi)
+/* The "shifts" plane: byte bit h (lo's) and 4 + h (hi's) to bit 4 by 16-bit shifts (a bit crossing into
+ * the next byte lands below bit 4 or above it, h < 4, and the mask drops it), or-ed in. */
+#define Q5_MASKS 0
+INLINE void wq5(const uint8_t *c, const uint8_t *plane, const int h, vi16 *lo, vi16 *hi)
 {
+    wq4(c, lo, hi);
     const __m256i pa = _mm256_loadu_si256((const __m256i *)plane), pb = _mm256_loadu_si256((const __m256i *)(plane + 32));
     const __m256i b4 = _mm256_set1_epi8(0x10);
     lo->a = _mm256_or_si256(lo->a, _mm256_and_si256(_mm256_slli_epi16(pa, 4 - h), b4));
@@ -149,6 +157,7 @@ INLINE vi16 dp8(vi16 acc, w8_t w, int32_t x)
 #else /* scalar: plain loops (itile_any below), no integer lanes */
 
 #define Q8_BIAS 0
+#define Q5_MASKS 1 /* the q5 plane's layout (as the exact arithmetic's q4 layout "bytes") */
 
 #endif
 #if !Q8_BIAS

@@ -25,9 +25,15 @@
  *   q4: 4 chunks of 64 bytes per panel-block; chunk h byte [4l + k] = q[16p + l, 32b + 8h + k] |
  *       q[16p + l, 32b + 8h + 4 + k] << 4 (low nibbles: inputs 8h..8h+3, high: 8h+4..8h+7)
  *   q5 (kind 12, codes 0..31): q4's 4 chunks of the codes' low nibbles, then a 64-byte plane of their
- *       high bits (bit 4): byte [4l + k] bit h = q[16p + l, 32b + 8h + k] >> 4 and bit 4 + h =
- *       q[16p + l, 32b + 8h + 4 + k] >> 4 (h = 0..3), so chunk h's high bits are lane-aligned with its
- *       nibble bytes: a 16-bit shift (left 4 - h; right h) and a mask put them at bit 4 (ilanes.h: wq5);
+ *       high bits (bit 4), in one of two layouts, the same builds as the exact arithmetic's q4 layouts
+ *       (ilanes.h: Q5_MASKS; the loader packs the one trserve_qlinear_q4_layout names):
+ *       "masks" (avx512, scalar; "bytes"): per chunk h 16 bytes, two little-endian uint64 masks of its
+ *         64 code bytes, [16h, 16h + 8) bit 4l + k = q[16p + l, 32b + 8h + k] >> 4 (the lo bytes), then
+ *         [16h + 8, 16h + 16) bit 4l + k = q[16p + l, 32b + 8h + 4 + k] >> 4 (hi): a zero-masked move of
+ *         0x10s each, or-ed in by the vpternlogd that masks the nibbles
+ *       "shifts" (avx2; "lanes"): byte [4l + k] bit h = q[16p + l, 32b + 8h + k] >> 4 and bit 4 + h =
+ *         q[16p + l, 32b + 8h + 4 + k] >> 4 (h = 0..3): chunk h's high bits lane-aligned with its nibble
+ *         bytes, put at bit 4 by a 16-bit shift (left 4 - h; right h) and a mask
  *       a panel-block is 320 contiguous bytes
  *   q8: 8 groups of 64 bytes; group g byte [4l + k] = q[16p + l, 32b + 4g + k] + 128 (biased, unsigned)
  *   d, m: as qlinear.c (16 halves per panel-block; the two-level kinds' records per super-block)
@@ -136,8 +142,8 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
                 vi16 lo[MAX_PANELS], hi[MAX_PANELS];
 #pragma GCC unroll 4
                 for (int t = 0; t < T; t++) {
-                    wq4(c[t] + 64 * h, &lo[t], &hi[t]);
-                    if (KQ5(kind)) wq5(c[t] + 256, h, &lo[t], &hi[t]);
+                    if (KQ5(kind)) wq5(c[t] + 64 * h, c[t] + 256, h, &lo[t], &hi[t]);
+                    else wq4(c[t] + 64 * h, &lo[t], &hi[t]);
                 }
 #pragma GCC unroll 16
                 for (int r = 0; r < R; r++) {
@@ -232,8 +238,13 @@ INLINE int32_t icode(const uint8_t *c, int kind, int l, int i)
         const uint8_t byte = c[64 * (i / 8) + 4 * l + i % 4];
         const int32_t q = i % 8 < 4 ? byte & 0xF : byte >> 4;
         if (!KQ5(kind)) return q;
-        const uint8_t plane = c[256 + 4 * l + i % 4]; /* bit i / 8 (inputs 8h..8h+3), 4 + i / 8 (8h+4..8h+7) */
+#if Q5_MASKS /* chunk i / 8's lo mask, then its hi mask: bit 4l + i % 4 */
+        const int bit = 4 * l + i % 4;
+        return q | ((c[256 + 16 * (i / 8) + 8 * (i % 8 >= 4) + bit / 8] >> (bit % 8)) & 1) << 4;
+#else /* byte [4l + i % 4], bit i / 8 (inputs 8h..8h+3) or 4 + i / 8 (8h+4..8h+7) */
+        const uint8_t plane = c[256 + 4 * l + i % 4];
         return q | ((plane >> (i % 8 < 4 ? i / 8 : 4 + i / 8)) & 1) << 4;
+#endif
     }
     return (int32_t)c[64 * (i / 4) + 4 * l + i % 4] - 128;
 }

@@ -124,20 +124,30 @@ def pack_q5(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str =
     return torch.cat([lo.reshape(P, nb, 256), plane], dim=-1).contiguous(), d, m
 
 
-def pack_q5_i8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor):
+def pack_q5_i8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str = "bytes"):
     """Kind 12's (codes, d, m) -> csrc/qlinear_i8.c's q5 layout: codes [P, nb, 320] uint8, pack_q4_i8's
-    4 chunks of 64 bytes (the low nibbles), then the plane: byte [4l + k] bit h = q[16p + l, 32b + 8h + k]
-    >> 4, bit 4 + h = q[16p + l, 32b + 8h + 4 + k] >> 4 (h = 0..3: chunk h's high bits beside its
-    nibbles, lane for lane); d, m as pack_q4_i8.
+    4 chunks of 64 bytes (the low nibbles), then the plane of the high bits, as the build whose q4 layout
+    is `layout` reads it: "bytes" (masks), per chunk h two little-endian uint64 masks over its 64 code
+    bytes, bit 4l + k = q[16p + l, 32b + 8h + k] >> 4 (lo), then the same for input 8h + 4 + k (hi);
+    "lanes" (shifts), byte [4l + k] bit h = q[16p + l, 32b + 8h + k] >> 4, bit 4 + h = q[16p + l,
+    32b + 8h + 4 + k] >> 4 (h = 0..3: chunk h's high bits beside its nibbles). d, m as pack_q4_i8.
 
     Worked example, output l = 0 whose block holds q = 16..31 then 0..15: inputs 0..15 have bit 4, so
-    plane bytes 0..3 are 0x33 (h = 0, 1: bits 0, 1 and 4, 5)."""
+    "lanes" plane bytes 0..3 are 0x33 (h = 0, 1: bits 0, 1 and 4, 5); "masks" bytes 0, 8, 16, 24 are 0x0F."""
+    if layout not in Q4_LAYOUTS:
+        raise ValueError(f"q4 layout must be one of {Q4_LAYOUTS}, got {layout!r}")
     nib, high = _q5_split(codes)
     lo, d, m = pack_q4_i8(nib, d, m)
     P, nb = lo.shape[0], lo.shape[1]
-    shifts = (torch.arange(4).reshape(4, 1, 1) + 4 * torch.arange(2).reshape(1, 2, 1))  # [h, half, 1]: h + 4 half
-    bits = (high.reshape(P, PANEL, nb, 4, 2, 4) << shifts).sum((3, 4))  # [P, l, nb, k]
-    plane = bits.permute(0, 2, 1, 3).reshape(P, nb, 64).to(torch.uint8)
+    high = high.reshape(P, PANEL, nb, 4, 2, 4)  # [P, l, nb, h, half, k]: input 32b + 8h + 4 half + k
+    if layout == "bytes":
+        bit = (4 * torch.arange(PANEL).reshape(PANEL, 1, 1, 1, 1) + torch.arange(4))  # [l, .., k]: 4l + k
+        masks = (high << bit).sum((1, 5))  # [P, nb, h, half]
+        plane = _le_bytes(masks, 8).reshape(P, nb, 64)
+    else:
+        shifts = (torch.arange(4).reshape(4, 1, 1) + 4 * torch.arange(2).reshape(1, 2, 1))  # [h, half, 1]
+        bits = (high << shifts).sum((3, 4))  # [P, l, nb, k]
+        plane = bits.permute(0, 2, 1, 3).reshape(P, nb, 64).to(torch.uint8)
     return torch.cat([lo.reshape(P, nb, 256), plane], dim=-1).contiguous(), d, m
 
 

@@ -79,8 +79,10 @@ class QLinear(nn.Module):
         self.isa, self.arithmetic = kernel_isa(isa), arithmetic
         scale = {"f16": _half, "two": _records}.get(form, lambda v: v.to(torch.float32).contiguous())
         d, m = scale(d), scale(m) if has_min else None
-        if bits in (4, 5) and arithmetic == "int8":
-            codes, d, m = (pack_q4_i8 if bits == 4 else pack_q5_i8)(codes, d, m)
+        if bits == 4 and arithmetic == "int8":
+            codes, d, m = pack_q4_i8(codes, d, m)
+        elif bits == 5 and arithmetic == "int8":  # its plane in the layout of the build's q4 layout's builds
+            codes, d, m = pack_q5_i8(codes, d, m, q4_layout(cache_dir, self.isa))
         elif bits in (4, 5):
             codes, d, m = (pack_q4 if bits == 4 else pack_q5)(codes, d, m, q4_layout(cache_dir, self.isa))
         else:

@@ -263,10 +263,16 @@ def test_q5_codes_are_the_files_bytes_and_round_trip():
 
 
 def test_q5_i8_plane_worked_example():
-    """pack_q5_i8's docstring: output 0's block holds 16..31 then 0..15: plane bytes 0..3 are 0x33."""
-    q = torch.cat([torch.arange(16, 32), torch.arange(16)]).reshape(1, 1, 32).expand(16, 1, 32)
-    codes, _, _ = pack_q5_i8(q5_codes(q), torch.ones(16, 1), torch.zeros(16, 1))
+    """pack_q5_i8's docstring: output 0's block holds 16..31 then 0..15 (the others all 0): "lanes" plane
+    bytes 0..3 are 0x33, "masks" bytes 0, 8, 16, 24 are 0x0F (output 0's four lo / hi bytes)."""
+    q = torch.zeros(16, 1, 32, dtype=torch.uint8)
+    q[0, 0] = torch.cat([torch.arange(16, 32), torch.arange(16)])
+    codes, _, _ = pack_q5_i8(q5_codes(q), torch.ones(16, 1), torch.zeros(16, 1), "lanes")
     assert codes.shape == (1, 1, 320) and list(codes[0, 0, 256:260]) == [0x33] * 4
+    assert int(codes[0, 0, 260:].sum()) == 0
+    masks = pack_q5_i8(q5_codes(q), torch.ones(16, 1), torch.zeros(16, 1), "bytes")[0][0, 0, 256:]
+    assert [i for i in range(64) if masks[i]] == [0, 8, 16, 24] and list(masks[[0, 8, 16, 24]]) == [0x0F] * 4
+    assert torch.equal(masks, pack_q5_i8(q5_codes(q), torch.ones(16, 1), torch.zeros(16, 1))[0][0, 0, 256:])
     assert list(codes[0, 0, :4]) == [0x40, 0x51, 0x62, 0x73]  # pack_q4_i8's nibbles: codes 0..7's low bits
 
 
