@@ -15,7 +15,10 @@
  * dp4 = vpdpbusd; else 2 int16 lanes per output, summed to int32 once per block by a4_sum); a4_dp:
  * acc += q4 group . x (4 signed bytes, every lane);
  * w8 / dp8: a q8 group prepared once per tile, then acc += group . x per row. Q8_BIAS: whether dp8
- * leaves the +128 bias in (accumulators then start at -128 c). */
+ * leaves the +128 bias in (accumulators then start at -128 c). wq5: wq4 of a q5 panel-block's chunk h,
+ * its high bits (from its plane, qlinear_i8.c's layout comment; Q5_MASKS: which of its two layouts this
+ * build reads) at bit 4 of each byte. A4_I16: whether a4_t
+ * holds int16 lanes (without VNNI), which q5 codes fill in two chunks (4 x 2 x 31 x 127 = 31496). */
 INLINE int32_t x4(const int8_t *x)
 {
     int32_t v;
@@ -29,11 +32,24 @@ typedef __m512i vi16;
 INLINE vi16 vi_zero(void) { return _mm512_setzero_si512(); }
 INLINE vi16 vi_set1(int32_t v) { return _mm512_set1_epi32(v); }
 INLINE v16 vi_float(vi16 v) { return _mm512_cvtepi32_ps(v); }
+INLINE vi16 vi_add(vi16 a, vi16 b) { return _mm512_add_epi32(a, b); }
 INLINE void wq4(const uint8_t *c, vi16 *lo, vi16 *hi)
 {
     const __m512i v = _mm512_loadu_si512(c), mask = _mm512_set1_epi8(0x0F);
     *lo = _mm512_and_si512(v, mask);
     *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+}
+/* wq4 of a q5 panel-block's chunk h (c: the chunk) with its high bits from the "masks" plane: two
+ * 64-bit masks (one bit per byte of lo, of hi) select 0x10s, or-ed in as the nibbles are masked (one
+ * vpternlogd: (v & 0x0F) | bits). */
+#define Q5_MASKS 1
+INLINE void wq5(const uint8_t *c, const uint8_t *plane, const int h, vi16 *lo, vi16 *hi)
+{
+    const __m512i v = _mm512_loadu_si512(c), mask = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10);
+    uint64_t kl, kh;
+    memcpy(&kl, plane + 16 * h, 8), memcpy(&kh, plane + 16 * h + 8, 8);
+    *lo = _mm512_ternarylogic_epi32(v, _mm512_maskz_mov_epi8((__mmask64)kl, b4), mask, 0xEC);
+    *hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_maskz_mov_epi8((__mmask64)kh, b4), mask, 0xEC);
 }
 #if defined(__AVX512VNNI__)
 #define Q8_BIAS 1
@@ -67,12 +83,26 @@ typedef struct { __m256i a, b; } vi16; /* lanes 0..7, 8..15 */
 INLINE vi16 vi_zero(void) { vi16 v = {_mm256_setzero_si256(), _mm256_setzero_si256()}; return v; }
 INLINE vi16 vi_set1(int32_t x) { vi16 v = {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; return v; }
 INLINE v16 vi_float(vi16 x) { v16 v = {_mm256_cvtepi32_ps(x.a), _mm256_cvtepi32_ps(x.b)}; return v; }
+INLINE vi16 vi_add(vi16 x, vi16 y) { vi16 v = {_mm256_add_epi32(x.a, y.a), _mm256_add_epi32(x.b, y.b)}; return v; }
 INLINE void wq4(const uint8_t *c, vi16 *lo, vi16 *hi)
 {
     const __m256i va = _mm256_loadu_si256((const __m256i *)c), vb = _mm256_loadu_si256((const __m256i *)(c + 32));
     const __m256i mask = _mm256_set1_epi8(0x0F);
     lo->a = _mm256_and_si256(va, mask), lo->b = _mm256_and_si256(vb, mask);
     hi->a = _mm256_and_si256(_mm256_srli_epi16(va, 4), mask), hi->b = _mm256_and_si256(_mm256_srli_epi16(vb, 4), mask);
+}
+/* The "shifts" plane: byte bit h (lo's) and 4 + h (hi's) to bit 4 by 16-bit shifts (a bit crossing into
+ * the next byte lands below bit 4 or above it, h < 4, and the mask drops it), or-ed in. */
+#define Q5_MASKS 0
+INLINE void wq5(const uint8_t *c, const uint8_t *plane, const int h, vi16 *lo, vi16 *hi)
+{
+    wq4(c, lo, hi);
+    const __m256i pa = _mm256_loadu_si256((const __m256i *)plane), pb = _mm256_loadu_si256((const __m256i *)(plane + 32));
+    const __m256i b4 = _mm256_set1_epi8(0x10);
+    lo->a = _mm256_or_si256(lo->a, _mm256_and_si256(_mm256_slli_epi16(pa, 4 - h), b4));
+    lo->b = _mm256_or_si256(lo->b, _mm256_and_si256(_mm256_slli_epi16(pb, 4 - h), b4));
+    hi->a = _mm256_or_si256(hi->a, _mm256_and_si256(_mm256_srli_epi16(pa, h), b4));
+    hi->b = _mm256_or_si256(hi->b, _mm256_and_si256(_mm256_srli_epi16(pb, h), b4));
 }
 #if defined(__AVXVNNI__)
 #define Q8_BIAS 1
@@ -127,10 +157,15 @@ INLINE vi16 dp8(vi16 acc, w8_t w, int32_t x)
 #else /* scalar: plain loops (itile_any below), no integer lanes */
 
 #define Q8_BIAS 0
+#define Q5_MASKS 1 /* the q5 plane's layout (as the exact arithmetic's q4 layout "bytes") */
 
+#endif
+#if !Q8_BIAS
+#define A4_I16 1 /* vpmaddubsw's int16 lanes (the scalar build has no a4_t) */
 #endif
 
 #if Q8_BIAS /* VNNI (either width): a q4 block's products go straight into the int32 lanes */
+#define A4_I16 0
 typedef vi16 a4_t;
 INLINE a4_t a4_zero(void) { return vi_zero(); }
 INLINE a4_t a4_dp(a4_t acc, vi16 u, int32_t x) { return dp4(acc, u, x); }

@@ -2,6 +2,7 @@
  *
  * y[n, O] = x[n, I] @ W^T (+ bias) where W is stored compressed and rebuilt exactly in registers:
  *   q4: W[o, 32b + j] = q * d[o, b] + m[o, b], q in 0..15
+ *   q5: W[o, 32b + j] = q * d[o, b] + m[o, b], q in 0..31 (kind 12: Q5_1; Q5_0 with m = -16 d)
  *   q8: W[o, 32b + j] = q * d[o, b],           q in -128..127
  * d and m are float16 values (stored as IEEE half bits, converted exactly to float32 here). q * d is
  * exact in float32 for these ranges (8 bits x 11 bits), so q * d + m has a single rounding and the
@@ -20,6 +21,13 @@
  *             q[16p + l, 32b + 2j + 1] << 4
  *   q4 codes, "lanes" (avx2 build): 4 x 16 little-endian uint32, word [g][l] = sum over k < 8 of
  *             q[16p + l, 32b + 8g + k] << 4k
+ *   q5 codes (kind 12): the q4 layout's 256 bytes of the codes' low nibbles, then a 64-byte plane of
+ *             their high bits (bit 4), laid out for the build's q4 layout:
+ *             "bytes": 32 little-endian uint16, word [i] bit l = q[16p + l, 32b + i] >> 4 (AVX-512: one
+ *                      kmovw per input, a masked or into the 16 lanes)
+ *             "lanes": 16 little-endian uint32, word [l] bit i = q[16p + l, 32b + i] >> 4 (AVX2: lane
+ *                      l's word shifted to bit 4 and masked per input)
+ *             so a panel-block is 320 contiguous bytes
  *   q8 codes: 32 x 16 bytes, byte [j][l] = q[16p + l, 32b + j]
  *   d, m:     16 halves, [l] = d[16p + l, b] (kinds 5, 9: 16 floats; kind 17: 32 floats, two per output)
  *   two-level kinds (6, 10, 18): per panel super-block (8 blocks), a record of the 16 outputs' float16
@@ -160,6 +168,16 @@ INLINE v16 deq8(const uint8_t *c, v16 d)
 {
     return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c))), d);
 }
+/* deq4 of a q5 panel-block: each input's plane word is a mask of the lanes whose code has bit 4. */
+INLINE void deq5(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
+{
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16 * j))), b4 = _mm512_set1_epi32(0x10);
+    uint16_t k0, k1;
+    memcpy(&k0, blk + 256 + 4 * j, 2), memcpy(&k1, blk + 256 + 4 * j + 2, 2);
+    const __m512i q0 = _mm512_and_si512(q, _mm512_set1_epi32(0xF)), q1 = _mm512_srli_epi32(q, 4);
+    *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mask_or_epi32(q0, (__mmask16)k0, q0, b4)), d, m);
+    *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mask_or_epi32(q1, (__mmask16)k1, q1, b4)), d, m);
+}
 
 #elif defined(__AVX2__)
 
@@ -173,6 +191,26 @@ INLINE void deq4(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1
     w0->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lb, s), mask)), d.b, m.b);
     w1->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(la, s + 4), mask)), d.a, m.a);
     w1->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lb, s + 4), mask)), d.b, m.b);
+}
+/* Lane l's plane word p shifted so that input i's bit lands on bit 4, masked (i a constant where j is). */
+INLINE __m256i hbit5(__m256i p, const int i)
+{
+    const __m256i s = i >= 4 ? _mm256_srli_epi32(p, i - 4) : _mm256_slli_epi32(p, 4 - i);
+    return _mm256_and_si256(s, _mm256_set1_epi32(0x10));
+}
+/* deq4 of a q5 panel-block: the plane's words (16 uint32 after the 256 nibble bytes) give bit 4. */
+INLINE void deq5(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
+{
+    const __m256i *g = (const __m256i *)(blk + 64 * (j >> 2)), mask = _mm256_set1_epi32(0xF);
+    const __m256i la = _mm256_loadu_si256(g), lb = _mm256_loadu_si256(g + 1);
+    const __m256i pa = _mm256_loadu_si256((const __m256i *)(blk + 256)), pb = _mm256_loadu_si256((const __m256i *)(blk + 288));
+    const int s = 8 * (j & 3);
+#define Q5L(l, p, sh, i) _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(l, sh), mask), hbit5(p, i))
+    w0->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q5L(la, pa, s, 2 * j)), d.a, m.a);
+    w0->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q5L(lb, pb, s, 2 * j)), d.b, m.b);
+    w1->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q5L(la, pa, s + 4, 2 * j + 1)), d.a, m.a);
+    w1->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q5L(lb, pb, s + 4, 2 * j + 1)), d.b, m.b);
+#undef Q5L
 }
 INLINE v16 deq8(const uint8_t *c, v16 d)
 {
@@ -193,6 +231,15 @@ INLINE void deq4(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1
         w1->v[l] = (float)(c[l] >> 4) * d.v[l] + m.v[l];
     }
 }
+INLINE void deq5(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
+{
+    const uint8_t *c = blk + 16 * j, *h = blk + 256 + 4 * j; /* input 2j's plane word, then 2j + 1's */
+    const unsigned h0 = h[0] | (unsigned)h[1] << 8, h1 = h[2] | (unsigned)h[3] << 8;
+    for (int l = 0; l < 16; l++) {
+        w0->v[l] = (float)((c[l] & 0xF) | ((h0 >> l) & 1) << 4) * d.v[l] + m.v[l];
+        w1->v[l] = (float)((c[l] >> 4) | ((h1 >> l) & 1) << 4) * d.v[l] + m.v[l];
+    }
+}
 INLINE v16 deq8(const uint8_t *c, v16 d)
 {
     v16 v;
@@ -205,8 +252,15 @@ INLINE v16 deq8(const uint8_t *c, v16 d)
 
 /* ---- tiles (shared by all builds) ------------------------------------------------------------
  * kind, R (rows) and T (panels) are constants wherever these are called (the drivers name them
- * literally and always_inline propagates them). A panel-block is 256 (q4) or 512 (q8) code bytes. */
-#define PANEL_BLOCK_BYTES(kind) (KQ4(kind) ? 256 : 512)
+ * literally and always_inline propagates them). A panel-block is 256 (q4), 320 (q5) or 512 (q8) code bytes. */
+#define PANEL_BLOCK_BYTES(kind) (KQ5(kind) ? 320 : KQ4(kind) ? 256 : 512)
+
+/* Inputs 2j and 2j + 1 of a nibble kind's panel-block: deq4, or deq5 with the high-bit plane. */
+INLINE void deqn(const int kind, const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
+{
+    if (KQ5(kind)) deq5(blk, j, d, m, w0, w1);
+    else deq4(blk, j, d, m, w0, w1);
+}
 
 /* Input j's weights of a q8 panel-block (c: its codes): code * d (+ m where the kind has a min; the
  * product is exact, so the sum rounds once, as an fma would). */
@@ -218,13 +272,13 @@ INLINE v16 deq8k(const int kind, const uint8_t *c, const int j, v16 d, v16 m)
 
 /* Inputs 2j and 2j + 1 of a q4 block into a tile's accumulators: the weights of panels t from codes
  * c[t] and scales vd[t], vm[t]; xb: the block's packed rows (xb[i * R + r]). */
-INLINE void tile_q4_pair(const int R, const int T, const int j, const uint8_t *const c[MAX_PANELS],
+INLINE void tile_q4_pair(const int kind, const int R, const int T, const int j, const uint8_t *const c[MAX_PANELS],
                          const v16 vd[MAX_PANELS], const v16 vm[MAX_PANELS], const float *xb,
                          v16 acc[MAX_ROWS][MAX_PANELS])
 {
     v16 w0[MAX_PANELS], w1[MAX_PANELS];
 #pragma GCC unroll 4
-    for (int t = 0; t < T; t++) deq4(c[t], j, vd[t], vm[t], &w0[t], &w1[t]);
+    for (int t = 0; t < T; t++) deqn(kind, c[t], j, vd[t], vm[t], &w0[t], &w1[t]);
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
 #pragma GCC unroll 4
@@ -269,9 +323,9 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
         if (KQ4(kind)) {
             if (Q4_LAYOUT && R * T <= Q4_UNROLL_TILE) { /* the lanes layout's shifts as immediates */
 #pragma GCC unroll 16
-                for (int j = 0; j < 16; j++) tile_q4_pair(R, T, j, c, vd, vm, xb, acc);
+                for (int j = 0; j < 16; j++) tile_q4_pair(kind, R, T, j, c, vd, vm, xb, acc);
             } else { /* larger tiles stay rolled: unrolled, the allocator spilled (measured: 6 x 1 30% slower) */
-                for (int j = 0; j < 16; j++) tile_q4_pair(R, T, j, c, vd, vm, xb, acc);
+                for (int j = 0; j < 16; j++) tile_q4_pair(kind, R, T, j, c, vd, vm, xb, acc);
             }
         } else {
             for (int h = 0; h < 2; h++) /* the block's halves: KH16 kinds' two scales */
@@ -307,7 +361,7 @@ INLINE void rebuild_panels(const qmat_t *w, const int kind, const int T, int64_t
 #endif
                 for (int j = 0; j < 16; j++) {
                     v16 w0, w1;
-                    deq4(c, j, vd, vm, &w0, &w1);
+                    deqn(kind, c, j, vd, vm, &w0, &w1);
                     v_store(o + (2 * j) * T * PANEL, w0);
                     v_store(o + (2 * j + 1) * T * PANEL, w1);
                 }
@@ -372,7 +426,7 @@ INLINE void mem_call(const qmat_t *w, const int R, const int T, const float *wb,
     TILE_FN(K, 6, T) TILE_FN(K, 7, T) TILE_FN(K, 8, T) TILE_FN(K, 9, T) TILE_FN(K, 10, T) TILE_FN(K, 11, T) \
     TILE_FN(K, 12, T) TILE_FN(K, 13, T) TILE_FN(K, 14, T) TILE_FN(K, 15, T) TILE_FN(K, 16, T)
 #define TILE_KIND(K) TILE_FNS(K, 1) TILE_FNS(K, 2) TILE_FNS(K, 3) TILE_FNS(K, 4)
-TILE_KIND(4) TILE_KIND(8) TILE_KIND(6) TILE_KIND(10) TILE_KIND(18) TILE_KIND(9)
+TILE_KIND(4) TILE_KIND(8) TILE_KIND(6) TILE_KIND(10) TILE_KIND(18) TILE_KIND(9) TILE_KIND(12)
 TILE_FN(5, 1, 1) TILE_FN(17, 1, 1) /* the reference kinds: one row, one panel */
 #undef TILE_KIND
 #undef TILE_FNS
@@ -386,7 +440,7 @@ INLINE void tile_call(const qmat_t *w, const int kind, const int R, const int T,
     TC(K, 8, TT) TC(K, 9, TT) TC(K, 10, TT) TC(K, 11, TT) TC(K, 12, TT) TC(K, 13, TT) TC(K, 14, TT) TC(K, 15, TT) \
     TC(K, 16, TT)
 #define TCK(K) TCS(K, 1) TCS(K, 2) TCS(K, 3) TCS(K, 4)
-    TCK(4) TCK(8) TCK(6) TCK(10) TCK(18) TCK(9) TC(5, 1, 1) TC(17, 1, 1)
+    TCK(4) TCK(8) TCK(6) TCK(10) TCK(18) TCK(9) TCK(12) TC(5, 1, 1) TC(17, 1, 1)
 #undef TCK
 #undef TCS
 #undef TC
@@ -439,7 +493,7 @@ INLINE void part(const qmat_t *w, const int kind, const int RR, const int T, con
 #define PLANS(K, NR, NP) PLAN(one_##K, K, 1, ONE_PANELS) PLAN(narrow_##K, K, NR, NP) PLAN(wide_##K, K, WIDE_ROWS, WIDE_PANELS)
 PLANS(4, NARROW_ROWS, NARROW_PANELS) PLANS(6, NARROW_ROWS, NARROW_PANELS)
 PLANS(8, NARROW8_ROWS, NARROW8_PANELS) PLANS(10, NARROW8_ROWS, NARROW8_PANELS) PLANS(18, NARROW8_ROWS, NARROW8_PANELS)
-PLANS(9, NARROW8_ROWS, NARROW8_PANELS)
+PLANS(9, NARROW8_ROWS, NARROW8_PANELS) PLANS(12, NARROW_ROWS, NARROW_PANELS)
 PLAN(one_5, 5, 1, 1) PLAN(one_17, 17, 1, 1) /* the reference kinds: qmat_rows gives them one row at a time */
 #undef PLANS
 #undef PLAN
@@ -482,7 +536,7 @@ INLINE void deq_part(const qmat_t *w, const int kind, const float *x, int64_t n,
 #define DEQ_PLAN(K)                                                                                              \
     static __attribute__((noinline)) void deq_##K(const qmat_t *w, const float *x, int64_t n, float *y, int64_t p0, \
                                                   int64_t p1) { deq_part(w, K, x, n, y, p0, p1); }
-DEQ_PLAN(4) DEQ_PLAN(8) DEQ_PLAN(6) DEQ_PLAN(10) DEQ_PLAN(18) DEQ_PLAN(9)
+DEQ_PLAN(4) DEQ_PLAN(8) DEQ_PLAN(6) DEQ_PLAN(10) DEQ_PLAN(18) DEQ_PLAN(9) DEQ_PLAN(12)
 #undef DEQ_PLAN
 
 /* A kind's plans. */
@@ -494,7 +548,7 @@ static plans_t plans_of(int kind)
 {
 #define PL(K) if (kind == K) { const plans_t p = {one_##K, narrow_##K, wide_##K, deq_##K}; return p; }
 #define PL_REF(K) if (kind == K) { const plans_t p = {one_##K, one_##K, one_##K, one_##K}; return p; }
-    PL(4) PL(6) PL(10) PL(18) PL(9) PL_REF(5) PL_REF(17)
+    PL(4) PL(6) PL(10) PL(18) PL(9) PL(12) PL_REF(5) PL_REF(17)
 #undef PL_REF
 #undef PL
     const plans_t p = {one_8, narrow_8, wide_8, deq_8};

@@ -14,7 +14,10 @@
 
 /* Kinds of compressed matrix: the codes' width, the scales' form and block, whether a min is added.
  *   4  q4 codes, float16 d and m per block of 32 (Q4_0, Q4_1)
- *   8  q8 codes, float16 d per block of 32 (Q8_0, Q5_0)
+ *   12 q5 codes (0..31): kind 4's nibbles plus a plane of their high bits, float16 d and m per block
+ *      of 32 (Q5_1; Q5_0 with m = -16 d): a panel-block is kind 4's 256 bytes then the 64-byte plane
+ *      (qlinear.c's and qlinear_i8.c's layout comments)
+ *   8  q8 codes, float16 d per block of 32 (Q8_0; Q5_0 as codes q - 16 where recovered from floats)
  *   6  q4 codes, a GGUF file's two-level scales (Q4_K): d = d16 * sc, m = -(dmin16 * mn) per block of 32
  *   10 q8 codes, the same two-level scales and mins (Q5_K)
  *   18 q8 codes, two-level scales per 16 inputs, two per block: d = d16 * sc, sc signed (Q6_K)
@@ -30,13 +33,14 @@
  * d16 * sc is exact in float32 (11 x 8 bits), as is dmin16 * mn: the float32 kinds' very values, formed
  * in registers. Every product code * d is exact in float32 for these ranges, so W = code * d (+ m) has
  * at most one rounding: ggml's own dequantized value. */
-#define KQ4(k) ((k) == 4 || (k) == 5 || (k) == 6)                             /* 4-bit codes (else 8-bit) */
-#define KMIN(k) ((k) == 4 || (k) == 5 || (k) == 6 || (k) == 9 || (k) == 10)  /* a min per block */
-#define KF16(k) ((k) == 4 || (k) == 8)                                        /* float16 scales per block */
+#define KQ5(k) ((k) == 12)                                                  /* nibbles + high-bit plane */
+#define KQ4(k) ((k) == 4 || (k) == 5 || (k) == 6 || KQ5(k))                  /* nibble codes (else 8-bit) */
+#define KMIN(k) ((k) == 4 || (k) == 5 || (k) == 6 || (k) == 9 || (k) == 10 || KQ5(k)) /* a min per block */
+#define KF16(k) ((k) == 4 || (k) == 8 || KQ5(k))                              /* float16 scales per block */
 #define KTWO(k) ((k) == 6 || (k) == 10 || (k) == 18)                          /* two-level scale records */
 #define KH16(k) ((k) == 17 || (k) == 18)                                      /* a scale per 16 inputs */
 #define KREF(k) ((k) == 5 || (k) == 17)                                       /* reference kinds: one row */
-#define KNOWN_KIND(k) ((k) == 4 || (k) == 8 || (k) == 6 || (k) == 10 || (k) == 18 || (k) == 9 || KREF(k))
+#define KNOWN_KIND(k) ((k) == 4 || (k) == 8 || (k) == 6 || (k) == 10 || (k) == 18 || (k) == 9 || KQ5(k) || KREF(k))
 #define SUPER 8                                               /* blocks of 32 per super-block */
 #define KREC_BYTES(k) (2 * PANEL + PANEL * (KH16(k) ? 16 : 8)) /* a panel super-block's scale record */
 

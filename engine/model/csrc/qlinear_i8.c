@@ -1,6 +1,7 @@
 /* Integer linear layers for x86-64 CPUs: the "int8" arithmetic (trserve, engine/model/kernels/).
  *
- * y[n, O] = x[n, I] @ W^T (+ bias), W the same 4-bit (q4: q * d + m) or 8-bit (q8: q * d) blocks of 32
+ * y[n, O] = x[n, I] @ W^T (+ bias), W the same 4-bit (q4: q * d + m), 5-bit (q5: q * d + m) or 8-bit
+ * (q8: q * d) blocks of 32
  * as qlinear.c reads, x quantized per row and block of 32 inputs to int8:
  *   amax = max |x[32b + j]|;  s = amax / 127;  xq[j] = clamp(rne(x[32b + j] * (127 / amax)), -127, 127)
  *   (all zero, s = 0, where 127 / amax is not finite);  c = sum_j xq[j] (an integer);  xm = (float)c * s
@@ -23,12 +24,25 @@
  * holding 4 consecutive inputs' codes, as vpdpbusd takes them:
  *   q4: 4 chunks of 64 bytes per panel-block; chunk h byte [4l + k] = q[16p + l, 32b + 8h + k] |
  *       q[16p + l, 32b + 8h + 4 + k] << 4 (low nibbles: inputs 8h..8h+3, high: 8h+4..8h+7)
+ *   q5 (kind 12, codes 0..31): q4's 4 chunks of the codes' low nibbles, then a 64-byte plane of their
+ *       high bits (bit 4), in one of two layouts, the same builds as the exact arithmetic's q4 layouts
+ *       (ilanes.h: Q5_MASKS; the loader packs the one trserve_qlinear_q4_layout names):
+ *       "masks" (avx512, scalar; "bytes"): per chunk h 16 bytes, two little-endian uint64 masks of its
+ *         64 code bytes, [16h, 16h + 8) bit 4l + k = q[16p + l, 32b + 8h + k] >> 4 (the lo bytes), then
+ *         [16h + 8, 16h + 16) bit 4l + k = q[16p + l, 32b + 8h + 4 + k] >> 4 (hi): a zero-masked move of
+ *         0x10s each, or-ed in by the vpternlogd that masks the nibbles
+ *       "shifts" (avx2; "lanes"): byte [4l + k] bit h = q[16p + l, 32b + 8h + k] >> 4 and bit 4 + h =
+ *         q[16p + l, 32b + 8h + 4 + k] >> 4 (h = 0..3): chunk h's high bits lane-aligned with its nibble
+ *         bytes, put at bit 4 by a 16-bit shift (left 4 - h; right h) and a mask
+ *       a panel-block is 320 contiguous bytes
  *   q8: 8 groups of 64 bytes; group g byte [4l + k] = q[16p + l, 32b + 4g + k] + 128 (biased, unsigned)
  *   d, m: as qlinear.c (16 halves per panel-block; the two-level kinds' records per super-block)
  * The unsigned operand of vpdpbusd is the q4 code (0..15) or the biased q8 code (0..255); the signed
  * one the activations. q8's bias is taken back out exactly: the block's accumulators start at
- * -128 * c. Without VNNI, vpmaddubsw takes q4 codes as they are (2 * 15 * 127 cannot saturate int16)
- * and q8 codes as |w| against sign(x, w) (2 * 128 * 127 cannot either).
+ * -128 * c. Without VNNI, vpmaddubsw takes q4 codes as they are (2 * 15 * 127 cannot saturate int16;
+ * a block's 8 such pairs per int16 lane sum to at most 30480), q5 codes likewise (2 * 31 * 127), their
+ * int16 sums widened to int32 every two chunks (4 pairs: 31496 < 32768; a block's 8 would overflow),
+ * and q8 codes as |w| against sign(x, w) (2 * 128 * 127 cannot saturate either).
  *
  * Each tile of R rows x T panels unpacks a panel-block's codes once for all its rows.
  *
@@ -91,7 +105,7 @@ static void add_kept(const qmat_t *w, const qact_t *a, float *y, int64_t o0, int
 }
 
 /* ---- tiles ------------------------------------------------------------------------------------ */
-#define IBLOCK_BYTES(kind) (KQ4(kind) ? 256 : 512) /* a panel-block's codes */
+#define IBLOCK_BYTES(kind) (KQ5(kind) ? 320 : KQ4(kind) ? 256 : 512) /* a panel-block's codes */
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 /* Rows [r0, r0 + R) x panels [p, p + T): per block, the codes unpacked once for the tile's rows. */
@@ -116,28 +130,33 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
             for (int l = 0; l < IBLOCK_BYTES(kind); l += 64) __builtin_prefetch(pc + l, 0, 2);
         }
         vi16 ia[MAX_ROWS][MAX_PANELS], ih[MAX_ROWS][MAX_PANELS]; /* ih: KH16 kinds' first half */
-        if (KQ4(kind)) { /* without VNNI the block's products add up in 16 bits: 16 of them <= 16 x 15 x 127 */
+        if (KQ4(kind)) { /* without VNNI the products add up in 16 bits (q4: a block's 16 <= 16 x 15 x 127;
+                          * q5: two chunks' 8 <= 8 x 31 x 127, then widened) */
             a4_t s4[MAX_ROWS][MAX_PANELS];
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-                for (int t = 0; t < T; t++) s4[r][t] = a4_zero();
+                for (int t = 0; t < T; t++) s4[r][t] = a4_zero(), ia[r][t] = vi_zero();
 #pragma GCC unroll 4
             for (int h = 0; h < 4; h++) {
                 vi16 lo[MAX_PANELS], hi[MAX_PANELS];
 #pragma GCC unroll 4
-                for (int t = 0; t < T; t++) wq4(c[t] + 64 * h, &lo[t], &hi[t]);
+                for (int t = 0; t < T; t++) {
+                    if (KQ5(kind)) wq5(c[t] + 64 * h, c[t] + 256, h, &lo[t], &hi[t]);
+                    else wq4(c[t] + 64 * h, &lo[t], &hi[t]);
+                }
 #pragma GCC unroll 16
                 for (int r = 0; r < R; r++) {
                     const int32_t xl = x4(xb + 32 * r + 8 * h), xh = x4(xb + 32 * r + 8 * h + 4);
 #pragma GCC unroll 4
                     for (int t = 0; t < T; t++) s4[r][t] = a4_dp(a4_dp(s4[r][t], lo[t], xl), hi[t], xh);
                 }
-            }
+                if (h == 3 || (KQ5(kind) && A4_I16 && h == 1)) /* the int16 sums widened (VNNI: int32 already) */
 #pragma GCC unroll 16
-            for (int r = 0; r < R; r++)
+                    for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-                for (int t = 0; t < T; t++) ia[r][t] = a4_sum(s4[r][t]);
+                        for (int t = 0; t < T; t++) ia[r][t] = vi_add(ia[r][t], a4_sum(s4[r][t])), s4[r][t] = a4_zero();
+            }
         } else {
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++)
@@ -217,7 +236,15 @@ INLINE int32_t icode(const uint8_t *c, int kind, int l, int i)
 {
     if (KQ4(kind)) {
         const uint8_t byte = c[64 * (i / 8) + 4 * l + i % 4];
-        return i % 8 < 4 ? byte & 0xF : byte >> 4;
+        const int32_t q = i % 8 < 4 ? byte & 0xF : byte >> 4;
+        if (!KQ5(kind)) return q;
+#if Q5_MASKS /* chunk i / 8's lo mask, then its hi mask: bit 4l + i % 4 */
+        const int bit = 4 * l + i % 4;
+        return q | ((c[256 + 16 * (i / 8) + 8 * (i % 8 >= 4) + bit / 8] >> (bit % 8)) & 1) << 4;
+#else /* byte [4l + i % 4], bit i / 8 (inputs 8h..8h+3) or 4 + i / 8 (8h+4..8h+7) */
+        const uint8_t plane = c[256 + 4 * l + i % 4];
+        return q | ((plane >> (i % 8 < 4 ? i / 8 : 4 + i / 8)) & 1) << 4;
+#endif
     }
     return (int32_t)c[64 * (i / 4) + 4 * l + i % 4] - 128;
 }
@@ -306,7 +333,7 @@ static void itile_any(const qmat_t *w, int R, int T, const qact_t *a, float *y, 
 #define ITILE_FNS(K, T) ITILE_FN(K, 1, T) ITILE_FN(K, 2, T) ITILE_FN(K, 3, T) ITILE_FN(K, 4, T) ITILE_FN(K, 5, T) \
     ITILE_FN(K, 6, T) ITILE_FN(K, 7, T) ITILE_FN(K, 8, T)
 #define ITILE_KIND(K) ITILE_FNS(K, 1) ITILE_FNS(K, 2) ITILE_FN(K, 1, 4)
-ITILE_KIND(4) ITILE_KIND(8) ITILE_KIND(6) ITILE_KIND(10) ITILE_KIND(18) ITILE_KIND(9)
+ITILE_KIND(4) ITILE_KIND(8) ITILE_KIND(6) ITILE_KIND(10) ITILE_KIND(18) ITILE_KIND(9) ITILE_KIND(12)
 ITILE_FN(5, 1, 1) ITILE_FN(17, 1, 1) /* the reference kinds: one row, one panel (imat_rows) */
 #undef ITILE_KIND
 #undef ITILE_FNS
@@ -320,7 +347,7 @@ static void itile_call(const qmat_t *w, int R, int T, const qact_t *a, float *y,
 #define ICS(K, TT) IC(K, 1, TT) IC(K, 2, TT) IC(K, 3, TT) IC(K, 4, TT) IC(K, 5, TT) IC(K, 6, TT) IC(K, 7, TT) \
     IC(K, 8, TT)
 #define ICK(K) ICS(K, 1) ICS(K, 2) IC(K, 1, 4)
-    ICK(4) ICK(8) ICK(6) ICK(10) ICK(18) ICK(9) IC(5, 1, 1) IC(17, 1, 1)
+    ICK(4) ICK(8) ICK(6) ICK(10) ICK(18) ICK(9) ICK(12) IC(5, 1, 1) IC(17, 1, 1)
 #undef ICK
 #undef ICS
 #undef IC

@@ -1,4 +1,4 @@
-"""A GGUF file's K-quant (and Q5_1) blocks as the kernels hold them: the codes and the file's own
+"""A GGUF file's K-quant (and Q5_0, Q5_1) blocks as the kernels hold them: the codes and the file's own
 scales, which rebuild each weight to exactly the float32 value ggml (and gguf-py, hence transformers)
 dequantizes it to (pure array functions; engine/model/gguf_file.py maps a model's layers to them).
 
@@ -6,9 +6,13 @@ Per 256 weights (a super-block), from ggml's block layouts:
   Q4_K: w = (d * sc) * q - dmin * mn, q in 0..15, sc and mn 6-bit per 32 weights   -> kind 6
   Q5_K: the same with q in 0..31                                                   -> kind 10
   Q6_K: w = (d * sc) * q, q in -32..31, sc a signed byte per 16 weights            -> kind 18
-  Q5_1 (per 32): w = d * q + m, q in 0..31, d and m float16 (held as float32)      -> kind 9
-  Q4_0, Q4_1, Q5_0, Q8_0 (per 32): the float16 kinds 4 and 8 (Q4_0 as q * d + m with m = -8 d, Q5_0 as
-  8-bit codes q - 16), as recover.py finds them in float weights
+  Q5_1 (per 32): w = d * q + m, q in 0..31, d and m float16                         -> kind 12
+  Q5_0 (per 32): w = (q - 16) * d = q * d + m with m = -16 d (exact, a float16 value)  -> kind 12
+  Q4_0, Q4_1, Q8_0 (per 32): the float16 kinds 4 and 8 (Q4_0 as q * d + m with m = -8 d), as recover.py
+  finds them in float weights
+Kind 12 holds the file's code bytes as they are (per block qh, then qs: pack.py's q5_values) and float16
+d and m: 6 bits per weight (the file: 5.5 and 6); `widen` gives the same blocks as kind 9 (8-bit codes,
+float32 d and m: the kernels' reference for kind 12, and what Q5_0/Q5_1 were held as before).
 The K-quants keep their two levels (csrc/qlinear.h): per row and super-block a record of the float16
 d's two bytes (little-endian) and the sub-block scales as bytes (d [O, I/256, 10]: d, then sc of the
 8 blocks of 32; kind 18: d [O, I/256, 18], d then the 16 int8 sc), and for kinds 6 and 10 the min's
@@ -25,11 +29,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .pack import Q5_BLOCK, q5_values
+
 QK_K = 256
 # bytes per block: per super-block of 256 for the K-quants, per 32 for the others
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q5_1": 24, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
-KIND = {"Q4_K": 6, "Q5_K": 10, "Q6_K": 18, "Q5_1": 9, "Q4_0": 4, "Q4_1": 4, "Q5_0": 8, "Q8_0": 8}
-# A layer's blocks: (kind, codes [O, I/2] or [O, I] uint8, d, m or None): d, m [O, I/32] float32 (kind 17:
+KIND = {"Q4_K": 6, "Q5_K": 10, "Q6_K": 18, "Q5_1": 12, "Q4_0": 4, "Q4_1": 4, "Q5_0": 12, "Q8_0": 8}
+# A layer's blocks: (kind, codes [O, I/2], [O, I/32 * 20] (kind 12) or [O, I] uint8, d, m or None): d, m
+# [O, I/32] float32 (kind 17:
 # d [O, I/16]), or the two-level kinds' records [O, I/256, 10] uint8 (kind 18: d [O, I/256, 18])
 Blocks = tuple
 TWO_LEVEL = {6: 5, 10: 9, 18: 17}  # a two-level kind -> the kind holding its products as float32
@@ -58,7 +65,7 @@ def decode(kind_name: str, raw: np.ndarray, O: int, I: int) -> Blocks:
     if kind_name not in BLOCK_BYTES:
         raise ValueError(f"no K-quant decoder for {kind_name}")
     blocks = np.ascontiguousarray(raw).reshape(-1, BLOCK_BYTES[kind_name])  # [N, bytes]
-    if kind_name in ("Q4_0", "Q4_1", "Q5_0", "Q8_0"):
+    if kind_name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         return _legacy(kind_name, blocks, O, I)
     if kind_name == "Q6_K":
         ql, qh, sc, d = blocks[:, :128], blocks[:, 128:192], blocks[:, 192:208], blocks[:, 208:]
@@ -66,13 +73,6 @@ def decode(kind_name: str, raw: np.ndarray, O: int, I: int) -> Blocks:
         hi = (qh.reshape(-1, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8).reshape(1, 1, 4, 1)) & 0x03
         q = (lo.reshape(-1, 8, 32) | (hi.reshape(-1, 8, 32) << 4)).astype(np.int8) - np.int8(32)  # [N, 8, 32]
         return 18, q.reshape(O, I).view(np.uint8), _records(d, sc, O, I), None
-    if kind_name == "Q5_1":
-        d, m = _f16(blocks[:, 0:2]), _f16(blocks[:, 2:4])
-        qh = np.ascontiguousarray(blocks[:, 4:8]).view(np.uint32)  # [N, 1]
-        lo = (blocks[:, 8:].reshape(-1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 0x0F
-        hi = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)  # [N, 32]
-        q = lo.reshape(-1, 32) | (hi << 4)
-        return 9, q.reshape(O, I), d.reshape(O, I // 32), m.reshape(O, I // 32)
     sc, mn = _scale_min(blocks[:, 4:16])
     scale, low = _records(blocks[:, 0:2], sc, O, I), _records(blocks[:, 2:4], mn, O, I)  # d, sc; dmin, mn
     if kind_name == "Q4_K":
@@ -110,15 +110,21 @@ def expand(blocks: Blocks) -> Blocks:
 
 
 def _legacy(kind_name: str, blocks: np.ndarray, O: int, I: int) -> Blocks:
-    """Q4_0/Q4_1/Q5_0/Q8_0 blocks [N, bytes] -> kinds 4 and 8 (scales float16 values, held as float32)."""
+    """Q4_0/Q4_1/Q5_0/Q5_1/Q8_0 blocks [N, bytes] -> kinds 4, 12 and 8 (scales float16 values, held as
+    float32). Q5_0's and Q5_1's codes are the blocks' qh and qs bytes as they lie."""
     d = _f16(blocks[:, 0:2])
     if kind_name == "Q8_0":
         return 8, np.ascontiguousarray(blocks[:, 2:]).reshape(O, I), d.reshape(O, I // 32), None
-    if kind_name == "Q5_0":
-        qh = np.ascontiguousarray(blocks[:, 2:6]).view(np.uint32)
-        lo = (blocks[:, 6:].reshape(-1, 1, 16) >> np.array([0, 4], np.uint8).reshape(1, 2, 1)) & 0x0F
-        q = (lo.reshape(-1, 32) | (((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4)).astype(np.int8)
-        return 8, (q - np.int8(16)).view(np.uint8).reshape(O, I), d.reshape(O, I // 32), None
+    if kind_name == "Q5_1":
+        codes = np.ascontiguousarray(blocks[:, 4:4 + Q5_BLOCK]).reshape(O, -1)
+        return 12, codes, d.reshape(O, -1), _f16(blocks[:, 2:4]).reshape(O, -1)
+    if kind_name == "Q5_0":  # (q - 16) * d = q * d + (-16 d), exact
+        m = -16 * d
+        with np.errstate(over="ignore"):  # an overflow to inf is the refusal below
+            fits = np.array_equal(m.astype(np.float16).astype(np.float32), m)
+        if not fits:
+            raise ValueError("a Q5_0 scale too large for its min as a float16 value")
+        return 12, np.ascontiguousarray(blocks[:, 2:2 + Q5_BLOCK]).reshape(O, -1), d.reshape(O, -1), m.reshape(O, -1)
     if kind_name == "Q4_1":  # byte j holds q_j low and q_{j+16} high: recover_q4's packing already
         return 4, np.ascontiguousarray(blocks[:, 4:]).reshape(O, I // 2), d.reshape(O, -1), \
             _f16(blocks[:, 2:4]).reshape(O, -1)
@@ -128,9 +134,20 @@ def _legacy(kind_name: str, blocks: np.ndarray, O: int, I: int) -> Blocks:
     return 4, np.ascontiguousarray(blocks[:, 2:]).reshape(O, I // 2), d.reshape(O, -1), m.reshape(O, -1)
 
 
+def widen(blocks: Blocks) -> Blocks:
+    """Kind 12's blocks -> the same weights as kind 9's (8-bit codes 0..31 [O, I], d and m float32: the
+    same products and mins, so the same bits in both arithmetics); other kinds as they are."""
+    kind, codes, d, m = blocks
+    if kind != 12:
+        return blocks
+    q = q5_values(torch.as_tensor(np.asarray(codes))).numpy()
+    return 9, q.reshape(q.shape[0], -1), np.asarray(d, np.float32), np.asarray(m, np.float32)
+
+
 def rebuild(blocks: Blocks) -> torch.Tensor:
-    """Blocks -> the float32 weight [O, I] the kernels compute with (code * scale (+ min), one rounding)."""
-    kind, codes, d, m = expand(blocks)
+    """Blocks -> the float32 weight [O, I] the kernels compute with (code * scale (+ min), one rounding;
+    a Q5_0 weight that ggml makes -0.0, q = 16 with a negative d, is +0.0 here: the same value)."""
+    kind, codes, d, m = expand(widen(blocks))
     codes, d = torch.as_tensor(np.asarray(codes)), torch.as_tensor(np.asarray(d))
     O = codes.shape[0]
     if kind in (4, 5):

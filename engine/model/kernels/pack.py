@@ -72,9 +72,82 @@ def pack_q8_i8(codes: torch.Tensor, d: torch.Tensor):
     return packed.reshape(P, nb, 8, 64), pack_scales(d, P)
 
 
-def _le_bytes(words: torch.Tensor) -> torch.Tensor:
-    """int64 words [..., n] holding 32-bit values -> their little-endian bytes [..., 4 n] uint8."""
-    return torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8).flatten(-2)
+def _le_bytes(words: torch.Tensor, width: int = 4) -> torch.Tensor:
+    """int64 words [..., n] holding `width`-byte values -> their little-endian bytes [..., width n] uint8."""
+    return torch.stack([(words >> (8 * i)) & 0xFF for i in range(width)], dim=-1).to(torch.uint8).flatten(-2)
+
+
+# ---- 5-bit codes (kind 12): GGUF's Q5_0 / Q5_1 blocks without their scales ----------------------------
+Q5_BLOCK = 20  # bytes per row and block of 32: qh (4), then qs (16)
+
+
+def q5_values(codes: torch.Tensor) -> torch.Tensor:
+    """Kind 12's codes [O, I/32 * 20] uint8 -> the 5-bit values [O, nb, 32] uint8 (0..31). Per row and
+    block, ggml's own Q5_0/Q5_1 code bytes: qh, a little-endian uint32 whose bit j is q_j >> 4, then qs,
+    16 bytes, byte j = (q_j & 15) | (q_{j+16} & 15) << 4 (recover_q4's nibble packing)."""
+    blk = codes.reshape(codes.shape[0], -1, Q5_BLOCK).to(torch.int64)
+    qh = (blk[..., :4] << (8 * torch.arange(4))).sum(-1, keepdim=True)  # [O, nb, 1]
+    high = (qh >> torch.arange(32)) & 1
+    qs = blk[..., 4:]
+    return (torch.cat([qs & 0xF, qs >> 4], dim=-1) | (high << 4)).to(torch.uint8)
+
+
+def q5_codes(q: torch.Tensor) -> torch.Tensor:
+    """The inverse of q5_values: values [O, nb, 32] (0..31) -> codes [O, nb * 20] uint8."""
+    q = q.to(torch.int64)
+    qh = ((q >> 4) << torch.arange(32)).sum(-1, keepdim=True)  # [O, nb, 1]
+    qs = (q[..., :16] & 0xF) | ((q[..., 16:] & 0xF) << 4)
+    return torch.cat([_le_bytes(qh), qs.to(torch.uint8)], dim=-1).reshape(q.shape[0], -1)
+
+
+def _q5_split(codes: torch.Tensor):
+    """codes [O, I/32 * 20] -> (recover_q4's nibble codes [O, I/2], the high bits [P, PANEL, nb, 32] int64)."""
+    q = q5_values(codes)
+    O, nb = q.shape[0], q.shape[1]
+    nib = (q[..., :16] & 0xF) | ((q[..., 16:] & 0xF) << 4)
+    return nib.reshape(O, nb * 16), _pad_outputs(q >> 4, -(-O // PANEL)).reshape(-1, PANEL, nb, 32).to(torch.int64)
+
+
+def pack_q5(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str = "bytes"):
+    """Kind 12's (codes [O, I/32 * 20], d, m [O, I/32]) -> csrc/qlinear.c's q5 layout: codes [P, nb, 320]
+    uint8, per panel-block pack_q4's 256 bytes of the low nibbles (in `layout`), then the 64-byte plane of
+    the high bits: "bytes", 32 little-endian uint16, word [i] bit l = q[16p + l, 32b + i] >> 4; "lanes",
+    16 little-endian uint32, word [l] bit i = the same bit; d, m [P, nb, 16] as pack_q4."""
+    nib, high = _q5_split(codes)
+    lo, d, m = pack_q4(nib, d, m, layout)
+    P, nb = lo.shape[0], lo.shape[1]
+    if layout == "bytes":
+        plane = _le_bytes((high << torch.arange(PANEL).reshape(1, PANEL, 1, 1)).sum(1), 2)  # [P, nb, 64]
+    else:
+        plane = _le_bytes((high << torch.arange(32)).sum(-1).permute(0, 2, 1))  # words [P, nb, l]
+    return torch.cat([lo.reshape(P, nb, 256), plane], dim=-1).contiguous(), d, m
+
+
+def pack_q5_i8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str = "bytes"):
+    """Kind 12's (codes, d, m) -> csrc/qlinear_i8.c's q5 layout: codes [P, nb, 320] uint8, pack_q4_i8's
+    4 chunks of 64 bytes (the low nibbles), then the plane of the high bits, as the build whose q4 layout
+    is `layout` reads it: "bytes" (masks), per chunk h two little-endian uint64 masks over its 64 code
+    bytes, bit 4l + k = q[16p + l, 32b + 8h + k] >> 4 (lo), then the same for input 8h + 4 + k (hi);
+    "lanes" (shifts), byte [4l + k] bit h = q[16p + l, 32b + 8h + k] >> 4, bit 4 + h = q[16p + l,
+    32b + 8h + 4 + k] >> 4 (h = 0..3: chunk h's high bits beside its nibbles). d, m as pack_q4_i8.
+
+    Worked example, output l = 0 whose block holds q = 16..31 then 0..15: inputs 0..15 have bit 4, so
+    "lanes" plane bytes 0..3 are 0x33 (h = 0, 1: bits 0, 1 and 4, 5); "masks" bytes 0, 8, 16, 24 are 0x0F."""
+    if layout not in Q4_LAYOUTS:
+        raise ValueError(f"q4 layout must be one of {Q4_LAYOUTS}, got {layout!r}")
+    nib, high = _q5_split(codes)
+    lo, d, m = pack_q4_i8(nib, d, m)
+    P, nb = lo.shape[0], lo.shape[1]
+    high = high.reshape(P, PANEL, nb, 4, 2, 4)  # [P, l, nb, h, half, k]: input 32b + 8h + 4 half + k
+    if layout == "bytes":
+        bit = (4 * torch.arange(PANEL).reshape(PANEL, 1, 1, 1, 1) + torch.arange(4))  # [l, .., k]: 4l + k
+        masks = (high << bit).sum((1, 5))  # [P, nb, h, half]
+        plane = _le_bytes(masks, 8).reshape(P, nb, 64)
+    else:
+        shifts = (torch.arange(4).reshape(4, 1, 1) + 4 * torch.arange(2).reshape(1, 2, 1))  # [h, half, 1]
+        bits = (high << shifts).sum((3, 4))  # [P, l, nb, k]
+        plane = bits.permute(0, 2, 1, 3).reshape(P, nb, 64).to(torch.uint8)
+    return torch.cat([lo.reshape(P, nb, 256), plane], dim=-1).contiguous(), d, m
 
 
 def pack_q8(codes: torch.Tensor, d: torch.Tensor):

@@ -10,13 +10,14 @@ import torch
 from torch import nn
 
 from .build import ARITHMETICS, _library, kernel_isa, q4_layout
-from .pack import PANEL, pack_q4, pack_q4_i8, pack_q8, pack_q8_i8, pack_scales
+from .pack import PANEL, pack_q4, pack_q4_i8, pack_q5, pack_q5_i8, pack_q8, pack_q8_i8, pack_scales
 from .recover import recover_q4, recover_q8
 
 # kinds (csrc/qlinear.h): codes' bits, the scales' form ("f16", "f32" values, or "two": a GGUF file's
 # two-level records, kquants.py), scales per block of 32, a min per block
 KINDS = {4: (4, "f16", 1, True), 8: (8, "f16", 1, False), 6: (4, "two", 1, True), 10: (8, "two", 1, True),
-         18: (8, "two", 2, False), 9: (8, "f32", 1, True), 5: (4, "f32", 1, True), 17: (8, "f32", 2, False)}
+         18: (8, "two", 2, False), 9: (8, "f32", 1, True), 5: (4, "f32", 1, True), 17: (8, "f32", 2, False),
+         12: (5, "f16", 1, True)}
 
 log = logging.getLogger("trserve.engine")
 
@@ -47,10 +48,12 @@ def _half(v: torch.Tensor) -> torch.Tensor:
 class QLinear(nn.Module):
     """`nn.Linear` replacement over exactly recovered 4-bit (kind 4) or 8-bit (kind 8) blocks, or a GGUF
     file's blocks (engine/model/kernels/kquants.py): the K-quants' two-level scales (kinds 6, 10, 18),
-    Q5_1's float32 ones (kind 9), or the K-quants' float32 products (kinds 5, 17: the reference kinds).
+    Q5_0's and Q5_1's 5-bit codes (kind 12), 8-bit codes with float32 scales and mins (kind 9), or the
+    K-quants' float32 products (kinds 5, 17: the reference kinds).
 
-    codes: [O, I/2] (4-bit kinds) or [O, I] (8-bit) uint8 as recover_q4 / recover_q8 give them; d, m:
-    [O, I/32] float32 (float16 values for kinds 4 and 8; kind 17: d [O, I/16]; m None where the kind has
+    codes: [O, I/2] (4-bit kinds) or [O, I] (8-bit) uint8 as recover_q4 / recover_q8 give them, or kind
+    12's [O, I/32 * 20] (per block ggml's qh and qs bytes: pack.py's q5_values); d, m:
+    [O, I/32] float32 (float16 values for kinds 4, 8 and 12; kind 17: d [O, I/16]; m None where the kind has
     no min), or the two-level kinds' records [O, I/256, 10] uint8 (kind 18: d [O, I/256, 18]; I % 256 ==
     0). Held in the kernels' panel layout (`pack_q4` / `pack_q8`), scales as float16, float32 or records
     as the kind says; isa: the kernel variant ("auto": this CPU's best);
@@ -78,12 +81,14 @@ class QLinear(nn.Module):
         d, m = scale(d), scale(m) if has_min else None
         if bits == 4 and arithmetic == "int8":
             codes, d, m = pack_q4_i8(codes, d, m)
-        elif bits == 4:
-            codes, d, m = pack_q4(codes, d, m, q4_layout(cache_dir, self.isa))
+        elif bits == 5 and arithmetic == "int8":  # its plane in the layout of the build's q4 layout's builds
+            codes, d, m = pack_q5_i8(codes, d, m, q4_layout(cache_dir, self.isa))
+        elif bits in (4, 5):
+            codes, d, m = (pack_q4 if bits == 4 else pack_q5)(codes, d, m, q4_layout(cache_dir, self.isa))
         else:
             codes, d = (pack_q8_i8 if arithmetic == "int8" else pack_q8)(codes, d)
             m = pack_scales(m, -(-out_features // PANEL)) if has_min else None
-        self.register_buffer("codes", codes, persistent=False)  # [P, nb, 256 or 512 bytes] uint8
+        self.register_buffer("codes", codes, persistent=False)  # [P, nb, 256, 320 or 512 bytes] uint8
         # [P, nb (2 nb for kind 17), 16] float16 or float32; two-level kinds: [P, I/256, 160 or 288] uint8
         self.register_buffer("d", d, persistent=False)
         self.register_buffer("m", m if has_min else torch.zeros(0, dtype=torch.float16), persistent=False)

@@ -1,9 +1,10 @@
-"""Issue 55: a GGUF file's K-quant blocks (Q4_K, Q5_K, Q6_K) and Q5_1 read as they are onto the kernels
-(kinds 6, 10, 18: the file's two-level scales; 9): the test encoder against gguf-py, the decoder's
+"""Issue 55: a GGUF file's K-quant blocks (Q4_K, Q5_K, Q6_K), Q5_0 and Q5_1 read as they are onto the kernels
+(kinds 6, 10, 18: the file's two-level scales; 12: 5-bit codes): the test encoder against gguf-py, the decoder's
 weights against gguf-py's dequantization bit for bit, and both arithmetics' kernels against op-by-op
 references on every ISA build this CPU runs (the rotary row order: the tiny GQA model of
 test_user_files.py). The two-level kinds hold the file's bytes per weight (Q4_K 4.625 bits) and give
-the bits of the kinds holding their scales as float32 products (5, 9, 17)."""
+the bits of the kinds holding their scales as float32 products (5, 9, 17); kind 12 gives kind 9's bits
+(its codes widened to bytes, its scales to float32) and, in the exact arithmetic, Q5_0's old kind 8's."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from torch import nn
 
 from trserve.bench.kencode import ENCODERS
 from trserve.engine.model.kernels.build import available_isas
-from trserve.engine.model.kernels.kquants import BLOCK_BYTES, decode, expand, rebuild
+from trserve.engine.model.kernels.kquants import BLOCK_BYTES, decode, expand, rebuild, widen
+from trserve.engine.model.kernels.pack import pack_q5_i8, q5_codes, q5_values
 from trserve.engine.model.kernels.qlinear import QLinear
 from tests.engine.model.test_qlinear import fma32, isa_params, needs_kernel, reference_linear, wide_range_x
 from tests.engine.model.test_qlinear_i8 import activations, reference_quant
@@ -38,7 +40,7 @@ def raw_of(kind_name: str, w: np.ndarray) -> np.ndarray:
     return ENCODERS[kind_name](w) if kind_name in ENCODERS else quants.quantize(w, T[kind_name])
 
 
-TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q5_1"]
+TYPES = ["Q4_K", "Q5_K", "Q6_K", "Q5_1", "Q5_0"]
 
 
 @pytest.mark.parametrize("kind_name", TYPES)
@@ -48,9 +50,12 @@ def test_blocks_rebuild_ggufs_dequantized_weights_bit_for_bit(kind_name):
     want = quants.dequantize(raw, T[kind_name])  # what transformers loads from the file
     blocks = decode(kind_name, raw, 40, 512)
     got = rebuild(blocks).numpy()
+    if kind_name == "Q5_0":  # ggml's (q - 16) * d is -0.0 at q = 16 with d < 0; q * d + (-16 d) is +0.0
+        assert (want.view(np.uint32) == 0x80000000).any() and not (got.view(np.uint32) == 0x80000000).any()
+        want = want + np.float32(0.0)  # -0.0 -> +0.0, every other value's bits as they are
     assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
     err = np.abs(want - w).max() / np.abs(w).max()
-    assert err < {"Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02, "Q5_1": 0.04}[kind_name], err  # real quantization
+    assert err < {"Q4_K": 0.08, "Q5_K": 0.04, "Q6_K": 0.02, "Q5_1": 0.04, "Q5_0": 0.04}[kind_name], err
     assert not np.array_equal(want, w)
 
 
@@ -85,7 +90,7 @@ def kernel_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("kquants")
 
 
-SHAPES = [("Q4_K", 40, 512, 3), ("Q5_K", 37, 256, 4), ("Q6_K", 21, 512, 5), ("Q5_1", 33, 96, 6)]
+SHAPES = [("Q4_K", 40, 512, 3), ("Q5_K", 37, 256, 4), ("Q6_K", 21, 512, 5), ("Q5_1", 33, 96, 6), ("Q5_0", 35, 160, 8)]
 
 
 @needs_kernel
@@ -105,10 +110,10 @@ def test_exact_kernel_equals_the_reference_on_ggufs_weights(isa, shape, kernel_d
 
 
 def reference_i8(blocks, bias, x: torch.Tensor) -> torch.Tensor:
-    """csrc/qlinear_i8.c's op order for kinds 5, 9, 17 (and 6, 10, 18: their products): per block,
-    f = isum * s, acc = fma(f, d, acc) (kind 17: each half's isum with its own d), then the min:
-    acc = fma(m, c * s, acc)."""
-    kind, codes, d, m = expand(blocks)
+    """csrc/qlinear_i8.c's op order for kinds 5, 9, 17 (and 6, 10, 18: their products; 12: kind 9's
+    codes and scales): per block, f = isum * s, acc = fma(f, d, acc) (kind 17: each half's isum with its
+    own d), then the min: acc = fma(m, c * s, acc)."""
+    kind, codes, d, m = expand(widen(blocks))
     codes, d = torch.from_numpy(codes), torch.from_numpy(d)
     O = codes.shape[0]
     if kind == 5:
@@ -226,3 +231,106 @@ def test_two_level_kinds_hold_the_files_bytes_per_weight(kind_name, bits, kernel
                     kernel_dir, "scalar", arithmetic)
         held = sum(b.numel() * b.element_size() for b in (q.codes, q.d, q.m))
         assert 8 * held / (O * I) == bits, (arithmetic, 8 * held / (O * I))
+
+
+# ---- kind 12: Q5_0's and Q5_1's 5-bit codes (nibbles and a plane of high bits) ------------------------
+def q5_raw(kind_name: str, O: int, I: int, seed: int, top: bool = False) -> np.ndarray:
+    """Q5_0/Q5_1 bytes with random codes and float16 scales of either sign from subnormal (2^-24) to ~6
+    (Q5_1's mins likewise); top: every code 31, every scale positive (the int8 sums' largest)."""
+    g = np.random.default_rng(seed)
+    raw = g.integers(0, 256, (O * I // 32, BLOCK_BYTES[kind_name]), dtype=np.uint8)
+    n, k = raw.shape[0], 2 if kind_name == "Q5_1" else 1
+    v = g.choice([-1.0, 1.0], (n, k)) * 2.0 ** g.integers(-24, 3, (n, k)) * (1 + g.random((n, k)))
+    v[g.random((n, k)) < 0.05] = 0.0
+    if top:
+        v, raw[:, 2 * k:] = np.abs(v) + 0.5, 0xFF
+    raw[:, :2 * k] = v.astype(np.float16).view(np.uint8).reshape(n, 2 * k)
+    return raw.reshape(O, -1)
+
+
+def qlinear_of(blocks, bias, I: int, O: int, kernel_dir, isa: str, arithmetic: str) -> QLinear:
+    return QLinear(blocks[0], *(None if a is None else torch.from_numpy(np.ascontiguousarray(a)) for a in blocks[1:]),
+                   bias, I, O, kernel_dir, isa, arithmetic)
+
+
+def test_q5_codes_are_the_files_bytes_and_round_trip():
+    raw = q5_raw("Q5_1", 3, 64, seed=1)
+    kind, codes, d, m = decode("Q5_1", raw, 3, 64)
+    assert kind == 12 and codes.shape == (3, 40) and np.array_equal(codes[:, :20], raw[:, 4:24])
+    q = q5_values(torch.from_numpy(codes))
+    assert q.shape == (3, 2, 32) and int(q.max()) <= 31 and torch.equal(q5_codes(q), torch.from_numpy(codes))
+    assert np.array_equal(widen((kind, codes, d, m))[1], q.reshape(3, 64).numpy())
+
+
+def test_q5_i8_plane_worked_example():
+    """pack_q5_i8's docstring: output 0's block holds 16..31 then 0..15 (the others all 0): "lanes" plane
+    bytes 0..3 are 0x33, "masks" bytes 0, 8, 16, 24 are 0x0F (output 0's four lo / hi bytes)."""
+    q = torch.zeros(16, 1, 32, dtype=torch.uint8)
+    q[0, 0] = torch.cat([torch.arange(16, 32), torch.arange(16)])
+    codes, _, _ = pack_q5_i8(q5_codes(q), torch.ones(16, 1), torch.zeros(16, 1), "lanes")
+    assert codes.shape == (1, 1, 320) and list(codes[0, 0, 256:260]) == [0x33] * 4
+    assert int(codes[0, 0, 260:].sum()) == 0
+    masks = pack_q5_i8(q5_codes(q), torch.ones(16, 1), torch.zeros(16, 1), "bytes")[0][0, 0, 256:]
+    assert [i for i in range(64) if masks[i]] == [0, 8, 16, 24] and list(masks[[0, 8, 16, 24]]) == [0x0F] * 4
+    assert torch.equal(masks, pack_q5_i8(q5_codes(q), torch.ones(16, 1), torch.zeros(16, 1))[0][0, 0, 256:])
+    assert list(codes[0, 0, :4]) == [0x40, 0x51, 0x62, 0x73]  # pack_q4_i8's nibbles: codes 0..7's low bits
+
+
+def test_q5_0_with_a_min_too_large_for_float16_is_refused():
+    raw = q5_raw("Q5_0", 1, 32, seed=2)
+    raw[0, :2] = np.array([8192.0], np.float16).view(np.uint8)  # -16 d = -131072: no float16
+    with pytest.raises(ValueError, match="Q5_0"):
+        decode("Q5_0", raw, 1, 32)
+
+
+@needs_kernel
+@pytest.mark.parametrize("arithmetic", ["exact", "int8"])
+@pytest.mark.parametrize("isa", isa_params())
+def test_kind_12_gives_kind_9s_bits(isa, arithmetic, kernel_dir):
+    """Kind 12 (5-bit codes, float16 d and m) against kind 9 holding the same weights (8-bit codes,
+    float32 d and m) in the same arithmetic: the same bits for 1..19 rows (one row, narrow and wide tiles)
+    and 80/91 rows (rebuilt panels), ragged panels, biases, subnormal scales; and every code 31 against
+    activations all +127 (without VNNI the int16 sums would overflow unless widened every two chunks)."""
+    x = wide_range_x(91, 320, seed=12) if arithmetic == "exact" else activations(91, 320, seed=12)
+    top = torch.ones(19, 320) * 0.5
+    for kind_name, O, seed, full in (("Q5_0", 37, 1, False), ("Q5_1", 40, 2, False), ("Q5_1", 16, 3, True),
+                                     ("Q5_0", 21, 4, True)):
+        blocks = decode(kind_name, q5_raw(kind_name, O, 320, seed, full), O, 320)
+        bias = torch.randn(O, generator=torch.Generator().manual_seed(seed)) if seed % 2 else None
+        q5, q8 = (qlinear_of(b, bias, 320, O, kernel_dir, isa, arithmetic) for b in (blocks, widen(blocks)))
+        assert (q5.kind, q8.kind) == (12, 9)
+        for n in (*range(1, 20), 80, 91):
+            y = q5(x[:n])
+            assert torch.equal(y, q8(x[:n])), f"{isa} {arithmetic} {kind_name} O={O} differs at n = {n}"
+            assert not y.isnan().any()
+        if full:
+            y = q5(top)
+            assert torch.equal(y, q8(top)) and torch.equal(y, reference_i8(blocks, bias, top) if arithmetic == "int8"
+                                                          else reference_linear(rebuild(blocks), top, bias))
+
+
+@needs_kernel
+@pytest.mark.parametrize("isa", isa_params())
+def test_kind_12_gives_q5_0s_old_kind_8_bits_in_the_exact_arithmetic(isa, kernel_dir):
+    """Q5_0 as kind 12 (q * d + m, m = -16 d) and as kind 8 (codes q - 16, no min): the same weights
+    (but ggml's -0.0, +0.0 here), one fma chain each in the same order: the same bits."""
+    O, I = 35, 256
+    blocks = decode("Q5_0", raw_of("Q5_0", rows(O, I, 3)), O, I)
+    q = q5_values(torch.from_numpy(blocks[1])).to(torch.int8) - 16
+    old = (8, q.reshape(O, I).view(torch.uint8).numpy(), blocks[2], None)
+    x = wide_range_x(91, I, seed=5)
+    q12, q8 = (qlinear_of(b, None, I, O, kernel_dir, isa, "exact") for b in (blocks, old))
+    for n in (*range(1, 20), 80, 91):
+        assert torch.equal(q12(x[:n]), q8(x[:n])), f"{isa} differs at n = {n}"
+
+
+def test_kind_12_holds_6_bits_per_weight(kernel_dir):
+    """Codes (5 bits), float16 d and m per 32 (1 bit): 6 bits per weight in both layouts (Q5_0 as kind 8
+    held 8.5, Q5_1 as kind 9 10)."""
+    O, I = 64, 1024
+    for kind_name in ("Q5_0", "Q5_1"):
+        blocks = decode(kind_name, raw_of(kind_name, rows(O, I, 5)), O, I)
+        for arithmetic in ("exact", "int8"):
+            q = qlinear_of(blocks, None, I, O, kernel_dir, "scalar", arithmetic)
+            held = sum(b.numel() * b.element_size() for b in (q.codes, q.d, q.m))
+            assert 8 * held / (O * I) == 6.0, (kind_name, arithmetic, 8 * held / (O * I))
