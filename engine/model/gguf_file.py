@@ -211,9 +211,8 @@ def _linears(model, weights: GGUFWeights, cache_dir: Path, isa: str, arithmetic:
     from .kernels.qlinear import QLinear
 
     floats = 0
-    layers = [(n, m.in_features * m.out_features) for n, m in model.named_modules() if isinstance(m, (nn.Linear, QLinear))]
-    names = [n for n, _ in sorted(layers, key=lambda x: -x[1])]  # the largest first: its temporaries on the least
-    del layers
+    size = {n: m.in_features * m.out_features for n, m in model.named_modules() if isinstance(m, (nn.Linear, QLinear))}
+    names = sorted(size, key=lambda n: -size[n])  # the largest first: its temporaries on the least
     weights.release()  # what ran before (a calibration) gives its freed heap back first
     for name in names:
         parent_name, _, child_name = name.rpartition(".")

@@ -34,9 +34,8 @@ def pack_q4(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str =
         q = q.reshape(P, PANEL, nb, 16, 2)  # [P, l, nb, j, input 2j + k]
         packed = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1)  # [P, nb, j, l]
     else:
-        shifts = 4 * torch.arange(8, dtype=torch.int64)  # nibble k of a word: bits 4k .. 4k + 3
-        words = (q.reshape(P, PANEL, nb, 4, 8).to(torch.int64) << shifts).sum(-1)  # [P, l, nb, g]
-        packed = _le_bytes(words.permute(0, 2, 3, 1)).reshape(P, nb, 16, 16)  # words [P, nb, g, l]
+        q = q.reshape(P, PANEL, nb, 4, 4, 2)  # word g's byte c: nibbles k = 2c, 2c + 1 (bits 4k .. 4k + 3)
+        packed = (q[..., 0] | (q[..., 1] << 4)).permute(0, 2, 3, 1, 4).reshape(P, nb, 16, 16)  # words [P, nb, g, l]
     return packed.contiguous(), pack_scales(d, P), pack_scales(m, P)
 
 
@@ -72,24 +71,26 @@ def pack_q8_i8(codes: torch.Tensor, d: torch.Tensor):
     return packed.reshape(P, nb, 8, 64), pack_scales(d, P)
 
 
-def _le_bytes(words: torch.Tensor, width: int = 4) -> torch.Tensor:
-    """int64 words [..., n] holding `width`-byte values -> their little-endian bytes [..., width n] uint8."""
-    return torch.stack([(words >> (8 * i)) & 0xFF for i in range(width)], dim=-1).to(torch.uint8).flatten(-2)
+def _le_bytes(words: torch.Tensor) -> torch.Tensor:
+    """int64 words [..., n] holding 32-bit values -> their little-endian bytes [..., 4 n] uint8."""
+    return torch.stack([(words >> (8 * i)) & 0xFF for i in range(4)], dim=-1).to(torch.uint8).flatten(-2)
 
 
 # ---- 5-bit codes (kind 12): GGUF's Q5_0 / Q5_1 blocks without their scales ----------------------------
+# The planes are formed a byte at a time in uint8 (sums of distinct bits): wider integers took 1.6 GB for
+# a moment packing a 7B's 11008 x 4096 layer.
 Q5_BLOCK = 20  # bytes per row and block of 32: qh (4), then qs (16)
+_BITS = torch.arange(8, dtype=torch.uint8)  # a byte's bit positions
 
 
 def q5_values(codes: torch.Tensor) -> torch.Tensor:
     """Kind 12's codes [O, I/32 * 20] uint8 -> the 5-bit values [O, nb, 32] uint8 (0..31). Per row and
     block, ggml's own Q5_0/Q5_1 code bytes: qh, a little-endian uint32 whose bit j is q_j >> 4, then qs,
     16 bytes, byte j = (q_j & 15) | (q_{j+16} & 15) << 4 (recover_q4's nibble packing)."""
-    blk = codes.reshape(codes.shape[0], -1, Q5_BLOCK).to(torch.int64)
-    qh = (blk[..., :4] << (8 * torch.arange(4))).sum(-1, keepdim=True)  # [O, nb, 1]
-    high = (qh >> torch.arange(32)) & 1
+    blk = codes.reshape(codes.shape[0], -1, Q5_BLOCK)  # uint8 throughout: a 7B's layer is 45M codes
+    high = ((blk[..., :4, None] >> _BITS) & 1).flatten(-2)  # [O, nb, 32]: bit j of qh is byte j / 8's bit j % 8
     qs = blk[..., 4:]
-    return (torch.cat([qs & 0xF, qs >> 4], dim=-1) | (high << 4)).to(torch.uint8)
+    return torch.cat([qs & 0xF, qs >> 4], dim=-1) | (high << 4)
 
 
 def q5_codes(q: torch.Tensor) -> torch.Tensor:
@@ -101,11 +102,11 @@ def q5_codes(q: torch.Tensor) -> torch.Tensor:
 
 
 def _q5_split(codes: torch.Tensor):
-    """codes [O, I/32 * 20] -> (recover_q4's nibble codes [O, I/2], the high bits [P, PANEL, nb, 32] int64)."""
+    """codes [O, I/32 * 20] -> (recover_q4's nibble codes [O, I/2], the high bits [P, PANEL, nb, 32] uint8)."""
     q = q5_values(codes)
     O, nb = q.shape[0], q.shape[1]
     nib = (q[..., :16] & 0xF) | ((q[..., 16:] & 0xF) << 4)
-    return nib.reshape(O, nb * 16), _pad_outputs(q >> 4, -(-O // PANEL)).reshape(-1, PANEL, nb, 32).to(torch.int64)
+    return nib.reshape(O, nb * 16), _pad_outputs(q >> 4, -(-O // PANEL)).reshape(-1, PANEL, nb, 32)
 
 
 def pack_q5(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str = "bytes"):
@@ -116,10 +117,12 @@ def pack_q5(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str =
     nib, high = _q5_split(codes)
     lo, d, m = pack_q4(nib, d, m, layout)
     P, nb = lo.shape[0], lo.shape[1]
-    if layout == "bytes":
-        plane = _le_bytes((high << torch.arange(PANEL).reshape(1, PANEL, 1, 1)).sum(1), 2)  # [P, nb, 64]
-    else:
-        plane = _le_bytes((high << torch.arange(32)).sum(-1).permute(0, 2, 1))  # words [P, nb, l]
+    if layout == "bytes":  # word [i] byte c bit l' = output 8c + l''s bit of input i
+        plane = (high.reshape(P, 2, 8, nb, 32) << _BITS.reshape(8, 1, 1)).sum(2, dtype=torch.uint8)  # [P, c, nb, i]
+        plane = plane.permute(0, 2, 3, 1).reshape(P, nb, 64)
+    else:  # word [l] byte c bit i' = input 8c + i''s bit
+        plane = (high.reshape(P, PANEL, nb, 4, 8) << _BITS).sum(-1, dtype=torch.uint8)  # [P, l, nb, c]
+        plane = plane.permute(0, 2, 1, 3).reshape(P, nb, 64)
     return torch.cat([lo.reshape(P, nb, 256), plane], dim=-1).contiguous(), d, m
 
 
@@ -139,14 +142,14 @@ def pack_q5_i8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: st
     lo, d, m = pack_q4_i8(nib, d, m)
     P, nb = lo.shape[0], lo.shape[1]
     high = high.reshape(P, PANEL, nb, 4, 2, 4)  # [P, l, nb, h, half, k]: input 32b + 8h + 4 half + k
-    if layout == "bytes":
-        bit = (4 * torch.arange(PANEL).reshape(PANEL, 1, 1, 1, 1) + torch.arange(4))  # [l, .., k]: 4l + k
-        masks = (high << bit).sum((1, 5))  # [P, nb, h, half]
-        plane = _le_bytes(masks, 8).reshape(P, nb, 64)
+    if layout == "bytes":  # mask byte j bit 4 lp + k: output l = 2j + lp, input 8h + 4 half + k
+        shifts = (4 * torch.arange(2, dtype=torch.uint8).reshape(2, 1) + _BITS[:4]).reshape(2, 1, 1, 1, 4)
+        masks = (high.reshape(P, 8, 2, nb, 4, 2, 4) << shifts).sum((2, 6), dtype=torch.uint8)  # [P, j, nb, h, half]
+        plane = masks.permute(0, 2, 3, 4, 1).reshape(P, nb, 64)
     else:
-        shifts = (torch.arange(4).reshape(4, 1, 1) + 4 * torch.arange(2).reshape(1, 2, 1))  # [h, half, 1]
-        bits = (high << shifts).sum((3, 4))  # [P, l, nb, k]
-        plane = bits.permute(0, 2, 1, 3).reshape(P, nb, 64).to(torch.uint8)
+        shifts = (_BITS[:4].reshape(4, 1, 1) + 4 * _BITS[:2].reshape(1, 2, 1))  # [h, half, 1]
+        bits = (high << shifts).sum((3, 4), dtype=torch.uint8)  # [P, l, nb, k]
+        plane = bits.permute(0, 2, 1, 3).reshape(P, nb, 64)
     return torch.cat([lo.reshape(P, nb, 256), plane], dim=-1).contiguous(), d, m
 
 
