@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ..core.datasets import PROMPT_SETS, prompt_file
-from ..engine.model.choices import ARITHMETIC_CHOICES
+from ..engine.model.choices import ARITHMETIC_CHOICES, QUANTIZE_CHOICES
 
 DEFAULT_PROMPTS = str(prompt_file("spec_bench"))  # bundled with the repository (core/data/)
 DECODERS = ("hf", "pld", "ar", "tr", "tr-paper")
@@ -37,6 +37,9 @@ def register(sub) -> None:
     p.add_argument("--arithmetic", default="auto", choices=ARITHMETIC_CHOICES,
                    help="the compressed kernels' arithmetic of trserve's decoders: auto (default: as a worker serves, int8 "
                         "wherever they run), exact or int8")
+    p.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES,
+                   help="a checkpoint --model's linears quantized at load (as `serve --quantize`), for trserve's "
+                        "decoders and --fidelity (which then also measures each format against the float weights)")
     p.add_argument("--forward", default="auto", choices=("auto", "native", "transformers"),
                    help="what runs trserve's forwards: the native one-call forward where it fits, or transformers")
     p.add_argument("--gguf", default=None, help="GGUF for the llamacpp decoder (default: the bundled model's)")
@@ -97,6 +100,7 @@ def _run(args) -> int:
         from .fidelity import FidelityConfig, run_fidelity
 
         run_fidelity(FidelityConfig(prompts=prompts_of(args), threads=args.threads, model=args.model,
+                                    quantize=args.quantize,
                                     json_path=args.json or "bench-results/fidelity.json"))
         return 0
     if args.structured:
@@ -126,7 +130,7 @@ def _run(args) -> int:
         prompts=prompts_of(args), per_category=args.per_category, max_new_tokens=args.max_new_tokens,
         decoders=tuple(d.strip() for d in args.decoders.split(",") if d.strip()), tree=args.tree,
         first_turn_only=args.first_turn_only, pld_tokens=args.pld_tokens, model=args.model,
-        threads=args.threads, kernels=args.kernels, arithmetic=args.arithmetic,
+        threads=args.threads, kernels=args.kernels, arithmetic=args.arithmetic, quantize=args.quantize,
         json_path=args.json or "bench-results/bench.json",
         temperature=args.temperature, forward=args.forward, gguf=args.gguf, warm_per_category=args.warm_per_category,
     )

@@ -6,6 +6,10 @@ position the top-1 agreement with the exact token and KL(exact || other) of the 
 
 - int8: the native forward on the compressed kernels' int8 arithmetic (csrc/qlinear_i8.c).
 - bfloat16: transformers' stock model in bfloat16 (what the CUDA path and GPU servers run).
+- a checkpoint `--model` (a transformers directory): the exact model is its float weights (`--quantize
+  none`), and each format it can be quantized to at load (engine/model/checkpoint.py) is measured in
+  both arithmetics (`q8_0 exact`, `q8_0 int8`, ...; `--quantize` names one, auto all): the table the
+  default format was chosen by.
 - identical_128: the share of prompts whose first 128 greedy tokens equal the exact model's. For the
   int8 and exact native forwards a token's logits are the same bits teacher-forced or decoded one by
   one (csrc/forward.c), so this is the share of prompts with top-1 agreement at all 128 positions; for
@@ -44,6 +48,7 @@ class FidelityConfig:
     bfloat16: bool = True  # also measure transformers' stock model in bfloat16
     json_path: str = "bench-results/fidelity.json"
     model: str | None = None  # `--model` (None: the bundled model)
+    quantize: str = "auto"  # a checkpoint `model`: the format measured (auto: every one)
 
     def __post_init__(self) -> None:
         if self.new_tokens < 1 or self.per_category < 1 or self.skip_first < 0:
@@ -96,17 +101,22 @@ def run_fidelity(config: FidelityConfig) -> dict:
         torch.set_num_threads(config.threads)
     # the reference named, never the default: the default became int8 (`auto`), and this compared int8 to itself
     source = {"source": config.model} if config.model else {}
-    exact = Decoder(DecoderConfig(model=ModelConfig(**source, threads=config.threads, arithmetic="exact")))
-    others = {"int8": load_model(ModelConfig(**source, threads=config.threads, arithmetic="int8", kernels="compressed"))}
-    if exact.loaded.arithmetic != "exact" or others["int8"].arithmetic != "int8":
-        raise RuntimeError(f"fidelity needs the exact and int8 arithmetics; got {exact.loaded.arithmetic} and "
-                           f"{others['int8'].arithmetic}")
+    if config.model and Path(config.model).is_dir():  # a checkpoint: its float weights, and its formats
+        exact = Decoder(DecoderConfig(model=ModelConfig(**source, threads=config.threads, quantize="none")))
+        others = _formats(config)
+    else:
+        exact = Decoder(DecoderConfig(model=ModelConfig(**source, threads=config.threads, arithmetic="exact")))
+        others = {"int8": load_model(ModelConfig(**source, threads=config.threads, arithmetic="int8",
+                                                 kernels="compressed"))}
+        if exact.loaded.arithmetic != "exact" or others["int8"].arithmetic != "int8":
+            raise RuntimeError(f"fidelity needs the exact and int8 arithmetics; got {exact.loaded.arithmetic} and "
+                               f"{others['int8'].arithmetic}")
     if config.bfloat16:
         others["bfloat16"] = load_model(ModelConfig(**source, threads=config.threads, kernels="stock", dtype="bfloat16",
                                                     device="cpu"))
     parts: dict[str, list[dict]] = {name: [] for name in others}
     # the logits' bits, for comparing hosts: exact and int8 promise the same bits on every build and host
-    digests = {"exact": hashlib.sha256(), "int8": hashlib.sha256()}
+    digests = {"exact": hashlib.sha256(), **{n: hashlib.sha256() for n in others if n != "bfloat16"}}
     texts = held_out(config.prompts, config.per_category, config.skip_first)
     for i, text in enumerate(texts):
         prompt = exact.prompts.chat_ids([{"role": "user", "content": text}])
@@ -131,12 +141,29 @@ def run_fidelity(config: FidelityConfig) -> dict:
     return report
 
 
+def _formats(config: FidelityConfig) -> dict:
+    """A checkpoint quantized at load to each format (or the one named), in both arithmetics."""
+    from ..engine.model.choices import QUANTIZE
+    from ..engine.model.loader import ModelConfig, load_model
+
+    fmts = [f for f in QUANTIZE if f != "none"] if config.quantize == "auto" else [config.quantize]
+    out = {}
+    for fmt in fmts:
+        for arith in ("exact", "int8"):
+            loaded = load_model(ModelConfig(source=config.model, threads=config.threads, quantize=fmt,
+                                            arithmetic=arith, kernels="compressed"))
+            if loaded.quantize != fmt or loaded.arithmetic != arith:
+                raise RuntimeError(f"{config.model} did not load as {fmt} {arith}: {loaded.quantize} {loaded.arithmetic}")
+            out[f"{fmt} {arith}"] = loaded
+    return out
+
+
 def table(report: dict) -> str:
     lines = [f"fidelity to the exact model: {report['prompts']} held-out prompts, teacher-forced over its greedy "
              f"continuations ({report['host']['cpu']}; {' '.join(report['host']['isa_flags'])})",
-             f"{'mode':<10}{'positions':>10}{'top-1 agree':>13}{'KL mean':>11}{'KL p99':>10}{'same 128':>10}"]
+             f"{'mode':<12}{'positions':>10}{'top-1 agree':>13}{'KL mean':>11}{'KL p99':>10}{'same 128':>10}"]
     for name, m in report["modes"].items():
-        lines.append(f"{name:<10}{m['positions']:>10}{100 * m['top1_agreement']:>12.2f}%{m['kl_mean']:>11.5f}"
+        lines.append(f"{name:<12}{m['positions']:>10}{100 * m['top1_agreement']:>12.2f}%{m['kl_mean']:>11.5f}"
                      f"{m['kl_p99']:>10.4f}{100 * m['identical_128']:>9.1f}%")
     lines += [f"logits sha256 ({name}): {h}" for name, h in report.get("logits_sha256", {}).items()]
     return "\n".join(lines)

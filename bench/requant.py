@@ -4,7 +4,7 @@
 Every quantized 2-D weight of SRC whose rows split into the new type's blocks is dequantized
 as ggml does and quantized again into the type asked, as `llama-quantize --allow-requantize` would
 for the block types gguf-py can write (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and the K-quants Q4_K, Q5_K, Q6_K
-(bench/kencode.py: valid blocks, simpler scale choices than llama-quantize's). A tensor whose
+(engine/model/kernels/kencode.py: valid blocks, simpler scale choices than llama-quantize's). A tensor whose
 rows do not split into 256-weight super-blocks takes llama-quantize's fallback (Q4_K -> Q5_0,
 Q5_K -> Q5_1, Q6_K -> Q8_0). Norms and other 1-D tensors stay as they are; the metadata (tokenizer,
 chat template) is copied. The tests and the bench make the files a user would bring from the bundled
@@ -28,7 +28,7 @@ def _quantize(rows: np.ndarray, to: str) -> tuple[np.ndarray, str]:
     from gguf import quants
     from gguf import GGMLQuantizationType as T
 
-    from .kencode import ENCODERS
+    from ..engine.model.kernels.kencode import ENCODERS
 
     if to in ("F16", "F32"):  # left unquantized, as llama-quantize can leave a tensor
         return rows.astype(np.float16 if to == "F16" else np.float32), to

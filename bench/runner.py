@@ -51,6 +51,7 @@ class BenchConfig:
     threads: int | None = None
     kernels: str = "auto"  # trserve's decoders; hf and pld always run stock transformers
     arithmetic: str = "auto"  # the compressed kernels' arithmetic of trserve's decoders (ModelConfig)
+    quantize: str = "auto"  # a checkpoint's linears quantized at load, for trserve's decoders (ModelConfig)
     forward: str = "auto"  # trserve's decoders: auto, native or transformers (engine/model/loader.py)
     gguf: str | None = None  # the llamacpp decoder's weights (default: the bundled model's GGUF)
     json_path: str = "bench-results/bench.json"
@@ -252,7 +253,8 @@ def build_decoders(config: BenchConfig) -> tuple[dict, dict]:
     from ..engine import Decoder, DecoderConfig, ModelConfig, load_model
 
     model_cfg = ModelConfig(**({"source": config.model} if config.model else {}), threads=config.threads,
-                            kernels=config.kernels, forward=config.forward, arithmetic=config.arithmetic)
+                            kernels=config.kernels, forward=config.forward, arithmetic=config.arithmetic,
+                            quantize=config.quantize)
     runners, meta = {}, {}
     if {"hf", "pld"} & set(config.decoders):
         stock = load_model(ModelConfig(source=model_cfg.source, kernels="stock", threads=config.threads))

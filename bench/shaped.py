@@ -29,7 +29,7 @@ def _encode(rows: np.ndarray, qtype: str) -> np.ndarray:
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
-    from .kencode import ENCODERS
+    from ..engine.model.kernels.kencode import ENCODERS
 
     return ENCODERS[qtype](rows) if qtype in ENCODERS else quants.quantize(rows, T[qtype])
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.progress import Progress
-from ..engine.model.choices import ARITHMETIC_CHOICES
+from ..engine.model.choices import ARITHMETIC_CHOICES, QUANTIZE_CHOICES
 
 log = logging.getLogger("trserve.tune")
 
@@ -41,6 +41,7 @@ class TuneConfig:
     model: str | None = None
     name: str | None = None
     arithmetic: str = "auto"  # the compressed kernels' arithmetic (ModelConfig); trees are tuned per arithmetic
+    quantize: str = "auto"  # a checkpoint's linears quantized at load (ModelConfig.quantize)
 
     def __post_init__(self) -> None:
         if not self.prompts or any(not Path(p).exists() for p in self.prompts):
@@ -74,7 +75,7 @@ def run_tune(config: TuneConfig) -> dict:
     from ..engine.tuning.optimise import tune
 
     model_cfg = ModelConfig(**({"source": config.model} if config.model else {}), threads=config.threads,
-                            kernels=config.kernels, arithmetic=config.arithmetic)
+                            kernels=config.kernels, arithmetic=config.arithmetic, quantize=config.quantize)
     decoder = Decoder(DecoderConfig(model=model_cfg))
     cost = load_or_measure(decoder.loaded, default_cache_dir(), force=config.recalibrate)
     print(cost.table())
@@ -194,6 +195,8 @@ def register(sub) -> None:
                    help="kernels to tune for (default auto, as `serve` picks them)")
     p.add_argument("--arithmetic", default="auto", choices=ARITHMETIC_CHOICES,
                    help="the compressed kernels' arithmetic to tune for: auto (default: as a worker serves), exact or int8")
+    p.add_argument("--quantize", default="auto", choices=QUANTIZE_CHOICES,
+                   help="a checkpoint --model's linears quantized at load, as `serve --quantize` (default auto)")
     p.add_argument("--model", default=None, help="model source (default: the bundled SmolLM2-135M-Instruct)")
     p.add_argument("--name", default=None, help="tree name (default: the output file's stem)")
     p.set_defaults(func=_run)
@@ -205,7 +208,7 @@ def _run(args) -> int:
         per_category=args.per_category, max_new_tokens=args.max_new_tokens, universe=args.universe,
         max_ngram=args.max_ngram, max_chain=args.max_chain, max_nodes=args.max_nodes,
         recalibrate=args.recalibrate, records=args.records, confirm=args.confirm, threads=args.threads, kernels=args.kernels, model=args.model, name=args.name,
-        arithmetic=args.arithmetic,
+        arithmetic=args.arithmetic, quantize=args.quantize,
     )
     run_tune(config)
     return 0

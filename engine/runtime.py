@@ -19,6 +19,7 @@ class RuntimeInfo:
     kernels: str  # linear kernels: compressed, packed, compressed+packed (some layers each) or stock
     isa: str  # the compressed kernels' variant (avx512vnni, avx512, avx2, ...), "none" without them
     arithmetic: str  # the compressed kernels' arithmetic: exact or int8 (exact without them)
+    quantize: str  # the format a checkpoint's linears were quantized to at load (q8_0, q6_k, q4_k), or none
     attention: str  # grouped_sdpa (engine/model/attention.py) or transformers' implementation (sdpa, eager)
     tree: str  # the default draft tree's name
     threads: int  # torch intra-op CPU threads the decode threads use
@@ -35,12 +36,13 @@ class RuntimeInfo:
         # 1); the configured count, else the count at load, is what the decode threads use.
         threads = decoder.config.model.threads or getattr(loaded, "threads", None) or torch.get_num_threads()
         return cls(device=str(decoder.device), kernels=loaded.kernels, isa=getattr(loaded, "isa", None) or "none",
-                   arithmetic=getattr(loaded, "arithmetic", "exact"),
+                   arithmetic=getattr(loaded, "arithmetic", "exact"), quantize=getattr(loaded, "quantize", "none"),
                    attention=attention_in_use(loaded.model),
                    tree=decoder.default_tree.template.name, threads=threads)
 
     def labels(self) -> dict[str, str]:
         return {"device": self.device, "kernels": self.kernels, "isa": self.isa, "arithmetic": self.arithmetic,
+                "quantize": self.quantize,
                 "attention": self.attention,
                 "tree": self.tree,
                 "threads": str(self.threads)}

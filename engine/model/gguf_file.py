@@ -22,23 +22,13 @@ import torch
 from torch import nn
 
 from ...core.errors import FailedPrecondition
+from .direct import trim
 
 log = logging.getLogger("trserve.engine")
 
 ARCHS = ("llama", "qwen2")  # general.architecture values this path serves
 
 
-def _trim() -> None:
-    """Give freed heap memory back to the system (glibc): decoding a layer frees tens of MB of numpy
-    temporaries, which glibc keeps in its heap; without this a 1.7B Q4_K_M file's load peaked at 6.5 GB
-    resident and held 5.1 GB after it, against 2.2 GB trimmed."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc: nothing to do
-        pass
 FLOATS = ("F32", "F16", "BF16")
 
 
@@ -65,7 +55,7 @@ class GGUFWeights:
         mapped = getattr(self.reader.data, "_mmap", None)
         if mapped is not None and hasattr(mmap, "MADV_DONTNEED"):
             mapped.madvise(mmap.MADV_DONTNEED)
-        _trim()
+        trim()
 
     def float_linears(self, model) -> int:
         """How many of `model`'s linear layers the file holds as float tensors (F32/F16/BF16)."""
@@ -170,12 +160,11 @@ def architecture(path: Path) -> str:
 
 def load_file(path: Path, cache_dir: Path, isa: str, arithmetic: str, fingerprint_of):
     """(model, tokenizer, floats, arithmetic): the file's model with every block-quantized linear on the
-    compressed kernels, its float linears left as nn.Linear (`floats` of them) for the caller to pack.
-    int8 (kept inputs calibrated on the exact model where no cached set exists) only where no linear is
-    float, unless asked for by name ("int8!"); else exact."""
+    compressed kernels, its float linears left as nn.Linear (`floats` of them) for the caller to pack
+    (engine/model/direct.py:fill, which also says when int8 is taken)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .kernels.outliers import attach_key_pairs, calibrated, kept_inputs, key_pairs
+    from .direct import fill
 
     arch = architecture(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
@@ -183,102 +172,9 @@ def load_file(path: Path, cache_dir: Path, isa: str, arithmetic: str, fingerprin
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     weights = GGUFWeights(path, model, arch)
-    fixed = _materialize(model, weights)
-    floats = weights.float_linears(model)
-    if arithmetic == "int8" and floats:
-        log.warning("%d linear layers of %s are float tensors: no native forward, exact arithmetic", floats, path.name)
-        arithmetic = "exact"
-    kept = pairs = None
-    if arithmetic.startswith("int8"):  # kept inputs: cached, or calibrated once on the exact model
-        fingerprint = fingerprint_of(tokenizer, model.config)
-        if not calibrated(fingerprint, cache_dir):
-            _linears(model, weights, cache_dir, isa, "exact", None)
-        kept = kept_inputs(model, tokenizer, fingerprint, cache_dir)
-        pairs = key_pairs(model, tokenizer, fingerprint, cache_dir)
-    _linears(model, weights, cache_dir, isa, arithmetic.rstrip("!"), kept)
-    if pairs:
-        attach_key_pairs(model, pairs)
-    _trim()
-    log.info("GGUF %s read as it is (%s): %d float tensors, %d float linear layers", path.name, arch, fixed, floats)
-    return model.eval(), tokenizer, floats, arithmetic.rstrip("!")
-
-
-def _linears(model, weights: GGUFWeights, cache_dir: Path, isa: str, arithmetic: str, kept) -> int:
-    """Every linear layer from the file's blocks onto a QLinear in `arithmetic` (replacing what is there,
-    one layer at a time, each old one freed before the next is built: only names are held across the
-    loop, so a second pass over an exact model never holds both forms of it); float tensors as float32
-    nn.Linear. Returns how many stayed float."""
-    from .kernels.qlinear import QLinear
-
-    floats = 0
-    size = {n: m.in_features * m.out_features for n, m in model.named_modules() if isinstance(m, (nn.Linear, QLinear))}
-    names = sorted(size, key=lambda n: -size[n])  # the largest first: its temporaries on the least
-    weights.release()  # what ran before (a calibration) gives its freed heap back first
-    for name in names:
-        parent_name, _, child_name = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        child = getattr(parent, child_name)
-        blocks = weights.blocks(f"{name}.weight", child.out_features, child.in_features)
-        weights.release()  # the file's pages just read: the blocks are a copy
-        bias = child.bias
-        bias = None if bias is None else (weights.floats(f"{name}.bias") if bias.is_meta else bias)
-        if blocks is None:
-            if isinstance(child, nn.Linear) and child.weight.is_meta:
-                child.weight = nn.Parameter(weights.floats(f"{name}.weight"), requires_grad=False)
-                child.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-            floats += 1
-            continue
-        kind, codes, d, m = blocks
-        new = QLinear(kind, torch.from_numpy(codes), torch.from_numpy(d), None if m is None else torch.from_numpy(m),
-                      bias, child.in_features, child.out_features, cache_dir, isa, arithmetic)
-        if kept and kept.get(name):
-            dims = torch.tensor(kept[name], dtype=torch.int32)
-            new.keep_inputs(dims, kept_columns(blocks, dims.long()))
-        del child, bias
-        setattr(parent, child_name, new)
-        del blocks, new
-        weights.release()
-    return floats
-
-
-def kept_columns(blocks, dims: torch.Tensor, rows: int = 512) -> torch.Tensor:
-    """W[:, dims] as [k, O] float32 from a layer's blocks, rebuilt `rows` outputs at a time (a head of
-    49,152 x 2,048 rebuilt whole would take 1.2 GB for a moment)."""
-    from .kernels.kquants import rebuild
-
-    kind, codes, d, m = blocks
-    parts = [rebuild((kind, codes[i:i + rows], d[i:i + rows], None if m is None else m[i:i + rows]))[:, dims]
-             for i in range(0, codes.shape[0], rows)]
-    return torch.cat(parts).t().contiguous()
-
-
-def _materialize(model, weights: GGUFWeights) -> int:
-    """The non-linear parameters (embeddings, norms) from the file, the rotary tables recomputed; returns
-    how many tensors were read. Linear layers stay on the meta device for _linears."""
-    count = 0
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            if isinstance(child, nn.Embedding) and child.weight.is_meta:
-                table = weights.embedding(f"{parent_name}.{child_name}" if parent_name else child_name, child)
-                if table is not None:
-                    setattr(parent, child_name, table)
-                    count += 1
-    for parent_name, parent in list(model.named_modules()):
-        if isinstance(parent, nn.Linear):
-            continue
-        for pname, p in list(parent.named_parameters(recurse=False)):
-            if p.is_meta:
-                full = f"{parent_name}.{pname}" if parent_name else pname
-                setattr(parent, pname, nn.Parameter(weights.floats(full), requires_grad=False))
-                count += 1
-    for parent_name, parent in list(model.named_modules()):
-        for child_name, child in list(parent.named_children()):
-            if any(b.is_meta for b in child.buffers(recurse=False)) and not isinstance(child, nn.Linear):
-                setattr(parent, child_name, type(child)(config=model.config))  # e.g. the rotary embedding
-    left = [n for n, b in model.named_buffers() if b.is_meta]
-    if left:
-        raise FailedPrecondition(f"the GGUF model's buffers {left[:3]} cannot be built outside transformers' loader")
-    return count
+    floats, arithmetic = fill(model, tokenizer, weights, cache_dir, isa, arithmetic, fingerprint_of,
+                            f"GGUF {path.name} read as it is ({arch})")
+    return model, tokenizer, floats, arithmetic
 
 
 def direct_isa(config, device: torch.device, dtype: torch.dtype) -> str | None:

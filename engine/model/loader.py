@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from ...core.errors import FailedPrecondition, InvalidArgument, NotFound
-from .sources import check_hub_model, check_local_source
-from .choices import (ARITHMETIC_CHOICES, ARITHMETICS, BATCH_STEPS, BUILTIN_MODEL, FORWARDS,  # noqa: F401 - re-exported
+from .sources import check_chat_template, check_hub_model, check_local_source
+from .choices import (ARITHMETIC_CHOICES, ARITHMETICS, BATCH_STEPS, BUILTIN_MODEL, FORWARDS, QUANTIZE_CHOICES,  # noqa: F401 - re-exported
                                          KERNELS)
 from .paths import default_cache_dir
 
@@ -58,6 +58,9 @@ class ModelConfig:
     batch_step: str = "auto"
     # a Jinja chat template replacing the tokenizer's own (the text, not a path); None = the model's
     chat_template: str | None = None
+    # a checkpoint directory's float linears quantized at load into the kernels' blocks
+    # (engine/model/checkpoint.py): q8_0, q6_k, q4_k, none (float weights), auto (choices.QUANTIZE_DEFAULT)
+    quantize: str = "auto"
 
     def __post_init__(self) -> None:
         if not self.source:
@@ -68,6 +71,8 @@ class ModelConfig:
             raise ValueError(f"kernels must be one of {', '.join(KERNELS)}; got {self.kernels!r}")
         if self.forward not in FORWARDS:
             raise ValueError(f"forward must be one of {', '.join(FORWARDS)}; got {self.forward!r}")
+        if self.quantize not in QUANTIZE_CHOICES:
+            raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}; got {self.quantize!r}")
         if self.arithmetic not in ARITHMETIC_CHOICES:
             raise ValueError(f"arithmetic must be one of {', '.join(ARITHMETIC_CHOICES)}; got {self.arithmetic!r}")
         if self.arithmetic == "int8" and self.kernels not in ("auto", "compressed"):
@@ -116,19 +121,6 @@ def builtin_model_dir(cache_dir: str | Path | None = None) -> Path:
     log.warning("converting %s to safetensors in %s (once; ~15-40 s)", _GGUF_FILE, target)
     _convert_gguf(gguf_dir, target)
     return target
-
-
-def check_chat_template(template: str) -> None:
-    """ValueError where a chat template is empty or not valid Jinja (said at configuration, not at
-    the first chat request)."""
-    import jinja2
-
-    if not template.strip():
-        raise ValueError("the chat template is empty")
-    try:
-        jinja2.Environment().parse(template)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None
 
 
 def gguf_model_dir(path: Path, cache_dir: str | Path | None = None) -> Path:
@@ -233,6 +225,7 @@ class LoadedModel:
     # touches torch while a decode loop holds its threads at 1 answers 1)
     threads: int | None = None
     arithmetic: str = "exact"  # the compressed kernels' arithmetic (ModelConfig.arithmetic)
+    quantize: str = "none"  # the format a checkpoint's linears were quantized to at load (ModelConfig.quantize)
 
     @property
     def native(self) -> bool:
@@ -257,13 +250,19 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.batch_step == "graphs" and device.type != "cuda":
         raise InvalidArgument(f"batch_step graphs needs a CUDA device; the model is on {device}")
     batch_step = resolve_batch_step(config.batch_step, device)
+    from .checkpoint import checkpoint_quantized, load_checkpoint
     from .gguf_file import direct_isa, load_direct
 
     isa = direct_isa(config, device, dtype)
+    quantized = None if isa else checkpoint_quantized(config, device, dtype)  # (isa, format) or None
+    fmt = quantized[1] if quantized else "none"
+    cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
     try:
         if isa:  # a GGUF file read as it is (engine/model/gguf_file.py): no float32 copy
-            cache = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
             model, tokenizer, kernels, _ = load_direct(config, isa, cache, model_fingerprint)
+        elif quantized:  # a checkpoint quantized at load (engine/model/checkpoint.py): no float32 copy either
+            isa = quantized[0]
+            model, tokenizer, kernels, _ = load_checkpoint(config, fmt, isa, cache, model_fingerprint)
         else:
             path = resolve_source(config)
             tokenizer = AutoTokenizer.from_pretrained(path)
@@ -294,7 +293,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     name = BUILTIN_MODEL if config.source == BUILTIN_MODEL else Path(config.source).name or config.source
     name = name.removesuffix(".gguf")
     return LoadedModel(model, tokenizer, model_fingerprint(tokenizer, model.config), name, device, dtype, kernels,
-                       isa, forward, batch_step, config.threads or torch.get_num_threads(), arithmetic)
+                       isa, forward, batch_step, config.threads or torch.get_num_threads(), arithmetic,
+                       fmt)
 
 
 def model_spec_of(config: ModelConfig, k: int):

@@ -60,3 +60,16 @@ def check_hub_model(source: str) -> None:
         raise NotFound(f"model {source!r} is not a builtin name ({BUILTIN_MODEL}), a local directory or in the "
                        f"local model cache, and the hub could not provide it ({type(e).__name__}: {reason}); "
                        "pass a local transformers directory") from None
+
+
+def check_chat_template(template: str) -> None:
+    """ValueError where a chat template is empty or not valid Jinja (said at configuration, not at
+    the first chat request)."""
+    import jinja2
+
+    if not template.strip():
+        raise ValueError("the chat template is empty")
+    try:
+        jinja2.Environment().parse(template)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message})") from None

@@ -97,12 +97,20 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
+    from ...engine.model.choices import QUANTIZE_CHOICES
+
     p.add_argument("--model", default=None, help="builtin model name, local transformers directory, local .gguf "
                    "file (converted once into the cache) or hub id (default: the bundled smollm2-135m-instruct)")
     p.add_argument("--served-model-name", default=None,
                    help="the name callers use: OpenAI's model id, ModelInfo.model, metrics' model_name (default: --model)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or the template itself) replacing the model's own")
+    p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
+                   help="a transformers checkpoint's float linear layers, quantized once at load into the compressed "
+                        "kernels' blocks and cached: auto (default: q8_0, the cheapest that met int8's fidelity rule "
+                        "on the bundled model's bf16 checkpoint), q8_0, q6_k, q4_k (llama.cpp's types; rows that are "
+                        "not whole super-blocks of 256 take its fallbacks) or none (float weights, as transformers "
+                        "loads them); weights that already are exact 4/8-bit blocks are kept as they are")
     p.add_argument("--cache-dir", default=None,
                    help="where converted models, built kernels and calibrations are kept (default "
                         "$XDG_CACHE_HOME/trserve or ~/.cache/trserve); must be writable")
@@ -124,7 +132,8 @@ def build_configs(args: argparse.Namespace):
             raise ValueError(f"--tree: {e}") from None
     source = {} if args.model is None else {"source": args.model}
     model = ModelConfig(**source, device=args.device, threads=args.threads, kernels=args.kernels,
-                        arithmetic=args.arithmetic, batch_step=args.batch_step, cache_dir=args.cache_dir,
+                        arithmetic=args.arithmetic, quantize=args.quantize, batch_step=args.batch_step,
+                        cache_dir=args.cache_dir,
                         chat_template=_chat_template(args.chat_template))
     limits = Limits(max_new_tokens_cap=args.max_new_tokens_cap, max_prompt_tokens=args.max_prompt_tokens,
                     default_max_new_tokens=min(128, args.max_new_tokens_cap), max_messages=args.max_messages)

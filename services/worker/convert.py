@@ -220,5 +220,5 @@ def model_info_to_pb(decoder: TargetModel, limits: Limits, name: str) -> pb.Mode
         max_new_tokens_cap=limits.max_new_tokens_cap, default_max_new_tokens=limits.default_max_new_tokens,
         max_prompt_tokens=limits.max_prompt_tokens, device=info.device, kernels=info.kernels,
         attention=info.attention, threads=info.threads, kernel_isa=info.isa,
-        arithmetic=info.arithmetic,
+        arithmetic=info.arithmetic, quantize=info.quantize,
     )

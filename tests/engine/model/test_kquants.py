@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-from trserve.bench.kencode import ENCODERS
+from trserve.engine.model.kernels.kencode import ENCODERS
 from trserve.engine.model.kernels.build import available_isas
 from trserve.engine.model.kernels.kquants import BLOCK_BYTES, decode, expand, rebuild, widen
 from trserve.engine.model.kernels.pack import pack_q5_i8, q5_codes, q5_values

@@ -1,6 +1,6 @@
 """The files users bring (issue 55), made here from the bundled model with gguf-py (no download, no
 llama.cpp build): the bundled model re-quantized to Q4_0, Q5_0, and the K-quant mixes Q4_K_M, Q5_K_M
-and Q6_K (bench/kencode.py; rows of 576 take llama-quantize's fallbacks) reaches the
+and Q6_K (engine/model/kernels/kencode.py; rows of 576 take llama-quantize's fallbacks) reaches the
 compressed kernels and the native forward in every layer (Q4_0 fell to float32 in 210 of 211 before,
 Q4_K_M in 196), its exact arithmetic equals transformers' greedy decoding on the same file's
 dequantized weights, and TR equals plain decoding token for token in both arithmetics."""

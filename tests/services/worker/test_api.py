@@ -148,6 +148,7 @@ def test_tokenize_and_model_info(client, decoder):
     assert (info.device, info.kernels) == (str(decoder.device), decoder.loaded.kernels) and info.kernels
     assert info.kernel_isa == (decoder.loaded.isa or "none")
     assert info.arithmetic == decoder.loaded.arithmetic == "exact"
+    assert info.quantize == decoder.loaded.quantize == "none"  # the bundled file: its own blocks
     assert info.attention == ("grouped_sdpa" if grouped else "sdpa") and info.threads == torch.get_num_threads()
 
 

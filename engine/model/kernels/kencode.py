@@ -1,6 +1,7 @@
-"""Encoders for GGUF's K-quant blocks (Q4_K, Q5_K, Q6_K), which gguf-py can read but not write: the
-tests and the bench make the files users bring (a Q4_K_M of the bundled model, a 1.7B-shaped one) with
-them, no llama.cpp build needed. Valid blocks in ggml's layout, scales chosen simply (max/min per
+"""Encoders for GGUF's K-quant blocks (Q4_K, Q5_K, Q6_K), which gguf-py can read but not write: a
+checkpoint quantized at load (engine/model/checkpoint.py) is encoded with them (and gguf-py's own
+Q8_0/Q5_0 quantizers: `encode`), and the tests and the bench make the files users bring (a Q4_K_M of
+the bundled model, a 1.7B-shaped one) with them, no llama.cpp build needed. Valid blocks in ggml's layout, scales chosen simply (max/min per
 sub-block, not llama-quantize's search): a weight's error is larger than llama-quantize's, its format
 the same, and gguf-py's dequantization reads them back (tests/engine/model/test_kquants.py checks it).
 
@@ -82,3 +83,13 @@ def encode_q6_k(rows: np.ndarray) -> np.ndarray:
 
 
 ENCODERS = {"Q4_K": encode_q4_k, "Q5_K": encode_q5_k, "Q6_K": encode_q6_k}
+
+
+def encode(type_name: str, rows: np.ndarray) -> np.ndarray:
+    """float32 rows [n, I] -> their GGUF blocks of `type_name` [n, I / block * bytes] uint8: the K-quants
+    here, the 32-weight types by gguf-py's quantizers (ggml's reference rounding)."""
+    if type_name in ENCODERS:
+        return ENCODERS[type_name](np.ascontiguousarray(rows, dtype=np.float32))
+    from gguf import GGMLQuantizationType, quants
+
+    return quants.quantize(np.ascontiguousarray(rows, dtype=np.float32), GGMLQuantizationType[type_name])

@@ -1,0 +1,148 @@
+"""Transformers checkpoints quantized once at load (issue 57; engine/model/checkpoint.py): a bfloat16
+checkpoint takes the compressed kernels and the native forward in every layer instead of float32
+oneDNN, its exact arithmetic equals transformers' greedy decoding on the quantized (rebuilt) weights,
+TR equals plain decoding token for token in both arithmetics, the blocks are cached and read back, and
+weights that already are exact blocks are kept as they are."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trserve.engine import Decoder, DecoderConfig, GenerationRequest
+from trserve.engine.model import checkpoint
+from trserve.engine.model.checkpoint import CheckpointWeights, layer_type
+from trserve.engine.model.kernels.build import qlinear_supported
+from trserve.engine.model.kernels.kquants import rebuild
+from trserve.engine.model.loader import ModelConfig, builtin_model_dir, load_model
+from tests.conftest import load_prompts
+from tests.engine.test_lossless import NEAR_TIE_EPS, _generate
+
+pytestmark = pytest.mark.skipif(not qlinear_supported(), reason="the compressed kernels need x86-64 Linux")
+
+
+def _save(model, folder, dtype=torch.bfloat16):
+    from transformers import AutoTokenizer
+
+    model.to(dtype).save_pretrained(folder)
+    AutoTokenizer.from_pretrained(builtin_model_dir()).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def bundled_bf16(tmp_path_factory):
+    """The bundled model saved as a bfloat16 checkpoint (its Q4_1 weights rounded: no exact blocks left)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(builtin_model_dir(), dtype=torch.float32)
+    return _save(model, tmp_path_factory.mktemp("smol-bf16"))
+
+
+def _tiny(folder, family: str):
+    """A random 2-layer model of `family` with the bundled vocabulary, rows of 256 (Q4_K/Q6_K super-blocks)
+    and of 640 (not: the fallbacks), as a bfloat16 checkpoint."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    shape = dict(vocab_size=49152, hidden_size=256, intermediate_size=640, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)
+    model = (Qwen2ForCausalLM(Qwen2Config(**shape)) if family == "qwen2" else LlamaForCausalLM(LlamaConfig(**shape)))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * (0.6 if p.dim() == 1 else 0.08) + (1.0 if p.dim() == 1 else 0.0))
+    return _save(model, folder)
+
+
+def _prompts(decoder, n: int) -> list[list[int]]:
+    return [decoder.prompts.chat_ids([{"role": "user", "content": q["turns"][0]}])
+            for q in load_prompts("spec_bench")[2: 2 + 4 * n: 4]]
+
+
+def _tr_equals_ar(d: Decoder, n: int, tokens: int) -> None:
+    for ids in _prompts(d, n):
+        ar = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=tokens, mode="ar", ignore_eos=True))
+        tr = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=tokens, mode="tr", ignore_eos=True))
+        assert tr.ids == ar.ids
+
+
+def _reference(folder, fmt: str, store):
+    """Transformers' own model (stock, float32) of the checkpoint with every linear weight replaced by
+    the float32 weight its blocks rebuild: what the exact arithmetic must compute."""
+    stock = load_model(ModelConfig(source=str(folder), kernels="stock", quantize="none"))
+    weights = CheckpointWeights(folder, stock.model, fmt, store)
+    with torch.no_grad():
+        for name, m in stock.model.named_modules():
+            if isinstance(m, torch.nn.Linear):
+                b = weights.blocks(f"{name}.weight", m.out_features, m.in_features)
+                m.weight = torch.nn.Parameter(rebuild(b).clone())  # untied: the head has its own blocks
+    return stock
+
+
+def test_the_bundled_models_bf16_checkpoint_runs_quantized_on_the_native_forward(bundled_bf16, tmp_path,
+                                                                                  monkeypatch) -> None:
+    config = ModelConfig(source=str(bundled_bf16), quantize="q8_0", cache_dir=str(tmp_path))
+    d = Decoder(DecoderConfig(model=config))
+    loaded = d.loaded
+    assert (loaded.kernels, loaded.forward, loaded.arithmetic, loaded.quantize) == \
+        ("compressed", "native", "int8", "q8_0")
+    _tr_equals_ar(d, 3, 32)
+    stored = sorted((tmp_path / "quantized").glob("q8_0-*/*.npz"))
+    assert len(stored) == 211  # every linear layer, the tied head included
+    before = {p: p.stat().st_mtime_ns for p in stored}
+
+    def refuse(*_):
+        raise AssertionError("a cached layer was quantized again")
+    monkeypatch.setattr(checkpoint, "_quantize", refuse)
+    again = load_model(config)  # read back from the cache: nothing quantized, nothing rewritten
+    assert again.forward == "native" and {p: p.stat().st_mtime_ns for p in stored} == before
+
+
+@pytest.mark.parametrize("family, fmt", [("llama", "q4_k"), ("qwen2", "q6_k")])
+def test_exact_equals_transformers_on_the_quantized_weights(tmp_path, family, fmt) -> None:
+    folder = _tiny(tmp_path / "ckpt", family)
+    d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize=fmt, arithmetic="exact",
+                                                cache_dir=str(tmp_path / "cache"))))
+    assert (d.loaded.forward, d.loaded.arithmetic, d.loaded.quantize) == ("native", "exact", fmt)
+    kinds = {layer_type(fmt, 256, False), layer_type(fmt, 640, False), layer_type(fmt, 256, True)}
+    assert kinds == ({"Q4_K", "Q5_0", "Q6_K"} if fmt == "q4_k" else {"Q6_K", "Q8_0"})
+    store = next((tmp_path / "cache" / "quantized").glob(f"{fmt}-*"))
+    stock = _reference(folder, fmt, store)
+    for ids in _prompts(d, 2):
+        ours = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=24, mode="ar", ignore_eos=True)).ids
+        ref, logits = _generate(stock, ids, 24)
+        if ours != ref:  # only where the reference itself is a near-tie (its last bits differ from ours)
+            p = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
+            top2 = logits[p].float().topk(2).values
+            assert float(top2[0] - top2[1]) < NEAR_TIE_EPS, (p, ours[p:p + 3], ref[p:p + 3])
+    _tr_equals_ar(d, 2, 24)
+
+
+def test_int8_on_a_quantized_qwen2_keeps_tr_equal_to_ar(tmp_path) -> None:
+    folder = _tiny(tmp_path / "ckpt", "qwen2")  # q, k, v biases from the checkpoint
+    d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q4_k", cache_dir=str(tmp_path))))
+    assert (d.loaded.forward, d.loaded.arithmetic) == ("native", "int8")
+    _tr_equals_ar(d, 2, 24)
+
+
+def test_exact_blocks_are_kept_not_quantized_again(tmp_path) -> None:
+    """The bundled model's float32 checkpoint holds exact Q4_1 blocks: quantize q4_k keeps them (kind 4),
+    so it decodes as the bundled model does, token for token."""
+    folder = builtin_model_dir()
+    ours = load_model(ModelConfig(source=str(folder), quantize="q4_k", arithmetic="exact", cache_dir=str(tmp_path)))
+    assert ours.quantize == "q4_k" and ours.forward == "native"
+    kinds = {m.kind for m in ours.model.modules() if hasattr(m, "kind")}
+    assert kinds <= {4, 8}  # recovered Q4_1 and Q8_0 blocks (the bundled file's): nothing re-quantized
+    d = Decoder(DecoderConfig(model=ModelConfig(arithmetic="exact")))
+    mine = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q4_k", arithmetic="exact",
+                                                   cache_dir=str(tmp_path))))
+    for ids in _prompts(d, 2):
+        a = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=24, mode="ar", ignore_eos=True)).ids
+        b = mine.generate(GenerationRequest(input_ids=ids, max_new_tokens=24, mode="ar", ignore_eos=True)).ids
+        assert a == b
+
+
+def test_quantize_none_keeps_float_weights_and_bad_names_are_refused(bundled_bf16, tmp_path) -> None:
+    loaded = load_model(ModelConfig(source=str(bundled_bf16), quantize="none", cache_dir=str(tmp_path)))
+    assert loaded.quantize == "none" and loaded.forward == "transformers" and "compressed" not in loaded.kernels
+    with pytest.raises(ValueError, match="quantize must be one of"):
+        ModelConfig(source=str(bundled_bf16), quantize="q3_k")
