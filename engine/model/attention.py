@@ -16,12 +16,27 @@ everything else to the stock SDPA path.
 
 from __future__ import annotations
 
+import logging
 import weakref
 
 import torch
 
+log = logging.getLogger("trserve.engine")
 NAME = "trserve_sdpa"
 _mask_memo: list = [None, 0, None]  # [weakref to the last mask, groups, its expansion]: one per forward
+
+
+def with_attention(build):
+    """`build(attn_implementation)` with "sdpa", or "eager" where the model's class refuses sdpa (Gemma 2
+    in transformers: "does not support an attention implementation through ...scaled_dot_product_attention
+    yet"): the model loads on what it supports instead of failing at start."""
+    try:
+        return build("sdpa")
+    except ValueError as e:
+        if "scaled_dot_product_attention" not in str(e) and "sdpa" not in str(e).lower():
+            raise
+        log.info("sdpa attention refused by this model (%s): eager attention", str(e).splitlines()[0][:120])
+        return build("eager")
 
 
 def _grouped_mask(mask: torch.Tensor, groups: int) -> torch.Tensor:

@@ -195,8 +195,9 @@ def load_checkpoint(config, fmt: str, isa: str, cache_dir: Path, fingerprint_of)
     """(model, tokenizer, kernels, arithmetic) for a checkpoint quantized to `fmt` on kernel variant `isa`."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .attention import use_grouped_sdpa
-    from .direct import fill
+    from .attention import use_grouped_sdpa, with_attention
+    from .direct import fill, swap_linears
+    from .native import native_unsupported
     from .packed import pack_linears
 
     from .sources import check_model_dir
@@ -205,13 +206,26 @@ def load_checkpoint(config, fmt: str, isa: str, cache_dir: Path, fingerprint_of)
     check_model_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model_config = AutoConfig.from_pretrained(path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, dtype=torch.float32, attn_implementation="sdpa")
     store = cache_dir / "quantized" / f"{fmt}-e{ENCODING}-{identity(path)}"
-    weights = CheckpointWeights(path, model, fmt, store)
     probe = {"auto": "int8", "int8": "int8!"}.get(config.arithmetic, config.arithmetic)
-    _, arithmetic = fill(model, tokenizer, weights, cache_dir, isa, probe, fingerprint_of,
-                         f"checkpoint {path.name} quantized to {fmt}")
+    label = f"checkpoint {path.name} quantized to {fmt}"
+    try:
+        with torch.device("meta"):
+            model = with_attention(lambda a: AutoModelForCausalLM.from_config(model_config, dtype=torch.float32,
+                                                                              attn_implementation=a))
+        weights = CheckpointWeights(path, model, fmt, store)
+        _, arithmetic = fill(model, tokenizer, weights, cache_dir, isa, probe, fingerprint_of, label)
+    except FailedPrecondition as e:  # buffers only transformers' loader builds (e.g. Gemma's scaled embedding)
+        log.info("%s: built by transformers' loader first, in float32 (%s)", path.name, e)
+        model = with_attention(lambda a: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                                              attn_implementation=a))
+        weights = CheckpointWeights(path, model, fmt, store)
+        _, arithmetic = fill(model, tokenizer, weights, cache_dir, isa, probe, fingerprint_of, label)
+    why = native_unsupported(model)
+    if why and arithmetic == "int8" and config.arithmetic == "auto":  # int8 keeps TR == AR on the native forward only
+        log.warning("%s: no native forward (%s): exact arithmetic", path.name, why)
+        swap_linears(model, weights, cache_dir, isa, "exact", None)
+        arithmetic = "exact"
     if weights.quantized:
         log.info("checkpoint %s: %d linear layers quantized to %s, cached in %s", path.name, weights.quantized,
                  fmt, store)

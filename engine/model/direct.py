@@ -136,7 +136,10 @@ def materialize(model, weights) -> int:
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             if any(b.is_meta for b in child.buffers(recurse=False)) and not isinstance(child, nn.Linear):
-                setattr(parent, child_name, type(child)(config=model.config))  # e.g. the rotary embedding
+                try:
+                    setattr(parent, child_name, type(child)(config=model.config))  # e.g. the rotary embedding
+                except TypeError:  # built from other arguments: left on the meta device, refused below
+                    pass
     left = [n for n, b in model.named_buffers() if b.is_meta]
     if left:
         raise FailedPrecondition(f"the model's buffers {left[:3]} cannot be built outside transformers' loader")

@@ -250,6 +250,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     if config.batch_step == "graphs" and device.type != "cuda":
         raise InvalidArgument(f"batch_step graphs needs a CUDA device; the model is on {device}")
     batch_step = resolve_batch_step(config.batch_step, device)
+    from .attention import with_attention
     from .checkpoint import checkpoint_quantized, load_checkpoint
     from .gguf_file import direct_isa, load_direct
 
@@ -266,7 +267,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
         else:
             path = resolve_source(config)
             tokenizer = AutoTokenizer.from_pretrained(path)
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+            model = with_attention(lambda a: AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                                                  attn_implementation=a))
     except OSError as e:
         raise NotFound(f"cannot load model {config.source!r}: {_first_line(e)}") from None
     except (ValueError, TypeError, KeyError, ImportError, AttributeError) as e:  # a checkpoint transformers cannot read

@@ -41,12 +41,19 @@ def bundled_bf16(tmp_path_factory):
 def _tiny(folder, family: str):
     """A random 2-layer model of `family` with the bundled vocabulary, rows of 256 (Q4_K/Q6_K super-blocks)
     and of 640 (not: the fallbacks), as a bfloat16 checkpoint."""
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers as t
 
     torch.manual_seed(0)
     shape = dict(vocab_size=49152, hidden_size=256, intermediate_size=640, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)
-    model = (Qwen2ForCausalLM(Qwen2Config(**shape)) if family == "qwen2" else LlamaForCausalLM(LlamaConfig(**shape)))
+    if family == "llama3":  # Llama 3.x's rope scaling
+        shape["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    if family == "mistral":
+        shape.update(sliding_window=None, tie_word_embeddings=False)
+    config, cls = {"qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM), "mistral": (t.MistralConfig, t.MistralForCausalLM)
+                   }.get(family, (t.LlamaConfig, t.LlamaForCausalLM))
+    model = cls(config(**shape))
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * (0.6 if p.dim() == 1 else 0.08) + (1.0 if p.dim() == 1 else 0.0))
@@ -97,14 +104,14 @@ def test_the_bundled_models_bf16_checkpoint_runs_quantized_on_the_native_forward
     assert again.forward == "native" and {p: p.stat().st_mtime_ns for p in stored} == before
 
 
-@pytest.mark.parametrize("family, fmt", [("llama", "q4_k"), ("qwen2", "q6_k")])
+@pytest.mark.parametrize("family, fmt", [("llama", "q4_k"), ("qwen2", "q6_k"), ("llama3", "q8_0"), ("mistral", "q4_k")])
 def test_exact_equals_transformers_on_the_quantized_weights(tmp_path, family, fmt) -> None:
     folder = _tiny(tmp_path / "ckpt", family)
     d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize=fmt, arithmetic="exact",
                                                 cache_dir=str(tmp_path / "cache"))))
     assert (d.loaded.forward, d.loaded.arithmetic, d.loaded.quantize) == ("native", "exact", fmt)
     kinds = {layer_type(fmt, 256, False), layer_type(fmt, 640, False), layer_type(fmt, 256, True)}
-    assert kinds == ({"Q4_K", "Q5_0", "Q6_K"} if fmt == "q4_k" else {"Q6_K", "Q8_0"})
+    assert kinds == {"q4_k": {"Q4_K", "Q5_0", "Q6_K"}, "q6_k": {"Q6_K", "Q8_0"}, "q8_0": {"Q8_0"}}[fmt]
     store = next((tmp_path / "cache" / "quantized").glob(f"{fmt}-*"))
     stock = _reference(folder, fmt, store)
     for ids in _prompts(d, 2):
