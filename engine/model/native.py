@@ -8,9 +8,11 @@ in one run of the kernels' thread pool (csrc/pool.h) over a packed batch: B sequ
 with its own KV row, visible context, write column and tree mask.
 
 It applies where the model is the Llama architecture as transformers defines it (LlamaForCausalLM,
-and Mistral/Qwen2 without sliding windows): pre-norm RMSNorm, rotary embedding with a static
-table, grouped-query attention, SiLU-gated MLP, every linear layer on compressed kernels. Anything
-else keeps transformers' forward (engine/model/runner.py decides). Every token's numbers depend
+and Mistral/Qwen2/Qwen3 without sliding windows): pre-norm RMSNorm, rotary embedding with a static
+table, grouped-query attention, SiLU-gated MLP, every linear layer on compressed kernels; Qwen3's
+per-head RMSNorm of queries and keys (self_attn.q_norm, k_norm: after q_proj / k_proj, before
+rotary) runs in C where a layer has them. Anything else keeps transformers' forward
+(engine/model/runner.py decides). Every token's numbers depend
 only on its input, position and visible keys (see csrc/forward.c), so tree verification and plain
 decoding give identical logits, and the AVX-512, AVX2 and scalar builds give the same bits; against
 transformers' own forward the logits differ by float rounding (~1e-5; tests check both).
@@ -37,7 +39,7 @@ class _QMat(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _P), ("post_norm", _P), *((n, _QMat) for n in ("q", "k", "v", "o", "gate", "up", "down")),
-                ("key_pair", _P)]
+                ("key_pair", _P), ("q_norm", _P), ("k_norm", _P), ("q_eps", ctypes.c_float), ("k_eps", ctypes.c_float)]
 
 
 class _Model(ctypes.Structure):
@@ -48,7 +50,7 @@ class _Model(ctypes.Structure):
 
 
 ARITH_CODES = {"exact": 0, "int8": 1}  # tr_model.arith (csrc/forward.h)
-_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
 _STATIC_ROPE = ("default", "linear", "llama3")
 
 
@@ -64,6 +66,8 @@ def native_unsupported(model) -> str | None:
         return "activation or tensor-parallel layout differs from Llama's"
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
         return "sliding-window attention"
+    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
+        return "sliding-window attention layers"
     if getattr(cfg, "mlp_bias", False):
         return "MLP biases"
     body = model.get_decoder()
@@ -76,8 +80,11 @@ def native_unsupported(model) -> str | None:
         return "head, hidden or MLP sizes not multiples of 32"
     for layer in body.layers:
         a, m = layer.self_attn, layer.mlp
-        if hasattr(a, "q_norm") or hasattr(a, "k_norm"):
-            return "q/k norms"
+        why = _qk_norms_unsupported(a, head_dim)
+        if why:
+            return why
+        if getattr(a, "sliding_window", None):
+            return "sliding-window attention"
         mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
         if not all(isinstance(x, QLinear) for x in mods):
             return "not every linear layer is on the compressed kernels"
@@ -88,6 +95,22 @@ def native_unsupported(model) -> str | None:
         return "LM head not on the compressed kernels"
     if any(isinstance(x, QLinear) and x.arithmetic != head.arithmetic for x in model.modules()):
         return "linear layers in more than one arithmetic"
+    return None
+
+
+def _qk_norms_unsupported(attn, head_dim: int) -> str | None:
+    """Why an attention's q/k norms are not the per-head RMSNorm csrc/forward.c applies (None: they
+    are, or it has none). Only Qwen3's shape is taken: a norm with `variance_epsilon` and a [head_dim]
+    weight, y = w * (x * rsqrt(mean(x^2) + eps)) over each head (OLMo2's whole-projection norms, or
+    Gemma's 1 + w, would give other numbers, so they stay on transformers' forward)."""
+    for name in ("q_norm", "k_norm"):
+        norm = getattr(attn, name, None)
+        if norm is None:
+            continue
+        w = getattr(norm, "weight", None)
+        if type(norm).__name__ != "Qwen3RMSNorm" or w is None or tuple(w.shape) != (head_dim,) \
+                or not isinstance(getattr(norm, "variance_epsilon", None), (int, float)):
+            return f"{name} is not a per-head RMSNorm over head_dim {head_dim}"
     return None
 
 
@@ -117,16 +140,7 @@ class NativeForward:
         self._keep = [model]  # every tensor whose pointer the C struct holds stays referenced here
         layers = (_Layer * len(body.layers))()
         for i, layer in enumerate(body.layers):
-            a, m = layer.self_attn, layer.mlp
-            norms = (self._ptr(layer.input_layernorm.weight), self._ptr(layer.post_attention_layernorm.weight))
-            mats = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
-            pair = getattr(a.k_proj, "key_pair", None)  # int8: [kv_heads] int32 (kernels/outliers.py), or None
-            if pair is not None:
-                if pair.dtype != torch.int32 or pair.shape != (self.kv_heads,) or not pair.is_contiguous():
-                    raise ValueError(f"native forward unavailable: layer {i}'s kept key pairs are not "
-                                     f"[{self.kv_heads}] int32")
-                self._keep.append(pair)
-            layers[i] = _Layer(*norms, *(_qmat(x) for x in mats), pair.data_ptr() if pair is not None else None)
+            layers[i] = self._layer(i, layer)
         self._layers = layers
         self._rotary = body.rotary_emb
         self._ptrs = None  # (buffers' identity, layer key pointers, layer value pointers)
@@ -143,6 +157,24 @@ class NativeForward:
         self.arithmetic = head.arithmetic
         self.vocab = head.out_features
         self._grow_rope(4096)
+
+    def _layer(self, i: int, layer) -> _Layer:
+        """Decoder layer i as csrc/forward.h's tr_layer: its norms' weights, its 7 matrices, its kept key
+        pairs (int8), and its per-head q/k norms (Qwen3; NULL pointers where it has none, which leaves
+        the forward's arithmetic as it was for Llama's layers), each norm with its own epsilon."""
+        a, m = layer.self_attn, layer.mlp
+        norms = (self._ptr(layer.input_layernorm.weight), self._ptr(layer.post_attention_layernorm.weight))
+        mats = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
+        pair = getattr(a.k_proj, "key_pair", None)  # int8: [kv_heads] int32 (kernels/outliers.py), or None
+        if pair is not None:
+            if pair.dtype != torch.int32 or pair.shape != (self.kv_heads,) or not pair.is_contiguous():
+                raise ValueError(f"native forward unavailable: layer {i}'s kept key pairs are not "
+                                 f"[{self.kv_heads}] int32")
+            self._keep.append(pair)
+        qk = [getattr(a, n, None) for n in ("q_norm", "k_norm")]  # Qwen3: weight [head_dim] each, or None
+        return _Layer(*norms, *(_qmat(x) for x in mats), pair.data_ptr() if pair is not None else None,
+                      *(self._ptr(n.weight) if n is not None else None for n in qk),
+                      *(float(n.variance_epsilon) if n is not None else 0.0 for n in qk))
 
     def _embed_ptr(self, embed) -> int:
         """The embedding table's pointer. A GGUF file's table (FileEmbedding) fills its rows as they are

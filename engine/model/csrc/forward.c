@@ -22,7 +22,10 @@
  * plain decoding bit for bit), and the AVX-512, AVX2 and scalar builds give the same bits.
  *
  * Conventions as transformers' Llama modules: q head h uses KV head h / (heads / kv_heads);
- * rotate_half pairs lane i with i + D/2; RMSNorm y = w * (x * (1 / sqrt(mean(x^2) + eps))).
+ * rotate_half pairs lane i with i + D/2; RMSNorm y = w * (x * (1 / sqrt(mean(x^2) + eps))). Qwen3's
+ * per-head q/k norms (tr_layer.q_norm, k_norm) are that RMSNorm over each head's D values, after
+ * q_proj / k_proj and before rotary (so before a key is stored, in either arithmetic), as its
+ * Qwen3Attention applies them: each token's and head's own numbers, the same in every build.
  */
 #include "forward.h"
 #include "dot.h"
@@ -170,6 +173,13 @@ static void rms_rows(const float *x, const float *w, float *y, int64_t r0, int64
         float *yr = y + r * H;
         for (int64_t i = 0; i < H; i++) yr[i] = w[i] * (xr[i] * inv);
     }
+}
+
+/* A head's D values x normed in place as rms_rows norms a row (w: [D] weights), or left as they are
+ * where w is NULL: Qwen3's q_norm / k_norm, before rotary. */
+INLINE void head_norm(float *x, const float *w, int64_t D, float eps)
+{
+    if (w) rms_rows(x, w, x, 0, 1, D, eps);
 }
 
 /* x [n, I] quantized into this thread's a when the model runs the int8 arithmetic, w's kept inputs
@@ -602,11 +612,13 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
         lin(M, &L->v, h, act, N, v, id, nt, &o0, &o1);
         pool_barrier(nt);
         PHASE(PH_QKV);
-        /* rotary on q and k; k, v into the KV rows (work item u = token t, head j of q then k) */
+        /* per-head norms (Qwen3) then rotary on q and k; k, v into the KV rows (work item u = token t,
+         * head j of q then k) */
         for (int64_t u = id; u < N * (Hq + Hkv); u += nt) {
             const int64_t t = u / (Hq + Hkv), j = u % (Hq + Hkv);
             const float *c = M->cos + pos[t] * D, *s = M->sin + pos[t] * D;
             if (j < Hq) {
+                head_norm(q + (t * Hq + j) * D, L->q_norm, D, L->q_eps);
                 rope(q + (t * Hq + j) * D, c, s, D);
                 continue;
             }
@@ -616,12 +628,14 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
             if (M->arith) { /* the int8 arithmetic's KV buffers hold float16: key slots (ikeys.h), float16 values */
                 float kr[256];
                 memcpy(kr, k + (t * Hkv + g) * D, D * sizeof(float));
+                head_norm(kr, L->k_norm, D, L->k_eps);
                 rope(kr, c, s, D);
                 ikey_write(kr, D, L->key_pair ? L->key_pair[g] : -1, (uint8_t *)((uint16_t *)kc[l] + at));
                 for (int64_t i = 0; i < D; i += 16) v_to_half(v + (t * Hkv + g) * D + i, (uint16_t *)vc[l] + at + i);
                 continue;
             }
             memcpy(kc[l] + at, k + (t * Hkv + g) * D, D * sizeof(float));
+            head_norm(kc[l] + at, L->k_norm, D, L->k_eps);
             rope(kc[l] + at, c, s, D);
             memcpy(vc[l] + at, v + (t * Hkv + g) * D, D * sizeof(float));
         }

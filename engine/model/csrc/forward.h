@@ -21,6 +21,9 @@ typedef struct {
     tr_qmat q, k, v, o, gate, up, down;
     const int32_t *key_pair; /* int8: [kv_heads] the RoPE pair i (dims i, i + D/2) each KV head's keys keep in
                               * float32 (ikeys.h; engine/model/kernels/outliers.py), or NULL: none */
+    const float *q_norm, *k_norm; /* [D] a per-head RMSNorm of each query / key head before rotary (Qwen3's
+                                   * self_attn.q_norm, k_norm), or NULL: none (Llama, Mistral, Qwen2) */
+    float q_eps, k_eps;           /* their epsilons */
 } tr_layer;
 
 typedef struct {
