@@ -51,8 +51,8 @@ def _tiny(folder, family: str):
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
     if family == "mistral":
         shape.update(sliding_window=None, tie_word_embeddings=False)
-    config, cls = {"qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM), "mistral": (t.MistralConfig, t.MistralForCausalLM)
-                   }.get(family, (t.LlamaConfig, t.LlamaForCausalLM))
+    config, cls = {"qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM), "mistral": (t.MistralConfig, t.MistralForCausalLM),
+                   "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM)}.get(family, (t.LlamaConfig, t.LlamaForCausalLM))
     model = cls(config(**shape))
     with torch.no_grad():
         for p in model.parameters():
@@ -104,7 +104,8 @@ def test_the_bundled_models_bf16_checkpoint_runs_quantized_on_the_native_forward
     assert again.forward == "native" and {p: p.stat().st_mtime_ns for p in stored} == before
 
 
-@pytest.mark.parametrize("family, fmt", [("llama", "q4_k"), ("qwen2", "q6_k"), ("llama3", "q8_0"), ("mistral", "q4_k")])
+@pytest.mark.parametrize("family, fmt", [("llama", "q4_k"), ("qwen2", "q6_k"), ("llama3", "q8_0"), ("mistral", "q4_k"),
+                                         ("qwen3", "q8_0")])
 def test_exact_equals_transformers_on_the_quantized_weights(tmp_path, family, fmt) -> None:
     folder = _tiny(tmp_path / "ckpt", family)
     d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize=fmt, arithmetic="exact",
@@ -124,8 +125,9 @@ def test_exact_equals_transformers_on_the_quantized_weights(tmp_path, family, fm
     _tr_equals_ar(d, 2, 24)
 
 
-def test_int8_on_a_quantized_qwen2_keeps_tr_equal_to_ar(tmp_path) -> None:
-    folder = _tiny(tmp_path / "ckpt", "qwen2")  # q, k, v biases from the checkpoint
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # q, k, v biases from the checkpoint; q/k norms
+def test_int8_on_a_quantized_checkpoint_keeps_tr_equal_to_ar(tmp_path, family) -> None:
+    folder = _tiny(tmp_path / "ckpt", family)
     d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q4_k", cache_dir=str(tmp_path))))
     assert (d.loaded.forward, d.loaded.arithmetic) == ("native", "int8")
     _tr_equals_ar(d, 2, 24)
