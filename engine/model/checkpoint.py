@@ -79,10 +79,11 @@ class CheckpointWeights:
     """A safetensors checkpoint's tensors by parameter name: float32 tensors, or a linear weight's kernel
     blocks in format `fmt` (quantized now, or read from the cache folder `store`)."""
 
-    def __init__(self, path: Path, model, fmt: str, store: Path) -> None:
+    def __init__(self, path: Path, model, fmt: str, store: Path, rows: dict | None = None) -> None:
         from safetensors import safe_open
 
         self.fmt, self.store = fmt, store
+        self.rows = rows or {}  # a parameter that is rows [a, b) of another tensor: name -> (tensor, a, b)
         self.handles = {f: safe_open(str(f), framework="pt") for f in _files(path)}
         self.where = {name: h for h in self.handles.values() for name in h.keys()}
         names = {id(m): n for n, m in model.named_modules()}
@@ -108,9 +109,11 @@ class CheckpointWeights:
         return None  # float32 rows, read whole (`floats`)
 
     def floats(self, name: str) -> torch.Tensor:
-        if name not in self.where:
-            raise FailedPrecondition(f"the checkpoint has no tensor {name}")
-        t = self.where[name].get_tensor(self.alias.get(name, name))  # a copy out of the file's map
+        src, a, b = self.rows.get(name, (self.alias.get(name, name), None, None))
+        if src not in self.where and name not in self.where:
+            raise FailedPrecondition(f"the checkpoint has no tensor {src}")
+        part = self.where[src if src in self.where else name].get_slice(src)  # read from the file's map
+        t = part[a:b] if a is not None else part[:]
         return t.to(torch.float32).contiguous()
 
     def blocks(self, name: str, out_f: int, in_f: int):
@@ -172,6 +175,36 @@ def _quantize(kind: str, w: np.ndarray, out_f: int, in_f: int, rows: int = 4096)
     return _decode_rows(kind, raw, out_f, in_f)
 
 
+def as_llama(model_config):
+    """(the config of the Llama, or Mistral where windowed, that a Phi-3 checkpoint computes; its split
+    rows: name -> (fused tensor, a, b)), or (model_config, {}) for any other model. Phi-3 is Llama's
+    function with q/k/v and gate/up fused into one weight each (transformers' modeling_phi3.py); split
+    at load, it takes the native forward. Partial rotary or longrope (Phi-3.5, Phi-4-mini) stay Phi-3."""
+    from transformers import LlamaConfig, MistralConfig
+
+    rope = getattr(model_config, "rope_parameters", None) or {}
+    if model_config.model_type != "phi3" or rope.get("rope_type", "default") != "default" or \
+            rope.get("partial_rotary_factor", 1.0) not in (None, 1.0):
+        return model_config, {}
+    c = model_config
+    shape = {k: getattr(c, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                         "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                         "rms_norm_eps", "tie_word_embeddings", "hidden_act", "bos_token_id",
+                                         "eos_token_id", "pad_token_id")}
+    shape["rope_parameters"] = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}
+    window = getattr(c, "sliding_window", None)
+    config = MistralConfig(sliding_window=window, **shape) if window else LlamaConfig(**shape)
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv, inter, rows = c.num_attention_heads * hd, c.num_key_value_heads * hd, c.intermediate_size, {}
+    for i in range(c.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for name, lo, hi in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
+            rows[f"{a}{name}_proj.weight"] = (f"{a}qkv_proj.weight", lo, hi)
+        rows[f"{m}gate_proj.weight"] = (f"{m}gate_up_proj.weight", 0, inter)  # chunk(2): gate first
+        rows[f"{m}up_proj.weight"] = (f"{m}gate_up_proj.weight", inter, 2 * inter)
+    return config, rows
+
+
 def checkpoint_quantized(config, device: torch.device, dtype: torch.dtype) -> tuple[str, str] | None:
     """(kernel variant, format) where `config` (loader.ModelConfig) takes this path: a local directory of
     safetensors, a CPU float32 model, kernels auto or compressed that run here (under auto, not their
@@ -205,7 +238,7 @@ def load_checkpoint(config, fmt: str, isa: str, cache_dir: Path, fingerprint_of)
     path = Path(config.source)
     check_model_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model_config = AutoConfig.from_pretrained(path)
+    model_config, rows = as_llama(AutoConfig.from_pretrained(path))
     store = cache_dir / "quantized" / f"{fmt}-e{ENCODING}-{identity(path)}"
     probe = {"auto": "int8", "int8": "int8!"}.get(config.arithmetic, config.arithmetic)
     label = f"checkpoint {path.name} quantized to {fmt}"
@@ -213,7 +246,7 @@ def load_checkpoint(config, fmt: str, isa: str, cache_dir: Path, fingerprint_of)
         with torch.device("meta"):
             model = with_attention(lambda a: AutoModelForCausalLM.from_config(model_config, dtype=torch.float32,
                                                                               attn_implementation=a))
-        weights = CheckpointWeights(path, model, fmt, store)
+        weights = CheckpointWeights(path, model, fmt, store, rows)
         _, arithmetic = fill(model, tokenizer, weights, cache_dir, isa, probe, fingerprint_of, label)
     except FailedPrecondition as e:  # buffers only transformers' loader builds (e.g. Gemma's scaled embedding)
         log.info("%s: built by transformers' loader first, in float32 (%s)", path.name, e)

@@ -52,7 +52,8 @@ def _tiny(folder, family: str):
     if family == "mistral":
         shape.update(sliding_window=None, tie_word_embeddings=False)
     config, cls = {"qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM), "mistral": (t.MistralConfig, t.MistralForCausalLM),
-                   "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM)}.get(family, (t.LlamaConfig, t.LlamaForCausalLM))
+                   "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM), "phi3": (t.Phi3Config, t.Phi3ForCausalLM)
+                   }.get(family, (t.LlamaConfig, t.LlamaForCausalLM))
     model = cls(config(**shape))
     with torch.no_grad():
         for p in model.parameters():
@@ -155,3 +156,36 @@ def test_quantize_none_keeps_float_weights_and_bad_names_are_refused(bundled_bf1
     assert loaded.quantize == "none" and loaded.forward == "transformers" and "compressed" not in loaded.kernels
     with pytest.raises(ValueError, match="quantize must be one of"):
         ModelConfig(source=str(bundled_bf16), quantize="q3_k")
+
+
+def test_a_phi3_checkpoint_is_split_into_the_llama_it_computes(tmp_path) -> None:
+    """Phi-3's fused q/k/v and gate/up weights are split at load (checkpoint.as_llama): the model takes the
+    native forward, and its exact arithmetic equals transformers' own Phi-3 on the same rebuilt weights."""
+    import numpy as np
+
+    folder = _tiny(tmp_path / "ckpt", "phi3")
+    d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q8_0", arithmetic="exact",
+                                                cache_dir=str(tmp_path / "cache"))))
+    assert type(d.loaded.model).__name__ == "LlamaForCausalLM" and d.loaded.forward == "native"
+    store = next((tmp_path / "cache" / "quantized").glob("q8_0-*"))
+
+    def rebuilt(name):
+        with np.load(store / f"{name}.npz") as z:
+            return rebuild((int(z["kind"]), z["codes"], z["d"], z["m"] if "m" in z else None))
+    stock = load_model(ModelConfig(source=str(folder), kernels="stock", quantize="none"))
+    with torch.no_grad():
+        for name, m in stock.model.named_modules():
+            parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+            if isinstance(m, torch.nn.Linear):
+                stem, _, leaf = name.rpartition(".")
+                w = torch.cat([rebuilt(f"{stem}.{p}.weight") for p in parts[leaf]]) if leaf in parts else \
+                    rebuilt(f"{name}.weight")
+                m.weight = torch.nn.Parameter(w.clone())
+    for ids in _prompts(d, 2):
+        ours = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=24, mode="ar", ignore_eos=True)).ids
+        ref, logits = _generate(stock, ids, 24)
+        if ours != ref:
+            p = next(i for i, (a, b) in enumerate(zip(ours, ref)) if a != b)
+            top2 = logits[p].float().topk(2).values
+            assert float(top2[0] - top2[1]) < NEAR_TIE_EPS, (p, ours[p:p + 3], ref[p:p + 3])
+    _tr_equals_ar(d, 2, 24)
