@@ -9,7 +9,7 @@ ARITHMETICS = ("exact", "int8")  # the compressed kernels' arithmetic: csrc/qlin
 ARITHMETIC_CHOICES = ("auto", *ARITHMETICS)
 # `--quantize`: what a transformers checkpoint's float linears become at load (engine/model/checkpoint.py);
 # auto = QUANTIZE_DEFAULT, the cheapest format that met int8's fidelity rule on the bundled model's own
-# bfloat16 checkpoint (docs/kernels.md); none = float weights (the GPU path)
+# bfloat16 checkpoint, in the exact arithmetic (docs/kernels.md); none = float weights (the GPU path)
 QUANTIZE = ("q8_0", "q6_k", "q4_k", "none")
 QUANTIZE_CHOICES = ("auto", *QUANTIZE)
 QUANTIZE_DEFAULT = "q8_0"

@@ -294,7 +294,8 @@ def load_model(config: ModelConfig) -> LoadedModel:
     forward = _forward_kind(model, config)
     name = BUILTIN_MODEL if config.source == BUILTIN_MODEL else Path(config.source).name or config.source
     name = name.removesuffix(".gguf")
-    return LoadedModel(model, tokenizer, model_fingerprint(tokenizer, model.config), name, device, dtype, kernels,
+    fingerprint = model_fingerprint(tokenizer, getattr(model, "source_config", model.config))  # Phi-3 as Llama: phi3's
+    return LoadedModel(model, tokenizer, fingerprint, name, device, dtype, kernels,
                        isa, forward, batch_step, config.threads or torch.get_num_threads(), arithmetic,
                        fmt)
 

@@ -82,7 +82,8 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                         "block-quantised weights, else oneDNN pre-packed on CPU float32), stock, packed or "
                         "compressed (also on the slow portable scalar variant)")
     p.add_argument("--arithmetic", choices=ARITHMETIC_CHOICES, default="auto",
-                   help="the compressed kernels' arithmetic: auto (default: int8 wherever they run, else exact), "
+                   help="the compressed kernels' arithmetic: auto (default: int8 wherever they run, except on a "
+                        "checkpoint quantized at load (--quantize), else exact), "
                         "exact (float32 over the exact weights: the model's own greedy output) or int8 "
                         "(activations quantized per block of 32, integer dot products: cheaper verified rows, "
                         "within 0.4 points of bfloat16's top-1 agreement with exact; TR == plain decoding bit "
@@ -107,8 +108,8 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="a Jinja chat template file (or the template itself) replacing the model's own")
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
                    help="a transformers checkpoint's float linear layers, quantized once at load into the compressed "
-                        "kernels' blocks and cached: auto (default: q8_0, the cheapest that met int8's fidelity rule "
-                        "on the bundled model's bf16 checkpoint), q8_0, q6_k, q4_k (llama.cpp's types; rows that are "
+                        "kernels' blocks and cached: auto (default: q8_0 in the exact arithmetic, the cheapest that met "
+                        "int8's fidelity rule on the bundled model's bf16 checkpoint), q8_0, q6_k, q4_k (llama.cpp's types; rows that are "
                         "not whole super-blocks of 256 take its fallbacks) or none (float weights, as transformers "
                         "loads them); weights that already are exact 4/8-bit blocks are kept as they are")
     p.add_argument("--cache-dir", default=None,

@@ -14,7 +14,7 @@ from trserve.engine.model import checkpoint
 from trserve.engine.model.checkpoint import CheckpointWeights, layer_type
 from trserve.engine.model.kernels.build import qlinear_supported
 from trserve.engine.model.kernels.kquants import rebuild
-from trserve.engine.model.loader import ModelConfig, builtin_model_dir, load_model
+from trserve.engine.model.loader import ModelConfig, builtin_model_dir, load_model, model_spec_of
 from tests.conftest import load_prompts
 from tests.engine.test_lossless import NEAR_TIE_EPS, _generate
 
@@ -88,11 +88,11 @@ def _reference(folder, fmt: str, store):
 
 def test_the_bundled_models_bf16_checkpoint_runs_quantized_on_the_native_forward(bundled_bf16, tmp_path,
                                                                                   monkeypatch) -> None:
-    config = ModelConfig(source=str(bundled_bf16), quantize="q8_0", cache_dir=str(tmp_path))
+    config = ModelConfig(source=str(bundled_bf16), cache_dir=str(tmp_path))  # auto: q8_0, exact (docs/kernels.md)
     d = Decoder(DecoderConfig(model=config))
     loaded = d.loaded
     assert (loaded.kernels, loaded.forward, loaded.arithmetic, loaded.quantize) == \
-        ("compressed", "native", "int8", "q8_0")
+        ("compressed", "native", "exact", "q8_0")
     _tr_equals_ar(d, 3, 32)
     stored = sorted((tmp_path / "quantized").glob("q8_0-*/*.npz"))
     assert len(stored) == 211  # every linear layer, the tied head included
@@ -129,7 +129,8 @@ def test_exact_equals_transformers_on_the_quantized_weights(tmp_path, family, fm
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # q, k, v biases from the checkpoint; q/k norms
 def test_int8_on_a_quantized_checkpoint_keeps_tr_equal_to_ar(tmp_path, family) -> None:
     folder = _tiny(tmp_path / "ckpt", family)
-    d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q4_k", cache_dir=str(tmp_path))))
+    d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q4_k", arithmetic="int8",
+                                                cache_dir=str(tmp_path))))
     assert (d.loaded.forward, d.loaded.arithmetic) == ("native", "int8")
     _tr_equals_ar(d, 2, 24)
 
@@ -167,6 +168,8 @@ def test_a_phi3_checkpoint_is_split_into_the_llama_it_computes(tmp_path) -> None
     d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q8_0", arithmetic="exact",
                                                 cache_dir=str(tmp_path / "cache"))))
     assert type(d.loaded.model).__name__ == "LlamaForCausalLM" and d.loaded.forward == "native"
+    assert d.loaded.fingerprint == model_spec_of(ModelConfig(source=str(folder)), 8).fingerprint  # as phi3's
+    assert d.loaded.fingerprint.startswith("phi3-")
     store = next((tmp_path / "cache" / "quantized").glob("q8_0-*"))
 
     def rebuilt(name):
