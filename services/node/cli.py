@@ -83,11 +83,10 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
                         "compressed (also on the slow portable scalar variant)")
     p.add_argument("--arithmetic", choices=ARITHMETIC_CHOICES, default="auto",
                    help="the compressed kernels' arithmetic: auto (default: int8 wherever they run, except on a "
-                        "checkpoint quantized at load (--quantize), else exact), "
-                        "exact (float32 over the exact weights: the model's own greedy output) or int8 "
-                        "(activations quantized per block of 32, integer dot products: cheaper verified rows, "
-                        "within 0.4 points of bfloat16's top-1 agreement with exact; TR == plain decoding bit "
-                        "for bit in each; docs/kernels.md)")
+                        "checkpoint quantized at load, else exact), exact (float32 over the exact weights: the "
+                        "model's own greedy output) or int8 (activations quantized per block of 32, integer dot "
+                        "products: cheaper verified rows, within 0.4 points of bfloat16's top-1 agreement with "
+                        "exact; TR == plain decoding bit for bit in each; docs/kernels.md)")
     p.add_argument("--batch-step", choices=BATCH_STEPS, default="auto",
                    help="transformers' forward, batch steps: auto (default: fixed-shape buckets with a CUDA graph "
                         "each on CUDA, else eager), eager, static (the buckets without graphs) or graphs")
