@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -89,11 +90,8 @@ class CheckpointWeights:
         names = {id(m): n for n, m in model.named_modules()}
         self.head = names.get(id(model.get_output_embeddings()))
         embed = names.get(id(model.get_input_embeddings()))
-        if f"{self.head}.weight" not in self.where and embed and f"{embed}.weight" in self.where:
-            self.where[f"{self.head}.weight"] = self.where[f"{embed}.weight"]  # tied: the head reads the embedding
-            self.alias = {f"{self.head}.weight": f"{embed}.weight"}
-        else:
-            self.alias = {}
+        tied = f"{self.head}.weight" not in self.where and embed and f"{embed}.weight" in self.where
+        self.alias = {f"{self.head}.weight": f"{embed}.weight"} if tied else {}  # the head reads the embedding
         self.quantized = 0
         self.label, self.linears, self.progress = f"quantize {path.name} to {fmt}", len(
             [m for m in model.modules() if isinstance(m, nn.Linear)]), None
@@ -110,9 +108,9 @@ class CheckpointWeights:
 
     def floats(self, name: str) -> torch.Tensor:
         src, a, b = self.rows.get(name, (self.alias.get(name, name), None, None))
-        if src not in self.where and name not in self.where:
+        if src not in self.where:
             raise FailedPrecondition(f"the checkpoint has no tensor {src}")
-        part = self.where[src if src in self.where else name].get_slice(src)  # read from the file's map
+        part = self.where[src].get_slice(src)  # read from the file's map
         t = part[a:b] if a is not None else part[:]
         return t.to(torch.float32).contiguous()
 
@@ -123,8 +121,11 @@ class CheckpointWeights:
             return None
         cached = self.store / f"{name}.npz"
         if cached.is_file():
-            with np.load(cached) as z:
-                return (int(z["kind"]), z["codes"], z["d"], z["m"] if "m" in z else None)
+            try:
+                with np.load(cached) as z:
+                    return (int(z["kind"]), z["codes"], z["d"], z["m"] if "m" in z else None)
+            except (OSError, ValueError, KeyError, zipfile.BadZipFile) as e:  # unreadable: quantized again
+                log.warning("cached blocks %s unreadable (%s): quantizing again", cached, e)
         w = self.floats(name)
         if tuple(w.shape) != (out_f, in_f):
             raise FailedPrecondition(f"checkpoint tensor {name} is {tuple(w.shape)}; the model wants {(out_f, in_f)}")

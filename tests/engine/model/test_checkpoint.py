@@ -6,6 +6,7 @@ weights that already are exact blocks are kept as they are."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -162,8 +163,6 @@ def test_quantize_none_keeps_float_weights_and_bad_names_are_refused(bundled_bf1
 def test_a_phi3_checkpoint_is_split_into_the_llama_it_computes(tmp_path) -> None:
     """Phi-3's fused q/k/v and gate/up weights are split at load (checkpoint.as_llama): the model takes the
     native forward, and its exact arithmetic equals transformers' own Phi-3 on the same rebuilt weights."""
-    import numpy as np
-
     folder = _tiny(tmp_path / "ckpt", "phi3")
     d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q8_0", arithmetic="exact",
                                                 cache_dir=str(tmp_path / "cache"))))
@@ -192,3 +191,16 @@ def test_a_phi3_checkpoint_is_split_into_the_llama_it_computes(tmp_path) -> None
             top2 = logits[p].float().topk(2).values
             assert float(top2[0] - top2[1]) < NEAR_TIE_EPS, (p, ours[p:p + 3], ref[p:p + 3])
     _tr_equals_ar(d, 2, 24)
+
+
+def test_an_unreadable_cached_layer_is_quantized_again(tmp_path) -> None:
+    folder = _tiny(tmp_path / "ckpt", "llama")
+    config = ModelConfig(source=str(folder), quantize="q8_0", cache_dir=str(tmp_path / "cache"))
+    first = load_model(config)
+    store = next((tmp_path / "cache" / "quantized").glob("q8_0-*"))
+    (store / "model.layers.0.mlp.down_proj.weight.npz").write_bytes(b"not a zip")  # a damaged cache file
+    again = load_model(config)
+    with np.load(store / "model.layers.0.mlp.down_proj.weight.npz") as z:  # rewritten whole
+        assert int(z["kind"]) == 8
+    a, b = first.model.model.layers[0].mlp.down_proj, again.model.model.layers[0].mlp.down_proj
+    assert torch.equal(a.codes, b.codes) and torch.equal(a.d, b.d)
