@@ -81,15 +81,23 @@ class BatchKV:
     """Rows of KV for up to `max_rows` sequences (see the module docstring)."""
 
     def __init__(self, model_config, max_rows: int, dtype: torch.dtype, device: torch.device,
-                 zero_holes: bool = True, spare_rows: int = 0) -> None:
+                 zero_holes: bool = True, spare_rows: int = 0, windows_in_attention: bool = False) -> None:
         """zero_holes False: the forwards never read a column no forward wrote (the native one: each
         row's context and its step's own new columns), so grown buffers are not zero-filled.
         spare_rows: buffer rows beyond `max_rows` that no sequence gets (the pad rows and the scratch
-        row of fixed-shape batch forwards)."""
+        row of fixed-shape batch forwards). windows_in_attention: the forward applies sliding windows
+        itself, by position, over rows that keep every column (the native forward: csrc/forward.c),
+        so a model whose transformers cache would use sliding-window layers is taken. transformers'
+        forward is not: the runner hands it a 4D mask of its own (rows, holes, trees), which
+        transformers uses as it is, with no window in it, and its sliding cache layers
+        (DynamicSlidingWindowLayer) keep only a row's last window of keys, which rows of unequal
+        lengths and a tree's dropped branches do not fit; there such a model is refused."""
         self.zero_holes = zero_holes
         self.spare_rows = spare_rows
         self.cache = DynamicCache(config=model_config)
         kinds = {type(layer).__name__ for layer in self.cache.layers if type(layer) is not DynamicLayer}
+        if windows_in_attention:
+            kinds -= {"DynamicSlidingWindowLayer"}  # every layer becomes a RowLayer below: all columns kept
         if kinds:
             raise InvalidArgument(f"tree decoding needs full-attention KV layers; this model uses {sorted(kinds)}")
         text = model_config.get_text_config(decoder=True)

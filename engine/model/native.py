@@ -8,10 +8,13 @@ in one run of the kernels' thread pool (csrc/pool.h) over a packed batch: B sequ
 with its own KV row, visible context, write column and tree mask.
 
 It applies where the model is the Llama architecture as transformers defines it (LlamaForCausalLM,
-and Mistral/Qwen2/Qwen3 without sliding windows): pre-norm RMSNorm, rotary embedding with a static
-table, grouped-query attention, SiLU-gated MLP, every linear layer on compressed kernels; Qwen3's
+MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM): pre-norm RMSNorm, rotary embedding with a
+static table, grouped-query attention, SiLU-gated MLP, every linear layer on compressed kernels; Qwen3's
 per-head RMSNorm of queries and keys (self_attn.q_norm, k_norm: after q_proj / k_proj, before
-rotary) runs in C where a layer has them. Anything else keeps transformers' forward
+rotary) runs in C where a layer has them, and so do sliding windows (Mistral v0.1's sliding_window
+on every layer; Qwen2/Qwen3's "sliding_attention" layers, with use_sliding_window and
+max_window_layers): each layer's window (`layer_windows`) masks keys by position in C, as transformers'
+masks do, while the KV rows keep every column (BatchKV). Anything else keeps transformers' forward
 (engine/model/runner.py decides). Every token's numbers depend
 only on its input, position and visible keys (see csrc/forward.c), so tree verification and plain
 decoding give identical logits, and the AVX-512, AVX2 and scalar builds give the same bits; against
@@ -39,7 +42,8 @@ class _QMat(ctypes.Structure):
 
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _P), ("post_norm", _P), *((n, _QMat) for n in ("q", "k", "v", "o", "gate", "up", "down")),
-                ("key_pair", _P), ("q_norm", _P), ("k_norm", _P), ("q_eps", ctypes.c_float), ("k_eps", ctypes.c_float)]
+                ("key_pair", _P), ("q_norm", _P), ("k_norm", _P), ("q_eps", ctypes.c_float), ("k_eps", ctypes.c_float),
+                ("window", _i64)]
 
 
 class _Model(ctypes.Structure):
@@ -64,10 +68,9 @@ def native_unsupported(model) -> str | None:
         return "not a CPU float32 model"
     if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
         return "activation or tensor-parallel layout differs from Llama's"
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        return "sliding-window attention"
-    if "sliding_attention" in (getattr(cfg, "layer_types", None) or ()):
-        return "sliding-window attention layers"
+    _, why = layer_windows(model)
+    if why:
+        return why
     if getattr(cfg, "mlp_bias", False):
         return "MLP biases"
     body = model.get_decoder()
@@ -83,8 +86,6 @@ def native_unsupported(model) -> str | None:
         why = _qk_norms_unsupported(a, head_dim)
         if why:
             return why
-        if getattr(a, "sliding_window", None):
-            return "sliding-window attention"
         mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
         if not all(isinstance(x, QLinear) for x in mods):
             return "not every linear layer is on the compressed kernels"
@@ -96,6 +97,45 @@ def native_unsupported(model) -> str | None:
     if any(isinstance(x, QLinear) and x.arithmetic != head.arithmetic for x in model.modules()):
         return "linear layers in more than one arithmetic"
     return None
+
+
+def layer_windows(model) -> tuple[list[int], str | None]:
+    """Each decoder layer's sliding window as transformers' modules apply it (0: full attention), and
+    None; or ([], why) where they cannot be mirrored exactly. The window is in the mask transformers
+    builds each forward (masking_utils.sliding_window_overlay: key position k visible from query
+    position p iff k > p - window), from config.sliding_window for every layer of a Mistral, and for
+    the layers a Qwen2/Qwen3 config's layer_types calls "sliding_attention" (the config derives them
+    from use_sliding_window and max_window_layers: layers i >= max_window_layers slide). A config
+    edited after the modules were built (an attention whose own sliding_window disagrees), a Mistral
+    with layer_types (its modules ignore them), per-layer config overrides, other layer types, or
+    windows on a Llama are refused: each would leave the numbers to guesswork."""
+    cfg, arch = model.config, type(model).__name__
+    n = len(model.get_decoder().layers)
+    size, types = getattr(cfg, "sliding_window", None), getattr(cfg, "layer_types", None)
+    if getattr(cfg, "is_heterogeneous", False):
+        return [], "per-layer config overrides"
+    if size is not None and (not isinstance(size, int) or size < 1):
+        return [], f"sliding window {size!r}"
+    if arch == "MistralForCausalLM":
+        if types is not None:
+            return [], "layer_types on a Mistral config (its modules give every layer the sliding window)"
+        windows = [size or 0] * n
+    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        types = list(types) if types is not None else ["full_attention"] * n
+        if len(types) != n or not set(types) <= {"full_attention", "sliding_attention"}:
+            return [], f"layer types {sorted(set(types))} over {n} layers"
+        if "sliding_attention" in types and (size is None or getattr(cfg, "use_sliding_window", True) is False):
+            return [], "sliding_attention layers without use_sliding_window and a sliding_window"
+        windows = [size if t == "sliding_attention" else 0 for t in types]
+    else:
+        if size or "sliding_attention" in (types or ()):
+            return [], "sliding-window attention on an architecture without it"
+        windows = [0] * n
+    for i, layer in enumerate(model.get_decoder().layers):
+        own = getattr(layer.self_attn, "sliding_window", None)  # Qwen2/Qwen3: set from layer_types when built
+        if hasattr(layer.self_attn, "sliding_window") and (own or 0) != windows[i]:
+            return [], f"layer {i}'s attention has sliding window {own}, its config {windows[i] or None}"
+    return windows, None
 
 
 def _qk_norms_unsupported(attn, head_dim: int) -> str | None:
@@ -139,8 +179,9 @@ class NativeForward:
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.heads
         self._keep = [model]  # every tensor whose pointer the C struct holds stays referenced here
         layers = (_Layer * len(body.layers))()
+        self.windows = layer_windows(model)[0]  # per layer, 0: full attention
         for i, layer in enumerate(body.layers):
-            layers[i] = self._layer(i, layer)
+            layers[i] = self._layer(i, layer, self.windows[i])
         self._layers = layers
         self._rotary = body.rotary_emb
         self._ptrs = None  # (buffers' identity, layer key pointers, layer value pointers)
@@ -158,10 +199,11 @@ class NativeForward:
         self.vocab = head.out_features
         self._grow_rope(4096)
 
-    def _layer(self, i: int, layer) -> _Layer:
+    def _layer(self, i: int, layer, window: int) -> _Layer:
         """Decoder layer i as csrc/forward.h's tr_layer: its norms' weights, its 7 matrices, its kept key
-        pairs (int8), and its per-head q/k norms (Qwen3; NULL pointers where it has none, which leaves
-        the forward's arithmetic as it was for Llama's layers), each norm with its own epsilon."""
+        pairs (int8), its per-head q/k norms (Qwen3; NULL pointers where it has none, which leaves
+        the forward's arithmetic as it was for Llama's layers), each norm with its own epsilon, and its
+        sliding window (0: none, the forward as it was for full attention)."""
         a, m = layer.self_attn, layer.mlp
         norms = (self._ptr(layer.input_layernorm.weight), self._ptr(layer.post_attention_layernorm.weight))
         mats = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
@@ -174,7 +216,7 @@ class NativeForward:
         qk = [getattr(a, n, None) for n in ("q_norm", "k_norm")]  # Qwen3: weight [head_dim] each, or None
         return _Layer(*norms, *(_qmat(x) for x in mats), pair.data_ptr() if pair is not None else None,
                       *(self._ptr(n.weight) if n is not None else None for n in qk),
-                      *(float(n.variance_epsilon) if n is not None else 0.0 for n in qk))
+                      *(float(n.variance_epsilon) if n is not None else 0.0 for n in qk), window)
 
     def _embed_ptr(self, embed) -> int:
         """The embedding table's pointer. A GGUF file's table (FileEmbedding) fills its rows as they are

@@ -106,10 +106,12 @@ class ModelRunner:
         if self.native is not None or not self._split:
             batch_step = "eager"  # the native forward packs rows itself; a full-logits model runs eagerly
         self.batch_step = batch_step
-        # the native forward reads only columns it or an earlier step wrote: its KV needs no zeroing
+        # the native forward reads only columns it or an earlier step wrote: its KV needs no zeroing; it
+        # applies sliding windows itself (rows keep every column), transformers' forward is refused them
         static = batch_step != "eager"
         self.kv = BatchKV(model.config, max_rows, kv_dtype(self.native, dtype), self.device,
-                          zero_holes=self.native is None, spare_rows=spare_rows(max_rows) if static else 0)
+                          zero_holes=self.native is None, spare_rows=spare_rows(max_rows) if static else 0,
+                          windows_in_attention=self.native is not None)
         self.static = StaticStep(self._body, self.kv, dtype, self.device, graphs=batch_step == "graphs") if static \
             else None
         # logits in float32 whatever the model's dtype: bfloat16 logits tie too often for exact greedy

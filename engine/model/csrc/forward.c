@@ -16,7 +16,11 @@
  *     the step's new columns), dot products in the 16-lane order (several keys' reductions side by
  *     side, each with the same pairing tree), the max (exact in any order), exp, the sum and the
  *     weighted sum of values accumulated key by key in that order; masked keys are skipped, not
- *     added as zeros;
+ *     added as zeros. A layer's sliding window (tr_layer.window: Mistral's layers, Qwen2/Qwen3's
+ *     sliding_attention ones) masks by position as transformers' sliding_window_overlay does: a
+ *     query at position p sees a key at position k only where p - k < window (a context column's
+ *     position is its column, a new key's its pos[]: window_row), so which keys a query sees still
+ *     depends only on its own position and tree, never on the batch;
  *   - exp is a written-out polynomial (exp_poly), the same op sequence in every build.
  * So a tree node's logits equal those of the same token decoded alone on the same context (TR ==
  * plain decoding bit for bit), and the AVX-512, AVX2 and scalar builds give the same bits.
@@ -268,14 +272,16 @@ int trserve_to_half(const float *x, int64_t n, uint16_t *h)
 }
 
 /* Scores of NQ queries of one head over one sequence's visible keys in ascending column order: context
- * columns [0, L), then the step's new columns where the query's mask row says so, into scs[q] [m[q]
- * of them]. fscores: float32 keys (the exact arithmetic), each dot product in dot.h's order; a block
- * of keys stays in L1 for all the queries. */
+ * columns [c0, L) (c0: the first any of the queries sees, 0 but under a sliding window) at sc[j], then
+ * the step's new columns where the query's mask row says so from sc[L] on, into scs[q] [m[q] in all].
+ * fscores: float32 keys (the exact arithmetic), each dot product in dot.h's order; a block of keys
+ * stays in L1 for all the queries. A key's score is the same number whichever block it falls in, so
+ * c0 changes which keys are scored, never a score. */
 INLINE void fscores(const int NQ, const int nb, int64_t D, float scale, const float *const *qs,
-                    const uint8_t *const *masks, const float *K, const float *Kn, int64_t L, int64_t w,
+                    const uint8_t *const *masks, const float *K, const float *Kn, int64_t c0, int64_t L, int64_t w,
                     float *const *scs, int64_t *m)
 {
-    int64_t j0 = 0;
+    int64_t j0 = c0;
     for (; j0 + REDUCE_KEYS <= L; j0 += REDUCE_KEYS)
 #pragma GCC unroll 4
         for (int q = 0; q < NQ; q++) key_scores(nb, qs[q], K + j0 * D, NULL, D, scale, scs[q] + j0);
@@ -305,14 +311,14 @@ INLINE void fscores(const int NQ, const int nb, int64_t D, float scale, const fl
  * visible ones, in order, in place); the rest one by one. Every key's score is the same number either
  * way. */
 INLINE void iscores(const int NQ, const int nb, int64_t D, int32_t kp, float scale, const float *const *qs,
-                    const uint8_t *const *masks, const uint8_t *K, const uint8_t *Kn, int64_t L, int64_t w,
-                    float *const *scs, int64_t *m)
+                    const uint8_t *const *masks, const uint8_t *K, const uint8_t *Kn, int64_t c0, int64_t L,
+                    int64_t w, float *const *scs, int64_t *m)
 {
     const int64_t S = 2 * D; /* a slot's bytes */
     iquery_t iq[QPASS];
     const iquery_t *iqs[QPASS];
     for (int q = 0; q < NQ; q++) iquery(qs[q], D, kp, iq + q), iqs[q] = iq + q;
-    int64_t j0 = 0, j1 = 0; /* context keys [0, j0) and new ones [0, j1) scored by panels */
+    int64_t j0 = c0, j1 = 0; /* context keys [c0, j0) and new ones [0, j1) scored by panels */
 #if IKEY_PANELS
     uint8_t panel[IKEYS * 32 * MAX_IB];
     float ks[IKEYS * (MAX_IB + 2)];
@@ -355,25 +361,33 @@ INLINE void iscores(const int NQ, const int nb, int64_t D, int32_t kp, float sca
  * int8 arithmetic's), max, exp, the sum of the exponentials in that order, then the weighted sum of
  * values key by key in that order (float32 values, or H16 float16 ones widened exactly); out = acc / l.
  * NV = D / 16 vectors per row: a constant (2, 4, 8) keeps each query's value accumulators in
- * registers; 0 takes D at run time. qs, masks, scs, outs: per query its vector, mask row [w], score
- * buffer [L + w], output [D]. */
+ * registers; 0 takes D at run time. qs, masks, lo, scs, outs: per query its vector, mask row [w], first
+ * visible context column (0, or where a sliding window starts: columns [lo, L) are its context keys),
+ * score buffer [L + w], output [D]. A query's keys, their order and every op on them are the same
+ * whatever the other queries of the pass see (the columns below one's lo are skipped, not added as
+ * zeros). */
 #define MAX_NV 16
 INLINE void attend_pass(const int NQ, const int NV, const int I8, int64_t D, int32_t kp, float scale, const float *const *qs,
-                        const uint8_t *const *masks, const void *K, const void *V, const void *Kn, const void *Vn,
-                        int64_t L, int64_t w, float *const *scs, float *const *outs)
+                        const uint8_t *const *masks, const int64_t *lo, const void *K, const void *V, const void *Kn,
+                        const void *Vn, int64_t L, int64_t w, float *const *scs, float *const *outs)
 {
     const int H16 = I8; /* the int8 arithmetic's values are float16 */
     const int nv = NV ? NV : (int)(D / 16), nb = nv / 2; /* nb: a constant wherever NV is */
-    int64_t m[QPASS];
+    int64_t m[QPASS], c0 = lo[0], c1 = lo[0]; /* the smallest and largest lo: [c1, L) every query sees */
+    for (int q = 1; q < NQ; q++) {
+        c0 = lo[q] < c0 ? lo[q] : c0;
+        c1 = lo[q] > c1 ? lo[q] : c1;
+    }
     if (I8)
-        iscores(NQ, nb, D, kp, scale, qs, masks, (const uint8_t *)K, (const uint8_t *)Kn, L, w, scs, m);
+        iscores(NQ, nb, D, kp, scale, qs, masks, (const uint8_t *)K, (const uint8_t *)Kn, c0, L, w, scs, m);
     else
-        fscores(NQ, nb, D, scale, qs, masks, (const float *)K, (const float *)Kn, L, w, scs, m);
-    for (int q = 0; q < NQ; q++) {
-        float *sc = scs[q];
-        const float mx = max_lanes(sc, m[q]);
-        for (int64_t j = 0; j < m[q]; j++) sc[j] -= mx;
-        exp_poly(sc, m[q]);
+        fscores(NQ, nb, D, scale, qs, masks, (const float *)K, (const float *)Kn, c0, L, w, scs, m);
+    for (int q = 0; q < NQ; q++) { /* the query's visible scores: sc[lo[q] .. m[q]) */
+        float *sc = scs[q] + lo[q];
+        const int64_t n = m[q] - lo[q];
+        const float mx = max_lanes(sc, n);
+        for (int64_t j = 0; j < n; j++) sc[j] -= mx;
+        exp_poly(sc, n);
     }
     /* each query's sum of its exponentials l in key order (context keys, then its visible new keys),
      * taken in the loops of the weighted sums below: its chain of adds waits on each add's latency,
@@ -384,7 +398,14 @@ INLINE void attend_pass(const int NQ, const int NV, const int I8, int64_t D, int
         l[q] = 0.0f;
         for (int v = 0; v < nv; v++) acc[q][v] = v_zero();
     }
-    for (int64_t j = 0; j < L; j++) {
+    for (int64_t j = c0; j < c1; j++) { /* context columns some queries of the pass are past (windows) */
+        for (int q = 0; q < NQ; q++)
+            if (j >= lo[q]) {
+                l[q] += scs[q][j];
+                for (int v = 0; v < nv; v++) acc[q][v] = v_fma(kv_vec(H16, V, j, D, 16 * v), scs[q] + j, acc[q][v]);
+            }
+    }
+    for (int64_t j = c1; j < L; j++) {
 #pragma GCC unroll 4
         for (int q = 0; q < NQ; q++) l[q] += scs[q][j];
         for (int v = 0; v < nv; v++) {
@@ -410,12 +431,25 @@ INLINE void attend_pass(const int NQ, const int NV, const int I8, int64_t D, int
         for (int v = 0; v < nv; v++) v_store(outs[q] + 16 * v, v_div(acc[q][v], l[q]));
 }
 
+/* Query t's visible keys under a sliding window of W > 0 (tr_layer.window), by position as transformers'
+ * sliding_window_overlay keeps them (key position k > p - W, p = pos[t]): its first context column lo
+ * (context column c holds position c: a KV row keeps its context in position order, BatchKV), and its
+ * mask row over the w new keys (positions kpos[j]) with those the window drops cleared, into wm [w]. */
+INLINE int64_t window_row(int64_t W, int64_t p, int64_t L, const int64_t *kpos, const uint8_t *row, int64_t w,
+                          uint8_t *wm)
+{
+    const int64_t lo = p - W + 1;
+    for (int64_t j = 0; j < w; j++) wm[j] = row[j] && p - kpos[j] < W;
+    return lo < 0 ? 0 : (lo < L ? lo : L);
+}
+
 /* Attention of sequence b's queries i0 .. i1 - 1 in head hd: out[t, hd*D ..] for those tokens t, QPASS
- * queries per pass. sc: this thread's score buffers, QPASS x (ctx[b] + w + 1) floats at most. */
+ * queries per pass; W: the layer's sliding window (0: none). sc: this thread's score buffers, QPASS x
+ * (ctx[b] + w + 1) floats at most; wm: its mask rows under a window, QPASS x w bytes. */
 static void attend(const tr_model *M, int64_t b, int64_t hd, int64_t i0, int64_t i1, const int64_t *tok0, const int64_t *ctx,
-                   const int64_t *start, const int64_t *kv_row, const uint8_t *vis, const int64_t *vis0,
-                   const float *q, const float *kc, const float *vc, const int32_t *key_pair, int64_t cap, float *out,
-                   float *sc, int64_t sc_len)
+                   const int64_t *start, const int64_t *kv_row, const int64_t *pos, int64_t W, const uint8_t *vis,
+                   const int64_t *vis0, const float *q, const float *kc, const float *vc, const int32_t *key_pair,
+                   int64_t cap, float *out, float *sc, int64_t sc_len, uint8_t *wm)
 {
     const int64_t D = M->head_dim, Hq = M->heads, Hkv = M->kv_heads, g = hd / (Hq / Hkv);
     const int32_t kp = key_pair ? key_pair[g] : -1; /* int8: the KV head's kept pair (ikeys.h) */
@@ -431,15 +465,21 @@ static void attend(const tr_model *M, int64_t b, int64_t hd, int64_t i0, int64_t
         const float *qs[QPASS];
         const uint8_t *masks[QPASS];
         float *scs[QPASS], *outs[QPASS];
+        int64_t lo[QPASS];
         for (int k = 0; k < nq; k++) {
             const int64_t t = tok0[b] + i + k;
             qs[k] = q + (t * Hq + hd) * D;
             masks[k] = vis + vis0[b] + (i + k) * w;
+            lo[k] = 0;
+            if (W > 0 && pos[t] >= W) { /* below W every key (positions >= 0) is inside the window */
+                lo[k] = window_row(W, pos[t], L, pos + tok0[b], masks[k], w, wm + k * w);
+                masks[k] = wm + k * w;
+            }
             scs[k] = sc + k * sc_len;
             outs[k] = out + (t * Hq + hd) * D;
         }
-#define PASS(NQ, NV) (h16 ? attend_pass(NQ, NV, 1, D, kp, M->scale, qs, masks, K, V, Kn, Vn, L, w, scs, outs) \
-                          : attend_pass(NQ, NV, 0, D, -1, M->scale, qs, masks, K, V, Kn, Vn, L, w, scs, outs))
+#define PASS(NQ, NV) (h16 ? attend_pass(NQ, NV, 1, D, kp, M->scale, qs, masks, lo, K, V, Kn, Vn, L, w, scs, outs) \
+                          : attend_pass(NQ, NV, 0, D, -1, M->scale, qs, masks, lo, K, V, Kn, Vn, L, w, scs, outs))
 #define PASSES(NV) switch (nq) { case 1: PASS(1, NV); break; case 2: if (QPASS >= 2) PASS(2, NV); break; \
                                  case 3: if (QPASS >= 3) PASS(3, NV); break; default: PASS(QPASS, NV); break; }
         if (D == 64) { PASSES(4) }
@@ -569,6 +609,7 @@ int trserve_forward_check(const tr_model *M)
         if (!same_kept(&L->q, &L->k) || !same_kept(&L->q, &L->v) || !same_kept(&L->gate, &L->up)) return -1;
         for (int64_t g = 0; L->key_pair && g < M->kv_heads; g++)
             if (!M->arith || L->key_pair[g] < 0 || L->key_pair[g] >= M->head_dim / 2) return -1;
+        if (L->window < 0) return -1;
     }
     return 0;
 }
@@ -581,8 +622,9 @@ typedef struct { /* trserve_forward's arguments and buffers, for the threads of 
     float *const *kc, *const *vc;
     float *logits, *x, *hs, *tmp, *q, *k, *v, *att, *gt, *up, *hk, *scs;
     int32_t *topk;
-    uint8_t *probs;
-    qact_t *acts; /* int8 arithmetic: each thread's quantized activations */
+    uint8_t *probs, *wms; /* wms: each thread's QPASS mask rows of max_w bytes (sliding windows) */
+    qact_t *acts;         /* int8 arithmetic: each thread's quantized activations */
+    int64_t max_w;        /* the widest sequence's new tokens */
 } fwd_job_t;
 
 /* One thread's part of a forward (id of nt; pool_barrier where every thread must have finished a phase). */
@@ -648,8 +690,8 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
             while (item0[b + 1] <= u) b++;
             const int64_t w = tok0[b + 1] - tok0[b], blocks = (w + QBLOCK - 1) / QBLOCK, r = u - item0[b];
             const int64_t hd = r / blocks, i0 = (r % blocks) * QBLOCK;
-            attend(M, b, hd, i0, i0 + QBLOCK < w ? i0 + QBLOCK : w, tok0, ctx, start, kv_row, vis, vis0, q, kc[l],
-                   vc[l], L->key_pair, cap, att, sc, sc_len);
+            attend(M, b, hd, i0, i0 + QBLOCK < w ? i0 + QBLOCK : w, tok0, ctx, start, kv_row, pos, L->window, vis,
+                   vis0, q, kc[l], vc[l], L->key_pair, cap, att, sc, sc_len, jb->wms + id * QPASS * jb->max_w);
         }
         pool_barrier(nt);
         PHASE(PH_ATTENTION);
@@ -732,7 +774,8 @@ static void attention_split(int64_t B, const int64_t *tok0, const int64_t *ctx, 
     while (id <= nt) split[id++] = item0[B];
 }
 
-/* One forward. B sequences, tok0: [B + 1] token offsets; ids, pos: [N]; per sequence b: kv_row[b]
+/* One forward. B sequences, tok0: [B + 1] token offsets; ids, pos: [N] (pos: rotary's, and a sliding
+ * window's positions; context column c is position c); per sequence b: kv_row[b]
  * its KV row, ctx[b] its visible context columns [0, ctx[b]), start[b] the column its new tokens'
  * keys/values are written from; vis: per sequence a [w_b, w_b] uint8 matrix (1 = token i sees new
  * token j), concatenated. kc[l], vc[l]: layer l's buffers [R, Hkv, cap, D]. keep: [n_keep] token
@@ -772,10 +815,11 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
     int rc = 0;
     /* int8: each thread's quantized activations, for the widest input of the most rows */
     qact_t *acts = calloc(threads, sizeof(qact_t));
+    uint8_t *wms = malloc(threads * QPASS * max_w + 1);
     const int64_t widest = F > Hq * D ? (F > H ? F : H) : (Hq * D > H ? Hq * D : H);
     int acts_ok = acts != NULL;
     for (int t = 0; M->arith && acts_ok && t < threads; t++) acts_ok = !qact_alloc(acts + t, N > n_keep ? N : n_keep, widest);
-    if (!(vis0 && item0 && split && x && hs && tmp && q && k && v && att && gt && up && hk && scs && acts_ok)) {
+    if (!(vis0 && item0 && split && x && hs && tmp && q && k && v && att && gt && up && hk && scs && acts_ok && wms)) {
         rc = -2;
         goto done;
     }
@@ -790,7 +834,7 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
     {
         fwd_job_t job = {M, B, cap, n_keep, K, N, H, D, Hq, Hkv, F, sc_len, sc_floats, tok0, ids, pos, kv_row, ctx,
                          start, keep, vis0, item0, split, vis, kc, vc, logits, x, hs, tmp, q, k, v, att, gt, up, hk,
-                         scs, topk, K > 0 ? probs : NULL, acts};
+                         scs, topk, K > 0 ? probs : NULL, wms, acts, max_w};
         pool_run(fwd_job, &job, threads);
     }
 #ifdef TR_PHASES
@@ -801,6 +845,6 @@ done:
     for (int t = 0; acts && t < threads; t++) qact_free(acts + t);
     free(acts);
     free(vis0), free(item0), free(split), free(x), free(hs), free(tmp), free(q), free(k), free(v), free(att), free(gt), free(up), free(hk);
-    free(scs);
+    free(scs), free(wms);
     return rc;
 }

@@ -24,6 +24,9 @@ typedef struct {
     const float *q_norm, *k_norm; /* [D] a per-head RMSNorm of each query / key head before rotary (Qwen3's
                                    * self_attn.q_norm, k_norm), or NULL: none (Llama, Mistral, Qwen2) */
     float q_eps, k_eps;           /* their epsilons */
+    int64_t window;               /* sliding-window attention: a query at position p sees a key at position k
+                                   * only where p - k < window (transformers' sliding_window_overlay); 0: every
+                                   * key its mask allows (full attention) */
 } tr_layer;
 
 typedef struct {
