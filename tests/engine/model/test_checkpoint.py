@@ -39,7 +39,7 @@ def bundled_bf16(tmp_path_factory):
     return _save(model, tmp_path_factory.mktemp("smol-bf16"))
 
 
-def _tiny(folder, family: str):
+def _tiny(folder, family: str, window: int | None = None):
     """A random 2-layer model of `family` with the bundled vocabulary, rows of 256 (Q4_K/Q6_K super-blocks)
     and of 640 (not: the fallbacks), as a bfloat16 checkpoint."""
     import transformers as t
@@ -50,8 +50,8 @@ def _tiny(folder, family: str):
     if family == "llama3":  # Llama 3.x's rope scaling
         shape["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
-    if family == "mistral":
-        shape.update(sliding_window=None, tie_word_embeddings=False)
+    if family in ("mistral", "phi3"):
+        shape.update(sliding_window=window, tie_word_embeddings=False)  # a window shorter than the prompts
     config, cls = {"qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM), "mistral": (t.MistralConfig, t.MistralForCausalLM),
                    "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM), "phi3": (t.Phi3Config, t.Phi3ForCausalLM)
                    }.get(family, (t.LlamaConfig, t.LlamaForCausalLM))
@@ -106,10 +106,11 @@ def test_the_bundled_models_bf16_checkpoint_runs_quantized_on_the_native_forward
     assert again.forward == "native" and {p: p.stat().st_mtime_ns for p in stored} == before
 
 
-@pytest.mark.parametrize("family, fmt", [("llama", "q4_k"), ("qwen2", "q6_k"), ("llama3", "q8_0"), ("mistral", "q4_k"),
-                                         ("qwen3", "q8_0")])
-def test_exact_equals_transformers_on_the_quantized_weights(tmp_path, family, fmt) -> None:
-    folder = _tiny(tmp_path / "ckpt", family)
+@pytest.mark.parametrize("family, fmt, window", [("llama", "q4_k", None), ("qwen2", "q6_k", None),
+                                                 ("llama3", "q8_0", None), ("mistral", "q4_k", None),
+                                                 ("mistral", "q8_0", 16), ("qwen3", "q8_0", None)])
+def test_exact_equals_transformers_on_the_quantized_weights(tmp_path, family, fmt, window) -> None:
+    folder = _tiny(tmp_path / "ckpt", family, window)
     d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize=fmt, arithmetic="exact",
                                                 cache_dir=str(tmp_path / "cache"))))
     assert (d.loaded.forward, d.loaded.arithmetic, d.loaded.quantize) == ("native", "exact", fmt)
@@ -160,13 +161,15 @@ def test_quantize_none_keeps_float_weights_and_bad_names_are_refused(bundled_bf1
         ModelConfig(source=str(bundled_bf16), quantize="q3_k")
 
 
-def test_a_phi3_checkpoint_is_split_into_the_llama_it_computes(tmp_path) -> None:
+@pytest.mark.parametrize("window", [None, 16])  # Phi-3-mini's configs carry one (2047): Mistral's function
+def test_a_phi3_checkpoint_is_split_into_the_llama_it_computes(tmp_path, window) -> None:
     """Phi-3's fused q/k/v and gate/up weights are split at load (checkpoint.as_llama): the model takes the
     native forward, and its exact arithmetic equals transformers' own Phi-3 on the same rebuilt weights."""
-    folder = _tiny(tmp_path / "ckpt", "phi3")
+    folder = _tiny(tmp_path / "ckpt", "phi3", window)
     d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q8_0", arithmetic="exact",
                                                 cache_dir=str(tmp_path / "cache"))))
-    assert type(d.loaded.model).__name__ == "LlamaForCausalLM" and d.loaded.forward == "native"
+    assert type(d.loaded.model).__name__ == ("MistralForCausalLM" if window else "LlamaForCausalLM")
+    assert d.loaded.forward == "native"
     assert d.loaded.fingerprint == model_spec_of(ModelConfig(source=str(folder)), 8).fingerprint  # as phi3's
     assert d.loaded.fingerprint.startswith("phi3-")
     store = next((tmp_path / "cache" / "quantized").glob("q8_0-*"))
