@@ -3,7 +3,7 @@ kernels' block formats (`--quantize`), so it takes the compressed kernels and, f
 native forward takes, the native forward, instead of float32 oneDNN at 4 bytes a weight.
 
 The model is built on the meta device and filled layer by layer (engine/model/direct.py): each linear
-weight is read from the memory-mapped safetensors, encoded into GGUF blocks (kernels/kencode.py:
+weight is read from the safetensors (plain reads: `_File`), encoded into GGUF blocks (kernels/kencode.py:
 gguf-py's Q8_0/Q5_0 quantizers, our Q4_K/Q6_K encoders) and decoded into the kernels' blocks
 (kernels/kquants.py); the rest (embeddings, norms, biases) becomes float32. The blocks are written to
 the cache under the checkpoint's identity and the format, and read back by later loads. A weight that
