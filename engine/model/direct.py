@@ -52,7 +52,7 @@ def fill(model, tokenizer, weights, cache_dir: Path, isa: str, arithmetic: str, 
     kept = pairs = None
     if arithmetic.startswith("int8"):  # kept inputs: cached, or calibrated once on the exact model
         fingerprint = fingerprint_of(tokenizer, model.config)
-        if not calibrated(fingerprint, cache_dir):
+        if not calibrated(fingerprint, cache_dir, model):
             swap_linears(model, weights, cache_dir, isa, "exact", None)
         kept = kept_inputs(model, tokenizer, fingerprint, cache_dir)
         pairs = key_pairs(model, tokenizer, fingerprint, cache_dir)

@@ -36,22 +36,56 @@ def kept_inputs(model: nn.Module, tokenizer, fingerprint: str, cache_dir: Path) 
     """Linear layer name -> the input dims it keeps in float32 (from the shipped or cached file, else
     calibrated now and cached)."""
     kept = _shipped_or_cached(f"kept-{fingerprint}.json", cache_dir, "kept", lambda: calibrate(model, tokenizer),
-                              "kept inputs", {"fingerprint": fingerprint, "per_input": KEPT})
+                              "kept inputs", {"fingerprint": fingerprint, "per_input": KEPT},
+                              lambda v: fits_kept(model, v))
     return {k: list(v) for k, v in kept.items()}
 
 
-def calibrated(fingerprint: str, cache_dir: Path) -> bool:
-    """Whether both the kept inputs and the kept key pairs of `fingerprint` are shipped or cached."""
-    return all((SHIPPED / n).exists() or (cache_dir / n).exists()
-               for n in (f"kept-{fingerprint}.json", f"keypairs-{fingerprint}.json"))
+def calibrated(fingerprint: str, cache_dir: Path, model: nn.Module) -> bool:
+    """Whether the kept inputs and the kept key pairs of `fingerprint` are shipped or cached, and fit `model`."""
+    checks = (("kept", f"kept-{fingerprint}.json", lambda v: fits_kept(model, v)),
+              ("pairs", f"keypairs-{fingerprint}.json", lambda v: fits_pairs(model, v)))
+    return all(_found(SHIPPED / n, f, ok) is not None or _found(cache_dir / n, f, ok) is not None
+               for f, n, ok in checks)
 
 
-def _shipped_or_cached(name: str, cache_dir: Path, field: str, compute, what: str, header: dict):
-    """`field` of the shipped or cached file `name`; else compute() now, written (with `header`) into
-    cache_dir by an atomic rename."""
+def fits_kept(model: nn.Module, kept: dict) -> bool:
+    """Whether a kept-inputs set names exactly `model`'s linear layers, each dim inside its inputs. The
+    fingerprint (vocabulary, family, hidden size, layers) does not tell apart models that differ in
+    other sizes: a set calibrated on one must not be read for another."""
+    ins = {n: m.in_features for n, m in model.named_modules() if _linear(m)}
+    return set(kept) == set(ins) and all(all(0 <= d < ins[n] for d in v) for n, v in kept.items())
+
+
+def fits_pairs(model: nn.Module, pairs: list) -> bool:
+    """Whether kept key pairs have `model`'s layers and KV heads, each pair inside half a head."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or heads
+    half = (getattr(cfg, "head_dim", None) or cfg.hidden_size // heads) // 2
+    layers = getattr(model.get_decoder(), "layers", [])
+    return pairs == [] or (len(pairs) == len(layers) and all(len(p) == kv and all(0 <= i < half for i in p)
+                                                              for p in pairs))
+
+
+def _found(path: Path, field: str, ok):
+    """`field` of the calibration file at `path` where it exists and passes `ok`, else None."""
+    if not path.exists():
+        return None
+    value = json.loads(path.read_text())[field]
+    if ok(value):
+        return value
+    log.warning("int8 arithmetic: %s was calibrated for another model of this fingerprint; calibrating again", path)
+    return None
+
+
+def _shipped_or_cached(name: str, cache_dir: Path, field: str, compute, what: str, header: dict, ok):
+    """`field` of the shipped or cached file `name` where it fits the model (`ok`); else compute() now,
+    written (with `header`) into cache_dir by an atomic rename."""
     for path in (SHIPPED / name, cache_dir / name):
-        if path.exists():
-            return json.loads(path.read_text())[field]
+        value = _found(path, field, ok)
+        if value is not None:
+            return value
     value = compute()
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = cache_dir / f"{name}.tmp"
@@ -110,7 +144,8 @@ def key_pairs(model: nn.Module, tokenizer, fingerprint: str, cache_dir: Path) ->
     """Per decoder layer, per KV head: its kept pair i (dims i, i + head_dim / 2), from the shipped or
     cached `keypairs-<fingerprint>.json`, else calibrated now and cached."""
     return _shipped_or_cached(f"keypairs-{fingerprint}.json", cache_dir, "pairs",
-                              lambda: calibrate_pairs(model, tokenizer), "kept key pairs", {"fingerprint": fingerprint})
+                              lambda: calibrate_pairs(model, tokenizer), "kept key pairs", {"fingerprint": fingerprint},
+                              lambda v: fits_pairs(model, v))
 
 
 def calibrate_pairs(model: nn.Module, tokenizer) -> list[list[int]]:

@@ -39,13 +39,13 @@ def bundled_bf16(tmp_path_factory):
     return _save(model, tmp_path_factory.mktemp("smol-bf16"))
 
 
-def _tiny(folder, family: str, window: int | None = None):
+def _tiny(folder, family: str, window: int | None = None, inter: int = 640):
     """A random 2-layer model of `family` with the bundled vocabulary, rows of 256 (Q4_K/Q6_K super-blocks)
     and of 640 (not: the fallbacks), as a bfloat16 checkpoint."""
     import transformers as t
 
     torch.manual_seed(0)
-    shape = dict(vocab_size=49152, hidden_size=256, intermediate_size=640, num_hidden_layers=2,
+    shape = dict(vocab_size=49152, hidden_size=256, intermediate_size=inter, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, tie_word_embeddings=True)
     if family == "llama3":  # Llama 3.x's rope scaling
         shape["rope_scaling"] = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
@@ -207,3 +207,15 @@ def test_an_unreadable_cached_layer_is_quantized_again(tmp_path) -> None:
         assert int(z["kind"]) == 8
     a, b = first.model.model.layers[0].mlp.down_proj, again.model.model.layers[0].mlp.down_proj
     assert torch.equal(a.codes, b.codes) and torch.equal(a.d, b.d)
+
+
+def test_int8_calibrations_of_another_model_with_the_same_fingerprint_are_not_read(tmp_path) -> None:
+    """The fingerprint (vocabulary, family, hidden size, layers) does not tell these two apart (MLP 1024 and
+    256): the second must calibrate its own kept inputs, not read the first's (a dim of 604 in a layer
+    of 512 inputs stopped a load in CI)."""
+    cache = str(tmp_path / "cache")
+    for inter in (1024, 256):
+        folder = _tiny(tmp_path / f"ckpt{inter}", "llama", inter=inter)
+        loaded = load_model(ModelConfig(source=str(folder), quantize="q8_0", arithmetic="int8", cache_dir=cache))
+        down = loaded.model.model.layers[0].mlp.down_proj
+        assert down.in_features == inter and int(down.kept.max()) < inter
