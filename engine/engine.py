@@ -174,9 +174,9 @@ class BatchEngine:
                         self._guarded_step()
         finally:
             self._looping = False
-        for live in self.scheduler.all():
-            live.finish_reason = live.finish_reason or "cancelled"
-            self._finish(live)
+        for seq in self.scheduler.all():
+            seq.finish_reason = seq.finish_reason or "cancelled"
+            self._finish(seq)
 
     def _guarded_step(self) -> None:
         """One step: what a request's own part raises ends it alone (engine/sequence.py:alone); a failure
@@ -191,9 +191,9 @@ class BatchEngine:
         """After a failed step: every request gets `exc` (its caller maps it), and the engine starts empty."""
         if self.prefix is not None:  # what a failed step's rows held is not trusted again
             self.prefix.clear()
-        for live in self.scheduler.clear():
-            end_session(live, whole=False)
-            live.emit(exc)
+        for seq in self.scheduler.clear():
+            end_session(seq, whole=False)
+            seq.emit(exc)
 
     # ---- one step --------------------------------------------------------------------------------
     def longest_step_s(self, prompt_tokens: int | None = None) -> float:
@@ -231,62 +231,62 @@ class BatchEngine:
         # (a chunk deep in a 2000-token prompt took over 1.5x the mean chunk on a loaded host)
         for gone in sched.drop_prefills(sched.next_chunk_s):
             self._finish(gone)
-        for live in sched.admit():
-            self._finish(live)
+        for seq in sched.admit():
+            self._finish(seq)
         return sched.pick_prefill(self.config.prefill_chunk)
 
     def _retire_finished(self) -> None:
         self._retire([x for x in self.scheduler.running if x.finish_reason is not None])
 
-    def _prefill_chunk(self, live: Sequence) -> int:
-        """The next chunk of `live`'s prompt (the first one after any cached prefix); returns its length."""
-        ids, d = live.prepared.ids, self.target
-        p, echo = len(ids), live.prompt_logprobs is not None  # echo: every position's logits
-        if live.done == 0:
+    def _prefill_chunk(self, seq: Sequence) -> int:
+        """The next chunk of `seq`'s prompt (the first one after any cached prefix); returns its length."""
+        ids, d = seq.prepared.ids, self.target
+        p, echo = len(ids), seq.prompt_logprobs is not None  # echo: every position's logits
+        if seq.done == 0:
             if self.prefix is not None and not echo:  # a cached prefix of its tenant's, loaded into its row
-                live.done = live.cached = self.prefix.reuse(live.tenant, ids, self.runner.kv, live.row)
-            if live.session is not None:  # prompt seeding (tr/seeding.py), scaled by the share of tree steps
+                seq.done = seq.cached = self.prefix.reuse(seq.tenant, ids, self.runner.kv, seq.row)
+            if seq.session is not None:  # prompt seeding (tr/seeding.py), scaled by the share of tree steps
                 share = self.budget.tree_share if self.config.batch_aware else 1.0
-                live.seeding = PromptSeeding.plan(list(ids), live.done, round(d.config.seed_from_prompt * share),
-                                                  live.session.known_rows)
-        c = min(self.config.prefill_chunk, p - live.done)
-        chunk = torch.tensor(ids[live.done : live.done + c], device=d.device)
-        seeded = live.seeding.in_chunk(live.done, c) if live.seeding is not None else []  # seed the matrix
-        last = [c - 1] if live.done + c == p and (not seeded or seeded[-1] != c - 1) else []
+                seq.seeding = PromptSeeding.plan(list(ids), seq.done, round(d.config.seed_from_prompt * share),
+                                                  seq.session.known_rows)
+        c = min(self.config.prefill_chunk, p - seq.done)
+        chunk = torch.tensor(ids[seq.done : seq.done + c], device=d.device)
+        seeded = seq.seeding.in_chunk(seq.done, c) if seq.seeding is not None else []  # seed the matrix
+        last = [c - 1] if seq.done + c == p and (not seeded or seeded[-1] != c - 1) else []
         need = list(range(c)) if echo else seeded + last  # + the prompt's last (the first token's)
         t0 = time.perf_counter()
-        logits = self.runner.prefill(live.row, chunk, torch.tensor(need, dtype=torch.long, device=d.device))  # [m, V]
-        live.prefill_token_s = (time.perf_counter() - t0) / c
+        logits = self.runner.prefill(seq.row, chunk, torch.tensor(need, dtype=torch.long, device=d.device))  # [m, V]
+        seq.prefill_token_s = (time.perf_counter() - t0) / c
         if seeded:
             at = seeded if echo else list(range(len(seeded)))  # their rows of `logits`
             known = self.runner.last_topk[at] if self.runner.last_topk is not None else None
-            live.seeding.take(chunk[seeded], logits[at], known, d.config.k, self.top_probs)
+            seq.seeding.take(chunk[seeded], logits[at], known, d.config.k, self.top_probs)
         if echo:  # row q predicts prompt token done + q + 1
-            record_prompt_logprobs(live, logits, ids[live.done + 1: live.done + c + 1])
-        live.done += c
-        if live.done == p:
-            self._start(live, logits[-1:])
+            record_prompt_logprobs(seq, logits, ids[seq.done + 1: seq.done + c + 1])
+        seq.done += c
+        if seq.done == p:
+            self._start(seq, logits[-1:])
         return c
 
-    def _start(self, live: Sequence, last: torch.Tensor) -> None:
+    def _start(self, seq: Sequence, last: torch.Tensor) -> None:
         """The prompt is in: first token, draft session, and the sequence joins the batch."""
-        self.scheduler.join(live)
+        self.scheduler.join(seq)
         if self.prefix is not None:  # its tenant's waiting prompts that share its prefix (n > 1) prefill it once
-            self.prefix.share(live.tenant, live.prepared.ids, self.scheduler.waiting_prompts(live.tenant),
-                              self.runner.kv, live.row, live.cached)
-        live.root = int(choose(last, live.sampler, 0, rules=live.rules, contexts=[[]])[0])
-        if live.seeding is not None:
-            live.recycled = live.seeding.take_rows()
-        live.text = TextStream(self.target.tokenizer) if live.deltas else None
-        live.prefill_s = time.perf_counter() - live.t0
-        self._emit(live, record_logprobs(live, last, live.commit([live.root])))
+            self.prefix.share(seq.tenant, seq.prepared.ids, self.scheduler.waiting_prompts(seq.tenant),
+                              self.runner.kv, seq.row, seq.cached)
+        seq.root = int(choose(last, seq.sampler, 0, rules=seq.rules, contexts=[[]])[0])
+        if seq.seeding is not None:
+            seq.recycled = seq.seeding.take_rows()
+        seq.text = TextStream(self.target.tokenizer) if seq.deltas else None
+        seq.prefill_s = time.perf_counter() - seq.t0
+        self._emit(seq, record_logprobs(seq, last, seq.commit([seq.root])))
 
     def _run(self) -> tuple:
         """Every running request's draft (engine/drafting/drafter.py), then one forward over all of them."""
         running = self.scheduler.running
         drafts, inputs, spent = self.drafter.drafts(running, self.steps, self.scheduler.mean_kv())
         t0 = time.perf_counter()
-        logits = self.runner.step(inputs, probs=any(live.session is not None for live in running))  # per row [w_b, V]
+        logits = self.runner.step(inputs, probs=any(seq.session is not None for seq in running))  # per row [w_b, V]
         self.budget.costs.measured(self.drafter.width, self.scheduler.mean_kv(), time.perf_counter() - t0)
         tops = self.runner.last_topk or [None] * len(logits)  # per row [w_b, k] where the forward computed them
         probs = self.runner.last_probs or [None] * len(logits)  # per row [w_b, k]: their confidences, likewise
@@ -297,36 +297,35 @@ class BatchEngine:
         commit, emit; then the KV keeps only each row's accepted path."""
         running, budget = self.scheduler.running, self.budget
         keep, k = [], self.target.config.k
-        at = [i for i, (live, draft) in enumerate(zip(running, drafts)) if draft is None and live.session is not None]
+        at = [i for i, (seq, draft) in enumerate(zip(running, drafts)) if draft is None and seq.session is not None]
         plain_rows = iter(root_rows([logits[i] for i in at], [tops[i] for i in at], [probs[i] for i in at], k,
                                     self.top_probs))  # recycled like any verified node's
-        for live, draft, lg, top, q, spent in zip(running, drafts, logits, tops, probs, spent_drafting):
-            plain = next(plain_rows) if draft is None and live.session is not None else None
+        for seq, draft, lg, top, q, spent in zip(running, drafts, logits, tops, probs, spent_drafting):
+            plain = next(plain_rows) if draft is None and seq.session is not None else None
             keep.append([0])  # a request that fails here keeps its root alone until it retires
-            if live.error is not None:  # failed while drafting
+            if seq.error is not None:  # failed while drafting
                 continue
-            with alone(live):
-                keep[-1] = self._accept(live, draft, lg, top, q, plain, spent)
-        budget.trees_verified(sum(live.session is not None for live in running), sum(d is not None for d in drafts))
+            with alone(seq):
+                keep[-1] = self._accept(seq, draft, lg, top, q, plain, spent)
+        budget.trees_verified(sum(seq.session is not None for seq in running), sum(d is not None for d in drafts))
         self.runner.keep(keep)
 
-    def _accept(self, live: Sequence, draft, lg: torch.Tensor, top, q, plain, spent: float) -> list[int]:
+    def _accept(self, seq: Sequence, draft, lg: torch.Tensor, top, q, plain, spent: float) -> list[int]:
         """One request's accept, recycle, commit and emit; returns the path of its row the KV keeps."""
         t0, k = time.perf_counter(), self.target.config.k
         if draft is None:  # plain decoding this step
-            chosen = choose(lg, live.sampler, len(live.generated), top, live.rules, [live.generated])
+            chosen = choose(lg, seq.sampler, len(seq.generated), top, seq.rules, [seq.generated])
             new, path = [int(chosen[0])], [0]
             if plain is not None:  # the root's top-k is recycled like any verified node's
-                live.plain.append((live.root, *plain))
+                seq.plain.append((seq.root, *plain))
         else:
-            acc, live.recycled = accept_step(live, draft, lg, k, self.runner.kv.length(live.row), top,
-                                             self.top_probs if q is None else q)
+            acc, seq.recycled = accept_step(seq, draft, lg, k, top, self.top_probs if q is None else q)
             new, path = acc.tokens, acc.path
-            self.drafter.learn(live, draft, acc)
-        new = record_logprobs(live, lg, live.commit(new), path)  # the logits row path[i] chose new[i]
-        live.accepted_per_step.append(len(new))
-        live.root = new[-1] if new else live.root
-        self._emit(live, new)
+            self.drafter.learn(seq, draft, acc, self.runner.kv.length(seq.row))
+        new = record_logprobs(seq, lg, seq.commit(new), path)  # the logits row path[i] chose new[i]
+        seq.accepted_per_step.append(len(new))
+        seq.root = new[-1] if new else seq.root
+        self._emit(seq, new)
         self.budget.costs.host(draft is not None, spent + time.perf_counter() - t0)
         return path
 
@@ -335,47 +334,47 @@ class BatchEngine:
         return self.budget.cost(width, kv)
 
     # ---- output and retirement ------------------------------------------------------------------
-    def _emit(self, live: Sequence, new: list[int]) -> None:
+    def _emit(self, seq: Sequence, new: list[int]) -> None:
         if new:
-            logprobs = tuple(live.logprobs[-len(new):]) if live.logprobs is not None else None
-            text = live.text.delta(live.generated, cut=live.stops.cut_text) if live.text is not None else ""
-            live.emit(StepChunk(tokens=new, text=text, logprobs=logprobs))
+            logprobs = tuple(seq.logprobs[-len(new):]) if seq.logprobs is not None else None
+            text = seq.text.delta(seq.generated, cut=seq.stops.cut_text) if seq.text is not None else ""
+            seq.emit(StepChunk(tokens=new, text=text, logprobs=logprobs))
 
     def _retire(self, done: list[Sequence]) -> None:
         if self.prefix is not None:  # their rows (prompt and committed tokens) for their tenants' next prompts
-            for live in done:
-                if live.error is None:  # a failed request's row may hold more than its committed tokens
-                    self.prefix.keep(live.tenant, list(live.prepared.ids) + live.generated, self.runner.kv, live.row)
+            for seq in done:
+                if seq.error is None:  # a failed request's row may hold more than its committed tokens
+                    self.prefix.keep(seq.tenant, list(seq.prepared.ids) + seq.generated, self.runner.kv, seq.row)
         self.scheduler.retire(done)
-        for live in done:
-            self._finish(live)
+        for seq in done:
+            self._finish(seq)
 
-    def _finish(self, live: Sequence) -> None:
-        """`live` leaves the engine and its caller gets its result, or the error that building the result
+    def _finish(self, seq: Sequence) -> None:
+        """`seq` leaves the engine and its caller gets its result, or the error that building the result
         raised: a caller always hears back (a finish that raised once left its caller waiting forever,
         its request already gone from every list the failed step's clean-up reads)."""
-        self.scheduler.release(live)
-        if live.error is not None:  # it ended alone: its rows are not recycled, its caller gets the error
-            end_session(live, whole=False)
-            live.emit(live.error)
+        self.scheduler.release(seq)
+        if seq.error is not None:  # it ended alone: its rows are not recycled, its caller gets the error
+            end_session(seq, whole=False)
+            seq.emit(seq.error)
             return
         try:
-            result = self._result(live)
+            result = self._result(seq)
         except Exception as exc:  # noqa: BLE001 - the caller maps it to a status
             log.exception("finishing a request failed; its caller gets the error")
             result = exc
-        live.emit(result)
+        seq.emit(result)
 
-    def _result(self, live: Sequence) -> GenerationResult:
+    def _result(self, seq: Sequence) -> GenerationResult:
         d = self.target
         info = None
-        if live.session is not None:
-            end_session(live, whole=True)
-            info = live.session.info()
-        decode_s = time.perf_counter() - live.t0 - live.prefill_s
-        text = live.stops.cut_text(d.tokenizer.decode(live.generated, skip_special_tokens=True))
-        tree = d.tree_name(live.tree, live.tuner) if live.session is not None else "none"
-        stats = GenerationStats.build(live, live.prefill_s, decode_s, info, tree, live.cached)
-        return GenerationResult(ids=live.generated, text=text, finish_reason=live.finish_reason or "cancelled",
-                                stats=stats, logprobs=tuple(live.logprobs) if live.logprobs is not None else None,
-                                prompt_logprobs=tuple(live.prompt_logprobs) if live.prompt_logprobs is not None else None)
+        if seq.session is not None:
+            end_session(seq, whole=True)
+            info = seq.session.info()
+        decode_s = time.perf_counter() - seq.t0 - seq.prefill_s
+        text = seq.stops.cut_text(d.tokenizer.decode(seq.generated, skip_special_tokens=True))
+        tree = d.tree_name(seq.tree, seq.tuner) if seq.session is not None else "none"
+        stats = GenerationStats.build(seq, seq.prefill_s, decode_s, info, tree, seq.cached)
+        return GenerationResult(ids=seq.generated, text=text, finish_reason=seq.finish_reason or "cancelled",
+                                stats=stats, logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None,
+                                prompt_logprobs=tuple(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)

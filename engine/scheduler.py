@@ -98,31 +98,31 @@ class Scheduler:
         self._stop = False
 
     # ---- callers' threads -------------------------------------------------------------------------
-    def check_fits(self, live: Sequence) -> None:
+    def check_fits(self, seq: Sequence) -> None:
         """Raises ResourceExhausted when the request can never fit or the waiting queue is full."""
-        if live.reserved > self.config.max_batch_tokens:
-            raise ResourceExhausted(f"the request needs {live.reserved} KV tokens; this engine holds at most "
+        if seq.reserved > self.config.max_batch_tokens:
+            raise ResourceExhausted(f"the request needs {seq.reserved} KV tokens; this engine holds at most "
                                     f"{self.config.max_batch_tokens}: shorten the prompt or max_new_tokens")
         with self._lock:
             if len(self.waiting) >= self.config.max_waiting:
                 raise ResourceExhausted(f"engine full: {len(self.running)} decoding, {len(self.waiting)} waiting "
                                         f"(max_waiting={self.config.max_waiting}); retry later or use another worker")
-            self._check_tenant(live)
+            self._check_tenant(seq)
 
-    def _check_tenant(self, live: Sequence) -> None:
-        """ResourceExhausted where `live`'s tenant already has prompts queued and `live`'s would take it
+    def _check_tenant(self, seq: Sequence) -> None:
+        """ResourceExhausted where `seq`'s tenant already has prompts queued and `seq`'s would take it
         past max_tenant_prompt_tokens (under the lock)."""
-        queued = sum(x.prompt_len - x.done for x in (*self.prefills, *self.waiting) if x.tenant == live.tenant)
+        queued = sum(x.prompt_len - x.done for x in (*self.prefills, *self.waiting) if x.tenant == seq.tenant)
         bound = self.config.max_tenant_prompt_tokens
-        if queued and queued + live.prompt_len > bound:
-            raise ResourceExhausted(f"tenant {live.tenant or 'default'!r} has {queued} prompt tokens queued; with this "
-                                    f"request's {live.prompt_len} it would pass its bound of {bound} "
+        if queued and queued + seq.prompt_len > bound:
+            raise ResourceExhausted(f"tenant {seq.tenant or 'default'!r} has {queued} prompt tokens queued; with this "
+                                    f"request's {seq.prompt_len} it would pass its bound of {bound} "
                                     "(max_tenant_prompt_tokens): retry when its earlier prompts have started")
 
-    def enqueue(self, live: Sequence) -> None:
+    def enqueue(self, seq: Sequence) -> None:
         with self._lock:
-            self._check_tenant(live)  # again: another request of the tenant may have come in since
-            self.waiting.append(live)
+            self._check_tenant(seq)  # again: another request of the tenant may have come in since
+            self.waiting.append(seq)
             self._lock.notify()
 
     def waiting_prompts(self, tenant: str) -> list:
@@ -189,20 +189,20 @@ class Scheduler:
                 self.prefills.append(head)
         return gone
 
-    def _urgency(self, live: Sequence) -> tuple[int, int, float]:
+    def _urgency(self, seq: Sequence) -> tuple[int, int, float]:
         """Lower first. A prompt that has waited max(4, P) steps or more since its last chunk goes first,
         the longest waiting first; else the fewest chunks left less the steps waited; then arrival."""
         starved = max(4, len(self.prefills))
-        if live.prefill_waited >= starved:
-            return 0, -live.prefill_waited, live.t0
-        return 1, live.prefill_chunks_left - live.prefill_waited, live.t0
+        if seq.prefill_waited >= starved:
+            return 0, -seq.prefill_waited, seq.t0
+        return 1, seq.prefill_chunks_left - seq.prefill_waited, seq.t0
 
-    def next_chunk_s(self, live: Sequence) -> float:
-        """What `live`'s next prefill chunk should take, at the rate its last chunk ran (chunks only get
+    def next_chunk_s(self, seq: Sequence) -> float:
+        """What `seq`'s next prefill chunk should take, at the rate its last chunk ran (chunks only get
         deeper); 0 before its first."""
-        if not live.prefill_token_s:
+        if not seq.prefill_token_s:
             return 0.0
-        return live.prefill_token_s * min(self.config.prefill_chunk, live.prompt_len - live.done)
+        return seq.prefill_token_s * min(self.config.prefill_chunk, seq.prompt_len - seq.done)
 
     def longest_step_s(self, times: StepTimes, prompt_tokens: int | None = None) -> float:
         """How long a step may take now (what a caller's deadline must keep in hand): two decoding steps,
@@ -216,39 +216,39 @@ class Scheduler:
     def pick_prefill(self, chunk: int) -> Sequence | None:
         """The prompt to prefill a chunk of (at most `chunk` tokens) this step, or None; the others
         count a step waited."""
-        for live in self.prefills:
-            live.prefill_chunks_left = -(-(live.prompt_len - live.done) // chunk)
-        live = self.prefilling
+        for seq in self.prefills:
+            seq.prefill_chunks_left = -(-(seq.prompt_len - seq.done) // chunk)
+        seq = self.prefilling
         for other in self.prefills:
-            other.prefill_waited = 0 if other is live else other.prefill_waited + 1
-        return live
+            other.prefill_waited = 0 if other is seq else other.prefill_waited + 1
+        return seq
 
-    def join(self, live: Sequence) -> None:
-        """`live`'s prompt is in: it leaves the prompts in progress and runs, at row `active`."""
+    def join(self, seq: Sequence) -> None:
+        """`seq`'s prompt is in: it leaves the prompts in progress and runs, at row `active`."""
         active = self.kv.active
-        if live.row != active:  # the prompt in progress that holds row `active` takes live's row
+        if seq.row != active:  # the prompt in progress that holds row `active` takes seq's row
             holder = next(x for x in self.prefills if x.row == active)
-            self.kv.swap_rows(live.row, active)
-            holder.row, live.row = live.row, active
-        self.kv.activate(live.row)
-        self.prefills.remove(live)
-        self.running.append(live)
+            self.kv.swap_rows(seq.row, active)
+            holder.row, seq.row = seq.row, active
+        self.kv.activate(seq.row)
+        self.prefills.remove(seq)
+        self.running.append(seq)
 
-    def drop_prefills(self, ahead=lambda live: 0.0) -> list[Sequence]:
+    def drop_prefills(self, ahead=lambda seq: 0.0) -> list[Sequence]:
         """The prompts in progress that were cancelled, timed out or failed, or would time out by the end
-        of their next chunk (`ahead(live)` seconds): they leave, their rows to the others."""
+        of their next chunk (`ahead(seq)` seconds): they leave, their rows to the others."""
         gone = [x for x in self.prefills if x.stopping(ahead(x))]
-        for live in gone:
-            self.prefills.remove(live)
-            self.kv.open_row(live.row)  # empty: nothing of it is read again
+        for seq in gone:
+            self.prefills.remove(seq)
+            self.kv.open_row(seq.row)  # empty: nothing of it is read again
         if gone:
             self._compact_prefills()
         return gone
 
     def retire(self, done: list[Sequence]) -> None:
         """Free the KV rows of `done` (running sequences) and compact the rest onto rows 0..B-1."""
-        for live in done:
-            row = self.running.index(live)
+        for seq in done:
+            row = self.running.index(seq)
             moved = self.kv.close_row(row)
             if moved is not None:
                 self.running[row] = self.running[moved]
@@ -261,17 +261,17 @@ class Scheduler:
         """The prompts in progress onto rows active .. active + P - 1 (those outside move into the gaps)."""
         targets = range(self.kv.active, self.kv.active + len(self.prefills))
         free = sorted(set(targets) - {x.row for x in self.prefills})
-        for live in self.prefills:
-            if live.row not in targets:
+        for seq in self.prefills:
+            if seq.row not in targets:
                 row = free.pop(0)
-                self.kv.move_row(live.row, row)
-                live.row = row
+                self.kv.move_row(seq.row, row)
+                seq.row = row
 
-    def release(self, live: Sequence) -> None:
-        """`live` leaves the engine: its reservation returns to the budget."""
-        if live.reserved and live.row >= 0:
-            self.reserved -= live.reserved
-            live.row = -1
+    def release(self, seq: Sequence) -> None:
+        """`seq` leaves the engine: its reservation returns to the budget."""
+        if seq.reserved and seq.row >= 0:
+            self.reserved -= seq.reserved
+            seq.row = -1
 
     def mean_kv(self) -> int:
         """The running sequences' mean KV length: where the cost model is read this step."""

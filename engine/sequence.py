@@ -28,9 +28,9 @@ log = logging.getLogger("trserve.engine")
 
 
 @contextmanager
-def alone(live: Sequence) -> Iterator[None]:
+def alone(seq: Sequence) -> Iterator[None]:
     """Around a request's own part of an engine step (its drafting, its choice, accept and commit, its
-    prefill): an exception there ends `live` alone (Sequence.fail; the engine retires it after the step
+    prefill): an exception there ends `seq` alone (Sequence.fail; the engine retires it after the step
     and its caller gets the exception), and the requests beside it go on."""
     try:
         yield
@@ -39,7 +39,7 @@ def alone(live: Sequence) -> Iterator[None]:
             log.info("a request ended alone: %s", exc)
         else:
             log.exception("a request failed in its own part of a step; the requests beside it go on")
-        live.fail(exc)
+        seq.fail(exc)
 
 
 class Sequence:

@@ -54,10 +54,9 @@ def _decode(target: TargetModel, runner: ModelRunner, seq: Sequence, source, tre
             new, path = [int(choose(out, seq.sampler, len(seq.generated), top)[0])], [0]
         else:
             draft = draft_step(seq, session.step(recycled, root), StepPlan(tree, None, explore=False))
-            past = runner.kv.length(0)
             out = runner.step([RowInput(draft.tokens, draft.tree.depth, draft.tree.mask)])[0]  # [n + chain, V]
             top = runner.last_topk[0] if runner.last_topk is not None else None
-            acc, recycled = accept_step(seq, draft, out, k, past, top)
+            acc, recycled = accept_step(seq, draft, out, k, top)
             new, path = acc.tokens, acc.path
         runner.keep([path])
         new = seq.commit(new)

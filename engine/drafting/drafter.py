@@ -11,11 +11,12 @@ import torch
 from .constrained import constrained_draft
 from ..model.runner import RowInput
 from .proposers import PROPOSERS, Proposer, Shapes, StepInfo
+from .proposers.base import PLAIN_OFFER, Offer
 from ..sequence import Sequence, alone
 from .step import Draft
 from ..tr.accept import Acceptance
+from .budget.choose import Option
 from .budget.tree import TreeBudget
-from .budget.choose import PLAIN
 
 
 class Drafter:
@@ -36,45 +37,49 @@ class Drafter:
         budget = self.budget
         budget.begin_step(running, steps, kv)
         step = StepInfo(budget, len(running), kv)
-        staged, options = [], []
-        for live in running:
-            stage, opts = None, [PLAIN]
-            with alone(live):  # a request whose drafting fails ends alone (a plain row until it retires)
-                live.proposer = None if live.session is None else next(p for p in self.proposers if p.takes(live))
-                if live.proposer is not None:
-                    stage, opts = live.proposer.offer(live, step)
-            staged.append(stage)
-            options.append(opts)
-        chosen = budget.choose(options, kv)
+        offers = [self._offer(seq, step) for seq in running]
+        chosen = budget.choose([offer.options for offer in offers], kv)
         drafts, inputs, spent = [], [], []
-        for live, stage, opts, j in zip(running, staged, options, chosen):
+        for seq, offer, j in zip(running, offers, chosen):
             t0, draft = time.perf_counter(), None
-            if live.error is None:
-                with alone(live):  # where it fails, draft stays None: a plain row until it retires
-                    draft = self._draft(live, stage, opts[j])
+            if seq.error is None:
+                with alone(seq):  # where it fails, draft stays None: a plain row until it retires
+                    draft = self._draft(seq, offer, offer.options[j])
             drafts.append(draft)
-            inputs.append(self._plain_input(live.root) if draft is None
+            inputs.append(self._plain_input(seq.root) if draft is None
                           else RowInput(draft.tokens, draft.tree.depth, draft.tree.mask))
             spent.append(time.perf_counter() - t0)
         widths = [r.tokens.shape[0] for r in inputs]
         self.width = sum(widths) if self.packed else len(widths) * max(widths)
         return drafts, inputs, spent
 
-    def _draft(self, live: Sequence, stage, option) -> Draft | None:
-        """`live`'s draft at the chosen option, shaped by its grammar where it has one (None: plain)."""
-        draft = None if live.proposer is None or option[2] == 1 else live.proposer.draft(live, stage, option)
-        if live.proposer is not None and live.grammar is not None and self.budget.config.grammar_drafting:
-            template = live.tree.template
-            draft = constrained_draft(draft, live.grammar, live.root, template.max_width - 1,
+    def _offer(self, seq: Sequence, step: StepInfo) -> Offer:
+        """What the proposer that takes `seq` offers it (plain decoding alone: AR, or no proposer). A
+        proposer starting on `seq` gives it its state first (Proposer.start)."""
+        offer = PLAIN_OFFER
+        with alone(seq):  # a request whose drafting fails ends alone (a plain row until it retires)
+            proposer = None if seq.session is None else next(p for p in self.proposers if p.takes(seq))
+            if proposer is not seq.proposer:
+                seq.proposer, seq.drafting = proposer, None if proposer is None else proposer.start(seq)
+            if proposer is not None:
+                offer = proposer.offer(seq, step)
+        return offer
+
+    def _draft(self, seq: Sequence, offer: Offer, option: Option) -> Draft | None:
+        """`seq`'s draft at the chosen option, shaped by its grammar where it has one (None: plain)."""
+        draft = None if option.width == 1 else offer.draft(option)
+        if seq.proposer is not None and seq.grammar is not None and self.budget.config.grammar_drafting:
+            template = seq.tree.template
+            draft = constrained_draft(draft, seq.grammar, seq.root, template.max_width - 1,
                                       lambda parent: self.shapes.of_parents(template, parent))
         return draft
 
     @staticmethod
-    def learn(live: Sequence, draft: Draft, acc: Acceptance) -> None:
-        """A verified draft's outcome to the proposer that drafted it; a draft the request's grammar
-        changed says nothing about the unconstrained drafts."""
+    def learn(seq: Sequence, draft: Draft, acc: Acceptance, past: int) -> None:
+        """A verified draft's outcome (`past`: the KV length before the step) to the proposer that
+        drafted it; a draft the request's grammar changed says nothing about its unconstrained drafts."""
         if not draft.constrained:
-            live.proposer.learn(live, draft, acc)
+            seq.proposer.learn(seq, draft, acc, past)
 
     def _plain_input(self, root: int) -> RowInput:
         """One token at depth 0 seeing itself: the depth and mask are the same every step (read only)."""

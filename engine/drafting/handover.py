@@ -14,29 +14,29 @@ from ..tr.recycle import RecycledRows, latest_rows
 log = logging.getLogger("trserve.engine")
 
 
-def end_session(live: Sequence, whole: bool) -> None:
-    """`live`'s draft session ends: a finished request (`whole`) adds its prompt and output to its
+def end_session(seq: Sequence, whole: bool) -> None:
+    """`seq`'s draft session ends: a finished request (`whole`) adds its prompt and output to its
     tenant's history and hands over its last rows; a failed one hands over nothing. Neither can fail
     the request: its output is whole (history and rows are optimisations), or its caller hears of its
     own failure."""
-    if live.session is None:
+    if seq.session is None:
         return
-    if whole and live.generated:
+    if whole and seq.generated:
         try:
-            live.session.remember(list(live.prepared.ids) + live.generated)
+            seq.session.remember(list(seq.prepared.ids) + seq.generated)
         except Exception:  # noqa: BLE001
             log.exception("adding a request to its tenant's history failed")
     try:
-        live.session.close(pending(live) if whole else None)
+        seq.session.close(pending(seq) if whole else None)
     except Exception:  # noqa: BLE001
         log.exception("closing a request's draft session failed; its last rows are not recycled")
 
 
-def pending(live: Sequence) -> RecycledRows | None:
-    """Takes the rows `live` has not handed to its session yet: its last tree step's, then its plain
-    steps' (for a token in both, the later row wins); `live` holds none afterwards."""
-    last, plain = live.recycled, live.plain
-    live.recycled, live.plain = None, []
+def pending(seq: Sequence) -> RecycledRows | None:
+    """Takes the rows `seq` has not handed to its session yet: its last tree step's, then its plain
+    steps' (for a token in both, the later row wins); `seq` holds none afterwards."""
+    last, plain = seq.recycled, seq.plain
+    seq.recycled, seq.plain = None, []
     if not plain:
         return last
     topk = torch.stack([r for _, r, _ in plain])  # [m, K]

@@ -1,6 +1,6 @@
 """One TR step of one sequence, split around the forward so that a batch can share it:
 `draft_step` (what to verify) -> the forward (serial, in tests: tests/engine/model/serial_forward.py; batched:
-engine/model/runner.py) -> `accept_step` (what to commit, recycle and record)."""
+engine/model/runner.py) -> `accept_step` (what to commit and recycle) -> the proposer's `learn`."""
 
 from __future__ import annotations
 
@@ -68,24 +68,17 @@ def grown_draft(grown: Grown, width: int, tree: CompiledTree, device) -> Draft:
     return Draft(tokens, tree, StepPlan(tree, None, explore=False), None, tuple(grown.source[:width]), grown)
 
 
-def accept_step(seq: Sequence, draft: Draft, logits: torch.Tensor, k: int, past: int,
-                topk: torch.Tensor | None = None, probs=top_probs) -> tuple[Acceptance, RecycledRows]:
+def accept_step(seq: Sequence, draft: Draft, logits: torch.Tensor, k: int, topk: torch.Tensor | None = None,
+                probs=top_probs) -> tuple[Acceptance, RecycledRows]:
     """logits: [n, V] of the draft's nodes (topk: their top-k ids [n, k] where the forward computed
     them; probs: those ids' confidences [n, k] where it computed them too, else what computes them)
-    -> (accepted path and tokens, rows to recycle); records the step for the tuner (exploration
-    steps) or the caller's acceptance log."""
+    -> (accepted path and tokens, rows to recycle); counts the nodes per draft source. What the
+    proposer that drafted it learns is its own (Proposer.learn)."""
     greedy = choose_in_tree(logits, draft.tokens, draft.tree, seq.sampler, len(seq.generated), topk,
                             seq.rules, seq.generated)  # argmax or samples, under the request's logit rules
     acc = accept_greedy(draft.tokens, greedy, draft.tree)
     rows = recycle_rows(draft.tokens, logits, k, acc.path, topk, probs)
     count_sources(seq, draft, acc.path)
-    if draft.grown is not None:  # no template nodes to record: the engine calibrates the growth instead
-        return acc, rows
-    if draft.plan.explore:
-        _record(seq.tuner.log, acc, draft.plan.tree.n, draft.grafted, past)
-        seq.tuner.recorded()
-    elif seq.log is not None:
-        _record(seq.log, acc, draft.plan.tree.n, draft.grafted, past)
     return acc, rows
 
 
@@ -99,8 +92,11 @@ def count_sources(seq: Sequence, draft: Draft, path: list[int]) -> None:
             counts[name] = counts.get(name, 0) + 1
 
 
-def _record(log: AcceptanceLog, acc: Acceptance, n_base: int, grafted: Graft | None, past: int) -> None:
-    deepest = [i for i in acc.path if i < n_base][-1]  # deepest accepted node of the base tree
+def record_step(log: AcceptanceLog, draft: Draft, acc: Acceptance, past: int) -> None:
+    """A template tree's verified step into `log` (the tree optimiser's records): its deepest accepted
+    base node, the KV length `past` it was verified after, and its grafted chain's outcome."""
+    grafted = draft.grafted
+    deepest = [i for i in acc.path if i < draft.plan.tree.n][-1]  # deepest accepted node of the base tree
     if grafted is None:
         log.record(deepest, past)
     else:

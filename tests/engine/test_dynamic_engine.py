@@ -75,20 +75,17 @@ def test_a_request_whose_trees_miss_their_calibration_is_priced_at_what_it_accep
     from types import SimpleNamespace
 
     from trserve.engine.drafting.dynamic import Grown
-    from trserve.engine.drafting.proposers.grown import TRUST_CAP, TRUST_PRIOR, Trust
-    from trserve.engine.drafting.budget.tree import TreeBudget
+    from trserve.engine.drafting.proposers.grown import TRUST_CAP, TRUST_PRIOR, GrownTrees, Trust
 
-    budget = TreeBudget(EngineConfig(), cost=lambda w, kv: 1.0, packed=True)
     fresh, missing, beating = Trust(), Trust(12.0, 4.0), Trust(4.0, 40.0)  # missing: 12 tokens expected, 4 accepted
     assert fresh.value() == 1.0
     assert missing.value() == (4 + TRUST_PRIOR) / (12 + TRUST_PRIOR) == 0.5
     assert beating.value() == TRUST_CAP
     grown = Grown(tokens=[1, 2, 3], parent=[0, 0, 1], source=[0, 1, 1], bins=[-1, 0, 0], score=[1.0, 0.8, 0.4])
-    live = SimpleNamespace()  # the request (only its identity is read: is it exploring?)
-    fresh_opts = budget.grown_options(live, grown, 1, 0, fresh.value())
-    missing_opts = budget.grown_options(live, grown, 1, 0, missing.value())
-    assert [o[1] for o in fresh_opts] == pytest.approx([1.0, 1.8, 2.2])  # plain, 2 nodes, the whole tree
-    assert [o[1] for o in missing_opts] == pytest.approx([1.0, 1.4, 1.6])  # drafted tokens at half
+    fresh_opts = GrownTrees.options(grown, fresh.value())
+    missing_opts = GrownTrees.options(grown, missing.value())
+    assert [o.gain for o in fresh_opts] == pytest.approx([1.0, 1.8, 2.2])  # plain, 2 nodes, the whole tree
+    assert [o.gain for o in missing_opts] == pytest.approx([1.0, 1.4, 1.6])  # drafted tokens at half
 
 
 def test_a_request_learns_its_trust_from_its_own_verified_trees(tiny):
@@ -96,9 +93,9 @@ def test_a_request_learns_its_trust_from_its_own_verified_trees(tiny):
     seen = []
     learn = engine.drafter.learn
 
-    def spy(live, draft, acc):
-        learn(live, draft, acc)
-        seen.append((live.drafting.predicted, live.drafting.realized))  # the grown proposer's own state
+    def spy(seq, draft, acc, past):
+        learn(seq, draft, acc, past)
+        seen.append((seq.drafting.predicted, seq.drafting.realized))  # the grown proposer's own state
 
     engine.drafter.learn = spy
     _submit(engine, tiny, _request(1), matrix=tiny.new_tenant())

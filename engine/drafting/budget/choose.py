@@ -42,13 +42,22 @@ ms, sequence a with options [(1, 1.0), (5, 2.5)], sequence b with [(1, 1.0), (5,
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
-Option = tuple[int, float]  # (width, expected committed tokens)
+
+@dataclass(frozen=True, order=True, slots=True)
+class Option:
+    """One draft a sequence could verify this step, as a proposer offers it and the budget prices it."""
+
+    width: int  # tokens verified: base nodes and chain tokens (1: plain decoding)
+    gain: float  # expected committed tokens
+    size: int | None = None  # base nodes (root included); None: the proposer's plan as it is
+    chain: int = 0  # lookup-chain tokens grafted on
 
 
-PLAIN = (1, 1.0, 1, 0)  # the option of plain decoding: (width, expected tokens, base nodes, chain tokens)
+PLAIN = Option(1, 1.0, 1, 0)  # plain decoding: the root alone, one token
 
 
 def choose_options(options: Sequence[Sequence[Option]], cost: Callable[[int], float], extra: float = 0.0,
@@ -57,13 +66,14 @@ def choose_options(options: Sequence[Sequence[Option]], cost: Callable[[int], fl
     sequence. `cost(total)`: seconds of a forward of `total` tokens (rows x padded width); `extra`:
     seconds each sequence verifying a tree (width > 1) adds on the host (drafting, acceptance, recycling);
     `margin`: a pick with trees must beat the others by this share of its rate."""
-    floor = max(opts[0][0] for opts in options)  # every sequence's narrowest option must fit
+    floor = max(opts[0].width for opts in options)  # every sequence's narrowest option must fit
     best, best_rate = None, -1.0
-    for cap in sorted({w for opts in options for w, _ in opts if w >= floor}):
-        picks = [max((j for j, (w, _) in enumerate(opts) if w <= cap), key=lambda j, o=opts: o[j][1]) for opts in options]
-        width = max(opts[j][0] for opts, j in zip(options, picks))
-        trees = sum(opts[j][0] > 1 for opts, j in zip(options, picks))
-        rate = sum(opts[j][1] for opts, j in zip(options, picks)) / (cost(len(options) * width) + extra * trees)
+    for cap in sorted({o.width for opts in options for o in opts if o.width >= floor}):
+        picks = [max((j for j, o in enumerate(opts) if o.width <= cap), key=lambda j, o=opts: o[j].gain)
+                 for opts in options]
+        width = max(opts[j].width for opts, j in zip(options, picks))
+        trees = sum(opts[j].width > 1 for opts, j in zip(options, picks))
+        rate = sum(opts[j].gain for opts, j in zip(options, picks)) / (cost(len(options) * width) + extra * trees)
         rate /= 1 + margin if trees else 1.0
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = picks, rate
@@ -81,23 +91,25 @@ def choose_packed(options: Sequence[Sequence[Option]], cost: Callable[[int], flo
     its rate) to be taken. See the module docstring."""
     if len(options) == 1:  # one sequence: its option with the most tokens per second (ties: narrower)
         opts = options[0]
-        rates = [t / (cost(w) + (extra if w > 1 else 0.0)) / (1 + margin if w > 1 else 1.0) for w, t in opts]
-        return [max(range(len(opts)), key=lambda i: (rates[i], -opts[i][0]))]
+        rates = [o.gain / (cost(o.width) + (extra if o.width > 1 else 0.0)) / (1 + margin if o.width > 1 else 1.0)
+                 for o in opts]
+        return [max(range(len(opts)), key=lambda i: (rates[i], -opts[i].width))]
     # only the sequences with a choice take part (on lists: a busy batch has one or two, and numpy's calls
     # on [M, B, J] cost more than the loop right after a forward, with cold caches)
     free = [i for i, opts in enumerate(options) if len(opts) > 1]
     fixed = [options[i][0] for i, opts in enumerate(options) if len(opts) == 1]
-    fixed_w, fixed_t, fixed_trees = sum(w for w, _ in fixed), sum(t for _, t in fixed), sum(w > 1 for w, _ in fixed)
+    fixed_w, fixed_t = sum(o.width for o in fixed), sum(o.gain for o in fixed)
+    fixed_trees = sum(o.width > 1 for o in fixed)
     best, best_key, seen = None, None, set()
     for price in _PRICES:  # each sequence's option maximising t - price * w (the first of equal ones)
-        p = tuple(max(range(len(options[i])), key=lambda j, o=options[i]: o[j][1] - price * o[j][0]) for i in free)
+        p = tuple(max(range(len(options[i])), key=lambda j, o=options[i]: o[j].gain - price * o[j].width) for i in free)
         if p in seen:
             continue
         seen.add(p)
         chosen = [options[i][j] for i, j in zip(free, p)]
-        total = fixed_w + sum(w for w, _ in chosen)
-        trees = fixed_trees + sum(w > 1 for w, _ in chosen)
-        rate = (fixed_t + sum(t for _, t in chosen)) / (cost(total) + extra * trees) / (1 + margin if trees else 1.0)
+        total = fixed_w + sum(o.width for o in chosen)
+        trees = fixed_trees + sum(o.width > 1 for o in chosen)
+        rate = (fixed_t + sum(o.gain for o in chosen)) / (cost(total) + extra * trees) / (1 + margin if trees else 1.0)
         key = (rate, -total)
         if best_key is None or key[0] > best_key[0] * (1 + 1e-9) or (
                 abs(key[0] - best_key[0]) <= best_key[0] * 1e-9 and key[1] > best_key[1]):
@@ -191,16 +203,16 @@ class NodeRates:
         """Expected tokens the first `chain` tokens of a chain of `kind` add."""
         return float(self.chain_rates(kind)[: min(chain, self.MAX_CHAIN)].sum())
 
-    def options(self, sizes: Sequence[int], chain: int, kind: int = 0) -> list[tuple[int, float, int, int]]:
-        """(width, expected tokens, base nodes, chain tokens) of plain decoding, then of the BFS
-        prefixes of `sizes` nodes (root included), each also with the first 1, 2, 4, 8 ... tokens of a
-        chain of `chain` tokens of `kind` where one is proposed (chain > 0); sorted by width."""
+    def options(self, sizes: Sequence[int], chain: int, kind: int = 0) -> list[Option]:
+        """Plain decoding, then the BFS prefixes of `sizes` nodes (root included), each also with the
+        first 1, 2, 4, 8 ... tokens of a chain of `chain` tokens of `kind` where one is proposed
+        (chain > 0); sorted by width (the widest: the largest size with the whole chain)."""
         base, worth = self._base_tokens(), self._worth(kind)  # [n + 1], [C + 1]
         cuts = sorted({c for c in (1, 2, 4, 8, 16, 32) if c < chain} | ({min(chain, self.MAX_CHAIN)} if chain else set()))
         out = [PLAIN]
         for s in sizes:
+            tokens = float(base[s])
             if s > 1:
-                tokens = float(base[s])
-                out.append((s, tokens, s, 0))
-                out.extend((s + c, tokens + float(worth[c]), s, c) for c in cuts)
+                out.append(Option(s, tokens, s, 0))
+            out.extend(Option(s + c, tokens + float(worth[c]), s, c) for c in cuts)  # a one-node tree: its chain
         return sorted(out)

@@ -17,16 +17,16 @@ class TenantRates:
         self._rates: dict[tuple, NodeRates] = {}
         self._calib: dict[tuple, Calibration] = {}  # per (tenant, tree): grown trees' calibration
 
-    def calibration(self, live: Sequence) -> Calibration:
-        """The confidence calibration of `live`'s tenant (created on first use)."""
-        calib = self._calib.get(live.rates_key)
+    def calibration(self, seq: Sequence) -> Calibration:
+        """The confidence calibration of `seq`'s tenant (created on first use)."""
+        calib = self._calib.get(seq.rates_key)
         if calib is None:
-            calib = self._calib[live.rates_key] = Calibration()
+            calib = self._calib[seq.rates_key] = Calibration()
         return calib
 
-    def node_rates(self, live: Sequence) -> NodeRates:
-        """The acceptance records of `live`'s tenant and base tree (created on first use)."""
-        rates = self._rates.get(live.rates_key)
+    def node_rates(self, seq: Sequence) -> NodeRates:
+        """The acceptance records of `seq`'s tenant and base tree (created on first use)."""
+        rates = self._rates.get(seq.rates_key)
         if rates is None:
-            rates = self._rates[live.rates_key] = NodeRates(live.tree.n)
+            rates = self._rates[seq.rates_key] = NodeRates(seq.tree.n)
         return rates

@@ -1,8 +1,9 @@
 """How much each running sequence verifies this step: the engine's tree-size policy and its state.
 
-Per step every TR sequence offers options (plain decoding, or a base subtree of some size with or
-without its lookup chain; each with the tokens it is expected to commit, from that tenant's
-measured node rates); `choose` picks one per sequence for the whole batch under the forward's cost
+Per step the proposer drafting each TR sequence offers options (plain decoding, or a base subtree of
+some size with or without its lookup chain; each with the tokens it is expected to commit, from that
+tenant's measured rates), `price` says which of them the sequence may take this step (one entry point
+for every proposer), and `choose` picks one per sequence for the whole batch under the forward's cost
 model (engine/drafting/budget/choose.py). The cost model is the calibration (or a proxy) corrected online
 by what this loop's forwards measure (engine/drafting/budget/step_costs.py); the rates are the tenant's
 (engine/drafting/budget/tenant_rates.py). Now and then one sequence (in turn) verifies its whole tree, within a time
@@ -12,17 +13,15 @@ credit, so rates never measured stay measured.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cached_property
 
 from ...scheduler import EngineConfig
 from ...sequence import Sequence
 from .step_costs import StepCosts
 from .tenant_rates import TenantRates
-from ..dynamic import Grown
-from .choose import PLAIN, chain_kind, choose_options, choose_packed
-from ...tuning.online import StepPlan
+from .choose import Option, choose_options, choose_packed
 
 SIZES = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # subtree sizes (root included) a step may pick
-Option = tuple[int, float, int | None, int]  # (width, expected tokens, base nodes or None = the plan, chain)
 
 
 class TreeBudget:
@@ -67,10 +66,8 @@ class TreeBudget:
         self._explore_credit = min(self._explore_credit + budget * last, 1.0)
         if steps % (self.config.explore_every * b):
             return
-        live = running[self._explored % b]
+        self.explorer = running[self._explored % b]  # a sequence offering one option explores nothing
         self._explored += 1
-        if live.session is not None and live.tuner is None:
-            self.explorer = live
 
     def _explore_price(self, width: int, b: int, kv: int) -> float:
         """Seconds an exploration of `width` tokens adds to this step (against the step's usual width)."""
@@ -82,41 +79,25 @@ class TreeBudget:
             wider = b * max(last_width // b, width)
         return max(self.cost(wider, kv) - last, 0.0)
 
-    def options(self, live: Sequence, plan: StepPlan, proposal, b: int, kv: int, history: bool = False) -> list[Option]:
-        """(width, expected tokens, base nodes or None = the plan as it is, chain tokens) per option; the
-        first is plain decoding. The chain (`proposal`) is priced at its kind's rates: its source (the
-        request's own context, or with `history` the tenant's history) and its suffix match's size."""
-        chain = len(proposal.tokens) if proposal is not None else 0
-        if live.tuner is not None or not self.config.batch_aware:  # the tuner's (or the full) plan, always
-            return [(plan.tree.n + chain, 1.0, None, chain)]
-        if live is self.explorer:  # its whole base tree (and lookup chain) now and then, so every node's
-            # rate and the chains' worth stay measured: a worth measured low on a cold matrix would
-            # otherwise never be looked at again; priced with its chain (up to 16 tokens: most of its cost)
-            price = self._explore_price(plan.tree.n + chain, b, kv)
-            if price <= self._explore_credit:
-                self._explore_credit -= price
-                return [(plan.tree.n + chain, 1.0, None, chain)]
-            self.explorer = None
-        rates = self.rates.node_rates(live)
-        kind = chain_kind(history, proposal.ngram) if proposal is not None else 0
-        return rates.options([s for s in SIZES if s < plan.tree.n] + [plan.tree.n], chain, kind)
-
-    def grown_options(self, live: Sequence, grown: Grown, b: int, kv: int, trust: float = 1.0) -> list[Option]:
-        """Options of a tree grown by confidence: plain decoding, then its first w nodes for the sizes
-        up to its whole (expected tokens: 1 + the sum of their scores, engine/drafting/dynamic.py, each
-        drafted token's worth scaled by `trust`: how far the request's own trees met their scores)."""
-        if grown.n == 1:
-            return [PLAIN]
-        whole: Option = (grown.n, 1 + trust * (grown.expected(grown.n) - 1), grown.n, 0)
-        if live is self.explorer:  # its whole grown tree now and then: bins the budget never picks stay measured
-            price = self._explore_price(grown.n, b, kv)
+    def price(self, seq: Sequence, options: list[Option], step: StepInfo) -> list[Option]:
+        """The options `seq` may take this step, of those its proposer offers (ascending width: plain
+        decoding first where offered, its whole draft last). One option (a tuner's plan): that one.
+        Batch-unaware: the whole draft. The explorer (begin_step): its whole draft now and then, so every
+        node's rate and the chains' worth stay measured (a worth measured low on a cold matrix would
+        otherwise never be looked at again), within the exploration credit; priced with its chain (up
+        to 16 tokens: most of its cost). Otherwise all of them, for `choose`."""
+        if len(options) == 1:
+            return options
+        whole = options[-1]
+        if not self.config.batch_aware:
+            return [whole]
+        if seq is self.explorer:
+            price = self._explore_price(whole.width, step.b, step.kv)
             if price <= self._explore_credit:
                 self._explore_credit -= price
                 return [whole]
             self.explorer = None
-        if not self.config.batch_aware:
-            return [whole]
-        return [PLAIN] + [(w, 1 + trust * (grown.expected(w) - 1), w, 0) for w in SIZES if w < grown.n] + [whole]
+        return options
 
     def row_floor(self, kv: int, b: int = 1) -> float:
         """The least score (P(accepted)) a node needs for some tree to pay in a step of `b` sequences:
@@ -138,8 +119,20 @@ class TreeBudget:
         """The option index per sequence for this step."""
         if all(len(o) == 1 for o in options):  # nothing to choose (most steps of a busy batch: ~0.2 ms at B = 8)
             return [0] * len(options)
-        opts = [[(w, t) for w, t, _, _ in o] for o in options]
         extra = self.costs.tree_extra_s  # a tree's host work beyond a plain step's
         if self.packed:
-            return choose_packed(opts, lambda n: self.cost(n, kv), extra, self.config.tree_margin)
-        return choose_options(opts, lambda w: self.cost(w, kv), extra, self.config.tree_margin)
+            return choose_packed(options, lambda n: self.cost(n, kv), extra, self.config.tree_margin)
+        return choose_options(options, lambda w: self.cost(w, kv), extra, self.config.tree_margin)
+
+
+class StepInfo:
+    """The batch the proposers draft in this step: its size, its mean KV length, and (computed when a
+    proposer first asks) the least score a drafted node needs to pay in it."""
+
+    def __init__(self, budget: TreeBudget, b: int, kv: int) -> None:
+        self.budget, self.b, self.kv = budget, b, kv
+
+    @cached_property
+    def floor(self) -> float:
+        """0 with whole trees (batch_aware off): any node a grower takes (TreeBudget.row_floor)."""
+        return self.budget.row_floor(self.kv, self.b) if self.budget.config.batch_aware else 0.0

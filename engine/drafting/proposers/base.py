@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from functools import cached_property
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
@@ -11,22 +12,22 @@ from ...sequence import Sequence
 from ..step import Draft
 from ...tr.accept import Acceptance
 from ...tr.tree import CompiledTree, TreeTemplate, compile_parents, get_compiled
-from ..budget.tree import Option, TreeBudget
+from ..budget.choose import PLAIN, Option
+from ..budget.tree import StepInfo
 
 MAX_SHAPES = 4096  # grown tree shapes kept compiled (the cache starts over when full)
 
 
-class StepInfo:
-    """The batch a proposer drafts in this step: its size, its mean KV length, and (computed when a
-    proposer first asks) the least score a drafted node needs to pay in it."""
+@dataclass(frozen=True)
+class Offer:
+    """What a proposer offers one sequence this step: its options, as the budget priced them
+    (TreeBudget.price), and how to draft the one the budget chooses (never plain decoding's)."""
 
-    def __init__(self, budget: TreeBudget, b: int, kv: int) -> None:
-        self.budget, self.b, self.kv = budget, b, kv
+    options: list[Option]  # ascending width; the first plain decoding where the proposer offers it
+    draft: Callable[[Option], Draft]  # the chosen option (width > 1) -> its draft
 
-    @cached_property
-    def floor(self) -> float:
-        """0 with whole trees (batch_aware off): any node a grower takes (TreeBudget.row_floor)."""
-        return self.budget.row_floor(self.kv, self.b) if self.budget.config.batch_aware else 0.0
+
+PLAIN_OFFER = Offer([PLAIN], lambda option: None)  # a sequence no proposer drafts: plain decoding
 
 
 class Shapes:
@@ -59,26 +60,28 @@ class Shapes:
 
 
 class Proposer(Protocol):
-    """One draft method (engine/drafting/proposers/__init__.py). Per step, for each running request it takes:
-    `offer` stages what the request could verify and prices it as options (the first plain decoding,
-    (1, 1.0, 1, 0); TreeBudget.choose picks one option per request for the whole batch); `draft` builds
-    the chosen option's draft (never called for plain decoding); after verification `learn` takes the
-    outcome (not for drafts a grammar changed)."""
+    """One draft method (engine/drafting/proposers/__init__.py). The drafter asks each running TR
+    request's first proposer that `takes` it; when that proposer starts drafting the request, `start`
+    gives the request's state it keeps for it (Sequence.drafting, read and written by it alone). Per
+    step `offer` prices what the request could verify as options through TreeBudget.price (the first
+    plain decoding, PLAIN) and says how to draft each; TreeBudget.choose picks one option per request
+    for the whole batch. After verification `learn` takes the outcome, all of the proposer's own
+    bookkeeping (not for drafts a grammar changed)."""
 
     name: str
 
-    def takes(self, live: Sequence) -> bool:
-        """Whether this method drafts for `live` (a TR request) this step."""
+    def takes(self, seq: Sequence) -> bool:
+        """Whether this method drafts for `seq` (a TR request) this step."""
         ...
 
-    def offer(self, live: Sequence, step: StepInfo) -> tuple[object, list[Option]]:
-        """(a stage for `draft`, the options with their widths and expected tokens)."""
+    def start(self, seq: Sequence) -> object:
+        """Its state for `seq` (None: it keeps none), kept in seq.drafting while it drafts `seq`."""
         ...
 
-    def draft(self, live: Sequence, stage: object, option: Option) -> Draft:
-        """The draft of `option` (width > 1) from `stage`."""
+    def offer(self, seq: Sequence, step: StepInfo) -> Offer:
+        """The options it offers `seq` this step, priced by the budget, and their drafts."""
         ...
 
-    def learn(self, live: Sequence, draft: Draft, acc: Acceptance) -> None:
-        """A verified draft's outcome."""
+    def learn(self, seq: Sequence, draft: Draft, acc: Acceptance, past: int) -> None:
+        """A verified draft's outcome (`past`: the KV length the step verified it after)."""
         ...

@@ -6,12 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..handover import pending
-from .base import Shapes, StepInfo
+from .base import Offer, Shapes, StepInfo
 from ...sequence import Sequence
 from ..step import Draft, grown_draft
 from ...tr.accept import Acceptance
 from ..dynamic import CONTEXT, HISTORY, Chain, Grown, best_first_score, grow
-from ..budget.tree import Option, TreeBudget
+from ..budget.tree import SIZES, TreeBudget
+from ..budget.choose import PLAIN, Option
 
 HAND_OVER = 16  # plain steps' rows a sequence growing no tree keeps before handing them to its session
 TRUST_PRIOR = 4.0  # drafted tokens a request's trees are assumed to have met before it has verified any
@@ -42,57 +43,63 @@ class GrownTrees:
     def __init__(self, budget: TreeBudget, shapes: Shapes) -> None:
         self.budget, self.shapes = budget, shapes
 
-    def takes(self, live: Sequence) -> bool:
+    def takes(self, seq: Sequence) -> bool:
         """A dynamic tree, no tuner, and a session whose private copy holds the tenant's rows."""
-        return bool(live.tree.template.dynamic) and live.tuner is None and live.session.local_drafts
+        return bool(seq.tree.template.dynamic) and seq.tuner is None and seq.session.local_drafts
 
-    def offer(self, live: Sequence, step: StepInfo) -> tuple[Grown, list[Option]]:
-        if not isinstance(live.drafting, Trust):
-            live.drafting = Trust()
-        trust = live.drafting.value()
-        grown = self._grow(live, step.floor, trust)
-        return grown, self.budget.grown_options(live, grown, step.b, step.kv, trust)
+    def start(self, seq: Sequence) -> Trust:
+        return Trust()
 
-    def draft(self, live: Sequence, stage: Grown, option: Option) -> Draft:
-        size = option[2]
-        return grown_draft(stage, size, self.shapes.of_parents(live.tree.template, stage.parent[:size]),
-                           self.shapes.device)
+    def offer(self, seq: Sequence, step: StepInfo) -> Offer:
+        trust = seq.drafting.value()
+        grown = self._grow(seq, step.floor, trust)
+        options = self.budget.price(seq, self.options(grown, trust), step)
+        return Offer(options, lambda option: grown_draft(
+            grown, option.size, self.shapes.of_parents(seq.tree.template, grown.parent[:option.size]), self.shapes.device))
 
-    def learn(self, live: Sequence, draft: Draft, acc: Acceptance) -> None:
+    @staticmethod
+    def options(grown: Grown, trust: float = 1.0) -> list[Option]:
+        """Plain decoding, then the grown tree's first w nodes for the sizes up to its whole (expected
+        tokens: 1 + the sum of their scores, engine/drafting/dynamic.py, each drafted token's worth
+        scaled by `trust`: how far the request's own trees met their scores)."""
+        sizes = [w for w in SIZES if w < grown.n] + [grown.n]
+        return [PLAIN] + [Option(w, 1 + trust * (grown.expected(w) - 1), w, 0) for w in sizes if w > 1]
+
+    def learn(self, seq: Sequence, draft: Draft, acc: Acceptance, past: int) -> None:
         """The nodes' outcomes into the tenant's calibration; the request's own expected and accepted
         drafted tokens (its Trust)."""
         w = draft.tokens.shape[0]
-        self.budget.rates.calibration(live).record(draft.grown.bins[:w], draft.grown.parent[:w], acc.path)
-        live.drafting.predicted += draft.grown.expected(w) - 1
-        live.drafting.realized += len(acc.path) - 1
+        self.budget.rates.calibration(seq).record(draft.grown.bins[:w], draft.grown.parent[:w], acc.path)
+        seq.drafting.predicted += draft.grown.expected(w) - 1
+        seq.drafting.realized += len(acc.path) - 1
 
-    def _grow(self, live: Sequence, floor: float, trust: float) -> Grown:
-        """This step's grown tree for `live`, or its root alone when no node can score `floor` (the
+    def _grow(self, seq: Sequence, floor: float, trust: float) -> Grown:
+        """This step's grown tree for `seq`, or its root alone when no node can score `floor` (the
         budget's row floor for this batch): the root's matrix row and the chains are checked first,
         and a chain source whose calibrated best is below the floor is not even looked up, so a plain
         step stays nearly as cheap as an AR one. A tree takes the session's pending rows first, so it
         drafts from them at once; plain steps hand them over only every HAND_OVER rows."""
-        session, seq = live.session, live
-        m, template = session.matrix, live.tree.template
+        session = seq.session
+        m, template = session.matrix, seq.tree.template
         rows, probs = m.host_views()  # [V, K] each
-        calib = self.budget.rates.calibration(live)
+        calib = self.budget.rates.calibration(seq)
         chains = []
         if calib.best_rate(CONTEXT) >= floor:
             chains.append(Chain.of(seq.lookup.propose(template.lookup), CONTEXT))
         if calib.best_rate(HISTORY) >= floor:
-            chains.append(self._history(live))
+            chains.append(self._history(seq))
         chains = [c for c in chains if c is not None]
-        if best_first_score(rows, probs, live.root, calib, chains) * trust < floor:
-            if len(live.plain) >= HAND_OVER:
-                session.update(pending(live))
-            return Grown([live.root], [0], [0], [-1], [1.0])
-        session.update(pending(live))
-        return grow(rows, probs, live.root, calib, chains, template.dynamic)
+        if best_first_score(rows, probs, seq.root, calib, chains) * trust < floor:
+            if len(seq.plain) >= HAND_OVER:
+                session.update(pending(seq))
+            return Grown([seq.root], [0], [0], [-1], [1.0])
+        session.update(pending(seq))
+        return grow(rows, probs, seq.root, calib, chains, template.dynamic)
 
     @staticmethod
-    def _history(live: Sequence) -> Chain | None:
+    def _history(seq: Sequence) -> Chain | None:
         """A continuation from the tenant's earlier requests (its session's history), if it has one."""
-        history = live.session.history
+        history = seq.session.history
         if history is None:
             return None
-        return Chain.of(history.propose(live.lookup.tail(history.max_ngram), live.tree.template.dynamic), HISTORY)
+        return Chain.of(history.propose(seq.lookup.tail(history.max_ngram), seq.tree.template.dynamic), HISTORY)

@@ -7,18 +7,16 @@ from __future__ import annotations
 import torch
 
 from ..handover import pending
-from .base import Shapes, StepInfo
+from .base import Offer, Shapes, StepInfo
 from ...sequence import Sequence
-from ..step import Draft, draft_step
+from ..step import Draft, draft_step, record_step
 from ...tr.accept import Acceptance
 from ..dynamic import CONTEXT, HISTORY
 from ...tr.history import SuffixHistory
 from ...tr.lookup import ContextLookup, Proposal
-from ..budget.tree import Option, TreeBudget
-from ..budget.choose import chain_kind
+from ..budget.tree import SIZES, TreeBudget
+from ..budget.choose import Option, chain_kind
 from ...tuning.online import StepPlan
-
-Stage = tuple[StepPlan, Proposal | None, int]  # the base plan, its chain's proposal, where the chain came from
 
 
 class StaticTree:
@@ -27,40 +25,55 @@ class StaticTree:
     def __init__(self, budget: TreeBudget, shapes: Shapes) -> None:
         self.budget, self.shapes = budget, shapes
 
-    def takes(self, live: Sequence) -> bool:
+    def takes(self, seq: Sequence) -> bool:
         return True  # any TR request the methods before it do not take
 
-    def plan(self, live: Sequence) -> StepPlan:
+    def start(self, seq: Sequence) -> None:
+        return None  # what it learns is the tenant's (its node rates), not the request's
+
+    def plan(self, seq: Sequence) -> StepPlan:
         """The base tree this step: the request's own."""
-        return StepPlan(live.tree, None, explore=False)
+        return StepPlan(seq.tree, None, explore=False)
 
-    def offer(self, live: Sequence, step: StepInfo) -> tuple[Stage, list[Option]]:
-        plan = self.plan(live)
-        proposal, source = static_chain(live.lookup, live.session.history, plan.tree.template.lookup)
-        return (plan, proposal, source), self.budget.options(live, plan, proposal, step.b, step.kv, source == HISTORY)
+    def offer(self, seq: Sequence, step: StepInfo) -> Offer:
+        """Plain decoding, and its base tree's BFS prefixes of SIZES nodes up to the whole, each with cuts
+        of its chain, priced at the tenant's node and chain rates (the chain's kind: its source, the
+        request's own context or with HISTORY its tenant's history, and its suffix match's size)."""
+        plan = self.plan(seq)
+        proposal, source = static_chain(seq.lookup, seq.session.history, plan.tree.template.lookup)
+        options = self._options(seq, plan, proposal, source)
+        return Offer(self.budget.price(seq, options, step), lambda option: self._draft(seq, plan, proposal, source, option))
 
-    def draft(self, live: Sequence, stage: Stage, option: Option) -> Draft:
+    def _options(self, seq: Sequence, plan: StepPlan, proposal: Proposal | None, source: int) -> list[Option]:
+        chain = len(proposal.tokens) if proposal is not None else 0
+        kind = chain_kind(source == HISTORY, proposal.ngram) if proposal is not None else 0
+        n = plan.tree.n
+        return self.budget.rates.node_rates(seq).options([s for s in SIZES if s < n] + [n], chain, kind)
+
+    def _draft(self, seq: Sequence, plan: StepPlan, proposal: Proposal | None, source: int, option: Option) -> Draft:
         """Its base tree cut to the option's size (None: the plan as it is) and the option's chain tokens.
         Only a sequence that verifies a tree drafts (and hands over its pending rows) this step: a plain
         step costs a TR request no more than an AR one."""
-        plan, proposal, source = stage
-        _, _, size, chain = option
-        drafted = live.session.step(pending(live), live.root)  # [n_draft]
-        if size is not None and size < plan.tree.n:
-            sub = self.shapes.cut(plan.tree, size)
+        drafted = seq.session.step(pending(seq), seq.root)  # [n_draft]
+        if option.size is not None and option.size < plan.tree.n:
+            sub = self.shapes.cut(plan.tree, option.size)
             plan = StepPlan(sub, torch.arange(sub.n, device=self.shapes.device), explore=False)
+        chain = option.chain
         if proposal is not None and chain and chain < len(proposal.tokens):
             proposal = Proposal(proposal.tokens[:chain], proposal.ngram)
-        return draft_step(live, drafted, plan, proposal, lookup=bool(chain), source=source)
+        return draft_step(seq, drafted, plan, proposal, lookup=bool(chain), source=source)
 
-    def learn(self, live: Sequence, draft: Draft, acc: Acceptance) -> None:
-        """Which base nodes and chain tokens were accepted, into the tenant's node rates."""
-        rates = self.budget.rates.node_rates(live)
+    def learn(self, seq: Sequence, draft: Draft, acc: Acceptance, past: int) -> None:
+        """Which base nodes and chain tokens were accepted, into the tenant's node rates; the step into
+        the caller's acceptance log where it keeps one (its tree optimiser's records)."""
+        rates = self.budget.rates.node_rates(seq)
         n_base = draft.plan.tree.n
         base_path = [i for i in acc.path if i < n_base]
         chain = draft.tokens.shape[0] - n_base
         kind = chain_kind(draft.chain_source == HISTORY, draft.grafted.ngram) if draft.grafted is not None else 0
         rates.record(n_base, base_path, chain, sum(i >= n_base for i in acc.path), kind)  # chain nodes accepted
+        if seq.log is not None:
+            record_step(seq.log, draft, acc, past)
 
 
 def static_chain(lookup: ContextLookup, history: SuffixHistory | None, caps: tuple[int, ...]

@@ -2,9 +2,15 @@
 
 import numpy as np
 
-from trserve.engine.drafting.budget.choose import NodeRates, chain_kind, choose_options, choose_packed
+from trserve.engine.drafting.budget.choose import NodeRates, Option, chain_kind, choose_options, choose_packed
 
-TWO = [[(1, 1.0), (3, 2.0)], [(1, 1.0), (3, 2.0)]]
+
+def _opts(rows: list[list[tuple[int, float]]]) -> list[list[Option]]:
+    """Per sequence, its (width, expected tokens) pairs as options."""
+    return [[Option(w, t) for w, t in row] for row in rows]
+
+
+TWO = _opts([[(1, 1.0), (3, 2.0)], [(1, 1.0), (3, 2.0)]])
 
 
 def test_worked_example_memory_bound_takes_both_trees():
@@ -16,15 +22,15 @@ def test_worked_example_compute_bound_keeps_plain_decoding():
 
 
 def test_padding_decides_a_common_width_cap():
-    options = [[(1, 1.0)], [(1, 1.0), (2, 1.1), (8, 3.0)], [(1, 1.0), (2, 1.9)]]
+    options = _opts([[(1, 1.0)], [(1, 1.0), (2, 1.1), (8, 3.0)], [(1, 1.0), (2, 1.9)]])
     # three rows, cost 10 + total: cap 1: 3 / 13; cap 2: 4.0 / 16; cap 8: 5.9 / 34 -> cap 2 for all
     assert choose_options(options, lambda w: 10 + w) == [0, 1, 1]
     # a forced wide option (a tuner's plan) pads every row anyway: the others widen for free
-    forced = [[(8, 2.0)], [(1, 1.0), (2, 1.1), (8, 3.0)], [(1, 1.0), (2, 1.9)]]
+    forced = _opts([[(8, 2.0)], [(1, 1.0), (2, 1.1), (8, 3.0)], [(1, 1.0), (2, 1.9)]])
     assert choose_options(forced, lambda w: 10 + w) == [0, 2, 1]
 
 
-PACKED = [[(1, 1.0), (5, 2.5)], [(1, 1.0), (5, 1.2)]]
+PACKED = _opts([[(1, 1.0), (5, 2.5)], [(1, 1.0), (5, 1.2)]])
 
 
 def test_packed_worked_example_gives_the_tree_to_the_sequence_it_pays_for():
@@ -39,13 +45,13 @@ def test_packed_extremes_plain_when_compute_bound_all_trees_when_width_is_free()
 def test_packed_never_worse_than_plain_and_forced_options_are_kept():
     rng = np.random.default_rng(0)
     for _ in range(50):
-        opts = [[(1, 1.0)] + sorted((int(w), 1.0 + float(rng.random()) * w / 4) for w in rng.integers(2, 30, 3))
-                for _ in range(rng.integers(1, 9))]
+        opts = _opts([[(1, 1.0)] + sorted((int(w), 1.0 + float(rng.random()) * w / 4) for w in rng.integers(2, 30, 3))
+                      for _ in range(rng.integers(1, 9))])
         cost = (lambda a, b: (lambda n: a + b * n))(float(rng.random() * 20), float(rng.random() * 2))
         picks = choose_packed(opts, cost)
-        rate = sum(o[j][1] for o, j in zip(opts, picks)) / cost(sum(o[j][0] for o, j in zip(opts, picks)))
+        rate = sum(o[j].gain for o, j in zip(opts, picks)) / cost(sum(o[j].width for o, j in zip(opts, picks)))
         assert rate >= len(opts) / cost(len(opts)) * (1 - 1e-9)  # batched plain decoding is a candidate
-    assert choose_packed([[(9, 1.0)], [(1, 1.0), (5, 1.2)]], lambda n: 2 * n) == [0, 0]
+    assert choose_packed(_opts([[(9, 1.0)], [(1, 1.0), (5, 1.2)]]), lambda n: 2 * n) == [0, 0]
 
 
 def test_node_rates_learn_from_verified_prefixes_only():
@@ -55,8 +61,8 @@ def test_node_rates_learn_from_verified_prefixes_only():
     r = rates.rates()
     assert r[1] == (8 + 1) / (8 + 2) and r[2] == r[3] == 0.5
     opts = rates.options([2, 4], chain=0)
-    assert opts[0] == (1, 1.0, 1, 0) and opts[1] == (2, 1.0 + r[1], 2, 0)
-    assert np.isclose(opts[2][1], 1.0 + r[1:].sum()) and len(opts) == 3
+    assert opts[0] == Option(1, 1.0, 1, 0) and opts[1] == Option(2, 1.0 + r[1], 2, 0)
+    assert np.isclose(opts[2].gain, 1.0 + r[1:].sum()) and len(opts) == 3
 
 
 def test_chain_rates_per_position_and_cut_options():
@@ -70,9 +76,9 @@ def test_chain_rates_per_position_and_cut_options():
     assert rates.chain_steps == 10
     assert np.isclose(rates.chain_worth(2), (11 + 10.85) / 12) and rates.chain_worth(9) == float(q[:9].sum())
     opts = rates.options([2], chain=6)  # cuts 1, 2, 4 and the whole 6
-    assert [(w, c) for w, _, _, c in opts] == [(1, 0), (2, 0), (3, 1), (4, 2), (6, 4), (8, 6)]
+    assert [(o.width, o.chain) for o in opts] == [(1, 0), (2, 0), (3, 1), (4, 2), (6, 4), (8, 6)]
     base = 1.0 + rates.rates()[1]
-    assert np.isclose(opts[3][1], base + q[:2].sum()) and np.isclose(opts[5][1], base + q[:6].sum())
+    assert np.isclose(opts[3].gain, base + q[:2].sum()) and np.isclose(opts[5].gain, base + q[:6].sum())
 
 
 def test_each_chain_kind_is_priced_at_its_own_rates():
@@ -91,32 +97,32 @@ def test_each_chain_kind_is_priced_at_its_own_rates():
     untried = chain_kind(False, 3)  # still at its prior
     assert np.isclose(rates.chain_worth(1, untried), 0.5)
     sure, unsure = rates.options([2], chain=4, kind=long_own), rates.options([2], chain=4, kind=long_history)
-    assert [(w, c) for w, _, _, c in sure] == [(w, c) for w, _, _, c in unsure]  # the same cuts
-    assert sure[-1][1] > unsure[-1][1] + 2.5  # worth: what each kind's chains were accepted
+    assert [(o.width, o.chain) for o in sure] == [(o.width, o.chain) for o in unsure]  # the same cuts
+    assert sure[-1].gain > unsure[-1].gain + 2.5  # worth: what each kind's chains were accepted
 
 
 def test_host_time_per_tree_moves_marginal_trees_to_plain():
     """A tree's host work (extra seconds per sequence verifying more than one token) counts in the
     step's time: a tree that pays under the forward's cost alone can lose to plain decoding."""
-    one = [[(1, 1.0), (2, 1.15)]]
+    one = _opts([[(1, 1.0), (2, 1.15)]])
     cost = {1: 8.2, 2: 9.0}.get
     assert choose_packed(one, cost) == [1]  # 1.15 / 9.0 > 1 / 8.2
     assert choose_packed(one, cost, extra=0.6) == [0]  # 1.15 / 9.6 < 1 / 8.2
     assert choose_options(one, cost, extra=0.6) == [0] and choose_options(one, cost) == [1]
-    two = [[(1, 1.0), (5, 2.5)], [(1, 1.0), (5, 1.2)]]
+    two = _opts([[(1, 1.0), (5, 2.5)], [(1, 1.0), (5, 1.2)]])
     assert choose_packed(two, lambda n: 10 + n, extra=0.0) == [1, 0]
     assert choose_packed(two, lambda n: 10 + n, extra=5.0) == [0, 0]  # 3.5 / 21 < 2 / 12
     assert choose_packed(two, lambda n: 100 + n, extra=1.0) == [1, 1]  # width nearly free: trees still pay
 
 
 def test_margin_keeps_plain_decoding_when_a_tree_only_ties_it():
-    one = [[(1, 1.0), (3, 1.26)]]
+    one = _opts([[(1, 1.0), (3, 1.26)]])
     cost = {1: 8.0, 3: 9.8}.get  # 1.26 / 9.8 = 0.1286 vs 1 / 8 = 0.125: +3%
     assert choose_packed(one, cost) == [1] and choose_packed(one, cost, margin=0.05) == [0]
     assert choose_options(one, cost, margin=0.05) == [0]
-    chain = [[(1, 1.0), (6, 2.1)]]  # a lookup chain worth 2.1 tokens at 1.5x the cost: +40%
+    chain = _opts([[(1, 1.0), (6, 2.1)]])  # a lookup chain worth 2.1 tokens at 1.5x the cost: +40%
     assert choose_packed(chain, {1: 8.0, 6: 12.0}.get, margin=0.05) == [1]
-    two = [[(1, 1.0), (5, 2.5)], [(1, 1.0), (5, 1.2)]]
+    two = _opts([[(1, 1.0), (5, 2.5)], [(1, 1.0), (5, 1.2)]])
     assert choose_packed(two, lambda n: 10 + n, margin=0.05) == [1, 0]  # 0.219 / 1.05 still beats 0.167
 
 
@@ -125,6 +131,6 @@ def test_an_unmeasured_fallback_path_drafts_nothing():
     chain whose every draft would be accepted (w tokens for width w)."""
     from trserve.engine.tuning.cost import unmeasured_cost
 
-    opts = [[(1, 1.0), (4, 4.0), (16, 9.0)], [(1, 1.0), (8, 8.0)]]
+    opts = _opts([[(1, 1.0), (4, 4.0), (16, 9.0)], [(1, 1.0), (8, 8.0)]])
     assert choose_options(opts, lambda w: unmeasured_cost(w, 512)) == [0, 0]
     assert choose_packed(opts, lambda n: unmeasured_cost(n, 512)) == [0, 0]

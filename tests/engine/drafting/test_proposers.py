@@ -8,7 +8,8 @@ from __future__ import annotations
 import torch
 
 from trserve.engine.engine import BatchEngine, EngineConfig
-from trserve.engine.drafting.proposers import PROPOSERS, StepInfo
+from trserve.engine.drafting.budget.choose import PLAIN, Option
+from trserve.engine.drafting.proposers import PROPOSERS, Offer, StepInfo
 from trserve.engine.drafting.step import SOURCES, Draft
 from trserve.engine.tuning.online import StepPlan
 
@@ -23,20 +24,24 @@ class Echo:
         self.budget, self.shapes = budget, shapes
         self.learnt: list[tuple[int, int]] = []  # (drafted, accepted) per verified draft
 
-    def takes(self, live) -> bool:
-        return len(live.generated) >= self.n
+    def takes(self, seq) -> bool:
+        return len(seq.generated) >= self.n
 
-    def offer(self, live, step: StepInfo):
-        chain = live.generated[-self.n:]
-        return chain, [(1, 1.0, 1, 0), (1 + len(chain), 1.5, 1 + len(chain), 0)]  # plain, or the chain
+    def start(self, seq) -> None:
+        return None
 
-    def draft(self, live, stage, option) -> Draft:
-        tree = self.shapes.of_parents(live.tree.template, [0] + list(range(len(stage))))  # a chain from the root
-        tokens = torch.tensor([live.root, *stage], dtype=torch.long, device=self.shapes.device)
+    def offer(self, seq, step: StepInfo) -> Offer:
+        chain = seq.generated[-self.n:]
+        options = [PLAIN, Option(1 + len(chain), 1.5, 1 + len(chain))]  # plain, or the chain
+        return Offer(self.budget.price(seq, options, step), lambda option: self._draft(seq, chain))
+
+    def _draft(self, seq, chain: list[int]) -> Draft:
+        tree = self.shapes.of_parents(seq.tree.template, [0] + list(range(len(chain))))  # a chain from the root
+        tokens = torch.tensor([seq.root, *chain], dtype=torch.long, device=self.shapes.device)
         context = SOURCES.index("context")
-        return Draft(tokens, tree, StepPlan(tree, None, explore=False), None, (0,) + (context,) * len(stage))
+        return Draft(tokens, tree, StepPlan(tree, None, explore=False), None, (0,) + (context,) * len(chain))
 
-    def learn(self, live, draft, acc) -> None:
+    def learn(self, seq, draft, acc, past) -> None:
         self.learnt.append((draft.tokens.shape[0] - 1, len(acc.path) - 1))
 
 
