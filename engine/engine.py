@@ -107,8 +107,8 @@ class BatchEngine:
                        rates_key=(tenant, tree.template if tree else None), deltas=text)
         self.scheduler.check_fits(seq)
         if req.mode == "tr":
-            seq.session = d.draft_source(matrix).open(tree, d.spec)
-            seq.lookup = ContextLookup(list(prepared.ids), max_ngram=len(tree.template.lookup))
+            seq.drafting.session = d.draft_source(matrix).open(tree, d.spec)
+            seq.drafting.lookup = ContextLookup(list(prepared.ids), max_ngram=len(tree.template.lookup))
         self.scheduler.enqueue(seq)
 
     def stream(self, prepared: PreparedRequest, *, cancelled: Callable[[], bool] | None = None,
@@ -193,7 +193,7 @@ class BatchEngine:
             self.prefix.clear()
         for seq in self.scheduler.clear():
             end_session(seq, whole=False)
-            seq.emit(exc)
+            seq.caller.emit(exc)
 
     # ---- one step --------------------------------------------------------------------------------
     def longest_step_s(self, prompt_tokens: int | None = None) -> float:
@@ -240,31 +240,31 @@ class BatchEngine:
 
     def _prefill_chunk(self, seq: Sequence) -> int:
         """The next chunk of `seq`'s prompt (the first one after any cached prefix); returns its length."""
-        ids, d = seq.prepared.ids, self.target
+        ids, d, place, drafting = seq.prepared.ids, self.target, seq.place, seq.drafting
         p, echo = len(ids), seq.prompt_logprobs is not None  # echo: every position's logits
-        if seq.done == 0:
+        if place.done == 0:
             if self.prefix is not None and not echo:  # a cached prefix of its tenant's, loaded into its row
-                seq.done = seq.cached = self.prefix.reuse(seq.tenant, ids, self.runner.kv, seq.row)
-            if seq.session is not None:  # prompt seeding (tr/seeding.py), scaled by the share of tree steps
+                place.done = place.cached = self.prefix.reuse(seq.tenant, ids, self.runner.kv, place.row)
+            if drafting.session is not None:  # prompt seeding (tr/seeding.py), scaled by the share of tree steps
                 share = self.budget.tree_share if self.config.batch_aware else 1.0
-                seq.seeding = PromptSeeding.plan(list(ids), seq.done, round(d.config.seed_from_prompt * share),
-                                                  seq.session.known_rows)
-        c = min(self.config.prefill_chunk, p - seq.done)
-        chunk = torch.tensor(ids[seq.done : seq.done + c], device=d.device)
-        seeded = seq.seeding.in_chunk(seq.done, c) if seq.seeding is not None else []  # seed the matrix
-        last = [c - 1] if seq.done + c == p and (not seeded or seeded[-1] != c - 1) else []
+                drafting.seeding = PromptSeeding.plan(list(ids), place.done, round(d.config.seed_from_prompt * share),
+                                                      drafting.session.known_rows)
+        c = min(self.config.prefill_chunk, p - place.done)
+        chunk = torch.tensor(ids[place.done : place.done + c], device=d.device)
+        seeded = drafting.seeding.in_chunk(place.done, c) if drafting.seeding is not None else []  # seed the matrix
+        last = [c - 1] if place.done + c == p and (not seeded or seeded[-1] != c - 1) else []
         need = list(range(c)) if echo else seeded + last  # + the prompt's last (the first token's)
         t0 = time.perf_counter()
-        logits = self.runner.prefill(seq.row, chunk, torch.tensor(need, dtype=torch.long, device=d.device))  # [m, V]
-        seq.prefill_token_s = (time.perf_counter() - t0) / c
+        logits = self.runner.prefill(place.row, chunk, torch.tensor(need, dtype=torch.long, device=d.device))  # [m, V]
+        seconds = time.perf_counter() - t0
         if seeded:
             at = seeded if echo else list(range(len(seeded)))  # their rows of `logits`
             known = self.runner.last_topk[at] if self.runner.last_topk is not None else None
-            seq.seeding.take(chunk[seeded], logits[at], known, d.config.k, self.top_probs)
+            drafting.seeding.take(chunk[seeded], logits[at], known, d.config.k, self.top_probs)
         if echo:  # row q predicts prompt token done + q + 1
-            record_prompt_logprobs(seq, logits, ids[seq.done + 1: seq.done + c + 1])
-        seq.done += c
-        if seq.done == p:
+            record_prompt_logprobs(seq, logits, ids[place.done + 1: place.done + c + 1])
+        place.prefilled(c, seconds)
+        if place.done == p:
             self._start(seq, logits[-1:])
         return c
 
@@ -273,12 +273,12 @@ class BatchEngine:
         self.scheduler.join(seq)
         if self.prefix is not None:  # its tenant's waiting prompts that share its prefix (n > 1) prefill it once
             self.prefix.share(seq.tenant, seq.prepared.ids, self.scheduler.waiting_prompts(seq.tenant),
-                              self.runner.kv, seq.row, seq.cached)
+                              self.runner.kv, seq.place.row, seq.place.cached)
         seq.root = int(choose(last, seq.sampler, 0, rules=seq.rules, contexts=[[]])[0])
-        if seq.seeding is not None:
-            seq.recycled = seq.seeding.take_rows()
-        seq.text = TextStream(self.target.tokenizer) if seq.deltas else None
-        seq.prefill_s = time.perf_counter() - seq.t0
+        if seq.drafting.seeding is not None:
+            seq.drafting.recycled = seq.drafting.seeding.take_rows()
+        seq.caller.text = TextStream(self.target.tokenizer) if seq.caller.deltas else None
+        seq.place.prefill_s = time.perf_counter() - seq.caller.t0
         self._emit(seq, record_logprobs(seq, last, seq.commit([seq.root])))
 
     def _run(self) -> tuple:
@@ -286,7 +286,7 @@ class BatchEngine:
         running = self.scheduler.running
         drafts, inputs, spent = self.drafter.drafts(running, self.steps, self.scheduler.mean_kv())
         t0 = time.perf_counter()
-        logits = self.runner.step(inputs, probs=any(seq.session is not None for seq in running))  # per row [w_b, V]
+        logits = self.runner.step(inputs, probs=any(seq.drafting.session is not None for seq in running))  # per row [w_b, V]
         self.budget.costs.measured(self.drafter.width, self.scheduler.mean_kv(), time.perf_counter() - t0)
         tops = self.runner.last_topk or [None] * len(logits)  # per row [w_b, k] where the forward computed them
         probs = self.runner.last_probs or [None] * len(logits)  # per row [w_b, k]: their confidences, likewise
@@ -297,17 +297,17 @@ class BatchEngine:
         commit, emit; then the KV keeps only each row's accepted path."""
         running, budget = self.scheduler.running, self.budget
         keep, k = [], self.target.config.k
-        at = [i for i, (seq, draft) in enumerate(zip(running, drafts)) if draft is None and seq.session is not None]
+        at = [i for i, (seq, draft) in enumerate(zip(running, drafts)) if draft is None and seq.drafting.session is not None]
         plain_rows = iter(root_rows([logits[i] for i in at], [tops[i] for i in at], [probs[i] for i in at], k,
                                     self.top_probs))  # recycled like any verified node's
         for seq, draft, lg, top, q, spent in zip(running, drafts, logits, tops, probs, spent_drafting):
-            plain = next(plain_rows) if draft is None and seq.session is not None else None
+            plain = next(plain_rows) if draft is None and seq.drafting.session is not None else None
             keep.append([0])  # a request that fails here keeps its root alone until it retires
             if seq.error is not None:  # failed while drafting
                 continue
             with alone(seq):
                 keep[-1] = self._accept(seq, draft, lg, top, q, plain, spent)
-        budget.trees_verified(sum(seq.session is not None for seq in running), sum(d is not None for d in drafts))
+        budget.trees_verified(sum(seq.drafting.session is not None for seq in running), sum(d is not None for d in drafts))
         self.runner.keep(keep)
 
     def _accept(self, seq: Sequence, draft, lg: torch.Tensor, top, q, plain, spent: float) -> list[int]:
@@ -317,11 +317,11 @@ class BatchEngine:
             chosen = choose(lg, seq.sampler, len(seq.generated), top, seq.rules, [seq.generated])
             new, path = [int(chosen[0])], [0]
             if plain is not None:  # the root's top-k is recycled like any verified node's
-                seq.plain.append((seq.root, *plain))
+                seq.drafting.plain.append((seq.root, *plain))
         else:
-            acc, seq.recycled = accept_step(seq, draft, lg, k, top, self.top_probs if q is None else q)
+            acc, seq.drafting.recycled = accept_step(seq, draft, lg, k, top, self.top_probs if q is None else q)
             new, path = acc.tokens, acc.path
-            self.drafter.learn(seq, draft, acc, self.runner.kv.length(seq.row))
+            self.drafter.learn(seq, draft, acc, self.runner.kv.length(seq.place.row))
         new = record_logprobs(seq, lg, seq.commit(new), path)  # the logits row path[i] chose new[i]
         seq.accepted_per_step.append(len(new))
         seq.root = new[-1] if new else seq.root
@@ -337,14 +337,14 @@ class BatchEngine:
     def _emit(self, seq: Sequence, new: list[int]) -> None:
         if new:
             logprobs = tuple(seq.logprobs[-len(new):]) if seq.logprobs is not None else None
-            text = seq.text.delta(seq.generated, cut=seq.stops.cut_text) if seq.text is not None else ""
-            seq.emit(StepChunk(tokens=new, text=text, logprobs=logprobs))
+            text = seq.caller.text.delta(seq.generated, cut=seq.stops.cut_text) if seq.caller.text is not None else ""
+            seq.caller.emit(StepChunk(tokens=new, text=text, logprobs=logprobs))
 
     def _retire(self, done: list[Sequence]) -> None:
         if self.prefix is not None:  # their rows (prompt and committed tokens) for their tenants' next prompts
             for seq in done:
                 if seq.error is None:  # a failed request's row may hold more than its committed tokens
-                    self.prefix.keep(seq.tenant, list(seq.prepared.ids) + seq.generated, self.runner.kv, seq.row)
+                    self.prefix.keep(seq.tenant, list(seq.prepared.ids) + seq.generated, self.runner.kv, seq.place.row)
         self.scheduler.retire(done)
         for seq in done:
             self._finish(seq)
@@ -356,25 +356,25 @@ class BatchEngine:
         self.scheduler.release(seq)
         if seq.error is not None:  # it ended alone: its rows are not recycled, its caller gets the error
             end_session(seq, whole=False)
-            seq.emit(seq.error)
+            seq.caller.emit(seq.error)
             return
         try:
             result = self._result(seq)
         except Exception as exc:  # noqa: BLE001 - the caller maps it to a status
             log.exception("finishing a request failed; its caller gets the error")
             result = exc
-        seq.emit(result)
+        seq.caller.emit(result)
 
     def _result(self, seq: Sequence) -> GenerationResult:
         d = self.target
         info = None
-        if seq.session is not None:
+        if seq.drafting.session is not None:
             end_session(seq, whole=True)
-            info = seq.session.info()
-        decode_s = time.perf_counter() - seq.t0 - seq.prefill_s
+            info = seq.drafting.session.info()
+        decode_s = time.perf_counter() - seq.caller.t0 - seq.place.prefill_s
         text = seq.stops.cut_text(d.tokenizer.decode(seq.generated, skip_special_tokens=True))
-        tree = d.tree_name(seq.tree, seq.tuner) if seq.session is not None else "none"
-        stats = GenerationStats.build(seq, seq.prefill_s, decode_s, info, tree, seq.cached)
+        tree = d.tree_name(seq.drafting.tree, seq.drafting.tuner) if seq.drafting.session is not None else "none"
+        stats = GenerationStats.build(seq, seq.place.prefill_s, decode_s, info, tree, seq.place.cached)
         return GenerationResult(ids=seq.generated, text=text, finish_reason=seq.finish_reason or "cancelled",
                                 stats=stats, logprobs=tuple(seq.logprobs) if seq.logprobs is not None else None,
                                 prompt_logprobs=tuple(seq.prompt_logprobs) if seq.prompt_logprobs is not None else None)

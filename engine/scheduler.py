@@ -92,7 +92,7 @@ class Scheduler:
         self.config, self.kv = config, kv
         self.waiting: deque[Sequence] = deque()
         self.prefills: list[Sequence] = []  # admitted, prompts in progress: rows active .. active + P - 1
-        self.running: list[Sequence] = []  # running[i].row == i
+        self.running: list[Sequence] = []  # running[i].place.row == i
         self.reserved = 0  # KV tokens the admitted sequences reserve
         self._lock = threading.Condition()
         self._stop = False
@@ -112,7 +112,7 @@ class Scheduler:
     def _check_tenant(self, seq: Sequence) -> None:
         """ResourceExhausted where `seq`'s tenant already has prompts queued and `seq`'s would take it
         past max_tenant_prompt_tokens (under the lock)."""
-        queued = sum(x.prompt_len - x.done for x in (*self.prefills, *self.waiting) if x.tenant == seq.tenant)
+        queued = sum(x.prompt_len - x.place.done for x in (*self.prefills, *self.waiting) if x.tenant == seq.tenant)
         bound = self.config.max_tenant_prompt_tokens
         if queued and queued + seq.prompt_len > bound:
             raise ResourceExhausted(f"tenant {seq.tenant or 'default'!r} has {queued} prompt tokens queued; with this "
@@ -183,8 +183,8 @@ class Scheduler:
                         self.reserved + head.reserved > self.config.max_batch_tokens:
                     break
                 self.waiting.popleft()
-                head.row = self.kv.active + len(self.prefills)
-                self.kv.open_row(head.row)
+                head.place.row = self.kv.active + len(self.prefills)
+                self.kv.open_row(head.place.row)
                 self.reserved += head.reserved
                 self.prefills.append(head)
         return gone
@@ -193,16 +193,16 @@ class Scheduler:
         """Lower first. A prompt that has waited max(4, P) steps or more since its last chunk goes first,
         the longest waiting first; else the fewest chunks left less the steps waited; then arrival."""
         starved = max(4, len(self.prefills))
-        if seq.prefill_waited >= starved:
-            return 0, -seq.prefill_waited, seq.t0
-        return 1, seq.prefill_chunks_left - seq.prefill_waited, seq.t0
+        if seq.place.prefill_waited >= starved:
+            return 0, -seq.place.prefill_waited, seq.caller.t0
+        return 1, seq.place.prefill_chunks_left - seq.place.prefill_waited, seq.caller.t0
 
     def next_chunk_s(self, seq: Sequence) -> float:
         """What `seq`'s next prefill chunk should take, at the rate its last chunk ran (chunks only get
         deeper); 0 before its first."""
-        if not seq.prefill_token_s:
+        if not seq.place.prefill_token_s:
             return 0.0
-        return seq.prefill_token_s * min(self.config.prefill_chunk, seq.prompt_len - seq.done)
+        return seq.place.prefill_token_s * min(self.config.prefill_chunk, seq.prompt_len - seq.place.done)
 
     def longest_step_s(self, times: StepTimes, prompt_tokens: int | None = None) -> float:
         """How long a step may take now (what a caller's deadline must keep in hand): two decoding steps,
@@ -217,20 +217,20 @@ class Scheduler:
         """The prompt to prefill a chunk of (at most `chunk` tokens) this step, or None; the others
         count a step waited."""
         for seq in self.prefills:
-            seq.prefill_chunks_left = -(-(seq.prompt_len - seq.done) // chunk)
+            seq.place.prefill_chunks_left = -(-(seq.prompt_len - seq.place.done) // chunk)
         seq = self.prefilling
         for other in self.prefills:
-            other.prefill_waited = 0 if other is seq else other.prefill_waited + 1
+            other.place.prefill_waited = 0 if other is seq else other.place.prefill_waited + 1
         return seq
 
     def join(self, seq: Sequence) -> None:
         """`seq`'s prompt is in: it leaves the prompts in progress and runs, at row `active`."""
         active = self.kv.active
-        if seq.row != active:  # the prompt in progress that holds row `active` takes seq's row
-            holder = next(x for x in self.prefills if x.row == active)
-            self.kv.swap_rows(seq.row, active)
-            holder.row, seq.row = seq.row, active
-        self.kv.activate(seq.row)
+        if seq.place.row != active:  # the prompt in progress that holds row `active` takes seq's row
+            holder = next(x for x in self.prefills if x.place.row == active)
+            self.kv.swap_rows(seq.place.row, active)
+            holder.place.row, seq.place.row = seq.place.row, active
+        self.kv.activate(seq.place.row)
         self.prefills.remove(seq)
         self.running.append(seq)
 
@@ -240,7 +240,7 @@ class Scheduler:
         gone = [x for x in self.prefills if x.stopping(ahead(x))]
         for seq in gone:
             self.prefills.remove(seq)
-            self.kv.open_row(seq.row)  # empty: nothing of it is read again
+            self.kv.open_row(seq.place.row)  # empty: nothing of it is read again
         if gone:
             self._compact_prefills()
         return gone
@@ -252,7 +252,7 @@ class Scheduler:
             moved = self.kv.close_row(row)
             if moved is not None:
                 self.running[row] = self.running[moved]
-                self.running[row].row = row
+                self.running[row].place.row = row
             self.running.pop()
         if done:
             self._compact_prefills()
@@ -260,18 +260,18 @@ class Scheduler:
     def _compact_prefills(self) -> None:
         """The prompts in progress onto rows active .. active + P - 1 (those outside move into the gaps)."""
         targets = range(self.kv.active, self.kv.active + len(self.prefills))
-        free = sorted(set(targets) - {x.row for x in self.prefills})
+        free = sorted(set(targets) - {x.place.row for x in self.prefills})
         for seq in self.prefills:
-            if seq.row not in targets:
+            if seq.place.row not in targets:
                 row = free.pop(0)
-                self.kv.move_row(seq.row, row)
-                seq.row = row
+                self.kv.move_row(seq.place.row, row)
+                seq.place.row = row
 
     def release(self, seq: Sequence) -> None:
         """`seq` leaves the engine: its reservation returns to the budget."""
-        if seq.reserved and seq.row >= 0:
+        if seq.reserved and seq.place.row >= 0:
             self.reserved -= seq.reserved
-            seq.row = -1
+            seq.place.row = -1
 
     def mean_kv(self) -> int:
         """The running sequences' mean KV length: where the cost model is read this step."""

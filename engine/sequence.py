@@ -1,5 +1,6 @@
 """One request in flight, the only object per request: its prepared request, what it committed, and
-what the engine, the scheduler and its draft method hold for it while it runs."""
+what the engine, the scheduler and its draft method hold for it while it runs, in named parts
+(Caller, Place, Drafting)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 from ..core.errors import TRServeError
 
@@ -42,10 +44,72 @@ def alone(seq: Sequence) -> Iterator[None]:
         seq.fail(exc)
 
 
+@dataclass
+class Caller:
+    """Who waits for a request in the engine: where its chunks and result go, and what ends it early."""
+
+    emit: Callable | None = None  # its StepChunks, then its GenerationResult (or the exception of a failed step)
+    cancelled: Callable[[], bool] | None = None
+    deadline: float | None = None  # time.monotonic() it must end by
+    deltas: bool = True  # its StepChunks carry text (False: a caller reading only the result's)
+    text: TextStream | None = None  # the deltas' state, while they are sent
+    t0: float = field(default_factory=time.perf_counter)
+
+    def ends(self, ahead: float = 0.0) -> str | None:
+        """"cancelled", "time_limit" (past the deadline, or past it `ahead` seconds from now), or None."""
+        if self.cancelled is not None and self.cancelled():
+            return "cancelled"
+        if self.deadline is not None and time.monotonic() + ahead > self.deadline:
+            return "time_limit"
+        return None
+
+
+@dataclass
+class Place:
+    """A request's KV row and its prompt's prefill progress (the scheduler's and the engine's)."""
+
+    row: int = -1  # its KV row while admitted
+    done: int = 0  # prompt tokens prefilled
+    cached: int = 0  # of those, taken from the prefix cache (engine/prefix_cache.py)
+    prefill_s: float = 0.0
+    prefill_token_s: float = 0.0  # seconds per token of its last prefill chunk (0 before the first)
+    prefill_chunks_left: int = 0  # chunks of its prompt still to prefill, and steps since its last
+    prefill_waited: int = 0  # chunk while it prefills (the scheduler's fair order: scheduler.py)
+
+    def prefilled(self, tokens: int, seconds: float) -> None:
+        """A chunk of `tokens` prompt tokens went in, in `seconds`."""
+        self.done += tokens
+        self.prefill_token_s = seconds / tokens
+
+
+@dataclass
+class Drafting:
+    """What a TR request drafts from and owes: its tree, its draft session, the proposer drafting it and
+    that proposer's own state, and the rows its steps recycled that its session has not taken yet."""
+
+    tree: CompiledTree | None = None  # the tree it drafts (None: plain decoding)
+    tuner: OnlineTuner | None = None  # adaptive tree: plans each step, records exploration steps
+    log: AcceptanceLog | None = None  # per-step records for the caller's tree optimiser
+    rates_key: tuple = ("", None)  # (tenant, tree template): whose acceptance rates its drafts use and feed
+    session: DraftSession | None = None  # None for plain decoding
+    lookup: ContextLookup | None = None  # prompt + output so far, for hybrid drafting (TR only)
+    proposer: object = None  # the draft method drafting it this step (engine/drafting/proposers/); None: plain
+    state: object = None  # what that proposer keeps for it (e.g. proposers/grown.py:Trust); theirs only
+    seeding: PromptSeeding | None = None  # its prompt seeding while it prefills (tr/seeding.py)
+    recycled: RecycledRows | None = None  # its last tree step's rows, not yet with its session
+    plain: list = field(default_factory=list)  # (root, its top-k [K], their probs [K]) of plain steps since
+
+    def take_rows(self) -> tuple[RecycledRows | None, list]:
+        """The rows it owes its session (its last tree step's, its plain steps'); it owes none after."""
+        rows = self.recycled, self.plain
+        self.recycled, self.plain = None, []
+        return rows
+
+
 class Sequence:
-    """Committed tokens and their stop/length bookkeeping, the request's sampling and rules; in the
-    engine also its place (KV row, prefill progress), its caller (emit, cancellation, deadline) and its
-    drafting (session, the proposer drafting it and that proposer's own state, rows owed)."""
+    """One request in the engine: its prepared request, its sampling and rules, the tokens it committed
+    and their stop/length bookkeeping, and three parts: `caller` (emit, cancellation, deadline),
+    `place` (KV row, prefill progress) and `drafting` (tree, session, proposer and its state, rows owed)."""
 
     def __init__(self, prepared: PreparedRequest, stops: StopChecker, sampler: Sampler | None,
                  log: AcceptanceLog | None = None, tuner: OnlineTuner | None = None, device=None, *,
@@ -55,9 +119,6 @@ class Sequence:
         self.prepared = prepared
         self.stops = stops
         self.sampler = sampler
-        self.log = log  # per-step records for the caller's tree optimiser
-        self.tuner = tuner  # adaptive tree: plans each step, records exploration steps
-        self.lookup: ContextLookup | None = None  # prompt + output so far, for hybrid drafting (TR only)
         self.generated: list[int] = []
         self.accepted_per_step: list[int] = []
         # per draft source (engine/drafting/step.py:SOURCES): draft tokens verified, and of those accepted
@@ -74,49 +135,27 @@ class Sequence:
             [TokenLogprob(prepared.ids[0], None)] if prepared.request.prompt_logprobs is not None else None)
         self.finish_reason: str | None = None
         self.error: Exception | None = None  # what ended it alone (its grammar, its rules): its caller gets it
-        # ---- in the engine (engine/engine.py, engine/scheduler.py) ----
-        self.emit = emit  # its StepChunks, then its GenerationResult (or the exception of a failed step)
-        self.tree = tree  # the tree it drafts (None: plain decoding)
-        self.cancelled, self.deadline = cancelled, deadline
-        self.rates_key = rates_key  # (tenant, tree template): whose acceptance rates its drafts use and feed
-        self.deltas = deltas  # its StepChunks carry text (False: a caller reading only the result's)
-        self.text: TextStream | None = None  # the deltas' state, while they are sent
-        self.t0 = time.perf_counter()
-        self.prefill_s = 0.0
-        self.prefill_token_s = 0.0  # seconds per token of its last prefill chunk (0 before the first)
-        self.done = 0  # prompt tokens prefilled
-        self.prefill_chunks_left = 0  # chunks of its prompt still to prefill, and steps since its last
-        self.prefill_waited = 0  # chunk while it prefills (the scheduler's fair order: scheduler.py)
-        self.cached = 0  # of those, taken from the prefix cache (engine/prefix_cache.py)
-        self.row = -1  # its KV row while admitted
         self.root = 0  # the last committed token: the next tree's root
-        # ---- drafting (TR) ----
-        self.session: DraftSession | None = None  # None for plain decoding
-        self.proposer = None  # the draft method drafting it this step (engine/drafting/proposers/); None: plain
-        self.drafting = None  # what that proposer keeps for it (e.g. proposers/grown.py:Trust); theirs only
-        self.seeding: PromptSeeding | None = None  # its prompt seeding while it prefills (tr/seeding.py)
-        self.recycled: RecycledRows | None = None  # its last tree step's rows, not yet with its session
-        self.plain: list = []  # (root, its top-k [K], their probs [K]) of plain steps since, likewise
+        self.caller = Caller(emit, cancelled, deadline, deltas)
+        self.place = Place()
+        self.drafting = Drafting(tree, tuner, log, rates_key)
 
     @property
     def tenant(self) -> str:
-        return self.rates_key[0]
+        return self.drafting.rates_key[0]
 
     @property
     def reserved(self) -> int:
         """KV tokens it may take: prompt, new tokens and its widest tree step."""
-        width = self.tree.template.max_width if self.tree is not None else 1
+        tree = self.drafting.tree
+        width = tree.template.max_width if tree is not None else 1
         return self.prompt_len + self.max_new_tokens + width
 
     def stopping(self, ahead: float = 0.0) -> bool:
         """Finished, or cancelled / past its deadline, or past it `ahead` seconds from now (what its
         next step would take): then its finish reason is set here."""
-        if self.finish_reason is not None:
-            return True
-        if self.cancelled is not None and self.cancelled():
-            self.finish_reason = "cancelled"
-        elif self.deadline is not None and time.monotonic() + ahead > self.deadline:
-            self.finish_reason = "time_limit"
+        if self.finish_reason is None:
+            self.finish_reason = self.caller.ends(ahead)
         return self.finish_reason is not None
 
     def fail(self, exc: Exception) -> None:
@@ -152,8 +191,8 @@ class Sequence:
         elif reason:
             self.finish_reason = reason
         self.generated.extend(kept)
-        if self.lookup is not None:
-            self.lookup.extend(kept)
+        if self.drafting.lookup is not None:
+            self.drafting.lookup.extend(kept)
         return kept
 
     def __repr__(self) -> str:

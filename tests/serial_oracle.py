@@ -44,7 +44,7 @@ def _decode(target: TargetModel, runner: ModelRunner, seq: Sequence, source, tre
     recycled = recycle_rows(prompt[-seed:], logits, k, list(range(seed)), runner.last_topk) if seed else None
     session = source.open(tree, target.spec) if source else None
     if session is not None:
-        seq.lookup = ContextLookup(ids, max_ngram=len(tree.template.lookup))
+        seq.drafting.lookup = ContextLookup(ids, max_ngram=len(tree.template.lookup))
     seq.commit([root])
     while seq.finish_reason is None:
         if session is None:

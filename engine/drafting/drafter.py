@@ -58,9 +58,9 @@ class Drafter:
         proposer starting on `seq` gives it its state first (Proposer.start)."""
         offer = PLAIN_OFFER
         with alone(seq):  # a request whose drafting fails ends alone (a plain row until it retires)
-            proposer = None if seq.session is None else next(p for p in self.proposers if p.takes(seq))
-            if proposer is not seq.proposer:
-                seq.proposer, seq.drafting = proposer, None if proposer is None else proposer.start(seq)
+            proposer = None if seq.drafting.session is None else next(p for p in self.proposers if p.takes(seq))
+            if proposer is not seq.drafting.proposer:
+                seq.drafting.proposer, seq.drafting.state = proposer, None if proposer is None else proposer.start(seq)
             if proposer is not None:
                 offer = proposer.offer(seq, step)
         return offer
@@ -68,8 +68,8 @@ class Drafter:
     def _draft(self, seq: Sequence, offer: Offer, option: Option) -> Draft | None:
         """`seq`'s draft at the chosen option, shaped by its grammar where it has one (None: plain)."""
         draft = None if option.width == 1 else offer.draft(option)
-        if seq.proposer is not None and seq.grammar is not None and self.budget.config.grammar_drafting:
-            template = seq.tree.template
+        if seq.drafting.proposer is not None and seq.grammar is not None and self.budget.config.grammar_drafting:
+            template = seq.drafting.tree.template
             draft = constrained_draft(draft, seq.grammar, seq.root, template.max_width - 1,
                                       lambda parent: self.shapes.of_parents(template, parent))
         return draft
@@ -79,7 +79,7 @@ class Drafter:
         """A verified draft's outcome (`past`: the KV length before the step) to the proposer that
         drafted it; a draft the request's grammar changed says nothing about its unconstrained drafts."""
         if not draft.constrained:
-            seq.proposer.learn(seq, draft, acc, past)
+            seq.drafting.proposer.learn(seq, draft, acc, past)
 
     def _plain_input(self, root: int) -> RowInput:
         """One token at depth 0 seeing itself: the depth and mask are the same every step (read only)."""

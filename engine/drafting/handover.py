@@ -19,15 +19,15 @@ def end_session(seq: Sequence, whole: bool) -> None:
     tenant's history and hands over its last rows; a failed one hands over nothing. Neither can fail
     the request: its output is whole (history and rows are optimisations), or its caller hears of its
     own failure."""
-    if seq.session is None:
+    if seq.drafting.session is None:
         return
     if whole and seq.generated:
         try:
-            seq.session.remember(list(seq.prepared.ids) + seq.generated)
+            seq.drafting.session.remember(list(seq.prepared.ids) + seq.generated)
         except Exception:  # noqa: BLE001
             log.exception("adding a request to its tenant's history failed")
     try:
-        seq.session.close(pending(seq) if whole else None)
+        seq.drafting.session.close(pending(seq) if whole else None)
     except Exception:  # noqa: BLE001
         log.exception("closing a request's draft session failed; its last rows are not recycled")
 
@@ -35,8 +35,7 @@ def end_session(seq: Sequence, whole: bool) -> None:
 def pending(seq: Sequence) -> RecycledRows | None:
     """Takes the rows `seq` has not handed to its session yet: its last tree step's, then its plain
     steps' (for a token in both, the later row wins); `seq` holds none afterwards."""
-    last, plain = seq.recycled, seq.plain
-    seq.recycled, seq.plain = None, []
+    last, plain = seq.drafting.take_rows()
     if not plain:
         return last
     topk = torch.stack([r for _, r, _ in plain])  # [m, K]

@@ -55,7 +55,7 @@ def draft_step(seq: Sequence, drafted: torch.Tensor, plan: StepPlan, proposal: P
     if not lookup:
         proposal = None
     elif proposal is None:
-        proposal = seq.lookup.propose(base.template.lookup)
+        proposal = seq.drafting.lookup.propose(base.template.lookup)
     if proposal is None:
         return Draft(tokens, base, plan, None)
     tokens, verify, grafted = graft(tokens, base, proposal.tokens, proposal.ngram)  # [n + chain]

@@ -95,7 +95,7 @@ def test_a_request_learns_its_trust_from_its_own_verified_trees(tiny):
 
     def spy(seq, draft, acc, past):
         learn(seq, draft, acc, past)
-        seen.append((seq.drafting.predicted, seq.drafting.realized))  # the grown proposer's own state
+        seen.append((seq.drafting.state.predicted, seq.drafting.state.realized))  # the grown proposer's own state
 
     engine.drafter.learn = spy
     _submit(engine, tiny, _request(1), matrix=tiny.new_tenant())
@@ -121,7 +121,7 @@ def test_plain_rows_get_each_rows_own_confidences_from_the_forward(decoder):
     with engine.stepping():
         logits = engine.runner.step([engine.drafter._plain_input(live.root) for live in running], probs=True)
         tops = engine.runner.last_topk
-        tr = [i for i, live in enumerate(running) if live.session is not None]  # the rows the engine recycles
+        tr = [i for i, live in enumerate(running) if live.drafting.session is not None]  # the rows the engine recycles
         probs = engine.runner.last_probs
         got = root_rows([logits[i] for i in tr], [tops[i] for i in tr], [probs[i] for i in tr],
                         decoder.config.k, engine.top_probs)

@@ -128,7 +128,7 @@ def test_cancel_and_deadline_free_the_row_at_the_next_step(tiny):
     _run(engine, until=lambda: len(engine.running) == 3)
     reserved = engine.reserved
     flags["cancel"] = True
-    engine.running[2].deadline = 0.0  # now past
+    engine.running[2].caller.deadline = 0.0  # now past
     _run(engine, limit=1)
     assert engine.runner.kv.active == 1 and len(engine.running) == 1 and engine.reserved < reserved
     assert gone[-1].finish_reason == "cancelled" and late[-1].finish_reason == "time_limit"
@@ -177,13 +177,13 @@ def test_a_prompt_whose_next_chunk_would_end_past_its_deadline_stops_before_the_
     with torch.inference_mode():
         engine.step()  # its first chunk: its per-token rate is measured
     live = engine.prefilling
-    assert live.done == 8 and live.prefill_token_s > 0
+    assert live.place.done == 8 and live.place.prefill_token_s > 0
     # the deadline falls inside the next chunk (as the rate measured): it stops now, before the deadline
-    live.prefill_token_s = 1.0  # the next 8 tokens would take 8 s
-    live.deadline = time.monotonic() + 4.0
+    live.place.prefill_token_s = 1.0  # the next 8 tokens would take 8 s
+    live.caller.deadline = time.monotonic() + 4.0
     _run(engine, limit=1)
     assert out[-1].finish_reason == "time_limit" and out[-1].ids == []
-    assert time.monotonic() < live.deadline and engine.prefilling is None and engine.runner.kv.active == 0
+    assert time.monotonic() < live.caller.deadline and engine.prefilling is None and engine.runner.kv.active == 0
     # with room for the next chunk it goes on
     out = _submit(engine, tiny, GenerationRequest(input_ids=_prompt(4, 40), max_new_tokens=4, ignore_eos=True),
                   deadline=time.monotonic() + 3600)
@@ -216,7 +216,7 @@ def test_heavy_load_shrinks_trees_to_plain_steps(tiny):
     late = _submit(engine, tiny, GenerationRequest(input_ids=_prompt(9, 6), max_new_tokens=4, ignore_eos=True))
     with torch.inference_mode():
         engine.step()
-    assert engine.running[-1].seeding.n < tiny.config.seed_from_prompt
+    assert engine.running[-1].drafting.seeding.n < tiny.config.seed_from_prompt
     _run(engine)
     assert late[-1].stats.mat == 1.0
     flat = BatchEngine(tiny, EngineConfig(max_batch=8), cost=lambda w, kv: 1.0)  # free width: whole trees
@@ -236,7 +236,7 @@ def test_prompt_seeding_skips_rows_the_tenant_already_knows(tiny):
                       matrix=matrix)
         with torch.inference_mode():
             engine.step()  # the whole prompt in one chunk: it joins the batch
-        at = engine.running[-1].seeding.at
+        at = engine.running[-1].drafting.seeding.at
         _run(engine)
         assert out[-1].stats.generated_tokens == 3
         return [prompt[q] for q in at]

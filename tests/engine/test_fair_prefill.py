@@ -46,7 +46,7 @@ def test_a_short_prompt_is_not_queued_behind_long_ones(decoder) -> None:
             engine.submit(decoder.prepare(GenerationRequest(**kwargs)), emit(i), matrix=matrix)
         for _ in range(3):  # the long prompts are under way
             engine.step()
-        assert len(engine.scheduler.prefills) == 3 and any(0 < x.done for x in engine.scheduler.prefills)
+        assert len(engine.scheduler.prefills) == 3 and any(0 < x.place.done for x in engine.scheduler.prefills)
         submitted = engine.steps
         engine.submit(decoder.prepare(GenerationRequest(**short)), emit(4), matrix=matrix)
         while engine.running or engine.waiting or engine.prefilling:

@@ -19,14 +19,14 @@ class TenantRates:
 
     def calibration(self, seq: Sequence) -> Calibration:
         """The confidence calibration of `seq`'s tenant (created on first use)."""
-        calib = self._calib.get(seq.rates_key)
+        calib = self._calib.get(seq.drafting.rates_key)
         if calib is None:
-            calib = self._calib[seq.rates_key] = Calibration()
+            calib = self._calib[seq.drafting.rates_key] = Calibration()
         return calib
 
     def node_rates(self, seq: Sequence) -> NodeRates:
         """The acceptance records of `seq`'s tenant and base tree (created on first use)."""
-        rates = self._rates.get(seq.rates_key)
+        rates = self._rates.get(seq.drafting.rates_key)
         if rates is None:
-            rates = self._rates[seq.rates_key] = NodeRates(seq.tree.n)
+            rates = self._rates[seq.drafting.rates_key] = NodeRates(seq.drafting.tree.n)
         return rates

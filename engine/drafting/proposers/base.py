@@ -75,7 +75,7 @@ class Proposer(Protocol):
         ...
 
     def start(self, seq: Sequence) -> object:
-        """Its state for `seq` (None: it keeps none), kept in seq.drafting while it drafts `seq`."""
+        """Its state for `seq` (None: it keeps none), kept in seq.drafting.state while it drafts `seq`."""
         ...
 
     def offer(self, seq: Sequence, step: StepInfo) -> Offer:

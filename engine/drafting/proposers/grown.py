@@ -45,17 +45,19 @@ class GrownTrees:
 
     def takes(self, seq: Sequence) -> bool:
         """A dynamic tree, no tuner, and a session whose private copy holds the tenant's rows."""
-        return bool(seq.tree.template.dynamic) and seq.tuner is None and seq.session.local_drafts
+        drafting = seq.drafting
+        return bool(drafting.tree.template.dynamic) and drafting.tuner is None and drafting.session.local_drafts
 
     def start(self, seq: Sequence) -> Trust:
         return Trust()
 
     def offer(self, seq: Sequence, step: StepInfo) -> Offer:
-        trust = seq.drafting.value()
+        trust = seq.drafting.state.value()
         grown = self._grow(seq, step.floor, trust)
         options = self.budget.price(seq, self.options(grown, trust), step)
+        template = seq.drafting.tree.template
         return Offer(options, lambda option: grown_draft(
-            grown, option.size, self.shapes.of_parents(seq.tree.template, grown.parent[:option.size]), self.shapes.device))
+            grown, option.size, self.shapes.of_parents(template, grown.parent[:option.size]), self.shapes.device))
 
     @staticmethod
     def options(grown: Grown, trust: float = 1.0) -> list[Option]:
@@ -70,8 +72,8 @@ class GrownTrees:
         drafted tokens (its Trust)."""
         w = draft.tokens.shape[0]
         self.budget.rates.calibration(seq).record(draft.grown.bins[:w], draft.grown.parent[:w], acc.path)
-        seq.drafting.predicted += draft.grown.expected(w) - 1
-        seq.drafting.realized += len(acc.path) - 1
+        seq.drafting.state.predicted += draft.grown.expected(w) - 1
+        seq.drafting.state.realized += len(acc.path) - 1
 
     def _grow(self, seq: Sequence, floor: float, trust: float) -> Grown:
         """This step's grown tree for `seq`, or its root alone when no node can score `floor` (the
@@ -79,18 +81,18 @@ class GrownTrees:
         and a chain source whose calibrated best is below the floor is not even looked up, so a plain
         step stays nearly as cheap as an AR one. A tree takes the session's pending rows first, so it
         drafts from them at once; plain steps hand them over only every HAND_OVER rows."""
-        session = seq.session
-        m, template = session.matrix, seq.tree.template
+        session = seq.drafting.session
+        m, template = session.matrix, seq.drafting.tree.template
         rows, probs = m.host_views()  # [V, K] each
         calib = self.budget.rates.calibration(seq)
         chains = []
         if calib.best_rate(CONTEXT) >= floor:
-            chains.append(Chain.of(seq.lookup.propose(template.lookup), CONTEXT))
+            chains.append(Chain.of(seq.drafting.lookup.propose(template.lookup), CONTEXT))
         if calib.best_rate(HISTORY) >= floor:
             chains.append(self._history(seq))
         chains = [c for c in chains if c is not None]
         if best_first_score(rows, probs, seq.root, calib, chains) * trust < floor:
-            if len(seq.plain) >= HAND_OVER:
+            if len(seq.drafting.plain) >= HAND_OVER:
                 session.update(pending(seq))
             return Grown([seq.root], [0], [0], [-1], [1.0])
         session.update(pending(seq))
@@ -99,7 +101,8 @@ class GrownTrees:
     @staticmethod
     def _history(seq: Sequence) -> Chain | None:
         """A continuation from the tenant's earlier requests (its session's history), if it has one."""
-        history = seq.session.history
+        drafting = seq.drafting
+        history = drafting.session.history
         if history is None:
             return None
-        return Chain.of(history.propose(seq.lookup.tail(history.max_ngram), seq.tree.template.dynamic), HISTORY)
+        return Chain.of(history.propose(drafting.lookup.tail(history.max_ngram), drafting.tree.template.dynamic), HISTORY)

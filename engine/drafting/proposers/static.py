@@ -33,14 +33,14 @@ class StaticTree:
 
     def plan(self, seq: Sequence) -> StepPlan:
         """The base tree this step: the request's own."""
-        return StepPlan(seq.tree, None, explore=False)
+        return StepPlan(seq.drafting.tree, None, explore=False)
 
     def offer(self, seq: Sequence, step: StepInfo) -> Offer:
         """Plain decoding, and its base tree's BFS prefixes of SIZES nodes up to the whole, each with cuts
         of its chain, priced at the tenant's node and chain rates (the chain's kind: its source, the
         request's own context or with HISTORY its tenant's history, and its suffix match's size)."""
         plan = self.plan(seq)
-        proposal, source = static_chain(seq.lookup, seq.session.history, plan.tree.template.lookup)
+        proposal, source = static_chain(seq.drafting.lookup, seq.drafting.session.history, plan.tree.template.lookup)
         options = self._options(seq, plan, proposal, source)
         return Offer(self.budget.price(seq, options, step), lambda option: self._draft(seq, plan, proposal, source, option))
 
@@ -54,7 +54,7 @@ class StaticTree:
         """Its base tree cut to the option's size (None: the plan as it is) and the option's chain tokens.
         Only a sequence that verifies a tree drafts (and hands over its pending rows) this step: a plain
         step costs a TR request no more than an AR one."""
-        drafted = seq.session.step(pending(seq), seq.root)  # [n_draft]
+        drafted = seq.drafting.session.step(pending(seq), seq.root)  # [n_draft]
         if option.size is not None and option.size < plan.tree.n:
             sub = self.shapes.cut(plan.tree, option.size)
             plan = StepPlan(sub, torch.arange(sub.n, device=self.shapes.device), explore=False)
@@ -72,8 +72,8 @@ class StaticTree:
         chain = draft.tokens.shape[0] - n_base
         kind = chain_kind(draft.chain_source == HISTORY, draft.grafted.ngram) if draft.grafted is not None else 0
         rates.record(n_base, base_path, chain, sum(i >= n_base for i in acc.path), kind)  # chain nodes accepted
-        if seq.log is not None:
-            record_step(seq.log, draft, acc, past)
+        if seq.drafting.log is not None:
+            record_step(seq.drafting.log, draft, acc, past)
 
 
 def static_chain(lookup: ContextLookup, history: SuffixHistory | None, caps: tuple[int, ...]

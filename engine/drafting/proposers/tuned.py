@@ -18,22 +18,22 @@ class TunedTree(StaticTree):
     name = "tuned"
 
     def takes(self, seq: Sequence) -> bool:
-        return seq.tuner is not None
+        return seq.drafting.tuner is not None
 
     def plan(self, seq: Sequence) -> StepPlan:
-        return seq.tuner.plan()
+        return seq.drafting.tuner.plan()
 
     def offer(self, seq: Sequence, step: StepInfo) -> Offer:
         """The tuner's plan as it is, with its whole chain: one option, the budget has nothing to choose."""
         plan = self.plan(seq)
-        proposal, source = static_chain(seq.lookup, seq.session.history, plan.tree.template.lookup)
+        proposal, source = static_chain(seq.drafting.lookup, seq.drafting.session.history, plan.tree.template.lookup)
         chain = len(proposal.tokens) if proposal is not None else 0
         options = self.budget.price(seq, [Option(plan.tree.n + chain, 1.0, None, chain)], step)
         return Offer(options, lambda option: self._draft(seq, plan, proposal, source, option))
 
     def learn(self, seq: Sequence, draft: Draft, acc: Acceptance, past: int) -> None:
         if draft.plan.explore:
-            record_step(seq.tuner.log, draft, acc, past)
-            seq.tuner.recorded()
-        elif seq.log is not None:
-            record_step(seq.log, draft, acc, past)
+            record_step(seq.drafting.tuner.log, draft, acc, past)
+            seq.drafting.tuner.recorded()
+        elif seq.drafting.log is not None:
+            record_step(seq.drafting.log, draft, acc, past)

@@ -36,7 +36,7 @@ class Echo:
         return Offer(self.budget.price(seq, options, step), lambda option: self._draft(seq, chain))
 
     def _draft(self, seq, chain: list[int]) -> Draft:
-        tree = self.shapes.of_parents(seq.tree.template, [0] + list(range(len(chain))))  # a chain from the root
+        tree = self.shapes.of_parents(seq.drafting.tree.template, [0] + list(range(len(chain))))  # a chain from the root
         tokens = torch.tensor([seq.root, *chain], dtype=torch.long, device=self.shapes.device)
         context = SOURCES.index("context")
         return Draft(tokens, tree, StepPlan(tree, None, explore=False), None, (0,) + (context,) * len(chain))
