@@ -18,6 +18,16 @@ from ..tr.tree import CompiledTree, TreeTemplate
 MODES = ("tr", "ar")
 
 
+def check_max_new_tokens(n: object, cap: int | None = None, default: int | None = None) -> int:
+    """The one check of a request's max_new_tokens, with one message: an integer in [1, cap]. A server's
+    front door (services/worker/checks.py:check_call) passes its cap and default before it builds the
+    request; a GenerationRequest built directly (bench, Python users) has no cap and checks the same way."""
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (cap is not None and n > cap):
+        unset = f" (leave it unset for the default, {default})" if default is not None else ""
+        raise InvalidArgument(f"max_new_tokens must be in [1, {cap if cap is not None else 'inf'}], got {n!r}{unset}")
+    return n
+
+
 @dataclass(frozen=True)
 class GenerationRequest:
     """Exactly one of `prompt` (raw text, no chat template), `messages` (chat template applied) or
@@ -58,8 +68,7 @@ class GenerationRequest:
             raise InvalidArgument("give exactly one of: prompt text, chat messages, or input token ids")
         if self.mode not in MODES:
             raise InvalidArgument(f"mode must be one of {MODES}, got {self.mode!r}")
-        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, int) or self.max_new_tokens <= 0:
-            raise InvalidArgument(f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        check_max_new_tokens(self.max_new_tokens)
         if self.sampling is not None and not isinstance(self.sampling, SamplingParams):
             raise InvalidArgument(f"sampling must be a SamplingParams, got {type(self.sampling).__name__}")
         for name in ("logprobs", "prompt_logprobs"):

@@ -3,11 +3,10 @@
 tools probe: `GET /health` (200 serving, 503 warming up or draining; no credentials), `GET /metrics`
 (the worker's Prometheus registry), `POST /tokenize` and `POST /detokenize` (vLLM's shapes).
 
-A thin layer over the worker's own `services/worker/servicer.py:GenerateServicer`: each request
-becomes a `pb.GenerateRequest`, is validated by the same code as a gRPC one, counted by the same
-admission (calls in flight, batch places, queue) and decoded by the same engine. Errors are the
-gRPC status the same failure gets, as HTTP codes with OpenAI's error body; a full queue is 429
-with Retry-After.
+The HTTP edge of the worker's front door (`services/worker/front.py:FrontDoor`), as the gRPC servicer is
+the other: a request's JSON becomes an `Ask` (convert.py) and goes in by the same door as a gRPC call (the
+same checks and messages, admission, deadline handling and engine). The door's domain errors (each names
+its gRPC status) become HTTP codes with OpenAI's error body; a full queue is 429 with Retry-After.
 Without tokens the tenant is the `X-Tenant` header, else the default one; OpenAI's `user` field is
 an end-user id, accepted and ignored (it never makes a tenant). With tenant tokens,
 `Authorization: Bearer <token>` names the tenant (an `X-Tenant` header naming another is refused).
@@ -34,7 +33,6 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ...core.errors import PermissionDenied, TRServeError
-from ...core.tenants import validate_tenant_id
 from ...engine.results import StepChunk
 from ..common.errors import status_for
 from . import convert
@@ -43,7 +41,8 @@ from .observe import RequestLog
 from .options import Vocabulary
 from .streams import first_items, merged
 from ..worker.admission import QueueFull
-from ..worker.servicer import GenerateServicer, StreamEnd
+from ..worker.checks import InvalidField, tenant_of
+from ..worker.front import FrontDoor, StreamEnd
 
 log = logging.getLogger("trserve.openai")
 
@@ -56,8 +55,8 @@ ERRORS = {
     "DEADLINE_EXCEEDED": (504, "timeout"), "UNIMPLEMENTED": (501, "not_implemented"),
     "CANCELLED": (499, "client_closed_request"),  # nobody reads it: the client is gone
 }
-
-
+# the front door's field names (services/worker/checks.py:InvalidField) as this API names them (error.param)
+PARAMS = {"tenant": "X-Tenant", "max_new_tokens": "max_tokens"}
 DISCONNECT_POLL_S = 0.25  # how often a unary call checks that its HTTP client is still there
 
 
@@ -122,7 +121,7 @@ def error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
     else:  # the message may quote the request (user text): only at DEBUG
         log.info("OpenAI API -> %d (%s)", status, type(exc).__name__)
         log.debug("OpenAI API -> %d: %s", status, exc)
-    param = exc.param if isinstance(exc, BadParam) else None
+    param = exc.param if isinstance(exc, BadParam) else PARAMS.get(exc.field) if isinstance(exc, InvalidField) else None
     return status, {"error": {"message": message, "type": kind, "param": param, "code": error_code}}, headers
 
 
@@ -149,15 +148,15 @@ def sse(payload: dict | str) -> str:
 
 
 class OpenAIApp:
-    """The routes, bound to one worker's servicer (its decoder, config, admission and metrics)."""
+    """The routes, bound to one worker's front door (its decoder, config, admission and metrics)."""
 
-    def __init__(self, servicer: GenerateServicer) -> None:
-        self.servicer = servicer
-        self.config = servicer.config
-        self.model_id = servicer.model_name
-        self.fingerprint = servicer.decoder.fingerprint
+    def __init__(self, door: FrontDoor) -> None:
+        self.door = door
+        self.config = door.config
+        self.model_id = door.model_name
+        self.fingerprint = door.decoder.fingerprint
         self.created = int(time.time())
-        decoder = servicer.decoder
+        decoder = door.decoder
         # each token's own bytes, as the grammar engine reads the vocabulary (its view is built on first use)
         self.vocab = Vocabulary(decoder.tokenizer, lambda token: decoder.grammars.tokenizer().decode_bytes([token]))
 
@@ -198,9 +197,9 @@ class OpenAIApp:
         return JSONResponse(self._model_card())
 
     async def health(self, request: Request) -> Response:
-        if self.servicer.draining:
+        if self.door.draining:
             return JSONResponse({"status": "draining"}, status_code=503)
-        if not self.servicer.ready:
+        if not self.door.ready:
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse({"status": "ok"})
 
@@ -213,32 +212,34 @@ class OpenAIApp:
             return error_response(PermissionDenied(
                 "with tenant tokens the metrics (which name every tenant) are served on --metrics-port only"))
 
-        body = await asyncio.to_thread(generate_latest, self.servicer.metrics.registry)
+        body = await asyncio.to_thread(generate_latest, self.door.metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     async def tokenize(self, request: Request) -> Response:
         """vLLM's /tokenize: {"prompt": text} or {"messages": [...]} -> {"count", "max_model_len", "tokens"}:
         the ids Generate would see (a chat's template applied with the assistant turn opened)."""
         try:
-            request.state.tenant = self._tenant(request, None, self._token_tenant(request))
+            request.state.tenant = tenant_of(self._tenant(request, None, self._token_tenant(request)),
+                                             self.config.default_tenant)
             body = await self._body(request)
-            ids = await self.servicer.tokenize(convert.tokenize_request(body))
+            ids = await self.door.tokenize(*convert.tokenize_request(body))
         except Exception as exc:  # noqa: BLE001 - mapped
             self._count("openai.tokenize", exc)
             return error_response(exc)
         self._count("openai.tokenize", None)
-        return JSONResponse({"count": len(ids), "max_model_len": self.servicer.decoder.max_context, "tokens": ids,
+        return JSONResponse({"count": len(ids), "max_model_len": self.door.decoder.max_context, "tokens": ids,
                              "token_strs": None})
 
     async def detokenize(self, request: Request) -> Response:
         """vLLM's /detokenize: {"tokens": [ids]} -> {"prompt": text}."""
         try:
-            request.state.tenant = self._tenant(request, None, self._token_tenant(request))
+            request.state.tenant = tenant_of(self._tenant(request, None, self._token_tenant(request)),
+                                             self.config.default_tenant)
             body = await self._body(request)
             tokens = body.get("tokens") if isinstance(body, dict) else None
             if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
                 raise BadParam("tokens must be a list of token ids", "tokens")
-            text = await self.servicer.detokenize(tokens)
+            text = await self.door.detokenize(tokens)
         except Exception as exc:  # noqa: BLE001 - mapped
             self._count("openai.detokenize", exc)
             return error_response(exc)
@@ -257,26 +258,26 @@ class OpenAIApp:
         try:
             token_tenant = self._token_tenant(request)
             body = await self._body(request)
-            tenant = request.state.tenant = self._tenant(request, body, token_tenant)
-            req = convert.parse_request(body, kind, self.model_id, tenant)
+            req = convert.parse_request(body, kind, self.model_id, self._tenant(request, body, token_tenant))
             deadline = HttpDeadline(request)
             if req.stream:
                 return await self._stream(req, method, deadline, request.state)
             # n choices decode side by side (each its own request in the batch)
-            done = await _all_or_none([self._complete_while_connected(request, r, deadline)
-                                       for r in convert.choice_requests(req)])
+            done = await _all_or_none([self._complete_while_connected(request, ask, deadline)
+                                       for ask in convert.choice_asks(req)])
         except Exception as exc:  # noqa: BLE001 - every failure is mapped, never dropped
             self._count(method, exc)
             return error_response(exc)
         self._count(method, None)
-        results = [result for result, _ in done]
+        results, tenant = [d.result for d in done], done[0].call.tenant
+        request.state.tenant = tenant
         request.state.tokens = (results[0].stats.prompt_tokens, sum(r.stats.generated_tokens for r in results))
-        return JSONResponse(convert.completion(req, results, done[0][1].queue_s, self.fingerprint, self.vocab))
+        return JSONResponse(convert.completion(req, results, done[0].queue_s, self.fingerprint, self.vocab, tenant))
 
-    async def _complete_while_connected(self, request: Request, generate, deadline: HttpDeadline):
-        """servicer.complete of a Generate request, cancelled (its decode slot freed at the next step)
+    async def _complete_while_connected(self, request: Request, ask, deadline: HttpDeadline):
+        """The front door's complete of one choice, cancelled (its decode slot freed at the next step)
         once the client has gone: an HTTP unary call otherwise decodes to the end for nobody."""
-        task = asyncio.ensure_future(self.servicer.complete(generate, deadline))
+        task = asyncio.ensure_future(self.door.complete(ask, deadline))
         try:
             while not task.done():
                 await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
@@ -292,7 +293,7 @@ class OpenAIApp:
 
     async def _stream(self, req: convert.OpenAIRequest, method: str, deadline: HttpDeadline, state) -> Response:
         """Waits for each choice's first chunk (after the prefills), so refusals are still plain HTTP errors."""
-        streams = [self.servicer.stream(r, deadline) for r in convert.choice_requests(req)]
+        streams = [self.door.stream(ask, deadline) for ask in convert.choice_asks(req)]
         firsts = await first_items(streams)
         writers = convert.ChunkWriter.of(req, self.fingerprint, self.vocab).choices(len(streams))
         return StreamingResponse(self._events(writers, merged(streams, firsts, StreamEnd), method, state),
@@ -311,9 +312,9 @@ class OpenAIApp:
                     writer = writers[i]
                     first = not writer.started
                     if isinstance(item, StreamEnd):
-                        ends[i] = item
+                        ends[i], state.tenant = item, item.call.tenant
                         reason = "shutdown" if item.drained else item.result.finish_reason
-                        yield sse(writer.last_chunk(item.rest, item.result, reason, item.queue_s))
+                        yield sse(writer.last_chunk(item.rest, item.result, reason, item.queue_s, item.call.tenant))
                     elif item.text or first:
                         yield sse(writer.chunk(item.text, role=first, token_ids=item.tokens, logprobs=item.logprobs))
                     else:  # tokens whose text is held back (a possible stop string) or not yet whole
@@ -325,7 +326,8 @@ class OpenAIApp:
                 state.tokens = (end.result.stats.prompt_tokens, sum(r.stats.generated_tokens for r in results))
                 if writers[0].req.include_usage:
                     reason = "shutdown" if end.drained else end.result.finish_reason
-                    yield sse(writers[0].usage_chunk(end.result, reason, end.queue_s, tuple(results[1:])))
+                    yield sse(writers[0].usage_chunk(end.result, reason, end.queue_s, end.call.tenant,
+                                                     tuple(results[1:])))
                 error = None
             except Exception as exc:  # noqa: BLE001 - headers are sent: the error goes in the stream
                 error = exc
@@ -365,10 +367,11 @@ class OpenAIApp:
             raise Unauthenticated("unknown tenant token")
         return tenant
 
-    def _tenant(self, request: Request, body: object, token_tenant: str | None) -> str:
+    def _tenant(self, request: Request, body: object, token_tenant: str | None) -> str | None:
         """With tokens, the token's tenant (an X-Tenant header naming another is refused); without, the
-        X-Tenant header, else the default tenant. OpenAI's `user` (an end-user id) never picks a tenant:
-        any caller could otherwise make tenants (each a matrix in memory and series in /metrics)."""
+        X-Tenant header, else None (the default tenant). Checked by the front door, as a gRPC call's.
+        OpenAI's `user` (an end-user id) never picks a tenant: any caller could otherwise make tenants
+        (each a matrix in memory and series in /metrics)."""
         asked = request.headers.get("x-tenant") or None
         user = body.get("user") if isinstance(body, dict) else None
         if user is not None:
@@ -379,17 +382,14 @@ class OpenAIApp:
             if asked is not None and asked != token_tenant:
                 raise PermissionDenied(f"this token belongs to another tenant than {asked!r} (X-Tenant)")
             return token_tenant
-        try:
-            return validate_tenant_id(asked or self.config.default_tenant)
-        except ValueError as exc:
-            raise BadParam(f"X-Tenant: {exc}", "X-Tenant") from None
+        return asked
 
     def _model_card(self) -> dict:
         return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "trserve"}
 
     def _count(self, method: str, exc: BaseException | None) -> None:
         code = "OK" if exc is None else status_for(exc).name
-        self.servicer.metrics.requests.labels(method, code).inc()
+        self.door.metrics.requests.labels(method, code).inc()
 
     @staticmethod
     async def _http_error(request: Request, exc: HTTPException) -> Response:

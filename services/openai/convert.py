@@ -1,7 +1,9 @@
-"""OpenAI JSON <-> the Generate API: a request body becomes a `pb.GenerateRequest`, validated
-afterwards by the worker's own `services/worker/convert.py:generate_call_from_pb` (limits, tenant
-ids, stops, sampling), so HTTP and gRPC accept and refuse the same things. Results become OpenAI
-completions, chunks and usage, with trserve's speculation figures under a `trserve` key.
+"""OpenAI JSON <-> the worker's front door (services/worker/front.py): a request body becomes an `Ask`
+(the engine request's fields, as the caller gave them), checked there for HTTP and gRPC alike by
+`services/worker/checks.py:check_call` (limits, tenant ids, stops) and the engine's own request type,
+so both APIs accept and refuse the same things with the same messages. Here only what is OpenAI's own
+(its field names, types and spellings). Results become OpenAI completions, chunks and usage, with
+trserve's speculation figures under a `trserve` key.
 """
 
 from __future__ import annotations
@@ -12,17 +14,18 @@ import uuid
 from dataclasses import dataclass
 
 from ...engine.results import GenerationResult, GenerationStats
+from ...engine.tr.sampling import SamplingParams
+from ..worker.checks import Ask
 from .errors import BadParam, ModelNotFound  # noqa: F401 - re-exported
-from .options import (Vocabulary, echo_options, logprobs_json, logprobs_options, rules_options,
-                                             structured_options)
+from .options import (Vocabulary, echo_options, f32, logprobs_json, logprobs_options, rules_options,
+                      structured_options)
 from .tools import assistant_content, tool_calls, tool_options
-from ...v1 import generate_pb2 as pb
 
 # trserve's finish reasons -> OpenAI's: a result cut short for any reason but a stop is "length"
 FINISH = {"eos": "stop", "stop": "stop", "grammar": "stop", "length": "length", "time_limit": "length", "cancelled": "length",
           "shutdown": "length"}
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
-MODES = {"tr": pb.DECODING_MODE_TR, "ar": pb.DECODING_MODE_AR}
+MODES = ("tr", "ar")
 MAX_CHOICES = 16  # n
 # fields whose non-default values change the output in ways trserve does not do: refused, not ignored
 # (every request field, and what is done with it: docs/openai.md, checked by tests/services/openai/test_convert.py)
@@ -41,11 +44,11 @@ UNSUPPORTED = {"functions": None, "function_call": None,
 
 @dataclass(frozen=True)
 class OpenAIRequest:
-    """A checked chat or completion request: the Generate request to run, and how to answer."""
+    """A parsed chat or completion request: what to ask the front door, and how to answer."""
 
     kind: str  # "chat" or "text"
     model: str
-    request: pb.GenerateRequest
+    ask: Ask
     stream: bool
     include_usage: bool
     n: int = 1  # choices (decoded side by side, each its own request)
@@ -54,8 +57,9 @@ class OpenAIRequest:
     tools: tuple[str, ...] | None = None  # the reply must call one of these tools: answered as tool_calls
 
 
-def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAIRequest:
-    """From a JSON body: `kind` "chat" (messages) or "text" (prompt). `tenant` is already authorised."""
+def parse_request(body: object, kind: str, model_id: str, tenant: str | None) -> OpenAIRequest:
+    """From a JSON body: `kind` "chat" (messages) or "text" (prompt). `tenant`: the caller's (authorised,
+    not yet checked: the front door checks it), None for the server's default."""
     if not isinstance(body, dict):
         raise BadParam("the request body must be a JSON object")
     model = body.get("model")
@@ -67,35 +71,35 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str) -> OpenAI
     n = body.get("n", 1) if body.get("n") is not None else 1
     if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
         raise BadParam(f"n must be an integer in 1..{MAX_CHOICES}, got {n!r}", "n")
-    req = pb.GenerateRequest(tenant=tenant, return_token_ids=True)
+    opts: dict = {"prompt": None, "messages": None, "input_ids": None}  # GenerationRequest's fields
     if kind == "chat":
-        req.messages.CopyFrom(pb.ChatMessages(messages=_messages(body.get("messages"))))
+        opts["messages"] = _messages(body.get("messages"))
     else:
-        _prompt(body.get("prompt"), req)
-    _limits(body, kind, req)
-    tools = tool_options(body, req, kind)
-    _sampling(body, req)
-    logprobs_options(body, kind, req)
+        _prompt(body.get("prompt"), opts)
+    max_tokens = _limits(body, kind, opts)
+    tools = tool_options(body, opts, kind)
+    _sampling(body, opts)
+    logprobs_options(body, kind, opts)
     stream = body.get("stream") or False
     if not isinstance(stream, bool):
         raise BadParam("stream must be true or false", "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise BadParam("stream_options must be an object", "stream_options")
-    echo, echo_only = echo_options(body, kind, req, stream)
-    return OpenAIRequest(kind, model, req, stream, bool(options.get("include_usage")), n, echo, echo_only, tools)
+    echo, echo_only, max_tokens = echo_options(body, kind, opts, max_tokens, stream)
+    ask = Ask(opts, tenant=tenant, max_new_tokens=max_tokens, return_token_ids=True)
+    return OpenAIRequest(kind, model, ask, stream, bool(options.get("include_usage")), n, echo, echo_only, tools)
 
 
-def choice_requests(req: OpenAIRequest) -> list[pb.GenerateRequest]:
-    """The Generate request of each of the n choices: with a seed, choice i samples with seed + i (each
-    choice reproducible, and different from the others); greedy choices are all the same text."""
+def choice_asks(req: OpenAIRequest) -> list[Ask]:
+    """The Ask of each of the n choices: with a seed, choice i samples with seed + i (each choice
+    reproducible, and different from the others); greedy choices are all the same text."""
     out = []
     for i in range(req.n):
-        r = pb.GenerateRequest()
-        r.CopyFrom(req.request)
-        if i and r.sampling.HasField("seed"):
-            r.sampling.seed = (r.sampling.seed + i) % (1 << 64)
-        out.append(r)
+        sampling = req.ask.options.get("sampling")
+        if i and sampling is not None and sampling.seed is not None:
+            sampling = dataclasses.replace(sampling, seed=(sampling.seed + i) % (1 << 64))
+        out.append(dataclasses.replace(req.ask, options={**req.ask.options, "sampling": sampling}))
     return out
 
 
@@ -106,9 +110,10 @@ def _check_unsupported(body: dict) -> None:
             raise BadParam(f"{name} is not supported by this server; leave it out", name)
 
 
-def tokenize_request(body: object) -> pb.TokenizeRequest:
+def tokenize_request(body: object) -> tuple[str | None, list[dict] | None]:
     """vLLM's /tokenize body: {"prompt": text} or {"messages": [...]} ("model" optional, and
-    "add_special_tokens" / "add_generation_prompt" accepted: the ids are always what Generate sees)."""
+    "add_special_tokens" / "add_generation_prompt" accepted: the ids are always what Generate sees):
+    (text, messages)."""
     if not isinstance(body, dict):
         raise BadParam("the request body must be a JSON object")
     if ("prompt" in body) == ("messages" in body):
@@ -116,11 +121,11 @@ def tokenize_request(body: object) -> pb.TokenizeRequest:
     if "prompt" in body:
         if not isinstance(body["prompt"], str):
             raise BadParam("prompt must be a string", "prompt")
-        return pb.TokenizeRequest(text=body["prompt"])
-    return pb.TokenizeRequest(messages=pb.ChatMessages(messages=_messages(body["messages"])))
+        return body["prompt"], None
+    return None, _messages(body["messages"])
 
 
-def _messages(messages: object) -> list[pb.ChatMessage]:
+def _messages(messages: object) -> list[dict]:
     if not isinstance(messages, list) or not messages:
         raise BadParam("messages must be a non-empty list of {role, content}", "messages")
     out = []
@@ -130,7 +135,7 @@ def _messages(messages: object) -> list[pb.ChatMessage]:
             raise BadParam(f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}", f"messages[{i}].role")
         calls = assistant_content(m, i) if role == "assistant" else None
         content = calls if calls is not None and m.get("content") in (None, "") else _content(m.get("content"), i)
-        out.append(pb.ChatMessage(role=ROLES[role], content=content))
+        out.append({"role": ROLES[role], "content": content})
     return out
 
 
@@ -144,51 +149,49 @@ def _content(content: object, i: int) -> str:
     raise BadParam(f"messages[{i}].content must be a string or a list of text parts", f"messages[{i}].content")
 
 
-def _prompt(prompt: object, req: pb.GenerateRequest) -> None:
+def _prompt(prompt: object, opts: dict) -> None:
     """A string, a list of one string, or a list of token ids."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        req.text = prompt
+        opts["prompt"] = prompt
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        req.token_ids.CopyFrom(pb.TokenIds(ids=prompt))
+        opts["input_ids"] = list(prompt)
     else:
         raise BadParam("prompt must be a string, a list of one string, or a list of token ids", "prompt")
 
 
-def _limits(body: dict, kind: str, req: pb.GenerateRequest) -> None:
+def _limits(body: dict, kind: str, opts: dict) -> object:
+    """Stops, EOS, rules, structured output and mode onto `opts`; max_tokens (or chat's
+    max_completion_tokens) as given, None where neither is: the front door checks it."""
     names = ("max_completion_tokens", "max_tokens") if kind == "chat" else ("max_tokens",)
     given = [(n, body[n]) for n in names if body.get(n) is not None]
     if len({v for _, v in given if isinstance(v, int)}) > 1:
         raise BadParam("max_tokens and max_completion_tokens differ: give one", "max_tokens")
-    if given:
-        name, n = given[0]
-        if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n < 1 << 32 or (n == 0 and kind == "chat"):
-            raise BadParam(f"{name} must be a positive integer, got {n!r}", name)
-        req.max_new_tokens = n  # 0: completions with echo only (checked in _echo)
     stop = body.get("stop")
     stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise BadParam("stop must be a string or a list of strings", "stop")
-    req.stop_sequences.extend(stops)
+    opts["stop_strings"] = tuple(stops)
     stop_ids = body.get("stop_token_ids")  # vLLM's: stop after any of these ids (kept, as EOS is)
-    if stop_ids is not None:
-        if not isinstance(stop_ids, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-            raise BadParam("stop_token_ids must be a list of token ids", "stop_token_ids")
-        req.stop_token_ids.extend(stop_ids)
+    if stop_ids is not None and (not isinstance(stop_ids, list) or
+                                 not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids)):
+        raise BadParam("stop_token_ids must be a list of token ids", "stop_token_ids")
+    opts["stop_token_ids"] = tuple(stop_ids or ())
     ignore_eos = body.get("ignore_eos", False)  # vLLM's: decode on through EOS (benchmarks)
     if not isinstance(ignore_eos, bool):
         raise BadParam("ignore_eos must be true or false", "ignore_eos")
-    req.ignore_eos = ignore_eos
-    rules_options(body, req)
-    structured_options(body, req)
+    opts["ignore_eos"] = ignore_eos
+    rules_options(body, opts)
+    structured_options(body, opts)
     mode = body.get("mode", "tr")  # trserve's own: "ar" = plain decoding
     if mode not in MODES:
         raise BadParam(f"mode must be one of {sorted(MODES)}, got {mode!r}", "mode")
-    req.mode = MODES[mode]
+    opts["mode"] = mode
+    return given[0][1] if given else None
 
 
-def _sampling(body: dict, req: pb.GenerateRequest) -> None:
+def _sampling(body: dict, opts: dict) -> None:
     """temperature unset or 0 = greedy (as over gRPC); top_p, seed and trserve's top_k apply when sampling."""
     values = {}
     for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int)):
@@ -206,7 +209,9 @@ def _sampling(body: dict, req: pb.GenerateRequest) -> None:
         raise BadParam(f"top_k must be >= 0 (0 = off), got {values['top_k']}", "top_k")
     if "seed" in values and not 0 <= values["seed"] < 1 << 64:
         raise BadParam(f"seed must be in [0, 2**64), got {values['seed']}", "seed")
-    req.sampling.CopyFrom(pb.SamplingParams(**values))
+    params = SamplingParams(temperature=f32(values.get("temperature", 0)), top_k=values.get("top_k", 0),
+                            top_p=f32(values.get("top_p", 1)), seed=values.get("seed"))
+    opts["sampling"] = None if params.greedy else params
 
 
 # ---- answers ------------------------------------------------------------------------------------------
@@ -237,15 +242,15 @@ def extras(result: GenerationResult, finish_reason: str, queue_s: float, tenant:
 
 
 def completion(req: OpenAIRequest, result: GenerationResult | list[GenerationResult], queue_s: float,
-               fingerprint: str, vocab: Vocabulary) -> dict:
+               fingerprint: str, vocab: Vocabulary, tenant: str) -> dict:
     """The non-streamed answer, of one result or of each choice's; `vocab`: the tokens' bytes and text
-    (for logprobs and echo). trserve's own figures are the first choice's."""
+    (for logprobs and echo); `tenant`: whose call it was. trserve's own figures are the first choice's."""
     results = result if isinstance(result, list) else [result]
     choices = []
     for i, r in enumerate(results):
         text, logprobs = ("", () if r.logprobs is not None else None) if req.echo_only else (r.text, r.logprobs)
         if req.echo is not None:  # completions' echo: the prompt first, its logprobs too where asked
-            prompt = req.echo or vocab.text(list(req.request.token_ids.ids))  # "": a prompt of token ids
+            prompt = req.echo or vocab.text(list(req.ask.options["input_ids"]))  # "": a prompt of token ids
             text = prompt + text
             logprobs = (*r.prompt_logprobs, *logprobs) if logprobs is not None else None
         choice: dict = {"index": i, "finish_reason": "length" if req.echo_only else FINISH[r.finish_reason],
@@ -264,7 +269,7 @@ def completion(req: OpenAIRequest, result: GenerationResult | list[GenerationRes
     return {"id": new_id(req.kind), "object": "chat.completion" if req.kind == "chat" else "text_completion",
             "created": int(time.time()), "model": req.model, "system_fingerprint": fingerprint,
             "choices": choices, "usage": spent,
-            "trserve": extras(first, first.finish_reason, queue_s, req.request.tenant)}
+            "trserve": extras(first, first.finish_reason, queue_s, tenant)}
 
 
 @dataclass
@@ -305,7 +310,7 @@ class ChunkWriter:
             out["trserve"] = {"token_ids": list(token_ids)}
         return out
 
-    def last_chunk(self, text: str, result: GenerationResult, finish_reason: str, queue_s: float) -> dict:
+    def last_chunk(self, text: str, result: GenerationResult, finish_reason: str, queue_s: float, tenant: str) -> dict:
         """The finish reason (and any held-back text, or the tool call), with trserve's figures."""
         calls = tool_calls(self.held + text, self.req.tools) if self.req.tools and finish_reason == "grammar" else None
         if calls:
@@ -313,19 +318,19 @@ class ChunkWriter:
             out["choices"][0]["delta"]["tool_calls"] = [{"index": 0, **calls[0]}]
         else:
             out = self.chunk((self.held + text) or None, FINISH[finish_reason])
-        out["trserve"] = extras(result, finish_reason, queue_s, self.req.request.tenant)
+        out["trserve"] = extras(result, finish_reason, queue_s, tenant)
         return out
 
     def choices(self, n: int) -> list[ChunkWriter]:
         """One writer per choice of an n-choice stream: the same id and time, each its own index."""
         return [dataclasses.replace(self, index=i) for i in range(n)]
 
-    def usage_chunk(self, result: GenerationResult, finish_reason: str, queue_s: float,
+    def usage_chunk(self, result: GenerationResult, finish_reason: str, queue_s: float, tenant: str,
                     others: tuple[GenerationResult, ...] = ()) -> dict:
         """Usage of the whole answer (every choice's tokens, the prompt once), trserve's figures of `result`."""
         out = self._wrap([])
         out["usage"] = usage(result.stats, *(r.stats for r in others))
-        out["trserve"] = extras(result, finish_reason, queue_s, self.req.request.tenant)
+        out["trserve"] = extras(result, finish_reason, queue_s, tenant)
         return out
 
     def _wrap(self, choices: list[dict]) -> dict:

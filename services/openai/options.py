@@ -1,45 +1,45 @@
 """Request options beyond the basics (services/openai/convert.py parses the rest): logprobs, echo
 (prompt logprobs), the logit rules (logit_bias, min_tokens) and structured output (response_format,
-vLLM's guided_* and structured_outputs), each onto the Generate request; and
-OpenAI's logprobs object of an answer."""
+vLLM's guided_* and structured_outputs), each onto the engine request's fields (`opts`, the options of
+services/worker/checks.py:Ask); and OpenAI's logprobs object of an answer."""
 
 from __future__ import annotations
 
 import codecs
 import functools
+import struct
 
 import json
 
+from ...engine.tr.grammar import StructuredOutput
 from .errors import BadParam
-from ...v1 import generate_pb2 as pb
 
 
-def echo_options(body: dict, kind: str, req: pb.GenerateRequest, stream: bool) -> tuple[str | None, bool]:
+def echo_options(body: dict, kind: str, opts: dict, max_tokens: object,
+                 stream: bool) -> tuple[str | None, bool, object]:
     """completions' echo: the prompt before the text (and its logprobs, with logprobs N: what
-    lm-evaluation-harness scores with, echo=true, logprobs=1, max_tokens=0). Unary only."""
+    lm-evaluation-harness scores with, echo=true, logprobs=1, max_tokens=0). Unary only.
+    (echo text, echo only, max_tokens): max_tokens 0 with echo asks the engine for 1 token (dropped)."""
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
         raise BadParam("echo must be true or false", "echo")
     if not echo:
-        if req.max_new_tokens == 0 and req.HasField("max_new_tokens"):
-            raise BadParam("max_tokens must be a positive integer (0 only with echo)", "max_tokens")
-        return None, False
+        return None, False, max_tokens  # 0 without echo: refused by the front door's check, as any count
     if kind == "chat" or stream:
         raise BadParam("echo is answered for unary completions only", "echo")
-    req.prompt_logprobs = req.logprobs  # scored only where logprobs are asked: echo alone needs no logits
-    only = req.HasField("max_new_tokens") and req.max_new_tokens == 0
-    if only:
-        req.max_new_tokens = 1  # the engine decodes at least one token: it is dropped from the answer
-    return (req.text if req.WhichOneof("input") == "text" else ""), only
+    opts["prompt_logprobs"] = opts.get("logprobs")  # scored only where logprobs are asked: echo alone needs no logits
+    only = isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens == 0
+    return (opts["prompt"] if opts.get("prompt") is not None else ""), only, 1 if only else max_tokens
 
 
-def rules_options(body: dict, req: pb.GenerateRequest) -> None:
+def rules_options(body: dict, opts: dict) -> None:
     """OpenAI's logit_bias {"token id": -100..100}, frequency and presence penalties, vLLM's min_tokens and
     repetition_penalty (engine/tr/rules.py)."""
     bias = body.get("logit_bias")
     if bias is not None:
         if not isinstance(bias, dict):
             raise BadParam('logit_bias must be an object {"token id": bias}', "logit_bias")
+        biases = {}
         for key, value in bias.items():
             try:
                 token = int(key)
@@ -47,7 +47,8 @@ def rules_options(body: dict, req: pb.GenerateRequest) -> None:
                 raise BadParam(f"logit_bias keys must be token ids, got {key!r}", "logit_bias") from None
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
                 raise BadParam(f"logit_bias values must be numbers in -100..100, got {value!r}", "logit_bias")
-            req.logit_bias[token] = float(value)
+            biases[token] = f32(value)
+        opts["logit_bias"] = tuple(sorted(biases.items()))
     for name, lo, hi in (("frequency_penalty", -2.0, 2.0), ("presence_penalty", -2.0, 2.0),
                          ("repetition_penalty", 0.0, 10.0)):
         value = body.get(name)
@@ -56,15 +57,15 @@ def rules_options(body: dict, req: pb.GenerateRequest) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi or \
                 (name == "repetition_penalty" and value == 0):
             raise BadParam(f"{name} must be a number in {'(' if lo == 0 else '['}{lo:g}, {hi:g}], got {value!r}", name)
-        setattr(req, name, float(value))
+        opts[name] = f32(value)
     minimum = body.get("min_tokens")
     if minimum is not None:
         if isinstance(minimum, bool) or not isinstance(minimum, int) or minimum < 0:
             raise BadParam(f"min_tokens must be an integer >= 0, got {minimum!r}", "min_tokens")
-        req.min_tokens = minimum
+        opts["min_tokens"] = minimum
 
 
-def logprobs_options(body: dict, kind: str, req: pb.GenerateRequest) -> None:
+def logprobs_options(body: dict, kind: str, opts: dict) -> None:
     """chat: `logprobs` true/false and `top_logprobs` 0..20; completions: `logprobs` = the alternatives
     per token, 0..20 (OpenAI allows 5; vLLM 20), null = none."""
     logprobs, top = body.get("logprobs"), body.get("top_logprobs")
@@ -76,7 +77,7 @@ def logprobs_options(body: dict, kind: str, req: pb.GenerateRequest) -> None:
                 raise BadParam(f"top_logprobs must be an integer in 0..20, got {top!r}", "top_logprobs")
             if not logprobs:
                 raise BadParam("top_logprobs needs logprobs: true", "top_logprobs")
-        req.logprobs, req.top_logprobs = bool(logprobs), top or 0
+        opts["logprobs"] = (top or 0) if logprobs else None
         return
     if top is not None:
         raise BadParam("top_logprobs is a chat field; completions take logprobs: N", "top_logprobs")
@@ -84,7 +85,7 @@ def logprobs_options(body: dict, kind: str, req: pb.GenerateRequest) -> None:
         return
     if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= 20:
         raise BadParam(f"logprobs must be an integer in 0..20 (alternatives per token), got {logprobs!r}", "logprobs")
-    req.logprobs, req.top_logprobs = True, logprobs
+    opts["logprobs"] = logprobs
 
 
 class Vocabulary:
@@ -141,10 +142,10 @@ GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice"
 STRUCTURED = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar", "json_object": "json_object"}
 
 
-def structured_options(body: dict, req: pb.GenerateRequest) -> None:
+def structured_options(body: dict, opts: dict) -> None:
     """OpenAI's response_format (json_object; json_schema, enforced whether `strict` or not) and vLLM's
     guided_json / guided_regex / guided_choice / guided_grammar and structured_outputs {json, regex,
-    choice, grammar, json_object}: at most one, onto GenerateRequest.structured_output."""
+    choice, grammar, json_object}: at most one, as the engine request's `structured`."""
     asked: list[tuple[str, str, object]] = []  # (field, kind, value)
     fmt = body.get("response_format")
     if fmt is not None:
@@ -177,21 +178,26 @@ def structured_options(body: dict, req: pb.GenerateRequest) -> None:
     if len(asked) > 1:
         raise BadParam(f"give one structured output, not {len(asked)} ({', '.join(f for f, _, _ in asked)})", asked[1][0])
     field, kind, value = asked[0]
-    so = req.structured_output
     if kind == "json_object":
-        so.json_object = True
+        opts["structured"] = StructuredOutput("json_object")
     elif kind == "json_schema":
         if isinstance(value, str):
-            so.json_schema = value
+            opts["structured"] = StructuredOutput("json_schema", value)
         elif isinstance(value, (dict, bool)):
-            so.json_schema = json.dumps(value)
+            opts["structured"] = StructuredOutput("json_schema", json.dumps(value))
         else:
             raise BadParam(f"{field}: a JSON schema is an object", field)
     elif kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise BadParam(f"{field}: a choice is a list of non-empty strings", field)
-        so.choice.options.extend(value)
+        opts["structured"] = StructuredOutput("choice", choices=tuple(value))
     else:
         if not isinstance(value, str) or not value:
             raise BadParam(f"{field}: a {kind} is a non-empty string", field)
-        setattr(so, kind, value)
+        opts["structured"] = StructuredOutput(kind, value)
+
+
+def f32(x: float) -> float:
+    """`x` as a 32-bit float: the number a gRPC caller's float field carries, so both APIs sample and
+    bias alike (and HTTP as it did when it went through protobuf)."""
+    return struct.unpack("f", struct.pack("f", x))[0]

@@ -1,5 +1,5 @@
 """uvicorn serving the OpenAI-compatible API (app.py) on the worker's own event loop, beside gRPC:
-the servicer, its admission and the engine bridge are event-loop objects, so HTTP calls share them
+the front door, its admission and the engine bridge are event-loop objects, so HTTP calls share them
 directly. The socket is bound here, so a port in use is an OSError like gRPC's (not uvicorn's exit)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import uvicorn
 from ..common.security import ServerTLS
 from .app import OpenAIApp
 from ..worker.config import WorkerConfig
-from ..worker.servicer import GenerateServicer
+from ..worker.front import FrontDoor
 
 log = logging.getLogger("trserve.openai")
 
@@ -49,18 +49,18 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def front_end(servicer: GenerateServicer, config: WorkerConfig) -> HttpServer:
+async def front_end(door: FrontDoor, config: WorkerConfig) -> HttpServer:
     """The worker's front end for config.http_port (services/worker/server.py:FrontEndStarter)."""
     assert config.http_port is not None
-    return await start_http(servicer, config.http_host or config.host, config.http_port, config.tls, config.grace_s)
+    return await start_http(door, config.http_host or config.host, config.http_port, config.tls, config.grace_s)
 
 
-async def start_http(servicer: GenerateServicer, host: str, port: int, tls: ServerTLS | None,
+async def start_http(door: FrontDoor, host: str, port: int, tls: ServerTLS | None,
                      grace_s: float) -> HttpServer:
     """Serve the API on host:port (TLS with the gRPC certificate when `tls` is set)."""
     sock = _listen(host, port)
     # log_config None: uvicorn's loggers go through trserve's logging setup, not a config of their own
-    config = uvicorn.Config(OpenAIApp(servicer).asgi(), lifespan="off", log_config=None, log_level="warning",
+    config = uvicorn.Config(OpenAIApp(door).asgi(), lifespan="off", log_config=None, log_level="warning",
                             access_log=False, timeout_graceful_shutdown=max(1, int(grace_s)),
                             ssl_certfile=tls.cert_file if tls else None, ssl_keyfile=tls.key_file if tls else None)
     config.load()

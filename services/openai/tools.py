@@ -18,8 +18,8 @@ import json
 import re
 import uuid
 
+from ...engine.tr.grammar import StructuredOutput
 from .errors import BadParam
-from ...v1 import generate_pb2 as pb
 
 MAX_TOOLS = 64
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -27,8 +27,9 @@ HOW = ("You can call these functions. To call one, answer with only a JSON objec
        '{"name": <the function name>, "arguments": <its arguments>}.\nFunctions:\n')
 
 
-def tool_options(body: dict, req: pb.GenerateRequest, kind: str) -> tuple[str, ...] | None:
-    """The callable tools' names when the reply must be a tool call (its schema then set on `req`), else None."""
+def tool_options(body: dict, opts: dict, kind: str) -> tuple[str, ...] | None:
+    """The callable tools' names when the reply must be a tool call (its schema then set in `opts`, the
+    engine request's fields), else None."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     if not tools:
         if choice not in (None, "none"):
@@ -51,10 +52,10 @@ def tool_options(body: dict, req: pb.GenerateRequest, kind: str) -> tuple[str, .
             raise BadParam('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                            '{"name": one of the tools}}', "tool_choice")
         functions = {name: functions[name]}
-    if req.HasField("structured_output"):
+    if opts.get("structured") is not None:
         raise BadParam("a tool call and response_format (or guided_*) cannot both shape one reply", "tool_choice")
-    req.structured_output.json_schema = json.dumps(call_schema(functions))
-    _describe(req, functions)
+    opts["structured"] = StructuredOutput("json_schema", json.dumps(call_schema(functions)))
+    _describe(opts, functions)
     return tuple(functions)
 
 
@@ -98,17 +99,15 @@ def _functions(tools: object) -> dict[str, dict]:
     return out
 
 
-def _describe(req: pb.GenerateRequest, functions: dict[str, dict]) -> None:
+def _describe(opts: dict, functions: dict[str, dict]) -> None:
     """The tools and how to call them, into the system turn (a new first turn where there is none)."""
     lines = [json.dumps({k: f[k] for k in ("name", "description", "parameters") if k in f}) for f in functions.values()]
     text = HOW + "\n".join(lines)
-    turns = req.messages.messages
-    if turns and turns[0].role == "system":
-        turns[0].content = f"{turns[0].content}\n\n{text}"
+    turns = opts["messages"]
+    if turns and turns[0]["role"] == "system":
+        turns[0] = {**turns[0], "content": f"{turns[0]['content']}\n\n{text}"}
     else:
-        rest = list(turns)
-        del turns[:]
-        turns.extend([pb.ChatMessage(role="system", content=text), *rest])
+        opts["messages"] = [{"role": "system", "content": text}, *turns]
 
 
 def assistant_content(message: dict, i: int) -> str | None:

@@ -1,25 +1,22 @@
-"""Protobuf <-> engine conversions for the Generate API, with up-front request validation.
+"""Protobuf <-> the front door for the Generate API (the gRPC edge of services/worker/front.py).
 
-The server's limits (sizes, caps, builtin trees only) are checked here and the request's own rules
-by the engine's GenerationRequest as it is built, so a bad request is refused before it takes a
-place in the decoding queue. Errors are InvalidArgument / NotFound with a message that says how to
-fix the request.
+A GenerateRequest becomes an `Ask` (checks.py): the wire's own rules only (one input, known enums, how
+logprobs and structured output are spelled), everything else as given. The server's limits (sizes, caps,
+tenant ids, builtin trees only) are checked once by the front door (checks.py:check_call), for gRPC and
+HTTP alike, and the request's own rules by the engine's GenerationRequest. Results become protobuf.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ...core.errors import InvalidArgument, NotFound
-from ...core.tenants import validate_tenant_id
-from ...engine.request.request import GenerationRequest
+from ...core.errors import InvalidArgument
 from ...engine.results import GenerationResult, GenerationStats, StepChunk
 from ...engine.runtime import RuntimeInfo
 from ...engine.tr.grammar import StructuredOutput
 from ...engine.tr.sampling import SamplingParams
-from ...engine.tr.tree import builtin_trees
-from .config import MESSAGE_OVERHEAD_CHARS, Limits
+from .checks import Ask, GenerateCall
+from .config import Limits
 from ...v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:
@@ -36,34 +33,23 @@ FINISH_REASONS = {
 MODES = {pb.DECODING_MODE_UNSPECIFIED: "tr", pb.DECODING_MODE_TR: "tr", pb.DECODING_MODE_AR: "ar"}
 
 
-@dataclass(frozen=True)
-class GenerateCall:
-    """A validated GenerateRequest: who asks (tenant, domain), what the engine runs, what to return."""
-
-    tenant: str
-    domain: str | None
-    request: GenerationRequest  # validated by the engine type itself
-    return_token_ids: bool
-
-
-def generate_call_from_pb(req: pb.GenerateRequest, limits: Limits, default_tenant: str) -> GenerateCall:
-    tenant = validate_tenant_id(req.tenant or default_tenant)
-    domain = validate_tenant_id(req.domain, "domain") if req.HasField("domain") else None
-    text, messages, token_ids = _input_from_pb(req, limits)
+def ask_from_pb(req: pb.GenerateRequest) -> Ask:
+    text, messages, token_ids = _input_from_pb(req)
     if req.mode not in MODES:
         raise InvalidArgument(f"mode {req.mode} is unknown; use DECODING_MODE_TR (default) or DECODING_MODE_AR")
-    _check_stops(req, limits)
-    request = GenerationRequest(
-        prompt=text, messages=messages, input_ids=token_ids, max_new_tokens=_max_new_tokens(req, limits),
+    options = dict(
+        prompt=text, messages=messages, input_ids=token_ids,
         stop_strings=tuple(req.stop_sequences), stop_token_ids=tuple(req.stop_token_ids), mode=MODES[req.mode],
-        tree=_tree_name(req.tree), sampling=_sampling_from_pb(req.sampling), logprobs=_logprobs_from_pb(req),
+        tree=req.tree or None, sampling=_sampling_from_pb(req.sampling), logprobs=_logprobs_from_pb(req),
         ignore_eos=req.ignore_eos, prompt_logprobs=int(req.top_logprobs) if req.prompt_logprobs else None,
         logit_bias=tuple(sorted(req.logit_bias.items())), min_tokens=int(req.min_tokens),
         repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
         frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
         structured=_structured_from_pb(req),
     )
-    return GenerateCall(tenant=tenant, domain=domain, request=request, return_token_ids=req.return_token_ids)
+    return Ask(options, tenant=req.tenant or None, domain=req.domain if req.HasField("domain") else None,
+               max_new_tokens=req.max_new_tokens if req.HasField("max_new_tokens") else None,
+               return_token_ids=req.return_token_ids)
 
 
 def _structured_from_pb(req: pb.GenerateRequest) -> StructuredOutput | None:
@@ -100,68 +86,16 @@ def logprobs_to_pb(logprobs) -> list[pb.TokenLogprob]:
                             top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in lp.top]) for lp in logprobs or ()]
 
 
-def _check_stops(req: pb.GenerateRequest, limits: Limits) -> None:
-    if len(req.stop_sequences) > limits.max_stop_sequences:
-        raise InvalidArgument(f"{len(req.stop_sequences)} stop sequences given; at most {limits.max_stop_sequences}")
-    longest = max((len(s) for s in req.stop_sequences), default=0)
-    if longest > limits.max_stop_sequence_chars:
-        raise InvalidArgument(f"a stop sequence has {longest} characters; the limit is "
-                              f"{limits.max_stop_sequence_chars}: shorten it")
-    if len(req.stop_token_ids) > limits.max_stop_token_ids:
-        raise InvalidArgument(f"{len(req.stop_token_ids)} stop token ids given; at most {limits.max_stop_token_ids}")
-
-
-def _tree_name(name: str) -> str | None:
-    """Requests may only name builtin trees (never a server-side file path)."""
-    if not name:
-        return None
-    if name not in builtin_trees():
-        raise NotFound(f"unknown tree {name!r}: use one of {builtin_trees()} or leave it empty for the server default")
-    return name
-
-
-def _input_from_pb(req, limits: Limits) -> tuple[str | None, list[dict] | None, list[int] | None]:
+def _input_from_pb(req) -> tuple[str | None, list[dict] | None, list[int] | None]:
     """(text, messages, token_ids) of a GenerateRequest or TokenizeRequest; exactly one is not None."""
     kind = req.WhichOneof("input")
     if kind is None:
         raise InvalidArgument("no prompt: set one of text, messages or token_ids")
     if kind == "text":
-        if len(req.text) > limits.max_prompt_chars:
-            raise InvalidArgument(f"prompt text has {len(req.text)} characters; the limit is {limits.max_prompt_chars} "
-                                  f"(and {limits.max_prompt_tokens} tokens): shorten it")
         return req.text, None, None
     if kind == "messages":
-        turns = req.messages.messages
-        if len(turns) > limits.max_messages:
-            raise InvalidArgument(f"{len(turns)} chat messages given; at most {limits.max_messages}: "
-                                  "send fewer turns")
-        # content plus each turn's markup, before anything is built or tokenized
-        size = sum(len(m.content) + len(m.role) + MESSAGE_OVERHEAD_CHARS for m in turns)
-        if size > limits.max_prompt_chars:
-            raise InvalidArgument(f"messages have {size} characters (content, plus {MESSAGE_OVERHEAD_CHARS} "
-                                  f"per message); the limit is {limits.max_prompt_chars} "
-                                  f"(and {limits.max_prompt_tokens} tokens): shorten them")
-        msgs = [{"role": m.role, "content": m.content} for m in turns]
-        return None, msgs, None
-    ids = list(req.token_ids.ids)
-    check_prompt_length(len(ids), limits)
-    return None, None, ids
-
-
-def check_prompt_length(n_tokens: int, limits: Limits) -> None:
-    if n_tokens > limits.max_prompt_tokens:
-        raise InvalidArgument(f"prompt has {n_tokens} tokens; this server accepts at most {limits.max_prompt_tokens}: "
-                              "shorten it")
-
-
-def _max_new_tokens(req: pb.GenerateRequest, limits: Limits) -> int:
-    if not req.HasField("max_new_tokens"):
-        return limits.default_max_new_tokens
-    n = req.max_new_tokens
-    if not 1 <= n <= limits.max_new_tokens_cap:
-        raise InvalidArgument(f"max_new_tokens must be in [1, {limits.max_new_tokens_cap}], got {n} "
-                              f"(leave it unset for the default, {limits.default_max_new_tokens})")
-    return n
+        return None, [{"role": m.role, "content": m.content} for m in req.messages.messages], None
+    return None, None, list(req.token_ids.ids)
 
 
 def _sampling_from_pb(s: pb.SamplingParams) -> SamplingParams | None:
@@ -174,8 +108,8 @@ def _sampling_from_pb(s: pb.SamplingParams) -> SamplingParams | None:
     return None if params.greedy else params
 
 
-def tokenize_input_from_pb(req: pb.TokenizeRequest, limits: Limits) -> tuple[str | None, list[dict] | None]:
-    text, messages, _ = _input_from_pb(req, limits)
+def tokenize_input_from_pb(req: pb.TokenizeRequest) -> tuple[str | None, list[dict] | None]:
+    text, messages, _ = _input_from_pb(req)
     return text, messages
 
 

@@ -34,6 +34,7 @@ from .drafting.embedded import DraftSourceFactory, embedded_factory
 from ..common.histories import HistoryBook, HistoryCollector
 from .drafting.split import MatrixServiceSources, watch_matrix_auth
 from .metrics import WorkerMetrics
+from .front import FrontDoor
 from .servicer import GenerateServicer
 from ...v1 import generate_pb2, generate_pb2_grpc
 
@@ -44,7 +45,7 @@ SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["Generate"].full_name  #
 
 
 class FrontEnd(Protocol):
-    """Another API over the worker's servicer on a port of its own (services/openai's HTTP API), given
+    """Another API over the worker's front door on a port of its own (services/openai's HTTP API), given
     to `create_server` by the process that composes them (services/node/cli.py): the worker never
     imports one. Started with the worker; its calls drain with the gRPC ones; stopped before the engine."""
 
@@ -53,7 +54,7 @@ class FrontEnd(Protocol):
     async def stop(self) -> None: ...
 
 
-FrontEndStarter = Callable[[GenerateServicer, WorkerConfig], Awaitable[FrontEnd]]  # for config.http_port
+FrontEndStarter = Callable[[FrontDoor, WorkerConfig], Awaitable[FrontEnd]]  # for config.http_port
 
 
 @dataclass
@@ -64,7 +65,7 @@ class Worker:
     port: int
     metrics_port: int | None  # None when metrics are off
     health: health_aio.HealthServicer
-    servicer: GenerateServicer
+    servicer: GenerateServicer  # the gRPC edge of `door`
     metrics: WorkerMetrics
     store: MatrixStore | None  # the embedded store; None when a draft_source_factory was given
     ready: asyncio.Task
@@ -75,14 +76,19 @@ class Worker:
     http: FrontEnd | None = None  # the OpenAI-compatible HTTP API (services/openai); None when off
 
     @property
+    def door(self) -> FrontDoor:
+        """The one way in below both APIs (front.py): admission, validation, deadline, the engine bridge."""
+        return self.servicer.door
+
+    @property
     def http_port(self) -> int | None:
         return self.http.port if self.http is not None else None
 
     async def stop(self, grace_s: float | None = None) -> None:
         """NOT_SERVING, drain in-flight calls for `grace_s` (None: the config's grace_s; calls still
         running near its end are stopped, each ending with a final status), then release everything."""
-        await graceful_stop(self.server, self.health, self.servicer.config.grace_s if grace_s is None else grace_s,
-                            self.servicer.drain)
+        await graceful_stop(self.server, self.health, self.door.config.grace_s if grace_s is None else grace_s,
+                            self.door.drain)
         await self.close()
 
     async def close(self) -> None:
@@ -94,8 +100,8 @@ class Worker:
         self.engine.stop()  # anything still in it ends as cancelled
         await self.engine_loop
         await asyncio.to_thread(self.executor.shutdown, wait=True)
-        if self.servicer.tuners is not None:
-            await asyncio.to_thread(self.servicer.tuners.save_all)
+        if self.door.tuners is not None:
+            await asyncio.to_thread(self.door.tuners.save_all)
         if self.histories is not None:  # before the store's final snapshot: histories are its side state
             await asyncio.to_thread(self.histories.close)
         if self.store is not None:
@@ -184,7 +190,8 @@ async def _start_serving(config: WorkerConfig, decoder: Decoder, draft_source_fa
     runtime = RuntimeInfo.of(decoder)
     metrics.build.info({"model": name, "version": __version__, **runtime.labels()})
     log.info("serving %s: %s, batches of up to %d", name, runtime, config.max_batch)
-    servicer = GenerateServicer(decoder, engine, config, draft_source_factory, metrics, tuner_states)
+    door = FrontDoor(decoder, engine, config, draft_source_factory, metrics, tuner_states)
+    servicer = GenerateServicer(door)
 
     auth = [TenantAuth(config.tenant_tokens, config.default_tenant)] if config.tenant_tokens is not None else []
     server = started.server = new_server(MAX_REPLY_BYTES, interceptors=auth, max_receive_bytes=config.max_request_bytes,
@@ -193,12 +200,12 @@ async def _start_serving(config: WorkerConfig, decoder: Decoder, draft_source_fa
     generate_pb2_grpc.add_GenerateServicer_to_server(servicer, server)
     health = add_standard_services(server, [SERVICE_NAME])
     port = bind(server, config.host, config.port, config.tls)
-    http = started.http = await front_end(servicer, config) if front_end is not None and config.http_port is not None \
+    http = started.http = await front_end(door, config) if front_end is not None and config.http_port is not None \
         else None
     metrics_port = metrics.serve_http(config.host, config.metrics_port) if config.metrics_port is not None else None
     await set_status(health, [SERVICE_NAME], serving=False)
     await server.start()
-    ready = asyncio.create_task(_warm_up(servicer, health, config.warmup), name="trserve-warmup")
+    ready = asyncio.create_task(_warm_up(door, health, config.warmup), name="trserve-warmup")
     return Worker(server, port, metrics_port, health, servicer, metrics, store, ready, started.executor, engine,
                   started.engine_loop, histories, http)
 
@@ -221,10 +228,10 @@ class WarmUpFailed(RuntimeError):
     """The warm-up generation failed: the worker was closed; its command exits 1 with this message."""
 
 
-async def _warm_up(servicer: GenerateServicer, health: health_aio.HealthServicer, enabled: bool) -> None:
+async def _warm_up(door: FrontDoor, health: health_aio.HealthServicer, enabled: bool) -> None:
     if enabled:
-        await servicer.warm_up()
-    servicer.ready = True
+        await door.warm_up()
+    door.ready = True
     await set_status(health, [SERVICE_NAME], serving=True)
 
 
@@ -267,7 +274,7 @@ async def run(config: WorkerConfig, decoder_config: DecoderConfig, sources: Matr
         if sources is not None:
             await asyncio.to_thread(sources.close)
 
-    await serve_until_signal(worker.server, worker.health, config.grace_s, on_stop=stop, drain=worker.servicer.drain)
+    await serve_until_signal(worker.server, worker.health, config.grace_s, on_stop=stop, drain=worker.door.drain)
 
 
 def serve(config: WorkerConfig, decoder_config: DecoderConfig, sources: MatrixServiceSources | None = None,

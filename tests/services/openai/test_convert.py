@@ -10,27 +10,27 @@ from trserve.services.openai.app import Unauthenticated, error_body
 from trserve.services.openai.convert import BadParam, ModelNotFound, completion, parse_request
 from trserve.services.worker.admission import QueueFull
 from trserve.services.worker.config import Limits
-from trserve.services.worker.convert import generate_call_from_pb
+from trserve.services.worker.checks import check_call
 
 MODEL = "smollm2-135m-instruct"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
 
 
-def test_a_chat_request_becomes_the_generate_request_the_worker_validates():
+def test_a_chat_request_becomes_the_ask_the_front_door_checks():
     req = parse_request({**CHAT, "max_completion_tokens": 12, "temperature": 0.7, "top_p": 0.9, "seed": 3,
                          "stop": "\n", "stream": True, "stream_options": {"include_usage": True}}, "chat", MODEL, "alice")
-    assert req.stream and req.include_usage and req.request.tenant == "alice"
-    call = generate_call_from_pb(req.request, Limits(), "default")
+    assert req.stream and req.include_usage and req.ask.tenant == "alice"
+    call = check_call(req.ask, Limits(), "default")
     r = call.request
     assert r.messages == [{"role": "user", "content": "Hi"}] and r.max_new_tokens == 12 and r.stop_strings == ("\n",)
     assert r.sampling.temperature == pytest.approx(0.7) and r.sampling.top_p == pytest.approx(0.9) and r.sampling.seed == 3
-    greedy = generate_call_from_pb(parse_request(CHAT, "chat", MODEL, "default").request, Limits(), "default")
+    greedy = check_call(parse_request(CHAT, "chat", MODEL, "default").ask, Limits(), "default")
     assert greedy.request.sampling is None and greedy.request.max_new_tokens == Limits().default_max_new_tokens
 
 
 def test_prompts_of_a_completion():
-    assert parse_request({"model": MODEL, "prompt": ["Once"]}, "text", MODEL, "t").request.text == "Once"
-    assert list(parse_request({"model": MODEL, "prompt": [1, 2]}, "text", MODEL, "t").request.token_ids.ids) == [1, 2]
+    assert parse_request({"model": MODEL, "prompt": ["Once"]}, "text", MODEL, "t").ask.options["prompt"] == "Once"
+    assert list(parse_request({"model": MODEL, "prompt": [1, 2]}, "text", MODEL, "t").ask.options["input_ids"]) == [1, 2]
     with pytest.raises(BadParam) as e:
         parse_request({"model": MODEL, "prompt": ["a", "b"]}, "text", MODEL, "t")
     assert e.value.param == "prompt"
@@ -40,13 +40,27 @@ def test_prompts_of_a_completion():
     ({**CHAT, "n": 17}, "n"), ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
     ({**CHAT, "messages": [{"role": "function", "content": "x"}]}, "messages[0].role"),
     ({**CHAT, "temperature": 3}, "temperature"), ({**CHAT, "stop": [1]}, "stop"),
-    ({**CHAT, "max_tokens": 0}, "max_tokens"), ({"messages": CHAT["messages"]}, "model"),
+    ({**CHAT, "max_tokens": 5, "max_completion_tokens": 6}, "max_tokens"), ({"messages": CHAT["messages"]}, "model"),
 ])
 def test_bad_requests_name_their_parameter(body, param):
     with pytest.raises(BadParam) as e:
         parse_request(body, "chat", MODEL, "t")
     assert e.value.param == param
     assert error_body(e.value)[0] == 400
+
+
+@pytest.mark.parametrize("body, tenant, param", [
+    ({**CHAT, "max_tokens": 0}, None, "max_tokens"), ({**CHAT, "max_completion_tokens": 10**6}, None, "max_tokens"),
+    ({**CHAT, "max_tokens": "8"}, None, "max_tokens"), (CHAT, "bad tenant!", "X-Tenant"),
+])
+def test_the_front_door_checks_max_tokens_and_the_tenant(body, tenant, param):
+    """Parsed as given; refused by the front door's one check (the same message as over gRPC), which
+    the HTTP error names by OpenAI's parameter."""
+    ask = parse_request(body, "chat", MODEL, tenant).ask
+    with pytest.raises(InvalidArgument) as refused:
+        check_call(ask, Limits(max_new_tokens_cap=256), "default")
+    status, error, _ = error_body(refused.value)
+    assert status == 400 and error["error"]["param"] == param
 
 
 def test_errors_map_like_grpc_statuses():
@@ -65,7 +79,7 @@ def test_usage_sums_draft_sources():
                             draft_mode="embedded", tree="dynamic", drafted={"matrix": 6, "context": 4},
                             accepted={"matrix": 2, "context": 2}, cached_tokens=3)
     result = GenerationResult(ids=[1, 2, 3, 4, 5, 6, 7], text="hello", finish_reason="eos", stats=stats)
-    out = completion(parse_request(CHAT, "chat", MODEL, "t"), result, 0.0, "fp", str)
+    out = completion(parse_request(CHAT, "chat", MODEL, "t"), result, 0.0, "fp", str, "t")
     assert out["choices"][0] == {"index": 0, "finish_reason": "stop", "logprobs": None,
                                  "message": {"role": "assistant", "content": "hello"}}
     assert out["usage"] == {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12,
@@ -108,15 +122,14 @@ def test_vllms_output_changing_fields_are_refused_not_ignored(field, value):
 ])
 def test_structured_output_spellings_reach_the_engine_request(fields, kind, value):
     """Issue 44, item 1: OpenAI's response_format and vLLM's guided_* / structured_outputs, each onto
-    GenerateRequest.structured_output and from there the engine's StructuredOutput."""
+    the engine's StructuredOutput."""
     for route, body in (("chat", CHAT), ("text", {"model": MODEL, "prompt": "hi"})):
-        req = parse_request({**body, **fields}, route, MODEL, "t").request
-        assert req.structured_output.WhichOneof("kind") == kind
-        so = generate_call_from_pb(req, Limits(), "default").request.structured
+        req = parse_request({**body, **fields}, route, MODEL, "t").ask
+        so = check_call(req, Limits(), "default").request.structured
         assert so.kind == kind and (so.choices == tuple(value) if kind == "choice" else
                                     kind == "json_object" or so.spec == value)
-    plain = parse_request({**CHAT, "response_format": {"type": "text"}}, "chat", MODEL, "t").request
-    assert not plain.HasField("structured_output")
+    plain = parse_request({**CHAT, "response_format": {"type": "text"}}, "chat", MODEL, "t").ask
+    assert plain.options.get("structured") is None
 
 
 @pytest.mark.parametrize("fields, param", [
@@ -133,8 +146,8 @@ def test_bad_structured_output_is_a_400_naming_the_field(fields, param):
 
 
 def test_vllms_ignore_eos_and_stop_token_ids_are_applied():
-    req = parse_request({**CHAT, "ignore_eos": True, "stop_token_ids": [7, 9]}, "chat", MODEL, "t").request
-    call = generate_call_from_pb(req, Limits(), "default")
+    req = parse_request({**CHAT, "ignore_eos": True, "stop_token_ids": [7, 9]}, "chat", MODEL, "t").ask
+    call = check_call(req, Limits(), "default")
     assert call.request.ignore_eos and call.request.stop_token_ids == (7, 9)
     for bad in ({"ignore_eos": "yes"}, {"stop_token_ids": ["7"]}):
         with pytest.raises(BadParam):
@@ -144,23 +157,23 @@ def test_vllms_ignore_eos_and_stop_token_ids_are_applied():
 def test_logit_bias_and_min_tokens_reach_the_engine_request():
     """Issue 44, item 5 (in part): OpenAI's logit_bias and vLLM's min_tokens, applied losslessly."""
     req = parse_request({**CHAT, "logit_bias": {"7": -100, "9": 2.5}, "min_tokens": 3, "max_tokens": 8}, "chat",
-                        MODEL, "t").request
-    r = generate_call_from_pb(req, Limits(), "default").request
+                        MODEL, "t").ask
+    r = check_call(req, Limits(), "default").request
     assert r.logit_bias == ((7, -100.0), (9, 2.5)) and r.min_tokens == 3
     for bad in ({"logit_bias": {"x": 1}}, {"logit_bias": {"7": 101}}, {"logit_bias": [1]}, {"min_tokens": -1}):
         with pytest.raises(BadParam):
             parse_request({**CHAT, **bad}, "chat", MODEL, "t")
     with pytest.raises(InvalidArgument, match="min_tokens"):  # more than max_tokens: the engine's own check
-        generate_call_from_pb(parse_request({**CHAT, "min_tokens": 9, "max_tokens": 8}, "chat", MODEL, "t").request,
-                              Limits(), "default")
+        check_call(parse_request({**CHAT, "min_tokens": 9, "max_tokens": 8}, "chat", MODEL, "t").ask,
+                   Limits(), "default")
 
 
 def test_penalties_reach_the_engine_request():
     req = parse_request({**CHAT, "frequency_penalty": 0.5, "presence_penalty": -0.25, "repetition_penalty": 1.2},
-                        "chat", MODEL, "t").request
-    r = generate_call_from_pb(req, Limits(), "default").request
+                        "chat", MODEL, "t").ask
+    r = check_call(req, Limits(), "default").request
     assert (r.frequency_penalty, r.presence_penalty) == (0.5, -0.25) and r.repetition_penalty == pytest.approx(1.2)
-    off = generate_call_from_pb(parse_request(CHAT, "chat", MODEL, "t").request, Limits(), "default").request
+    off = check_call(parse_request(CHAT, "chat", MODEL, "t").ask, Limits(), "default").request
     assert (off.repetition_penalty, off.frequency_penalty, off.presence_penalty) == (1.0, 0.0, 0.0)
     for bad in ({"frequency_penalty": 3}, {"presence_penalty": "x"}, {"repetition_penalty": 0}):
         with pytest.raises(BadParam) as refused:
@@ -186,5 +199,5 @@ def test_the_field_table_is_what_the_server_does():
                 parse_request({**body, name: {"x": 1}}, kind, MODEL, "t")
             assert refused.value.param == name
         elif status == "ignored":
-            assert parse_request({**body, name: "low"}, kind, MODEL, "t").request == \
-                parse_request(body, kind, MODEL, "t").request
+            assert parse_request({**body, name: "low"}, kind, MODEL, "t").ask == \
+                parse_request(body, kind, MODEL, "t").ask

@@ -64,7 +64,7 @@ def test_the_served_model_name_is_what_callers_see(worker) -> None:
 
 def test_health_is_200_when_serving_and_503_while_draining(worker) -> None:
     assert call(worker, "GET", "/health")[:3:2] == (200, {"status": "ok"})
-    servicer = worker.worker.servicer
+    servicer = worker.worker.door
     servicer.draining = True
     try:
         status, _, body = call(worker, "GET", "/health")
@@ -87,7 +87,7 @@ def test_metrics_on_the_api_port_are_the_workers_registry(worker) -> None:
 
 
 def test_tokenize_and_detokenize_round_trip(worker) -> None:
-    tokenizer = worker.worker.servicer.decoder.tokenizer
+    tokenizer = worker.worker.door.decoder.tokenizer
     status, _, body = call(worker, "POST", "/tokenize", {"model": MODEL, "prompt": "The ocean is deep."})
     ids = tokenizer("The ocean is deep.", add_special_tokens=False)["input_ids"]
     assert status == 200 and body["tokens"] == ids and body["count"] == len(ids) and body["max_model_len"] > 0

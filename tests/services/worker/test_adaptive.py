@@ -33,7 +33,7 @@ def test_each_tenant_gets_its_own_online_tuner(adaptive_worker, decoder):
             assert reply.stats.tree.startswith("adaptive:")
         named = client.generate(messages=PROMPT, tenant="acme", max_new_tokens=8, tree="cpu-8")
         assert named.stats.tree == "cpu-8"  # a named tree bypasses the tuner
-    tuners = adaptive_worker.worker.servicer.tuners
+    tuners = adaptive_worker.worker.door.tuners
     assert len(tuners) == 2
     assert tuners.get("acme").retunes >= 1 and tuners.get("acme").log.total_steps > tuners.get("globex").log.total_steps
 
@@ -61,7 +61,7 @@ def test_tuner_records_are_kept_with_the_tenant_matrix_across_restarts(loaded_sm
                 if run == 0:
                     with TRServeClient(w.addr, timeout=120) as client:
                         client.generate(messages=PROMPT, tenant=tenant, max_new_tokens=40)
-                tuner = w.worker.servicer.tuners.get(tenant)
+                tuner = w.worker.door.tuners.get(tenant)
                 if run == 0:
                     assert tuner.retunes >= 1
                     saved = (len(tuner.log), tuner.current.paths, tuner.current.lookup, tuner.retunes)

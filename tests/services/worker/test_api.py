@@ -157,7 +157,7 @@ def test_metrics_endpoint(client, worker, promtool):
     body = urllib.request.urlopen(f"http://127.0.0.1:{worker.worker.metrics_port}/metrics", timeout=5).read().decode()
     lint = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, text=True, timeout=60)
     assert lint.returncode == 0 and not lint.stdout.strip() and not lint.stderr.strip(), lint.stdout + lint.stderr
-    model = f'model_name="{worker.worker.servicer.model_name}"'
+    model = f'model_name="{worker.worker.door.model_name}"'
     for name in (f'trserve_requests_total{{code="OK",method="Generate",{model}}}', "trserve_generated_tokens_total",
                  "trserve_mean_accepted_tokens_bucket", "trserve_step_seconds_bucket", "trserve_queue_depth",
                  "trserve_active_requests", "trserve_draft_fallbacks_total",

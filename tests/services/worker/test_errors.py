@@ -76,7 +76,7 @@ def test_server_keeps_serving_after_bad_input(client, worker):
 
 
 def test_queue_full_then_cancel_stops_decoding(client, worker):
-    metrics, admission = worker.metrics, worker.worker.servicer.admission
+    metrics, admission = worker.metrics, worker.worker.door.admission
     engine = worker.worker.engine
     cancelled_before = metrics.value("trserve_finish_total", {"reason": "cancelled"})
     generated_before = metrics.value("trserve_generated_tokens_total")
@@ -110,7 +110,7 @@ def test_a_plain_grpc_channel_with_the_shipped_service_config_retries_a_busy_wor
     from trserve.services.client.client import channel_options
     from trserve.v1 import generate_pb2_grpc
 
-    metrics, admission = worker.metrics, worker.worker.servicer.admission
+    metrics, admission = worker.metrics, worker.worker.door.admission
     refused = {"method": "Generate", "code": "RESOURCE_EXHAUSTED"}
     running = client.stream(messages=STORY, max_new_tokens=256, tenant="busy", mode="ar")
     next(running)

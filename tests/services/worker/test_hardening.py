@@ -54,7 +54,7 @@ def read_all(stream) -> None:
 
 # ---- 1. work before admission -------------------------------------------------------------------
 def test_calls_beyond_the_cap_are_refused_before_tokenizing(client, worker):
-    servicer = worker.worker.servicer
+    servicer = worker.worker.door
     streams = [client.stream(messages=STORY, max_new_tokens=256, mode="ar") for _ in range(3)]
     readers = [threading.Thread(target=read_all, args=(s,), daemon=True) for s in streams]
     try:
@@ -120,7 +120,7 @@ def test_stream_equals_unary_text_with_stop_strings(client, mode, case, caplog):
 
 # ---- 8. deadlines and shutdown ------------------------------------------------------------------------
 def test_long_prefill_inside_the_deadline_gives_a_partial_result(client, worker):
-    servicer = worker.worker.servicer
+    servicer = worker.worker.door
     ids = client.tokenize(messages=STORY)
     prompt = (ids * (2000 // len(ids) + 1))[:2000]  # 4 prefill chunks of 512 tokens
     for _ in range(2):
