@@ -13,13 +13,16 @@ TORCH_INDEX ?=
 STAMP  := $(VENV)/.installed
 PROTOS := $(wildcard protos/trserve/v1/*.proto)
 PROTO_OUT := $(patsubst protos/%.proto,build/proto/%_pb2.py,$(PROTOS))
+# the Python client (clients/python, module trserve_client), which `trserve generate` and `trserve load`
+# call through: installed editable, so its stubs are generated in place (gitignored)
+CLIENT := clients/python/trserve_client/_proto/trserve/v1/generate_pb2.py
 PYTEST_ARGS ?=
 BENCH_ARGS ?=
 RUN_ARGS ?=
 
 .PHONY: install proto run test test-fast bench bench-peers clean
 
-install: $(STAMP)
+install: $(STAMP) $(CLIENT)
 
 $(STAMP): requirements.txt requirements-runtime.txt pyproject.toml setup.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,7 +34,10 @@ $(STAMP): requirements.txt requirements-runtime.txt pyproject.toml setup.py
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 	touch $@
 
-proto: $(STAMP) $(PROTO_OUT)
+proto: $(STAMP) $(PROTO_OUT) $(CLIENT)
+
+$(CLIENT): $(PROTOS) clients/python/setup.py clients/python/pyproject.toml $(STAMP)
+	$(PIP) install -q --no-deps --no-build-isolation -e clients/python
 
 build/proto/trserve/v1/%_pb2.py: protos/trserve/v1/%.proto $(STAMP)
 	mkdir -p build/proto
@@ -78,7 +84,7 @@ bench-peers: proto llama-server
 		--json bench-results/bench-peers.json $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) build/proto .pytest_cache
+	rm -rf $(VENV) build/proto .pytest_cache clients/python/trserve_client/_proto
 
 # The split deployment as local processes (Redis, matrix service, N workers) on loopback:
 #   make cluster CLUSTER_ARGS="--workers 2 --threads 1"; then trserve cluster status|down

@@ -77,12 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default="bench-results/grpc_vs_inprocess.json")
     args = ap.parse_args(argv)
 
-    from ..services.client.client import TRServeClient
+    from trserve_client import Client
     from .host import host_facts, host_line
 
     proc, addr = _start_server(args.model, args.threads)
     try:
-        with ExitStack() as stack, TRServeClient(addr, timeout=600) as client:
+        with ExitStack() as stack, Client(addr, timeout=600) as client:
             sides = _sides(args, client, stack)
             totals = {name: [0, 0.0] for name in sides}
             for prompt in _questions(args.prompts, args.n):

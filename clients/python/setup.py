@@ -1,9 +1,14 @@
 """Builds trserve-client without writing into its source folder: the stubs are generated, and the
-.proto files and the service config copied, into the build's own tree (build_py), from the
-repository when building from it, else from the copies an sdist carries (made by sdist below). The
-stubs live in trserve_client/_proto/trserve/v1 with their imports pointed there, so this package never
-shadows the server's own `trserve` modules; the protobuf file names stay trserve/v1/*.proto. setuptools'
-scratch (build/, *.egg-info) goes to a temporary folder too."""
+.proto files copied, into the build's own tree (build_py), from the repository when building from it,
+else from the copies an sdist carries (made by sdist below). The service config
+(trserve_client/service_config.json) is package data, the one copy. The stubs live in
+trserve_client/_proto/trserve/v1 with their imports pointed there, so this package never shadows the
+server's own `trserve` modules; the protobuf file names stay trserve/v1/*.proto. setuptools' scratch
+(build/, *.egg-info) goes to a temporary folder too.
+
+An editable install (`pip install -e clients/python`, what the project's `make install` does) imports
+the package from this folder, so there the stubs are generated in place, into the gitignored
+trserve_client/_proto/."""
 
 from __future__ import annotations
 
@@ -23,25 +28,24 @@ SCRATCH = Path(tempfile.mkdtemp(prefix="trserve-client-build-"))
 atexit.register(shutil.rmtree, SCRATCH, True)
 
 
-def _sources() -> tuple[Path, Path]:
-    """(folder of the trserve/v1 protos, the service config file): the repository's, else an sdist's."""
+def _proto_dir() -> Path:
+    """The trserve/v1 protos: the repository's, else an sdist's copies."""
     if (REPO / "protos" / "trserve" / "v1").is_dir():
-        return REPO / "protos" / "trserve" / "v1", REPO / "services" / "client" / "service_config.json"
-    return HERE / "trserve_client" / "protos" / "trserve" / "v1", HERE / "trserve_client" / "service_config.json"
+        return REPO / "protos"
+    return HERE / "trserve_client" / "protos"
 
 
 def _copy_sources(pkg: Path) -> None:
-    protos, config = _sources()
     (pkg / "protos" / "trserve" / "v1").mkdir(parents=True, exist_ok=True)
-    for proto in protos.glob("*.proto"):
+    for proto in (_proto_dir() / "trserve" / "v1").glob("*.proto"):
         shutil.copyfile(proto, pkg / "protos" / "trserve" / "v1" / proto.name)
-    shutil.copyfile(config, pkg / "service_config.json")
 
 
-def _generate(pkg: Path) -> None:
+def _generate(pkg: Path, root: Path) -> None:
+    """The stubs of root/trserve/v1/*.proto into pkg/_proto/trserve/v1, importing from there."""
     from grpc_tools import protoc
 
-    root, out = pkg / "protos", pkg / "_proto" / "trserve" / "v1"
+    out = pkg / "_proto" / "trserve" / "v1"
     with tempfile.TemporaryDirectory() as tmp:
         protos = sorted(str(p.relative_to(root)) for p in (root / "trserve" / "v1").glob("*.proto"))
         args = ["protoc", f"-I{root}", f"-I{Path(protoc.__file__).parent / '_proto'}", f"--python_out={tmp}",
@@ -60,9 +64,12 @@ def _generate(pkg: Path) -> None:
 class BuildPy(build_py):
     def run(self) -> None:
         super().run()
+        if self.editable_mode:  # imported from this folder: the stubs go beside the sources
+            _generate(HERE / "trserve_client", _proto_dir())
+            return
         pkg = Path(self.build_lib) / "trserve_client"
         _copy_sources(pkg)
-        _generate(pkg)
+        _generate(pkg, pkg / "protos")
 
 
 class Sdist(sdist):

@@ -1,1 +1,1 @@
-"""Clients of the Generate API: `TRServeClient` for Python callers, `trserve generate` on the command line."""
+"""`trserve generate` on the command line; the client it calls through is trserve_client (clients/python)."""

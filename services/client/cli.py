@@ -1,4 +1,6 @@
-"""`trserve generate`: send one prompt to a running worker, print the text and a stats line."""
+"""`trserve generate`: send one prompt to a running worker, print the text and a stats line. The
+calls go through the Python client, trserve_client (clients/python): `Client` for one address,
+`BalancedClient` for several, a token or TLS."""
 
 from __future__ import annotations
 
@@ -57,14 +59,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
 def _client(args):
     """One plain channel, or the balanced client when several workers, a token or TLS are given."""
-    from .client import TRServeClient
+    from trserve_client import BalancedClient, Client
 
     addrs = [a.strip() for a in args.addr.split(",") if a.strip()]
     if len(addrs) == 1 and not args.token_file and not args.tls_ca:
-        return TRServeClient(addrs[0], timeout=args.timeout)
+        return Client(addrs[0], timeout=args.timeout)
     from pathlib import Path
-
-    from .balanced import BalancedClient
 
     try:
         tokens = {args.tenant or "default": Path(args.token_file).read_text().strip()} if args.token_file else None
@@ -80,7 +80,7 @@ def _client(args):
 def _unary(client, kwargs: dict, as_json: bool) -> int:
     reply = client.generate(**kwargs)
     if as_json:
-        print(_to_json(reply))
+        print(_to_json(reply.raw))
     else:
         print(reply.text)
         print(stats_line(reply.finish_reason, reply.stats), file=sys.stderr)
@@ -91,21 +91,20 @@ def _stream(client, kwargs: dict, as_json: bool) -> int:
     last = None
     for chunk in client.stream(**kwargs):
         if as_json:
-            print(_to_json(chunk, one_line=True), flush=True)
+            print(_to_json(chunk.raw, one_line=True), flush=True)
         else:
             print(chunk.text, end="", flush=True)
         last = chunk
     if not as_json:
         print()
         if last is not None:
-            print(stats_line(last.finish_reason, last.stats), file=sys.stderr)
+            print(stats_line(last.finish_reason, last.raw.stats), file=sys.stderr)
     return 0
 
 
-def stats_line(finish_reason: int, stats) -> str:
-    from ...v1 import generate_pb2 as pb
-
-    reason = pb.FinishReason.Name(finish_reason).removeprefix("FINISH_REASON_").lower()
+def stats_line(finish_reason: str | None, stats) -> str:
+    """The stats summary; `finish_reason` as the client's replies give it ("length", None: unspecified)."""
+    reason = finish_reason or "unspecified"
     version = f"v{stats.matrix_version}" if stats.HasField("matrix_version") else "-"
     seconds = (stats.prefill_ms + stats.decode_ms) / 1e3
     return (f"[{stats.generated_tokens} tokens in {seconds:.2f} s, {stats.tokens_per_second:.1f} tok/s, "

@@ -368,15 +368,6 @@ def check_plaintext_secret(addr: str, tls_ca_file: str | None, secret: SharedSec
                          "or allow plaintext explicitly (--allow-plaintext-secret) on a trusted network")
 
 
-def check_plaintext_tokens(addrs: Sequence[str], tls_ca_file: str | None, has_tokens: bool, allow: bool) -> None:
-    """ValueError when tenant bearer tokens would travel without TLS to another machine, unless
-    allowed (the same rule as for the matrix secrets)."""
-    far = [a for a in addrs if not is_loopback(a)]
-    if has_tokens and tls_ca_file is None and not allow and far:
-        raise ValueError(f"refusing to send tenant tokens without TLS to {far[0]}: pass a TLS CA file (--tls-ca), "
-                         "or allow plaintext explicitly (--allow-plaintext-token) on a trusted network")
-
-
 def client_channel(addr: str, tls_ca_file: str | None = None, secret: SharedSecret | None = None,
                    options: Sequence[tuple[str, object]] = (), allow_plaintext_secret: bool = False) -> grpc.Channel:
     """A sync channel: TLS trusting `tls_ca_file` when given (else plaintext), `secret` on every call.

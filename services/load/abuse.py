@@ -21,8 +21,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+from trserve_client import build_request
 
-from ..client.client import build_request
 from ..common.security import bearer_metadata, client_channel, load_tokens_by_tenant
 from .prompts import PROMPTS
 from .report import percentile

@@ -1,5 +1,5 @@
 """A bounded load run: `concurrency` client threads send `requests` Generate calls, round robin over
-the workers through BalancedClient (retry on another worker when one is down), request i for
+the workers through trserve_client's BalancedClient (retry on another worker when one is down), request i for
 tenant `{prefix}-{i % tenants}` with prompt `PROMPTS[i % len(PROMPTS)]`.
 
 Loopback only: every address must resolve to 127.0.0.0/8 or ::1 (this is a test tool, not a way
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 from tqdm import tqdm
 
-from ..client.balanced import BalancedClient
+from trserve_client import BalancedClient
 from ..common.security import load_tokens_by_tenant
 from .prompts import PROMPTS
 from .report import LoadReport, RequestRecord

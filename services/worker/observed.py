@@ -17,7 +17,8 @@ from .admission import QueueFull
 
 def _retry_trailers(retry_after_s: float) -> tuple[tuple[str, str], ...]:
     """A busy worker's hint, twice: `grpc-retry-pushback-ms` is the standard one that gRPC's own retry
-    policy (services/client/service_config.json) waits for in any language; `retry-after-ms` is ours."""
+    policy (clients/python/trserve_client/service_config.json) waits for in any language;
+    `retry-after-ms` is ours."""
     ms = str(max(int(retry_after_s * 1000), 1))
     return (("grpc-retry-pushback-ms", ms), ("retry-after-ms", ms))
 

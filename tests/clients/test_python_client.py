@@ -1,8 +1,8 @@
 """The light client (issue 30 item 2, issue 46 item 6): clients/python installs into a fresh venv with
 grpcio and protobuf only (no torch), writing nothing into its source folder, and calls a running
-worker, sync and asyncio: the same ids as the server-side client, a stream whose chunks add up to
-the unary answer, finish reasons as strings, `max_tokens`, the token and plaintext rule, and typed
-errors (a busy worker's Busy with its retry-after)."""
+worker, sync and asyncio: the same ids as the client in this process (the project's editable install
+of it), a stream whose chunks add up to the unary answer, finish reasons as strings, `max_tokens`,
+the token and plaintext rule, and typed errors (a busy worker's Busy with its retry-after)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from trserve.services.client.client import TRServeClient
+from trserve_client import Client
 from trserve.services.worker.config import Limits, WorkerConfig
 from tests.services.worker_harness import serving
 
@@ -118,12 +118,12 @@ def test_the_light_client_installs_without_torch_and_calls_a_worker(client_venv,
     run = subprocess.run([python, "-c", script], capture_output=True, text=True, timeout=300, cwd=client_venv)
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
-    with TRServeClient(worker.addr, timeout=120) as ours:
+    with Client(worker.addr, timeout=120) as ours:
         reference = ours.generate(messages=HI, max_new_tokens=16, mode="ar", return_token_ids=True)
         vocab = ours.model_info().vocab_size
     from trserve.v1 import generate_pb2 as pb
 
-    reason = pb.FinishReason.Name(reference.finish_reason).removeprefix("FINISH_REASON_").lower()
+    reason = pb.FinishReason.Name(reference.raw.finish_reason).removeprefix("FINISH_REASON_").lower()
     assert out["ids"] == list(reference.token_ids) == out["stream_ids"] and out["text"] == reference.text
     assert out["stream_text"] == out["text"] and out["reason"] == reason == out["finish"][-1]
     assert out["logprob_ids"] == out["ids"]
@@ -134,6 +134,6 @@ def test_the_light_client_installs_without_torch_and_calls_a_worker(client_venv,
     assert aio_ids == aio_stream == out["ids"] and aio_reason == reason and aio_empty == "INVALID_ARGUMENT"
     assert hello and all(isinstance(i, int) for i in hello)
     assert out["vocab"] == vocab
-    assert json.loads(out["config"]) == json.loads((REPO / "services" / "client" / "service_config.json").read_text())
+    assert json.loads(out["config"]) == json.loads((REPO / "clients" / "python" / "trserve_client" / "service_config.json").read_text())
     assert out["torch_loaded"] is False
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from trserve.services.client.client import TRServeClient
+from trserve_client import Client
 from trserve.services.cluster.runner import LocalCluster
 from trserve.services.common.security import ServerTLS
 from trserve.services.load.report import RequestRecord
@@ -29,7 +29,7 @@ class Admin:
     def __init__(self, cluster: LocalCluster) -> None:
         self._channel = grpc.insecure_channel(cluster.matrix_addr)
         self._stub = matrix_pb2_grpc.MatrixServiceStub(self._channel)
-        with TRServeClient(cluster.worker_addrs[0], timeout=30) as client:
+        with Client(cluster.worker_addrs[0], timeout=30) as client:
             self.fingerprint = client.model_info().fingerprint
 
     def ref(self, tenant: str) -> pb.TenantRef:

@@ -2,7 +2,17 @@
 
 from trserve_client._proto.trserve.v1 import generate_pb2 as pb
 from trserve_client.aio import AsyncClient
-from trserve_client.client import Chunk, Client, Reply, build_request, finish_reason_name, service_config
+from trserve_client.balanced import BalancedClient, Served, rendezvous
+from trserve_client.client import (
+    Chunk,
+    Client,
+    Reply,
+    Stream,
+    build_request,
+    channel_options,
+    finish_reason_name,
+    service_config,
+)
 from trserve_client.errors import (
     Busy,
     Cancelled,
@@ -16,7 +26,8 @@ from trserve_client.errors import (
     Unavailable,
 )
 
-__all__ = ["AsyncClient", "Busy", "Cancelled", "Chunk", "Client", "DeadlineExceeded", "InvalidArgument", "NotFound",
-           "PermissionDenied", "Reply", "ServerError", "TRServeError", "Unauthenticated", "Unavailable",
-           "build_request", "finish_reason_name", "pb", "service_config"]
+__all__ = ["AsyncClient", "BalancedClient", "Busy", "Cancelled", "Chunk", "Client", "DeadlineExceeded",
+           "InvalidArgument", "NotFound", "PermissionDenied", "Reply", "Served", "ServerError", "Stream",
+           "TRServeError", "Unauthenticated", "Unavailable", "build_request", "channel_options",
+           "finish_reason_name", "pb", "rendezvous", "service_config"]
 __version__ = "0.2.0"

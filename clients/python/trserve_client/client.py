@@ -1,6 +1,12 @@
 """The client: one channel to a worker (or any gRPC target), methods mirroring the rpcs. Replies come
 back as `Reply` / `Chunk` (finish reasons as strings, the protobuf message as `.raw`); failures as
-the typed errors of errors.py. `AsyncClient` (aio.py) is the same over grpc.aio."""
+the typed errors of errors.py. `AsyncClient` (aio.py) is the same over grpc.aio, `BalancedClient`
+(balanced.py) the same calls spread over several workers.
+
+The standard gRPC service config for Generate clients in any language (service_config.json beside
+this file, the one copy): round_robin over every address the target resolves to (a headless
+Service's pods), client-side health checks, and retries of UNAVAILABLE and RESOURCE_EXHAUSTED that
+honour the server's grpc-retry-pushback-ms."""
 
 from __future__ import annotations
 
@@ -23,6 +29,12 @@ _MODES = {None: pb.DECODING_MODE_UNSPECIFIED, "tr": pb.DECODING_MODE_TR, "ar": p
 def service_config() -> str:
     """The standard gRPC service config (round robin, health checks, retries) as a JSON string."""
     return json.dumps(json.loads(SERVICE_CONFIG_FILE.read_text()))
+
+
+def channel_options() -> list[tuple[str, object]]:
+    """Channel options that apply the service config (retries on, health checks on), for a plain
+    grpc channel: `grpc.insecure_channel(target, options=channel_options())`."""
+    return [("grpc.service_config", service_config()), ("grpc.enable_retries", 1)]
 
 
 def finish_reason_name(value: int) -> str | None:
@@ -106,7 +118,8 @@ def tokenize_request(text: str | None, messages: Sequence[dict] | None) -> pb.To
     return pb.TokenizeRequest(messages=build_request(messages=messages or []).messages)
 
 
-def _is_loopback(target: str) -> bool:
+def is_loopback(target: str) -> bool:
+    """Whether a target (HOST:PORT, dns:///HOST:PORT) names this machine (localhost, 127.0.0.0/8, ::1)."""
     host = target.split("///")[-1].rsplit(":", 1)[0].strip("[]")
     if host == "localhost":
         return True
@@ -119,26 +132,43 @@ def _is_loopback(target: str) -> bool:
 def channel_setup(addr: str, tls_ca_file: str | None, token: str | None, allow_plaintext_token: bool,
                   retries: bool) -> tuple[tuple, list, grpc.ChannelCredentials | None]:
     """(call metadata, channel options, TLS credentials or None), checking the plaintext-token rule."""
-    if token is not None and tls_ca_file is None and not allow_plaintext_token and not _is_loopback(addr):
+    if token is not None and tls_ca_file is None and not allow_plaintext_token and not is_loopback(addr):
         raise ValueError(f"refusing to send a tenant token without TLS to {addr}: pass tls_ca_file, or "
                          "allow_plaintext_token=True on a trusted network")
-    metadata = () if token is None else (("authorization", f"Bearer {token}"),)
-    options = [("grpc.service_config", service_config()), ("grpc.enable_retries", 1)] if retries else []
-    creds = None if tls_ca_file is None else grpc.ssl_channel_credentials(
+    return bearer_metadata(token), channel_options() if retries else [], credentials(tls_ca_file)
+
+
+def bearer_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    """Per-call metadata for a tenant token (empty without one)."""
+    return () if token is None else (("authorization", f"Bearer {token}"),)
+
+
+def credentials(tls_ca_file: str | None) -> grpc.ChannelCredentials | None:
+    """TLS trusting the PEM CA in `tls_ca_file`; None (plaintext) without one."""
+    return None if tls_ca_file is None else grpc.ssl_channel_credentials(
         root_certificates=Path(tls_ca_file).read_bytes())
-    return metadata, options, creds
+
+
+def open_channel(addr: str, creds: grpc.ChannelCredentials | None, options: Sequence = ()) -> grpc.Channel:
+    """A sync channel: TLS with `creds`, else plaintext."""
+    if creds is None:
+        return grpc.insecure_channel(addr, options=list(options))
+    return grpc.secure_channel(addr, creds, options=list(options))
 
 
 class Stream:
-    """The chunks of a GenerateStream call as `Chunk`s; `.cancel()` stops decoding on the server."""
+    """The chunks of a GenerateStream call as `Chunk`s (an iterator); `.cancel()` stops decoding on
+    the server."""
 
     def __init__(self, call) -> None:
         self._call = call
 
     def __iter__(self) -> Iterator[Chunk]:
+        return self
+
+    def __next__(self) -> Chunk:
         try:
-            for item in self._call:
-                yield Chunk.of(item)
+            return Chunk.of(next(self._call))
         except grpc.RpcError as e:
             raise typed(e) from None
 
@@ -155,9 +185,8 @@ class Client:
                  token: str | None = None, allow_plaintext_token: bool = False, retries: bool = True) -> None:
         self._metadata, options, creds = channel_setup(addr, tls_ca_file, token, allow_plaintext_token, retries)
         self.addr, self.timeout = addr, timeout
-        self._channel = (grpc.insecure_channel(addr, options=options) if creds is None
-                         else grpc.secure_channel(addr, creds, options=options))
-        self.stub = generate_pb2_grpc.GenerateStub(self._channel)
+        self._channel = open_channel(addr, creds, options)
+        self.stub = generate_pb2_grpc.GenerateStub(self._channel)  # the raw stub, for futures and metadata
 
     def _call(self, method, request, timeout: float | None):
         try:

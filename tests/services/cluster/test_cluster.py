@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from trserve.services.client.balanced import BalancedClient
+from trserve_client import BalancedClient
 from trserve.services.cluster.procs import free_port, pid_runs
 from trserve.services.load.runner import LoadConfig
 from trserve.services.worker.config import WorkerConfig

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterator
 import grpc
 import pytest
 
-from trserve.services.client.balanced import BalancedClient
+from trserve_client import BalancedClient
 from trserve.services.cluster.config import ClusterConfig
 from trserve.services.cluster.runner import LocalCluster
 from trserve.services.load.prompts import PROMPTS

@@ -22,7 +22,7 @@ import grpc
 import pytest
 import redis
 
-from trserve.services.client.client import TRServeClient
+from trserve_client import Client
 from trserve.services.cluster.procs import Proc, wait_serving
 from trserve.services.worker.drafting.remote import RemoteDraftSource
 from trserve.services.worker.drafting.replica import ReplicaDraftSource
@@ -61,7 +61,7 @@ class Cluster:
             self._await_worker(name)
         self._channel = grpc.insecure_channel(self.matrix_addr)
         self.admin = matrix_pb2_grpc.MatrixServiceStub(self._channel)
-        with TRServeClient(self.addr("A"), timeout=30) as client:
+        with Client(self.addr("A"), timeout=30) as client:
             self.fingerprint = client.model_info().fingerprint
 
     def _start(self, name: str, args: list[str]) -> Proc:
@@ -152,8 +152,8 @@ def reference(decoder_served) -> dict[str, tuple[list[int], str]]:
 
 
 def generate(cluster: Cluster, worker: str, tenant: str, messages: list[dict]) -> generate_pb2.GenerateResponse:
-    with TRServeClient(cluster.addr(worker), timeout=60) as client:
-        return client.generate(messages=messages, tenant=tenant, max_new_tokens=N, return_token_ids=True)
+    with Client(cluster.addr(worker), timeout=60) as client:
+        return client.generate(messages=messages, tenant=tenant, max_new_tokens=N, return_token_ids=True).raw
 
 
 @processes
@@ -185,11 +185,11 @@ def test_tenant_warmed_on_one_worker_is_hot_on_the_other(cluster, reference, war
 @processes
 def test_killing_a_worker_loses_no_committed_version(cluster) -> None:
     tenant = "crash-worker"
-    with TRServeClient(cluster.addr("B"), timeout=60) as client:
+    with Client(cluster.addr("B"), timeout=60) as client:
         chunks = client.stream(messages=COUNT, tenant=tenant, max_new_tokens=N)
         before = None
         for chunk in chunks:  # wait until some of this request's rows are committed on the service
-            assert not chunk.HasField("stats"), "the request finished before any rows were pushed"
+            assert not chunk.raw.HasField("stats"), "the request finished before any rows were pushed"
             if (info := cluster.describe(tenant)) is not None and info.version > 0:
                 before = info.version
                 break
@@ -215,13 +215,13 @@ def test_killing_a_worker_loses_no_committed_version(cluster) -> None:
 def test_matrix_killed_mid_stream_completes_identically(cluster, reference, worker) -> None:
     cluster.ensure_matrix()
     tenant = f"crash-matrix-{worker}"
-    with TRServeClient(cluster.addr(worker), timeout=60) as client:
+    with Client(cluster.addr(worker), timeout=60) as client:
         before = cluster.fallbacks(worker)
         chunks = client.stream(messages=COUNT, tenant=tenant, max_new_tokens=N)
         received = [next(chunks)]
         while (info := cluster.describe(tenant)) is None or info.version == 0:  # the service has this request's rows
             received.append(next(chunks))
-            assert not received[-1].HasField("stats"), "the request finished before its rows reached the service"
+            assert not received[-1].raw.HasField("stats"), "the request finished before its rows reached the service"
         cluster.matrix.kill()
         at_kill = len(received)
         received += list(chunks)

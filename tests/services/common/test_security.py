@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from trserve.matrix_store import StoreConfig
 from trserve.services.cli import build_parser
-from trserve.services.client.balanced import BalancedClient
+from trserve_client import BalancedClient
 from trserve.services.common.security import ServerTLS, SharedSecret, TenantTokens, client_channel
 from trserve.services.matrix.server import MatrixServiceConfig
 from trserve.services.node.cli import build_configs
@@ -215,15 +215,15 @@ def test_worker_drafts_through_a_secured_matrix_service(decoder, matrix, tls, se
 
 def test_tenant_tokens_are_never_sent_in_plaintext_to_another_host(tmp_path) -> None:
     """Issue 28, defect 6: like the matrix secrets, bearer tokens need TLS off loopback."""
-    from trserve.services.client.client import TRServeClient
+    from trserve_client import Client
 
     with pytest.raises(ValueError, match="without TLS to 10.1.2.3:50051"):
-        TRServeClient("10.1.2.3:50051", token="t")
+        Client("10.1.2.3:50051", token="t")
     with pytest.raises(ValueError, match="without TLS to 10.1.2.3:50051"):
         BalancedClient(["127.0.0.1:50051", "10.1.2.3:50051"], tokens={"acme": "t"})
-    TRServeClient("10.1.2.3:50051", token="t", allow_plaintext_token=True).close()
+    Client("10.1.2.3:50051", token="t", allow_plaintext_token=True).close()
     BalancedClient(["10.1.2.3:50051"], tokens={"acme": "t"}, allow_plaintext_token=True).close()
-    TRServeClient("10.1.2.3:50051").close()  # no token: nothing to protect
+    Client("10.1.2.3:50051").close()  # no token: nothing to protect
     token = tmp_path / "acme.token"
     token.write_text("t\n")
     refused = subprocess.run([sys.executable, "-m", "trserve.services.cli", "generate", "--addr", "10.1.2.3:50051",
@@ -232,12 +232,12 @@ def test_tenant_tokens_are_never_sent_in_plaintext_to_another_host(tmp_path) -> 
 
 
 def test_trserve_client_sends_its_token_over_tls(worker, tls) -> None:
-    from trserve.services.client.client import TRServeClient
+    from trserve_client import Client
 
-    with TRServeClient(worker.addr, timeout=60, tls_ca_file=tls.cert_file, token=TOKENS["acme"]) as client:
+    with Client(worker.addr, timeout=60, tls_ca_file=tls.cert_file, token=TOKENS["acme"]) as client:
         assert client.generate(messages=HI, tenant="acme", max_new_tokens=4).stats.generated_tokens > 0
         assert len(client.tokenize("Hi")) > 0
-    with TRServeClient(worker.addr, timeout=60, tls_ca_file=tls.cert_file) as anonymous:
+    with Client(worker.addr, timeout=60, tls_ca_file=tls.cert_file) as anonymous:
         with pytest.raises(grpc.RpcError) as denied:
             anonymous.generate(messages=HI, tenant="acme", max_new_tokens=4)
         assert denied.value.code() == grpc.StatusCode.UNAUTHENTICATED

@@ -15,7 +15,7 @@ from pathlib import Path
 import openai
 import pytest
 
-from trserve.services.client.client import TRServeClient
+from trserve_client import Client
 
 REPO = Path(__file__).resolve().parents[3]
 TOKENS = {"alice": "alice-token-0123456789abcdef", "bob": "bob-token-0123456789abcdef"}
@@ -61,7 +61,7 @@ def client(server):
 
 @pytest.fixture(scope="module")
 def model_id(server):
-    with TRServeClient(server[0], timeout=60, token=TOKENS["alice"]) as c:
+    with Client(server[0], timeout=60, token=TOKENS["alice"]) as c:
         return c.model_info().model
 
 
@@ -88,7 +88,7 @@ def test_chat_streamed_and_grpc_agree(client, server, model_id):
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == reply.choices[0].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == usage.completion_tokens
 
-    with TRServeClient(server[0], timeout=60, token=TOKENS["alice"]) as grpc_client:
+    with Client(server[0], timeout=60, token=TOKENS["alice"]) as grpc_client:
         same = grpc_client.generate(messages=CHAT, max_new_tokens=24, tenant="alice", return_token_ids=True)
     assert list(same.token_ids) == extra["token_ids"] and same.text == text
 
@@ -99,7 +99,7 @@ def test_completion_matches_grpc(client, server, model_id):
     assert reply.object == "text_completion" and reply.choices[0].text
     streamed = client.completions.create(model=model_id, prompt=[prompt], max_tokens=8, temperature=0, stream=True)
     assert "".join(c.choices[0].text for c in streamed if c.choices) == reply.choices[0].text
-    with TRServeClient(server[0], timeout=60, token=TOKENS["alice"]) as grpc_client:
+    with Client(server[0], timeout=60, token=TOKENS["alice"]) as grpc_client:
         same = grpc_client.generate(prompt, max_new_tokens=8, tenant="alice", return_token_ids=True)
     assert same.text == reply.choices[0].text and list(same.token_ids) == reply.model_extra["trserve"]["token_ids"]
 

@@ -7,7 +7,7 @@ import pytest
 from trserve.engine import Decoder, DecoderConfig
 from trserve.engine.tuning.calibrate import CostModel, cost_model_path, save_cost_model
 from trserve.engine.tuning.online import AutoTuneConfig
-from trserve.services.client.client import TRServeClient
+from trserve_client import Client
 from trserve.services.worker.config import WorkerConfig
 from tests.services.worker_harness import serving
 
@@ -26,7 +26,7 @@ def adaptive_worker(loaded_smollm2, tmp_path_factory):
 
 def test_each_tenant_gets_its_own_online_tuner(adaptive_worker, decoder):
     expected = decoder.generate(messages=PROMPT, max_new_tokens=40, mode="ar").ids
-    with TRServeClient(adaptive_worker.addr, timeout=120) as client:
+    with Client(adaptive_worker.addr, timeout=120) as client:
         for tenant in ("acme", "globex", "acme"):
             reply = client.generate(messages=PROMPT, tenant=tenant, max_new_tokens=40, return_token_ids=True)
             assert list(reply.token_ids) == expected
@@ -59,7 +59,7 @@ def test_tuner_records_are_kept_with_the_tenant_matrix_across_restarts(loaded_sm
             for w in serving(WorkerConfig(port=0, metrics_port=None, redis_url=REDIS_URL),
                              Decoder(config, loaded=loaded_smollm2)):
                 if run == 0:
-                    with TRServeClient(w.addr, timeout=120) as client:
+                    with Client(w.addr, timeout=120) as client:
                         client.generate(messages=PROMPT, tenant=tenant, max_new_tokens=40)
                 tuner = w.worker.door.tuners.get(tenant)
                 if run == 0:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from trserve.services.client.balanced import BalancedClient, rendezvous
+from trserve_client import BalancedClient, rendezvous
 from trserve.services.worker.config import Limits, WorkerConfig
 from tests.services.worker_harness import serving
 

@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from trserve.core.model_spec import ModelSpec
-from trserve.services.client.client import TRServeClient
+from trserve_client import Client
 from trserve.services.worker.config import Limits, WorkerConfig
 from tests.services.worker_harness import BackgroundWorker, serving
 from trserve.v1 import generate_pb2 as pb
@@ -30,7 +30,7 @@ def worker(decoder):
 
 @pytest.fixture(scope="module")
 def client(worker):
-    with TRServeClient(worker.addr, timeout=60) as c:
+    with Client(worker.addr, timeout=60) as c:
         yield c
 
 
@@ -75,9 +75,9 @@ def test_service_matches_in_process_decoding(client, decoder):
     assert "".join(c.text for c in chunks) == tr.text
     assert [t for c in chunks for t in c.token_ids] == list(tr.token_ids)
     last = chunks[-1]
-    assert last.finish_reason == tr.finish_reason != pb.FINISH_REASON_UNSPECIFIED
+    assert last.raw.finish_reason == tr.raw.finish_reason != pb.FINISH_REASON_UNSPECIFIED
     assert last.stats.generated_tokens == tr.stats.generated_tokens
-    assert all(c.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
+    assert all(c.raw.finish_reason == pb.FINISH_REASON_UNSPECIFIED for c in chunks[:-1])
 
 
 def test_hot_start_per_tenant(client, worker, decoder):
@@ -101,7 +101,7 @@ def test_hot_start_raises_acceptance_with_full_trees(decoder):
     and the context, so each warm request must accept more per step than the cold first (measured:
     1.15, 1.64, 1.92; not monotone after that, as recycling also overwrites rows that had hit)."""
     for w in serving(WorkerConfig(port=0, metrics_port=None, limits=LIMITS, full_trees=True, warmup=False), decoder):
-        with TRServeClient(w.addr, timeout=60) as c:
+        with Client(w.addr, timeout=60) as c:
             runs = [c.generate(REPEATING, max_new_tokens=24, tenant="hot-full", return_token_ids=True)
                     for _ in range(3)]
         assert len({tuple(r.token_ids) for r in runs}) == 1
@@ -113,11 +113,11 @@ def test_hot_start_raises_acceptance_with_full_trees(decoder):
 def test_stop_sequence_and_stop_token(client):
     full = client.generate(REPEATING, max_new_tokens=16, tenant="stops", return_token_ids=True)
     cut = client.generate(REPEATING, max_new_tokens=16, tenant="stops", stop=["example"])
-    assert cut.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
+    assert cut.raw.finish_reason == pb.FINISH_REASON_STOP_SEQUENCE
     assert "example" in full.text and "example" not in cut.text and full.text.startswith(cut.text)
     stop_id = full.token_ids[2]
     by_id = client.generate(REPEATING, max_new_tokens=16, tenant="stops", stop_token_ids=[stop_id], return_token_ids=True)
-    assert by_id.finish_reason == pb.FINISH_REASON_EOS and by_id.token_ids[-1] == stop_id
+    assert by_id.raw.finish_reason == pb.FINISH_REASON_EOS and by_id.token_ids[-1] == stop_id
 
 
 def test_deadline_returns_partial_result(client):
@@ -130,7 +130,7 @@ def test_deadline_returns_partial_result(client):
     assert full.stats.generated_tokens == 256, decode_s
     # half of that, and at least what the worker needs to start (it refuses a call with under a step left)
     reply = client.generate(story, max_new_tokens=256, tenant="deadline", timeout=max(decode_s / 2, 0.6))
-    assert reply.finish_reason == pb.FINISH_REASON_TIME_LIMIT
+    assert reply.raw.finish_reason == pb.FINISH_REASON_TIME_LIMIT
     assert 0 < reply.stats.generated_tokens < 256
     with pytest.raises(grpc.RpcError) as e:
         client.generate(REPEATING, max_new_tokens=8, timeout=0.05)

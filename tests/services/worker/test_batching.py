@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from trserve.engine.results import GenerationResult, StepChunk
-from trserve.services.client.client import TRServeClient
+from trserve_client import Client
 from trserve.services.worker.bridge import EngineStream
 from trserve.services.worker.config import Limits, WorkerConfig
 from tests.helpers import wait_for
@@ -33,7 +33,7 @@ def test_32_concurrent_callers_all_finish_as_alone(worker, decoder):
     steps_before = engine.steps
 
     def call(i: int):
-        with TRServeClient(worker.addr, timeout=300) as client:
+        with Client(worker.addr, timeout=300) as client:
             return client.generate(messages=prompts[i], max_new_tokens=8, tenant=f"t{i % 4}", return_token_ids=True)
 
     with ThreadPoolExecutor(32) as pool:
@@ -47,7 +47,7 @@ def test_32_concurrent_callers_all_finish_as_alone(worker, decoder):
 
 def test_cancelled_stream_frees_its_row_at_the_next_step(worker):
     engine = worker.worker.engine
-    with TRServeClient(worker.addr, timeout=120) as client:
+    with Client(worker.addr, timeout=120) as client:
         stream = client.stream(messages=[{"role": "user", "content": "Write a very long story."}], max_new_tokens=256)
         next(stream)
         assert engine.runner.kv.active == 1
@@ -130,7 +130,7 @@ def test_a_stream_whose_reader_stops_frees_its_place_within_stall_s(decoder):
         assert chunks[-1].finish_reason == gpb.FINISH_REASON_CANCELLED
         assert 0 < chunks[-1].stats.generated_tokens < 2000
         channel.close()
-        with TRServeClient(w.addr, timeout=120) as client:
+        with Client(w.addr, timeout=120) as client:
             assert client.generate("Hello", max_new_tokens=3).stats.generated_tokens == 3
     finally:
         w.stop()

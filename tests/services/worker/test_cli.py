@@ -14,7 +14,7 @@ import pytest
 from trserve.core.errors import Unavailable
 from trserve.core.model_spec import ModelSpec
 from trserve.matrix_store import MatrixStore, StoreConfig
-from trserve.services.client.client import TRServeClient
+from trserve_client import Client
 from trserve.services.worker.admission import Admission, QueueFull
 from trserve.services.worker.drafting.embedded import StoreDraftSource
 from trserve.v1 import generate_pb2 as pb
@@ -54,12 +54,12 @@ def test_serve_and_generate_cli(tmp_path):
         bad = trserve("generate", "--addr", addr, "--max-new-tokens", "0", "Hi")
         assert bad.returncode == 1 and "INVALID_ARGUMENT" in bad.stderr and "max_new_tokens" in bad.stderr
 
-        with TRServeClient(addr, timeout=60) as client:  # SIGTERM drains: the in-flight stream completes
+        with Client(addr, timeout=60) as client:  # SIGTERM drains: the in-flight stream completes
             chunks = client.stream(messages=[{"role": "user", "content": "Count from one to twenty."}], max_new_tokens=24)
             first = next(chunks)
             server.send_signal(signal.SIGTERM)
             rest = list(chunks)
-        assert rest[-1].finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS)
+        assert rest[-1].raw.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_EOS)
         assert len(first.token_ids) + sum(len(c.token_ids) for c in rest) == rest[-1].stats.generated_tokens
         assert server.wait(timeout=30) == 0
     finally:

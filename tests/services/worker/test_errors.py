@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from trserve.services.client.client import TRServeClient, build_request
+from trserve_client import Client, build_request
 from trserve.services.worker.config import Limits, WorkerConfig
 from tests.helpers import wait_for
 from tests.services.worker_harness import rpc_error, serving
@@ -24,7 +24,7 @@ def worker(decoder):
 
 @pytest.fixture(scope="module")
 def client(worker):
-    with TRServeClient(worker.addr, timeout=60, retries=False) as c:  # the refusals themselves are under test
+    with Client(worker.addr, timeout=60, retries=False) as c:  # the refusals themselves are under test
         yield c
 
 
@@ -69,7 +69,7 @@ def test_bad_input_is_refused_with_an_actionable_message(client, case):
 def test_server_keeps_serving_after_bad_input(client, worker):
     rpc_error(client.generate, "", max_new_tokens=4)
     reply = client.generate("Hello, my name is", max_new_tokens=4)
-    assert reply.stats.generated_tokens == 4 and reply.finish_reason == pb.FINISH_REASON_LENGTH
+    assert reply.stats.generated_tokens == 4 and reply.raw.finish_reason == pb.FINISH_REASON_LENGTH
     assert worker.metrics.value("trserve_requests_total", {"method": "Generate", "code": "INVALID_ARGUMENT"}) >= 1
     e = rpc_error(client.tokenize, "")
     assert e.code() == INVALID
@@ -105,9 +105,9 @@ def test_queue_full_then_cancel_stops_decoding(client, worker):
 
 def test_a_plain_grpc_channel_with_the_shipped_service_config_retries_a_busy_worker(client, worker):
     """Issue 30 item 3: RESOURCE_EXHAUSTED carries the standard grpc-retry-pushback-ms trailer, and a
-    channel with services/client/service_config.json (what any gRPC language can load) retries it after
+    channel with clients/python/trserve_client/service_config.json (what any gRPC language can load) retries it after
     that pause: the first attempt is refused, the call itself succeeds once the worker has room."""
-    from trserve.services.client.client import channel_options
+    from trserve_client import channel_options
     from trserve.v1 import generate_pb2_grpc
 
     metrics, admission = worker.metrics, worker.worker.door.admission

@@ -12,8 +12,7 @@ import time
 import grpc
 import pytest
 
-from trserve.services.client.balanced import BalancedClient
-from trserve.services.client.client import TRServeClient, build_request
+from trserve_client import BalancedClient, Client, build_request
 from trserve.services.worker.config import Limits, WorkerConfig
 from tests.helpers import wait_for
 from tests.services.worker_harness import BackgroundWorker, rpc_error, serving
@@ -35,13 +34,13 @@ def worker(decoder):
 
 @pytest.fixture(scope="module")
 def client(worker):
-    with TRServeClient(worker.addr, timeout=120, retries=False) as c:  # the refusals themselves are under test
+    with Client(worker.addr, timeout=120, retries=False) as c:  # the refusals themselves are under test
         yield c
 
 
-def still_serves(client: TRServeClient) -> None:
+def still_serves(client: Client) -> None:
     reply = client.generate("Hello, my name is", max_new_tokens=3)
-    assert reply.stats.generated_tokens == 3 and reply.finish_reason == pb.FINISH_REASON_LENGTH
+    assert reply.stats.generated_tokens == 3 and reply.raw.finish_reason == pb.FINISH_REASON_LENGTH
 
 
 def read_all(stream) -> None:
@@ -107,11 +106,11 @@ def test_stream_equals_unary_text_with_stop_strings(client, mode, case, caplog):
     unary = client.generate(**kw)
     chunks = list(client.stream(**kw))
     assert "".join(c.text for c in chunks) == unary.text
-    assert chunks[-1].finish_reason == unary.finish_reason
+    assert chunks[-1].raw.finish_reason == unary.raw.finish_reason
     if finish is not None:
-        assert unary.finish_reason == finish, unary.text
+        assert unary.raw.finish_reason == finish, unary.text
     else:
-        assert unary.finish_reason != pb.FINISH_REASON_STOP_SEQUENCE and " French" in unary.text
+        assert unary.raw.finish_reason != pb.FINISH_REASON_STOP_SEQUENCE and " French" in unary.text
     assert all(s not in unary.text for s in stop)
     leaked = [r.getMessage() for r in caplog.records
               if r.levelno >= logging.WARNING or unary.text[:12] in r.getMessage()]
@@ -127,7 +126,7 @@ def test_long_prefill_inside_the_deadline_gives_a_partial_result(client, worker)
         # a deadline shorter than the prefill, longer than the longest step the engine can be in
         timeout = 1.5 * servicer._margin_s() + 0.5
         reply = client.generate(token_ids=prompt, max_new_tokens=64, mode="ar", timeout=timeout)
-        assert reply.finish_reason == pb.FINISH_REASON_TIME_LIMIT
+        assert reply.raw.finish_reason == pb.FINISH_REASON_TIME_LIMIT
         assert reply.stats.generated_tokens < 64
     still_serves(client)
 
@@ -142,7 +141,7 @@ def test_shutdown_ends_calls_with_a_final_chunk_or_unavailable(decoder, worker):
     stopping.wait_ready()
     balanced = BalancedClient([stopping.addr, worker.addr], timeout=120)
     try:
-        with TRServeClient(stopping.addr, timeout=120) as direct:
+        with Client(stopping.addr, timeout=120) as direct:
             stream = direct.stream(messages=STORY, max_new_tokens=256, mode="ar")
             first = next(stream)
             served: list = []
@@ -156,12 +155,12 @@ def test_shutdown_ends_calls_with_a_final_chunk_or_unavailable(decoder, worker):
             stopper.join(30)
             unary.join(120)
         last = rest[-1]
-        assert last.finish_reason == pb.FINISH_REASON_SHUTDOWN
+        assert last.raw.finish_reason == pb.FINISH_REASON_SHUTDOWN
         assert last.stats.generated_tokens == sum(len(c.token_ids) for c in [first, *rest]) < 256
         (reply,) = served  # UNAVAILABLE from the stopping worker, retried on the other one
         assert reply.retried_after == ("UNAVAILABLE",) and reply.addr == worker.addr
         done = reply.reply  # the whole answer, from the other worker (a story may end before UNARY tokens)
-        assert (done.finish_reason, done.stats.generated_tokens == UNARY) in {(pb.FINISH_REASON_LENGTH, True),
+        assert (done.raw.finish_reason, done.stats.generated_tokens == UNARY) in {(pb.FINISH_REASON_LENGTH, True),
                                                                               (pb.FINISH_REASON_EOS, False)}
     finally:
         balanced.close()

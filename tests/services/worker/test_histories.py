@@ -130,14 +130,14 @@ def test_sessions_without_a_book_have_no_history():
 def test_a_worker_keeps_each_tenants_history_reports_it_and_saves_it_on_stop(decoder):
     import urllib.request
 
-    from trserve.services.client.client import TRServeClient
+    from trserve_client import Client
     from trserve.services.worker.config import WorkerConfig
     from tests.services.worker_harness import BackgroundWorker
 
     w = BackgroundWorker(WorkerConfig(port=0, metrics_port=0, warmup=False), decoder)
     try:
         w.wait_ready()
-        with TRServeClient(w.addr, timeout=120) as client:
+        with Client(w.addr, timeout=120) as client:
             for tenant in ("h1", "h2"):
                 client.generate("The quick brown fox jumps over the lazy dog.", mode="tr", tenant=tenant,
                                 max_new_tokens=8)

@@ -11,7 +11,7 @@ import grpc
 import numpy as np
 import pytest
 
-from trserve.services.client.client import TRServeClient
+from trserve_client import Client
 from trserve.services.common.matrix_convert import rows_to_pb
 from trserve.services.worker.config import WorkerConfig
 from trserve.services.worker.drafting.link import DraftClientConfig
@@ -104,7 +104,7 @@ def test_malformed_checkout_falls_back_to_local_drafting(decoder, hostile) -> No
     try:
         for worker in serving(WorkerConfig(port=0, metrics_port=None, warmup=False), decoder,
                               draft_source_factory=factory):
-            with TRServeClient(worker.addr, timeout=120) as client:
+            with Client(worker.addr, timeout=120) as client:
                 want = list(client.generate(messages=PROMPT, mode="ar", max_new_tokens=16, return_token_ids=True).token_ids)
                 for _ in range(2):  # and the next request is served too
                     r = client.generate(messages=PROMPT, mode="tr", tenant="acme", max_new_tokens=16,
@@ -136,7 +136,7 @@ def test_a_matrix_service_serving_other_models_leaves_requests_served(decoder, m
     try:
         for worker in serving(WorkerConfig(port=0, metrics_port=None, warmup=False), decoder,
                               draft_source_factory=lambda tenant, domain: source):
-            with TRServeClient(worker.addr, timeout=120) as client:
+            with Client(worker.addr, timeout=120) as client:
                 want = list(client.generate(messages=PROMPT, mode="ar", max_new_tokens=16, return_token_ids=True).token_ids)
                 for _ in range(2):
                     r = client.generate(messages=PROMPT, mode="tr", tenant="acme", max_new_tokens=16,
@@ -163,7 +163,7 @@ def test_a_full_embedded_store_logs_once_per_interval_and_serves_every_tenant(de
     try:
         for worker in serving(WorkerConfig(port=0, metrics_port=None, warmup=False), decoder,
                               draft_source_factory=embedded_factory(store, spec, decoder.device)):
-            with TRServeClient(worker.addr, timeout=120) as client, caplog.at_level(logging.INFO):
+            with Client(worker.addr, timeout=120) as client, caplog.at_level(logging.INFO):
                 modes = [client.generate(messages=PROMPT, mode="tr", tenant=f"t{i}", max_new_tokens=4).stats.draft_mode
                          for i in range(8)]
     finally:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from trserve.services.client.client import TRServeClient
+from trserve_client import Client
 from trserve.services.worker.config import Limits, WorkerConfig
 from tests.services.worker_harness import serving
 from trserve.v1 import generate_pb2 as pb
@@ -22,21 +22,21 @@ N = 8
 @pytest.fixture(scope="module")
 def client(decoder):
     for worker in serving(WorkerConfig(port=0, metrics_port=0, limits=LIMITS), decoder):
-        with TRServeClient(worker.addr, timeout=120) as c:
+        with Client(worker.addr, timeout=120) as c:
             yield c
 
 
-def four_ways(client: TRServeClient, prompt: str, **kwargs) -> dict[str, tuple[list[int], str, int]]:
+def four_ways(client: Client, prompt: str, **kwargs) -> dict[str, tuple[list[int], str, int]]:
     """(ids, text, finish reason) by way: ar/tr x unary/stream."""
     out = {}
     for mode in ("ar", "tr"):
         r = client.generate(prompt, mode=mode, return_token_ids=True, **kwargs)
-        out[f"{mode} unary"] = (list(r.token_ids), r.text, r.finish_reason)
+        out[f"{mode} unary"] = (list(r.token_ids), r.text, r.raw.finish_reason)
         ids, text, reason = [], "", None
         for chunk in client.stream(prompt, mode=mode, **kwargs):
             ids += chunk.token_ids
             text += chunk.text
-            reason = chunk.finish_reason or reason
+            reason = chunk.raw.finish_reason or reason
         out[f"{mode} stream"] = (ids, text, reason)
     return out
 
@@ -59,7 +59,7 @@ def test_eos_as_the_first_token(client, decoder) -> None:
 @pytest.fixture(scope="module")
 def reference(client) -> list[int]:
     r = client.generate(PROMPT, mode="ar", max_new_tokens=N, return_token_ids=True)
-    assert len(r.token_ids) == N and r.finish_reason == pb.FINISH_REASON_LENGTH
+    assert len(r.token_ids) == N and r.raw.finish_reason == pb.FINISH_REASON_LENGTH
     return list(r.token_ids)
 
 
@@ -115,7 +115,7 @@ def test_epoch_and_version_name_one_matrix_across_a_restart(decoder) -> None:
     for _ in range(2):  # the same worker config twice over one Redis: a restart
         for worker in serving(WorkerConfig(port=0, metrics_port=None, limits=LIMITS, redis_url=REDIS_URL,
                                            warmup=False), decoder):
-            with TRServeClient(worker.addr, timeout=120) as c:
+            with Client(worker.addr, timeout=120) as c:
                 r = c.generate(PROMPT, mode="tr", tenant=tenant, max_new_tokens=N)
                 assert r.stats.draft_mode == "embedded" and r.stats.HasField("matrix_epoch")
                 pairs.append((r.stats.matrix_epoch, r.stats.matrix_version))

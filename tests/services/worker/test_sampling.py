@@ -9,7 +9,7 @@ import grpc
 import pytest
 
 from trserve.engine import SamplingParams
-from trserve.services.client.client import TRServeClient, build_request
+from trserve_client import Client, build_request
 from trserve.services.worker.config import Limits, WorkerConfig
 from tests.services.worker_harness import rpc_error, serving
 
@@ -26,7 +26,7 @@ def worker(decoder):
 
 @pytest.fixture(scope="module")
 def client(worker):
-    with TRServeClient(worker.addr, timeout=120) as c:
+    with Client(worker.addr, timeout=120) as c:
         yield c
 
 

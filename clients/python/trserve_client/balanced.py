@@ -1,4 +1,4 @@
-"""A client that spreads Generate calls over several workers (round robin) and retries a call on
+"""`BalancedClient`: Generate calls spread over several workers (round robin), a call retried on
 another worker when one is down.
 
     with BalancedClient(["127.0.0.1:50051", "127.0.0.1:50061"], timeout=60) as client:
@@ -9,17 +9,17 @@ A call that fails with UNAVAILABLE (worker dead, restarting or unreachable) or R
 call's one overall deadline; the failing worker is skipped by later calls for `down_for_s`. Generate
 is safe to repeat: its output is the model's greedy output, and a repeat only recycles the model's
 own top-k rows into the tenant's matrix once more. A stream is retried only before its first chunk.
-Any other status is the caller's to handle and is raised at once.
+Any other status is the caller's to handle and is raised at once (as the typed errors of errors.py).
 
 `affinity="tenant"` sends each tenant's calls to the same worker while it is up (rendezvous hashing:
 the worker with the highest hash of (tenant, address); adding or removing a worker moves only the
 tenants it wins or held), and on failure to that tenant's next worker. A worker keeps the keys and
-values of its finished requests per tenant (engine/prefix_cache.py), so a chat's next turn or an
-agent loop's next call then prefills only what it adds; round robin spreads one tenant's turns over
-all workers, each prefilling the whole conversation again.
+values of its finished requests per tenant, so a chat's next turn or an agent loop's next call then
+prefills only what it adds; round robin spreads one tenant's turns over all workers, each
+prefilling the whole conversation again.
 
-In Kubernetes, the headless worker Service gives the same spread from plain gRPC:
-`grpc.insecure_channel("dns:///trserve-worker:50051", options=[("grpc.lb_policy_name", "round_robin")])`.
+In Kubernetes, the headless worker Service gives the same spread from one channel:
+`Client("dns:///trserve-worker:50051")` (the service config's round_robin).
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from .client import build_request
-from ..common.security import bearer_metadata, check_plaintext_tokens, client_channel
-from ...v1 import generate_pb2 as pb
-from ...v1 import generate_pb2_grpc
+from trserve_client._proto.trserve.v1 import generate_pb2_grpc
+from trserve_client.client import Chunk, Reply, bearer_metadata, build_request, credentials, is_loopback, open_channel
+from trserve_client.errors import typed
 
 RETRY_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
 AFFINITIES = ("none", "tenant")
@@ -52,11 +51,19 @@ def rendezvous(key: str, addrs: Sequence[str]) -> list[int]:
     return sorted(range(len(addrs)), key=lambda i: score(addrs[i]), reverse=True)
 
 
+def check_plaintext_tokens(addrs: Sequence[str], tls_ca_file: str | None, has_tokens: bool, allow: bool) -> None:
+    """ValueError when tenant bearer tokens would travel without TLS to another machine, unless allowed."""
+    far = [a for a in addrs if not is_loopback(a)]
+    if has_tokens and tls_ca_file is None and not allow and far:
+        raise ValueError(f"refusing to send tenant tokens without TLS to {far[0]}: pass a TLS CA file (--tls-ca), "
+                         "or allow plaintext explicitly (--allow-plaintext-token) on a trusted network")
+
+
 @dataclass(frozen=True)
 class Served:
     """A reply and how it was obtained."""
 
-    reply: pb.GenerateResponse
+    reply: Reply
     addr: str  # the worker that answered
     retried_after: tuple[str, ...] = ()  # status codes of the workers tried before it, in order
 
@@ -86,15 +93,16 @@ class BalancedClient:
         self.addrs = list(addrs)
         self.timeout, self.down_for_s, self.retry_codes = timeout, down_for_s, retry_codes
         self._tokens = dict(tokens or {})
-        self._channels = [client_channel(addr, tls_ca_file) for addr in self.addrs]
+        creds = credentials(tls_ca_file)
+        self._channels = [open_channel(addr, creds) for addr in self.addrs]  # no service config: retries are ours
         self._stubs = [generate_pb2_grpc.GenerateStub(c) for c in self._channels]
         self._next = itertools.count()
         self._down_until = [0.0] * len(self.addrs)
         self._lock = threading.Lock()
 
     # -- calls -------------------------------------------------------------------------------
-    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> pb.GenerateResponse:
-        """Decode to the end on one of the workers; keyword arguments as `client.build_request`."""
+    def generate(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Reply:
+        """Decode to the end on one of the workers; keyword arguments as `build_request`."""
         return self.generate_served(prompt, timeout=timeout, **kwargs).reply
 
     def generate_served(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Served:
@@ -103,10 +111,9 @@ class BalancedClient:
         metadata = self._metadata(request.tenant)
         reply, addr, failed = self._with_retries(
             timeout, lambda stub, left: stub.Generate(request, timeout=left, metadata=metadata), request.tenant)
-        return Served(reply, addr, failed)
+        return Served(Reply.of(reply), addr, failed)
 
-    def stream(self, prompt: str | None = None, *, timeout: float | None = None,
-               **kwargs) -> Iterator[pb.GenerateStreamResponse]:
+    def stream(self, prompt: str | None = None, *, timeout: float | None = None, **kwargs) -> Iterator[Chunk]:
         """Per-step chunks from one worker; moves to another only while no chunk has arrived yet."""
         request = build_request(prompt, **kwargs)
         metadata = self._metadata(request.tenant)
@@ -117,8 +124,12 @@ class BalancedClient:
 
         (call, head), _, _ = self._with_retries(timeout, first, request.tenant)
         if head is not None:
-            yield head
-            yield from call
+            yield Chunk.of(head)
+            try:
+                for item in call:
+                    yield Chunk.of(item)
+            except grpc.RpcError as e:
+                raise typed(e) from None
 
     # -- round robin and retries -------------------------------------------------------------
     def _metadata(self, tenant: str) -> tuple[tuple[str, str], ...]:
@@ -152,14 +163,14 @@ class BalancedClient:
                 return call(self._stubs[i], left), self.addrs[i], tuple(failed)
             except grpc.RpcError as exc:
                 if exc.code() not in self.retry_codes:
-                    raise
+                    raise typed(exc) from None
                 error = exc
                 failed.append(exc.code().name)
                 with self._lock:
                     self._down_until[i] = time.monotonic() + self.down_for_s
         if error is None:  # the deadline passed before any attempt
             raise TimeoutError(f"no attempt fitted in the deadline of {timeout} s")
-        raise error
+        raise typed(error) from None
 
     def close(self) -> None:
         for channel in self._channels:
