@@ -81,3 +81,75 @@ def test_the_design_cards_folders_sit_at_the_root_and_import_only_under_trserve(
                                check=True).stdout.splitlines()
         assert pathlib.Path(lines[0]) == REPO / folder / "__init__.py"
         assert lines[1].startswith(refusal), lines
+
+
+LAYER = {"core": 0, "engine": 1, "matrix_store": 1, "services": 2, "bench": 3}  # a folder imports only below or beside
+
+
+def _module_graph() -> tuple[dict[str, set[str]], list[tuple[str, str]]]:
+    """Every module of the checkout (as the files lie) -> the trserve modules it imports (resolved to a
+    file: a module or a package's __init__), and the imports that resolve to no file. The gRPC code
+    (trserve.v1) is generated into an ignored build folder, so it is not in the checkout."""
+    files = {}
+    for top in TOP:
+        for path in (REPO / top).rglob("*.py"):
+            parts = path.relative_to(REPO).with_suffix("").parts
+            files[".".join(("trserve",) + (parts[:-1] if parts[-1] == "__init__" else parts))] = path
+
+    def resolve(name: str) -> str | None:
+        while name and name not in files:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph, unresolved = {}, []
+    for module, path in files.items():
+        graph[module] = set()
+        for name in _imports(path):
+            if name.split(".")[0] != "trserve" or name.startswith("trserve.v1"):
+                continue
+            target = resolve(name)
+            if target is None:
+                unresolved.append((module, name))
+            elif target != module:
+                graph[module].add(target)
+    return graph, unresolved
+
+
+def _cycles(graph: dict[str, set[str]], scope: str) -> list[list[str]]:
+    """The import cycles among the modules under `scope` (strongly connected parts of more than one)."""
+    nodes = sorted(m for m in graph if m.startswith(scope))
+    index, low, stack, found = {}, {}, [], []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(graph[v]):
+            if w.startswith(scope) and w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            part = stack[stack.index(v):]
+            del stack[stack.index(v):]
+            if len(part) > 1:
+                found.append(part)
+
+    for v in nodes:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_the_import_graph_resolves_every_import_with_no_upward_arrow_and_no_cycle() -> None:
+    """Issue 58: read as the files lie, every trserve import is a file of the checkout; no folder
+    imports one above it (core < engine, matrix_store < services < bench; engine and matrix_store
+    never each other); no cycles in the whole tree (function-level imports included)."""
+    graph, unresolved = _module_graph()
+    assert len(graph) > 150 and not unresolved, unresolved
+    upward = [(a, b) for a, targets in graph.items() for b in targets
+              if LAYER[b.split(".")[1]] > LAYER[a.split(".")[1]]
+              or {a.split(".")[1], b.split(".")[1]} == {"engine", "matrix_store"}]
+    assert not upward, upward
+    for scope in ("trserve.", "trserve.engine.", "trserve.services."):
+        assert not _cycles(graph, scope), scope
