@@ -122,6 +122,13 @@ def main(argv: list[str] | None = None, environ: dict[str, str] | None = None,
         code = int(args.func(args) or 0)
         sys.stdout.flush()  # here, where a reader that went away is caught, not at the interpreter's exit
         return code
+    except ModuleNotFoundError as e:
+        if e.name != "trserve_client":
+            raise
+        print(f"trserve {args.command}: needs the Python client (clients/python, module trserve_client), which "
+              "this environment lacks: `make install` installs it, elsewhere `pip install ./clients/python`",
+              file=sys.stderr)
+        return 2
     except BrokenPipeError:  # `trserve generate --json | head`: the reader is gone, nothing to report
         import os
 

@@ -74,6 +74,17 @@ def test_generate_cli_without_server():
     assert out.returncode == 1 and "cannot reach trserve at 127.0.0.1:1" in out.stderr
 
 
+def test_generate_cli_without_the_client_installed_says_how_to_install_it(monkeypatch, capsys):
+    """`pip install .` alone does not bring the client (clients/python): the commands that call through
+    it say so in one line, not with a traceback."""
+    from trserve.services.cli import main
+
+    monkeypatch.setitem(sys.modules, "trserve_client", None)  # as if it were not installed
+    assert main(["generate", "--addr", "127.0.0.1:1", "Hello"]) == 2
+    err = capsys.readouterr().err
+    assert "trserve generate: needs the Python client" in err and "pip install ./clients/python" in err
+
+
 class _FailingStore(MatrixStore):
     """The embedded store with apply() failing, as a dead backend would."""
 
