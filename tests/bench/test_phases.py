@@ -36,13 +36,15 @@ def test_profiling_build_gives_the_served_builds_logits(native):
 
 
 def test_phases_account_for_the_call_and_grow_with_rows(native):
-    phases = forward_phases(native, (1, 8), kv=64, calls=3)
-    for w in ("1", "8"):
+    phases = forward_phases(native, (1, 64), kv=64, calls=3)
+    for w in ("1", "64"):
         ms = phases[w]
         assert set(ms) == {*PHASES, "other", "call"}
         assert all(ms[p] >= 0 for p in PHASES) and ms["call"] > 0
         assert sum(ms[p] for p in PHASES) <= ms["call"] + 1e-3  # the phases lie inside the call
         assert ms["topk"] == 0  # single steps ask for no top-k
-    assert phases["8"]["gate_up"] > phases["1"]["gate_up"]  # eight rows' products cost more than one's
+    # 64 rows' products cost more than one's: well past the weights' read, which one row's mostly is (at
+    # 8 rows the two are close enough for a busy host's noise to order them either way)
+    assert phases["64"]["gate_up"] > phases["1"]["gate_up"]
     lines = format_phases(phases)
     assert lines[0].startswith("phase") and lines[-1].startswith("per row")
