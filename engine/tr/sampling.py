@@ -1,4 +1,4 @@
-"""Lossless sampling with tree drafts: temperature, top-k, top-p and per-request seeds.
+"""Lossless sampling with tree drafts: temperature, top-k, top-p, min-p and per-request seeds.
 
 The rule (what is exact, and why)
 ---------------------------------
@@ -49,9 +49,12 @@ two equal-token branches would favour whichever branch's sample happened to matc
 a bias. With one uniform per position, equal-context siblings draw the same token, so every fully
 matched path carries the same committed tokens and the choice among them cannot bias anything.
 
-Processing follows transformers' sampling order -- temperature, then top-k, then top-p -- so the
-target is the distribution `generate(do_sample=True, temperature=T, top_k=K, top_p=P)` samples.
-temperature == 0 is greedy: no Sampler is made and the decoder keeps its exact argmax.
+Processing follows transformers' sampling order (`GenerationMixin._get_logits_processor`) --
+temperature, then top-k, then top-p, then min-p -- so the target is the distribution
+`generate(do_sample=True, temperature=T, top_k=K, top_p=P, min_p=M)` samples. Every filter only
+removes tokens, so the processed law is still one fixed function of the logits at a position, and
+all of the above holds for it unchanged. temperature == 0 is greedy: no Sampler is made and the
+decoder keeps its exact argmax.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy (argmax, the other fields are ignored); else sample, in [0.01, 1e4]
     top_k: int = 0  # keep the k most likely tokens (ties at the k-th kept, as transformers); 0 = off
     top_p: float = 1.0  # nucleus: smallest set of top tokens with mass >= top_p, in (0, 1]; 1 = off
+    min_p: float = 0.0  # keep tokens with prob >= min_p * the top token's (after top_p), in [0, 1]; 0 = off
     seed: int | None = None  # in [0, 2**64); None = a fresh random seed per request
 
     def __post_init__(self) -> None:
@@ -90,6 +94,8 @@ class SamplingParams:
             raise InvalidArgument(f"top_k must be >= 0 and an integer (0 = off), got {self.top_k!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise InvalidArgument(f"min_p must be in [0, 1] (0 = off), got {self.min_p!r}")
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed <= MAX_SEED):
             raise InvalidArgument(f"seed must be an integer in [0, 2**64), got {self.seed!r}")
@@ -100,11 +106,13 @@ class SamplingParams:
 
 
 def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """Next-token probabilities after temperature, top-k, top-p (transformers' order and tie rules).
+    """Next-token probabilities after temperature, top-k, top-p, min-p (transformers' order and tie rules).
 
     logits: [n, V] (any float dtype) -> probs: [n, V] float32, rows sum to 1, removed tokens 0.
     Example: logits [[2, 1, 0, -9]], T=1, top_k=3, top_p=0.9: softmax of the top 3 is
     [.665, .245, .090]; the smallest top set with mass >= .9 is {0, 1} (.91) -> [[.731, .269, 0, 0]].
+    Example (min-p): logits [[2, 1, 0, -9]], T=1, min_p=0.3: softmax [.665, .245, .090, 1e-5]; the
+    bar is .3 * .665 = .200, so tokens 0 and 1 stay -> [[.731, .269, 0, 0]].
     """
     scores = logits.float() / params.temperature  # [n, V]
     if params.top_k:
@@ -115,6 +123,9 @@ def processed_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tenso
         drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - params.top_p  # mass below the nucleus
         drop[..., -1] = False  # always keep the most likely token
         scores = scores.masked_fill(drop.scatter(-1, order, drop), -math.inf)
+    if params.min_p > 0:  # on the probabilities top-k / top-p left, as transformers' MinPLogitsWarper
+        probs = scores.softmax(dim=-1)  # [n, V]
+        scores = scores.masked_fill(probs < params.min_p * probs.amax(dim=-1, keepdim=True), -math.inf)
     return scores.softmax(dim=-1)
 
 

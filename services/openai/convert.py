@@ -35,7 +35,7 @@ UNSUPPORTED = {"functions": None, "function_call": None,
                "verbosity": "medium",
                # vLLM's extensions (extra_body) that change the output: refused until built, never ignored
                "guided_whitespace_pattern": None,
-               "length_penalty": 1.0, "min_p": 0.0,
+               "length_penalty": 1.0,
                "use_beam_search": False, "allowed_token_ids": None, "bad_words": None, "logits_processors": None,
                "prompt_logprobs": None, "truncate_prompt_tokens": None, "include_stop_str_in_output": False,
                "skip_special_tokens": True, "spaces_between_special_tokens": True, "continue_final_message": False,
@@ -192,9 +192,9 @@ def _limits(body: dict, kind: str, opts: dict) -> object:
 
 
 def _sampling(body: dict, opts: dict) -> None:
-    """temperature unset or 0 = greedy (as over gRPC); top_p, seed and trserve's top_k apply when sampling."""
+    """temperature unset or 0 = greedy (as over gRPC); top_p, seed, vLLM's min_p and top_k apply when sampling."""
     values = {}
-    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("seed", int)):
+    for name, kind in (("temperature", float), ("top_p", float), ("top_k", int), ("min_p", float), ("seed", int)):
         value = body.get(name)
         if value is None:
             continue
@@ -207,10 +207,13 @@ def _sampling(body: dict, opts: dict) -> None:
         raise BadParam(f"top_p must be in (0, 1], got {values['top_p']}", "top_p")
     if values.get("top_k", 0) < 0:
         raise BadParam(f"top_k must be >= 0 (0 = off), got {values['top_k']}", "top_k")
+    if not 0 <= values.get("min_p", 0) <= 1:
+        raise BadParam(f"min_p must be in [0, 1] (0 = off), got {values['min_p']}", "min_p")
     if "seed" in values and not 0 <= values["seed"] < 1 << 64:
         raise BadParam(f"seed must be in [0, 2**64), got {values['seed']}", "seed")
     params = SamplingParams(temperature=f32(values.get("temperature", 0)), top_k=values.get("top_k", 0),
-                            top_p=f32(values.get("top_p", 1)), seed=values.get("seed"))
+                            top_p=f32(values.get("top_p", 1)), min_p=f32(values.get("min_p", 0)),
+                            seed=values.get("seed"))
     opts["sampling"] = None if params.greedy else params
 
 

@@ -101,9 +101,9 @@ def _input_from_pb(req) -> tuple[str | None, list[dict] | None, list[int] | None
 def _sampling_from_pb(s: pb.SamplingParams) -> SamplingParams | None:
     """Engine sampling params (validated there), or None for greedy (temperature 0).
 
-    The API's 0 means "off" for top_p and top_k (proto3 defaults); the engine's "off" top_p is 1.
+    The API's 0 means "off" for top_p, top_k and min_p (proto3 defaults); the engine's "off" top_p is 1.
     """
-    params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0,
+    params = SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, min_p=s.min_p,
                             seed=s.seed if s.HasField("seed") else None)
     return None if params.greedy else params
 

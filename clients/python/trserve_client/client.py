@@ -82,7 +82,7 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict] | None 
                   token_ids: Sequence[int] | None = None, tenant: str = "", domain: str | None = None,
                   max_new_tokens: int | None = None, max_tokens: int | None = None, stop: Sequence[str] = (),
                   stop_token_ids: Sequence[int] = (), temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0,
-                  seed: int | None = None, mode: str | None = None, tree: str = "",
+                  min_p: float = 0.0, seed: int | None = None, mode: str | None = None, tree: str = "",
                   return_token_ids: bool = False, logprobs: bool = False, top_logprobs: int = 0) -> pb.GenerateRequest:
     """A GenerateRequest; give exactly one of prompt (raw text), messages (chat turns), token_ids.
     `max_tokens` is OpenAI's name for `max_new_tokens` (give one)."""
@@ -93,7 +93,8 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict] | None 
             raise ValueError("give max_new_tokens or max_tokens (the same), not both")
         max_new_tokens = max_tokens
     req = pb.GenerateRequest(tenant=tenant, stop_sequences=list(stop), stop_token_ids=list(stop_token_ids),
-                             sampling=pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k),
+                             sampling=pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
+                                                        min_p=min_p),
                              mode=_MODES[mode], tree=tree, return_token_ids=return_token_ids,
                              logprobs=logprobs, top_logprobs=top_logprobs)
     if seed is not None:

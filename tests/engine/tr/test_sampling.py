@@ -23,6 +23,7 @@ PROMPT = [3, 7, 1, 12]
     {"temperature": -0.1}, {"temperature": math.nan}, {"temperature": math.inf}, {"temperature": "hot"},
     {"top_k": -1}, {"top_k": 2.5}, {"top_k": True},
     {"top_p": 0.0}, {"top_p": 1.5}, {"top_p": -0.2}, {"top_p": math.nan},
+    {"min_p": -0.1}, {"min_p": 1.5}, {"min_p": math.nan}, {"min_p": True}, {"min_p": "0.1"},
     {"seed": -1}, {"seed": 2**64}, {"seed": 1.0},
 ])
 def test_invalid_params_are_refused(kwargs):
@@ -32,30 +33,43 @@ def test_invalid_params_are_refused(kwargs):
 
 def test_defaults_are_greedy_and_off():
     p = SamplingParams()
-    assert p.greedy and p.top_k == 0 and p.top_p == 1.0 and p.seed is None
+    assert p.greedy and p.top_k == 0 and p.top_p == 1.0 and p.min_p == 0.0 and p.seed is None
     assert not SamplingParams(temperature=0.7, seed=2**64 - 1).greedy
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [
-    (0.7, 0, 1.0), (1.0, 5, 1.0), (1.3, 0, 0.8), (0.5, 10, 0.9), (1.0, 100, 0.3), (2.0, 1, 1.0),
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [
+    (0.7, 0, 1.0, 0.0), (1.0, 5, 1.0, 0.0), (1.3, 0, 0.8, 0.0), (0.5, 10, 0.9, 0.0), (1.0, 100, 0.3, 0.0),
+    (2.0, 1, 1.0, 0.0), (1.0, 0, 1.0, 0.1), (1.5, 0, 1.0, 0.02), (0.7, 10, 0.9, 0.05), (2.0, 20, 0.95, 0.2),
+    (1.3, 0, 0.8, 0.3), (1.0, 0, 1.0, 1.0),
 ])
-def test_processing_matches_transformers_warpers(temperature, top_k, top_p):
-    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+def test_processing_matches_transformers_warpers(temperature, top_k, top_p, min_p):
+    from transformers.generation.logits_process import (MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                                        TopPLogitsWarper)
 
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(1)) * 3  # [6, 50]
     logits[0, :4] = 5.0  # a tie at the top-k threshold: transformers keeps all tied tokens
+    logits[1, :3] = logits[1].max() + 1  # a tie at the top: min_p=1 keeps all three
     scores = TemperatureLogitsWarper(temperature)(None, logits.clone())
     if top_k:
         scores = TopKLogitsWarper(top_k)(None, scores)
     if top_p < 1:
         scores = TopPLogitsWarper(top_p)(None, scores)
-    ours = processed_probs(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p))
-    torch.testing.assert_close(ours, scores.softmax(dim=-1))
+    scores = MinPLogitsWarper(min_p)(None, scores)  # generate adds it whenever min_p is set, 0 included
+    theirs = scores.softmax(dim=-1)  # [6, 50]
+    ours = processed_probs(logits, SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p))
+    assert torch.equal(ours > 0, theirs > 0)  # the same kept set
+    torch.testing.assert_close(ours, theirs)
+    if min_p == 1.0:
+        assert (ours > 0).sum(dim=-1).tolist() == [1, 3, 1, 1, 1, 1]
 
 
 def test_processing_worked_example():
     probs = processed_probs(torch.tensor([[2.0, 1.0, 0.0, -9.0]]), SamplingParams(1.0, top_k=3, top_p=0.9))
     torch.testing.assert_close(probs, torch.tensor([[0.7311, 0.2689, 0.0, 0.0]]), atol=1e-4, rtol=0)
+    probs = processed_probs(torch.tensor([[2.0, 1.0, 0.0, -9.0]]), SamplingParams(1.0, min_p=0.3))
+    torch.testing.assert_close(probs, torch.tensor([[0.7311, 0.2689, 0.0, 0.0]]), atol=1e-4, rtol=0)
+    probs = processed_probs(torch.tensor([[2.0, 1.0, 0.0, -9.0]]), SamplingParams(1.0, min_p=0.1))  # bar .067
+    torch.testing.assert_close(probs, torch.tensor([[0.6652, 0.2447, 0.0900, 0.0]]), atol=1e-4, rtol=0)
 
 
 def test_inverse_cdf_never_picks_removed_tokens():
@@ -133,6 +147,33 @@ def tiny():
     torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("params", [
+    dict(temperature=1.5, top_k=0, top_p=0.8, min_p=0.1), dict(temperature=1.0, top_k=0, top_p=0.9, min_p=0.3),
+    dict(temperature=2.0, top_k=10, top_p=0.8, min_p=0.3), dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.2),
+    dict(temperature=0.8, top_k=8, top_p=0.95, min_p=0.2),
+])
+def test_processing_is_what_generate_samples(tiny, params):
+    """The law `model.generate(do_sample=True, temperature, top_k, top_p, min_p)` samples (its processed
+    scores): transformers' own order of the warpers, not only each warper alike. Each case is one
+    where min_p removes tokens, or where min_p before top_p would keep another set, so a filter
+    skipped or applied in the other order fails it."""
+    from transformers.generation.logits_process import MinPLogitsWarper, TopPLogitsWarper
+
+    ids = torch.tensor([PROMPT])  # [1, 4]
+    with torch.no_grad():
+        logits = tiny.model(input_ids=ids).logits[:, -1]  # [1, V]
+        out = tiny.model.generate(ids, do_sample=True, max_new_tokens=1, output_scores=True,
+                                  return_dict_in_generate=True, pad_token_id=0, **params)
+    theirs = out.scores[0].softmax(dim=-1)  # [1, V]
+    ours = processed_probs(logits, SamplingParams(**params))
+    assert torch.equal(ours > 0, theirs > 0)
+    torch.testing.assert_close(ours, theirs)
+    off = processed_probs(logits, SamplingParams(**dict(params, min_p=0.0)))  # [1, V]
+    before = processed_probs(logits, SamplingParams(**dict(params, top_p=1.0, min_p=0.0))).log()  # [1, V]
+    swapped = TopPLogitsWarper(params["top_p"])(None, MinPLogitsWarper(params["min_p"])(None, before))
+    assert not torch.equal(ours > 0, off > 0) or not torch.equal(ours > 0, swapped.softmax(dim=-1) > 0)
+
+
 def exact_first_tokens(model, params: SamplingParams) -> torch.Tensor:
     """p(x1, x2, x3 | PROMPT) under `params`, by enumeration: [V, V, V] float64."""
     pairs = torch.cartesian_prod(torch.arange(V), torch.arange(V))  # [V*V, 2]
@@ -165,10 +206,15 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 ALPHA = 1e-3  # false-alarm rate of the statistical test: a correct sampler fails 1 seed set in 1000
 PARAMS = dict(temperature=0.8, top_k=8, top_p=0.95)
+MIN_P = dict(temperature=1.0, top_p=0.95, min_p=0.1)
 N = 2500  # generations (seeds 0..N-1); deterministic, so the test is not flaky
+# nearby wrong laws each sample set must be told from
+WRONG = {"top_p": [dict(PARAMS, temperature=1.0), dict(PARAMS, top_p=1.0), dict(PARAMS, top_k=4)],
+         "min_p": [dict(MIN_P, min_p=0.0), dict(MIN_P, min_p=0.05), dict(MIN_P, min_p=0.15)]}
 
 
-def test_tr_sampled_sequences_follow_the_exact_distribution(tiny):
+@pytest.mark.parametrize("PARAMS, wrongs", [(PARAMS, WRONG["top_p"]), (MIN_P, WRONG["min_p"])], ids=["top_p", "min_p"])
+def test_tr_sampled_sequences_follow_the_exact_distribution(tiny, PARAMS, wrongs):
     """Empirical law of (x1, x2, x3) from TR over N seeds vs enumeration; and the test has power."""
     matrix, counts = tiny.new_matrix(), torch.zeros(V, V, V)
     steps = drafted = 0
@@ -178,18 +224,19 @@ def test_tr_sampled_sequences_follow_the_exact_distribution(tiny):
         counts[tuple(r.ids)] += 1
         steps, drafted = steps + r.stats.steps, drafted + sum(r.stats.accepted_per_step) - r.stats.steps
     exact = exact_first_tokens(tiny.model, SamplingParams(**PARAMS))
-    assert exact[counts > 0].min() > 0  # never a token that top-k / top-p removed
+    assert exact[counts > 0].min() > 0  # never a token that top-k / top-p / min-p removed
     assert drafted / steps > 0.5, "drafts were rarely accepted: the test would not exercise acceptance"
     assert chi_square_pvalue(counts, exact) > ALPHA
     # negative controls: the same samples against nearby wrong laws are rejected
-    for wrong in (dict(PARAMS, temperature=1.0), dict(PARAMS, top_p=1.0), dict(PARAMS, top_k=4)):
+    for wrong in wrongs:
         assert chi_square_pvalue(counts, exact_first_tokens(tiny.model, SamplingParams(**wrong))) < ALPHA, wrong
 
 
-def test_tr_sampling_equals_ar_sampling_with_the_same_seed(tiny):
+@pytest.mark.parametrize("more", [{}, {"min_p": 0.1}, {"top_k": 8, "top_p": 0.9, "min_p": 0.05}])
+def test_tr_sampling_equals_ar_sampling_with_the_same_seed(tiny, more):
     matrix, steps, tokens = tiny.new_matrix(), 0, 0
     for seed in range(60):
-        params = SamplingParams(temperature=1.0, seed=seed)
+        params = SamplingParams(temperature=1.0, seed=seed, **more)
         tr = tiny.generate(input_ids=PROMPT, max_new_tokens=12, ignore_eos=True, sampling=params, matrix=matrix)
         ar = tiny.generate(input_ids=PROMPT, max_new_tokens=12, ignore_eos=True, sampling=params, mode="ar")
         assert tr.ids == ar.ids, seed

@@ -28,6 +28,22 @@ def test_a_chat_request_becomes_the_ask_the_front_door_checks():
     assert greedy.request.sampling is None and greedy.request.max_new_tokens == Limits().default_max_new_tokens
 
 
+def test_min_p_reaches_the_engine_request_and_bad_values_are_a_400_naming_it():
+    """vLLM's min_p, on both routes; out of [0, 1] or not a number: 400 naming min_p (the engine's own
+    range check says the same over gRPC)."""
+    for route, body in (("chat", CHAT), ("text", {"model": MODEL, "prompt": "hi"})):
+        req = parse_request({**body, "temperature": 0.7, "min_p": 0.05}, route, MODEL, "t").ask
+        sampling = check_call(req, Limits(), "default").request.sampling
+        assert sampling.min_p == pytest.approx(0.05) and sampling.top_p == 1.0
+    off = check_call(parse_request({**CHAT, "temperature": 0.7}, "chat", MODEL, "t").ask, Limits(), "default")
+    assert off.request.sampling.min_p == 0.0
+    for value in (-0.1, 1.5, "0.1", True):
+        with pytest.raises(BadParam) as bad:
+            parse_request({**CHAT, "temperature": 0.7, "min_p": value}, "chat", MODEL, "t")
+        status, error, _ = error_body(bad.value)
+        assert bad.value.param == "min_p" and status == 400 and "min_p" in error["error"]["message"], error
+
+
 def test_prompts_of_a_completion():
     assert parse_request({"model": MODEL, "prompt": ["Once"]}, "text", MODEL, "t").ask.options["prompt"] == "Once"
     assert list(parse_request({"model": MODEL, "prompt": [1, 2]}, "text", MODEL, "t").ask.options["input_ids"]) == [1, 2]
@@ -92,7 +108,7 @@ def test_usage_sums_draft_sources():
 
 
 @pytest.mark.parametrize("field, value", [
-    ("guided_whitespace_pattern", " "), ("min_p", 0.1),
+    ("guided_whitespace_pattern", " "),
     ("use_beam_search", True), ("bad_words", ["x"]), ("skip_special_tokens", False), ("prompt_logprobs", 1),
 ])
 def test_vllms_output_changing_fields_are_refused_not_ignored(field, value):
@@ -101,7 +117,7 @@ def test_vllms_output_changing_fields_are_refused_not_ignored(field, value):
     with pytest.raises(BadParam) as refused:
         parse_request({**CHAT, field: value}, "chat", MODEL, "t")
     assert refused.value.param == field and "not supported" in str(refused.value)
-    defaults = {"min_p": 0.0, "use_beam_search": False,
+    defaults = {"use_beam_search": False,
                 "skip_special_tokens": True}
     if field in defaults:
         parse_request({**CHAT, field: defaults[field]}, "chat", MODEL, "t")

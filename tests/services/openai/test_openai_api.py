@@ -183,6 +183,23 @@ def test_logprobs_are_openais_shapes_and_the_same_under_tr_and_ar(client, model_
         client.chat.completions.create(model=model_id, messages=CHAT, max_tokens=4, top_logprobs=3)
 
 
+def test_min_p_over_http_is_grpcs_and_lossless(client, server, model_id):
+    """vLLM's min_p (extra_body): the same tokens as gRPC's min_p for a seed, under TR and AR; out of
+    [0, 1] a 400 naming it."""
+    ask = dict(model=model_id, messages=CHAT, max_tokens=12, temperature=1.5, seed=5, extra_body={"min_p": 0.25})
+    tr = client.chat.completions.create(**ask).model_extra["trserve"]["token_ids"]
+    ar = client.chat.completions.create(**{**ask, "extra_body": {"min_p": 0.25, "mode": "ar"}})
+    assert ar.model_extra["trserve"]["token_ids"] == tr
+    with Client(server[0], timeout=60, token=TOKENS["alice"]) as grpc_client:
+        same = grpc_client.generate(messages=CHAT, max_new_tokens=12, temperature=1.5, seed=5, min_p=0.25,
+                                    tenant="alice", return_token_ids=True)
+    assert list(same.token_ids) == tr
+    for value in (-0.1, 1.5):
+        with pytest.raises(openai.BadRequestError) as bad:
+            client.chat.completions.create(**{**ask, "extra_body": {"min_p": value}})
+        assert bad.value.status_code == 400 and bad.value.body["param"] == "min_p" and "min_p" in bad.value.message
+
+
 def test_n_choices_each_reproducible_with_a_seed(client, model_id):
     """Issue 44, item 4: n > 1 gives n choices decoded side by side, unary or streamed; greedy ones are the
     same text, seeded sampled ones are each reproducible (choice i samples with seed + i) and equal a

@@ -49,6 +49,24 @@ def test_same_seed_same_output_through_the_service_and_in_process(client, decode
     assert ids(temperature=0.0, seed=1234) == decoder.generate(messages=POEM, max_new_tokens=16).ids  # greedy
 
 
+def test_min_p_through_the_service_is_the_in_process_law(client, decoder):
+    """min_p reaches the engine (the text differs from the same seed without it) and, as the other
+    samplers, TR (a hot matrix) and AR give the same tokens for a seed."""
+    def ids(**kw):
+        reply = client.generate(messages=POEM, max_new_tokens=16, return_token_ids=True, tenant="min-p", **kw)
+        return list(reply.token_ids)
+
+    sampling = dict(temperature=1.5, min_p=0.25)  # float32-exact
+    for seed in (11, 12):
+        first = ids(**sampling, seed=seed)
+        assert ids(**sampling, seed=seed) == first == ids(**sampling, seed=seed, mode="ar")
+        local = decoder.generate(messages=POEM, max_new_tokens=16, sampling=SamplingParams(**sampling, seed=seed))
+        assert local.ids == first
+    without = [decoder.generate(messages=POEM, max_new_tokens=16,
+                                sampling=SamplingParams(temperature=1.5, seed=seed)).ids for seed in (11, 12)]
+    assert without != [ids(**sampling, seed=seed) for seed in (11, 12)]
+
+
 def test_generate_cli_sampling_flags(worker, client, capsys):
     from trserve.services.cli import main
 
@@ -79,6 +97,10 @@ BAD_SAMPLING = {
     "NaN top_p": (dict(temperature=0.7, top_p=math.nan), "top_p must be in (0, 1]"),
     "negative top_k": (dict(temperature=0.7, top_k=-1), "top_k must be >= 0"),
     "bad top_p while greedy": (dict(temperature=0.0, top_p=2.0), "top_p must be in (0, 1]"),
+    "negative min_p": (dict(temperature=0.7, min_p=-0.1), "min_p must be in [0, 1]"),
+    "min_p above 1": (dict(temperature=0.7, min_p=1.5), "min_p must be in [0, 1]"),
+    "NaN min_p": (dict(temperature=0.7, min_p=math.nan), "min_p must be in [0, 1]"),
+    "bad min_p while greedy": (dict(temperature=0.0, min_p=1.5), "min_p must be in [0, 1]"),
 }
 
 
