@@ -24,7 +24,8 @@ def check_max_new_tokens(n: object, cap: int | None = None, default: int | None 
     request; a GenerationRequest built directly (bench, Python users) has no cap and checks the same way."""
     if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (cap is not None and n > cap):
         unset = f" (leave it unset for the default, {default})" if default is not None else ""
-        raise InvalidArgument(f"max_new_tokens must be in [1, {cap if cap is not None else 'inf'}], got {n!r}{unset}")
+        bound = f"in [1, {cap}]" if cap is not None else "a positive integer"
+        raise InvalidArgument(f"max_new_tokens must be {bound}, got {n!r}{unset}")
     return n
 
 
