@@ -137,3 +137,14 @@ def test_the_light_client_installs_without_torch_and_calls_a_worker(client_venv,
     assert json.loads(out["config"]) == json.loads((REPO / "clients" / "python" / "trserve_client" / "service_config.json").read_text())
     assert out["torch_loaded"] is False
 
+
+
+def test_build_request_sets_ignore_eos_and_min_tokens() -> None:
+    """The client's keywords reach the request's own fields (a fixed-length benchmark's ignore_eos; no
+    end-of-sequence among the first min_tokens), and stay off by default."""
+    from trserve_client import build_request
+
+    req = build_request("Hi", max_new_tokens=8, ignore_eos=True, min_tokens=3)
+    assert (req.ignore_eos, req.min_tokens, req.max_new_tokens) == (True, 3, 8)
+    plain = build_request("Hi")
+    assert (plain.ignore_eos, plain.min_tokens) == (False, 0)

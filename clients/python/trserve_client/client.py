@@ -83,9 +83,11 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict] | None 
                   max_new_tokens: int | None = None, max_tokens: int | None = None, stop: Sequence[str] = (),
                   stop_token_ids: Sequence[int] = (), temperature: float = 0.0, top_p: float = 0.0, top_k: int = 0,
                   min_p: float = 0.0, seed: int | None = None, mode: str | None = None, tree: str = "",
-                  return_token_ids: bool = False, logprobs: bool = False, top_logprobs: int = 0) -> pb.GenerateRequest:
+                  return_token_ids: bool = False, logprobs: bool = False, top_logprobs: int = 0,
+                  ignore_eos: bool = False, min_tokens: int = 0) -> pb.GenerateRequest:
     """A GenerateRequest; give exactly one of prompt (raw text), messages (chat turns), token_ids.
-    `max_tokens` is OpenAI's name for `max_new_tokens` (give one)."""
+    `max_tokens` is OpenAI's name for `max_new_tokens` (give one). `ignore_eos`: decode through the
+    model's end-of-sequence ids (fixed-length output); `min_tokens`: none of them among the first N."""
     if mode not in _MODES:
         raise ValueError(f"mode must be 'tr', 'ar' or None, got {mode!r}")
     if max_tokens is not None:
@@ -96,7 +98,8 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict] | None 
                              sampling=pb.SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k,
                                                         min_p=min_p),
                              mode=_MODES[mode], tree=tree, return_token_ids=return_token_ids,
-                             logprobs=logprobs, top_logprobs=top_logprobs)
+                             logprobs=logprobs, top_logprobs=top_logprobs, ignore_eos=ignore_eos,
+                             min_tokens=min_tokens)
     if seed is not None:
         req.sampling.seed = seed
     if domain is not None:

@@ -56,10 +56,8 @@ class Served:
 
 
 def _request(i: int, mode: str):
-    req = build_request(messages=MESSAGES[i], max_new_tokens=TOKENS, mode=mode, tenant="family",
-                        return_token_ids=True)
-    req.ignore_eos = True  # the client's keywords lack it; the request field is the service's own
-    return req
+    return build_request(messages=MESSAGES[i], max_new_tokens=TOKENS, mode=mode, tenant="family",
+                         return_token_ids=True, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
