@@ -45,6 +45,7 @@ class StaticTree:
         return Offer(self.budget.price(seq, options, step), lambda option: self._draft(seq, plan, proposal, source, option))
 
     def _options(self, seq: Sequence, plan: StepPlan, proposal: Proposal | None, source: int) -> list[Option]:
+        """Plain decoding and the plan's priced cuts, the whole plan with its whole chain last."""
         chain = len(proposal.tokens) if proposal is not None else 0
         kind = chain_kind(source == HISTORY, proposal.ngram) if proposal is not None else 0
         n = plan.tree.n

@@ -5,11 +5,11 @@ keeps one. The tenant's node rates learn nothing from it."""
 
 from __future__ import annotations
 
-from .base import Offer, StepInfo
-from .static import StaticTree, static_chain
+from .static import StaticTree
 from ...sequence import Sequence
 from ..step import Draft, record_step
 from ...tr.accept import Acceptance
+from ...tr.lookup import Proposal
 from ..budget.choose import Option
 from ...tuning.online import StepPlan
 
@@ -23,13 +23,10 @@ class TunedTree(StaticTree):
     def plan(self, seq: Sequence) -> StepPlan:
         return seq.drafting.tuner.plan()
 
-    def offer(self, seq: Sequence, step: StepInfo) -> Offer:
+    def _options(self, seq: Sequence, plan: StepPlan, proposal: Proposal | None, source: int) -> list[Option]:
         """The tuner's plan as it is, with its whole chain: one option, the budget has nothing to choose."""
-        plan = self.plan(seq)
-        proposal, source = static_chain(seq.drafting.lookup, seq.drafting.session.history, plan.tree.template.lookup)
         chain = len(proposal.tokens) if proposal is not None else 0
-        options = self.budget.price(seq, [Option(plan.tree.n + chain, 1.0, None, chain)], step)
-        return Offer(options, lambda option: self._draft(seq, plan, proposal, source, option))
+        return [Option(plan.tree.n + chain, 1.0, None, chain)]
 
     def learn(self, seq: Sequence, draft: Draft, acc: Acceptance, past: int) -> None:
         if draft.plan.explore:
