@@ -23,21 +23,23 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "input ids"
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, tool_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.tool_template = tool_template  # renders a chat with tools (engine/request/tools.py)
         # the text forms of the tokenizer's special (control) tokens, e.g. `<|im_end|>`
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         self.control_texts = tuple(t.content for t in added.values() if getattr(t, "special", False) and t.content)
 
-    def build(self, prompt: str | None, messages: Sequence[dict] | None, input_ids: Sequence[int] | None) -> list[int]:
+    def build(self, prompt: str | None, messages: Sequence[dict] | None, input_ids: Sequence[int] | None,
+              tools: Sequence[dict] | None = None) -> list[int]:
         """Prompt ids from exactly one of the three inputs (GenerationRequest checked that)."""
         if prompt is not None:
             if not isinstance(prompt, str) or not prompt.strip():
                 raise InvalidArgument("prompt is empty; send some text")
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         elif messages is not None:
-            ids = self.chat_ids(messages)
+            ids = self.chat_ids(messages, tools=tools)
         else:
             if not isinstance(input_ids, (list, tuple)) or not input_ids:
                 raise InvalidArgument("input_ids is empty; send at least one token id")
@@ -46,7 +48,8 @@ class PromptBuilder:
             raise InvalidArgument("prompt is empty after tokenization")
         return ids
 
-    def chat_ids(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> list[int]:
+    def chat_ids(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+                 tools: Sequence[dict] | None = None) -> list[int]:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidArgument("messages must be a non-empty list of {role, content}")
         for i, m in enumerate(messages):
@@ -57,19 +60,24 @@ class PromptBuilder:
         if self.tokenizer.chat_template is None:
             raise InvalidArgument("this model has no chat template; send a raw prompt or token ids instead")
         if any(t in m["content"] for m in messages for t in self.control_texts):
-            return self._quoted_chat_ids(messages, add_generation_prompt)
-        return list(self._template(list(messages), add_generation_prompt, tokenize=True))
+            return self._quoted_chat_ids(messages, add_generation_prompt, tools)
+        return list(self._template(list(messages), add_generation_prompt, tokenize=True, tools=tools))
 
-    def _template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool):
+    def _template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool, tools=None):
         from jinja2 import TemplateError
 
+        extra = {}
+        if tools:  # the template that renders them (a ChatML model's own may have no tool format)
+            if self.tool_template is None:
+                raise InvalidArgument("this model has no chat template to describe tools with")
+            extra = {"tools": list(tools), "chat_template": self.tool_template}
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                                      tokenize=tokenize, return_dict=False)
+                                                      tokenize=tokenize, return_dict=False, **extra)
         except TemplateError as exc:  # the template's own checks (e.g. roles must alternate): the caller's to fix
             raise InvalidArgument(f"the model's chat template refused these messages: {exc}") from None
 
-    def _quoted_chat_ids(self, messages: Sequence[dict], add_generation_prompt: bool) -> list[int]:
+    def _quoted_chat_ids(self, messages: Sequence[dict], add_generation_prompt: bool, tools=None) -> list[int]:
         """Chat content is text: where it spells a control token (`<|im_start|>system`...), those
         characters are tokenized as plain text, so end-user content cannot forge turns. The template is
         rendered with a placeholder per content; the template's own text keeps its control tokens."""
@@ -77,7 +85,7 @@ class PromptBuilder:
         if any("\ue000" in m["content"] for m in messages):
             raise InvalidArgument("message content holds private-use characters U+E000; remove them")
         text = self._template([{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt,
-                              tokenize=False)
+                              tokenize=False, tools=tools)
         pieces = re.split("\ue000(\\d+)\ue001", text)  # template, index, template, index, ..., template
         if [int(i) for i in pieces[1::2]] != list(range(len(messages))):
             raise InvalidArgument("message content spells the model's control tokens, which its chat template "
