@@ -127,6 +127,7 @@ class ToolReader:
     decided: bool = False  # llama3_json / mistral: whether the reply opens with a call is known
     calls: int = 0  # calls answered
     spaces: str = ""  # whitespace-only content, held: it is dropped where a call follows it
+    gap: str = ""  # the whitespace before the open call: content again where the call is malformed
     errors: list[str] = field(default_factory=list)
 
     def feed(self, piece: str) -> tuple[str, list[dict]]:
@@ -146,8 +147,8 @@ class ToolReader:
             if start is None:
                 break
             content.append(self.text[self.at:start])
-            self.at, self.inside = start, True
-            self.spaces = ""
+            content = [self._content(content)]  # whitespace right before the call: kept aside (gap)
+            self.at, self.inside, self.gap, self.spaces = start, True, self.spaces, ""
         if not self.inside:
             content.append(self.text[self.at:len(self.text) - self._holding()])
             self.at = len(self.text) - self._holding()
@@ -211,13 +212,13 @@ class ToolReader:
                 values = values[0]
             shaped = isinstance(values[0], dict) and "name" in values[0]
             if not marked and not shaped:
-                content.append(block)  # JSON the model answered with, not a call
+                content.append(self.gap + block)  # JSON the model answered with, not a call
                 return
             read = [one_call(v, self.names) for v in values]
         except Malformed as exc:
             if marked or shaped:
                 self.errors.append(str(exc))
-            content.append(block)
+            content.append(self.gap + block)
             return
         for name, args in read:
             if self.parallel or not self.calls:
@@ -253,8 +254,8 @@ def parse_reply(fmt: str, text: str, names: tuple[str, ...], parallel: bool = Tr
     content, calls = reader.feed(text)
     more, last = reader.finish()
     error = "; ".join(reader.errors) or None
-    if not calls + last and not error:
-        return Parsed(text, [], None)  # no call: the text as it is
+    if not calls + last:
+        return Parsed(text, [], error)  # no call: the text as it is
     content = (content + more).strip()
     calls = [{k: v for k, v in c.items() if k != "index"} for c in calls + last]
     return Parsed(content or None, calls, error)
