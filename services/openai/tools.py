@@ -10,6 +10,7 @@
   `tools`), which describes them in its own format, and the reply is read for calls in that format
   (toolparse.py: hermes, llama3_json or mistral, recognised from the template or named by
   --tool-call-parser). The bundled ChatML model gets a shipped hermes template (engine/request/tools.py).
+  In hermes, a call the model opens is held to the tools' schemas by a grammar (hermes_grammar).
   Where the server has no format for its template: 400 naming why.
 - `tool`-role messages go to the template as they are (ChatML renders any role); an assistant turn's
   `tool_calls` as the JSON it would have written.
@@ -22,7 +23,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
-from ...engine.tr.grammar import StructuredOutput
+from ...engine.tr.grammar import JSON_OPTIONS, StructuredOutput
 from .errors import BadParam
 from .toolparse import ToolReader, parse_reply, render_calls
 
@@ -86,6 +87,8 @@ def _auto(body: dict, opts: dict, functions: dict[str, dict], fmt: str | None, p
         raise BadParam('tool_choice "auto" and response_format (or guided_*) cannot both shape one reply',
                        "tool_choice")
     opts["tools"] = tuple({"type": "function", "function": f} for f in functions.values())
+    if fmt == "hermes":  # once the model opens a call, its JSON follows the tools' schemas
+        opts["structured"] = StructuredOutput("grammar", hermes_grammar(functions))
     for i, m in enumerate(body["messages"]):
         calls = _calls(m, i) if m.get("role") == "assistant" else None
         if calls:
@@ -107,6 +110,20 @@ def call_schema(functions: dict[str, dict]) -> dict:
         calls.append({"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": "#" + at}},
                       "required": ["name", "arguments"], "additionalProperties": False})
     return {"$defs": defs, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
+
+
+def hermes_grammar(functions: dict[str, dict]) -> str:
+    """llguidance's Lark grammar of a hermes reply: free text, where each `<tool_call>` the model writes
+    (a lazy trigger: the text before it is anything) is followed by one call's JSON (call_schema, written
+    as json.dumps writes it) and its closing tag; any number of calls (llguidance's structural tags).
+
+    >>> print(hermes_grammar({"f": {"name": "f"}}).splitlines()[3])
+    call_trigger[lazy]: TEXT "<tool_call>"
+    """
+    schema = {**call_schema(functions), "x-guidance": JSON_OPTIONS}
+    return "\n".join(("%llguidance {}", "start: call* TEXT", "TEXT: /(.|\\n)*/",
+                      'call_trigger[lazy]: TEXT "<tool_call>"',
+                      f'call: call_trigger "\\n" %json {json.dumps(schema)} "\\n</tool_call>"'))
 
 
 def _rerooted(schema: object, at: str) -> object:
