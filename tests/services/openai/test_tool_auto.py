@@ -149,3 +149,13 @@ def test_a_tool_result_continues_and_a_reply_without_a_call_is_content(client, m
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
         **ask(model, "Tell me a joke.", history=[]), stream=True) if c.choices)
     assert streamed == plain.choices[0].message.content
+
+
+def test_an_opened_call_is_held_to_the_schema(client, model):
+    """Asked for kelvin, which the tool's enum lacks, the model (free) would write "kelvin"; once it has
+    opened a call the grammar holds its arguments to the schema, in TR and AR alike."""
+    question = "What is the weather in Berlin, in kelvin?"
+    replies = [client.chat.completions.create(**ask(model, question), extra_body={"mode": mode}) for mode in ("tr", "ar")]
+    assert replies[0].model_extra["trserve"]["token_ids"] == replies[1].model_extra["trserve"]["token_ids"]
+    call = replies[0].choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and check_args("get_weather", call.function.arguments)
