@@ -44,7 +44,10 @@ def detect_format(template: object) -> str | None:
     """
     if not isinstance(template, str) or "tools" not in template:
         return None
-    return next((fmt for marker, fmt in MARKERS if marker in template), None)
+    found = next((fmt for marker, fmt in MARKERS if marker in template), None)
+    if found is None and "<|start_header_id|>" in template and '"parameters"' in template:
+        return "llama3_json"  # Llama 3.x JSON calls without the python tag (user-defined tools only)
+    return found
 
 
 def resolve_parser(name: str, template: object) -> str | None:

@@ -166,14 +166,16 @@ QWEN25 = ('{%- if tools %}...For each function call, return a json object with f
           '<tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}')
 LLAMA31 = ('{%- if tools is not none %}...{%- if builtin_tools is defined and tool_call.name in builtin_tools %}'
            '{{- "<|python_tag|>" + tool_call.name + ".call(" }}')
+LLAMA32_JSON = ("{%- if tools is not none %}{{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}{{- 'Respond in "
+                'the format {"name": function name, "parameters": dictionary of argument name and its value}. \' }}')
 MISTRAL_V3 = '{%- if tools is not none and (message == user_messages[-1]) %}...{{- "[TOOL_CALLS] [" }}'
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>' + '\\n'}}{% endfor %}")
 
 
 def test_the_format_is_read_from_the_template():
-    assert [detect_format(t) for t in (QWEN25, LLAMA31, MISTRAL_V3, CHATML, None)] == \
-        ["hermes", "llama3_json", "mistral", None, None]
+    assert [detect_format(t) for t in (QWEN25, LLAMA31, LLAMA32_JSON, MISTRAL_V3, CHATML, None)] == \
+        ["hermes", "llama3_json", "llama3_json", "mistral", None, None]
     assert detect_format(SHIPPED.read_text()) == "hermes"
     assert resolve_parser("auto", CHATML) is None and resolve_parser("mistral", CHATML) == "mistral"
     assert resolve_parser("none", QWEN25) is None
