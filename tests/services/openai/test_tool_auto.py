@@ -11,6 +11,7 @@ import json
 import signal
 import subprocess
 import sys
+import urllib.request
 
 import openai
 import pytest
@@ -159,3 +160,52 @@ def test_an_opened_call_is_held_to_the_schema(client, model):
     assert replies[0].model_extra["trserve"]["token_ids"] == replies[1].model_extra["trserve"]["token_ids"]
     call = replies[0].choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and check_args("get_weather", call.function.arguments)
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        return json.loads(answer.read())
+
+
+# a Llama 3.x-style template (written for this test): headers, and tools asked for as JSON with "parameters"
+LLAMA3_TEMPLATE = (
+    "{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\nTo call a function, respond with JSON "
+    '{"name": function name, "parameters": dictionary of argument name and its value}.\n'
+    "{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}<|eot_id|>{%- endif %}"
+    "{%- for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}")
+
+
+def test_a_custom_template_s_format_is_recognised_and_read(tmp_path):
+    """`--chat-template` wins over the shipped one; its format (llama3_json here) is recognised and the
+    reply read in it: whatever the model writes is valid calls or content (a malformed call says so)."""
+    (tmp_path / "llama3.jinja").write_text(LLAMA3_TEMPLATE)
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "trserve.services.cli", "serve", "--port", "0", "--metrics-port", "-1",
+                             "--http-port", str(free_port()), "--chat-template", str(tmp_path / "llama3.jinja")],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        proc.stdout.readline()
+        base = proc.stdout.readline().split()[-1]
+        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+        for question in ("What is the weather in Paris, in celsius?", "Tell me a joke."):
+            body = ask(model, question, stop=["<|eot_id|>"])
+            reply, ar = (client.chat.completions.create(**body, extra_body={"mode": mode}) for mode in ("tr", "ar"))
+            assert reply.model_extra["trserve"]["token_ids"] == ar.model_extra["trserve"]["token_ids"]
+            choice = reply.choices[0]
+            for c in choice.message.tool_calls or []:
+                assert c.function.name in SCHEMAS and isinstance(json.loads(c.function.arguments), dict)
+            assert choice.message.tool_calls or choice.message.content
+            if choice.message.tool_calls:
+                assert choice.finish_reason == "tool_calls"
+            elif choice.message.content.lstrip().startswith('{"name"'):
+                assert choice.model_extra.get("stop_reason") == "malformed_tool_call"
+        root = base.removesuffix("/v1")
+        prompt = post(root + "/tokenize", {"messages": [{"role": "user", "content": "x"}]})
+        assert "<|start_header_id|>" in post(root + "/detokenize", {"tokens": prompt["tokens"]})["prompt"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        log.close()
