@@ -189,3 +189,22 @@ def test_which_template_renders_tools():
     assert tool_template(QWEN25, custom=False) == QWEN25
     plain = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
     assert tool_template(plain, custom=False) == plain and tool_template(None, custom=False) is None
+
+
+def test_the_parser_is_a_flag_and_a_variable(capsys):
+    from trserve.services.cli import build_parser, main
+    from trserve.services.envconfig import apply_env
+    from trserve.services.node.cli import build_configs
+    from trserve.services.worker.config import WorkerConfig
+
+    parser = build_parser()
+    apply_env(parser, {"TRSERVE_TOOL_CALL_PARSER": "none"})
+    assert build_configs(parser.parse_args(["worker", "--matrix-addr", "m:1"]))[0].tool_call_parser == "none"
+    assert build_configs(build_parser().parse_args(["serve", "--tool-call-parser", "mistral"]))[0].tool_call_parser == \
+        "mistral"
+    assert WorkerConfig().tool_call_parser == "auto"
+    with pytest.raises(ValueError, match="tool_call_parser must be one of auto, hermes"):
+        WorkerConfig(tool_call_parser="qwen")
+    with pytest.raises(SystemExit):
+        main(["serve"], environ={"TRSERVE_TOOL_CALL_PARSER": "qwen"})
+    assert "TRSERVE_TOOL_CALL_PARSER='qwen' (for --tool-call-parser): choose from auto" in capsys.readouterr().err
