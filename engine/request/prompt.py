@@ -58,7 +58,7 @@ class PromptBuilder:
 
     def reply_prefix(self, messages: Sequence[dict], chat: ChatOptions | None = None) -> str:
         """The prompt's text after its final message, where the reply starts: the template's own opening
-        of the reply (e.g. `<|im_start|>assistant\n<think>\n`), or with continue_final_message that
+        of the reply (e.g. `<|im_end|>`, `<|im_start|>assistant`, `<think>`), or with continue_final_message that
         message's content, which the reply continues. (A reasoning parser reads whether `<think>` is open.)"""
         chat = chat or ChatOptions()
         self._check_chat(messages, chat)
