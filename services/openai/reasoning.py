@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from ...engine.request.prompt import PromptBuilder
 from .convert import ChunkWriter, OpenAIRequest
 from .reasoning_parsers import PARSERS, THINK
+
+log = logging.getLogger("trserve.openai")
 
 
 def prompt_state(tail: str, tags: tuple[str, str]) -> str:
@@ -146,9 +149,16 @@ class Reasoning:
         return self.tags is not None and req.kind == "chat" and req.ask.options.get("structured") is None
 
     async def state(self, req: OpenAIRequest) -> str:
-        """Where this request's reply starts (prompt_state), from its prompt's text after the final message."""
+        """Where this request's reply starts (prompt_state), from its prompt's text after the final message.
+        Asked once the reply is decoded or streaming (the template rendered these messages already); should
+        rendering fail now, the reply is split as if the prompt opened nothing, and the server log says so."""
         options = req.ask.options
-        tail = await asyncio.to_thread(self.prompts.reply_prefix, options["messages"], options.get("chat"))
+        try:
+            tail = await asyncio.to_thread(self.prompts.reply_prefix, options["messages"], options.get("chat"))
+        except Exception:  # noqa: BLE001 - the answer goes out regardless
+            log.warning("reasoning parser: the prompt's text after its final message could not be rendered",
+                        exc_info=True)
+            return "start"
         return prompt_state(tail, self.tags)
 
     async def answer(self, req: OpenAIRequest, body: dict) -> dict:
