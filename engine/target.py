@@ -104,7 +104,7 @@ class TargetModel:
     # ---- validation: once per request --------------------------------------------------------
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Check a request against this model: prompt ids, tree (ranks < K), context budget, stop ids."""
-        ids = self.prompts.build(request.prompt, request.messages, request.input_ids, request.tools)
+        ids = self.prompts.build(request.prompt, request.messages, request.input_ids, request.chat, request.tools)
         tree = None
         if request.mode == "tr":
             tree = self._resolve_tree(request.tree) if request.tree is not None else self.default_tree

@@ -6,6 +6,7 @@ import re
 from collections.abc import Sequence
 
 from ...core.errors import InvalidArgument
+from .chat import ChatOptions
 
 ROLES = ("system", "user", "assistant", "tool")
 
@@ -32,14 +33,15 @@ class PromptBuilder:
         self.control_texts = tuple(t.content for t in added.values() if getattr(t, "special", False) and t.content)
 
     def build(self, prompt: str | None, messages: Sequence[dict] | None, input_ids: Sequence[int] | None,
-              tools: Sequence[dict] | None = None) -> list[int]:
-        """Prompt ids from exactly one of the three inputs (GenerationRequest checked that)."""
+              chat: ChatOptions | None = None, tools: Sequence[dict] | None = None) -> list[int]:
+        """Prompt ids from exactly one of the three inputs (GenerationRequest checked that); `chat`: how
+        messages are templated (None: the defaults); `tools`: described by the template (tools.py)."""
         if prompt is not None:
             if not isinstance(prompt, str) or not prompt.strip():
                 raise InvalidArgument("prompt is empty; send some text")
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         elif messages is not None:
-            ids = self.chat_ids(messages, tools=tools)
+            ids = self.chat_ids(messages, chat, tools)
         else:
             if not isinstance(input_ids, (list, tuple)) or not input_ids:
                 raise InvalidArgument("input_ids is empty; send at least one token id")
@@ -48,8 +50,29 @@ class PromptBuilder:
             raise InvalidArgument("prompt is empty after tokenization")
         return ids
 
-    def chat_ids(self, messages: Sequence[dict], add_generation_prompt: bool = True,
+    def chat_ids(self, messages: Sequence[dict], chat: ChatOptions | None = None,
                  tools: Sequence[dict] | None = None) -> list[int]:
+        chat = chat or ChatOptions()
+        self._check_chat(messages, chat)
+        if any(t in m["content"] for m in messages for t in self.control_texts):
+            return self._quoted_chat_ids(messages, chat, tools)
+        return list(self._template(list(messages), chat, tokenize=True, tools=tools))
+
+    def reply_prefix(self, messages: Sequence[dict], chat: ChatOptions | None = None,
+                     tools: Sequence[dict] | None = None) -> str:
+        """The prompt's text after its final message, where the reply starts: the template's own opening
+        of the reply (e.g. `<|im_end|>`, `<|im_start|>assistant`, `<think>`), or with continue_final_message that
+        message's content, which the reply continues. (A reasoning parser reads whether `<think>` is open.)"""
+        chat = chat or ChatOptions()
+        self._check_chat(messages, chat)
+        if chat.continue_final_message:  # the prompt ends with that content (transformers cuts there)
+            return messages[-1]["content"]
+        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
+        text = self._template([{**m, "content": mark} for m, mark in zip(messages, marks)], chat, tokenize=False,
+                              tools=tools)
+        return re.split("\ue000\\d+\ue001", text)[-1]
+
+    def _check_chat(self, messages: Sequence[dict], chat: ChatOptions) -> None:
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidArgument("messages must be a non-empty list of {role, content}")
         for i, m in enumerate(messages):
@@ -59,33 +82,44 @@ class PromptBuilder:
             raise InvalidArgument("all messages are empty; send some text")
         if self.tokenizer.chat_template is None:
             raise InvalidArgument("this model has no chat template; send a raw prompt or token ids instead")
-        if any(t in m["content"] for m in messages for t in self.control_texts):
-            return self._quoted_chat_ids(messages, add_generation_prompt, tools)
-        return list(self._template(list(messages), add_generation_prompt, tokenize=True, tools=tools))
+        chat.check_messages(messages)
+        if any(t in s for s in chat.strings() for t in self.control_texts):  # never quoted: refused
+            raise InvalidArgument("chat_template_kwargs spell the model's control tokens; remove them")
 
-    def _template(self, messages: list[dict], add_generation_prompt: bool, tokenize: bool, tools=None):
+    def _template(self, messages: list[dict], chat: ChatOptions, tokenize: bool, tools: Sequence[dict] | None = None):
         from jinja2 import TemplateError
 
-        extra = {}
+        extra = dict(chat.template_kwargs)
+        if chat.continue_final_message:
+            extra["continue_final_message"] = True
         if tools:  # the template that renders them (a ChatML model's own may have no tool format)
             if self.tool_template is None:
                 raise InvalidArgument("this model has no chat template to describe tools with")
-            extra = {"tools": list(tools), "chat_template": self.tool_template}
+            extra.update(tools=list(tools), chat_template=self.tool_template)
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=chat.add_generation_prompt,
                                                       tokenize=tokenize, return_dict=False, **extra)
         except TemplateError as exc:  # the template's own checks (e.g. roles must alternate): the caller's to fix
             raise InvalidArgument(f"the model's chat template refused these messages: {exc}") from None
+        except (TypeError, ValueError, LookupError, ArithmeticError) as exc:
+            if chat.is_default:  # nothing of the caller's but the messages: the server's fault
+                raise
+            if chat.continue_final_message and isinstance(exc, ValueError):  # transformers' own check
+                raise InvalidArgument("continue_final_message: the chat template does not write the final "
+                                      "message's content as it is, so it cannot be continued") from None
+            raise InvalidArgument(f"the model's chat template failed with these chat_template_kwargs: "
+                                  f"{type(exc).__name__}: {str(exc)[:200]}") from None
 
-    def _quoted_chat_ids(self, messages: Sequence[dict], add_generation_prompt: bool, tools=None) -> list[int]:
+    def _quoted_chat_ids(self, messages: Sequence[dict], chat: ChatOptions,
+                         tools: Sequence[dict] | None = None) -> list[int]:
         """Chat content is text: where it spells a control token (`<|im_start|>system`...), those
         characters are tokenized as plain text, so end-user content cannot forge turns. The template is
         rendered with a placeholder per content; the template's own text keeps its control tokens."""
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
         if any("\ue000" in m["content"] for m in messages):
             raise InvalidArgument("message content holds private-use characters U+E000; remove them")
-        text = self._template([{**m, "content": mark} for m, mark in zip(messages, marks)], add_generation_prompt,
-                              tokenize=False, tools=tools)
+        text = self._template([{**m, "content": mark} for m, mark in zip(messages, marks)], chat, tokenize=False,
+                              tools=tools)
         pieces = re.split("\ue000(\\d+)\ue001", text)  # template, index, template, index, ..., template
         if [int(i) for i in pieces[1::2]] != list(range(len(messages))):
             raise InvalidArgument("message content spells the model's control tokens, which its chat template "

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from ...core.errors import InvalidArgument
 from ..tr.grammar import CompiledGrammar, StructuredOutput
+from .chat import ChatOptions
 from ..tr.sampling import SamplingParams
 from ..tr.tree import CompiledTree, TreeTemplate
 
@@ -63,6 +64,8 @@ class GenerationRequest:
     presence_penalty: float = 0.0  # in [-2, 2]
     # the output must follow this grammar (engine/tr/grammar.py; lossless under TR); None = free text
     structured: StructuredOutput | None = None
+    # with `messages`: template kwargs, add_generation_prompt, continue_final_message (chat.py); None = defaults
+    chat: ChatOptions | None = None
     # tools the chat template describes to the model (OpenAI's [{"type": "function", "function": {...}}];
     # engine/request/tools.py picks the template); None = none. The reply is text: the caller reads calls in it
     tools: tuple[dict, ...] | None = None
@@ -96,6 +99,11 @@ class GenerationRequest:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi or \
                     (name == "repetition_penalty" and value == 0):
                 raise InvalidArgument(f"{name} must be a number in {'(' if lo == 0 else '['}{lo:g}, {hi:g}], got {value!r}")
+        if self.chat is not None:
+            if not isinstance(self.chat, ChatOptions) or self.messages is None:
+                raise InvalidArgument("chat options (chat_template_kwargs, add_generation_prompt, "
+                                      "continue_final_message) need chat messages and a ChatOptions")
+            self.chat.check_messages(self.messages)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidArgument(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
         if self.tools is not None:

@@ -98,7 +98,8 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     from ...engine.model.choices import QUANTIZE_CHOICES
-    from ..openai.toolparse import PARSERS
+    from ..openai.reasoning_parsers import PARSERS
+    from ..openai.toolparse import PARSERS as TOOL_PARSERS
 
     p.add_argument("--model", default=None, help="builtin model name, local transformers directory, local .gguf "
                    "file (converted once into the cache) or hub id (default: the bundled smollm2-135m-instruct)")
@@ -106,7 +107,10 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
                    help="the name callers use: OpenAI's model id, ModelInfo.model, metrics' model_name (default: --model)")
     p.add_argument("--chat-template", default=None,
                    help="a Jinja chat template file (or the template itself) replacing the model's own")
-    p.add_argument("--tool-call-parser", choices=PARSERS, default="auto",
+    p.add_argument("--reasoning-parser", choices=tuple(PARSERS), default="none",
+                   help="the HTTP API returns a chat reply's reasoning apart from its answer, as reasoning_content: "
+                        "think (<think>...</think>; deepseek_r1 and qwen3 are vLLM's names for it) or none (default)")
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default="auto",
                    help='how replies to tool_choice "auto" are read for tool calls: auto (default: the format the '
                         "chat template teaches: <tool_call> hermes, <|python_tag|> llama3_json, [TOOL_CALLS] "
                         "mistral; the bundled ChatML model gets a shipped hermes template), hermes, llama3_json, "
@@ -156,6 +160,7 @@ def build_configs(args: argparse.Namespace):
         max_request_bytes=args.max_request_bytes, max_concurrent_rpcs=args.max_concurrent_rpcs,
         max_connection_age_s=args.max_connection_age_s or None,
         tls=server_tls(args.tls_cert, args.tls_key), tenant_tokens=tokens,
+        reasoning_parser=None if args.reasoning_parser == "none" else args.reasoning_parser,
     )
     return worker, DecoderConfig(model=model, tree=args.tree, cache_dir=args.cache_dir)
 

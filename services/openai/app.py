@@ -3,15 +3,13 @@
 tools probe: `GET /health` (200 serving, 503 warming up or draining; no credentials), `GET /metrics`
 (the worker's Prometheus registry), `POST /tokenize` and `POST /detokenize` (vLLM's shapes).
 
-The HTTP edge of the worker's front door (`services/worker/front.py:FrontDoor`), as the gRPC servicer is
-the other: a request's JSON becomes an `Ask` (convert.py) and goes in by the same door as a gRPC call (the
-same checks and messages, admission, deadline handling and engine). The door's domain errors (each names
-its gRPC status) become HTTP codes with OpenAI's error body; a full queue is 429 with Retry-After.
-Without tokens the tenant is the `X-Tenant` header, else the default one; OpenAI's `user` field is
-an end-user id, accepted and ignored (it never makes a tenant). With tenant tokens,
-`Authorization: Bearer <token>` names the tenant (an `X-Tenant` header naming another is refused).
-Each call has a request id and one access log line (observe.py); browsers are answered
-cross-origin only from `allowed_origins` (CORS). Runs on the worker's event loop.
+The HTTP edge of the worker's front door (`services/worker/front.py:FrontDoor`), as the gRPC servicer is the
+other: a request's JSON becomes an `Ask` (convert.py) and goes in by the same door as a gRPC call (the same
+checks, admission, deadlines and engine); its domain errors become HTTP codes with OpenAI's error body.
+Without tokens the tenant is the `X-Tenant` header, else the default one (OpenAI's `user`, an end-user
+id, never makes one); with tenant tokens, `Authorization: Bearer <token>` names it (an `X-Tenant` header
+naming another is refused). Each call has a request id and one access log line (observe.py); browsers
+are answered cross-origin only from `allowed_origins` (CORS). Chat replies' reasoning: reasoning.py.
 """
 
 from __future__ import annotations
@@ -39,6 +37,7 @@ from . import convert
 from .convert import BadParam, ModelNotFound
 from .observe import RequestLog
 from .options import Vocabulary
+from .reasoning import Reasoning
 from .toolparse import resolve_parser
 from .streams import first_items, merged
 from ..worker.admission import QueueFull
@@ -160,6 +159,7 @@ class OpenAIApp:
         self.tools = resolve_parser(self.config.tool_call_parser, decoder.prompts.tool_template)  # "auto"'s format
         # each token's own bytes, as the grammar engine reads the vocabulary (its view is built on first use)
         self.vocab = Vocabulary(decoder.tokenizer, lambda token: decoder.grammars.tokenizer().decode_bytes([token]))
+        self.reasoning = Reasoning(self.config.reasoning_parser, decoder.prompts)  # --reasoning-parser
 
     def asgi(self):
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
@@ -272,7 +272,8 @@ class OpenAIApp:
         results, tenant = [d.result for d in done], done[0].call.tenant
         request.state.tenant = tenant
         request.state.tokens = (results[0].stats.prompt_tokens, sum(r.stats.generated_tokens for r in results))
-        return JSONResponse(convert.completion(req, results, done[0].queue_s, self.fingerprint, self.vocab, tenant))
+        body = convert.completion(req, results, done[0].queue_s, self.fingerprint, self.vocab, tenant)
+        return JSONResponse(await self.reasoning.answer(req, body))
 
     async def _complete_while_connected(self, request: Request, ask, deadline: HttpDeadline):
         """The front door's complete of one choice, cancelled (its decode slot freed at the next step)
@@ -295,7 +296,7 @@ class OpenAIApp:
         """Waits for each choice's first chunk (after the prefills), so refusals are still plain HTTP errors."""
         streams = [self.door.stream(ask, deadline) for ask in convert.choice_asks(req)]
         firsts = await first_items(streams)
-        writers = convert.ChunkWriter.of(req, self.fingerprint, self.vocab).choices(len(streams))
+        writers = await self.reasoning.writers(req, convert.ChunkWriter.of(req, self.fingerprint, self.vocab), len(streams))
         return StreamingResponse(self._events(writers, merged(streams, firsts, StreamEnd), method, state),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                           "X-Accel-Buffering": "no"})

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 
 from ...engine.results import GenerationResult, GenerationStats
 from ...engine.tr.sampling import SamplingParams
+from ...engine.request.chat import ChatOptions
 from ..worker.checks import Ask
+from .chat import chat_options
 from .errors import BadParam, ModelNotFound  # noqa: F401 - re-exported
 from .options import (Vocabulary, echo_options, f32, logprobs_json, logprobs_options, rules_options,
                       structured_options)
@@ -38,8 +40,8 @@ UNSUPPORTED = {"functions": None, "function_call": None,
                "length_penalty": 1.0,
                "use_beam_search": False, "allowed_token_ids": None, "bad_words": None, "logits_processors": None,
                "prompt_logprobs": None, "truncate_prompt_tokens": None, "include_stop_str_in_output": False,
-               "skip_special_tokens": True, "spaces_between_special_tokens": True, "continue_final_message": False,
-               "add_generation_prompt": True, "chat_template": None, "chat_template_kwargs": None, "documents": None}
+               "skip_special_tokens": True, "spaces_between_special_tokens": True, "chat_template": None,
+               "documents": None}
 
 
 @dataclass(frozen=True)
@@ -79,6 +81,7 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str | None,
         opts["messages"] = _messages(body.get("messages"))
     else:
         _prompt(body.get("prompt"), opts)
+    opts["chat"] = chat_options(body, kind, opts["messages"])  # vLLM's chat_template_kwargs, ...
     max_tokens = _limits(body, kind, opts)
     tools, auto = tool_options(body, opts, kind, tool_format)
     _sampling(body, opts)
@@ -114,10 +117,10 @@ def _check_unsupported(body: dict) -> None:
             raise BadParam(f"{name} is not supported by this server; leave it out", name)
 
 
-def tokenize_request(body: object) -> tuple[str | None, list[dict] | None]:
-    """vLLM's /tokenize body: {"prompt": text} or {"messages": [...]} ("model" optional, and
-    "add_special_tokens" / "add_generation_prompt" accepted: the ids are always what Generate sees):
-    (text, messages)."""
+def tokenize_request(body: object) -> tuple[str | None, list[dict] | None, ChatOptions | None]:
+    """vLLM's /tokenize body: {"prompt": text} or {"messages": [...]} ("model" optional, "add_special_tokens"
+    accepted: the ids are always what Generate sees; with messages, chat_template_kwargs, add_generation_prompt
+    and continue_final_message as a chat request's): (text, messages, chat options)."""
     if not isinstance(body, dict):
         raise BadParam("the request body must be a JSON object")
     if ("prompt" in body) == ("messages" in body):
@@ -125,8 +128,9 @@ def tokenize_request(body: object) -> tuple[str | None, list[dict] | None]:
     if "prompt" in body:
         if not isinstance(body["prompt"], str):
             raise BadParam("prompt must be a string", "prompt")
-        return body["prompt"], None
-    return None, _messages(body["messages"])
+        return body["prompt"], None, None
+    messages = _messages(body["messages"])
+    return None, messages, chat_options(body, "chat", messages)
 
 
 def _messages(messages: object) -> list[dict]:

@@ -92,7 +92,7 @@ def _auto(body: dict, opts: dict, functions: dict[str, dict], fmt: str | None, p
     for i, m in enumerate(body["messages"]):
         calls = _calls(m, i) if m.get("role") == "assistant" else None
         if calls:
-            text = m.get("content") if isinstance(m.get("content"), str) else ""
+            text = opts["messages"][i]["content"] if m.get("content") not in (None, "") else ""
             opts["messages"][i] = {**opts["messages"][i], "content": (text + "\n" if text else "") +
                                    render_calls(fmt, calls)}
     return AutoTools(fmt, tuple(functions), parallel)

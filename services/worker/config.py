@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 
 from ...engine.engine import EngineConfig
 from ..common.security import ServerTLS, TenantTokens
-from ..openai.toolparse import PARSERS
+from ..openai.reasoning_parsers import PARSERS
+from ..openai.toolparse import PARSERS as TOOL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,9 @@ class WorkerConfig:
     default_tenant: str = "default"
     tls: ServerTLS | None = None  # serve TLS with this certificate; None = plaintext
     tenant_tokens: TenantTokens | None = None  # require a per-tenant bearer token; None = open
+    # the HTTP API's split of chat replies into reasoning_content and content (services/openai/reasoning.py,
+    # a name of services/openai/reasoning_parsers.py:PARSERS); None = none
+    reasoning_parser: str | None = None
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -117,8 +121,8 @@ class WorkerConfig:
         if self.served_model_name is not None and (not self.served_model_name.strip() or
                                                    self.served_model_name != self.served_model_name.strip()):
             raise ValueError(f"served_model_name must be a name without surrounding spaces, got {self.served_model_name!r}")
-        if self.tool_call_parser not in PARSERS:
-            raise ValueError(f"tool_call_parser must be one of {', '.join(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         for origin in self.allowed_origins:
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise ValueError(f"allowed origin {origin!r} must be '*' or scheme://host[:port], e.g. "
@@ -147,6 +151,8 @@ class WorkerConfig:
             raise ValueError(f"grace_s must be a finite number of seconds >= 0, got {self.grace_s}")
         if not isinstance(self.history_bytes, int) or self.history_bytes < 0:
             raise ValueError(f"history_bytes must be an int >= 0 (0 = no histories), got {self.history_bytes!r}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {sorted(PARSERS)} or None, got {self.reasoning_parser!r}")
 
     def engine_config(self) -> EngineConfig:
         # admission (services/worker/admission.py) lets at most max_batch + max_queue reach the engine

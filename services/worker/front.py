@@ -34,6 +34,7 @@ from typing import Protocol
 
 from ...core.errors import InvalidArgument, PermissionDenied, TRServeError, Unavailable
 from ...engine.engine import BatchEngine
+from ...engine.request.chat import ChatOptions
 from ...engine.request.request import GenerationRequest, PreparedRequest
 from ...engine.request.text import HeldText
 from ...engine.results import GenerationResult, StepChunk
@@ -154,11 +155,11 @@ class FrontDoor:
                                     len(held.sent), len(item.text))
                     yield StreamEnd(item, call.queue_s, call.call, held.sent, call.drained)
 
-    async def tokenize(self, text: str | None, messages: list[dict] | None) -> list[int]:
+    async def tokenize(self, text: str | None, messages: list[dict] | None, chat: ChatOptions | None = None) -> list[int]:
         """The ids a text or chat prompt becomes, as Generate would see them (gRPC Tokenize, HTTP /tokenize)."""
         with self.admission.call():
             check_prompt_size(text, messages, None, self.limits)
-            return await asyncio.to_thread(self._prompt_ids, text, messages)
+            return await asyncio.to_thread(self._prompt_ids, text, messages, chat)
 
     async def detokenize(self, ids: list[int]) -> str:
         """The text of token ids (HTTP /detokenize); InvalidArgument for an id outside the vocabulary."""
@@ -303,9 +304,9 @@ class FrontDoor:
         tuner = self.tuners.get(call.tenant) if self.tuners is not None and call.request.uses_default_tree else None
         return prepared, tuner
 
-    def _prompt_ids(self, text: str | None, messages: list[dict] | None) -> list[int]:
+    def _prompt_ids(self, text: str | None, messages: list[dict] | None, chat: ChatOptions | None) -> list[int]:
         with self._tokenizer_lock:
-            ids = self.decoder.prompts.build(text, messages, None)
+            ids = self.decoder.prompts.build(text, messages, None, chat)
         check_prompt_length(len(ids), self.limits)
         return ids
 

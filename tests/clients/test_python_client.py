@@ -148,3 +148,23 @@ def test_build_request_sets_ignore_eos_and_min_tokens() -> None:
     assert (req.ignore_eos, req.min_tokens, req.max_new_tokens) == (True, 3, 8)
     plain = build_request("Hi")
     assert (plain.ignore_eos, plain.min_tokens) == (False, 0)
+
+
+def test_build_request_sets_the_chat_template_fields() -> None:
+    """vLLM's chat_template_kwargs (as JSON text on the wire), continue_final_message and
+    add_generation_prompt (unset unless given: the server's default, true) go with the messages only."""
+    from trserve_client import build_request
+    from trserve_client.client import tokenize_request
+
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hel"}]
+    req = build_request(messages=turns, chat_template_kwargs={"enable_thinking": False},
+                        continue_final_message=True, add_generation_prompt=False)
+    assert json.loads(req.messages.chat_template_kwargs) == {"enable_thinking": False}
+    assert req.messages.continue_final_message and req.messages.HasField("add_generation_prompt")
+    assert not req.messages.add_generation_prompt
+    plain = build_request(messages=turns).messages
+    assert (plain.chat_template_kwargs, plain.continue_final_message, plain.HasField("add_generation_prompt")) == \
+        ("", False, False)
+    assert tokenize_request(None, turns, chat_template_kwargs={"a": 1}).messages.chat_template_kwargs == '{"a": 1}'
+    with pytest.raises(ValueError, match="need messages"):
+        build_request("Hi", chat_template_kwargs={"enable_thinking": False})

@@ -55,8 +55,9 @@ class AsyncClient:
         return AsyncStream(self.stub.GenerateStream(build_request(prompt, **kwargs), timeout=timeout or self.timeout,
                                                     metadata=self._metadata))
 
-    async def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None) -> list[int]:
-        return list((await self._call(self.stub.Tokenize, tokenize_request(text, messages), None)).token_ids)
+    async def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None, **chat) -> list[int]:
+        """`chat`: chat_template_kwargs, continue_final_message, add_generation_prompt (as build_request's)."""
+        return list((await self._call(self.stub.Tokenize, tokenize_request(text, messages, **chat), None)).token_ids)
 
     async def model_info(self) -> pb.ModelInfoResponse:
         return await self._call(self.stub.ModelInfo, pb.ModelInfoRequest(), None)
