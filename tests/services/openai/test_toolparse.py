@@ -208,3 +208,27 @@ def test_the_parser_is_a_flag_and_a_variable(capsys):
     with pytest.raises(SystemExit):
         main(["serve"], environ={"TRSERVE_TOOL_CALL_PARSER": "qwen"})
     assert "TRSERVE_TOOL_CALL_PARSER='qwen' (for --tool-call-parser): choose from auto" in capsys.readouterr().err
+
+
+def test_with_a_reasoning_parser_the_thinking_is_split_off_and_the_calls_read():
+    """--reasoning-parser think with tool_choice auto: reasoning_content, then the call (streamed)."""
+    import dataclasses
+
+    from trserve.services.openai.reasoning import ReasoningChunkWriter, ReasoningSplitter, split
+    from trserve.services.openai.reasoning_parsers import THINK
+
+    text = '<think>The user wants the weather.</think>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>'
+    req = convert.parse_request(_body(stream=True), "chat", "m", None, "hermes")
+    base = convert.ChunkWriter.of(req, "fp")
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(convert.ChunkWriter)}
+    writer = ReasoningChunkWriter(**fields, splitter=ReasoningSplitter(THINK)).choices(1)[0]
+    chunks = [writer.chunk(text[i:i + 6], role=i == 0) for i in range(0, 96, 6)]
+    chunks.append(writer.last_chunk(text[96:], _result(text), "eos", 0.0, "default"))
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert "".join(d.get("reasoning_content", "") for d in deltas) == "The user wants the weather."
+    assert not "".join(d.get("content") or "" for d in deltas).strip()
+    assert [c["function"]["name"] for d in deltas for c in d.get("tool_calls", [])] == ["get_time"]
+    unary = convert.completion(convert.parse_request(_body(), "chat", "m", None, "hermes"), _result(text), 0.0, "fp",
+                               None, "default")["choices"][0]
+    assert unary["finish_reason"] == "tool_calls"
+    assert split(unary["message"]["content"], THINK) == ("The user wants the weather.", None)
