@@ -12,6 +12,7 @@ from ..core.model_spec import ModelSpec
 from .config import DecoderConfig
 from .model.loader import LoadedModel, load_model
 from .request.prompt import PromptBuilder, check_token_ids
+from .request.tools import tool_template
 from .request.request import GenerationRequest, PreparedRequest
 from .tr.grammar import GrammarCompiler
 from .tr.history import SuffixHistory
@@ -35,7 +36,8 @@ class TargetModel:
         self.vocab_size = int(self.model.config.vocab_size)
         self.spec = ModelSpec(self.fingerprint, self.vocab_size, config.k)
         self.max_context = config.max_context or int(getattr(self.model.config, "max_position_embeddings", 2048))
-        self.prompts = PromptBuilder(self.tokenizer, self.vocab_size)
+        self.prompts = PromptBuilder(self.tokenizer, self.vocab_size, tool_template(
+            self.tokenizer.chat_template, custom=config.model.chat_template is not None))
         self.autotuner = self._new_autotuner() if config.tree == "adaptive" else None
         best_known = config.tree_for(self.device.type, self.loaded.kernels)
         self.default_tree = self.autotuner.universe if self.autotuner else self.compile(best_known)
@@ -102,7 +104,7 @@ class TargetModel:
     # ---- validation: once per request --------------------------------------------------------
     def prepare(self, request: GenerationRequest) -> PreparedRequest:
         """Check a request against this model: prompt ids, tree (ranks < K), context budget, stop ids."""
-        ids = self.prompts.build(request.prompt, request.messages, request.input_ids, request.chat)
+        ids = self.prompts.build(request.prompt, request.messages, request.input_ids, request.chat, request.tools)
         tree = None
         if request.mode == "tr":
             tree = self._resolve_tree(request.tree) if request.tree is not None else self.default_tree

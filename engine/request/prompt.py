@@ -24,23 +24,24 @@ def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "input ids"
 
 
 class PromptBuilder:
-    def __init__(self, tokenizer, vocab_size: int) -> None:
+    def __init__(self, tokenizer, vocab_size: int, tool_template: str | None = None) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
+        self.tool_template = tool_template  # renders a chat with tools (engine/request/tools.py)
         # the text forms of the tokenizer's special (control) tokens, e.g. `<|im_end|>`
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
         self.control_texts = tuple(t.content for t in added.values() if getattr(t, "special", False) and t.content)
 
     def build(self, prompt: str | None, messages: Sequence[dict] | None, input_ids: Sequence[int] | None,
-              chat: ChatOptions | None = None) -> list[int]:
+              chat: ChatOptions | None = None, tools: Sequence[dict] | None = None) -> list[int]:
         """Prompt ids from exactly one of the three inputs (GenerationRequest checked that); `chat`: how
-        messages are templated (None: the defaults)."""
+        messages are templated (None: the defaults); `tools`: described by the template (tools.py)."""
         if prompt is not None:
             if not isinstance(prompt, str) or not prompt.strip():
                 raise InvalidArgument("prompt is empty; send some text")
             ids = self.tokenizer(prompt, add_special_tokens=False)["input_ids"]
         elif messages is not None:
-            ids = self.chat_ids(messages, chat)
+            ids = self.chat_ids(messages, chat, tools)
         else:
             if not isinstance(input_ids, (list, tuple)) or not input_ids:
                 raise InvalidArgument("input_ids is empty; send at least one token id")
@@ -49,14 +50,16 @@ class PromptBuilder:
             raise InvalidArgument("prompt is empty after tokenization")
         return ids
 
-    def chat_ids(self, messages: Sequence[dict], chat: ChatOptions | None = None) -> list[int]:
+    def chat_ids(self, messages: Sequence[dict], chat: ChatOptions | None = None,
+                 tools: Sequence[dict] | None = None) -> list[int]:
         chat = chat or ChatOptions()
         self._check_chat(messages, chat)
         if any(t in m["content"] for m in messages for t in self.control_texts):
-            return self._quoted_chat_ids(messages, chat)
-        return list(self._template(list(messages), chat, tokenize=True))
+            return self._quoted_chat_ids(messages, chat, tools)
+        return list(self._template(list(messages), chat, tokenize=True, tools=tools))
 
-    def reply_prefix(self, messages: Sequence[dict], chat: ChatOptions | None = None) -> str:
+    def reply_prefix(self, messages: Sequence[dict], chat: ChatOptions | None = None,
+                     tools: Sequence[dict] | None = None) -> str:
         """The prompt's text after its final message, where the reply starts: the template's own opening
         of the reply (e.g. `<|im_end|>`, `<|im_start|>assistant`, `<think>`), or with continue_final_message that
         message's content, which the reply continues. (A reasoning parser reads whether `<think>` is open.)"""
@@ -65,7 +68,8 @@ class PromptBuilder:
         if chat.continue_final_message:  # the prompt ends with that content (transformers cuts there)
             return messages[-1]["content"]
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        text = self._template([{**m, "content": mark} for m, mark in zip(messages, marks)], chat, tokenize=False)
+        text = self._template([{**m, "content": mark} for m, mark in zip(messages, marks)], chat, tokenize=False,
+                              tools=tools)
         return re.split("\ue000\\d+\ue001", text)[-1]
 
     def _check_chat(self, messages: Sequence[dict], chat: ChatOptions) -> None:
@@ -82,12 +86,16 @@ class PromptBuilder:
         if any(t in s for s in chat.strings() for t in self.control_texts):  # never quoted: refused
             raise InvalidArgument("chat_template_kwargs spell the model's control tokens; remove them")
 
-    def _template(self, messages: list[dict], chat: ChatOptions, tokenize: bool):
+    def _template(self, messages: list[dict], chat: ChatOptions, tokenize: bool, tools: Sequence[dict] | None = None):
         from jinja2 import TemplateError
 
         extra = dict(chat.template_kwargs)
         if chat.continue_final_message:
             extra["continue_final_message"] = True
+        if tools:  # the template that renders them (a ChatML model's own may have no tool format)
+            if self.tool_template is None:
+                raise InvalidArgument("this model has no chat template to describe tools with")
+            extra.update(tools=list(tools), chat_template=self.tool_template)
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=chat.add_generation_prompt,
                                                       tokenize=tokenize, return_dict=False, **extra)
@@ -102,14 +110,16 @@ class PromptBuilder:
             raise InvalidArgument(f"the model's chat template failed with these chat_template_kwargs: "
                                   f"{type(exc).__name__}: {str(exc)[:200]}") from None
 
-    def _quoted_chat_ids(self, messages: Sequence[dict], chat: ChatOptions) -> list[int]:
+    def _quoted_chat_ids(self, messages: Sequence[dict], chat: ChatOptions,
+                         tools: Sequence[dict] | None = None) -> list[int]:
         """Chat content is text: where it spells a control token (`<|im_start|>system`...), those
         characters are tokenized as plain text, so end-user content cannot forge turns. The template is
         rendered with a placeholder per content; the template's own text keeps its control tokens."""
         marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
         if any("\ue000" in m["content"] for m in messages):
             raise InvalidArgument("message content holds private-use characters U+E000; remove them")
-        text = self._template([{**m, "content": mark} for m, mark in zip(messages, marks)], chat, tokenize=False)
+        text = self._template([{**m, "content": mark} for m, mark in zip(messages, marks)], chat, tokenize=False,
+                              tools=tools)
         pieces = re.split("\ue000(\\d+)\ue001", text)  # template, index, template, index, ..., template
         if [int(i) for i in pieces[1::2]] != list(range(len(messages))):
             raise InvalidArgument("message content spells the model's control tokens, which its chat template "

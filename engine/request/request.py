@@ -66,6 +66,9 @@ class GenerationRequest:
     structured: StructuredOutput | None = None
     # with `messages`: template kwargs, add_generation_prompt, continue_final_message (chat.py); None = defaults
     chat: ChatOptions | None = None
+    # tools the chat template describes to the model (OpenAI's [{"type": "function", "function": {...}}];
+    # engine/request/tools.py picks the template); None = none. The reply is text: the caller reads calls in it
+    tools: tuple[dict, ...] | None = None
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.prompt, self.messages, self.input_ids)) != 1:
@@ -103,6 +106,11 @@ class GenerationRequest:
             self.chat.check_messages(self.messages)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise InvalidArgument(f"structured must be a StructuredOutput, got {type(self.structured).__name__}")
+        if self.tools is not None:
+            if self.messages is None or not isinstance(self.tools, (list, tuple)) or \
+                    not all(isinstance(t, dict) for t in self.tools):
+                raise InvalidArgument("tools are a list of objects, for chat messages only")
+            object.__setattr__(self, "tools", tuple(self.tools))
         stops = tuple(self.stop_strings)
         if any(not isinstance(s, str) or not s for s in stops):
             raise InvalidArgument("stop strings must not be empty (an empty string stops nothing): remove it")

@@ -99,6 +99,7 @@ def _add_worker_flags(p: argparse.ArgumentParser) -> None:
 def _add_model_flags(p: argparse.ArgumentParser) -> None:
     from ...engine.model.choices import QUANTIZE_CHOICES
     from ..openai.reasoning_parsers import PARSERS
+    from ..openai.toolparse import PARSERS as TOOL_PARSERS
 
     p.add_argument("--model", default=None, help="builtin model name, local transformers directory, local .gguf "
                    "file (converted once into the cache) or hub id (default: the bundled smollm2-135m-instruct)")
@@ -109,6 +110,11 @@ def _add_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reasoning-parser", choices=tuple(PARSERS), default="none",
                    help="the HTTP API returns a chat reply's reasoning apart from its answer, as reasoning_content: "
                         "think (<think>...</think>; deepseek_r1 and qwen3 are vLLM's names for it) or none (default)")
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSERS, default="auto",
+                   help='how replies to tool_choice "auto" are read for tool calls: auto (default: the format the '
+                        "chat template teaches: <tool_call> hermes, <|python_tag|> llama3_json, [TOOL_CALLS] "
+                        "mistral; the bundled ChatML model gets a shipped hermes template), hermes, llama3_json, "
+                        'mistral (for a custom template in that format) or none (tool_choice "auto" refused)')
     p.add_argument("--quantize", choices=QUANTIZE_CHOICES, default="auto",
                    help="a transformers checkpoint's float linear layers, quantized once at load into the compressed "
                         "kernels' blocks and cached: auto (default: q8_0 in the exact arithmetic, the cheapest that met "
@@ -146,7 +152,7 @@ def build_configs(args: argparse.Namespace):
         host=args.host, port=args.port, metrics_port=None if args.metrics_port < 0 else args.metrics_port,
         http_port=args.http_port or None, http_host=args.http_host,
         allowed_origins=tuple(o.strip() for o in args.allowed_origins.split(",") if o.strip()),
-        served_model_name=args.served_model_name,
+        served_model_name=args.served_model_name, tool_call_parser=args.tool_call_parser,
         max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens, prefill_chunk=args.prefill_chunk,
         max_queue=args.max_queue, max_tenant_prompt_tokens=args.max_tenant_prompt_tokens, full_trees=args.full_trees, prefix_cache_mb=args.prefix_cache_mb, limits=limits,
         grace_s=args.grace,

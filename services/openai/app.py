@@ -38,6 +38,7 @@ from .convert import BadParam, ModelNotFound
 from .observe import RequestLog
 from .options import Vocabulary
 from .reasoning import Reasoning
+from .toolparse import resolve_parser
 from .streams import first_items, merged
 from ..worker.admission import QueueFull
 from ..worker.checks import InvalidField, tenant_of
@@ -154,8 +155,8 @@ class OpenAIApp:
         self.config = door.config
         self.model_id = door.model_name
         self.fingerprint = door.decoder.fingerprint
-        self.created = int(time.time())
-        decoder = door.decoder
+        self.created, decoder = int(time.time()), door.decoder
+        self.tools = resolve_parser(self.config.tool_call_parser, decoder.prompts.tool_template)  # "auto"'s format
         # each token's own bytes, as the grammar engine reads the vocabulary (its view is built on first use)
         self.vocab = Vocabulary(decoder.tokenizer, lambda token: decoder.grammars.tokenizer().decode_bytes([token]))
         self.reasoning = Reasoning(self.config.reasoning_parser, decoder.prompts)  # --reasoning-parser
@@ -211,7 +212,6 @@ class OpenAIApp:
         if self.config.tenant_tokens is not None:
             return error_response(PermissionDenied(
                 "with tenant tokens the metrics (which name every tenant) are served on --metrics-port only"))
-
         body = await asyncio.to_thread(generate_latest, self.door.metrics.registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
@@ -258,7 +258,7 @@ class OpenAIApp:
         try:
             token_tenant = self._token_tenant(request)
             body = await self._body(request)
-            req = convert.parse_request(body, kind, self.model_id, self._tenant(request, body, token_tenant))
+            req = convert.parse_request(body, kind, self.model_id, self._tenant(request, body, token_tenant), self.tools)
             deadline = HttpDeadline(request)
             if req.stream:
                 return await self._stream(req, method, deadline, request.state)

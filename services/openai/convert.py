@@ -21,7 +21,7 @@ from .chat import chat_options
 from .errors import BadParam, ModelNotFound  # noqa: F401 - re-exported
 from .options import (Vocabulary, echo_options, f32, logprobs_json, logprobs_options, rules_options,
                       structured_options)
-from .tools import assistant_content, tool_calls, tool_options
+from .tools import AutoStream, AutoTools, assistant_content, auto_choice, tool_calls, tool_options
 
 # trserve's finish reasons -> OpenAI's: a result cut short for any reason but a stop is "length"
 FINISH = {"eos": "stop", "stop": "stop", "grammar": "stop", "length": "length", "time_limit": "length", "cancelled": "length",
@@ -57,11 +57,14 @@ class OpenAIRequest:
     echo: str | None = None  # completions' echo=true: the prompt's text, put before each choice's
     echo_only: bool = False  # echo with max_tokens 0: the prompt alone (one token decoded, then dropped)
     tools: tuple[str, ...] | None = None  # the reply must call one of these tools: answered as tool_calls
+    auto: AutoTools | None = None  # tool_choice "auto": the reply is read for calls (tools.py)
 
 
-def parse_request(body: object, kind: str, model_id: str, tenant: str | None) -> OpenAIRequest:
+def parse_request(body: object, kind: str, model_id: str, tenant: str | None,
+                  tool_format: str | None = None) -> OpenAIRequest:
     """From a JSON body: `kind` "chat" (messages) or "text" (prompt). `tenant`: the caller's (authorised,
-    not yet checked: the front door checks it), None for the server's default."""
+    not yet checked: the front door checks it), None for the server's default. `tool_format`: the served
+    template's tool-call format (toolparse.py; None: tool_choice "auto" is refused)."""
     if not isinstance(body, dict):
         raise BadParam("the request body must be a JSON object")
     model = body.get("model")
@@ -80,7 +83,7 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str | None) ->
         _prompt(body.get("prompt"), opts)
     opts["chat"] = chat_options(body, kind, opts["messages"])  # vLLM's chat_template_kwargs, ...
     max_tokens = _limits(body, kind, opts)
-    tools = tool_options(body, opts, kind)
+    tools, auto = tool_options(body, opts, kind, tool_format)
     _sampling(body, opts)
     logprobs_options(body, kind, opts)
     stream = body.get("stream") or False
@@ -91,7 +94,8 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str | None) ->
         raise BadParam("stream_options must be an object", "stream_options")
     echo, echo_only, max_tokens = echo_options(body, kind, opts, max_tokens, stream)
     ask = Ask(opts, tenant=tenant, max_new_tokens=max_tokens, return_token_ids=True)
-    return OpenAIRequest(kind, model, ask, stream, bool(options.get("include_usage")), n, echo, echo_only, tools)
+    return OpenAIRequest(kind, model, ask, stream, bool(options.get("include_usage")), n, echo, echo_only, tools,
+                         auto)
 
 
 def choice_asks(req: OpenAIRequest) -> list[Ask]:
@@ -265,6 +269,8 @@ def completion(req: OpenAIRequest, result: GenerationResult | list[GenerationRes
         calls = tool_calls(text, req.tools) if req.tools and r.finish_reason == "grammar" else None
         if calls:
             choice.update(finish_reason="tool_calls", message={"role": "assistant", "content": None, "tool_calls": calls})
+        elif req.auto is not None:
+            choice.update(auto_choice(req.auto, text, choice["finish_reason"]))
         elif req.kind == "chat":
             choice["message"] = {"role": "assistant", "content": text}
         else:
@@ -292,6 +298,7 @@ class ChunkWriter:
     held: str = ""  # a tool call's text so far: sent whole as tool_calls at the end
     index: int = 0  # the choice these chunks are of (n > 1: one writer per choice, one id)
     started: bool = False  # a chunk was sent (the first carries the role)
+    reader: AutoStream | None = None  # tool_choice "auto": this choice's text read for calls
 
     @classmethod
     def of(cls, req: OpenAIRequest, fingerprint: str, vocab: Vocabulary | None = None) -> ChunkWriter:
@@ -301,6 +308,10 @@ class ChunkWriter:
               token_ids: list[int] | None = None, logprobs=None) -> dict:
         if self.req.tools and finish_reason is None:
             self.held, text = self.held + (text or ""), None
+        calls = None
+        if self.req.auto is not None and finish_reason is None:
+            self.reader = self.reader or AutoStream(self.req.auto)
+            text, calls = self.reader.feed(text)
         lp = logprobs_json(self.req.kind, logprobs, self.vocab, self.offset) if logprobs else None
         if lp is not None and self.req.kind != "chat":
             self.offset = self.vocab.offsets([x.token for x in logprobs], self.offset)[1]
@@ -309,6 +320,8 @@ class ChunkWriter:
             delta = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = calls
             choice["delta"] = delta
         else:
             choice["text"] = text or ""
@@ -323,9 +336,22 @@ class ChunkWriter:
         if calls:
             out = self.chunk(None, "tool_calls")
             out["choices"][0]["delta"]["tool_calls"] = [{"index": 0, **calls[0]}]
+        elif self.req.auto is not None:
+            out = self._auto_last(text, FINISH[finish_reason])
         else:
             out = self.chunk((self.held + text) or None, FINISH[finish_reason])
         out["trserve"] = extras(result, finish_reason, queue_s, tenant)
+        return out
+
+    def _auto_last(self, text: str, finish_reason: str) -> dict:
+        """tool_choice "auto"'s last chunk: the rest of the reply read for calls (tools.py:AutoStream)."""
+        self.reader = self.reader or AutoStream(self.req.auto)
+        content, calls, finish_reason, stop_reason = self.reader.end(text, finish_reason)
+        out = self.chunk(content, finish_reason)
+        if calls:
+            out["choices"][0]["delta"]["tool_calls"] = calls
+        if stop_reason:
+            out["choices"][0]["stop_reason"] = stop_reason
         return out
 
     def choices(self, n: int) -> list[ChunkWriter]:

@@ -10,7 +10,8 @@ the reply starts as reasoning; where it closed one (Qwen3 with {"enable_thinking
 content. A reply cut (max_tokens) inside its reasoning has reasoning_content and a null content.
 
 Requests whose reply a grammar shapes from its first token (response_format, guided_*, a forced tool
-call) are not split: their text is the answer.
+call) are not split: their text is the answer. tool_choice "auto" replies are (their grammar shapes only
+the calls): the text outside calls (tools.py) is split.
 """
 
 from __future__ import annotations
@@ -146,7 +147,8 @@ class Reasoning:
         self.prompts = prompts
 
     def applies(self, req: OpenAIRequest) -> bool:
-        return self.tags is not None and req.kind == "chat" and req.ask.options.get("structured") is None
+        return self.tags is not None and req.kind == "chat" and (req.ask.options.get("structured") is None or
+                                                                 req.auto is not None)  # auto: free text but calls
 
     async def state(self, req: OpenAIRequest) -> str:
         """Where this request's reply starts (prompt_state), from its prompt's text after the final message.
@@ -154,7 +156,8 @@ class Reasoning:
         rendering fail now, the reply is split as if the prompt opened nothing, and the server log says so."""
         options = req.ask.options
         try:
-            tail = await asyncio.to_thread(self.prompts.reply_prefix, options["messages"], options.get("chat"))
+            tail = await asyncio.to_thread(self.prompts.reply_prefix, options["messages"], options.get("chat"),
+                                           options.get("tools"))
         except Exception:  # noqa: BLE001 - the answer goes out regardless
             log.warning("reasoning parser: the prompt's text after its final message could not be rendered",
                         exc_info=True)

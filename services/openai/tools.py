@@ -6,8 +6,12 @@
   "tool_calls". The tools are described to the model in the system turn (the bundled model's chat
   template has no tool format of its own), with how to call one.
 - `tool_choice` "none": the tools are neither described nor callable; plain text.
-- `tool_choice` "auto" (OpenAI's default with tools): the model would have to decide between text and
-  a call in its own template's tool format, which the served template lacks: 400 naming why.
+- `tool_choice` "auto" (OpenAI's default with tools): the tools go to the chat template (the engine's
+  `tools`), which describes them in its own format, and the reply is read for calls in that format
+  (toolparse.py: hermes, llama3_json or mistral, recognised from the template or named by
+  --tool-call-parser). The bundled ChatML model gets a shipped hermes template (engine/request/tools.py).
+  In hermes, a call the model opens is held to the tools' schemas by a grammar (hermes_grammar).
+  Where the server has no format for its template: 400 naming why.
 - `tool`-role messages go to the template as they are (ChatML renders any role); an assistant turn's
   `tool_calls` as the JSON it would have written.
 """
@@ -17,9 +21,11 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 
-from ...engine.tr.grammar import StructuredOutput
+from ...engine.tr.grammar import JSON_OPTIONS, StructuredOutput
 from .errors import BadParam
+from .toolparse import ToolReader, parse_reply, render_calls
 
 MAX_TOOLS = 64
 NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -27,24 +33,36 @@ HOW = ("You can call these functions. To call one, answer with only a JSON objec
        '{"name": <the function name>, "arguments": <its arguments>}.\nFunctions:\n')
 
 
-def tool_options(body: dict, opts: dict, kind: str) -> tuple[str, ...] | None:
-    """The callable tools' names when the reply must be a tool call (its schema then set in `opts`, the
-    engine request's fields), else None."""
+@dataclass(frozen=True)
+class AutoTools:
+    """tool_choice "auto": the reply is read for calls to `names` in the template's format `fmt`."""
+
+    fmt: str  # toolparse.FORMATS
+    names: tuple[str, ...]
+    parallel: bool = True  # parallel_tool_calls: False keeps only the first call
+
+
+def tool_options(body: dict, opts: dict, kind: str,
+                 auto_format: str | None = None) -> tuple[tuple[str, ...] | None, AutoTools | None]:
+    """(the callable tools' names when the reply must be a tool call (its schema then set in `opts`, the
+    engine request's fields), AutoTools for tool_choice "auto"); `auto_format`: the served template's
+    tool format (None: "auto" is refused)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise BadParam("parallel_tool_calls must be true or false", "parallel_tool_calls")
     if not tools:
         if choice not in (None, "none"):
             raise BadParam("tool_choice needs tools", "tool_choice")
-        return None
+        return None, None
     if kind != "chat":
         raise BadParam("tools are for chat completions", "tools")
     functions = _functions(tools)
     choice = "auto" if choice is None else choice
     if choice == "none":
-        return None
+        return None, None
     if choice == "auto":
-        raise BadParam('tool_choice "auto" needs a chat template with a tool format, and this model\'s has none: '
-                       'use "required", a named function ({"type": "function", "function": {"name": ...}}) or "none"',
-                       "tool_choice")
+        return None, _auto(body, opts, functions, auto_format, parallel is not False)
     if choice != "required":
         name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
             choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
@@ -56,7 +74,28 @@ def tool_options(body: dict, opts: dict, kind: str) -> tuple[str, ...] | None:
         raise BadParam("a tool call and response_format (or guided_*) cannot both shape one reply", "tool_choice")
     opts["structured"] = StructuredOutput("json_schema", json.dumps(call_schema(functions)))
     _describe(opts, functions)
-    return tuple(functions)
+    return tuple(functions), None
+
+
+def _auto(body: dict, opts: dict, functions: dict[str, dict], fmt: str | None, parallel: bool) -> AutoTools:
+    """tool_choice "auto": the tools to the template (`opts["tools"]`), earlier calls in its format."""
+    if fmt is None:
+        raise BadParam('tool_choice "auto" needs a chat template with a tool format, and this model\'s has none '
+                       '(serve it with --tool-call-parser or a --chat-template that has one): use "required", a '
+                       'named function ({"type": "function", "function": {"name": ...}}) or "none"', "tool_choice")
+    if opts.get("structured") is not None:
+        raise BadParam('tool_choice "auto" and response_format (or guided_*) cannot both shape one reply',
+                       "tool_choice")
+    opts["tools"] = tuple({"type": "function", "function": f} for f in functions.values())
+    if fmt == "hermes":  # once the model opens a call, its JSON follows the tools' schemas
+        opts["structured"] = StructuredOutput("grammar", hermes_grammar(functions))
+    for i, m in enumerate(body["messages"]):
+        calls = _calls(m, i) if m.get("role") == "assistant" else None
+        if calls:
+            text = opts["messages"][i]["content"] if m.get("content") not in (None, "") else ""
+            opts["messages"][i] = {**opts["messages"][i], "content": (text + "\n" if text else "") +
+                                   render_calls(fmt, calls)}
+    return AutoTools(fmt, tuple(functions), parallel)
 
 
 def call_schema(functions: dict[str, dict]) -> dict:
@@ -71,6 +110,20 @@ def call_schema(functions: dict[str, dict]) -> dict:
         calls.append({"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": "#" + at}},
                       "required": ["name", "arguments"], "additionalProperties": False})
     return {"$defs": defs, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
+
+
+def hermes_grammar(functions: dict[str, dict]) -> str:
+    """llguidance's Lark grammar of a hermes reply: free text, where each `<tool_call>` the model writes
+    (a lazy trigger: the text before it is anything) is followed by one call's JSON (call_schema, written
+    as json.dumps writes it) and its closing tag; any number of calls (llguidance's structural tags).
+
+    >>> print(hermes_grammar({"f": {"name": "f"}}).splitlines()[3])
+    call_trigger[lazy]: TEXT "<tool_call>"
+    """
+    schema = {**call_schema(functions), "x-guidance": JSON_OPTIONS}
+    return "\n".join(("%llguidance {}", "start: call* TEXT", "TEXT: /(.|\\n)*/",
+                      'call_trigger[lazy]: TEXT "<tool_call>"',
+                      f'call: call_trigger "\\n" %json {json.dumps(schema)} "\\n</tool_call>"'))
 
 
 def _rerooted(schema: object, at: str) -> object:
@@ -112,18 +165,21 @@ def _describe(opts: dict, functions: dict[str, dict]) -> None:
 
 def assistant_content(message: dict, i: int) -> str | None:
     """An assistant turn's tool_calls as the JSON the model would have written (None: it has none)."""
-    calls = message.get("tool_calls")
-    if not calls:
-        return None
+    calls = _calls(message, i)
+    return "\n".join(json.dumps({"name": n, "arguments": a}) for n, a in calls) if calls else None
+
+
+def _calls(message: dict, i: int) -> list[tuple[str, object]]:
+    """An assistant turn's tool_calls as (name, arguments)."""
     out = []
-    for call in calls:
+    for call in message.get("tool_calls") or ():
         f = call.get("function") if isinstance(call, dict) else None
         try:
-            out.append(json.dumps({"name": f["name"], "arguments": json.loads(f.get("arguments") or "{}")}))
+            out.append((f["name"], json.loads(f.get("arguments") or "{}")))
         except (TypeError, KeyError, ValueError):
             raise BadParam(f"messages[{i}].tool_calls must be OpenAI tool calls with JSON arguments",
                            f"messages[{i}].tool_calls") from None
-    return "\n".join(out)
+    return out
 
 
 def tool_calls(text: str, names: tuple[str, ...]) -> list[dict] | None:
@@ -136,3 +192,38 @@ def tool_calls(text: str, names: tuple[str, ...]) -> list[dict] | None:
         return None
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": call["name"], "arguments": json.dumps(call.get("arguments", {}))}}]
+
+
+def auto_choice(auto: AutoTools, text: str, finish_reason: str) -> dict:
+    """A unary choice's message (content and tool_calls) for tool_choice "auto", its finish_reason
+    ("tool_calls" where the reply stopped after calls) and, where an opened call did not parse (its text
+    then stays content), stop_reason "malformed_tool_call" (vLLM's field; docs/openai.md)."""
+    parsed = parse_reply(auto.fmt, text, auto.names, auto.parallel)
+    message: dict = {"role": "assistant", "content": parsed.content}
+    if parsed.calls:
+        message["tool_calls"] = parsed.calls
+    out = {"message": message, "finish_reason": "tool_calls" if parsed.calls and finish_reason == "stop" else finish_reason}
+    if parsed.error:
+        out["stop_reason"] = "malformed_tool_call"
+    return out
+
+
+class AutoStream:
+    """One streamed choice's text read for calls (tool_choice "auto"): content deltas and tool_calls deltas
+    (each call whole, as the `openai` package assembles them: index, id, type, function name and arguments)."""
+
+    def __init__(self, auto: AutoTools) -> None:
+        self.reader = ToolReader(auto.fmt, auto.names, auto.parallel)
+
+    def feed(self, text: str | None) -> tuple[str | None, list[dict]]:
+        content, calls = self.reader.feed(text or "")
+        return content or None, calls
+
+    def end(self, text: str, finish_reason: str) -> tuple[str | None, list[dict], str, str | None]:
+        """(content, calls, finish_reason, stop_reason) of the last chunk, `text` the reply's last piece."""
+        content, calls = self.reader.feed(text)
+        more, last = self.reader.finish()
+        if self.reader.calls and finish_reason == "stop":
+            finish_reason = "tool_calls"
+        return (content + more) or None, calls + last, finish_reason, \
+            "malformed_tool_call" if self.reader.errors else None

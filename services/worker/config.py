@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from ...engine.engine import EngineConfig
 from ..common.security import ServerTLS, TenantTokens
 from ..openai.reasoning_parsers import PARSERS
+from ..openai.toolparse import PARSERS as TOOL_PARSERS
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,9 @@ class WorkerConfig:
     allowed_origins: tuple[str, ...] = ()
     # the model's name to callers (OpenAI's model id, ModelInfo.model, metrics' model_name); None = --model
     served_model_name: str | None = None
+    # tool_choice "auto"'s reading of replies (services/openai/toolparse.py): auto = the format the chat
+    # template that renders tools teaches, hermes / llama3_json / mistral = that one, none = "auto" refused
+    tool_call_parser: str = "auto"
     # The batching engine (engine/engine.py): requests decoding together in one forward per step, the
     # KV tokens they may reserve (prompt + max_new_tokens + tree each), prompt tokens prefilled per step
     max_batch: int = 16
@@ -117,6 +121,8 @@ class WorkerConfig:
         if self.served_model_name is not None and (not self.served_model_name.strip() or
                                                    self.served_model_name != self.served_model_name.strip()):
             raise ValueError(f"served_model_name must be a name without surrounding spaces, got {self.served_model_name!r}")
+        if self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_PARSERS)}, got {self.tool_call_parser!r}")
         for origin in self.allowed_origins:
             if origin != "*" and not re.fullmatch(r"https?://[^/\s]+", origin):
                 raise ValueError(f"allowed origin {origin!r} must be '*' or scheme://host[:port], e.g. "

@@ -1,0 +1,211 @@
+"""Issue 59, item 1: tool_choice "auto" on a real `trserve serve` (the bundled model, loopback), through
+the `openai` package, sync and async, unary and streamed. The bundled ChatML model answers with the
+hermes template the repository ships; earlier calls in the conversation (the few-shot an agent's loop
+builds up) make it call: its calls are parsed into `tool_calls` whose arguments follow the tools'
+schemas, TR == AR token for token; a tool result turn continues; a reply without a call is content."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import subprocess
+import sys
+import urllib.request
+
+import openai
+import pytest
+
+from .test_openai_api import REPO, free_port
+
+pytestmark = pytest.mark.timeout(600)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Get the current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 40},
+                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {
+    "name": "get_time", "description": "Get the current time in a timezone",
+    "parameters": {"type": "object", "properties": {"timezone": {"type": "string", "maxLength": 40}},
+                   "required": ["timezone"], "additionalProperties": False}}}
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
+
+
+def earlier_call(i: int, name: str, args: dict) -> dict:
+    return {"role": "assistant", "content": None, "tool_calls": [
+        {"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}]}
+
+
+# an agent loop's earlier turns: the user asked, the assistant called
+HISTORY = [{"role": "user", "content": "What is the weather in London, in celsius?"},
+           earlier_call(1, "get_weather", {"city": "London", "unit": "celsius"}),
+           {"role": "user", "content": "What time is it in Europe/Rome?"},
+           earlier_call(2, "get_time", {"timezone": "Europe/Rome"})]
+
+
+def ask(model: str, question: str, history: list[dict] = HISTORY, **more) -> dict:
+    return dict(model=model, temperature=0, max_tokens=60, tools=[WEATHER, TIME], tool_choice="auto",
+                messages=[*history, {"role": "user", "content": question}], **more)
+
+
+def check_args(name: str, arguments: str) -> dict:
+    """The call's arguments against its tool's schema (objects of strings, enums, lengths, required keys)."""
+    schema, args = SCHEMAS[name], json.loads(arguments)
+    assert isinstance(args, dict) and set(schema["required"]) <= set(args) <= set(schema["properties"]), args
+    for key, value in args.items():
+        rule = schema["properties"][key]
+        assert isinstance(value, str) and len(value) <= rule.get("maxLength", len(value)), (key, value)
+        assert value in rule.get("enum", [value]), (key, value)
+    return args
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`trserve serve` with the bundled model and its default tool parser (auto): the OpenAI base URL."""
+    log = (tmp_path_factory.mktemp("tools") / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "trserve.services.cli", "serve", "--port", "0", "--metrics-port", "-1",
+                             "--http-port", str(free_port())], cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        proc.stdout.readline()
+        http_line = proc.stdout.readline()
+        assert http_line.startswith("trserve OpenAI API on http://127.0.0.1:"), http_line
+        yield http_line.split()[-1]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server, api_key="none", max_retries=0, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def model(client):
+    return client.models.list().data[0].id
+
+
+def test_auto_calls_are_parsed_unary_and_streamed_tr_equal_to_ar(client, model):
+    for question, name in (("What is the weather in Paris, in celsius?", "get_weather"),
+                           ("What time is it in Asia/Tokyo?", "get_time")):
+        reply = client.chat.completions.create(**ask(model, question))
+        choice = reply.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert [c.function.name for c in choice.message.tool_calls] == [name] and not choice.message.content
+        call = choice.message.tool_calls[0]
+        assert call.type == "function" and call.id.startswith("call_")
+        check_args(name, call.function.arguments)
+        ar = client.chat.completions.create(**ask(model, question), extra_body={"mode": "ar"})
+        assert ar.model_extra["trserve"]["token_ids"] == reply.model_extra["trserve"]["token_ids"]
+        assert ar.choices[0].message.tool_calls[0].function.arguments == call.function.arguments
+        with client.chat.completions.stream(**ask(model, question)) as stream:
+            final = stream.get_final_completion().choices[0]
+        assert final.finish_reason == "tool_calls" and not final.message.content
+        assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
+            [(name, call.function.arguments)]
+
+
+def test_auto_async_unary_and_streamed(server, model):
+    async def run() -> tuple:
+        async with openai.AsyncOpenAI(base_url=server, api_key="none", max_retries=0, timeout=300) as aclient:
+            question = "What is the weather in Berlin, in fahrenheit?"
+            unary = await aclient.chat.completions.create(**ask(model, question))
+            calls: dict[int, dict] = {}
+            async for chunk in await aclient.chat.completions.create(**ask(model, question), stream=True):
+                for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+                    got = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                    got["name"] += d.function.name or ""
+                    got["arguments"] += d.function.arguments or ""
+                    finish = chunk.choices[0].finish_reason
+            return unary, calls, finish
+
+    unary, calls, finish = asyncio.run(run())
+    call = unary.choices[0].message.tool_calls[0]
+    assert unary.choices[0].finish_reason == "tool_calls" and call.function.name == "get_weather"
+    assert check_args("get_weather", call.function.arguments)["city"] == "Berlin"
+    assert calls == {0: {"name": "get_weather", "arguments": call.function.arguments}}
+
+
+def test_a_tool_result_continues_and_a_reply_without_a_call_is_content(client, model):
+    question = "What is the weather in Paris, in celsius?"
+    call = client.chat.completions.create(**ask(model, question)).choices[0].message.tool_calls[0]
+    body = ask(model, question)
+    body["messages"] += [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "sunny"}'}]
+    follow = client.chat.completions.create(**body)
+    choice = follow.choices[0]  # the model may answer or call again: either is a whole, valid answer
+    assert choice.finish_reason in ("stop", "length", "tool_calls")
+    assert choice.message.content or choice.message.tool_calls
+    for c in choice.message.tool_calls or []:
+        check_args(c.function.name, c.function.arguments)
+    plain = client.chat.completions.create(**ask(model, "Tell me a joke.", history=[]))
+    assert plain.choices[0].message.content and not plain.choices[0].message.tool_calls
+    assert plain.choices[0].finish_reason in ("stop", "length")
+    streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        **ask(model, "Tell me a joke.", history=[]), stream=True) if c.choices)
+    assert streamed == plain.choices[0].message.content
+
+
+def test_an_opened_call_is_held_to_the_schema(client, model):
+    """Asked for kelvin, which the tool's enum lacks, the model (free) would write "kelvin"; once it has
+    opened a call the grammar holds its arguments to the schema, in TR and AR alike."""
+    question = "What is the weather in Berlin, in kelvin?"
+    replies = [client.chat.completions.create(**ask(model, question), extra_body={"mode": mode}) for mode in ("tr", "ar")]
+    assert replies[0].model_extra["trserve"]["token_ids"] == replies[1].model_extra["trserve"]["token_ids"]
+    call = replies[0].choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and check_args("get_weather", call.function.arguments)
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        return json.loads(answer.read())
+
+
+# a Llama 3.x-style template (written for this test): headers, and tools asked for as JSON with "parameters"
+LLAMA3_TEMPLATE = (
+    "{%- if tools %}<|start_header_id|>system<|end_header_id|>\n\nTo call a function, respond with JSON "
+    '{"name": function name, "parameters": dictionary of argument name and its value}.\n'
+    "{%- for t in tools %}\n{{ t | tojson }}{%- endfor %}<|eot_id|>{%- endif %}"
+    "{%- for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] }}<|eot_id|>"
+    "{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}")
+
+
+def test_a_custom_template_s_format_is_recognised_and_read(tmp_path):
+    """`--chat-template` wins over the shipped one; its format (llama3_json here) is recognised and the
+    reply read in it: whatever the model writes is valid calls or content (a malformed call says so)."""
+    (tmp_path / "llama3.jinja").write_text(LLAMA3_TEMPLATE)
+    log = (tmp_path / "serve.log").open("w")
+    proc = subprocess.Popen([sys.executable, "-m", "trserve.services.cli", "serve", "--port", "0", "--metrics-port", "-1",
+                             "--http-port", str(free_port()), "--chat-template", str(tmp_path / "llama3.jinja")],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
+    try:
+        proc.stdout.readline()
+        base = proc.stdout.readline().split()[-1]
+        client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=300)
+        model = client.models.list().data[0].id
+        for question in ("What is the weather in Paris, in celsius?", "Tell me a joke."):
+            body = ask(model, question, stop=["<|eot_id|>"])
+            reply, ar = (client.chat.completions.create(**body, extra_body={"mode": mode}) for mode in ("tr", "ar"))
+            assert reply.model_extra["trserve"]["token_ids"] == ar.model_extra["trserve"]["token_ids"]
+            choice = reply.choices[0]
+            for c in choice.message.tool_calls or []:
+                assert c.function.name in SCHEMAS and isinstance(json.loads(c.function.arguments), dict)
+            assert choice.message.tool_calls or choice.message.content
+            if choice.message.tool_calls:
+                assert choice.finish_reason == "tool_calls"
+            elif choice.message.content.lstrip().startswith('{"name"'):
+                assert choice.model_extra.get("stop_reason") == "malformed_tool_call"
+        root = base.removesuffix("/v1")
+        prompt = post(root + "/tokenize", {"messages": [{"role": "user", "content": "x"}]})
+        assert "<|start_header_id|>" in post(root + "/detokenize", {"tokens": prompt["tokens"]})["prompt"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        log.close()
