@@ -14,7 +14,10 @@ per-head RMSNorm of queries and keys (self_attn.q_norm, k_norm: after q_proj / k
 rotary) runs in C where a layer has them, and so do sliding windows (Mistral v0.1's sliding_window
 on every layer; Qwen2/Qwen3's "sliding_attention" layers, with use_sliding_window and
 max_window_layers): each layer's window (`layer_windows`) masks keys by position in C, as transformers'
-masks do, while the KV rows keep every column (BatchKV). Anything else keeps transformers' forward
+masks do, while the KV rows keep every column (BatchKV). Gemma 2 and 3 (Gemma2ForCausalLM,
+Gemma3ForCausalLM) take it too: GeGLU, (1 + w) norms (`_norm`), the attention's and MLP's outputs
+normed before each residual add, scaled embeddings, Gemma 3's local rotary table for its sliding
+layers, Gemma 2's attention and final logit soft-capping. Anything else keeps transformers' forward
 (engine/model/runner.py decides). Every token's numbers depend
 only on its input, position and visible keys (see csrc/forward.c), so tree verification and plain
 decoding give identical logits, and the AVX-512, AVX2 and scalar builds give the same bits; against

@@ -30,6 +30,12 @@
  * per-head q/k norms (tr_layer.q_norm, k_norm) are that RMSNorm over each head's D values, after
  * q_proj / k_proj and before rotary (so before a key is stored, in either arithmetic), as its
  * Qwen3Attention applies them: each token's and head's own numbers, the same in every build.
+ * Gemma 2/3 (tr_model.act, embed_scale, attn_softcap, final_softcap; tr_layer.attn_out_norm,
+ * mlp_out_norm, rope_table): a GeGLU MLP (gated: GELU's tanh form), embedding rows scaled, the
+ * attention's and the MLP's outputs RMS-normed (each row whole, by one thread) before their residual
+ * adds, (1 + w) norm weights folded by the caller, Gemma 3's local layers on a second rotary table,
+ * Gemma 2's cap * tanh(x / cap) on the scaled attention scores (before the max) and on the logits
+ * (softcap). Each is per token or per row in a fixed order, so the guarantees above hold for them.
  */
 #include "forward.h"
 #include "dot.h"
