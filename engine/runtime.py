@@ -21,6 +21,7 @@ class RuntimeInfo:
     arithmetic: str  # the compressed kernels' arithmetic: exact or int8 (exact without them)
     quantize: str  # the format a checkpoint's linears were quantized to at load (q8_0, q6_k, q4_k), or none
     attention: str  # grouped_sdpa (engine/model/attention.py) or transformers' implementation (sdpa, eager)
+    forward: str  # what runs a forward: native (engine/model/native.py: the whole stack in C) or transformers
     tree: str  # the default draft tree's name
     threads: int  # torch intra-op CPU threads the decode threads use
 
@@ -37,13 +38,14 @@ class RuntimeInfo:
         threads = decoder.config.model.threads or getattr(loaded, "threads", None) or torch.get_num_threads()
         return cls(device=str(decoder.device), kernels=loaded.kernels, isa=getattr(loaded, "isa", None) or "none",
                    arithmetic=getattr(loaded, "arithmetic", "exact"), quantize=getattr(loaded, "quantize", "none"),
-                   attention=attention_in_use(loaded.model),
+                   attention=attention_in_use(loaded.model), forward=getattr(loaded, "forward", "transformers"),
                    tree=decoder.default_tree.template.name, threads=threads)
 
     def labels(self) -> dict[str, str]:
         return {"device": self.device, "kernels": self.kernels, "isa": self.isa, "arithmetic": self.arithmetic,
                 "quantize": self.quantize,
                 "attention": self.attention,
+                "forward": self.forward,
                 "tree": self.tree,
                 "threads": str(self.threads)}
 

@@ -14,7 +14,10 @@ per-head RMSNorm of queries and keys (self_attn.q_norm, k_norm: after q_proj / k
 rotary) runs in C where a layer has them, and so do sliding windows (Mistral v0.1's sliding_window
 on every layer; Qwen2/Qwen3's "sliding_attention" layers, with use_sliding_window and
 max_window_layers): each layer's window (`layer_windows`) masks keys by position in C, as transformers'
-masks do, while the KV rows keep every column (BatchKV). Anything else keeps transformers' forward
+masks do, while the KV rows keep every column (BatchKV). Gemma 2 and 3 (Gemma2ForCausalLM,
+Gemma3ForCausalLM) take it too: GeGLU, (1 + w) norms (`_norm`), the attention's and MLP's outputs
+normed before each residual add, scaled embeddings, Gemma 3's local rotary table for its sliding
+layers, Gemma 2's attention and final logit soft-capping. Anything else keeps transformers' forward
 (engine/model/runner.py decides). Every token's numbers depend
 only on its input, position and visible keys (see csrc/forward.c), so tree verification and plain
 decoding give identical logits, and the AVX-512, AVX2 and scalar builds give the same bits; against
@@ -43,19 +46,25 @@ class _QMat(ctypes.Structure):
 class _Layer(ctypes.Structure):
     _fields_ = [("in_norm", _P), ("post_norm", _P), *((n, _QMat) for n in ("q", "k", "v", "o", "gate", "up", "down")),
                 ("key_pair", _P), ("q_norm", _P), ("k_norm", _P), ("q_eps", ctypes.c_float), ("k_eps", ctypes.c_float),
-                ("window", _i64)]
+                ("window", _i64), ("attn_out_norm", _P), ("mlp_out_norm", _P), ("rope_table", _i64)]
 
 
 class _Model(ctypes.Structure):
     _fields_ = [("n_layers", _i64), ("hidden", _i64), ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
                 ("inter", _i64), ("vocab", _i64), ("eps", ctypes.c_float), ("scale", ctypes.c_float),
                 ("embed", _P), ("final_norm", _P), ("layers", ctypes.POINTER(_Layer)), ("head", _QMat),
-                ("cos", _P), ("sin", _P), ("positions", _i64), ("arith", _i64)]
+                ("cos", _P), ("sin", _P), ("positions", _i64), ("arith", _i64), ("act", _i64),
+                ("embed_scale", ctypes.c_float), ("attn_softcap", ctypes.c_float), ("final_softcap", ctypes.c_float),
+                ("cos_local", _P), ("sin_local", _P)]
 
 
 ARITH_CODES = {"exact": 0, "int8": 1}  # tr_model.arith (csrc/forward.h)
-_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "Gemma2ForCausalLM",
+          "Gemma3ForCausalLM")
+_GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # sandwich norms, (1 + w) norms, GeGLU, scaled embeddings
+_LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", *_GEMMA)  # windows from config.layer_types
 _STATIC_ROPE = ("default", "linear", "llama3")
+_ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # tr_model.act
 
 
 def native_unsupported(model) -> str | None:
@@ -66,16 +75,18 @@ def native_unsupported(model) -> str | None:
         return f"architecture {arch} (native forward: {', '.join(_ARCHS)})"
     if model.device.type != "cpu" or model.dtype != torch.float32:
         return "not a CPU float32 model"
-    if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "pretraining_tp", 1) != 1:
-        return "activation or tensor-parallel layout differs from Llama's"
+    if _activation(model) is None or getattr(cfg, "pretraining_tp", 1) != 1:
+        return "activation or tensor-parallel layout differs from Llama's and Gemma's"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "bidirectional attention"
     _, why = layer_windows(model)
     if why:
         return why
     if getattr(cfg, "mlp_bias", False):
         return "MLP biases"
     body = model.get_decoder()
-    rope = getattr(getattr(body, "rotary_emb", None), "rope_type", None)
-    if rope not in _STATIC_ROPE:
+    rope = getattr(getattr(body, "rotary_emb", None), "rope_type", None)  # Gemma 3: one per layer type
+    if not set(rope.values() if isinstance(rope, dict) else [rope]) <= set(_STATIC_ROPE):
         return f"rotary embedding type {rope!r} (native forward: {', '.join(_STATIC_ROPE)})"
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -83,7 +94,7 @@ def native_unsupported(model) -> str | None:
         return "head, hidden or MLP sizes not multiples of 32"
     for layer in body.layers:
         a, m = layer.self_attn, layer.mlp
-        why = _qk_norms_unsupported(a, head_dim)
+        why = _qk_norms_unsupported(a, head_dim) or _norms_unsupported(layer, arch in _GEMMA)
         if why:
             return why
         mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
@@ -104,8 +115,9 @@ def layer_windows(model) -> tuple[list[int], str | None]:
     None; or ([], why) where they cannot be mirrored exactly. The window is in the mask transformers
     builds each forward (masking_utils.sliding_window_overlay: key position k visible from query
     position p iff k > p - window), from config.sliding_window for every layer of a Mistral, and for
-    the layers a Qwen2/Qwen3 config's layer_types calls "sliding_attention" (the config derives them
-    from use_sliding_window and max_window_layers: layers i >= max_window_layers slide). A config
+    the layers a Qwen2/Qwen3 or Gemma 2/3 config's layer_types calls "sliding_attention" (Qwen's config
+    derives them from use_sliding_window and max_window_layers: layers i >= max_window_layers slide;
+    Gemma's alternate local and global layers). A config
     edited after the modules were built (an attention whose own sliding_window disagrees), a Mistral
     with layer_types (its modules ignore them), per-layer config overrides, other layer types, or
     windows on a Llama are refused: each would leave the numbers to guesswork."""
@@ -120,7 +132,7 @@ def layer_windows(model) -> tuple[list[int], str | None]:
         if types is not None:
             return [], "layer_types on a Mistral config (its modules give every layer the sliding window)"
         windows = [size or 0] * n
-    elif arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+    elif arch in _LAYER_TYPES:
         types = list(types) if types is not None else ["full_attention"] * n
         if len(types) != n or not set(types) <= {"full_attention", "sliding_attention"}:
             return [], f"layer types {sorted(set(types))} over {n} layers"
@@ -138,19 +150,52 @@ def layer_windows(model) -> tuple[list[int], str | None]:
     return windows, None
 
 
+def _activation(model) -> int | None:
+    """The gated MLP's activation as tr_model.act (None: one the C forward does not compute). Gemma's
+    configs name it hidden_activation (its MLP reads that), the others hidden_act."""
+    cfg = model.config
+    name = cfg.hidden_activation if type(model).__name__ in _GEMMA else getattr(cfg, "hidden_act", "silu")
+    return _ACTS.get(name)
+
+
+_NORMS = {"LlamaRMSNorm": "w", "MistralRMSNorm": "w", "Qwen2RMSNorm": "w", "Qwen3RMSNorm": "w",
+          "Gemma2RMSNorm": "1+w", "Gemma3RMSNorm": "1+w"}  # y = w * normed(x), or (1 + w) * normed(x)
+
+
+def _norm(norm) -> tuple[torch.Tensor, float]:
+    """An RMSNorm as csrc/forward.c applies it, weight * (x * (1 / sqrt(mean(x^2) + eps))): (its weight
+    [n], its epsilon). Gemma's norms multiply by (1 + w) computed in float32 after the normalisation
+    (Gemma3RMSNorm: x * rsqrt(...) then * (1.0 + weight.float())): that float32 sum, folded once here, is
+    the same number its forward forms every call."""
+    if _NORMS.get(type(norm).__name__) == "1+w":
+        return 1.0 + norm.weight.detach().float(), float(norm.eps)
+    eps = getattr(norm, "variance_epsilon", None)
+    return norm.weight, eps
+
+
 def _qk_norms_unsupported(attn, head_dim: int) -> str | None:
     """Why an attention's q/k norms are not the per-head RMSNorm csrc/forward.c applies (None: they
-    are, or it has none). Only Qwen3's shape is taken: a norm with `variance_epsilon` and a [head_dim]
-    weight, y = w * (x * rsqrt(mean(x^2) + eps)) over each head (OLMo2's whole-projection norms, or
-    Gemma's 1 + w, would give other numbers, so they stay on transformers' forward)."""
+    are, or it has none): Qwen3's (w) or Gemma 3's (1 + w), a [head_dim] weight over each head
+    (OLMo2's whole-projection norms would give other numbers, so they stay on transformers' forward)."""
     for name in ("q_norm", "k_norm"):
         norm = getattr(attn, name, None)
         if norm is None:
             continue
         w = getattr(norm, "weight", None)
-        if type(norm).__name__ != "Qwen3RMSNorm" or w is None or tuple(w.shape) != (head_dim,) \
-                or not isinstance(getattr(norm, "variance_epsilon", None), (int, float)):
+        if type(norm).__name__ not in ("Qwen3RMSNorm", "Gemma3RMSNorm") or w is None or \
+                tuple(w.shape) != (head_dim,) or not isinstance(_norm(norm)[1], (int, float)):
             return f"{name} is not a per-head RMSNorm over head_dim {head_dim}"
+    return None
+
+
+def _norms_unsupported(layer, gemma: bool) -> str | None:
+    """Why a Gemma decoder layer's norms are not the four csrc/forward.c applies (None: they are, or the
+    layer is Llama's, whose two norms it always took): (1 + w) norms, input, post-attention and
+    post-feedforward (on the attention's and the MLP's outputs), pre-feedforward (the MLP's input)."""
+    for name in ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                 "post_feedforward_layernorm") if gemma else ():
+        if _NORMS.get(type(getattr(layer, name, None)).__name__) != "1+w":
+            return f"{name} is not the (1 + w) RMSNorm the native forward applies"
     return None
 
 
@@ -180,32 +225,47 @@ class NativeForward:
         self._keep = [model]  # every tensor whose pointer the C struct holds stays referenced here
         layers = (_Layer * len(body.layers))()
         self.windows = layer_windows(model)[0]  # per layer, 0: full attention
-        for i, layer in enumerate(body.layers):
-            layers[i] = self._layer(i, layer, self.windows[i])
-        self._layers = layers
         self._rotary = body.rotary_emb
+        rope = getattr(self._rotary, "rope_type", None)  # Gemma 3: local layers' table apart (rope_local_base_freq)
+        self._rope_kinds = [None] if not isinstance(rope, dict) else \
+            ["full_attention" if "full_attention" in rope else "sliding_attention", "sliding_attention"]
+        local = [isinstance(rope, dict) and t == "sliding_attention" for t in getattr(cfg, "layer_types", None) or []]
+        for i, layer in enumerate(body.layers):
+            layers[i] = self._layer(i, layer, self.windows[i], int(local[i]) if local else 0)
+        self._layers = layers
         self._ptrs = None  # (buffers' identity, layer key pointers, layer value pointers)
-        self._cos = self._sin = torch.zeros(0)
-        eps = body.norm.variance_epsilon if hasattr(body.norm, "variance_epsilon") else cfg.rms_norm_eps
+        self._tables = [torch.zeros(0)]
+        gemma = type(model).__name__ in _GEMMA
+        final, eps = _norm(body.norm)
+        if eps is None:
+            eps = cfg.rms_norm_eps
+        attn_cap = getattr(cfg, "attn_logit_softcapping", None) if type(model).__name__ == "Gemma2ForCausalLM" else None
+        embed_scale = body.embed_tokens.embed_scale.to(body.embed_tokens.weight.dtype) if gemma else 1.0
         self.m = _Model(len(body.layers), cfg.hidden_size, self.heads, self.kv_heads, self.head_dim,
                         cfg.intermediate_size, head.out_features, float(eps), float(body.layers[0].self_attn.scaling),
-                        self._embed_ptr(body.embed_tokens), self._ptr(body.norm.weight), layers, _qmat(head),
-                        None, None, 0, ARITH_CODES[head.arithmetic])
+                        self._embed_ptr(body.embed_tokens), self._ptr(final), layers, _qmat(head),
+                        None, None, 0, ARITH_CODES[head.arithmetic], _activation(model), float(embed_scale),
+                        float(attn_cap or 0.0), float(getattr(cfg, "final_logit_softcapping", None) or 0.0), None, None)
+        self._grow_rope(4096)
         if forward_check_library(head.isa)(ctypes.byref(self.m)):
             raise ValueError("native forward unavailable: a shape its fixed-size parts do not take, kept inputs "
                              "that differ between layers reading one input (q, k, v; gate, up), or a kept key pair "
                              "out of range")
         self.arithmetic = head.arithmetic
         self.vocab = head.out_features
-        self._grow_rope(4096)
 
-    def _layer(self, i: int, layer, window: int) -> _Layer:
+    def _layer(self, i: int, layer, window: int, rope_table: int) -> _Layer:
         """Decoder layer i as csrc/forward.h's tr_layer: its norms' weights, its 7 matrices, its kept key
-        pairs (int8), its per-head q/k norms (Qwen3; NULL pointers where it has none, which leaves
-        the forward's arithmetic as it was for Llama's layers), each norm with its own epsilon, and its
-        sliding window (0: none, the forward as it was for full attention)."""
+        pairs (int8), its per-head q/k norms (Qwen3, Gemma 3; NULL pointers where it has none, which
+        leaves the forward's arithmetic as it was for Llama's layers), each norm with its own epsilon,
+        its sliding window (0: none, the forward as it was for full attention), Gemma's norms of the
+        attention's and MLP's outputs (NULL: none) and its rotary table (1: Gemma 3's local one)."""
         a, m = layer.self_attn, layer.mlp
-        norms = (self._ptr(layer.input_layernorm.weight), self._ptr(layer.post_attention_layernorm.weight))
+        sandwich = hasattr(layer, "pre_feedforward_layernorm")  # Gemma: the MLP's input norm is pre_feedforward's
+        mlp_in = layer.pre_feedforward_layernorm if sandwich else layer.post_attention_layernorm
+        norms = (self._ptr(_norm(layer.input_layernorm)[0]), self._ptr(_norm(mlp_in)[0]))
+        outs = (self._ptr(_norm(layer.post_attention_layernorm)[0]), self._ptr(_norm(layer.post_feedforward_layernorm)[0])) \
+            if sandwich else (None, None)
         mats = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)
         pair = getattr(a.k_proj, "key_pair", None)  # int8: [kv_heads] int32 (kernels/outliers.py), or None
         if pair is not None:
@@ -213,10 +273,10 @@ class NativeForward:
                 raise ValueError(f"native forward unavailable: layer {i}'s kept key pairs are not "
                                  f"[{self.kv_heads}] int32")
             self._keep.append(pair)
-        qk = [getattr(a, n, None) for n in ("q_norm", "k_norm")]  # Qwen3: weight [head_dim] each, or None
+        qk = [_norm(n) if n is not None else None for n in (getattr(a, "q_norm", None), getattr(a, "k_norm", None))]
         return _Layer(*norms, *(_qmat(x) for x in mats), pair.data_ptr() if pair is not None else None,
-                      *(self._ptr(n.weight) if n is not None else None for n in qk),
-                      *(float(n.variance_epsilon) if n is not None else 0.0 for n in qk), window)
+                      *(self._ptr(n[0]) if n is not None else None for n in qk),
+                      *(float(n[1]) if n is not None else 0.0 for n in qk), window, *outs, rope_table)
 
     def _embed_ptr(self, embed) -> int:
         """The embedding table's pointer. A GGUF file's table (FileEmbedding) fills its rows as they are
@@ -232,19 +292,26 @@ class NativeForward:
         t = t.detach()
         if not t.is_contiguous() or t.dtype != torch.float32:
             t = t.contiguous().float()
-            self._keep.append(t)
+        self._keep.append(t)  # a copy, or a tensor made for the forward (Gemma's 1 + w): alive while it is
         return t.data_ptr()
 
     def _grow_rope(self, need: int) -> None:
-        """Rotary tables [P, D] for positions 0..P-1 from the model's own rotary module."""
-        if need <= self._cos.shape[0]:
+        """Rotary tables [P, D] for positions 0..P-1 from the model's own rotary module: cos, sin, and
+        Gemma 3's local layers' cos_local, sin_local (its module's table for "sliding_attention")."""
+        if need <= self._tables[0].shape[0]:
             return
-        p = max(need, 2 * self._cos.shape[0])
-        pos = torch.arange(p)[None]
+        p = max(need, 2 * self._tables[0].shape[0])
+        pos, x = torch.arange(p)[None], torch.zeros(1, dtype=torch.float32)
+        tables = []
         with torch.inference_mode():
-            cos, sin = self._rotary(torch.zeros(1, dtype=torch.float32), pos)
-        self._cos, self._sin = cos[0].contiguous().float(), sin[0].contiguous().float()  # [P, D]
-        self.m.cos, self.m.sin, self.m.positions = self._cos.data_ptr(), self._sin.data_ptr(), p
+            for kind in self._rope_kinds:
+                cos, sin = self._rotary(x, pos) if kind is None else self._rotary(x, pos, kind)
+                tables += [cos[0].contiguous().float(), sin[0].contiguous().float()]  # [P, D] each
+        self._tables = tables
+        self.m.cos, self.m.sin = tables[0].data_ptr(), tables[1].data_ptr()
+        if len(tables) > 2:
+            self.m.cos_local, self.m.sin_local = tables[2].data_ptr(), tables[3].data_ptr()
+        self.m.positions = p
 
     def top_probs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """logits [m, V] float32, ids [m, K] (column 0 the argmax) -> their softmax probabilities as

@@ -30,6 +30,12 @@
  * per-head q/k norms (tr_layer.q_norm, k_norm) are that RMSNorm over each head's D values, after
  * q_proj / k_proj and before rotary (so before a key is stored, in either arithmetic), as its
  * Qwen3Attention applies them: each token's and head's own numbers, the same in every build.
+ * Gemma 2/3 (tr_model.act, embed_scale, attn_softcap, final_softcap; tr_layer.attn_out_norm,
+ * mlp_out_norm, rope_table): a GeGLU MLP (gated: GELU's tanh form), embedding rows scaled, the
+ * attention's and the MLP's outputs RMS-normed (each row whole, by one thread) before their residual
+ * adds, (1 + w) norm weights folded by the caller, Gemma 3's local layers on a second rotary table,
+ * Gemma 2's cap * tanh(x / cap) on the scaled attention scores (before the max) and on the logits
+ * (softcap). Each is per token or per row in a fixed order, so the guarantees above hold for them.
  */
 #include "forward.h"
 #include "dot.h"
@@ -166,6 +172,32 @@ static void exp_poly(float *x, int64_t n)
     int64_t i = 0;
     for (; i + EXP_LANES <= n; i += EXP_LANES) exp_lanes(x + i);
     for (; i < n; i++) x[i] = exp1(x[i]);
+}
+
+/* cap * tanh(x[i] / cap) for i < n (cap > 0; Gemma 2's soft-capping of attention scores and logits),
+ * tanh(a) = sign(a) (1 - e) / (1 + e) with e = exp(-2 |a|) by exp1: the same ops on every build. */
+static void softcap(float *x, int64_t n, float cap)
+{
+    for (int64_t i = 0; i < n; i++) {
+        const float a = x[i] / cap, e = exp1(-2.0f * fabsf(a)), t = (1.0f - e) / (1.0f + e);
+        x[i] = cap * (a < 0.0f ? -t : t);
+    }
+}
+
+/* g[i] = act(g[i]) * u[i], i < n, for the gated MLP's activation (tr_model.act): SiLU as torch,
+ * g / (1 + exp(-g)); or GELU's tanh form (gelu_pytorch_tanh) 0.5 g (1 + tanh(c)), c = sqrt(2 / pi)
+ * (g + 0.044715 g^3) as torch orders it, written g / (1 + exp(-2 c)) (the same function: 1 + tanh(c) =
+ * 2 / (1 + exp(-2 c))), exact where tanh(c) nears -1. sc: n floats of scratch. */
+static void gated(int64_t act, float *g, const float *u, int64_t n, float *sc)
+{
+    if (act == 1) {
+        const float beta = (float)(M_SQRT2 * M_2_SQRTPI * 0.5), kappa = 0.044715f;
+        for (int64_t i = 0; i < n; i++) sc[i] = -2.0f * (beta * (g[i] + kappa * (g[i] * g[i] * g[i])));
+    } else {
+        for (int64_t i = 0; i < n; i++) sc[i] = -g[i];
+    }
+    exp_poly(sc, n);
+    for (int64_t i = 0; i < n; i++) g[i] = (g[i] / (1.0f + sc[i])) * u[i];
 }
 
 /* y[r] = w * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))) for rows [r0, r1) */
@@ -367,7 +399,8 @@ INLINE void iscores(const int NQ, const int nb, int64_t D, int32_t kp, float sca
  * whatever the other queries of the pass see (the columns below one's lo are skipped, not added as
  * zeros). */
 #define MAX_NV 16
-INLINE void attend_pass(const int NQ, const int NV, const int I8, int64_t D, int32_t kp, float scale, const float *const *qs,
+INLINE void attend_pass(const int NQ, const int NV, const int I8, int64_t D, int32_t kp, float scale, float cap,
+                        const float *const *qs,
                         const uint8_t *const *masks, const int64_t *lo, const void *K, const void *V, const void *Kn,
                         const void *Vn, int64_t L, int64_t w, float *const *scs, float *const *outs)
 {
@@ -385,6 +418,7 @@ INLINE void attend_pass(const int NQ, const int NV, const int I8, int64_t D, int
     for (int q = 0; q < NQ; q++) { /* the query's visible scores: sc[lo[q] .. m[q]) */
         float *sc = scs[q] + lo[q];
         const int64_t n = m[q] - lo[q];
+        if (cap > 0.0f) softcap(sc, n, cap); /* Gemma 2: on the scaled scores, before the softmax */
         const float mx = max_lanes(sc, n);
         for (int64_t j = 0; j < n; j++) sc[j] -= mx;
         exp_poly(sc, n);
@@ -478,8 +512,10 @@ static void attend(const tr_model *M, int64_t b, int64_t hd, int64_t i0, int64_t
             scs[k] = sc + k * sc_len;
             outs[k] = out + (t * Hq + hd) * D;
         }
-#define PASS(NQ, NV) (h16 ? attend_pass(NQ, NV, 1, D, kp, M->scale, qs, masks, lo, K, V, Kn, Vn, L, w, scs, outs) \
-                          : attend_pass(NQ, NV, 0, D, -1, M->scale, qs, masks, lo, K, V, Kn, Vn, L, w, scs, outs))
+#define PASS(NQ, NV) (h16 ? attend_pass(NQ, NV, 1, D, kp, M->scale, M->attn_softcap, qs, masks, lo, K, V, Kn, Vn, L, w, \
+                                      scs, outs) \
+                          : attend_pass(NQ, NV, 0, D, -1, M->scale, M->attn_softcap, qs, masks, lo, K, V, Kn, Vn, L, w, \
+                                        scs, outs))
 #define PASSES(NV) switch (nq) { case 1: PASS(1, NV); break; case 2: if (QPASS >= 2) PASS(2, NV); break; \
                                  case 3: if (QPASS >= 3) PASS(3, NV); break; default: PASS(QPASS, NV); break; }
         if (D == 64) { PASSES(4) }
@@ -609,9 +645,29 @@ int trserve_forward_check(const tr_model *M)
         if (!same_kept(&L->q, &L->k) || !same_kept(&L->q, &L->v) || !same_kept(&L->gate, &L->up)) return -1;
         for (int64_t g = 0; L->key_pair && g < M->kv_heads; g++)
             if (!M->arith || L->key_pair[g] < 0 || L->key_pair[g] >= M->head_dim / 2) return -1;
-        if (L->window < 0) return -1;
+        if (L->window < 0 || L->rope_table < 0 || L->rope_table > 1 || (L->rope_table && !M->cos_local)) return -1;
     }
+    if (M->act < 0 || M->act > 1 || !(M->attn_softcap >= 0.0f) || !(M->final_softcap >= 0.0f)) return -1;
     return 0;
+}
+
+/* x += y [N, H], y a layer's attention or MLP output whose columns [o0, o1) this thread computed; with
+ * a sandwich norm w (Gemma), x += RMSNorm_w(y) instead, each row normed whole by one thread once every
+ * thread has written its columns. Ends at a barrier. */
+static void residual(const float *w, float *x, float *y, int64_t N, int64_t H, float eps, int64_t id, int64_t nt,
+                     int64_t o0, int64_t o1)
+{
+    if (w) {
+        pool_barrier(nt);
+        for (int64_t t = id; t < N; t += nt) {
+            rms_rows(y, w, y, t, t + 1, H, eps);
+            for (int64_t i = 0; i < H; i++) x[t * H + i] += y[t * H + i];
+        }
+    } else {
+        for (int64_t t = 0; t < N; t++)
+            for (int64_t i = o0; i < o1; i++) x[t * H + i] += y[t * H + i];
+    }
+    pool_barrier(nt);
 }
 
 typedef struct { /* trserve_forward's arguments and buffers, for the threads of its pool run */
@@ -658,7 +714,8 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
          * head j of q then k) */
         for (int64_t u = id; u < N * (Hq + Hkv); u += nt) {
             const int64_t t = u / (Hq + Hkv), j = u % (Hq + Hkv);
-            const float *c = M->cos + pos[t] * D, *s = M->sin + pos[t] * D;
+            const float *c = (L->rope_table ? M->cos_local : M->cos) + pos[t] * D,
+                        *s = (L->rope_table ? M->sin_local : M->sin) + pos[t] * D;
             if (j < Hq) {
                 head_norm(q + (t * Hq + j) * D, L->q_norm, D, L->q_eps);
                 rope(q + (t * Hq + j) * D, c, s, D);
@@ -697,29 +754,19 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
         PHASE(PH_ATTENTION);
         lin_quant(M, &L->o, att, N, Hq * D, act);
         lin(M, &L->o, att, act, N, tmp, id, nt, &o0, &o1);
-        for (int64_t t = 0; t < N; t++)
-            for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
-        pool_barrier(nt);
+        residual(L->attn_out_norm, x, tmp, N, H, M->eps, id, nt, o0, o1);
         PHASE(PH_O);
         rms_rows(x, L->post_norm, h, 0, N, H, M->eps);
         lin_quant(M, &L->gate, h, N, H, act);
         lin(M, &L->gate, h, act, N, gt, id, nt, &o0, &o1);
         lin(M, &L->up, h, act, N, up, id, nt, &o0, &o1);
-        for (int64_t t = 0; t < N; t++) { /* silu(gate) * up on this thread's outputs, as torch: g / (1 + exp(-g)) */
-            float *g = gt + t * F + o0;
-            const float *u = up + t * F + o0;
-            const int64_t n = o1 - o0;
-            for (int64_t i = 0; i < n; i++) sc[i] = -g[i];
-            exp_poly(sc, n);
-            for (int64_t i = 0; i < n; i++) g[i] = (g[i] / (1.0f + sc[i])) * u[i];
-        }
+        for (int64_t t = 0; t < N; t++) /* act(gate) * up on this thread's outputs */
+            gated(M->act, gt + t * F + o0, up + t * F + o0, o1 - o0, sc);
         pool_barrier(nt);
         PHASE(PH_GATE_UP);
         lin_quant(M, &L->down, gt, N, F, act);
         lin(M, &L->down, gt, act, N, tmp, id, nt, &o0, &o1);
-        for (int64_t t = 0; t < N; t++)
-            for (int64_t i = o0; i < o1; i++) x[t * H + i] += tmp[t * H + i];
-        pool_barrier(nt);
+        residual(L->mlp_out_norm, x, tmp, N, H, M->eps, id, nt, o0, o1);
         PHASE(PH_DOWN);
     }
     /* final norm of the kept tokens, then the LM head */
@@ -728,6 +775,8 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
     if (n_keep) {
         lin_quant(M, &M->head, hk, n_keep, H, act);
         lin(M, &M->head, hk, act, n_keep, logits, id, nt, &o0, &o1);
+        for (int64_t i = 0; M->final_softcap > 0.0f && i < n_keep; i++) /* this thread's outputs */
+            softcap(logits + i * M->vocab + o0, o1 - o0, M->final_softcap);
     }
     if (K > 0) {
         pool_barrier(nt);
@@ -830,7 +879,8 @@ int trserve_forward(const tr_model *M, int64_t B, const int64_t *tok0, const int
         item0[b + 1] = item0[b] + Hq * ((w + QBLOCK - 1) / QBLOCK);
     }
     attention_split(B, tok0, ctx, item0, threads, split);
-    for (int64_t t = 0; t < N; t++) memcpy(x + t * H, M->embed + ids[t] * H, H * sizeof(float));
+    for (int64_t t = 0; t < N; t++) /* x * 1 is x: a scale of 1 leaves the rows' bits */
+        for (int64_t i = 0; i < H; i++) x[t * H + i] = M->embed[ids[t] * H + i] * M->embed_scale;
     {
         fwd_job_t job = {M, B, cap, n_keep, K, N, H, D, Hq, Hkv, F, sc_len, sc_floats, tok0, ids, pos, kv_row, ctx,
                          start, keep, vis0, item0, split, vis, kc, vc, logits, x, hs, tmp, q, k, v, att, gt, up, hk,

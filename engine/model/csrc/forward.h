@@ -27,6 +27,11 @@ typedef struct {
     int64_t window;               /* sliding-window attention: a query at position p sees a key at position k
                                    * only where p - k < window (transformers' sliding_window_overlay); 0: every
                                    * key its mask allows (full attention) */
+    const float *attn_out_norm, *mlp_out_norm; /* [H] Gemma's sandwich norms: an RMSNorm of the attention's
+                                   * (o_proj's) and the MLP's (down_proj's) outputs before each residual add
+                                   * (post_attention_layernorm, post_feedforward_layernorm; post_norm is then
+                                   * its pre_feedforward_layernorm), or NULL: none (the Llama layout) */
+    int64_t rope_table;           /* 0: the model's cos/sin, 1: its cos_local/sin_local (Gemma's local layers) */
 } tr_layer;
 
 typedef struct {
@@ -39,6 +44,10 @@ typedef struct {
     const float *cos, *sin;          /* [P, D] rotary tables by position */
     int64_t positions;               /* P */
     int64_t arith;                   /* 0: exact (qlinear.c), 1: int8 (qlinear_i8.c; codes in its layout) */
+    int64_t act;                     /* the gated MLP's activation: 0 SiLU, 1 GELU, tanh form (Gemma's GeGLU) */
+    float embed_scale;               /* input embedding rows times this (Gemma: sqrt(hidden)); 1: as they are */
+    float attn_softcap, final_softcap; /* cap * tanh(x / cap) on attention scores / logits (Gemma 2); 0: none */
+    const float *cos_local, *sin_local; /* [P, D] a second rotary table (layers with rope_table 1), or NULL */
 } tr_model;
 
 /* Checks the model fits the forward's fixed-size parts; 0 ok. */

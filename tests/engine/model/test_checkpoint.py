@@ -52,8 +52,12 @@ def _tiny(folder, family: str, window: int | None = None, inter: int = 640):
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
     if family in ("mistral", "phi3"):
         shape.update(sliding_window=window, tie_word_embeddings=False)  # a window shorter than the prompts
+    if family in ("gemma2", "gemma3"):  # a local layer (window 16, Gemma 3: its own rotary base) and a global one
+        shape.update(head_dim=64, query_pre_attn_scalar=48, sliding_window=window or 16,
+                     layer_types=["sliding_attention", "full_attention"])
     config, cls = {"qwen2": (t.Qwen2Config, t.Qwen2ForCausalLM), "mistral": (t.MistralConfig, t.MistralForCausalLM),
-                   "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM), "phi3": (t.Phi3Config, t.Phi3ForCausalLM)
+                   "qwen3": (t.Qwen3Config, t.Qwen3ForCausalLM), "phi3": (t.Phi3Config, t.Phi3ForCausalLM),
+                   "gemma2": (t.Gemma2Config, t.Gemma2ForCausalLM), "gemma3": (t.Gemma3TextConfig, t.Gemma3ForCausalLM)
                    }.get(family, (t.LlamaConfig, t.LlamaForCausalLM))
     model = cls(config(**shape))
     with torch.no_grad():
