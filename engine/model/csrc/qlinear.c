@@ -307,7 +307,7 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
             const int64_t pb = (p + t) * nb + b;
             vd[t] = v_scale(w->d, kind, pb, 0);
             vd2[t] = KH16(kind) ? v_scale(w->d, kind, pb, 1) : vd[t];
-            vm[t] = KMIN(kind) ? v_min(w->m, kind, pb) : v_zero();
+            vm[t] = KMIN(kind) ? v_min_of(w->m, kind, pb, vd[t]) : v_zero();
             c[t] = w->codes + PANEL_BLOCK_BYTES(kind) * pb;
 #if PREFETCH_BLOCKS
             /* the stream PREFETCH_BLOCKS blocks ahead (into the next panels at a panel's end: the next tile's) */
@@ -315,7 +315,7 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
             for (int l = 0; l < PANEL_BLOCK_BYTES(kind); l += 64) __builtin_prefetch(pc + l, 0, PREFETCH_LOCALITY);
             if ((b & 1) == 0) {
                 __builtin_prefetch(scale_at(w->d, kind, pb + PREFETCH_BLOCKS), 0, PREFETCH_LOCALITY);
-                if (KMIN(kind)) __builtin_prefetch(scale_at(w->m, kind, pb + PREFETCH_BLOCKS), 0, PREFETCH_LOCALITY);
+                if (KMIN(kind) && w->m) __builtin_prefetch(scale_at(w->m, kind, pb + PREFETCH_BLOCKS), 0, PREFETCH_LOCALITY);
             }
 #endif
         }
@@ -351,7 +351,7 @@ INLINE void rebuild_panels(const qmat_t *w, const int kind, const int T, int64_t
     for (int64_t b = 0; b < nb; b++)
         for (int t = 0; t < T; t++) {
             const int64_t pb = (p + t) * nb + b;
-            const v16 vd = v_scale(w->d, kind, pb, 0), vm = KMIN(kind) ? v_min(w->m, kind, pb) : v_zero();
+            const v16 vd = v_scale(w->d, kind, pb, 0), vm = KMIN(kind) ? v_min_of(w->m, kind, pb, vd) : v_zero();
             const v16 vd2 = KH16(kind) ? v_scale(w->d, kind, pb, 1) : vd;
             const uint8_t *c = w->codes + PANEL_BLOCK_BYTES(kind) * pb;
             float *o = wb + (32 * b * T + t) * PANEL; /* input 32b, panel t */

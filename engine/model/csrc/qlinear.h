@@ -13,9 +13,9 @@
 #define PANEL 16 /* outputs per panel of the packed layout */
 
 /* Kinds of compressed matrix: the codes' width, the scales' form and block, whether a min is added.
- *   4  q4 codes, float16 d and m per block of 32 (Q4_0, Q4_1)
+ *   4  q4 codes, float16 d and m per block of 32 (Q4_1; Q4_0 with m = -8 d, or m NULL: v_min_of)
  *   12 q5 codes (0..31): kind 4's nibbles plus a plane of their high bits, float16 d and m per block
- *      of 32 (Q5_1; Q5_0 with m = -16 d): a panel-block is kind 4's 256 bytes then the 64-byte plane
+ *      of 32 (Q5_1; Q5_0 with m NULL, -16 d implied: v_min_of): a panel-block is kind 4's 256 bytes then the 64-byte plane
  *      (qlinear.c's and qlinear_i8.c's layout comments)
  *   8  q8 codes, float16 d per block of 32 (Q8_0; Q5_0 as codes q - 16 where recovered from floats)
  *   6  q4 codes, a GGUF file's two-level scales (Q4_K): d = d16 * sc, m = -(dmin16 * mn) per block of 32
@@ -49,7 +49,7 @@ typedef struct {
     int kind;
     int64_t in, out, nb; /* in = 32 nb */
     const uint8_t *codes;
-    const uint16_t *d, *m; /* float16, (cast) float32 values, or (cast) KTWO records, as kind says; m only where KMIN(kind) */
+    const uint16_t *d, *m; /* float16, (cast) float32 values, or (cast) KTWO records, as kind says; m only where KMIN(kind), NULL for kinds 4 and 12 whose min is -8 d or -16 d (v_min_of) */
     const float *bias;     /* [out] or NULL */
     int64_t n_kept;        /* int8 arithmetic: inputs kept in float32 (qact_t.kept), 0..MAX_KEPT */
     const float *kept_w;   /* [n_kept, out]: W[:, those inputs], added after the integer part */
@@ -86,6 +86,14 @@ INLINE v16 v_scale(const uint16_t *s, const int kind, int64_t pb, int h)
 INLINE v16 v_min(const uint16_t *m, const int kind, int64_t pb)
 {
     return KTWO(kind) ? v_neg(v_scale(m, kind, pb, 0)) : v_scale(m, kind, pb, 0);
+}
+/* The min of panel-block pb of w where w holds one (v_min), else the min its scale implies (m NULL: a
+ * GGUF file's Q4_0 and Q5_0 blocks, (q - 8) d and (q - 16) d, held without a min stream): -8 d or -16 d,
+ * exact in float32 (a power of two times a float16 value), so the bits are those of the min held. */
+INLINE v16 v_min_of(const uint16_t *m, const int kind, int64_t pb, v16 vd)
+{
+    static const float q4_0 = -8.0f, q5_0 = -16.0f;
+    return m ? v_min(m, kind, pb) : v_mul(vd, KQ5(kind) ? &q5_0 : &q4_0);
 }
 /* Where panel-block pb's scales lie (prefetches; a two-level kind's: the block's sub-block scales). */
 INLINE const void *scale_at(const uint16_t *s, const int kind, int64_t pb)

@@ -186,7 +186,7 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
             const int64_t pb = (p + t) * nb + b;
-            const v16 vd = v_scale(w->d, kind, pb, 0), vm = KMIN(kind) ? v_min(w->m, kind, pb) : v_zero();
+            const v16 vd = v_scale(w->d, kind, pb, 0), vm = KMIN(kind) ? v_min_of(w->m, kind, pb, vd) : v_zero();
             const v16 vd2 = KH16(kind) ? v_scale(w->d, kind, pb, 1) : vd;
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++) {
@@ -225,9 +225,10 @@ INLINE float scale1(const uint16_t *s, int kind, int64_t pb, int h, int l)
     }
     return ((const float *)s)[PANEL * (KH16(kind) ? 2 * pb + h : pb) + l];
 }
-/* Output l's min of panel-block pb: v_min's lane l. */
-INLINE float min1(const uint16_t *m, int kind, int64_t pb, int l)
+/* Output l's min of panel-block pb: v_min_of's lane l. */
+INLINE float min1(const uint16_t *m, const uint16_t *d, int kind, int64_t pb, int l)
 {
+    if (!m) return (KQ5(kind) ? -16.0f : -8.0f) * scale1(d, kind, pb, 0, l); /* v_min_of's implied min */
     return KTWO(kind) ? -scale1(m, kind, pb, 0, l) : scale1(m, kind, pb, 0, l);
 }
 
@@ -271,7 +272,7 @@ static void itile_any(const qmat_t *w, int R, int T, const qact_t *a, float *y, 
                         const float f = (float)isum * a->s[k];
                         s = fmaf(f, scale1(w->d, kind, pb, h, l), s);
                     }
-                    if (KMIN(kind)) s = fmaf(min1(w->m, kind, pb, l), a->m[k], s);
+                    if (KMIN(kind)) s = fmaf(min1(w->m, w->d, kind, pb, l), a->m[k], s);
                 }
                 out[l] = s;
             }

@@ -7,11 +7,11 @@ Per 256 weights (a super-block), from ggml's block layouts:
   Q5_K: the same with q in 0..31                                                   -> kind 10
   Q6_K: w = (d * sc) * q, q in -32..31, sc a signed byte per 16 weights            -> kind 18
   Q5_1 (per 32): w = d * q + m, q in 0..31, d and m float16                         -> kind 12
-  Q5_0 (per 32): w = (q - 16) * d = q * d + m with m = -16 d (exact, a float16 value)  -> kind 12
-  Q4_0, Q4_1, Q8_0 (per 32): the float16 kinds 4 and 8 (Q4_0 as q * d + m with m = -8 d), as recover.py
-  finds them in float weights
+  Q5_0 (per 32): w = (q - 16) * d = q * d + m, m = -16 d implied (no min held)      -> kind 12
+  Q4_0, Q4_1, Q8_0 (per 32): the float16 kinds 4 and 8 (Q4_0 as q * d + m, m = -8 d implied), as
+  recover.py finds them in float weights
 Kind 12 holds the file's code bytes as they are (per block qh, then qs: pack.py's q5_values) and float16
-d and m: 6 bits per weight (the file: 5.5 and 6); `widen` gives the same blocks as kind 9 (8-bit codes,
+d, and m for Q5_1: 5.5 bits per weight for Q5_0, 6 for Q5_1, as the file; Q4_0 4.5 (`implied_min`); `widen` gives the same blocks as kind 9 (8-bit codes,
 float32 d and m: the kernels' reference for kind 12, and what Q5_0/Q5_1 were held as before).
 The K-quants keep their two levels (csrc/qlinear.h): per row and super-block a record of the float16
 d's two bytes (little-endian) and the sub-block scales as bytes (d [O, I/256, 10]: d, then sc of the
@@ -118,26 +118,32 @@ def _legacy(kind_name: str, blocks: np.ndarray, O: int, I: int) -> Blocks:
     if kind_name == "Q5_1":
         codes = np.ascontiguousarray(blocks[:, 4:4 + Q5_BLOCK]).reshape(O, -1)
         return 12, codes, d.reshape(O, -1), _f16(blocks[:, 2:4]).reshape(O, -1)
-    if kind_name == "Q5_0":  # (q - 16) * d = q * d + (-16 d), exact
-        m = -16 * d
-        with np.errstate(over="ignore"):  # an overflow to inf is the refusal below
-            fits = np.array_equal(m.astype(np.float16).astype(np.float32), m)
-        if not fits:
-            raise ValueError("a Q5_0 scale too large for its min as a float16 value")
-        return 12, np.ascontiguousarray(blocks[:, 2:2 + Q5_BLOCK]).reshape(O, -1), d.reshape(O, -1), m.reshape(O, -1)
+    if kind_name == "Q5_0":  # (q - 16) * d = q * d + (-16 d): the min implied (m None), as the file holds it
+        return 12, np.ascontiguousarray(blocks[:, 2:2 + Q5_BLOCK]).reshape(O, -1), d.reshape(O, -1), None
     if kind_name == "Q4_1":  # byte j holds q_j low and q_{j+16} high: recover_q4's packing already
         return 4, np.ascontiguousarray(blocks[:, 4:]).reshape(O, I // 2), d.reshape(O, -1), \
             _f16(blocks[:, 2:4]).reshape(O, -1)
-    m = -8 * d  # Q4_0: (q - 8) * d = q * d + (-8 d), exact
-    if not np.array_equal(m.astype(np.float16).astype(np.float32), m):
-        raise ValueError("a Q4_0 scale too large for its min as a float16 value")
-    return 4, np.ascontiguousarray(blocks[:, 2:]).reshape(O, I // 2), d.reshape(O, -1), m.reshape(O, -1)
+    # Q4_0: (q - 8) * d = q * d + (-8 d), the min implied
+    return 4, np.ascontiguousarray(blocks[:, 2:]).reshape(O, I // 2), d.reshape(O, -1), None
+
+
+IMPLIED = {4: -8.0, 12: -16.0}  # the min of kinds 4 and 12 held without one (Q4_0, Q5_0): this times d
+
+
+def implied_min(blocks: Blocks) -> Blocks:
+    """Kind 4 or 12 blocks held without a min (a file's Q4_0 / Q5_0: m None) -> the same with m = -8 d or
+    -16 d as float32 values (exact: a power of two times a float16 value; the kernels form it in registers,
+    csrc/qlinear.h: v_min_of); other blocks as they are."""
+    kind, codes, d, m = blocks
+    if m is not None or kind not in IMPLIED:
+        return blocks
+    return kind, codes, d, np.float32(IMPLIED[kind]) * np.asarray(d, np.float32)
 
 
 def widen(blocks: Blocks) -> Blocks:
     """Kind 12's blocks -> the same weights as kind 9's (8-bit codes 0..31 [O, I], d and m float32: the
     same products and mins, so the same bits in both arithmetics); other kinds as they are."""
-    kind, codes, d, m = blocks
+    kind, codes, d, m = implied_min(blocks)
     if kind != 12:
         return blocks
     q = q5_values(torch.as_tensor(np.asarray(codes))).numpy()
@@ -147,7 +153,7 @@ def widen(blocks: Blocks) -> Blocks:
 def rebuild(blocks: Blocks) -> torch.Tensor:
     """Blocks -> the float32 weight [O, I] the kernels compute with (code * scale (+ min), one rounding;
     a Q5_0 weight that ggml makes -0.0, q = 16 with a negative d, is +0.0 here: the same value)."""
-    kind, codes, d, m = expand(widen(blocks))
+    kind, codes, d, m = expand(widen(implied_min(blocks)))
     codes, d = torch.as_tensor(np.asarray(codes)), torch.as_tensor(np.asarray(d))
     O = codes.shape[0]
     if kind in (4, 5):

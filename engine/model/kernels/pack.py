@@ -179,7 +179,9 @@ def panel_records(r: torch.Tensor, panels: int) -> torch.Tensor:
     return torch.cat([halves, subs], dim=-1).contiguous()
 
 
-def pack_scales(s: torch.Tensor, panels: int) -> torch.Tensor:
+def pack_scales(s: torch.Tensor | None, panels: int) -> torch.Tensor | None:
     """A kind's scales or mins in the panel layout: [O, nb] values (panel_scales) or two-level records
     [O, S, 2 + k] (panel_records)."""
+    if s is None:  # a min implied by the scale (kquants.implied_min): none held
+        return None
     return panel_records(s, panels) if s.dim() == 3 else panel_scales(s, panels)

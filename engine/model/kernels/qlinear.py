@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .build import ARITHMETICS, _library, kernel_isa, q4_layout
+from .kquants import IMPLIED
 from .pack import PANEL, pack_q4, pack_q4_i8, pack_q5, pack_q5_i8, pack_q8, pack_q8_i8, pack_scales
 from .recover import recover_q4, recover_q8
 
@@ -54,7 +55,7 @@ class QLinear(nn.Module):
     codes: [O, I/2] (4-bit kinds) or [O, I] (8-bit) uint8 as recover_q4 / recover_q8 give them, or kind
     12's [O, I/32 * 20] (per block ggml's qh and qs bytes: pack.py's q5_values); d, m:
     [O, I/32] float32 (float16 values for kinds 4, 8 and 12; kind 17: d [O, I/16]; m None where the kind has
-    no min), or the two-level kinds' records [O, I/256, 10] uint8 (kind 18: d [O, I/256, 18]; I % 256 ==
+    no min, or for kinds 4 and 12 where it is -8 d or -16 d: a file's Q4_0 and Q5_0, kquants.implied_min), or the two-level kinds' records [O, I/256, 10] uint8 (kind 18: d [O, I/256, 18]; I % 256 ==
     0). Held in the kernels' panel layout (`pack_q4` / `pack_q8`), scales as float16, float32 or records
     as the kind says; isa: the kernel variant ("auto": this CPU's best);
     arithmetic: "exact" (float32 fma chains over the rebuilt weights, csrc/qlinear.c) or "int8"
@@ -71,14 +72,15 @@ class QLinear(nn.Module):
                              f"least one output; got kind {kind} {in_features} -> {out_features}")
         bits, form, _, has_min = KINDS[kind]
         d_shape, m_shape = _scale_shapes(kind, in_features, out_features)
+        implied = m is None and kind in IMPLIED  # Q4_0 / Q5_0: the min -8 d / -16 d formed by the kernels
         if codes.shape != (out_features, in_features * bits // 8) or d.shape != d_shape or \
-                (has_min and (m is None or m.shape != m_shape)):
+                (has_min and not implied and (m is None or m.shape != m_shape)):
             raise ValueError(f"codes {tuple(codes.shape)} / scales {tuple(d.shape)} do not match kind {kind} "
                              f"{in_features} -> {out_features}")
         self.kind, self.in_features, self.out_features = kind, in_features, out_features
         self.isa, self.arithmetic = kernel_isa(isa), arithmetic
         scale = {"f16": _half, "two": _records}.get(form, lambda v: v.to(torch.float32).contiguous())
-        d, m = scale(d), scale(m) if has_min else None
+        d, m = scale(d), scale(m) if has_min and not implied else None
         if bits == 4 and arithmetic == "int8":
             codes, d, m = pack_q4_i8(codes, d, m)
         elif bits == 5 and arithmetic == "int8":  # its plane in the layout of the build's q4 layout's builds
@@ -87,11 +89,11 @@ class QLinear(nn.Module):
             codes, d, m = (pack_q4 if bits == 4 else pack_q5)(codes, d, m, q4_layout(cache_dir, self.isa))
         else:
             codes, d = (pack_q8_i8 if arithmetic == "int8" else pack_q8)(codes, d)
-            m = pack_scales(m, -(-out_features // PANEL)) if has_min else None
+            m = pack_scales(m, -(-out_features // PANEL)) if m is not None else None
         self.register_buffer("codes", codes, persistent=False)  # [P, nb, 256, 320 or 512 bytes] uint8
         # [P, nb (2 nb for kind 17), 16] float16 or float32; two-level kinds: [P, I/256, 160 or 288] uint8
         self.register_buffer("d", d, persistent=False)
-        self.register_buffer("m", m if has_min else torch.zeros(0, dtype=torch.float16), persistent=False)
+        self.register_buffer("m", m if m is not None else torch.zeros(0, dtype=torch.float16), persistent=False)
         self.register_buffer("bias", bias, persistent=False)
         self._fn = _library(cache_dir, self.isa, arithmetic)
         self.threads: int | None = None  # the kernels' threads (csrc/pool.h); None: torch.get_num_threads()

@@ -15,7 +15,7 @@ from torch import nn
 
 from trserve.engine.model.kernels.kencode import ENCODERS
 from trserve.engine.model.kernels.build import available_isas
-from trserve.engine.model.kernels.kquants import BLOCK_BYTES, decode, expand, rebuild, widen
+from trserve.engine.model.kernels.kquants import BLOCK_BYTES, decode, expand, implied_min, rebuild, widen
 from trserve.engine.model.kernels.pack import pack_q5_i8, q5_codes, q5_values
 from trserve.engine.model.kernels.qlinear import QLinear
 from tests.engine.model.test_qlinear import fma32, isa_params, needs_kernel, reference_linear, wide_range_x
@@ -276,11 +276,33 @@ def test_q5_i8_plane_worked_example():
     assert list(codes[0, 0, :4]) == [0x40, 0x51, 0x62, 0x73]  # pack_q4_i8's nibbles: codes 0..7's low bits
 
 
-def test_q5_0_with_a_min_too_large_for_float16_is_refused():
-    raw = q5_raw("Q5_0", 1, 32, seed=2)
-    raw[0, :2] = np.array([8192.0], np.float16).view(np.uint8)  # -16 d = -131072: no float16
-    with pytest.raises(ValueError, match="Q5_0"):
-        decode("Q5_0", raw, 1, 32)
+@needs_kernel
+@pytest.mark.parametrize("arithmetic", ["exact", "int8"])
+@pytest.mark.parametrize("isa", isa_params())
+def test_q4_0_and_q5_0_without_a_min_give_the_bits_of_their_min_held(isa, arithmetic, kernel_dir):
+    """A file's Q4_0 and Q5_0 blocks are held without a min (m None: the kernels form -8 d / -16 d from d,
+    csrc/qlinear.h v_min_of); against the same blocks with that min held as float16 values (as they were
+    before): the same bits for 1..19 rows and 80/91, both arithmetics, every build. Scales up to 2^2 and
+    one of 8192, whose -16 d (-131072) is no float16 value (such a file was refused while the min was held)."""
+    x = wide_range_x(91, 320, seed=14) if arithmetic == "exact" else activations(91, 320, seed=14)
+    for kind_name, O, seed in (("Q4_0", 37, 5), ("Q5_0", 21, 6)):
+        raw = q5_raw("Q5_0", O, 320, seed) if kind_name == "Q5_0" else \
+            raw_of("Q4_0", rows(O, 320, seed))
+        blocks = decode(kind_name, raw, O, 320)
+        assert blocks[3] is None and blocks[0] == (12 if kind_name == "Q5_0" else 4)
+        held = implied_min(blocks)
+        assert np.array_equal(held[3], (-16.0 if kind_name == "Q5_0" else -8.0) * blocks[2])
+        bias = torch.randn(O, generator=torch.Generator().manual_seed(seed))
+        q0, q1 = (qlinear_of(b, bias, 320, O, kernel_dir, isa, arithmetic) for b in (blocks, held))
+        assert q0.m.numel() == 0 and q1.m.numel() > 0
+        for n in (*range(1, 20), 80, 91):
+            assert torch.equal(q0(x[:n]), q1(x[:n])), f"{isa} {arithmetic} {kind_name} differs at n = {n}"
+    big = q5_raw("Q5_0", 1, 32, seed=2)
+    big[0, :2] = np.array([8192.0], np.float16).view(np.uint8)
+    blocks = decode("Q5_0", big, 1, 32)
+    y = qlinear_of(blocks, None, 32, 1, kernel_dir, isa, arithmetic)(x[:3, :32])
+    ref = reference_i8(blocks, None, x[:3, :32]) if arithmetic == "int8" else reference_linear(rebuild(blocks), x[:3, :32], None)
+    assert torch.equal(y, ref) and torch.isfinite(y).all()
 
 
 @needs_kernel
@@ -324,13 +346,14 @@ def test_kind_12_gives_q5_0s_old_kind_8_bits_in_the_exact_arithmetic(isa, kernel
         assert torch.equal(q12(x[:n]), q8(x[:n])), f"{isa} differs at n = {n}"
 
 
-def test_kind_12_holds_6_bits_per_weight(kernel_dir):
-    """Codes (5 bits), float16 d and m per 32 (1 bit): 6 bits per weight in both layouts (Q5_0 as kind 8
-    held 8.5, Q5_1 as kind 9 10)."""
+def test_q5_and_q4_0_hold_the_files_bytes_per_weight(kernel_dir):
+    """Codes and float16 scales as the file holds them, in both layouts: Q5_0 5 + 16/32 = 5.5 bits per weight
+    (its min implied), Q5_1 6 (d and m), Q4_0 4.5, Q4_1 5 (Q5_0 as kind 8 held 8.5, as kind 12 with its min
+    6; Q5_1 as kind 9 10; Q4_0 with its min 5)."""
     O, I = 64, 1024
-    for kind_name in ("Q5_0", "Q5_1"):
+    for kind_name, bits in (("Q5_0", 5.5), ("Q5_1", 6.0), ("Q4_0", 4.5), ("Q4_1", 5.0)):
         blocks = decode(kind_name, raw_of(kind_name, rows(O, I, 5)), O, I)
         for arithmetic in ("exact", "int8"):
             q = qlinear_of(blocks, None, I, O, kernel_dir, "scalar", arithmetic)
             held = sum(b.numel() * b.element_size() for b in (q.codes, q.d, q.m))
-            assert 8 * held / (O * I) == 6.0, (kind_name, arithmetic, 8 * held / (O * I))
+            assert 8 * held / (O * I) == bits, (kind_name, arithmetic, 8 * held / (O * I))

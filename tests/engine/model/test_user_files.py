@@ -83,7 +83,7 @@ def test_a_mixed_file_without_the_native_forward_stays_lossless(files) -> None:
 def test_a_file_is_read_as_it_is_without_a_float32_copy(files, tmp_path) -> None:
     """Issue 55: a GGUF's linear layers come from the memory-mapped file's blocks onto the kernels
     (engine/model/gguf_file.py): nothing converted into the cache, and the layers hold their block
-    bytes (Q4_K at 0.578 bytes per weight: the file's two-level scales; Q5_0 at 0.75; the 8-bit kinds about 1.06-1.25),
+    bytes (Q4_K at 0.578 bytes per weight: the file's two-level scales; Q5_0 at 0.69, its min implied; the 8-bit kinds about 1.06-1.25),
     not float32's 4."""
     import shutil
 
