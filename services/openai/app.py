@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of a worker: `POST /v1/chat/completions`, `POST /v1/completions`
-(both also streamed as server-sent events) and `GET /v1/models`; beside them what operators and
-tools probe: `GET /health` (200 serving, 503 warming up or draining; no credentials), `GET /metrics`
-(the worker's Prometheus registry), `POST /tokenize` and `POST /detokenize` (vLLM's shapes).
+(both also streamed as server-sent events), `POST /v1/responses` (on chat's path: responses.py) and
+`GET /v1/models`; beside them what operators and tools probe: `GET /health` (200 serving, 503 warming
+up or draining; no credentials), `GET /metrics` (the worker's Prometheus registry), `POST /tokenize`
+and `POST /detokenize` (vLLM's shapes).
 
 The HTTP edge of the worker's front door (`services/worker/front.py:FrontDoor`), as the gRPC servicer is the
 other: a request's JSON becomes an `Ask` (convert.py) and goes in by the same door as a gRPC call (the same
@@ -39,7 +40,7 @@ from .observe import RequestLog
 from .options import Vocabulary
 from .reasoning import Reasoning
 from .toolparse import resolve_parser
-from .streams import first_items, merged
+from .streams import all_or_none, first_items, merged
 from ..worker.admission import QueueFull
 from ..worker.checks import InvalidField, tenant_of
 from ..worker.front import FrontDoor, StreamEnd
@@ -130,19 +131,6 @@ def error_response(exc: BaseException) -> JSONResponse:
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-async def _all_or_none(coros: list) -> list:
-    """Every coroutine's result; where one fails, the others are cancelled (their decode slots freed)
-    before its error is raised."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-
-
 def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, separators=(',', ':'))}\n\n"
 
@@ -162,7 +150,9 @@ class OpenAIApp:
         self.reasoning = Reasoning(self.config.reasoning_parser, decoder.prompts)  # --reasoning-parser
 
     def asgi(self):
+        from .responses import Responses  # it builds on this module
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/responses", Responses(self).create, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model, methods=["GET"]),
@@ -263,7 +253,7 @@ class OpenAIApp:
             if req.stream:
                 return await self._stream(req, method, deadline, request.state)
             # n choices decode side by side (each its own request in the batch)
-            done = await _all_or_none([self._complete_while_connected(request, ask, deadline)
+            done = await all_or_none([self._complete_while_connected(request, ask, deadline)
                                        for ask in convert.choice_asks(req)])
         except Exception as exc:  # noqa: BLE001 - every failure is mapped, never dropped
             self._count(method, exc)
