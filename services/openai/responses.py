@@ -19,9 +19,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from ...engine.results import StepChunk
 from . import convert
-from .app import ClientGone, HttpDeadline, OpenAIApp
-from .app import error_body as chat_error_body
-from .errors import BadParam
+from .errors import BadParam, ClientGone, HttpDeadline
+from .errors import error_body as chat_error_body
 from .response_events import EventWriter, call_item, message_item, responses_usage
 from .streams import first_items, merged
 from ..worker.front import StreamEnd
@@ -193,9 +192,10 @@ def from_chat(chat: dict, writer: EventWriter) -> dict:
 
 
 class Responses:
-    """The `POST /v1/responses` route of an OpenAIApp (app.py): its checks, tenant and front door."""
+    """The `POST /v1/responses` route of an OpenAIApp (app.py, which builds this): its credentials,
+    body limit, tenant, metrics and front door."""
 
-    def __init__(self, app: OpenAIApp) -> None:
+    def __init__(self, app) -> None:
         self.app = app
 
     async def create(self, request: Request) -> Response:
