@@ -195,3 +195,23 @@ def test_store_is_accepted_and_nothing_is_stored(server, model):  # noqa: F811
     assert status == 200 and body["store"] is False and body["object"] == "response"
     status, body = post(server, {"model": model, "input": "Hi.", "previous_response_id": body["id"]})
     assert status == 400 and "stateless" in body["error"]["message"]
+
+
+def test_a_request_becomes_the_chat_request_it_means():
+    """Without a server: instructions first, consecutive calls one assistant turn, outputs tool turns,
+    flat tools nested, text.format as response_format, max_output_tokens as max_tokens."""
+    from trserve.services.openai.responses import chat_request
+
+    chat = chat_request({"model": "m", "instructions": "Be brief.", "max_output_tokens": 7, "temperature": 0.5,
+                         "tools": TOOLS, "tool_choice": {"type": "function", "name": "get_time"}, "store": False,
+                         "text": {"format": {"type": "json_schema", "name": "p", "schema": PERSON, "strict": True}},
+                         "input": [{"role": "user", "content": "Hi"},
+                                   {"type": "function_call", "call_id": "a", "name": "get_time", "arguments": "{}"},
+                                   {"type": "function_call", "call_id": "b", "name": "get_weather", "arguments": "{}"},
+                                   {"type": "function_call_output", "call_id": "a", "output": "noon"}]})
+    assert [m["role"] for m in chat["messages"]] == ["system", "user", "assistant", "tool"]
+    assert [c["id"] for c in chat["messages"][2]["tool_calls"]] == ["a", "b"]
+    assert chat["messages"][3] == {"role": "tool", "tool_call_id": "a", "content": "noon"}
+    assert chat["tools"] == [WEATHER, TIME] and chat["tool_choice"] == {"type": "function", "function": {"name": "get_time"}}
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON, "strict": True}}
+    assert (chat["max_tokens"], chat["temperature"], chat["model"]) == (7, 0.5, "m") and "store" not in chat
