@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API of a worker: `POST /v1/chat/completions`, `POST /v1/completions`
-(both also streamed as server-sent events) and `GET /v1/models`; beside them what operators and
-tools probe: `GET /health` (200 serving, 503 warming up or draining; no credentials), `GET /metrics`
-(the worker's Prometheus registry), `POST /tokenize` and `POST /detokenize` (vLLM's shapes).
+(both also streamed as server-sent events), `POST /v1/responses` (on chat's path: responses.py) and
+`GET /v1/models`; beside them what operators and tools probe: `GET /health` (200 serving, 503 warming
+up or draining; no credentials), `GET /metrics` (the worker's Prometheus registry), `POST /tokenize`
+and `POST /detokenize` (vLLM's shapes).
 
 The HTTP edge of the worker's front door (`services/worker/front.py:FrontDoor`), as the gRPC servicer is the
 other: a request's JSON becomes an `Ask` (convert.py) and goes in by the same door as a gRPC call (the same
@@ -18,7 +19,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import math
 import time
 from collections.abc import AsyncIterator
 
@@ -35,112 +35,18 @@ from ...engine.results import StepChunk
 from ..common.errors import status_for
 from . import convert
 from .convert import BadParam, ModelNotFound
+from .errors import ClientGone, HttpDeadline, TooLarge, Unauthenticated, error_body, error_response
 from .observe import RequestLog
 from .options import Vocabulary
 from .reasoning import Reasoning
+from .responses import Responses
 from .toolparse import resolve_parser
-from .streams import first_items, merged
-from ..worker.admission import QueueFull
-from ..worker.checks import InvalidField, tenant_of
+from .streams import all_or_none, first_items, merged
+from ..worker.checks import tenant_of
 from ..worker.front import FrontDoor, StreamEnd
 
 log = logging.getLogger("trserve.openai")
-
-# gRPC status name -> (HTTP status, OpenAI error type)
-ERRORS = {
-    "INVALID_ARGUMENT": (400, "invalid_request_error"), "FAILED_PRECONDITION": (400, "invalid_request_error"),
-    "OUT_OF_RANGE": (400, "invalid_request_error"), "NOT_FOUND": (404, "invalid_request_error"),
-    "UNAUTHENTICATED": (401, "authentication_error"), "PERMISSION_DENIED": (403, "permission_error"),
-    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"), "UNAVAILABLE": (503, "service_unavailable"),
-    "DEADLINE_EXCEEDED": (504, "timeout"), "UNIMPLEMENTED": (501, "not_implemented"),
-    "CANCELLED": (499, "client_closed_request"),  # nobody reads it: the client is gone
-}
-# the front door's field names (services/worker/checks.py:InvalidField) as this API names them (error.param)
-PARAMS = {"tenant": "X-Tenant", "max_new_tokens": "max_tokens"}
 DISCONNECT_POLL_S = 0.25  # how often a unary call checks that its HTTP client is still there
-
-
-class Unauthenticated(TRServeError):
-    status = "UNAUTHENTICATED"
-
-
-class ClientGone(TRServeError):
-    """The HTTP client closed its connection (mid-body, or while its generation ran): nothing to answer."""
-
-    status = "CANCELLED"
-
-
-class TooLarge(TRServeError):
-    """HTTP 413: the caller's error (counted as INVALID_ARGUMENT), not the server refusing load."""
-
-    status = "INVALID_ARGUMENT"
-
-
-class HttpDeadline:
-    """A call's deadline from its `X-Request-Timeout: <seconds>` header, as a gRPC deadline works:
-    decoding stops in time to return a partial answer, or 504 when too little is left to start.
-    Without the header a call runs until done (or the client goes away)."""
-
-    def __init__(self, request: Request) -> None:
-        value = request.headers.get("x-request-timeout")
-        if value is None:
-            self.end = None
-            return
-        try:
-            seconds = float(value)
-        except ValueError:
-            seconds = float("nan")
-        if not 0 < seconds < 1e6:
-            raise BadParam(f"X-Request-Timeout must be seconds in (0, 1e6), got {value!r}", "X-Request-Timeout")
-        self.end = time.monotonic() + seconds
-
-    def time_remaining(self) -> float | None:
-        return None if self.end is None else self.end - time.monotonic()
-
-
-def error_body(exc: BaseException) -> tuple[int, dict, dict[str, str]]:
-    """(HTTP status, OpenAI error body, headers) for an exception, as its gRPC status would say it."""
-    code = status_for(exc).name
-    status, kind = ERRORS.get(code, (500, "server_error"))
-    message = str(exc) or type(exc).__name__
-    headers: dict[str, str] = {}
-    error_code = code.lower()
-    if isinstance(exc, ModelNotFound):
-        error_code = "model_not_found"
-    elif isinstance(exc, TooLarge):
-        status, kind, error_code = 413, "invalid_request_error", "request_too_large"
-    elif isinstance(exc, QueueFull):
-        headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after_s))),
-                   "retry-after-ms": str(int(exc.retry_after_s * 1000))}
-        error_code = "rate_limit_exceeded"
-    if isinstance(exc, ClientGone):  # routine: no traceback, not an error
-        log.info("OpenAI API: %s", exc)
-    elif status == 500:
-        log.exception("OpenAI API call failed", exc_info=exc)
-        message = f"internal error ({type(exc).__name__}); see the server log"
-    else:  # the message may quote the request (user text): only at DEBUG
-        log.info("OpenAI API -> %d (%s)", status, type(exc).__name__)
-        log.debug("OpenAI API -> %d: %s", status, exc)
-    param = exc.param if isinstance(exc, BadParam) else PARAMS.get(exc.field) if isinstance(exc, InvalidField) else None
-    return status, {"error": {"message": message, "type": kind, "param": param, "code": error_code}}, headers
-
-
-def error_response(exc: BaseException) -> JSONResponse:
-    status, body, headers = error_body(exc)
-    return JSONResponse(body, status_code=status, headers=headers)
-
-
-async def _all_or_none(coros: list) -> list:
-    """Every coroutine's result; where one fails, the others are cancelled (their decode slots freed)
-    before its error is raised."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 def sse(payload: dict | str) -> str:
@@ -163,6 +69,7 @@ class OpenAIApp:
 
     def asgi(self):
         routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/responses", Responses(self).create, methods=["POST"]),
                   Route("/v1/completions", self.completions, methods=["POST"]),
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model, methods=["GET"]),
@@ -263,7 +170,7 @@ class OpenAIApp:
             if req.stream:
                 return await self._stream(req, method, deadline, request.state)
             # n choices decode side by side (each its own request in the batch)
-            done = await _all_or_none([self._complete_while_connected(request, ask, deadline)
+            done = await all_or_none([self._complete_while_connected(request, ask, deadline)
                                        for ask in convert.choice_asks(req)])
         except Exception as exc:  # noqa: BLE001 - every failure is mapped, never dropped
             self._count(method, exc)

@@ -12,6 +12,19 @@ import contextlib
 from collections.abc import AsyncIterator
 
 
+async def all_or_none(coros: list) -> list:
+    """Every coroutine's result (unary choices side by side); where one fails, the others are cancelled
+    (their decode slots freed) before its error is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 async def first_items(streams: list[AsyncIterator]) -> list:
     """Each stream's first item (after its prefill), awaited side by side so every choice is submitted
     at once; a failure closes them all and raises (the caller answers a plain HTTP error)."""

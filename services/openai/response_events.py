@@ -1,0 +1,137 @@
+"""A Response's output items and its streamed events (`POST /v1/responses`, responses.py), written from
+the chat completion chunks the app already makes (convert.py:ChunkWriter): a chunk's text opens a
+message item (response.output_item.added, response.content_part.added) and goes out as
+response.output_text.delta; a tool call closes the open message (its output_text.done,
+content_part.done, output_item.done) and goes out whole as a function_call item (added, its
+arguments' delta and done, done); the end is response.completed, or response.incomplete where the
+reply was cut (max_output_tokens). Every event has its `type` and a `sequence_number` counting from 0,
+as the `openai` package's streaming helper reads them.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+
+
+def message_item(item_id: str, text: str | None, status: str) -> dict:
+    """An assistant message item; `text` None: just opened (no content part yet)."""
+    content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+    return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def call_item(call: dict) -> dict:
+    """A chat tool call ({"id", "function": {"name", "arguments"}}) as a function_call item."""
+    return {"type": "function_call", "id": "fc_" + uuid.uuid4().hex, "call_id": call["id"],
+            "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
+
+
+def responses_usage(usage: dict) -> dict:
+    """Chat's usage (convert.usage) as a Response's."""
+    return {"input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"]}
+
+
+def sse(event: dict) -> str:
+    return f"event: {event['type']}\ndata: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+@dataclass
+class EventWriter:
+    """One Response: its id, creation time and echoed parameters, the output items finished so far and,
+    streamed, the message item open now and the events' sequence."""
+
+    id: str
+    created_at: int
+    model: str
+    echo: dict  # the request's parameters as a Response repeats them (responses.py:echoed)
+    output: list[dict] = field(default_factory=list)
+    sequence: int = 0
+    text: str | None = None  # the open message item's text so far (None: no message open)
+    message_id: str = ""
+
+    def snapshot(self, status: str, usage: dict | None = None) -> dict:
+        """The Response as it stands: `status` in_progress, completed or incomplete (max_output_tokens)."""
+        done = status != "in_progress"
+        return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+                "completed_at": int(time.time()) if done else None, "error": None,
+                "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+                "model": self.model, "output": list(self.output), "usage": usage, **self.echo}
+
+    def event(self, kind: str, **fields) -> str:
+        out = sse({"type": kind, "sequence_number": self.sequence, **fields})
+        self.sequence += 1
+        return out
+
+    def start(self) -> list[str]:
+        response = self.snapshot("in_progress")
+        return [self.event("response.created", response=response),
+                self.event("response.in_progress", response=response)]
+
+    def chunk(self, chunk: dict) -> list[str]:
+        """The events of one chat completion chunk: its text, then its tool calls (each whole)."""
+        out: list[str] = []
+        for choice in chunk["choices"]:
+            delta = choice.get("delta") or {}
+            if delta.get("content"):
+                out += self._text(delta["content"])
+            for call in delta.get("tool_calls") or ():
+                out += self._call(call)
+        return out
+
+    def _text(self, text: str) -> list[str]:
+        out, index = [], len(self.output)
+        if self.text is None:
+            self.text, self.message_id = "", "msg_" + uuid.uuid4().hex
+            out.append(self.event("response.output_item.added", output_index=index,
+                                  item=message_item(self.message_id, None, "in_progress")))
+            out.append(self.event("response.content_part.added", item_id=self.message_id, output_index=index,
+                                  content_index=0, part={"type": "output_text", "text": "", "annotations": []}))
+        self.text += text
+        out.append(self.event("response.output_text.delta", item_id=self.message_id, output_index=index,
+                              content_index=0, delta=text, logprobs=[]))
+        return out
+
+    def _close_text(self, status: str = "completed") -> list[str]:
+        """The open message item's last events (none where no message is open)."""
+        if self.text is None:
+            return []
+        index, item = len(self.output), message_item(self.message_id, self.text, status)
+        out = [self.event("response.output_text.done", item_id=self.message_id, output_index=index, content_index=0,
+                          text=self.text, logprobs=[]),
+               self.event("response.content_part.done", item_id=self.message_id, output_index=index, content_index=0,
+                          part=item["content"][0]),
+               self.event("response.output_item.done", output_index=index, item=item)]
+        self.output.append(item)
+        self.text = None
+        return out
+
+    def _call(self, call: dict) -> list[str]:
+        out = self._close_text()
+        index, item = len(self.output), call_item(call)
+        out += [self.event("response.output_item.added", output_index=index,
+                           item={**item, "arguments": "", "status": "in_progress"}),
+                self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                           delta=item["arguments"]),
+                self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           name=item["name"], arguments=item["arguments"]),
+                self.event("response.output_item.done", output_index=index, item=item)]
+        self.output.append(item)
+        return out
+
+    def finish(self, cut: bool, usage: dict, extras: dict) -> list[str]:
+        """The last events: the open message closed (an empty one where the reply wrote nothing), then
+        response.completed, or response.incomplete where `cut` (by max_output_tokens)."""
+        out = self._text("") if self.text is None and not self.output else []
+        out += self._close_text("incomplete" if cut else "completed")
+        response = self.snapshot("incomplete" if cut else "completed", usage)
+        response["trserve"] = extras
+        return out + [self.event("response.incomplete" if cut else "response.completed", response=response)]
+
+    def error(self, error: dict) -> str:
+        """An error after the stream began (OpenAI's error event: code, message, param)."""
+        return self.event("error", code=error["code"], message=error["message"], param=error["param"])
