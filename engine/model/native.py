@@ -55,13 +55,31 @@ class _Model(ctypes.Structure):
 
 ARITH_CODES = {"exact": 0, "int8": 1}  # tr_model.arith (csrc/forward.h)
 _ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
-_STATIC_ROPE = ("default", "linear", "llama3")
+_STATIC_ROPE = ("default", "linear", "llama3", "longrope")  # longrope: static below rope_positions
+
+
+def rope_positions(config) -> int | None:
+    """How many positions a model's rotary table is static over (None: all). Longrope (Phi-3.5, Phi-4-mini)
+    is transformers' one exception: each forward takes the long factors for every position when its
+    deepest position reaches original_max_position_embeddings, and the short ones otherwise, while its KV
+    cache keeps keys rotated either way; so a sequence crossing that length gets other numbers from
+    each way of splitting it into forwards (TR's trees against plain steps) and no server can equal
+    transformers there. Below it every forward takes the short factors: the engine serves up to it
+    (engine/target.py), and the native forward's table holds the short factors' rows."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "longrope":
+        return None
+    return int(rope["original_max_position_embeddings"])
 
 
 def native_unsupported(model) -> str | None:
     """Why `model` cannot take the native forward (None: it can)."""
     cfg = model.config
     arch = type(model).__name__
+    if arch == "Phi3ForCausalLM":  # Phi-3 the checkpoint loader did not split into a Llama
+        from .checkpoint import phi3_kept
+
+        return f"Phi-3 with fused q/k/v and gate/up ({phi3_kept(cfg) or 'not split at load'})"
     if arch not in _ARCHS:
         return f"architecture {arch} (native forward: {', '.join(_ARCHS)})"
     if model.device.type != "cpu" or model.dtype != torch.float32:
@@ -197,7 +215,7 @@ class NativeForward:
                              "out of range")
         self.arithmetic = head.arithmetic
         self.vocab = head.out_features
-        self._grow_rope(4096)
+        self._grow_rope(min(4096, rope_positions(cfg) or 4096))
 
     def _layer(self, i: int, layer, window: int) -> _Layer:
         """Decoder layer i as csrc/forward.h's tr_layer: its norms' weights, its 7 matrices, its kept key
@@ -236,10 +254,14 @@ class NativeForward:
         return t.data_ptr()
 
     def _grow_rope(self, need: int) -> None:
-        """Rotary tables [P, D] for positions 0..P-1 from the model's own rotary module."""
+        """Rotary tables [P, D] for positions 0..P-1 from the model's own rotary module (a longrope model's
+        at most rope_positions: its short factors, as each of transformers' forwards below that takes)."""
         if need <= self._cos.shape[0]:
             return
-        p = max(need, 2 * self._cos.shape[0])
+        limit = rope_positions(self.model.config)
+        if limit is not None and need > limit:
+            raise ValueError(f"position {need - 1} past the {limit} positions this longrope model serves")
+        p = max(need, 2 * self._cos.shape[0]) if limit is None else min(max(need, 2 * self._cos.shape[0]), limit)
         pos = torch.arange(p)[None]
         with torch.inference_mode():
             cos, sin = self._rotary(torch.zeros(1, dtype=torch.float32), pos)
