@@ -4,7 +4,10 @@
 The bundled file's metadata (tokenizer, chat template) with the shape's hyperparameters; weights
 normal(0, 0.02) per tensor, norms ones, encoded one tensor at a time (a 7B needs no float32 copy of
 itself). Q4_K_M as llama-quantize mixes it: Q4_K, with Q6_K for the embedding/head and half the layers'
-attn_v and ffn_down (the first half, a simplification of its rule). Random weights decode nonsense,
+attn_v and ffn_down (the first half, a simplification of its rule). A Qwen3 shape is written as llama.cpp's
+convert_hf_to_gguf.py writes Qwen3: architecture `qwen3`, `qwen3.attention.key_length`/`value_length` the
+head dim (not hidden / heads there), per-head `attn_q_norm`/`attn_k_norm` weights (drawn near 1 here, so
+that they matter), q and k rows unpermuted (NeoX rotary). Random weights decode nonsense,
 so a TR run of them drafts little (MAT ~1): these files measure forwards, loading and memory.
 """
 
@@ -16,10 +19,12 @@ from pathlib import Path
 
 import numpy as np
 
-SHAPES = {  # hidden, MLP, layers, heads, KV heads (vocab: the bundled tokenizer's 49,152)
-    "smollm2-1.7b": (2048, 8192, 24, 32, 32),
-    "llama-7b": (4096, 11008, 32, 32, 32),
-    "tiny": (256, 512, 2, 4, 2),  # the tests': every linear in super-blocks of 256, grouped-query attention
+SHAPES = {  # hidden, MLP, layers, heads, KV heads, head dim, llama.cpp's architecture (vocab: the bundled 49,152)
+    "smollm2-1.7b": (2048, 8192, 24, 32, 32, 64, "llama"),
+    "llama-7b": (4096, 11008, 32, 32, 32, 128, "llama"),
+    "tiny": (256, 512, 2, 4, 2, 64, "llama"),  # the tests': every linear in super-blocks of 256, grouped-query attention
+    "qwen3-0.6b": (1024, 3072, 28, 16, 8, 128, "qwen3"),
+    "qwen3-tiny": (256, 512, 2, 8, 2, 64, "qwen3"),  # head dim 64, not 256 / 8: read from key_length
 }
 MIXES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K"), "Q6_K": ("Q6_K", "Q6_K"), "Q8_0": ("Q8_0", "Q8_0"),
          "Q4_0": ("Q4_0", "Q4_0")}
@@ -40,24 +45,27 @@ def make_shaped(shape: str, mix: str, dst: Path, seed: int = 0) -> Path:
 
     from .runner import _bundled_gguf
 
-    hidden, inter, layers, heads, kv = SHAPES[shape]
+    hidden, inter, layers, heads, kv, head_dim, arch = SHAPES[shape]
     main, high = MIXES[mix]
     reader = gguf.GGUFReader(str(_bundled_gguf()))
-    writer = gguf.GGUFWriter(str(dst), "llama")
-    own = {"llama.embedding_length": hidden, "llama.feed_forward_length": inter, "llama.block_count": layers,
-           "llama.attention.head_count": heads, "llama.attention.head_count_kv": kv,
-           "llama.rope.dimension_count": hidden // heads}
+    writer = gguf.GGUFWriter(str(dst), arch)
+    own = {f"{arch}.{k}": v for k, v in (("embedding_length", hidden), ("feed_forward_length", inter),
+                                         ("block_count", layers), ("attention.head_count", heads),
+                                         ("attention.head_count_kv", kv), ("rope.dimension_count", head_dim))}
+    if arch != "llama":
+        own.update({f"{arch}.attention.key_length": head_dim, f"{arch}.attention.value_length": head_dim})
     for field in reader.fields.values():
-        if field.name in own or field.name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) or \
-                field.name.startswith("GGUF."):
+        # the bundled file's other hyperparameters (context length, rope base, norm epsilon) under `arch`
+        name = arch + field.name[len("llama"):] if field.name.startswith("llama.") else field.name
+        if name in own or name in (gguf.Keys.General.ARCHITECTURE, gguf.Keys.General.FILE_TYPE) or \
+                name.startswith("GGUF."):
             continue
         kind = field.types[0]
         sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
+        writer.add_key_value(name, field.contents(), kind, sub_type=sub)
     for key, value in own.items():
         writer.add_uint32(key, value)
     vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    head_dim = hidden // heads
     tensors = [("token_embd.weight", (vocab, hidden), high), ("output_norm.weight", (hidden,), "F32")]
     for i in range(layers):
         later = i >= layers // 2
@@ -68,11 +76,15 @@ def make_shaped(shape: str, mix: str, dst: Path, seed: int = 0) -> Path:
                     (f"blk.{i}.attn_output.weight", (hidden, heads * head_dim), main),
                     (f"blk.{i}.ffn_gate.weight", (inter, hidden), main), (f"blk.{i}.ffn_up.weight", (inter, hidden), main),
                     (f"blk.{i}.ffn_down.weight", (hidden, inter), main if later else high)]
+        if arch == "qwen3":
+            tensors += [(f"blk.{i}.attn_q_norm.weight", (head_dim,), "norm"), (f"blk.{i}.attn_k_norm.weight", (head_dim,), "norm")]
     rng = np.random.default_rng(seed)
     datas = []
     for name, shp, qtype in tensors:
         if qtype == "F32":
             data = np.ones(shp, np.float32)
+        elif qtype == "norm":
+            data, qtype = (1 + 0.2 * rng.standard_normal(shp)).astype(np.float32), "F32"
         else:
             data = _encode(rng.standard_normal(shp, dtype=np.float32) * np.float32(0.02), qtype)
         writer.add_tensor_info(name, data.shape, data.dtype, data.nbytes, T[qtype])

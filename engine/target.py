@@ -11,6 +11,7 @@ from ..core.errors import InvalidArgument
 from ..core.model_spec import ModelSpec
 from .config import DecoderConfig
 from .model.loader import LoadedModel, load_model
+from .model.native import rope_positions
 from .request.prompt import PromptBuilder, check_token_ids
 from .request.tools import tool_template
 from .request.request import GenerationRequest, PreparedRequest
@@ -35,7 +36,7 @@ class TargetModel:
         self.device = self.loaded.device
         self.vocab_size = int(self.model.config.vocab_size)
         self.spec = ModelSpec(self.fingerprint, self.vocab_size, config.k)
-        self.max_context = config.max_context or int(getattr(self.model.config, "max_position_embeddings", 2048))
+        self.max_context = self._max_context(config.max_context)
         self.prompts = PromptBuilder(self.tokenizer, self.vocab_size, tool_template(
             self.tokenizer.chat_template, custom=config.model.chat_template is not None))
         self.autotuner = self._new_autotuner() if config.tree == "adaptive" else None
@@ -48,6 +49,18 @@ class TargetModel:
         self.model_lock = threading.Lock()
 
     # ---- setup helpers -------------------------------------------------------------------
+    def _max_context(self, asked: int | None) -> int:
+        """The configured context, else the model's max_position_embeddings; a longrope model's at most the
+        positions its rotary table is static over (native.rope_positions: past them transformers' numbers
+        depend on how a sequence is split into forwards, so no decoding there could be lossless)."""
+        limit = rope_positions(self.model.config)
+        if asked and limit and asked > limit:
+            raise InvalidArgument(f"max_context {asked} exceeds this longrope model's {limit} positions "
+                                  "(original_max_position_embeddings): past them transformers switches every "
+                                  f"forward to the long factors, which no lossless decoding can follow; use <= {limit}")
+        most = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        return asked or (min(most, limit) if limit else most)
+
     def compile(self, tree: str | TreeTemplate) -> CompiledTree:
         """A builtin tree name, a JSON file path, or a TreeTemplate, compiled once for this device."""
         template = tree if isinstance(tree, TreeTemplate) else load_template(tree)

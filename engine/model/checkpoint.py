@@ -207,16 +207,33 @@ def _quantize(kind: str, w: np.ndarray, out_f: int, in_f: int, rows: int = 4096)
     return _decode_rows(kind, raw, out_f, in_f)
 
 
+def phi3_kept(model_config) -> str | None:
+    """Why a Phi-3 config is not split into a Llama (None: it is). Partial rotary (Phi-4-mini's
+    partial_rotary_factor 0.75) rotates the first part of each head only, which transformers' Llama
+    cannot (it rotates whole heads); rope types other than default and longrope are not Llama's."""
+    rope = getattr(model_config, "rope_parameters", None) or {}
+    partial = rope.get("partial_rotary_factor", getattr(model_config, "partial_rotary_factor", 1.0))
+    if partial not in (None, 1.0):
+        return f"partial rotary (partial_rotary_factor {partial}): transformers' Llama rotates whole heads"
+    if rope.get("rope_type", "default") not in ("default", "longrope"):
+        return f"rotary embedding type {rope.get('rope_type')!r}"
+    return None
+
+
 def as_llama(model_config):
     """(the config of the Llama, or Mistral where windowed, that a Phi-3 checkpoint computes; its split
     rows: name -> (fused tensor, a, b)), or (model_config, {}) for any other model. Phi-3 is Llama's
     function with q/k/v and gate/up fused into one weight each (transformers' modeling_phi3.py); split
-    at load, it takes the native forward. Partial rotary or longrope (Phi-3.5, Phi-4-mini) stay Phi-3."""
+    at load, it takes the native forward. Longrope (Phi-3.5-mini) keeps its rope parameters (transformers'
+    Llama computes them as Phi-3 does); partial rotary (Phi-4-mini) stays Phi-3 (`phi3_kept`)."""
     from transformers import LlamaConfig, MistralConfig
 
     rope = getattr(model_config, "rope_parameters", None) or {}
-    if model_config.model_type != "phi3" or rope.get("rope_type", "default") != "default" or \
-            rope.get("partial_rotary_factor", 1.0) not in (None, 1.0):
+    if model_config.model_type != "phi3":
+        return model_config, {}
+    why = phi3_kept(model_config)
+    if why:
+        log.info("Phi-3 checkpoint kept with its fused layers, on transformers' modules: %s", why)
         return model_config, {}
     c = model_config
     shape = {k: getattr(c, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -224,6 +241,8 @@ def as_llama(model_config):
                                          "rms_norm_eps", "tie_word_embeddings", "hidden_act", "bos_token_id",
                                          "eos_token_id", "pad_token_id")}
     shape["rope_parameters"] = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}
+    if rope.get("rope_type") == "longrope":
+        shape["rope_parameters"] = {k: v for k, v in rope.items() if k not in ("type", "partial_rotary_factor")}
     window = getattr(c, "sliding_window", None)
     config = MistralConfig(sliding_window=window, **shape) if window else LlamaConfig(**shape)
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads

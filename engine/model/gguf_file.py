@@ -5,8 +5,8 @@ it is first looked up (engine/model/embedding.py). No float32 copy of the
 weights is made or written to the cache, so a worker holds about the kernels' bytes per weight
 (docs/kernels.md) instead of 4, and loads in seconds.
 
-It serves the Llama family's files (llama.cpp's `llama` and `qwen2` architectures: Llama, Mistral,
-Qwen2) on CPU where the compressed kernels run; anything else takes the conversion path
+It serves the Llama family's files (llama.cpp's `llama`, `qwen2` and `qwen3` architectures: Llama,
+Mistral, Qwen2, Qwen3 with its per-head q/k norms) on CPU where the compressed kernels run; anything else takes the conversion path
 (engine/model/loader.py:gguf_model_dir). The weights are the ones transformers would load from the
 file (its own name map and row order: `get_gguf_hf_weights_map`, `TENSOR_PROCESSORS`), and each
 block type's decoder equals gguf-py's dequantization bit for bit (tests/engine/model/test_kquants.py).
@@ -26,7 +26,7 @@ from .direct import trim
 
 log = logging.getLogger("trserve.engine")
 
-ARCHS = ("llama", "qwen2")  # general.architecture values this path serves
+ARCHS = ("llama", "qwen2", "qwen3")  # general.architecture values this path serves
 
 
 FLOATS = ("F32", "F16", "BF16")
@@ -158,17 +158,33 @@ def architecture(path: Path) -> str:
     return bytes(field.parts[field.data[0]]).decode() if field else ""
 
 
+def file_config(path: Path):
+    """transformers' config of GGUF file `path`, with the head dim its GGUF mapping leaves out for Qwen3:
+    `qwen3.attention.key_length` (llama.cpp's convert_hf_to_gguf.py writes config.head_dim there), which
+    transformers reads for qwen3_moe but not for qwen3, whose config then keeps Qwen3Config's default of
+    128 whatever the file's heads are."""
+    from gguf import GGUFReader
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    if config.model_type == "qwen3":
+        field = GGUFReader(str(path)).fields.get("qwen3.attention.key_length")
+        if field is not None:
+            config.head_dim = int(field.contents())
+    return config
+
+
 def load_file(path: Path, cache_dir: Path, isa: str, arithmetic: str, fingerprint_of):
     """(model, tokenizer, floats, arithmetic): the file's model with every block-quantized linear on the
     compressed kernels, its float linears left as nn.Linear (`floats` of them) for the caller to pack
     (engine/model/direct.py:fill, which also says when int8 is taken)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .direct import fill
 
     arch = architecture(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    config = file_config(path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
     weights = GGUFWeights(path, model, arch)

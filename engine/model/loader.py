@@ -153,8 +153,11 @@ def _quiet_unless_terminal() -> None:
 def _convert_gguf(gguf_dir: Path, target: Path, gguf_file: str = _GGUF_FILE) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .gguf_file import file_config
+
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=gguf_file)
-    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=gguf_file, dtype=torch.float32,
+                                                 config=file_config(gguf_dir / gguf_file))
     # The dequantized weights are plain fp32: drop the GGUF quantizer so the model can be saved.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

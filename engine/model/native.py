@@ -63,14 +63,32 @@ _ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3Fo
           "Gemma3ForCausalLM")
 _GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")  # sandwich norms, (1 + w) norms, GeGLU, scaled embeddings
 _LAYER_TYPES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", *_GEMMA)  # windows from config.layer_types
-_STATIC_ROPE = ("default", "linear", "llama3")
+_STATIC_ROPE = ("default", "linear", "llama3", "longrope")  # longrope: static below rope_positions
 _ACTS = {"silu": 0, "gelu_pytorch_tanh": 1}  # tr_model.act
+
+
+def rope_positions(config) -> int | None:
+    """How many positions a model's rotary table is static over (None: all). Longrope (Phi-3.5, Phi-4-mini)
+    is transformers' one exception: each forward takes the long factors for every position when its
+    deepest position reaches original_max_position_embeddings, and the short ones otherwise, while its KV
+    cache keeps keys rotated either way; so a sequence crossing that length gets other numbers from
+    each way of splitting it into forwards (TR's trees against plain steps) and no server can equal
+    transformers there. Below it every forward takes the short factors: the engine serves up to it
+    (engine/target.py), and the native forward's table holds the short factors' rows."""
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type") != "longrope":
+        return None
+    return int(rope["original_max_position_embeddings"])
 
 
 def native_unsupported(model) -> str | None:
     """Why `model` cannot take the native forward (None: it can)."""
     cfg = model.config
     arch = type(model).__name__
+    if arch == "Phi3ForCausalLM":  # Phi-3 the checkpoint loader did not split into a Llama
+        from .checkpoint import phi3_kept
+
+        return f"Phi-3 with fused q/k/v and gate/up ({phi3_kept(cfg) or 'not split at load'})"
     if arch not in _ARCHS:
         return f"architecture {arch} (native forward: {', '.join(_ARCHS)})"
     if model.device.type != "cpu" or model.dtype != torch.float32:
@@ -246,7 +264,7 @@ class NativeForward:
                         self._embed_ptr(body.embed_tokens), self._ptr(final), layers, _qmat(head),
                         None, None, 0, ARITH_CODES[head.arithmetic], _activation(model), float(embed_scale),
                         float(attn_cap or 0.0), float(getattr(cfg, "final_logit_softcapping", None) or 0.0), None, None)
-        self._grow_rope(4096)
+        self._grow_rope(min(4096, rope_positions(cfg) or 4096))
         if forward_check_library(head.isa)(ctypes.byref(self.m)):
             raise ValueError("native forward unavailable: a shape its fixed-size parts do not take, kept inputs "
                              "that differ between layers reading one input (q, k, v; gate, up), or a kept key pair "
@@ -297,10 +315,16 @@ class NativeForward:
 
     def _grow_rope(self, need: int) -> None:
         """Rotary tables [P, D] for positions 0..P-1 from the model's own rotary module: cos, sin, and
-        Gemma 3's local layers' cos_local, sin_local (its module's table for "sliding_attention")."""
+        Gemma 3's local layers' cos_local, sin_local (its module's table for "sliding_attention"); a
+        longrope model's at most rope_positions (its short factors, as each of transformers' forwards
+        below that takes)."""
         if need <= self._tables[0].shape[0]:
             return
+        limit = rope_positions(self.model.config)
+        if limit is not None and need > limit:
+            raise ValueError(f"position {need - 1} past the {limit} positions this longrope model serves")
         p = max(need, 2 * self._tables[0].shape[0])
+        p = p if limit is None else min(p, limit)
         pos, x = torch.arange(p)[None], torch.zeros(1, dtype=torch.float32)
         tables = []
         with torch.inference_mode():
