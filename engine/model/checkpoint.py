@@ -34,6 +34,7 @@ from torch import nn
 from ...core.errors import FailedPrecondition
 from .choices import QUANTIZE_DEFAULT
 from .direct import trim
+from .phi3 import phi3_kept
 
 log = logging.getLogger("trserve.engine")
 
@@ -205,19 +206,6 @@ def _quantize(kind: str, w: np.ndarray, out_f: int, in_f: int, rows: int = 4096)
 
     raw = np.concatenate([encode(kind, w[i:i + rows]) for i in range(0, out_f, rows)])
     return _decode_rows(kind, raw, out_f, in_f)
-
-
-def phi3_kept(model_config) -> str | None:
-    """Why a Phi-3 config is not split into a Llama (None: it is). Partial rotary (Phi-4-mini's
-    partial_rotary_factor 0.75) rotates the first part of each head only, which transformers' Llama
-    cannot (it rotates whole heads); rope types other than default and longrope are not Llama's."""
-    rope = getattr(model_config, "rope_parameters", None) or {}
-    partial = rope.get("partial_rotary_factor", getattr(model_config, "partial_rotary_factor", 1.0))
-    if partial not in (None, 1.0):
-        return f"partial rotary (partial_rotary_factor {partial}): transformers' Llama rotates whole heads"
-    if rope.get("rope_type", "default") not in ("default", "longrope"):
-        return f"rotary embedding type {rope.get('rope_type')!r}"
-    return None
 
 
 def as_llama(model_config):

@@ -86,7 +86,7 @@ def native_unsupported(model) -> str | None:
     cfg = model.config
     arch = type(model).__name__
     if arch == "Phi3ForCausalLM":  # Phi-3 the checkpoint loader did not split into a Llama
-        from .checkpoint import phi3_kept
+        from .phi3 import phi3_kept
 
         return f"Phi-3 with fused q/k/v and gate/up ({phi3_kept(cfg) or 'not split at load'})"
     if arch not in _ARCHS:
