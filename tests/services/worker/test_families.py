@@ -2,7 +2,8 @@
 each family (tests/engine/model/test_checkpoint.py:_tiny), quantized at load onto the native forward,
 served on a loopback port and called through the Python client: TR == AR, a stream == the unary reply,
 requests sent together (a batch of TR, AR and streams) == each alone, in the exact arithmetic and in
-int8; Mistral with a sliding window shorter than every prompt, so that each reply is decoded past it.
+int8; Mistral with a sliding window shorter than every prompt, and Gemma 2 and Gemma 3 with it on their
+local layer (layer_types: a sliding layer, then a global one), so that each reply is decoded past it.
 Random weights give arbitrary text: the token ids are compared."""
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from tests.services.worker_harness import BackgroundWorker, serving
 pytestmark = pytest.mark.skipif(not qlinear_supported(), reason="the compressed kernels need x86-64 Linux")
 
 TOKENS = 32
-WINDOW = 16  # Mistral's sliding window: shorter than every prompt, let alone prompt + reply
-FORMATS = {"llama": "q4_k", "llama3": "q8_0", "qwen2": "q6_k", "qwen3": "q8_0", "mistral": "q4_k", "phi3": "q8_0"}
+WINDOW = 16  # the sliding window (Mistral's, Gemma's local layer's): shorter than every prompt
+FORMATS = {"llama": "q4_k", "llama3": "q8_0", "qwen2": "q6_k", "qwen3": "q8_0", "mistral": "q4_k", "phi3": "q8_0",
+           "gemma2": "q6_k", "gemma3": "q4_k"}
+WINDOWS = {"mistral": [WINDOW, WINDOW], "gemma2": [WINDOW, 0], "gemma3": [WINDOW, 0]}  # per layer; others [0, 0]
 CASES = [(family, arithmetic) for family in FORMATS for arithmetic in ("exact", "int8")]
 LIMITS = Limits(max_new_tokens_cap=64, default_max_new_tokens=TOKENS, max_prompt_tokens=1024)
 MESSAGES = [[{"role": "user", "content": q["turns"][0]}] for q in load_prompts("spec_bench")[2:18:4]]
@@ -67,7 +70,7 @@ def checkpoints(tmp_path_factory):
 
     def get(family: str):
         if family not in made:
-            made[family] = _tiny(tmp_path_factory.mktemp(family), family, WINDOW if family == "mistral" else None)
+            made[family] = _tiny(tmp_path_factory.mktemp(family), family, WINDOW if family in WINDOWS else None)
         return made[family]
     return get
 
@@ -101,7 +104,7 @@ def test_the_worker_serves_the_family_on_the_native_forward(served):
     info = served.client.model_info()
     assert (info.arithmetic, info.quantize, info.kernels) == (served.arithmetic, FORMATS[served.family], "compressed")
     windows = served.worker.worker.engine.runner.native.windows
-    assert windows == ([WINDOW, WINDOW] if served.family == "mistral" else [0, 0])
+    assert windows == WINDOWS.get(served.family, [0, 0])
     if served.family == "phi3":  # split into the Llama it computes, still phi3's to the matrices
         assert info.fingerprint.startswith("phi3-")
 
@@ -115,7 +118,7 @@ def test_tr_equals_ar(served):
         assert tr.token_ids == ar.token_ids, (served.family, served.arithmetic, i)
         assert tr.text == ar.text
         assert (tr.stats.draft_mode, ar.stats.draft_mode) == ("embedded", "none")
-        if served.family == "mistral":  # decoded past the window: its first keys leave every query's view
+        if served.family in WINDOWS:  # decoded past the window: its first keys leave a sliding layer's view
             assert tr.stats.prompt_tokens > WINDOW
         warm = served.ask(i, "tr")
         assert warm.token_ids == ar.token_ids, (served.family, served.arithmetic, i, "warm")
