@@ -38,7 +38,7 @@ class TargetModel:
         self.spec = ModelSpec(self.fingerprint, self.vocab_size, config.k)
         self.max_context = self._max_context(config.max_context)
         self.prompts = PromptBuilder(self.tokenizer, self.vocab_size, tool_template(
-            self.tokenizer.chat_template, custom=config.model.chat_template is not None))
+            getattr(self.tokenizer, "chat_template", None), custom=config.model.chat_template is not None))
         self.autotuner = self._new_autotuner() if config.tree == "adaptive" else None
         best_known = config.tree_for(self.device.type, self.loaded.kernels)
         self.default_tree = self.autotuner.universe if self.autotuner else self.compile(best_known)
