@@ -274,10 +274,23 @@ def test_native_int8_with_kept_inputs_is_batch_invariant_and_builds_agree(tmp_pa
         _prefilled(bad, True, [list(range(7, 30))])
 
 
-def test_ctypes_model_struct_ends_with_the_arithmetic():
-    from trserve.engine.model.native import _Model
+def test_ctypes_model_struct_is_forward_hs_tr_model():
+    """native._Model mirrors csrc/forward.h's tr_model field by field (names, in order), the arithmetic an
+    int64: a field added on one side only would shift every field after it."""
+    import re
+    from pathlib import Path
 
-    assert _Model._fields_[-1] == ("arith", ctypes.c_int64)
+    from trserve.engine.model import native
+
+    src = (Path(native.__file__).parent / "csrc" / "forward.h").read_text()
+    end = src.index("} tr_model;")
+    body = re.sub(r"/\*.*?\*/", "", src[src.rindex("typedef struct {", 0, end) + len("typedef struct {"):end], flags=re.S)
+    names = []
+    for decl in filter(str.strip, body.split(";")):
+        first, *rest = decl.split(",")
+        names += [first.split()[-1].lstrip("*")] + [r.strip().lstrip("*") for r in rest]
+    assert [n for n, _ in native._Model._fields_] == names and len(names) > 20
+    assert ("arith", ctypes.c_int64) in native._Model._fields_
 
 
 def test_auto_arithmetic_is_int8_wherever_the_compressed_kernels_run():
