@@ -95,7 +95,8 @@ def test_phi35_longrope_takes_the_native_forward_with_the_short_factors(tmp_path
         native = NativeForward(d.loaded.model)
         pos = torch.arange(ORIGINAL)[None]
         cos, sin = stock.model.model.rotary_emb(torch.zeros(1), pos)
-        assert native._cos.shape[0] == ORIGINAL and torch.equal(native._cos, cos[0]) and torch.equal(native._sin, sin[0])
+        table_cos, table_sin = native._tables[:2]  # [P, D] each (Gemma 3's local table would follow)
+        assert table_cos.shape[0] == ORIGINAL and torch.equal(table_cos, cos[0]) and torch.equal(table_sin, sin[0])
         long_cos, _ = stock.model.model.rotary_emb(torch.zeros(1), torch.arange(ORIGINAL + 1)[None])
         assert not torch.allclose(long_cos[0, :ORIGINAL], cos[0], atol=1e-3)  # the factors do differ
         with pytest.raises(ValueError, match="past the 192 positions"):
