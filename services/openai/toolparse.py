@@ -7,7 +7,8 @@ The formats, as their chat templates teach them:
 - llama3_json (Llama 3.1-3.3): the whole reply is `<|python_tag|>`(optional) `{"name": ...,
   "parameters": {...}}`, several separated by `;`; a reply that starts otherwise is text;
 - mistral: text, then `[TOOL_CALLS]` and a JSON list `[{"name": ..., "arguments": {...}}, ...]` to the
-  end. (`<|python_tag|>` and `[TOOL_CALLS]` are special tokens that decoded text may leave out: a
+  end; or, as Mistral's newer tokenizers (v11 on) write them, `[TOOL_CALLS]name[ARGS]{...}` once per call
+  (`name[CALL_ID]id[ARGS]{...}` where the template numbers calls). (`<|python_tag|>` and `[TOOL_CALLS]` are special tokens that decoded text may leave out: a
   reply that starts with `{` (llama3_json) or `[{` (mistral) is read as if it had them.)
 
 A call that does not parse (not JSON, no name, a tool that was not offered, arguments that are not an
@@ -34,6 +35,7 @@ PARSERS = ("auto", *FORMATS, "none")  # --tool-call-parser
 MARKERS = (("<tool_call>", "hermes"), ("<|python_tag|>", "llama3_json"), ("[TOOL_CALLS]", "mistral"))
 OPEN = {"hermes": "<tool_call>", "llama3_json": "<|python_tag|>", "mistral": "[TOOL_CALLS]"}
 CLOSE = "</tool_call>"
+ARGS, CALL_ID = "[ARGS]", "[CALL_ID]"  # Mistral's newer call form (mistral_calls)
 
 
 def detect_format(template: object) -> str | None:
@@ -108,6 +110,31 @@ def json_values(text: str, sep: str = "") -> list:
             i += 1
         if sep and text.startswith(sep, i):
             i += len(sep)
+
+
+def mistral_calls(body: str) -> list:
+    """The call objects after a reply's first `[TOOL_CALLS]`: one JSON list of them, or the newer form's
+    `name[ARGS]{...}` segments (each further call after its own `[TOOL_CALLS]`); Malformed otherwise.
+
+    >>> mistral_calls('f[ARGS]{"a": 1}[TOOL_CALLS]g[CALL_ID]x7[ARGS]{}')
+    [{'name': 'f', 'arguments': {'a': 1}}, {'name': 'g', 'arguments': {}}]
+    """
+    if body.lstrip().startswith("["):
+        values = json_values(body)
+        if len(values) != 1 or not isinstance(values[0], list) or not values[0]:
+            raise Malformed("[TOOL_CALLS] must be followed by one non-empty JSON list of calls")
+        return values[0]
+    out = []
+    for segment in body.split(OPEN["mistral"]):
+        head, sep, args = segment.partition(ARGS)
+        name = head.partition(CALL_ID)[0].strip()
+        if not sep or not name:
+            raise Malformed("[TOOL_CALLS] must be followed by a JSON list of calls or by name[ARGS]{...}")
+        values = json_values(args)
+        if len(values) != 1:
+            raise Malformed(f"the call of {name[:64]!r} must have one JSON object after [ARGS]")
+        out.append({"name": name, "arguments": values[0]})
+    return out
 
 
 def _held(text: str, marker: str) -> int:
@@ -208,11 +235,8 @@ class ToolReader:
         marker (llama3_json's `{`, mistral's `[{`) that is not call-shaped JSON was plain text."""
         marked, shaped = block.lstrip().startswith(OPEN[self.fmt]) or self.fmt == "hermes", False
         try:
-            values = json_values(body, ";" if self.fmt == "llama3_json" else "")
-            if self.fmt == "mistral":
-                if len(values) != 1 or not isinstance(values[0], list) or not values[0]:
-                    raise Malformed("[TOOL_CALLS] must be followed by one non-empty JSON list of calls")
-                values = values[0]
+            values = mistral_calls(body) if self.fmt == "mistral" else \
+                json_values(body, ";" if self.fmt == "llama3_json" else "")
             shaped = isinstance(values[0], dict) and "name" in values[0]
             if not marked and not shaped:
                 content.append(self.gap + block)  # JSON the model answered with, not a call

@@ -24,6 +24,8 @@ LLAMA3 = ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris",
           '{"name": "get_time", "parameters": {"timezone": "Europe/Paris"}}')
 MISTRAL = ('Checking. [TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}}, '
            '{"name": "get_time", "arguments": {"timezone": "Europe/Paris"}}]')
+MISTRAL_V11 = ('Checking. [TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "celsius"}'
+               '[TOOL_CALLS]get_time[CALL_ID]a1B2c3D4e[ARGS]{"timezone": "Europe/Paris"}')  # tokenizers v11 on
 BOTH = [("get_weather", {"city": "Paris", "unit": "celsius"}), ("get_time", {"timezone": "Europe/Paris"})]
 
 
@@ -32,7 +34,8 @@ def calls_of(parsed) -> list[tuple[str, dict]]:
 
 
 @pytest.mark.parametrize("fmt, text, content", [("hermes", HERMES, "I will look both up."),
-                                                 ("llama3_json", LLAMA3, None), ("mistral", MISTRAL, "Checking.")])
+                                                 ("llama3_json", LLAMA3, None), ("mistral", MISTRAL, "Checking."),
+                                                 ("mistral", MISTRAL_V11, "Checking.")])
 def test_each_format_gives_its_calls_and_the_text_around_them(fmt, text, content):
     parsed = parse_reply(fmt, text, NAMES)
     assert calls_of(parsed) == BOTH and parsed.content == content and parsed.error is None
@@ -63,6 +66,10 @@ def test_variants_the_families_write(fmt, text):
     ("llama3_json", '{"name": "get_tme", "parameters": {}}'),
     ("mistral", '[TOOL_CALLS][{"name": "get_time", "arguments": {}}'),
     ("mistral", '[TOOL_CALLS]{"name": "get_time", "arguments": {}}'),  # not a list
+    ("mistral", '[TOOL_CALLS]get_time{"timezone": "UTC"}'),  # the newer form without [ARGS]
+    ("mistral", '[TOOL_CALLS]get_time[ARGS]{"timezone": "UTC"} {}'),  # two values after [ARGS]
+    ("mistral", '[TOOL_CALLS]get_tme[ARGS]{}'),  # not one of the tools
+    ("mistral", '[TOOL_CALLS][ARGS]{}'),  # no name
 ])
 def test_a_malformed_call_stays_content_and_says_why(fmt, text):
     parsed = parse_reply(fmt, text, NAMES)
@@ -76,6 +83,7 @@ def test_a_reply_without_a_call_is_its_text(fmt, text):
 
 
 @pytest.mark.parametrize("fmt, text", [("hermes", HERMES), ("llama3_json", LLAMA3), ("mistral", MISTRAL),
+                                       ("mistral", MISTRAL_V11),
                                        ("hermes", "Plain text, <tool_ no call here"),
                                        ("hermes", HERMES.replace('"celsius"}}', '"celsius"}'))])
 def test_streamed_in_any_pieces_the_reply_reads_the_same(fmt, text):
