@@ -11,6 +11,7 @@ from trserve.engine.model.kernels.qlinear import quantize_linears
 from trserve.engine.model.native import native_unsupported
 from trserve.engine.model.runner import ModelRunner, RowInput
 from tests.engine.model.test_qlinear import isa_params, needs_kernel, q4_weights, q8_weights
+from tests.engine.model.tr_ar import assert_tr_equals_ar_natively
 
 pytestmark = needs_kernel
 HIDE = torch.finfo(torch.float32).min
@@ -240,23 +241,8 @@ def test_kept_key_pairs_out_of_range_or_misshapen_are_refused(tmp_path):
 
 @pytest.mark.parametrize("arithmetic, seed", [("exact", 3), ("int8", 4)])  # seeds whose drafts get accepted
 def test_tr_equals_ar_on_the_native_forward(tmp_path, arithmetic, seed):
-    from trserve.engine import Decoder, DecoderConfig, GenerationRequest
-    from trserve.engine.model.loader import LoadedModel
-    from tests.conftest import DigitsTokenizer
-
     model = quantized_llama(tmp_path, vocab=256, seed=seed, arithmetic=arithmetic)
-    loaded = LoadedModel(model, DigitsTokenizer(), "tiny-q", "tiny", torch.device("cpu"), torch.float32,
-                         "compressed", "avx2", "native", arithmetic=arithmetic)
-    dec = Decoder(DecoderConfig(k=8), loaded=loaded)
-    assert dec.engine.runner.forward_kind == "native"
-    accepted = []
-    for seed in range(3):
-        ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(seed)).tolist()
-        ar = dec.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="ar", ignore_eos=True))
-        tr = dec.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="tr", ignore_eos=True))
-        assert tr.ids == ar.ids  # exactly: no near-tie allowance on the native forward
-        accepted.append(tr.stats.mat)
-    assert max(accepted) > 1.2, f"drafts were hardly accepted ({accepted}): the test would not test trees"
+    assert_tr_equals_ar_natively(model, "tiny-q", arithmetic)
 
 
 def test_decode_loops_on_the_native_forward_keep_torch_single_threaded():

@@ -18,6 +18,7 @@ from trserve.engine.model.runner import ModelRunner
 from tests.engine.model.test_native import HIDE, _prefilled, _row
 from tests.engine.model.test_native_sliding import _kl
 from tests.engine.model.test_qlinear import isa_params, needs_kernel, q4_weights, q8_weights
+from tests.engine.model.tr_ar import assert_tr_equals_ar_natively
 
 pytestmark = needs_kernel
 TYPES = ["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"]
@@ -189,23 +190,8 @@ def test_gemma_isa_builds_give_the_same_bits(tmp_path, isa, gen, arithmetic, key
 # seeds whose drafts get accepted (exact: 1.77 and 1.95 at best, of 3 prompts)
 @pytest.mark.parametrize("gen, arithmetic, seed", [(3, "exact", 4), (3, "int8", 4), (2, "exact", 1), (2, "int8", 1)])
 def test_gemma_tr_equals_ar_past_the_window(tmp_path, gen, arithmetic, seed):
-    from trserve.engine import Decoder, DecoderConfig, GenerationRequest
-    from trserve.engine.model.loader import LoadedModel
-    from tests.conftest import DigitsTokenizer
-
     model = quantized_gemma(tmp_path, gen, seed=seed, arithmetic=arithmetic)
-    loaded = LoadedModel(model, DigitsTokenizer(), f"tiny-gemma{gen}", "tiny", torch.device("cpu"), torch.float32,
-                         "compressed", "avx2", "native", arithmetic=arithmetic)
-    dec = Decoder(DecoderConfig(k=8), loaded=loaded)
-    assert dec.engine.runner.forward_kind == "native"
-    accepted = []
-    for s in range(3):
-        ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(s)).tolist()
-        ar = dec.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="ar", ignore_eos=True))
-        tr = dec.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="tr", ignore_eos=True))
-        assert tr.ids == ar.ids  # exactly: no near-tie allowance on the native forward
-        accepted.append(tr.stats.mat)
-    assert max(accepted) > 1.2, f"drafts were hardly accepted ({accepted}): the test would not test trees"
+    assert_tr_equals_ar_natively(model, f"tiny-gemma{gen}", arithmetic, prompt_len=40)
 
 
 def test_gemma_variants_the_forward_does_not_compute_are_refused(tmp_path):

@@ -13,6 +13,7 @@ from trserve.engine.model.kernels.qlinear import quantize_linears
 from trserve.engine.model.native import native_unsupported
 from tests.engine.model.test_native import HIDE, _prefilled, _row
 from tests.engine.model.test_qlinear import isa_params, needs_kernel, q4_weights, q8_weights
+from tests.engine.model.tr_ar import assert_tr_equals_ar_natively
 
 pytestmark = needs_kernel
 
@@ -136,23 +137,8 @@ def test_qwen3_isa_builds_give_the_same_bits(tmp_path, isa, arithmetic, head_dim
 
 @pytest.mark.parametrize("arithmetic, seed", [("exact", 3), ("int8", 3)])  # seeds whose drafts get accepted (~1.8)
 def test_qwen3_tr_equals_ar_on_the_native_forward(tmp_path, arithmetic, seed):
-    from trserve.engine import Decoder, DecoderConfig, GenerationRequest
-    from trserve.engine.model.loader import LoadedModel
-    from tests.conftest import DigitsTokenizer
-
     model = quantized_qwen3(tmp_path, seed=seed, arithmetic=arithmetic)
-    loaded = LoadedModel(model, DigitsTokenizer(), "tiny-qwen3", "tiny", torch.device("cpu"), torch.float32,
-                         "compressed", "avx2", "native", arithmetic=arithmetic)
-    dec = Decoder(DecoderConfig(k=8), loaded=loaded)
-    assert dec.engine.runner.forward_kind == "native"
-    accepted = []
-    for s in range(3):
-        ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(s)).tolist()
-        ar = dec.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="ar", ignore_eos=True))
-        tr = dec.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="tr", ignore_eos=True))
-        assert tr.ids == ar.ids  # exactly: no near-tie allowance on the native forward
-        accepted.append(tr.stats.mat)
-    assert max(accepted) > 1.2, f"drafts were hardly accepted ({accepted}): the test would not test trees"
+    assert_tr_equals_ar_natively(model, "tiny-qwen3", arithmetic)
 
 
 def test_qwen3_with_windows_it_cannot_mirror_or_other_qk_norms_keeps_transformers_forward(tmp_path):

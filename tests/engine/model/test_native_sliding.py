@@ -17,6 +17,7 @@ from trserve.engine.model.native import layer_windows, native_unsupported
 from trserve.engine.model.runner import ModelRunner
 from tests.engine.model.test_native import HIDE, _prefilled, _row
 from tests.engine.model.test_qlinear import isa_params, needs_kernel, q4_weights, q8_weights
+from tests.engine.model.tr_ar import assert_tr_equals_ar_natively
 
 pytestmark = needs_kernel
 WINDOWS = {"mistral": [8, 8], "qwen2": [0, 12], "qwen3": [0, 12]}
@@ -233,23 +234,8 @@ def test_isa_builds_give_the_same_bits_with_windows(tmp_path, isa, arch, arithme
 @pytest.mark.parametrize("arch, arithmetic, seed", [("mistral", "exact", 3), ("mistral", "int8", 3),
                                                     ("qwen2", "exact", 7), ("qwen2", "int8", 7)])
 def test_tr_equals_ar_past_the_window(tmp_path, arch, arithmetic, seed):
-    from trserve.engine import Decoder, DecoderConfig, GenerationRequest
-    from trserve.engine.model.loader import LoadedModel
-    from tests.conftest import DigitsTokenizer
-
     model = quantized_windowed(tmp_path, arch, seed=seed, arithmetic=arithmetic)
-    loaded = LoadedModel(model, DigitsTokenizer(), f"tiny-{arch}", "tiny", torch.device("cpu"), torch.float32,
-                         "compressed", "avx2", "native", arithmetic=arithmetic)
-    dec = Decoder(DecoderConfig(k=8), loaded=loaded)
-    assert dec.engine.runner.forward_kind == "native"
-    accepted = []
-    for s in range(3):
-        ids = torch.randint(0, 256, (40,), generator=torch.Generator().manual_seed(s)).tolist()
-        ar = dec.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="ar", ignore_eos=True))
-        tr = dec.generate(GenerationRequest(input_ids=ids, max_new_tokens=40, mode="tr", ignore_eos=True))
-        assert tr.ids == ar.ids  # exactly: no near-tie allowance on the native forward
-        accepted.append(tr.stats.mat)
-    assert max(accepted) > 1.2, f"drafts were hardly accepted ({accepted}): the test would not test trees"
+    assert_tr_equals_ar_natively(model, f"tiny-{arch}", arithmetic, prompt_len=40)
 
 
 def test_transformers_forward_keeps_refusing_sliding_windows(tmp_path):
