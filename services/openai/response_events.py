@@ -1,5 +1,7 @@
 """A Response's output items and its streamed events (`POST /v1/responses`, responses.py), written from
-the chat completion chunks the app already makes (convert.py:ChunkWriter): a chunk's text opens a
+the chat completion chunks the app already makes (convert.py:ChunkWriter; split by the reasoning parser
+where one is set: reasoning.py): a chunk's reasoning_content opens a reasoning item (its
+response.reasoning_text.delta events; closed by the first answer text or call), a chunk's text opens a
 message item (response.output_item.added, response.content_part.added) and goes out as
 response.output_text.delta; a tool call closes the open message (its output_text.done,
 content_part.done, output_item.done) and goes out whole as a function_call item (added, its
@@ -20,6 +22,13 @@ def message_item(item_id: str, text: str | None, status: str) -> dict:
     """An assistant message item; `text` None: just opened (no content part yet)."""
     content = [] if text is None else [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
     return {"type": "message", "id": item_id, "role": "assistant", "status": status, "content": content}
+
+
+def reasoning_item(item_id: str, text: str | None, status: str) -> dict:
+    """A reasoning item (the model's reasoning, as --reasoning-parser splits it from the answer); `text`
+    None: just opened (no content yet)."""
+    content = [] if text is None else [{"type": "reasoning_text", "text": text}]
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def call_item(call: dict) -> dict:
@@ -53,6 +62,8 @@ class EventWriter:
     sequence: int = 0
     text: str | None = None  # the open message item's text so far (None: no message open)
     message_id: str = ""
+    reasoning: str | None = None  # the open reasoning item's text so far (None: none open)
+    reasoning_id: str = ""
 
     def snapshot(self, status: str, usage: dict | None = None) -> dict:
         """The Response as it stands: `status` in_progress, completed or incomplete (max_output_tokens)."""
@@ -73,18 +84,44 @@ class EventWriter:
                 self.event("response.in_progress", response=response)]
 
     def chunk(self, chunk: dict) -> list[str]:
-        """The events of one chat completion chunk: its text, then its tool calls (each whole)."""
+        """The events of one chat completion chunk: its reasoning, its text, then its tool calls (each whole)."""
         out: list[str] = []
         for choice in chunk["choices"]:
             delta = choice.get("delta") or {}
+            if delta.get("reasoning_content"):
+                out += self._reasoning(delta["reasoning_content"])
             if delta.get("content"):
                 out += self._text(delta["content"])
             for call in delta.get("tool_calls") or ():
                 out += self._call(call)
         return out
 
-    def _text(self, text: str) -> list[str]:
+    def _reasoning(self, text: str) -> list[str]:
         out, index = [], len(self.output)
+        if self.reasoning is None:
+            self.reasoning, self.reasoning_id = "", "rs_" + uuid.uuid4().hex
+            out.append(self.event("response.output_item.added", output_index=index,
+                                  item=reasoning_item(self.reasoning_id, None, "in_progress")))
+        self.reasoning += text
+        out.append(self.event("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=index,
+                              content_index=0, delta=text))
+        return out
+
+    def _close_reasoning(self, status: str = "completed") -> list[str]:
+        """The open reasoning item's last events (none where none is open)."""
+        if self.reasoning is None:
+            return []
+        index, item = len(self.output), reasoning_item(self.reasoning_id, self.reasoning, status)
+        out = [self.event("response.reasoning_text.done", item_id=self.reasoning_id, output_index=index,
+                          content_index=0, text=self.reasoning),
+               self.event("response.output_item.done", output_index=index, item=item)]
+        self.output.append(item)
+        self.reasoning = None
+        return out
+
+    def _text(self, text: str) -> list[str]:
+        out = self._close_reasoning()
+        index = len(self.output)
         if self.text is None:
             self.text, self.message_id = "", "msg_" + uuid.uuid4().hex
             out.append(self.event("response.output_item.added", output_index=index,
@@ -111,7 +148,7 @@ class EventWriter:
         return out
 
     def _call(self, call: dict) -> list[str]:
-        out = self._close_text()
+        out = self._close_reasoning() + self._close_text()
         index, item = len(self.output), call_item(call)
         out += [self.event("response.output_item.added", output_index=index,
                            item={**item, "arguments": "", "status": "in_progress"}),
@@ -126,8 +163,10 @@ class EventWriter:
     def finish(self, cut: bool, usage: dict, extras: dict) -> list[str]:
         """The last events: the open message closed (an empty one where the reply wrote nothing), then
         response.completed, or response.incomplete where `cut` (by max_output_tokens)."""
-        out = self._text("") if self.text is None and not self.output else []
-        out += self._close_text("incomplete" if cut else "completed")
+        status = "incomplete" if cut else "completed"
+        out = self._close_reasoning(status)
+        out += self._text("") if self.text is None and not any(i["type"] != "reasoning" for i in self.output) else []
+        out += self._close_text(status)
         response = self.snapshot("incomplete" if cut else "completed", usage)
         response["trserve"] = extras
         return out + [self.event("response.incomplete" if cut else "response.completed", response=response)]

@@ -21,7 +21,7 @@ from ...engine.results import StepChunk
 from . import convert
 from .errors import BadParam, ClientGone, HttpDeadline
 from .errors import error_body as chat_error_body
-from .response_events import EventWriter, call_item, message_item, responses_usage
+from .response_events import EventWriter, call_item, message_item, reasoning_item, responses_usage
 from .streams import first_items, merged
 from ..worker.front import StreamEnd
 
@@ -82,9 +82,10 @@ def _check_fields(body: dict) -> None:
 
 
 def input_messages(items: object) -> list[dict]:
-    """`input` (a string: one user turn; or a list of message, function_call and function_call_output
-    items) as chat messages: consecutive function_call items are one assistant turn's tool_calls, each
-    function_call_output a tool turn."""
+    """`input` (a string: one user turn; or a list of message, function_call, function_call_output and
+    reasoning items) as chat messages: consecutive function_call items are one assistant turn's
+    tool_calls, each function_call_output a tool turn; a reasoning item (an earlier reply's, sent back as
+    the Responses API asks) is left out, as reasoning models' templates drop earlier turns' reasoning."""
     if isinstance(items, str):
         return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
@@ -107,14 +108,19 @@ def input_messages(items: object) -> list[dict]:
                 out[-1]["tool_calls"].append(call)
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "reasoning":
+            continue
         elif kind == "function_call_output":
             if not isinstance(item.get("call_id"), str):
                 raise BadParam(f"input[{i}]: a function_call_output item needs its call_id", f"input[{i}]")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _text(item.get("output"), f"input[{i}].output")})
         else:
-            raise BadParam(f"input[{i}] must be a message, function_call or function_call_output item, got "
-                           f"type {kind!r}", f"input[{i}].type")
+            raise BadParam(f"input[{i}] must be a message, function_call, function_call_output or reasoning item, "
+                           f"got type {kind!r}", f"input[{i}].type")
+    if not out:
+        raise BadParam("input has no message, function_call or function_call_output item (reasoning items are "
+                       "left out of the prompt)", "input")
     return out
 
 
@@ -177,13 +183,16 @@ def echoed(body: dict) -> dict:
 
 
 def from_chat(chat: dict, writer: EventWriter) -> dict:
-    """A unary chat completion (convert.completion) as the Response: the message's text as a message item,
-    each tool call a function_call item; cut by the length: status incomplete (max_output_tokens)."""
+    """A unary chat completion (convert.completion) as the Response: its reasoning (where the reasoning
+    parser split one off) as a reasoning item, the message's text as a message item, each tool call a
+    function_call item; cut by the length: status incomplete (max_output_tokens)."""
     choice = chat["choices"][0]
     message, status = choice["message"], "incomplete" if choice["finish_reason"] == "length" else "completed"
-    output = [message_item("msg_" + uuid.uuid4().hex, message["content"], status)] if message.get("content") else []
+    thought = message.get("reasoning_content")
+    output = [reasoning_item("rs_" + uuid.uuid4().hex, thought, status)] if thought else []
+    output += [message_item("msg_" + uuid.uuid4().hex, message["content"], status)] if message.get("content") else []
     output += [call_item(c) for c in message.get("tool_calls") or ()]
-    if not output:
+    if not any(item["type"] != "reasoning" for item in output):
         output.append(message_item("msg_" + uuid.uuid4().hex, "", status))
     writer.output = output
     out = writer.snapshot(status, responses_usage(chat["usage"]))
@@ -217,13 +226,14 @@ class Responses:
         request.state.tenant = done.call.tenant
         request.state.tokens = (done.result.stats.prompt_tokens, done.result.stats.generated_tokens)
         chat = convert.completion(req, [done.result], done.queue_s, app.fingerprint, app.vocab, done.call.tenant)
-        return JSONResponse(from_chat(chat, writer))
+        return JSONResponse(from_chat(await app.reasoning.answer(req, chat), writer))
 
     async def _stream(self, req: convert.OpenAIRequest, writer: EventWriter, deadline, state) -> Response:
         """Waits for the first chunk (after the prefill), so refusals are still plain HTTP errors."""
         streams = [self.app.door.stream(req.ask, deadline)]
         firsts = await first_items(streams)
-        chunks = convert.ChunkWriter.of(req, self.app.fingerprint, self.app.vocab)
+        chunks = (await self.app.reasoning.writers(req, convert.ChunkWriter.of(req, self.app.fingerprint,
+                                                                               self.app.vocab), 1))[0]
         return StreamingResponse(self._events(chunks, writer, merged(streams, firsts, StreamEnd), state),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache",
                                                                           "X-Accel-Buffering": "no"})

@@ -8,10 +8,6 @@ and streamed, with the generated tokens those of plain decoding."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -25,7 +21,7 @@ from trserve.services.openai.reasoning_parsers import THINK
 from trserve.v1 import generate_pb2 as pb
 from trserve.v1 import generate_pb2_grpc
 from trserve_client import Client, build_request
-from tests.services.openai.test_openai_api import free_port
+from tests.services.openai.served import serving
 
 REPO = Path(__file__).resolve().parents[3]
 TEMPLATE = ("{%- if count is defined %}{% for i in range(count) %}.{% endfor %}{% endif %}"
@@ -46,23 +42,8 @@ def server(tmp_path_factory):
     """(gRPC address, OpenAI base URL)."""
     tmp = tmp_path_factory.mktemp("reasoning")
     (tmp / "think.jinja").write_text(TEMPLATE)
-    log = (tmp / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "trserve.services.cli", "serve", "--port", "0", "--metrics-port",
-                             "-1", "--http-port", str(free_port()), "--chat-template", str(tmp / "think.jinja")],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True,
-                            env={**os.environ, "TRSERVE_REASONING_PARSER": "think"})
-    try:
-        grpc_line, http_line = proc.stdout.readline(), proc.stdout.readline()
-        assert grpc_line.startswith("trserve listening on 127.0.0.1:"), (grpc_line, (tmp / "serve.log").read_text())
-        yield grpc_line.split()[-1], http_line.split()[-1]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    with serving(tmp, "--chat-template", str(tmp / "think.jinja"), env={"TRSERVE_REASONING_PARSER": "think"}) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +115,33 @@ def test_reasoning_content_unary_and_streamed_with_the_openai_package(client, gr
     first_content = next(i for i, (_, c) in enumerate(deltas) if c)
     assert not any(r for r, _ in deltas[first_content + 1:])  # reasoning first, then the answer
     assert all("</think>" not in (r or "") + (c or "") for r, c in deltas)
+
+
+def test_responses_carry_the_reasoning_as_a_reasoning_item_unary_and_streamed(client, model_id):
+    """/v1/responses with the reasoning parser: what a chat completion gives as reasoning_content is a
+    reasoning item before the message, streamed as response.reasoning_text.delta events before any answer
+    text; the same tokens as the chat completion's; a reasoning item sent back in input is accepted."""
+    chat = client.chat.completions.create(model=model_id, messages=COPY[:1], max_tokens=40, temperature=0)
+    message = chat.choices[0].message
+    assert message.reasoning_content  # the template opens the reasoning: the reasoning item is exercised
+    reply = client.responses.create(model=model_id, input=COPY[0]["content"], max_output_tokens=40, temperature=0)
+    assert reply.output[0].type == "reasoning" and reply.output[0].content[0].text == message.reasoning_content
+    assert [i.type for i in reply.output[1:]] == ["message"] and reply.output_text == (message.content or "")
+    assert reply.model_extra["trserve"]["token_ids"] == chat.model_extra["trserve"]["token_ids"]
+    with client.responses.stream(model=model_id, input=COPY[0]["content"], max_output_tokens=40,
+                                 temperature=0) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == message.reasoning_content
+    first_text = next((i for i, e in enumerate(events) if e.type == "response.output_text.delta" and e.delta),
+                      len(events))
+    assert not any(e.type.startswith("response.reasoning_text") for e in events[first_text:])
+    assert [i.type for i in final.output] == [i.type for i in reply.output]
+    assert final.output[0].content[0].text == message.reasoning_content and final.output_text == reply.output_text
+    turns = [{"role": "user", "content": COPY[0]["content"]}, *(i.model_dump(exclude_none=True) for i in reply.output),
+             {"role": "user", "content": "Thanks."}]
+    again = client.responses.create(model=model_id, input=turns, max_output_tokens=4, temperature=0)
+    assert again.status in ("completed", "incomplete") and again.output[0].type == "reasoning"
 
 
 def test_a_reply_cut_inside_its_reasoning_has_no_content(client, model_id):

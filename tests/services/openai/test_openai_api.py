@@ -5,29 +5,20 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import openai
 import pytest
 
 from trserve_client import Client
 
-REPO = Path(__file__).resolve().parents[3]
+from .served import serving
+
 TOKENS = {"alice": "alice-token-0123456789abcdef", "bob": "bob-token-0123456789abcdef"}
 CHAT = [{"role": "user", "content": "Write one sentence about the ocean."}]
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -35,23 +26,8 @@ def server(tmp_path_factory):
     """A `trserve serve` process: (gRPC address, OpenAI base URL, its log file)."""
     tmp = tmp_path_factory.mktemp("openai")
     (tmp / "tokens.json").write_text(json.dumps(TOKENS))
-    log = (tmp / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "trserve.services.cli", "serve", "--port", "0", "--metrics-port", "-1",
-                             "--http-port", str(free_port()), "--tenant-tokens", str(tmp / "tokens.json")],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        grpc_line, http_line = proc.stdout.readline(), proc.stdout.readline()
-        assert grpc_line.startswith("trserve listening on 127.0.0.1:"), (grpc_line, (tmp / "serve.log").read_text())
-        assert http_line.startswith("trserve OpenAI API on http://127.0.0.1:"), http_line
-        yield grpc_line.split()[-1], http_line.split()[-1], tmp / "serve.log"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    with serving(tmp, "--tenant-tokens", str(tmp / "tokens.json")) as (grpc_address, base_url):
+        yield grpc_address, base_url, tmp / "serve.log"
 
 
 @pytest.fixture(scope="module")

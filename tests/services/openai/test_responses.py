@@ -175,7 +175,8 @@ def post(base: str, body: dict) -> tuple[int, dict]:
     ({"previous_response_id": "resp_123"}, "previous_response_id"),
     ({"input": [{"type": "message", "role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
      "input[0].content"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "image_generation_call", "id": "ig_1"}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": []}]}, "input"),  # left out: nothing remains
     ({"input": []}, "input"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format"),

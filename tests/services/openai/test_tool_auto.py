@@ -8,15 +8,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import subprocess
-import sys
 import urllib.request
 
 import openai
 import pytest
 
-from .test_openai_api import REPO, free_port
+from .served import serving
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -63,22 +60,8 @@ def check_args(name: str, arguments: str) -> dict:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`trserve serve` with the bundled model and its default tool parser (auto): the OpenAI base URL."""
-    log = (tmp_path_factory.mktemp("tools") / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "trserve.services.cli", "serve", "--port", "0", "--metrics-port", "-1",
-                             "--http-port", str(free_port())], cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        proc.stdout.readline()
-        http_line = proc.stdout.readline()
-        assert http_line.startswith("trserve OpenAI API on http://127.0.0.1:"), http_line
-        yield http_line.split()[-1]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
+    with serving(tmp_path_factory.mktemp("tools")) as (_, base_url):
+        yield base_url
 
 
 @pytest.fixture(scope="module")
@@ -181,13 +164,7 @@ def test_a_custom_template_s_format_is_recognised_and_read(tmp_path):
     """`--chat-template` wins over the shipped one; its format (llama3_json here) is recognised and the
     reply read in it: whatever the model writes is valid calls or content (a malformed call says so)."""
     (tmp_path / "llama3.jinja").write_text(LLAMA3_TEMPLATE)
-    log = (tmp_path / "serve.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "trserve.services.cli", "serve", "--port", "0", "--metrics-port", "-1",
-                             "--http-port", str(free_port()), "--chat-template", str(tmp_path / "llama3.jinja")],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=log, text=True)
-    try:
-        proc.stdout.readline()
-        base = proc.stdout.readline().split()[-1]
+    with serving(tmp_path, "--chat-template", str(tmp_path / "llama3.jinja")) as (_, base):
         client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
         for question in ("What is the weather in Paris, in celsius?", "Tell me a joke."):
@@ -205,7 +182,3 @@ def test_a_custom_template_s_format_is_recognised_and_read(tmp_path):
         root = base.removesuffix("/v1")
         prompt = post(root + "/tokenize", {"messages": [{"role": "user", "content": "x"}]})
         assert "<|start_header_id|>" in post(root + "/detokenize", {"tokens": prompt["tokens"]})["prompt"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-        log.close()
