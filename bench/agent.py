@@ -9,8 +9,9 @@ bundled model, and an opened call is held to the tools' schemas by the grammar) 
 the server's own parser (services/openai/tools.py:auto_choice). Each parsed call runs locally, its
 result goes back as a `tool` message and the conversation continues, until the model answers with
 content or the question's turn limit; then the task's next question, in the same conversation. A
-conversation starts with the task file's shots (three earlier call, result, answer loops), as an
-agent's history would (the 135M model calls tools once it has seen calls in its conversation).
+conversation starts with the task file's shots, as an agent's history would: three earlier call,
+result, answer loops, then three questions answered by a call (the 135M model calls tools once it has
+seen calls; with the loops only, it imitates their `<tool_response>` text instead of calling).
 
 Every model call runs in both modes, `tr` and `ar`, on the same messages, the order alternating turn
 by turn, each mode its own batching engine and tenant (its own matrix and prefix cache, hot across the
