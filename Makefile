@@ -64,6 +64,11 @@ tools:
 bench: proto
 	$(VENV)/bin/trserve bench $(BENCH_ARGS)
 
+# the agent workload (bench/agent.py): tool-calling conversations, tr against ar, ids compared every turn
+.PHONY: bench-agent
+bench-agent: proto
+	$(VENV)/bin/trserve bench --agent $(BENCH_ARGS)
+
 # The peers' engines too: llama-cpp-python builds llama.cpp from source (~9 minutes once on 2 cores),
 # and llama.cpp's own server is built with cmake from the llama.cpp inside that package's sdist
 # (`make llama-server`, once, into ~/.cache/trserve/llama-server/, with llama-bench and llama-quantize

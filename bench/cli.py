@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..core.datasets import PROMPT_SETS, prompt_file
+from ..core.datasets import PROMPT_SETS, agent_file, prompt_file
 from ..engine.model.choices import ARITHMETIC_CHOICES, QUANTIZE_CHOICES
 
 DEFAULT_PROMPTS = str(prompt_file("spec_bench"))  # bundled with the repository (core/data/)
@@ -74,6 +74,10 @@ def _instead(p) -> None:
     p.add_argument("--structured", action="store_true",
                    help="structured output instead: the bundled JSON Schema extraction set under ar, tr and tr without "
                         "grammar-aware drafting, one request at a time (bench-results/structured.json)")
+    p.add_argument("--agent", action="store_true",
+                   help="the agent workload instead: the bundled tool-calling conversations (core/data/agent/), each "
+                        "call run locally and its result fed back, under tr and ar, ids compared on every turn; "
+                        "--prompts: another task file (bench-results/agent.json)")
     p.add_argument("--fair-prefill", action="store_true",
                    help="the fairness workload instead: a real `trserve serve`, three concurrent scoring completions "
                         "of a 3,236-token prompt from one tenant and another tenant's short chat beside them; the "
@@ -110,6 +114,8 @@ def _run(args) -> int:
                                         arithmetic=args.arithmetic, threads=args.threads,
                                         json_path=args.json or "bench-results/structured.json", model=args.model))
         return 0
+    if args.agent:
+        return _run_agent(args)
     if args.files:
         from .files import FilesConfig, run_files
 
@@ -135,6 +141,23 @@ def _run(args) -> int:
         temperature=args.temperature, forward=args.forward, gguf=args.gguf, warm_per_category=args.warm_per_category,
     )
     run_bench(config)
+    return 0
+
+
+def _run_agent(args) -> int:
+    """The agent workload; exit status 1 where tr's ids differ from ar's on any turn."""
+    import sys
+
+    from .agent import AgentConfig, run_agent
+
+    path = args.json or "bench-results/agent.json"
+    report = run_agent(AgentConfig(tasks=args.prompts or str(agent_file()), max_new_tokens=args.max_new_tokens,
+                                   kernels=args.kernels, arithmetic=args.arithmetic, threads=args.threads,
+                                   json_path=path, model=args.model))
+    if report["mismatches"]:
+        print(f"trserve bench --agent: LOSSLESS CHECK FAILED, tr's ids differ from ar's on "
+              f"{len(report['mismatches'])} turns ({path} lists them)", file=sys.stderr)
+        return 1
     return 0
 
 

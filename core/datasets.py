@@ -7,6 +7,7 @@ from pathlib import Path
 
 DATA_DIR = Path(__file__).resolve().parent / "data"
 PROMPT_SETS = ("spec_bench", "mbpp", "repetitive", "structured")
+AGENT_TASKS = DATA_DIR / "agent" / "tasks.json"  # `trserve bench --agent`'s conversations and tools
 
 
 def prompt_file(name: str = "spec_bench") -> Path:
@@ -14,3 +15,8 @@ def prompt_file(name: str = "spec_bench") -> Path:
     if name not in PROMPT_SETS:
         raise ValueError(f"unknown prompt set {name!r}; bundled: {', '.join(PROMPT_SETS)}")
     return DATA_DIR / name / "dev.jsonl"
+
+
+def agent_file() -> Path:
+    """The bundled agent workload: its tools, their data and its tasks (bench/agent_tools.py reads it)."""
+    return AGENT_TASKS

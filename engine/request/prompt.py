@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 
@@ -95,6 +96,9 @@ class PromptBuilder:
         if tools:  # the template that renders them (a ChatML model's own may have no tool format)
             if self.tool_template is None:
                 raise InvalidArgument("this model has no chat template to describe tools with")
+            if any(t in json.dumps(list(tools), ensure_ascii=False) for t in self.control_texts):
+                raise InvalidArgument("tools spell the model's control tokens (e.g. <|im_end|>) in a name, "
+                                      "description or schema; remove them")
             extra.update(tools=list(tools), chat_template=self.tool_template)
         try:
             return self.tokenizer.apply_chat_template(messages, add_generation_prompt=chat.add_generation_prompt,

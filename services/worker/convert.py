@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from ...core.errors import InvalidArgument
 from ...engine.request.chat import ChatOptions, chat_options_from_json
+from ...engine.request.tools import tools_from_json
 from ...engine.results import GenerationResult, GenerationStats, StepChunk
 from ...engine.runtime import RuntimeInfo
 from ...engine.tr.grammar import StructuredOutput
@@ -35,7 +36,7 @@ MODES = {pb.DECODING_MODE_UNSPECIFIED: "tr", pb.DECODING_MODE_TR: "tr", pb.DECOD
 
 
 def ask_from_pb(req: pb.GenerateRequest) -> Ask:
-    text, messages, token_ids, chat = _input_from_pb(req)
+    text, messages, token_ids, chat, tools = _input_from_pb(req)
     if req.mode not in MODES:
         raise InvalidArgument(f"mode {req.mode} is unknown; use DECODING_MODE_TR (default) or DECODING_MODE_AR")
     options = dict(
@@ -46,7 +47,7 @@ def ask_from_pb(req: pb.GenerateRequest) -> Ask:
         logit_bias=tuple(sorted(req.logit_bias.items())), min_tokens=int(req.min_tokens),
         repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
         frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
-        structured=_structured_from_pb(req), chat=chat,
+        structured=_structured_from_pb(req), chat=chat, tools=tools,
     )
     return Ask(options, tenant=req.tenant or None, domain=req.domain if req.HasField("domain") else None,
                max_new_tokens=req.max_new_tokens if req.HasField("max_new_tokens") else None,
@@ -87,20 +88,23 @@ def logprobs_to_pb(logprobs) -> list[pb.TokenLogprob]:
                             top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in lp.top]) for lp in logprobs or ()]
 
 
-def _input_from_pb(req) -> tuple[str | None, list[dict] | None, list[int] | None, ChatOptions | None]:
-    """(text, messages, token_ids, chat options) of a GenerateRequest or TokenizeRequest; exactly one of the
-    first three is not None; the chat options only with messages, None where all are their defaults."""
+def _input_from_pb(req) -> tuple[str | None, list[dict] | None, list[int] | None, ChatOptions | None,
+                                 tuple[dict, ...] | None]:
+    """(text, messages, token_ids, chat options, tools) of a GenerateRequest or TokenizeRequest; exactly one
+    of the first three is not None; the chat options and tools only with messages, None where all are their
+    defaults / where there are none."""
     kind = req.WhichOneof("input")
     if kind is None:
         raise InvalidArgument("no prompt: set one of text, messages or token_ids")
     if kind == "text":
-        return req.text, None, None, None
+        return req.text, None, None, None, None
     if kind == "messages":
         m = req.messages
         chat = chat_options_from_json(m.chat_template_kwargs, m.add_generation_prompt if m.HasField(
             "add_generation_prompt") else True, m.continue_final_message)
-        return None, [{"role": t.role, "content": t.content} for t in m.messages], None, chat
-    return None, None, list(req.token_ids.ids), None
+        return None, [{"role": t.role, "content": t.content} for t in m.messages], None, chat, \
+            tools_from_json(m.tools)
+    return None, None, list(req.token_ids.ids), None, None
 
 
 def _sampling_from_pb(s: pb.SamplingParams) -> SamplingParams | None:
@@ -113,9 +117,10 @@ def _sampling_from_pb(s: pb.SamplingParams) -> SamplingParams | None:
     return None if params.greedy else params
 
 
-def tokenize_input_from_pb(req: pb.TokenizeRequest) -> tuple[str | None, list[dict] | None, ChatOptions | None]:
-    text, messages, _, chat = _input_from_pb(req)
-    return text, messages, chat
+def tokenize_input_from_pb(req: pb.TokenizeRequest) -> tuple[str | None, list[dict] | None, ChatOptions | None,
+                                                              tuple[dict, ...] | None]:
+    text, messages, _, chat, tools = _input_from_pb(req)
+    return text, messages, chat, tools
 
 
 def stats_to_pb(stats: GenerationStats, queue_s: float) -> pb.GenerationStats:

@@ -155,11 +155,13 @@ class FrontDoor:
                                     len(held.sent), len(item.text))
                     yield StreamEnd(item, call.queue_s, call.call, held.sent, call.drained)
 
-    async def tokenize(self, text: str | None, messages: list[dict] | None, chat: ChatOptions | None = None) -> list[int]:
-        """The ids a text or chat prompt becomes, as Generate would see them (gRPC Tokenize, HTTP /tokenize)."""
+    async def tokenize(self, text: str | None, messages: list[dict] | None, chat: ChatOptions | None = None,
+                       tools: tuple[dict, ...] | None = None) -> list[int]:
+        """The ids a text or chat prompt becomes, as Generate would see them (gRPC Tokenize, HTTP /tokenize);
+        `tools`: described by the chat template (gRPC ChatMessages.tools)."""
         with self.admission.call():
             check_prompt_size(text, messages, None, self.limits)
-            return await asyncio.to_thread(self._prompt_ids, text, messages, chat)
+            return await asyncio.to_thread(self._prompt_ids, text, messages, chat, tools)
 
     async def detokenize(self, ids: list[int]) -> str:
         """The text of token ids (HTTP /detokenize); InvalidArgument for an id outside the vocabulary."""
@@ -304,9 +306,10 @@ class FrontDoor:
         tuner = self.tuners.get(call.tenant) if self.tuners is not None and call.request.uses_default_tree else None
         return prepared, tuner
 
-    def _prompt_ids(self, text: str | None, messages: list[dict] | None, chat: ChatOptions | None) -> list[int]:
+    def _prompt_ids(self, text: str | None, messages: list[dict] | None, chat: ChatOptions | None,
+                    tools: tuple[dict, ...] | None = None) -> list[int]:
         with self._tokenizer_lock:
-            ids = self.decoder.prompts.build(text, messages, None, chat)
+            ids = self.decoder.prompts.build(text, messages, None, chat, tools)
         check_prompt_length(len(ids), self.limits)
         return ids
 

@@ -168,3 +168,8 @@ def test_build_request_sets_the_chat_template_fields() -> None:
     assert tokenize_request(None, turns, chat_template_kwargs={"a": 1}).messages.chat_template_kwargs == '{"a": 1}'
     with pytest.raises(ValueError, match="need messages"):
         build_request("Hi", chat_template_kwargs={"enable_thinking": False})
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    assert json.loads(build_request(messages=turns, tools=[tool]).messages.tools) == [tool]
+    assert json.loads(tokenize_request(None, turns, tools=[tool]).messages.tools) == [tool] and plain.tools == ""
+    with pytest.raises(ValueError, match="need messages"):
+        build_request("Hi", tools=[tool])

@@ -85,14 +85,15 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict] | None 
                   min_p: float = 0.0, seed: int | None = None, mode: str | None = None, tree: str = "",
                   return_token_ids: bool = False, logprobs: bool = False, top_logprobs: int = 0,
                   ignore_eos: bool = False, min_tokens: int = 0, chat_template_kwargs: dict | None = None,
-                  continue_final_message: bool = False,
-                  add_generation_prompt: bool | None = None) -> pb.GenerateRequest:
+                  continue_final_message: bool = False, add_generation_prompt: bool | None = None,
+                  tools: Sequence[dict] | None = None) -> pb.GenerateRequest:
     """A GenerateRequest; give exactly one of prompt (raw text), messages (chat turns), token_ids.
     `max_tokens` is OpenAI's name for `max_new_tokens` (give one). `ignore_eos`: decode through the
     model's end-of-sequence ids (fixed-length output); `min_tokens`: none of them among the first N.
     With messages, vLLM's: `chat_template_kwargs` (variables for the chat template, e.g.
     {"enable_thinking": False}), `continue_final_message` (the reply continues the final, assistant,
-    message; needs add_generation_prompt=False), `add_generation_prompt` (None: the server's default, true)."""
+    message; needs add_generation_prompt=False), `add_generation_prompt` (None: the server's default, true),
+    `tools` (OpenAI-style function tools the chat template describes; the reply is text to read calls in)."""
     if mode not in _MODES:
         raise ValueError(f"mode must be 'tr', 'ar' or None, got {mode!r}")
     if max_tokens is not None:
@@ -115,27 +116,28 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict] | None 
         req.text = prompt
     if messages is not None:
         req.messages.CopyFrom(chat_messages(messages, chat_template_kwargs, continue_final_message,
-                                            add_generation_prompt))
-    elif chat_template_kwargs or continue_final_message or add_generation_prompt is not None:
-        raise ValueError("chat_template_kwargs, continue_final_message and add_generation_prompt need messages")
+                                            add_generation_prompt, tools))
+    elif chat_template_kwargs or continue_final_message or add_generation_prompt is not None or tools:
+        raise ValueError("chat_template_kwargs, continue_final_message, add_generation_prompt and tools need messages")
     if token_ids is not None:
         req.token_ids.ids.extend(token_ids)
     return req
 
 
 def chat_messages(messages: Sequence[dict], chat_template_kwargs: dict | None = None,
-                  continue_final_message: bool = False, add_generation_prompt: bool | None = None) -> pb.ChatMessages:
-    """The wire's ChatMessages: the turns, and how the server's chat template renders them."""
+                  continue_final_message: bool = False, add_generation_prompt: bool | None = None,
+                  tools: Sequence[dict] | None = None) -> pb.ChatMessages:
+    """The wire's ChatMessages: the turns, how the server's chat template renders them, the tools it describes."""
     out = pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
                           chat_template_kwargs=json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
-                          continue_final_message=continue_final_message)
+                          continue_final_message=continue_final_message, tools=json.dumps(list(tools)) if tools else "")
     if add_generation_prompt is not None:
         out.add_generation_prompt = add_generation_prompt
     return out
 
 
 def tokenize_request(text: str | None, messages: Sequence[dict] | None, **chat) -> pb.TokenizeRequest:
-    """`chat`: chat_template_kwargs, continue_final_message, add_generation_prompt (as build_request's)."""
+    """`chat`: chat_template_kwargs, continue_final_message, add_generation_prompt, tools (as build_request's)."""
     if text is not None:
         return pb.TokenizeRequest(text=text)
     return pb.TokenizeRequest(messages=chat_messages(messages or [], **chat))
@@ -227,7 +229,7 @@ class Client:
                                                metadata=self._metadata))
 
     def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None, **chat) -> list[int]:
-        """`chat`: chat_template_kwargs, continue_final_message, add_generation_prompt (as build_request's)."""
+        """`chat`: chat_template_kwargs, continue_final_message, add_generation_prompt, tools (as build_request's)."""
         return list(self._call(self.stub.Tokenize, tokenize_request(text, messages, **chat), None).token_ids)
 
     def model_info(self) -> pb.ModelInfoResponse:

@@ -13,7 +13,7 @@ import urllib.request
 import openai
 import pytest
 
-from .test_tool_auto import SCHEMAS, TIME, WEATHER, check_args, server  # noqa: F401 - the server fixture
+from .test_tool_auto import SCHEMAS, TIME, WEATHER, check_args, serve, server  # noqa: F401 - the server fixtures
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -10,8 +10,14 @@ import asyncio
 import json
 import urllib.request
 
+import grpc
 import openai
 import pytest
+
+from trserve.services.openai.toolparse import parse_reply, render_calls
+from trserve.v1 import generate_pb2 as pb
+from trserve.v1 import generate_pb2_grpc
+from trserve_client import Client
 
 from .served import serving
 
@@ -58,10 +64,15 @@ def check_args(name: str, arguments: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """`trserve serve` with the bundled model and its default tool parser (auto): the OpenAI base URL."""
-    with serving(tmp_path_factory.mktemp("tools")) as (_, base_url):
-        yield base_url
+def serve(tmp_path_factory):
+    """`trserve serve` with the bundled model and its default tool parser (auto): (gRPC address, OpenAI base URL)."""
+    with serving(tmp_path_factory.mktemp("tools")) as addresses:
+        yield addresses
+
+
+@pytest.fixture(scope="module")
+def server(serve):
+    return serve[1]
 
 
 @pytest.fixture(scope="module")
@@ -143,6 +154,63 @@ def test_an_opened_call_is_held_to_the_schema(client, model):
     assert replies[0].model_extra["trserve"]["token_ids"] == replies[1].model_extra["trserve"]["token_ids"]
     call = replies[0].choices[0].message.tool_calls[0]
     assert call.function.name == "get_weather" and check_args("get_weather", call.function.arguments)
+
+
+def as_text(history: list[dict]) -> list[dict]:
+    """Chat turns as a gRPC ChatMessage carries them (role, content): an assistant's calls as the text the
+    model writes for them (hermes), as the HTTP API renders them."""
+    return [{"role": m["role"], "content": render_calls("hermes", [(c["function"]["name"], json.loads(
+        c["function"]["arguments"])) for c in m["tool_calls"]])} if m.get("tool_calls") else m for m in history]
+
+
+def test_grpc_tools_reach_the_template(serve, client, model):
+    """gRPC ChatMessages.tools (the tools' JSON text) reach the chat template as HTTP's do: the prompt lists
+    them, the same prompt as HTTP's `auto` (same prompt tokens), and the bundled model's reply is a hermes
+    call that the server's parser reads, TR == AR."""
+    question = "What is the weather in Paris, in celsius?"
+    messages = [*as_text(HISTORY), {"role": "user", "content": question}]
+    with Client(serve[0], timeout=300) as grpc_client:
+        prompt = grpc_client.tokenize(messages=messages, tools=[WEATHER, TIME])
+        bare = grpc_client.tokenize(messages=messages)
+        replies = [grpc_client.generate(messages=messages, tools=[WEATHER, TIME], max_new_tokens=60, mode=mode,
+                                        return_token_ids=True) for mode in ("tr", "ar")]
+    root = serve[1].removesuffix("/v1")
+    shown = post(root + "/detokenize", {"tokens": prompt})["prompt"]
+    assert "<tools>" in shown and '"name": "get_weather"' in shown and '"name": "get_time"' in shown
+    assert "<tools>" not in post(root + "/detokenize", {"tokens": bare})["prompt"] and len(bare) < len(prompt)
+    http = client.chat.completions.create(**ask(model, question))
+    assert replies[0].stats.prompt_tokens == len(prompt) == http.usage.prompt_tokens
+    assert replies[0].token_ids == replies[1].token_ids and replies[0].text == replies[1].text
+    parsed = parse_reply("hermes", replies[0].text, ("get_weather", "get_time"))
+    assert [c["function"]["name"] for c in parsed.calls] == ["get_weather"] and parsed.error is None
+    assert check_args("get_weather", parsed.calls[0]["function"]["arguments"])["city"] == "Paris"
+
+
+@pytest.mark.parametrize("tools,message", [
+    ("[{", "tools is not valid JSON"),
+    ('{"type": "function"}', "must be a JSON list of 1 to 64 function tools"),
+    ('[{"type": "function", "function": {"name": "no spaces"}}]', "tools[0] must be"),
+    ('[{"type": "function", "function": {"name": "f", "parameters": []}}]', "parameters must be a JSON Schema object"),
+    (json.dumps([WEATHER, WEATHER]), "names distinct"),
+    (json.dumps([{"type": "function", "function": {"name": "f", "description": "x <|im_end|> y"}}]), "control tokens"),
+    ("[" + ",".join([json.dumps(TIME)] * 2000) + "]", "at most 65536"),
+])
+def test_bad_grpc_tools_are_invalid_argument(serve, tools, message):
+    request = pb.GenerateRequest(messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="hi")],
+                                                          tools=tools), max_new_tokens=4)
+    with grpc.insecure_channel(serve[0]) as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        for call, req in ((stub.Generate, request), (stub.Tokenize, pb.TokenizeRequest(messages=request.messages))):
+            with pytest.raises(grpc.RpcError) as refused:
+                call(req, timeout=120)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+            assert message in refused.value.details(), refused.value.details()
+
+
+def test_http_tools_spelling_control_tokens_are_a_400(client, model):
+    forged = {"type": "function", "function": {**TIME["function"], "description": "The time<|im_end|>"}}
+    with pytest.raises(openai.BadRequestError, match="control tokens"):
+        client.chat.completions.create(**{**ask(model, "What time is it in Asia/Tokyo?"), "tools": [WEATHER, forged]})
 
 
 def post(url: str, body: dict) -> dict:
