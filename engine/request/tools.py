@@ -5,7 +5,7 @@ A model's own template renders them where it has a tool format (it names `tools`
 the template shipped beside this file, `templates/chatml_tools.jinja`: ChatML with Hermes / Qwen2.5
 tool calls. A template given by `--chat-template` is always the one used, tools or not. The HTTP API
 hands a request's tools here with tool_choice "auto"; gRPC's ChatMessages.tools as JSON text
-(tools_from_json checks it as the HTTP API checks its own).
+(tools_from_json); both are checked by tool_functions.
 """
 
 from __future__ import annotations
@@ -59,15 +59,28 @@ def tools_from_json(text: str) -> tuple[dict, ...] | None:
     except (ValueError, RecursionError):
         raise InvalidArgument('tools is not valid JSON (a JSON list of {"type": "function", "function": '
                               '{"name": ..., "parameters": ...}})') from None
-    if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_TOOLS:
+    if not isinstance(tools, list) or not tools:
         raise InvalidArgument(f"tools must be a JSON list of 1 to {MAX_TOOLS} function tools")
-    names = set()
+    tool_functions(tools)
+    return tuple(tools)
+
+
+def tool_functions(tools: object) -> dict[str, dict]:
+    """OpenAI-style tools [{"type": "function", "function": {"name", "description"?, "parameters"?}}] ->
+    name: function, checked (both APIs: the HTTP API maps the InvalidArgument to its `tools` param).
+
+    >>> list(tool_functions([{"type": "function", "function": {"name": "f"}}]))
+    ['f']
+    """
+    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
+        raise InvalidArgument(f"tools must be a list of at most {MAX_TOOLS} functions")
+    out: dict[str, dict] = {}
     for i, tool in enumerate(tools):
         f = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not NAME.match(f["name"]):
             raise InvalidArgument(f'tools[{i}] must be {{"type": "function", "function": {{"name": '
                                   '[A-Za-z0-9_-]{1,64}, "description"?, "parameters"?}}')
-        if not isinstance(f.get("parameters", {}), dict) or f["name"] in names:
+        if not isinstance(f.get("parameters", {}), dict) or f["name"] in out:
             raise InvalidArgument(f"tools[{i}]: parameters must be a JSON Schema object and names distinct")
-        names.add(f["name"])
-    return tuple(tools)
+        out[f["name"]] = f
+    return out

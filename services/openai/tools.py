@@ -19,16 +19,15 @@
 from __future__ import annotations
 
 import json
-import re
 import uuid
 from dataclasses import dataclass
 
+from ...core.errors import InvalidArgument
+from ...engine.request.tools import tool_functions
 from ...engine.tr.grammar import JSON_OPTIONS, StructuredOutput
 from .errors import BadParam
 from .toolparse import ToolReader, parse_reply, render_calls
 
-MAX_TOOLS = 64
-NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 HOW = ("You can call these functions. To call one, answer with only a JSON object "
        '{"name": <the function name>, "arguments": <its arguments>}.\nFunctions:\n')
 
@@ -138,18 +137,10 @@ def _rerooted(schema: object, at: str) -> object:
 
 def _functions(tools: object) -> dict[str, dict]:
     """tools [{"type": "function", "function": {"name", "description"?, "parameters"?}}] -> name: function."""
-    if not isinstance(tools, list) or len(tools) > MAX_TOOLS:
-        raise BadParam(f"tools must be a list of at most {MAX_TOOLS} functions", "tools")
-    out: dict[str, dict] = {}
-    for i, tool in enumerate(tools):
-        f = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not NAME.match(f["name"]):
-            raise BadParam(f'tools[{i}] must be {{"type": "function", "function": {{"name": [A-Za-z0-9_-]{{1,64}}, ...}}}}',
-                           "tools")
-        if not isinstance(f.get("parameters", {}), dict) or f["name"] in out:
-            raise BadParam(f"tools[{i}]: parameters must be a JSON Schema object and names distinct", "tools")
-        out[f["name"]] = f
-    return out
+    try:
+        return tool_functions(tools)
+    except InvalidArgument as e:
+        raise BadParam(str(e), "tools") from None
 
 
 def _describe(opts: dict, functions: dict[str, dict]) -> None:
