@@ -59,7 +59,7 @@ def tools_from_json(text: str) -> tuple[dict, ...] | None:
     except (ValueError, RecursionError):
         raise InvalidArgument('tools is not valid JSON (a JSON list of {"type": "function", "function": '
                               '{"name": ..., "parameters": ...}})') from None
-    if not isinstance(tools, list) or not tools:
+    if not isinstance(tools, list) or not 1 <= len(tools) <= MAX_TOOLS:
         raise InvalidArgument(f"tools must be a JSON list of 1 to {MAX_TOOLS} function tools")
     tool_functions(tools)
     return tuple(tools)
