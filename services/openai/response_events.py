@@ -6,9 +6,10 @@ message item (response.output_item.added, response.content_part.added) and goes 
 response.output_text.delta; a tool call closes the open message (its output_text.done,
 content_part.done, output_item.done) and opens a function_call item (output_item.added), its
 arguments' fragments going out as function_call_arguments.delta events (one where the call came
-whole), closed (arguments' done, output_item.done) by whatever comes next; the end is response.completed, or response.incomplete where the
-reply was cut (max_output_tokens). Every event has its `type` and a `sequence_number` counting from 0,
-as the `openai` package's streaming helper reads them.
+whole), closed (arguments' done, output_item.done) by whatever comes next; the end is
+response.completed, or response.incomplete where the reply was cut (max_output_tokens). Every event
+has its `type` and a `sequence_number` counting from 0, as the `openai` package's streaming helper
+reads them.
 """
 
 from __future__ import annotations

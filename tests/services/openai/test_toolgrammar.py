@@ -69,12 +69,14 @@ L, M = PARIS % "parameters", PARIS % "arguments"
 
 
 @pytest.mark.parametrize("fmt, text, verdict", [
-    ("llama3_json", "The weather is mild.", "whole"), ("llama3_json", "  Hi {x}", "whole"), ("llama3_json", "", "whole"),
-    ("llama3_json", L, "whole"), ("llama3_json", "\n\n" + L + "; " + TOKYO % "parameters", "whole"),
-    ("llama3_json", L.replace("celsius", "kelvin"), "refused"), ("llama3_json", L.replace("parameters", "arguments"),
-                                                                   "refused"),
+    ("llama3_json", "The weather is mild.", "whole"), ("llama3_json", "  Hi {x}", "whole"),
+    ("llama3_json", "", "whole"), ("llama3_json", L, "whole"),
+    ("llama3_json", "\n\n" + L + "; " + TOKYO % "parameters", "whole"),
+    ("llama3_json", L.replace("celsius", "kelvin"), "refused"),  # not in the enum
+    ("llama3_json", L.replace("parameters", "arguments"), "refused"),
     ("llama3_json", '{"answer": 42}', "refused"), ("llama3_json", ' {"answer": 42}', "refused"),
-    ("llama3_json", "<|python_tag|>" + L, "refused"), ("llama3_json", "<|pyth", "whole"), ("llama3_json", "<b>", "whole"),
+    ("llama3_json", "<|python_tag|>" + L, "refused"), ("llama3_json", "<|pyth", "whole"),
+    ("llama3_json", "<b>", "whole"),
     ("llama3_json", L[:30], "unfinished"),
     ("mistral", "Sure.", "whole"), ("mistral", "Sure. [TOOL_CALLS][" + M + "]", "whole"),
     ("mistral", "[TOOL_CALLS][" + M + ", " + TOKYO % "arguments" + "]", "whole"), ("mistral", "\n[" + M + "]", "whole"),
