@@ -4,17 +4,19 @@ toolparse.py reads, in llguidance's Lark dialect (engine/tr/grammar.py compiles 
 - hermes: free text; each `<tool_call>` the model writes (a lazy trigger) is followed by one call's
   JSON and `</tool_call>`; any number of calls.
 - llama3_json: the reply is either text that does not open a call (it does not start, after
-  whitespace, with `{` or the text `<|python_tag|>`) or, from its first character, the calls
+  whitespace, with `{` or the text `<|python_tag|>`) or (after whitespace, if any) the calls
   `{"name": ..., "parameters": {...}}` separated by `; ` (one where parallel_tool_calls is false).
   `<|python_tag|>` is a special token in Llama 3 tokenizers, which a grammar names only where the
   tokenizer has it (it would not compile otherwise) and decoded text leaves out: the grammar holds
   the bare JSON form (what Llama 3.x writes for user-defined tools; the special token is masked).
 - mistral: text, then `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}` calls to the end; or
-  the list alone from the reply's first character (as `[TOOL_CALLS]`, a special token in Mistral's
-  tokenizers, decodes: to nothing). Mistral's newer `name[ARGS]{...}` form is read but not forced.
+  the list alone at the start, after whitespace if any (how a reply reads once `[TOOL_CALLS]`, a
+  special token in Mistral's tokenizers, is decoded away: the grammar names the text, so that special
+  token itself is masked). Mistral's newer `name[ARGS]{...}` form is read but not forced.
 
-Each call's JSON is written as json.dumps writes it (JSON_OPTIONS), so the text the model writes is
-the arguments' text the answer carries (services/openai/toolstream.py streams it as written).
+Each call's JSON is laid out as json.dumps lays it out (JSON_OPTIONS: no free whitespace), and the
+answer's arguments are the text the model wrote, not written again (toolparse.py:ToolReader `held`),
+which services/openai/toolstream.py streams as it is written.
 """
 
 from __future__ import annotations
