@@ -21,7 +21,8 @@ from .chat import chat_options
 from .errors import BadParam, ModelNotFound  # noqa: F401 - re-exported
 from .options import (Vocabulary, echo_options, f32, logprobs_json, logprobs_options, rules_options,
                       structured_options)
-from .tools import AutoStream, AutoTools, assistant_content, auto_choice, tool_calls, tool_options
+from .tools import AutoTools, assistant_content, auto_choice, tool_calls, tool_options
+from .toolstream import AutoStream
 
 # trserve's finish reasons -> OpenAI's: a result cut short for any reason but a stop is "length"
 FINISH = {"eos": "stop", "stop": "stop", "grammar": "stop", "length": "length", "time_limit": "length", "cancelled": "length",

@@ -4,10 +4,12 @@ where one is set: reasoning.py): a chunk's reasoning_content opens a reasoning i
 response.reasoning_text.delta events; closed by the first answer text or call), a chunk's text opens a
 message item (response.output_item.added, response.content_part.added) and goes out as
 response.output_text.delta; a tool call closes the open message (its output_text.done,
-content_part.done, output_item.done) and goes out whole as a function_call item (added, its
-arguments' delta and done, done); the end is response.completed, or response.incomplete where the
-reply was cut (max_output_tokens). Every event has its `type` and a `sequence_number` counting from 0,
-as the `openai` package's streaming helper reads them.
+content_part.done, output_item.done) and opens a function_call item (output_item.added), its
+arguments' fragments going out as function_call_arguments.delta events (one where the call came
+whole), closed (arguments' done, output_item.done) by whatever comes next; the end is
+response.completed, or response.incomplete where the reply was cut (max_output_tokens). Every event
+has its `type` and a `sequence_number` counting from 0, as the `openai` package's streaming helper
+reads them.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ class EventWriter:
     message_id: str = ""
     reasoning: str | None = None  # the open reasoning item's text so far (None: none open)
     reasoning_id: str = ""
+    call: dict | None = None  # the open function_call item, its arguments so far (None: none open)
 
     def snapshot(self, status: str, usage: dict | None = None) -> dict:
         """The Response as it stands: `status` in_progress, completed or incomplete (max_output_tokens)."""
@@ -84,7 +87,7 @@ class EventWriter:
                 self.event("response.in_progress", response=response)]
 
     def chunk(self, chunk: dict) -> list[str]:
-        """The events of one chat completion chunk: its reasoning, its text, then its tool calls (each whole)."""
+        """The events of one chat completion chunk: its reasoning, its text, then its tool calls' deltas."""
         out: list[str] = []
         for choice in chunk["choices"]:
             delta = choice.get("delta") or {}
@@ -120,7 +123,7 @@ class EventWriter:
         return out
 
     def _text(self, text: str) -> list[str]:
-        out = self._close_reasoning()
+        out = self._close_reasoning() + self._close_call()
         index = len(self.output)
         if self.text is None:
             self.text, self.message_id = "", "msg_" + uuid.uuid4().hex
@@ -147,24 +150,38 @@ class EventWriter:
         self.text = None
         return out
 
-    def _call(self, call: dict) -> list[str]:
-        out = self._close_reasoning() + self._close_text()
-        index, item = len(self.output), call_item(call)
-        out += [self.event("response.output_item.added", output_index=index,
-                           item={**item, "arguments": "", "status": "in_progress"}),
-                self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
-                           delta=item["arguments"]),
-                self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                           name=item["name"], arguments=item["arguments"]),
-                self.event("response.output_item.done", output_index=index, item=item)]
+    def _call(self, delta: dict) -> list[str]:
+        """A tool_calls delta: a call's first (its id and name: the item opens) or more of its arguments."""
+        out = []
+        if delta.get("id"):
+            out = self._close_reasoning() + self._close_text() + self._close_call()
+            self.call = {**call_item({**delta, "function": {**delta["function"], "arguments": ""}}),
+                         "status": "in_progress"}
+            out.append(self.event("response.output_item.added", output_index=len(self.output), item=dict(self.call)))
+        fragment = delta["function"].get("arguments") or ""
+        if fragment and self.call is not None:
+            self.call["arguments"] += fragment
+            out.append(self.event("response.function_call_arguments.delta", item_id=self.call["id"],
+                                  output_index=len(self.output), delta=fragment))
+        return out
+
+    def _close_call(self, status: str = "completed") -> list[str]:
+        """The open function_call item's last events (none where none is open)."""
+        if self.call is None:
+            return []
+        index, item = len(self.output), {**self.call, "status": status}
+        out = [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                          name=item["name"], arguments=item["arguments"]),
+               self.event("response.output_item.done", output_index=index, item=item)]
         self.output.append(item)
+        self.call = None
         return out
 
     def finish(self, cut: bool, usage: dict, extras: dict) -> list[str]:
         """The last events: the open message closed (an empty one where the reply wrote nothing), then
         response.completed, or response.incomplete where `cut` (by max_output_tokens)."""
         status = "incomplete" if cut else "completed"
-        out = self._close_reasoning(status)
+        out = self._close_reasoning(status) + self._close_call(status)
         out += self._text("") if self.text is None and not any(i["type"] != "reasoning" for i in self.output) else []
         out += self._close_text(status)
         response = self.snapshot("incomplete" if cut else "completed", usage)

@@ -29,6 +29,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from .toolgrammar import scan_calls
+
 FORMATS = ("hermes", "llama3_json", "mistral")
 PARSERS = ("auto", *FORMATS, "none")  # --tool-call-parser
 # the text by which a chat template shows which format it teaches (first match wins)
@@ -146,11 +148,14 @@ def _held(text: str, marker: str) -> int:
 class ToolReader:
     """Reads a reply's text piece by piece (`feed`, then `finish`): each call a `tool_calls` entry as
     soon as it is whole, the text outside calls as content (text that may still open a call is held).
-    `parallel` False keeps only the first call (the others are dropped)."""
+    `parallel` False keeps only the first call (the others are dropped). `held`: a grammar holds the
+    calls' form (toolgrammar.py), and each call's arguments are answered as the model wrote them (the
+    text a stream sends in fragments: toolstream.py), not written again."""
 
     fmt: str
     names: tuple[str, ...]
     parallel: bool = True
+    held: bool = False
     text: str = ""  # everything fed so far
     at: int = 0  # text before this is answered (sent as content or read as a call)
     inside: bool = False  # a call is open at `at`
@@ -242,6 +247,8 @@ class ToolReader:
                 content.append(self.gap + block)  # JSON the model answered with, not a call
                 return
             read = [one_call(v, self.names) for v in values]
+            raw = [args for _, args, whole in scan_calls(body) if whole] if self.held else []
+            read = [(name, args) for (name, _), args in zip(read, raw)] if len(raw) == len(read) else read
         except Malformed as exc:
             if marked or shaped:
                 self.errors.append(str(exc))
@@ -270,14 +277,14 @@ class Parsed:
     error: str | None  # why an opened call was not one (its text is in content)
 
 
-def parse_reply(fmt: str, text: str, names: tuple[str, ...], parallel: bool = True) -> Parsed:
+def parse_reply(fmt: str, text: str, names: tuple[str, ...], parallel: bool = True, held: bool = False) -> Parsed:
     """A whole reply's calls and content, as a stream of it would give them.
 
     >>> parse_reply("llama3_json", '{"name": "f", "parameters": {}}; {"name": "f", "parameters": {"a": 2}}',
     ...             ("f",)).calls[1]["function"]["arguments"]
     '{"a": 2}'
     """
-    reader = ToolReader(fmt, names, parallel)
+    reader = ToolReader(fmt, names, parallel, held)
     content, calls = reader.feed(text)
     more, last = reader.finish()
     error = "; ".join(reader.errors) or None

@@ -10,7 +10,7 @@
   `tools`), which describes them in its own format, and the reply is read for calls in that format
   (toolparse.py: hermes, llama3_json or mistral, recognised from the template or named by
   --tool-call-parser). The bundled ChatML model gets a shipped hermes template (engine/request/tools.py).
-  In hermes, a call the model opens is held to the tools' schemas by a grammar (hermes_grammar).
+  A call the model opens is held to the tools' schemas by a grammar (toolgrammar.py, per format).
   Where the server has no format for its template: 400 naming why.
 - `tool`-role messages go to the template as they are (ChatML renders any role); an assistant turn's
   `tool_calls` as the JSON it would have written.
@@ -24,9 +24,10 @@ from dataclasses import dataclass
 
 from ...core.errors import InvalidArgument
 from ...engine.request.tools import tool_functions
-from ...engine.tr.grammar import JSON_OPTIONS, StructuredOutput
+from ...engine.tr.grammar import StructuredOutput
 from .errors import BadParam
-from .toolparse import ToolReader, parse_reply, render_calls
+from .toolgrammar import auto_grammar, call_schema
+from .toolparse import parse_reply, render_calls
 
 HOW = ("You can call these functions. To call one, answer with only a JSON object "
        '{"name": <the function name>, "arguments": <its arguments>}.\nFunctions:\n')
@@ -39,6 +40,7 @@ class AutoTools:
     fmt: str  # toolparse.FORMATS
     names: tuple[str, ...]
     parallel: bool = True  # parallel_tool_calls: False keeps only the first call
+    held: bool = False  # a grammar holds the calls (toolgrammar.py): streamed in fragments (toolstream.py)
 
 
 def tool_options(body: dict, opts: dict, kind: str,
@@ -86,53 +88,15 @@ def _auto(body: dict, opts: dict, functions: dict[str, dict], fmt: str | None, p
         raise BadParam('tool_choice "auto" and response_format (or guided_*) cannot both shape one reply',
                        "tool_choice")
     opts["tools"] = tuple({"type": "function", "function": f} for f in functions.values())
-    if fmt == "hermes":  # once the model opens a call, its JSON follows the tools' schemas
-        opts["structured"] = StructuredOutput("grammar", hermes_grammar(functions))
+    # once the model opens a call, its JSON follows the tools' schemas (toolgrammar.py)
+    opts["structured"] = StructuredOutput("grammar", auto_grammar(fmt, functions, parallel))
     for i, m in enumerate(body["messages"]):
         calls = _calls(m, i) if m.get("role") == "assistant" else None
         if calls:
             text = opts["messages"][i]["content"] if m.get("content") not in (None, "") else ""
             opts["messages"][i] = {**opts["messages"][i], "content": (text + "\n" if text else "") +
                                    render_calls(fmt, calls)}
-    return AutoTools(fmt, tuple(functions), parallel)
-
-
-def call_schema(functions: dict[str, dict]) -> dict:
-    """The JSON Schema of a reply that calls one of `functions`: {"name": its name, "arguments": its
-    parameters}. Each function's parameters are a schema document of their own (pydantic's `$defs` and
-    `#/...` refs point into them): kept whole under the wrapper's $defs, their local refs re-rooted there,
-    so whatever validates as response_format validates as a tool's parameters."""
-    defs, calls = {}, []
-    for i, (name, f) in enumerate(functions.items()):
-        at = f"/$defs/tool_{i}"
-        defs[f"tool_{i}"] = _rerooted(f.get("parameters") or {"type": "object"}, at)
-        calls.append({"type": "object", "properties": {"name": {"const": name}, "arguments": {"$ref": "#" + at}},
-                      "required": ["name", "arguments"], "additionalProperties": False})
-    return {"$defs": defs, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
-
-
-def hermes_grammar(functions: dict[str, dict]) -> str:
-    """llguidance's Lark grammar of a hermes reply: free text, where each `<tool_call>` the model writes
-    (a lazy trigger: the text before it is anything) is followed by one call's JSON (call_schema, written
-    as json.dumps writes it) and its closing tag; any number of calls (llguidance's structural tags).
-
-    >>> print(hermes_grammar({"f": {"name": "f"}}).splitlines()[3])
-    call_trigger[lazy]: TEXT "<tool_call>"
-    """
-    schema = {**call_schema(functions), "x-guidance": JSON_OPTIONS}
-    return "\n".join(("%llguidance {}", "start: call* TEXT", "TEXT: /(.|\\n)*/",
-                      'call_trigger[lazy]: TEXT "<tool_call>"',
-                      f'call: call_trigger "\\n" %json {json.dumps(schema)} "\\n</tool_call>"'))
-
-
-def _rerooted(schema: object, at: str) -> object:
-    """`schema` with every local "$ref" ("#", "#/...") pointing at the same place below JSON pointer `at`."""
-    if isinstance(schema, dict):
-        return {k: "#" + at + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _rerooted(v, at)
-                for k, v in schema.items()}
-    if isinstance(schema, list):
-        return [_rerooted(v, at) for v in schema]
-    return schema
+    return AutoTools(fmt, tuple(functions), parallel, held=True)
 
 
 def _functions(tools: object) -> dict[str, dict]:
@@ -189,7 +153,7 @@ def auto_choice(auto: AutoTools, text: str, finish_reason: str) -> dict:
     """A unary choice's message (content and tool_calls) for tool_choice "auto", its finish_reason
     ("tool_calls" where the reply stopped after calls) and, where an opened call did not parse (its text
     then stays content), stop_reason "malformed_tool_call" (vLLM's field; docs/openai.md)."""
-    parsed = parse_reply(auto.fmt, text, auto.names, auto.parallel)
+    parsed = parse_reply(auto.fmt, text, auto.names, auto.parallel, auto.held)
     message: dict = {"role": "assistant", "content": parsed.content}
     if parsed.calls:
         message["tool_calls"] = parsed.calls
@@ -197,24 +161,3 @@ def auto_choice(auto: AutoTools, text: str, finish_reason: str) -> dict:
     if parsed.error:
         out["stop_reason"] = "malformed_tool_call"
     return out
-
-
-class AutoStream:
-    """One streamed choice's text read for calls (tool_choice "auto"): content deltas and tool_calls deltas
-    (each call whole, as the `openai` package assembles them: index, id, type, function name and arguments)."""
-
-    def __init__(self, auto: AutoTools) -> None:
-        self.reader = ToolReader(auto.fmt, auto.names, auto.parallel)
-
-    def feed(self, text: str | None) -> tuple[str | None, list[dict]]:
-        content, calls = self.reader.feed(text or "")
-        return content or None, calls
-
-    def end(self, text: str, finish_reason: str) -> tuple[str | None, list[dict], str, str | None]:
-        """(content, calls, finish_reason, stop_reason) of the last chunk, `text` the reply's last piece."""
-        content, calls = self.reader.feed(text)
-        more, last = self.reader.finish()
-        if self.reader.calls and finish_reason == "stop":
-            finish_reason = "tool_calls"
-        return (content + more) or None, calls + last, finish_reason, \
-            "malformed_tool_call" if self.reader.errors else None

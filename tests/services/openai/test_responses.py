@@ -110,7 +110,8 @@ def test_a_function_tool_is_called_and_its_output_continues(client, model):
     with client.responses.stream(model=model, input=[*HISTORY, question], tools=TOOLS, max_output_tokens=60) as stream:
         kinds = [event.type for event in stream]
         final = stream.get_final_response()
-    assert "response.function_call_arguments.delta" in kinds and "response.function_call_arguments.done" in kinds
+    assert kinds.count("response.function_call_arguments.delta") > 1  # the arguments as they are written
+    assert "response.function_call_arguments.done" in kinds
     assert [(i.type, i.name, i.arguments) for i in final.output] == [("function_call", "get_weather", calls[0].arguments)]
     # the call and its result go back as items (the call as the client got it), and the model goes on
     follow = [*HISTORY, question, calls[0].model_dump(exclude_none=True),

@@ -103,6 +103,8 @@ def test_auto_calls_are_parsed_unary_and_streamed_tr_equal_to_ar(client, model):
         assert final.finish_reason == "tool_calls" and not final.message.content
         assert [(c.function.name, c.function.arguments) for c in final.message.tool_calls] == \
             [(name, call.function.arguments)]
+        calls, pieces = streamed_calls(client, ask(model, question))  # the arguments in fragments, as written
+        assert calls == {0: {"name": name, "arguments": call.function.arguments}} and pieces > 1
 
 
 def test_auto_async_unary_and_streamed(server, model):
@@ -228,25 +230,54 @@ LLAMA3_TEMPLATE = (
     "{%- endfor %}{%- if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{%- endif %}")
 
 
-def test_a_custom_template_s_format_is_recognised_and_read(tmp_path):
-    """`--chat-template` wins over the shipped one; its format (llama3_json here) is recognised and the
-    reply read in it: whatever the model writes is valid calls or content (a malformed call says so)."""
-    (tmp_path / "llama3.jinja").write_text(LLAMA3_TEMPLATE)
-    with serving(tmp_path, "--chat-template", str(tmp_path / "llama3.jinja")) as (_, base):
+# a Mistral-style template (written for this test, in ChatML, which the bundled model knows): `[TOOL_CALLS]`
+# then a JSON list of calls, as the system turn says
+MISTRAL_TEMPLATE = (
+    "{%- if tools %}<|im_start|>system\nTo call functions, answer [TOOL_CALLS] then a JSON list of "
+    '{"name": function name, "arguments": its arguments}.\n{{ tools | tojson }}<|im_end|>\n{%- endif %}'
+    "{%- for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}")
+
+
+def streamed_calls(client: openai.OpenAI, body: dict) -> tuple[dict[int, dict], int]:
+    """A streamed answer's calls as a client concatenates them ({index: {"name", "arguments"}}), and how many
+    tool_calls deltas carried a piece of arguments."""
+    calls, pieces = {}, 0
+    for chunk in client.chat.completions.create(**body, stream=True):
+        for d in (chunk.choices[0].delta.tool_calls or []) if chunk.choices else []:
+            got = calls.setdefault(d.index, {"name": "", "arguments": ""})
+            got["name"] += d.function.name or ""
+            got["arguments"] += d.function.arguments or ""
+            pieces += bool(d.function.arguments)
+    return calls, pieces
+
+
+@pytest.mark.parametrize("fmt, template", [("llama3_json", LLAMA3_TEMPLATE), ("mistral", MISTRAL_TEMPLATE)])
+def test_a_custom_template_s_calls_are_held_to_the_schema_and_streamed_in_fragments(tmp_path, fmt, template):
+    """`--chat-template` wins over the shipped one; its format is recognised, and a call the model opens is
+    held to the tools' schemas by that format's grammar (toolgrammar.py): the bundled model's calls
+    validate (asked for kelvin, which the enum lacks, too), TR == AR token for token, and streamed, the
+    arguments come in fragments that add up to exactly the unary answer's."""
+    (tmp_path / "t.jinja").write_text(template)
+    stop = ["<|eot_id|>"] if fmt == "llama3_json" else None  # that template's end of turn is text here
+    with serving(tmp_path, "--chat-template", str(tmp_path / "t.jinja")) as (_, base):
         client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
-        for question in ("What is the weather in Paris, in celsius?", "Tell me a joke."):
-            body = ask(model, question, stop=["<|eot_id|>"])
+        for question in ("What is the weather in Paris, in celsius?", "What time is it in Asia/Tokyo?",
+                         "What is the weather in Berlin, in kelvin?"):
+            body = ask(model, question, stop=stop, parallel_tool_calls=False)
             reply, ar = (client.chat.completions.create(**body, extra_body={"mode": mode}) for mode in ("tr", "ar"))
             assert reply.model_extra["trserve"]["token_ids"] == ar.model_extra["trserve"]["token_ids"]
             choice = reply.choices[0]
-            for c in choice.message.tool_calls or []:
-                assert c.function.name in SCHEMAS and isinstance(json.loads(c.function.arguments), dict)
-            assert choice.message.tool_calls or choice.message.content
-            if choice.message.tool_calls:
-                assert choice.finish_reason == "tool_calls"
-            elif choice.message.content.lstrip().startswith('{"name"'):
-                assert choice.model_extra.get("stop_reason") == "malformed_tool_call"
-        root = base.removesuffix("/v1")
-        prompt = post(root + "/tokenize", {"messages": [{"role": "user", "content": "x"}]})
-        assert "<|start_header_id|>" in post(root + "/detokenize", {"tokens": prompt["tokens"]})["prompt"]
+            assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice
+            call = choice.message.tool_calls[0]
+            check_args(call.function.name, call.function.arguments)
+            calls, pieces = streamed_calls(client, body)
+            assert calls == {0: {"name": call.function.name, "arguments": call.function.arguments}}
+            assert pieces > 1, pieces  # not whole: as written
+        joke = client.chat.completions.create(**ask(model, "Tell me a joke.", history=[], stop=stop)).choices[0]
+        assert joke.message.content and not joke.message.tool_calls
+        if fmt == "llama3_json":
+            root = base.removesuffix("/v1")
+            prompt = post(root + "/tokenize", {"messages": [{"role": "user", "content": "x"}]})
+            assert "<|start_header_id|>" in post(root + "/detokenize", {"tokens": prompt["tokens"]})["prompt"]
