@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from ...engine.request.prompt import PromptBuilder
 from .convert import ChunkWriter, OpenAIRequest
-from .reasoning_parsers import PARSERS, THINK
+from .reasoning_parsers import PARSERS
 
 log = logging.getLogger("trserve.openai")
 
