@@ -45,9 +45,9 @@ def _shared_kernels(tmp_path, _kernels):
     (tmp_path / "cache" / "kernels").symlink_to(_kernels)
 
 
-def _phi(folder, partial: float):
+def _phi(folder, partial: float, **extra):
     """A random 2-layer Phi-3 (head dim 64) with longrope factors far apart (long = 4x short), and rotary
-    on `partial` of each head, as a bfloat16 checkpoint."""
+    on `partial` of each head, as a bfloat16 checkpoint (`extra`: other config fields)."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(0)
@@ -56,7 +56,7 @@ def _phi(folder, partial: float):
     cfg = Phi3Config(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                      original_max_position_embeddings=ORIGINAL, partial_rotary_factor=partial,
-                     tie_word_embeddings=False,
+                     **{"tie_word_embeddings": False, **extra},
                      rope_scaling={"type": "longrope", "short_factor": short, "long_factor": [4 * x for x in short]})
     model = Phi3ForCausalLM(cfg)
     with torch.no_grad():
@@ -143,9 +143,11 @@ def test_phi4_partial_rotary_takes_the_native_forward_and_equals_transformers_ph
 
 
 def test_phi4_partial_rotary_int8_tr_equals_ar_natively(tmp_path) -> None:
-    folder = _phi(tmp_path / "phi4", 0.75)
+    # Phi-4-mini's own config ties the LM head to the embeddings and sets a sliding window (262144)
+    folder = _phi(tmp_path / "phi4", 0.75, tie_word_embeddings=True, sliding_window=262144)
     d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q8_0", arithmetic="int8",
                                                 cache_dir=str(tmp_path / "cache"))))
+    assert type(d.loaded.model.model.layers[0].self_attn).__name__ == "PartialRotaryMistralAttention"
     assert (d.loaded.forward, d.loaded.arithmetic, d.engine.runner.native.m.rotary_dim) == ("native", "int8", 48)
     for ids in _prompts(d, 3):
         new = d.max_context - len(ids) - 35  # to the context's end, the default tree's width reserved
