@@ -34,7 +34,7 @@ from torch import nn
 from ...core.errors import FailedPrecondition
 from .choices import QUANTIZE_DEFAULT
 from .direct import trim
-from .phi3 import phi3_kept
+from .phi3 import partial_attention, partial_factor, phi3_kept
 
 log = logging.getLogger("trserve.engine")
 
@@ -208,18 +208,20 @@ def _quantize(kind: str, w: np.ndarray, out_f: int, in_f: int, rows: int = 4096)
     return _decode_rows(kind, raw, out_f, in_f)
 
 
-def as_llama(model_config):
+def as_llama(model_config, native: bool = True):
     """(the config of the Llama, or Mistral where windowed, that a Phi-3 checkpoint computes; its split
     rows: name -> (fused tensor, a, b)), or (model_config, {}) for any other model. Phi-3 is Llama's
     function with q/k/v and gate/up fused into one weight each (transformers' modeling_phi3.py); split
     at load, it takes the native forward. Longrope (Phi-3.5-mini) keeps its rope parameters (transformers'
-    Llama computes them as Phi-3 does); partial rotary (Phi-4-mini) stays Phi-3 (`phi3_kept`)."""
+    Llama computes them as Phi-3 does); so does partial rotary (Phi-4-mini, with longrope), its
+    partial_rotary_factor kept (the rotary tables R = head_dim * factor wide), where the native forward
+    may run it (`native`; phi3.partial_attention gives the Llama's modules Phi-3's partial rotary)."""
     from transformers import LlamaConfig, MistralConfig
 
     rope = getattr(model_config, "rope_parameters", None) or {}
     if model_config.model_type != "phi3":
         return model_config, {}
-    why = phi3_kept(model_config)
+    why = phi3_kept(model_config, native)
     if why:
         log.info("Phi-3 checkpoint kept with its fused layers, on transformers' modules: %s", why)
         return model_config, {}
@@ -231,6 +233,8 @@ def as_llama(model_config):
     shape["rope_parameters"] = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}
     if rope.get("rope_type") == "longrope":
         shape["rope_parameters"] = {k: v for k, v in rope.items() if k not in ("type", "partial_rotary_factor")}
+        if partial_factor(c) != 1.0:  # Phi-4-mini: its rotary tables R wide (phi3.rotary_dims)
+            shape["rope_parameters"]["partial_rotary_factor"] = partial_factor(c)
     window = getattr(c, "sliding_window", None)
     config = MistralConfig(sliding_window=window, **shape) if window else LlamaConfig(**shape)
     hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
@@ -278,7 +282,7 @@ def load_checkpoint(config, fmt: str, isa: str, cache_dir: Path, fingerprint_of)
     check_model_dir(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     source_config = AutoConfig.from_pretrained(path)
-    model_config, rows = as_llama(source_config)
+    model_config, rows = as_llama(source_config, native=config.forward != "transformers")
     store = cache_dir / "quantized" / f"{fmt}-e{ENCODING}-{identity(path)}"
     # auto: exact. int8 over a quantized checkpoint missed the fidelity rule the formats were chosen by
     # (docs/kernels.md, "Checkpoints quantized at load"); asked for by name, it runs
@@ -288,6 +292,8 @@ def load_checkpoint(config, fmt: str, isa: str, cache_dir: Path, fingerprint_of)
         with torch.device("meta"):
             model = with_attention(lambda a: AutoModelForCausalLM.from_config(model_config, dtype=torch.float32,
                                                                               attn_implementation=a))
+        if rows and partial_factor(model_config) != 1.0:
+            partial_attention(model)
         weights = CheckpointWeights(path, model, fmt, store, rows)
         _, arithmetic = fill(model, tokenizer, weights, cache_dir, isa, probe, fingerprint_of, label)
     except FailedPrecondition as e:  # buffers only transformers' loader builds (e.g. Gemma's scaled embedding)

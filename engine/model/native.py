@@ -33,6 +33,7 @@ import torch
 from .embedding import FileEmbedding
 from .kernels.build import forward_check_library, forward_library, top_probs_library
 from .kernels.qlinear import QLinear
+from .phi3 import phi3_kept, rotary_dims, rotary_unsupported
 
 _i64 = ctypes.c_int64
 _P = ctypes.c_void_p
@@ -55,7 +56,7 @@ class _Model(ctypes.Structure):
                 ("embed", _P), ("final_norm", _P), ("layers", ctypes.POINTER(_Layer)), ("head", _QMat),
                 ("cos", _P), ("sin", _P), ("positions", _i64), ("arith", _i64), ("act", _i64),
                 ("embed_scale", ctypes.c_float), ("attn_softcap", ctypes.c_float), ("final_softcap", ctypes.c_float),
-                ("cos_local", _P), ("sin_local", _P)]
+                ("cos_local", _P), ("sin_local", _P), ("rotary_dim", _i64)]
 
 
 ARITH_CODES = {"exact": 0, "int8": 1}  # tr_model.arith (csrc/forward.h)
@@ -86,8 +87,6 @@ def native_unsupported(model) -> str | None:
     cfg = model.config
     arch = type(model).__name__
     if arch == "Phi3ForCausalLM":  # Phi-3 the checkpoint loader did not split into a Llama
-        from .phi3 import phi3_kept
-
         return f"Phi-3 with fused q/k/v and gate/up ({phi3_kept(cfg) or 'not split at load'})"
     if arch not in _ARCHS:
         return f"architecture {arch} (native forward: {', '.join(_ARCHS)})"
@@ -108,6 +107,8 @@ def native_unsupported(model) -> str | None:
         return f"rotary embedding type {rope!r} (native forward: {', '.join(_STATIC_ROPE)})"
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    if rotary_unsupported(body, cfg, head_dim):
+        return rotary_unsupported(body, cfg, head_dim)
     if head_dim % 32 or head_dim > 256 or cfg.hidden_size % 32 or cfg.intermediate_size % 32 or heads % kv:
         return "head, hidden or MLP sizes not multiples of 32"
     for layer in body.layers:
@@ -263,7 +264,8 @@ class NativeForward:
                         cfg.intermediate_size, head.out_features, float(eps), float(body.layers[0].self_attn.scaling),
                         self._embed_ptr(body.embed_tokens), self._ptr(final), layers, _qmat(head),
                         None, None, 0, ARITH_CODES[head.arithmetic], _activation(model), float(embed_scale),
-                        float(attn_cap or 0.0), float(getattr(cfg, "final_logit_softcapping", None) or 0.0), None, None)
+                        float(attn_cap or 0.0), float(getattr(cfg, "final_logit_softcapping", None) or 0.0), None, None,
+                        rotary_dims(cfg))  # R < head_dim: partial rotary (Phi-4-mini), tables [P, R]
         self._grow_rope(min(4096, rope_positions(cfg) or 4096))
         if forward_check_library(head.isa)(ctypes.byref(self.m)):
             raise ValueError("native forward unavailable: a shape its fixed-size parts do not take, kept inputs "
@@ -314,7 +316,8 @@ class NativeForward:
         return t.data_ptr()
 
     def _grow_rope(self, need: int) -> None:
-        """Rotary tables [P, D] for positions 0..P-1 from the model's own rotary module: cos, sin, and
+        """Rotary tables [P, R] (R = tr_model.rotary_dim: head_dim, or fewer with partial rotary) for
+        positions 0..P-1 from the model's own rotary module: cos, sin, and
         Gemma 3's local layers' cos_local, sin_local (its module's table for "sliding_attention"); a
         longrope model's at most rope_positions (its short factors, as each of transformers' forwards
         below that takes)."""
@@ -330,7 +333,7 @@ class NativeForward:
         with torch.inference_mode():
             for kind in self._rope_kinds:
                 cos, sin = self._rotary(x, pos) if kind is None else self._rotary(x, pos, kind)
-                tables += [cos[0].contiguous().float(), sin[0].contiguous().float()]  # [P, D] each
+                tables += [cos[0].contiguous().float(), sin[0].contiguous().float()]  # [P, R] each
         self._tables = tables
         self.m.cos, self.m.sin = tables[0].data_ptr(), tables[1].data_ptr()
         if len(tables) > 2:

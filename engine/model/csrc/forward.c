@@ -239,10 +239,12 @@ static void lin(const tr_model *M, const tr_qmat *w, const float *x, const qact_
     else qmat_rows(&q, x, n, y, id, nt, o0, o1);
 }
 
-/* q[t, i] and q[t, i + D/2] rotated as transformers' apply_rotary_pos_emb (q * cos + rotate_half(q) * sin) */
-INLINE void rope(float *q, const float *c, const float *s, int64_t D)
+/* q[t, i] and q[t, i + R/2] rotated as transformers' apply_rotary_pos_emb (q * cos + rotate_half(q) * sin)
+ * for i < R/2, R the rotary dims (the head dim D, or fewer with partial rotary: modeling_phi3.py's q_rot
+ * = q[..., :R]); q[R..D) is left as it is (its q_pass) */
+INLINE void rope(float *q, const float *c, const float *s, int64_t R)
 {
-    const int64_t h = D / 2;
+    const int64_t h = R / 2;
     for (int64_t i = 0; i < h; i++) {
         const float a = q[i], b = q[i + h];
         q[i] = a * c[i] + (-b) * s[i];
@@ -647,6 +649,7 @@ int trserve_forward_check(const tr_model *M)
             if (!M->arith || L->key_pair[g] < 0 || L->key_pair[g] >= M->head_dim / 2) return -1;
         if (L->window < 0 || L->rope_table < 0 || L->rope_table > 1 || (L->rope_table && !M->cos_local)) return -1;
     }
+    if (M->rotary_dim < 0 || M->rotary_dim > M->head_dim || M->rotary_dim % 2) return -1;
     if (M->act < 0 || M->act > 1 || !(M->attn_softcap >= 0.0f) || !(M->final_softcap >= 0.0f)) return -1;
     return 0;
 }
@@ -690,6 +693,7 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
     const tr_model *M = jb->M;
     const int64_t B = jb->B, cap = jb->cap, n_keep = jb->n_keep, K = jb->K, N = jb->N, H = jb->H, D = jb->D, Hq = jb->Hq,
                   Hkv = jb->Hkv, F = jb->F, sc_len = jb->sc_len, sc_floats = jb->sc_floats;
+    const int64_t R = M->rotary_dim ? M->rotary_dim : D; /* rotary dims: the tables' row width */
     const int64_t *tok0 = jb->tok0, *pos = jb->pos, *kv_row = jb->kv_row, *ctx = jb->ctx, *start = jb->start,
                   *keep = jb->keep, *vis0 = jb->vis0, *item0 = jb->item0, *split = jb->split;
     const uint8_t *vis = jb->vis;
@@ -714,11 +718,11 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
          * head j of q then k) */
         for (int64_t u = id; u < N * (Hq + Hkv); u += nt) {
             const int64_t t = u / (Hq + Hkv), j = u % (Hq + Hkv);
-            const float *c = (L->rope_table ? M->cos_local : M->cos) + pos[t] * D,
-                        *s = (L->rope_table ? M->sin_local : M->sin) + pos[t] * D;
+            const float *c = (L->rope_table ? M->cos_local : M->cos) + pos[t] * R,
+                        *s = (L->rope_table ? M->sin_local : M->sin) + pos[t] * R;
             if (j < Hq) {
                 head_norm(q + (t * Hq + j) * D, L->q_norm, D, L->q_eps);
-                rope(q + (t * Hq + j) * D, c, s, D);
+                rope(q + (t * Hq + j) * D, c, s, R);
                 continue;
             }
             int64_t b = 0;
@@ -728,14 +732,14 @@ static void fwd_job(void *arg, int64_t id, int64_t nt)
                 float kr[256];
                 memcpy(kr, k + (t * Hkv + g) * D, D * sizeof(float));
                 head_norm(kr, L->k_norm, D, L->k_eps);
-                rope(kr, c, s, D);
+                rope(kr, c, s, R);
                 ikey_write(kr, D, L->key_pair ? L->key_pair[g] : -1, (uint8_t *)((uint16_t *)kc[l] + at));
                 for (int64_t i = 0; i < D; i += 16) v_to_half(v + (t * Hkv + g) * D + i, (uint16_t *)vc[l] + at + i);
                 continue;
             }
             memcpy(kc[l] + at, k + (t * Hkv + g) * D, D * sizeof(float));
             head_norm(kc[l] + at, L->k_norm, D, L->k_eps);
-            rope(kc[l] + at, c, s, D);
+            rope(kc[l] + at, c, s, R);
             memcpy(vc[l] + at, v + (t * Hkv + g) * D, D * sizeof(float));
         }
         pool_barrier(nt);

@@ -41,13 +41,16 @@ typedef struct {
     const float *final_norm; /* [H] */
     const tr_layer *layers;
     tr_qmat head;                    /* LM head */
-    const float *cos, *sin;          /* [P, D] rotary tables by position */
+    const float *cos, *sin;          /* [P, R] rotary tables by position (R: rotary_dim below) */
     int64_t positions;               /* P */
     int64_t arith;                   /* 0: exact (qlinear.c), 1: int8 (qlinear_i8.c; codes in its layout) */
     int64_t act;                     /* the gated MLP's activation: 0 SiLU, 1 GELU, tanh form (Gemma's GeGLU) */
     float embed_scale;               /* input embedding rows times this (Gemma: sqrt(hidden)); 1: as they are */
     float attn_softcap, final_softcap; /* cap * tanh(x / cap) on attention scores / logits (Gemma 2); 0: none */
-    const float *cos_local, *sin_local; /* [P, D] a second rotary table (layers with rope_table 1), or NULL */
+    const float *cos_local, *sin_local; /* [P, R] a second rotary table (layers with rope_table 1), or NULL */
+    int64_t rotary_dim;              /* R: the first R dims of each query / key head rotated, pairs (i, i + R/2),
+                                      * dims R..D-1 passed through (partial rotary: Phi-4-mini's
+                                      * partial_rotary_factor); the tables' rows are R wide. 0: D (whole heads) */
 } tr_model;
 
 /* Checks the model fits the forward's fixed-size parts; 0 ok. */

@@ -4,8 +4,11 @@ transformers per forward at original_max_position_embeddings) and, for Phi-4-min
 config, loaded through the checkpoint path (engine/model/checkpoint.py):
 - Phi-3.5 (longrope, whole heads) is split into the Llama it computes and takes the native forward,
   whose table holds the short factors' rows; its exact arithmetic equals transformers' own Phi-3.
-- Phi-4-mini (partial rotary) keeps Phi-3's fused layers on transformers' modules over the compressed
-  kernels, and the startup line says why.
+- Phi-4-mini (partial rotary, longrope) is split likewise, its rotary tables R = 48 of the head's 64
+  dims wide (native.py passes R as tr_model.rotary_dim: csrc/forward.c turns pairs (i, i + R/2) and
+  passes dims R.. through, as transformers' modeling_phi3.apply_rotary_pos_emb), and takes the native
+  forward in both arithmetics; the split Llama's own modules apply Phi-3's partial rotary
+  (engine/model/phi3.py:partial_attention). Asked for transformers' forward, it stays Phi-3.
 Both serve up to original_max_position_embeddings, where every one of transformers' forwards takes
 the short factors (engine/model/native.py:rope_positions), so TR == AR on both paths."""
 
@@ -30,9 +33,21 @@ pytestmark = pytest.mark.skipif(not qlinear_supported(), reason="the compressed 
 ORIGINAL = 192  # original_max_position_embeddings: the positions served
 
 
-def _phi(folder, partial: float):
+@pytest.fixture(scope="module")
+def _kernels(tmp_path_factory):
+    """One build of the compressed kernels for the module's tests (each test's cache_dir links to it)."""
+    return tmp_path_factory.mktemp("kernels")
+
+
+@pytest.fixture(autouse=True)
+def _shared_kernels(tmp_path, _kernels):
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").symlink_to(_kernels)
+
+
+def _phi(folder, partial: float, **extra):
     """A random 2-layer Phi-3 (head dim 64) with longrope factors far apart (long = 4x short), and rotary
-    on `partial` of each head, as a bfloat16 checkpoint."""
+    on `partial` of each head, as a bfloat16 checkpoint (`extra`: other config fields)."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(0)
@@ -41,7 +56,7 @@ def _phi(folder, partial: float):
     cfg = Phi3Config(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                      original_max_position_embeddings=ORIGINAL, partial_rotary_factor=partial,
-                     tie_word_embeddings=False,
+                     **{"tie_word_embeddings": False, **extra},
                      rope_scaling={"type": "longrope", "short_factor": short, "long_factor": [4 * x for x in short]})
     model = Phi3ForCausalLM(cfg)
     with torch.no_grad():
@@ -104,18 +119,70 @@ def test_phi35_longrope_takes_the_native_forward_with_the_short_factors(tmp_path
     _decode_to_the_limit(d, stock, 2)
 
 
-def test_phi4_partial_rotary_stays_on_transformers_modules_and_lossless(tmp_path, caplog) -> None:
+def test_phi4_partial_rotary_takes_the_native_forward_and_equals_transformers_phi3(tmp_path, caplog) -> None:
     folder = _phi(tmp_path / "phi4", 0.75)
     with caplog.at_level(logging.INFO, logger="trserve.engine"):
-        d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q8_0",
+        d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q8_0", arithmetic="exact",
+                                                    cache_dir=str(tmp_path / "cache"))))
+    loaded = d.loaded
+    assert type(loaded.model).__name__ == "LlamaForCausalLM" and loaded.forward == "native"
+    assert type(loaded.model.model.layers[0].self_attn).__name__ == "PartialRotaryLlamaAttention"
+    assert "native forward not used" not in caplog.text and d.max_context == ORIGINAL
+    stock = _stock_on_rebuilt(folder, next((tmp_path / "cache" / "quantized").glob("q8_0-*")))
+    assert type(stock.model).__name__ == "Phi3ForCausalLM"
+    native = d.engine.runner.native
+    assert native.m.rotary_dim == 48 and native.head_dim == 64  # the first 3/4 of each head turned
+    with torch.inference_mode():  # the native tables: transformers' Phi-3 rows, R = 48 columns
+        cos, sin = stock.model.model.rotary_emb(torch.zeros(1), torch.arange(ORIGINAL)[None])
+        assert cos.shape[-1] == 48 and torch.equal(native._tables[0], cos[0]) and torch.equal(native._tables[1], sin[0])
+        ids = torch.tensor([list(range(300, 340))])
+        ref = stock.model(ids).logits[0]
+        split = loaded.model(ids).logits[0]  # transformers' forward of the split Llama (calibration's, the fallback's)
+    assert (split - ref).abs().max() < 1e-3
+    _decode_to_the_limit(d, stock, 3)
+
+
+def test_phi4_partial_rotary_int8_tr_equals_ar_natively(tmp_path) -> None:
+    # Phi-4-mini's own config ties the LM head to the embeddings and sets a sliding window (262144)
+    folder = _phi(tmp_path / "phi4", 0.75, tie_word_embeddings=True, sliding_window=262144)
+    d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q8_0", arithmetic="int8",
+                                                cache_dir=str(tmp_path / "cache"))))
+    assert type(d.loaded.model.model.layers[0].self_attn).__name__ == "PartialRotaryMistralAttention"
+    assert (d.loaded.forward, d.loaded.arithmetic, d.engine.runner.native.m.rotary_dim) == ("native", "int8", 48)
+    for ids in _prompts(d, 3):
+        new = d.max_context - len(ids) - 35  # to the context's end, the default tree's width reserved
+        ar = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=new, mode="ar", ignore_eos=True))
+        tr = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=new, mode="tr", ignore_eos=True))
+        assert tr.ids == ar.ids and len(ar.ids) == new
+
+
+def test_phi4_with_transformers_forward_asked_for_stays_phi3_and_lossless(tmp_path, caplog) -> None:
+    folder = _phi(tmp_path / "phi4", 0.75)
+    with caplog.at_level(logging.INFO, logger="trserve.engine"):
+        d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q8_0", forward="transformers",
                                                     cache_dir=str(tmp_path / "cache"))))
     loaded = d.loaded
     assert type(loaded.model).__name__ == "Phi3ForCausalLM"
     assert (loaded.kernels, loaded.forward, loaded.arithmetic) == ("compressed", "transformers", "exact")
-    assert "native forward not used (Phi-3 with fused q/k/v and gate/up (partial rotary (partial_rotary_factor " \
-           "0.75)" in caplog.text
-    assert d.max_context == ORIGINAL
-    _decode_to_the_limit(d, _stock_on_rebuilt(folder, next((tmp_path / "cache" / "quantized").glob("q8_0-*"))), 2)
+    assert "kept with its fused layers, on transformers' modules: partial rotary (partial_rotary_factor 0.75) " \
+           "with transformers' forward asked for" in caplog.text
+    _decode_to_the_limit(d, _stock_on_rebuilt(folder, next((tmp_path / "cache" / "quantized").glob("q8_0-*"))), 1)
+
+
+def test_partial_rotary_without_longrope_stays_phi3_and_says_why(tmp_path) -> None:
+    from transformers import Phi3Config
+
+    from trserve.engine.model.checkpoint import as_llama
+    from trserve.engine.model.native import native_unsupported
+
+    cfg = Phi3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, partial_rotary_factor=0.75)
+    assert as_llama(cfg) == (cfg, {})  # transformers' Llama's default rope init ignores the factor
+    with torch.device("meta"):
+        from transformers import Phi3ForCausalLM
+        model = Phi3ForCausalLM(cfg)
+    assert native_unsupported(model) == "Phi-3 with fused q/k/v and gate/up (partial rotary " \
+                                        "(partial_rotary_factor 0.75) without longrope)"
 
 
 def test_a_longrope_model_serves_no_further_than_its_original_positions(tmp_path) -> None:
