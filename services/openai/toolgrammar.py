@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import re
 
-from ...engine.tr.grammar import JSON_OPTIONS
 
 TEXT_ANY = "(.|\\n)*"
 LEAD = "LEAD: /\\s+/"  # whitespace before calls (the parser drops it)
@@ -57,6 +56,8 @@ def _rerooted(schema: object, at: str) -> object:
 
 def _json(functions: dict[str, dict], key: str = "arguments") -> str:
     """One call's JSON as a Lark expression."""
+    from ...engine.tr.grammar import JSON_OPTIONS  # here: engine.tr.grammar imports torch, the CLI must not
+
     return "%json " + json.dumps({**call_schema(functions, key), "x-guidance": JSON_OPTIONS})
 
 
