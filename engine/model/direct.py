@@ -110,11 +110,11 @@ def swap_linears(model, weights, cache_dir: Path, isa: str, arithmetic: str, kep
         parent_name, _, child_name = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         child = getattr(parent, child_name)
-        bias = child.bias
+        bias, in_f, out_f = child.bias, child.in_features, child.out_features
         if isinstance(child, QLinear):  # a second pass: the exact layer goes before its new form is built
             setattr(parent, child_name, nn.Identity())  # (else a 1.7B's head: 100 MB held twice)
-            child = _Shape(child.in_features, child.out_features)
-        blocks = weights.blocks(f"{name}.weight", child.out_features, child.in_features)
+            child = None
+        blocks = weights.blocks(f"{name}.weight", out_f, in_f)
         weights.release()  # the file's pages just read: the blocks are a copy
         bias = None if bias is None else (weights.floats(f"{name}.bias") if bias.is_meta else bias)
         if blocks is None:
@@ -125,7 +125,7 @@ def swap_linears(model, weights, cache_dir: Path, isa: str, arithmetic: str, kep
             continue
         kind, codes, d, m = blocks
         new = QLinear(kind, torch.from_numpy(codes), torch.from_numpy(d), None if m is None else torch.from_numpy(m),
-                      bias, child.in_features, child.out_features, cache_dir, isa, arithmetic)
+                      bias, in_f, out_f, cache_dir, isa, arithmetic)
         if kept and kept.get(name):
             dims = torch.tensor(kept[name], dtype=torch.int32)
             new.keep_inputs(dims, kept_columns(blocks, dims.long()))
@@ -134,13 +134,6 @@ def swap_linears(model, weights, cache_dir: Path, isa: str, arithmetic: str, kep
         del blocks, new
         weights.release()
     return floats
-
-
-class _Shape:
-    """A replaced layer's sizes (its weights already freed)."""
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        self.in_features, self.out_features = in_features, out_features
 
 
 def kept_columns(blocks, dims: torch.Tensor, rows: int = 512) -> torch.Tensor:

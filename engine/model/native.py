@@ -107,8 +107,8 @@ def native_unsupported(model) -> str | None:
         return f"rotary embedding type {rope!r} (native forward: {', '.join(_STATIC_ROPE)})"
     heads, kv = cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    if rotary_unsupported(body, cfg, head_dim):
-        return rotary_unsupported(body, cfg, head_dim)
+    if why := rotary_unsupported(body, cfg, head_dim):
+        return why
     if head_dim % 32 or head_dim > 256 or cfg.hidden_size % 32 or cfg.intermediate_size % 32 or heads % kv:
         return "head, hidden or MLP sizes not multiples of 32"
     for layer in body.layers:
