@@ -51,6 +51,19 @@ INLINE void wq5(const uint8_t *c, const uint8_t *plane, const int h, vi16 *lo, v
     *lo = _mm512_ternarylogic_epi32(v, _mm512_maskz_mov_epi8((__mmask64)kl, b4), mask, 0xEC);
     *hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_maskz_mov_epi8((__mmask64)kh, b4), mask, 0xEC);
 }
+/* wq5 of a q6 panel-block's chunk h with bit 5 from the second plane (64 bytes after the first, the
+ * same layout): 0x20s added where its masks say (the bytes hold 0 or 0x10 there: an or). */
+INLINE void wq6(const uint8_t *c, const uint8_t *plane, const int h, vi16 *lo, vi16 *hi)
+{
+    const __m512i v = _mm512_loadu_si512(c), mask = _mm512_set1_epi8(0x0F), b4 = _mm512_set1_epi8(0x10),
+                  b5 = _mm512_set1_epi8(0x20);
+    uint64_t kl, kh, ml, mh;
+    memcpy(&kl, plane + 16 * h, 8), memcpy(&kh, plane + 16 * h + 8, 8);
+    memcpy(&ml, plane + 64 + 16 * h, 8), memcpy(&mh, plane + 64 + 16 * h + 8, 8);
+    const __m512i bl = _mm512_maskz_mov_epi8((__mmask64)kl, b4), bh = _mm512_maskz_mov_epi8((__mmask64)kh, b4);
+    *lo = _mm512_ternarylogic_epi32(v, _mm512_mask_add_epi8(bl, (__mmask64)ml, bl, b5), mask, 0xEC);
+    *hi = _mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), _mm512_mask_add_epi8(bh, (__mmask64)mh, bh, b5), mask, 0xEC);
+}
 #if defined(__AVX512VNNI__)
 #define Q8_BIAS 1
 typedef __m512i w8_t;
@@ -103,6 +116,20 @@ INLINE void wq5(const uint8_t *c, const uint8_t *plane, const int h, vi16 *lo, v
     lo->b = _mm256_or_si256(lo->b, _mm256_and_si256(_mm256_slli_epi16(pb, 4 - h), b4));
     hi->a = _mm256_or_si256(hi->a, _mm256_and_si256(_mm256_srli_epi16(pa, h), b4));
     hi->b = _mm256_or_si256(hi->b, _mm256_and_si256(_mm256_srli_epi16(pb, h), b4));
+}
+/* wq5 of a q6 panel-block's chunk h with bit 5 from the second plane (64 bytes after the first, the same
+ * layout): byte bit h (lo's) and 4 + h (hi's) to bit 5 (no other bit lands there, as in wq5). */
+INLINE void wq6(const uint8_t *c, const uint8_t *plane, const int h, vi16 *lo, vi16 *hi)
+{
+    wq5(c, plane, h, lo, hi);
+    const __m256i ra = _mm256_loadu_si256((const __m256i *)(plane + 64)), rb = _mm256_loadu_si256((const __m256i *)(plane + 96));
+    const __m256i b5 = _mm256_set1_epi8(0x20);
+    lo->a = _mm256_or_si256(lo->a, _mm256_and_si256(_mm256_slli_epi16(ra, 5 - h), b5));
+    lo->b = _mm256_or_si256(lo->b, _mm256_and_si256(_mm256_slli_epi16(rb, 5 - h), b5));
+    const __m256i ha = h ? _mm256_srli_epi16(ra, h - 1) : _mm256_slli_epi16(ra, 1);
+    const __m256i hb = h ? _mm256_srli_epi16(rb, h - 1) : _mm256_slli_epi16(rb, 1);
+    hi->a = _mm256_or_si256(hi->a, _mm256_and_si256(ha, b5));
+    hi->b = _mm256_or_si256(hi->b, _mm256_and_si256(hb, b5));
 }
 #if defined(__AVXVNNI__)
 #define Q8_BIAS 1

@@ -28,6 +28,9 @@
  *             "lanes": 16 little-endian uint32, word [l] bit i = q[16p + l, 32b + i] >> 4 (AVX2: lane
  *                      l's word shifted to bit 4 and masked per input)
  *             so a panel-block is 320 contiguous bytes
+ *   q6 codes (kind 20): the q4 layout's 256 bytes of the low nibbles, then kind 12's plane of bit 4,
+ *             then a plane of bit 5 in the same layout: a panel-block is 384 contiguous bytes; each
+ *             weight is q * d + (-32 d) with its half's scale (q in 0..63), an fma of exact terms
  *   q8 codes: 32 x 16 bytes, byte [j][l] = q[16p + l, 32b + j]
  *   d, m:     16 halves, [l] = d[16p + l, b] (kinds 5, 9: 16 floats; kind 17: 32 floats, two per output)
  *   two-level kinds (6, 10, 18): per panel super-block (8 blocks), a record of the 16 outputs' float16
@@ -178,6 +181,20 @@ INLINE void deq5(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1
     *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mask_or_epi32(q0, (__mmask16)k0, q0, b4)), d, m);
     *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_mask_or_epi32(q1, (__mmask16)k1, q1, b4)), d, m);
 }
+/* deq5 with a second plane (bit 5) 64 bytes after the first. */
+INLINE void deq6(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
+{
+    const __m512i q = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + 16 * j)));
+    const __m512i b4 = _mm512_set1_epi32(0x10), b5 = _mm512_set1_epi32(0x20);
+    uint16_t k0, k1, k2, k3;
+    memcpy(&k0, blk + 256 + 4 * j, 2), memcpy(&k1, blk + 256 + 4 * j + 2, 2);
+    memcpy(&k2, blk + 320 + 4 * j, 2), memcpy(&k3, blk + 320 + 4 * j + 2, 2);
+    __m512i q0 = _mm512_and_si512(q, _mm512_set1_epi32(0xF)), q1 = _mm512_srli_epi32(q, 4);
+    q0 = _mm512_mask_or_epi32(q0, (__mmask16)k0, q0, b4), q1 = _mm512_mask_or_epi32(q1, (__mmask16)k1, q1, b4);
+    q0 = _mm512_mask_or_epi32(q0, (__mmask16)k2, q0, b5), q1 = _mm512_mask_or_epi32(q1, (__mmask16)k3, q1, b5);
+    *w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), d, m);
+    *w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), d, m);
+}
 
 #elif defined(__AVX2__)
 
@@ -212,6 +229,28 @@ INLINE void deq5(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1
     w1->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q5L(lb, pb, s + 4, 2 * j + 1)), d.b, m.b);
 #undef Q5L
 }
+/* Lane l's second plane word shifted so that input i's bit lands on bit 5, masked. */
+INLINE __m256i hbit6(__m256i p, const int i)
+{
+    const __m256i s = i >= 5 ? _mm256_srli_epi32(p, i - 5) : _mm256_slli_epi32(p, 5 - i);
+    return _mm256_and_si256(s, _mm256_set1_epi32(0x20));
+}
+/* deq5 with the second plane's words (16 uint32 after the first plane) giving bit 5. */
+INLINE void deq6(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
+{
+    const __m256i *g = (const __m256i *)(blk + 64 * (j >> 2)), mask = _mm256_set1_epi32(0xF);
+    const __m256i la = _mm256_loadu_si256(g), lb = _mm256_loadu_si256(g + 1);
+    const __m256i pa = _mm256_loadu_si256((const __m256i *)(blk + 256)), pb = _mm256_loadu_si256((const __m256i *)(blk + 288));
+    const __m256i ra = _mm256_loadu_si256((const __m256i *)(blk + 320)), rb = _mm256_loadu_si256((const __m256i *)(blk + 352));
+    const int s = 8 * (j & 3);
+#define Q6L(l, p, r, sh, i) \
+    _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(l, sh), mask), hbit5(p, i)), hbit6(r, i))
+    w0->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q6L(la, pa, ra, s, 2 * j)), d.a, m.a);
+    w0->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q6L(lb, pb, rb, s, 2 * j)), d.b, m.b);
+    w1->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q6L(la, pa, ra, s + 4, 2 * j + 1)), d.a, m.a);
+    w1->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q6L(lb, pb, rb, s + 4, 2 * j + 1)), d.b, m.b);
+#undef Q6L
+}
 INLINE v16 deq8(const uint8_t *c, v16 d)
 {
     const __m128i raw = _mm_loadu_si128((const __m128i *)c);
@@ -240,6 +279,16 @@ INLINE void deq5(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1
         w1->v[l] = (float)((c[l] >> 4) | ((h1 >> l) & 1) << 4) * d.v[l] + m.v[l];
     }
 }
+INLINE void deq6(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
+{
+    const uint8_t *c = blk + 16 * j, *h = blk + 256 + 4 * j, *g = blk + 320 + 4 * j; /* bit 4's words, bit 5's */
+    const unsigned h0 = h[0] | (unsigned)h[1] << 8, h1 = h[2] | (unsigned)h[3] << 8;
+    const unsigned g0 = g[0] | (unsigned)g[1] << 8, g1 = g[2] | (unsigned)g[3] << 8;
+    for (int l = 0; l < 16; l++) { /* q * d and -32 d are exact, as is their sum: the same float as an fma */
+        w0->v[l] = (float)((c[l] & 0xF) | ((h0 >> l) & 1) << 4 | ((g0 >> l) & 1) << 5) * d.v[l] + m.v[l];
+        w1->v[l] = (float)((c[l] >> 4) | ((h1 >> l) & 1) << 4 | ((g1 >> l) & 1) << 5) * d.v[l] + m.v[l];
+    }
+}
 INLINE v16 deq8(const uint8_t *c, v16 d)
 {
     v16 v;
@@ -253,12 +302,13 @@ INLINE v16 deq8(const uint8_t *c, v16 d)
 /* ---- tiles (shared by all builds) ------------------------------------------------------------
  * kind, R (rows) and T (panels) are constants wherever these are called (the drivers name them
  * literally and always_inline propagates them). A panel-block is 256 (q4), 320 (q5) or 512 (q8) code bytes. */
-#define PANEL_BLOCK_BYTES(kind) (KQ5(kind) ? 320 : KQ4(kind) ? 256 : 512)
+#define PANEL_BLOCK_BYTES(kind) (KQ6(kind) ? 384 : KQ5(kind) ? 320 : KQ4(kind) ? 256 : 512)
 
-/* Inputs 2j and 2j + 1 of a nibble kind's panel-block: deq4, or deq5 with the high-bit plane. */
+/* Inputs 2j and 2j + 1 of a nibble kind's panel-block: deq4, or deq5 / deq6 with the bit planes. */
 INLINE void deqn(const int kind, const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
 {
-    if (KQ5(kind)) deq5(blk, j, d, m, w0, w1);
+    if (KQ6(kind)) deq6(blk, j, d, m, w0, w1);
+    else if (KQ5(kind)) deq5(blk, j, d, m, w0, w1);
     else deq4(blk, j, d, m, w0, w1);
 }
 
@@ -300,14 +350,15 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
         for (int t = 0; t < T; t++) acc[r][t] = v_zero();
     (void)I;
     for (int64_t b = 0; b < nb; b++) {
-        v16 vd[MAX_PANELS], vm[MAX_PANELS], vd2[MAX_PANELS];
+        v16 vd[MAX_PANELS], vm[MAX_PANELS], vd2[MAX_PANELS], vm2[MAX_PANELS];
         const uint8_t *c[MAX_PANELS];
 #pragma GCC unroll 4
         for (int t = 0; t < T; t++) {
             const int64_t pb = (p + t) * nb + b;
             vd[t] = v_scale(w->d, kind, pb, 0);
             vd2[t] = KH16(kind) ? v_scale(w->d, kind, pb, 1) : vd[t];
-            vm[t] = KMIN(kind) ? v_min_of(w->m, kind, pb, vd[t]) : v_zero();
+            vm[t] = KMIN(kind) ? v_min_of(w->m, kind, pb, vd[t]) : KQ6(kind) ? v_off6(vd[t]) : v_zero();
+            vm2[t] = KQ6(kind) ? v_off6(vd2[t]) : vm[t];
             c[t] = w->codes + PANEL_BLOCK_BYTES(kind) * pb;
 #if PREFETCH_BLOCKS
             /* the stream PREFETCH_BLOCKS blocks ahead (into the next panels at a panel's end: the next tile's) */
@@ -320,7 +371,15 @@ INLINE void tile_reg(const qmat_t *w, const int kind, const int R, const int T, 
 #endif
         }
         const float *xb = x + 32 * R * b; /* the tile's rows packed: xb[i * R + r] */
-        if (KQ4(kind)) {
+        if (KQ6(kind)) { /* input pairs 0..7: the block's first half (its scale and min), 8..15 its second */
+            if (Q4_LAYOUT && R * T <= Q4_UNROLL_TILE) {
+#pragma GCC unroll 16
+                for (int j = 0; j < 16; j++) tile_q4_pair(kind, R, T, j, c, j < 8 ? vd : vd2, j < 8 ? vm : vm2, xb, acc);
+            } else {
+                for (int j = 0; j < 8; j++) tile_q4_pair(kind, R, T, j, c, vd, vm, xb, acc);
+                for (int j = 8; j < 16; j++) tile_q4_pair(kind, R, T, j, c, vd2, vm2, xb, acc);
+            }
+        } else if (KQ4(kind)) {
             if (Q4_LAYOUT && R * T <= Q4_UNROLL_TILE) { /* the lanes layout's shifts as immediates */
 #pragma GCC unroll 16
                 for (int j = 0; j < 16; j++) tile_q4_pair(kind, R, T, j, c, vd, vm, xb, acc);
@@ -351,8 +410,9 @@ INLINE void rebuild_panels(const qmat_t *w, const int kind, const int T, int64_t
     for (int64_t b = 0; b < nb; b++)
         for (int t = 0; t < T; t++) {
             const int64_t pb = (p + t) * nb + b;
-            const v16 vd = v_scale(w->d, kind, pb, 0), vm = KMIN(kind) ? v_min_of(w->m, kind, pb, vd) : v_zero();
-            const v16 vd2 = KH16(kind) ? v_scale(w->d, kind, pb, 1) : vd;
+            const v16 vd = v_scale(w->d, kind, pb, 0);
+            const v16 vm = KMIN(kind) ? v_min_of(w->m, kind, pb, vd) : KQ6(kind) ? v_off6(vd) : v_zero();
+            const v16 vd2 = KH16(kind) ? v_scale(w->d, kind, pb, 1) : vd, vm2 = KQ6(kind) ? v_off6(vd2) : vm;
             const uint8_t *c = w->codes + PANEL_BLOCK_BYTES(kind) * pb;
             float *o = wb + (32 * b * T + t) * PANEL; /* input 32b, panel t */
             if (KQ4(kind)) {
@@ -361,7 +421,7 @@ INLINE void rebuild_panels(const qmat_t *w, const int kind, const int T, int64_t
 #endif
                 for (int j = 0; j < 16; j++) {
                     v16 w0, w1;
-                    deqn(kind, c, j, vd, vm, &w0, &w1);
+                    deqn(kind, c, j, KQ6(kind) && j >= 8 ? vd2 : vd, KQ6(kind) && j >= 8 ? vm2 : vm, &w0, &w1);
                     v_store(o + (2 * j) * T * PANEL, w0);
                     v_store(o + (2 * j + 1) * T * PANEL, w1);
                 }
@@ -426,7 +486,7 @@ INLINE void mem_call(const qmat_t *w, const int R, const int T, const float *wb,
     TILE_FN(K, 6, T) TILE_FN(K, 7, T) TILE_FN(K, 8, T) TILE_FN(K, 9, T) TILE_FN(K, 10, T) TILE_FN(K, 11, T) \
     TILE_FN(K, 12, T) TILE_FN(K, 13, T) TILE_FN(K, 14, T) TILE_FN(K, 15, T) TILE_FN(K, 16, T)
 #define TILE_KIND(K) TILE_FNS(K, 1) TILE_FNS(K, 2) TILE_FNS(K, 3) TILE_FNS(K, 4)
-TILE_KIND(4) TILE_KIND(8) TILE_KIND(6) TILE_KIND(10) TILE_KIND(18) TILE_KIND(9) TILE_KIND(12)
+TILE_KIND(4) TILE_KIND(8) TILE_KIND(6) TILE_KIND(10) TILE_KIND(18) TILE_KIND(9) TILE_KIND(12) TILE_KIND(20)
 TILE_FN(5, 1, 1) TILE_FN(17, 1, 1) /* the reference kinds: one row, one panel */
 #undef TILE_KIND
 #undef TILE_FNS
@@ -440,7 +500,7 @@ INLINE void tile_call(const qmat_t *w, const int kind, const int R, const int T,
     TC(K, 8, TT) TC(K, 9, TT) TC(K, 10, TT) TC(K, 11, TT) TC(K, 12, TT) TC(K, 13, TT) TC(K, 14, TT) TC(K, 15, TT) \
     TC(K, 16, TT)
 #define TCK(K) TCS(K, 1) TCS(K, 2) TCS(K, 3) TCS(K, 4)
-    TCK(4) TCK(8) TCK(6) TCK(10) TCK(18) TCK(9) TCK(12) TC(5, 1, 1) TC(17, 1, 1)
+    TCK(4) TCK(8) TCK(6) TCK(10) TCK(18) TCK(9) TCK(12) TCK(20) TC(5, 1, 1) TC(17, 1, 1)
 #undef TCK
 #undef TCS
 #undef TC
@@ -493,7 +553,7 @@ INLINE void part(const qmat_t *w, const int kind, const int RR, const int T, con
 #define PLANS(K, NR, NP) PLAN(one_##K, K, 1, ONE_PANELS) PLAN(narrow_##K, K, NR, NP) PLAN(wide_##K, K, WIDE_ROWS, WIDE_PANELS)
 PLANS(4, NARROW_ROWS, NARROW_PANELS) PLANS(6, NARROW_ROWS, NARROW_PANELS)
 PLANS(8, NARROW8_ROWS, NARROW8_PANELS) PLANS(10, NARROW8_ROWS, NARROW8_PANELS) PLANS(18, NARROW8_ROWS, NARROW8_PANELS)
-PLANS(9, NARROW8_ROWS, NARROW8_PANELS) PLANS(12, NARROW_ROWS, NARROW_PANELS)
+PLANS(9, NARROW8_ROWS, NARROW8_PANELS) PLANS(12, NARROW_ROWS, NARROW_PANELS) PLANS(20, NARROW_ROWS, NARROW_PANELS)
 PLAN(one_5, 5, 1, 1) PLAN(one_17, 17, 1, 1) /* the reference kinds: qmat_rows gives them one row at a time */
 #undef PLANS
 #undef PLAN
@@ -536,7 +596,7 @@ INLINE void deq_part(const qmat_t *w, const int kind, const float *x, int64_t n,
 #define DEQ_PLAN(K)                                                                                              \
     static __attribute__((noinline)) void deq_##K(const qmat_t *w, const float *x, int64_t n, float *y, int64_t p0, \
                                                   int64_t p1) { deq_part(w, K, x, n, y, p0, p1); }
-DEQ_PLAN(4) DEQ_PLAN(8) DEQ_PLAN(6) DEQ_PLAN(10) DEQ_PLAN(18) DEQ_PLAN(9) DEQ_PLAN(12)
+DEQ_PLAN(4) DEQ_PLAN(8) DEQ_PLAN(6) DEQ_PLAN(10) DEQ_PLAN(18) DEQ_PLAN(9) DEQ_PLAN(12) DEQ_PLAN(20)
 #undef DEQ_PLAN
 
 /* A kind's plans. */
@@ -548,7 +608,7 @@ static plans_t plans_of(int kind)
 {
 #define PL(K) if (kind == K) { const plans_t p = {one_##K, narrow_##K, wide_##K, deq_##K}; return p; }
 #define PL_REF(K) if (kind == K) { const plans_t p = {one_##K, one_##K, one_##K, one_##K}; return p; }
-    PL(4) PL(6) PL(10) PL(18) PL(9) PL(12) PL_REF(5) PL_REF(17)
+    PL(4) PL(6) PL(10) PL(18) PL(9) PL(12) PL(20) PL_REF(5) PL_REF(17)
 #undef PL_REF
 #undef PL
     const plans_t p = {one_8, narrow_8, wide_8, deq_8};

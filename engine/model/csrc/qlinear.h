@@ -21,6 +21,10 @@
  *   6  q4 codes, a GGUF file's two-level scales (Q4_K): d = d16 * sc, m = -(dmin16 * mn) per block of 32
  *   10 q8 codes, the same two-level scales and mins (Q5_K)
  *   18 q8 codes, two-level scales per 16 inputs, two per block: d = d16 * sc, sc signed (Q6_K)
+ *   20 q6 codes (0..63): kind 4's nibbles plus two planes (bits 4 and 5: kind 12's plane twice), Q6_K's
+ *      two-level scales per 16 inputs as kind 18, and its offset as an implied min per half, -32 d
+ *      (v_off6: exact), so W = q * d - 32 d = (q - 32) * d, kind 18's weight bit for bit (6.56 bits per
+ *      weight, the file's; kind 18 8.56): a panel-block is kind 4's 256 bytes then the two 64-byte planes
  *   9  q8 codes, float32 d and m per block of 32 (Q5_1: float16 values)
  *   5, 17: kinds 6 and 18 with each product held as float32 (5: d and m per 32; 17: d per 16), the
  *      compact kinds' reference (tests: the same bits); compiled for one row and one panel at a time
@@ -34,13 +38,14 @@
  * in registers. Every product code * d is exact in float32 for these ranges, so W = code * d (+ m) has
  * at most one rounding: ggml's own dequantized value. */
 #define KQ5(k) ((k) == 12)                                                  /* nibbles + high-bit plane */
-#define KQ4(k) ((k) == 4 || (k) == 5 || (k) == 6 || KQ5(k))                  /* nibble codes (else 8-bit) */
+#define KQ6(k) ((k) == 20)                                                  /* nibbles + two bit planes */
+#define KQ4(k) ((k) == 4 || (k) == 5 || (k) == 6 || KQ5(k) || KQ6(k))         /* nibble codes (else 8-bit) */
 #define KMIN(k) ((k) == 4 || (k) == 5 || (k) == 6 || (k) == 9 || (k) == 10 || KQ5(k)) /* a min per block */
 #define KF16(k) ((k) == 4 || (k) == 8 || KQ5(k))                              /* float16 scales per block */
-#define KTWO(k) ((k) == 6 || (k) == 10 || (k) == 18)                          /* two-level scale records */
-#define KH16(k) ((k) == 17 || (k) == 18)                                      /* a scale per 16 inputs */
+#define KTWO(k) ((k) == 6 || (k) == 10 || (k) == 18 || KQ6(k))                /* two-level scale records */
+#define KH16(k) ((k) == 17 || (k) == 18 || KQ6(k))                            /* a scale per 16 inputs */
 #define KREF(k) ((k) == 5 || (k) == 17)                                       /* reference kinds: one row */
-#define KNOWN_KIND(k) ((k) == 4 || (k) == 8 || (k) == 6 || (k) == 10 || (k) == 18 || (k) == 9 || KQ5(k) || KREF(k))
+#define KNOWN_KIND(k) ((k) == 4 || (k) == 8 || (k) == 6 || (k) == 10 || (k) == 18 || (k) == 9 || KQ5(k) || KQ6(k) || KREF(k))
 #define SUPER 8                                               /* blocks of 32 per super-block */
 #define KREC_BYTES(k) (2 * PANEL + PANEL * (KH16(k) ? 16 : 8)) /* a panel super-block's scale record */
 
@@ -95,6 +100,13 @@ INLINE v16 v_min_of(const uint16_t *m, const int kind, int64_t pb, v16 vd)
     static const float q4_0 = -8.0f, q5_0 = -16.0f;
     return m ? v_min(m, kind, pb) : v_mul(vd, KQ5(kind) ? &q5_0 : &q4_0);
 }
+/* Kind 20's implied min of a half whose scale is vd: -32 d (exact in float32: a power of two). */
+INLINE v16 v_off6(v16 vd)
+{
+    static const float q6 = -32.0f;
+    return v_mul(vd, &q6);
+}
+
 /* Where panel-block pb's scales lie (prefetches; a two-level kind's: the block's sub-block scales). */
 INLINE const void *scale_at(const uint16_t *s, const int kind, int64_t pb)
 {

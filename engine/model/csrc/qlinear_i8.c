@@ -105,7 +105,7 @@ static void add_kept(const qmat_t *w, const qact_t *a, float *y, int64_t o0, int
 }
 
 /* ---- tiles ------------------------------------------------------------------------------------ */
-#define IBLOCK_BYTES(kind) (KQ5(kind) ? 320 : KQ4(kind) ? 256 : 512) /* a panel-block's codes */
+#define IBLOCK_BYTES(kind) (KQ6(kind) ? 384 : KQ5(kind) ? 320 : KQ4(kind) ? 256 : 512) /* a panel-block's codes */
 
 #if defined(__AVX512F__) || defined(__AVX2__)
 /* Rows [r0, r0 + R) x panels [p, p + T): per block, the codes unpacked once for the tile's rows. */
@@ -136,13 +136,15 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
 #pragma GCC unroll 16
             for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
-                for (int t = 0; t < T; t++) s4[r][t] = a4_zero(), ia[r][t] = vi_zero();
+                for (int t = 0; t < T; t++) /* q6: the codes' offset, -32 x the half's sum (-128 c16 / 4) */
+                    s4[r][t] = a4_zero(), ia[r][t] = KQ6(kind) ? vi_set1(xc16[r] / 4) : vi_zero();
 #pragma GCC unroll 4
             for (int h = 0; h < 4; h++) {
                 vi16 lo[MAX_PANELS], hi[MAX_PANELS];
 #pragma GCC unroll 4
                 for (int t = 0; t < T; t++) {
-                    if (KQ5(kind)) wq5(c[t] + 64 * h, c[t] + 256, h, &lo[t], &hi[t]);
+                    if (KQ6(kind)) wq6(c[t] + 64 * h, c[t] + 256, h, &lo[t], &hi[t]);
+                    else if (KQ5(kind)) wq5(c[t] + 64 * h, c[t] + 256, h, &lo[t], &hi[t]);
                     else wq4(c[t] + 64 * h, &lo[t], &hi[t]);
                 }
 #pragma GCC unroll 16
@@ -151,11 +153,17 @@ INLINE void itile(const qmat_t *w, const int kind, const int R, const int T, con
 #pragma GCC unroll 4
                     for (int t = 0; t < T; t++) s4[r][t] = a4_dp(a4_dp(s4[r][t], lo[t], xl), hi[t], xh);
                 }
-                if (h == 3 || (KQ5(kind) && A4_I16 && h == 1)) /* the int16 sums widened (VNNI: int32 already) */
+                /* the int16 sums widened (VNNI: int32 already): q5 every two chunks, q6 every chunk (2 x 2 x 63 x 127) */
+                if (h == 3 || (KQ5(kind) && A4_I16 && h == 1) || (KQ6(kind) && (A4_I16 || h == 1)))
 #pragma GCC unroll 16
                     for (int r = 0; r < R; r++)
 #pragma GCC unroll 4
                         for (int t = 0; t < T; t++) ia[r][t] = vi_add(ia[r][t], a4_sum(s4[r][t])), s4[r][t] = a4_zero();
+                if (KQ6(kind) && h == 1) /* the first half (inputs 0..15) done: the second's sums start afresh */
+#pragma GCC unroll 16
+                    for (int r = 0; r < R; r++)
+#pragma GCC unroll 4
+                        for (int t = 0; t < T; t++) ih[r][t] = ia[r][t], ia[r][t] = vi_set1((xc[r] - xc16[r]) / 4);
             }
         } else {
 #pragma GCC unroll 16
@@ -238,13 +246,15 @@ INLINE int32_t icode(const uint8_t *c, int kind, int l, int i)
     if (KQ4(kind)) {
         const uint8_t byte = c[64 * (i / 8) + 4 * l + i % 4];
         const int32_t q = i % 8 < 4 ? byte & 0xF : byte >> 4;
-        if (!KQ5(kind)) return q;
+        if (!KQ5(kind) && !KQ6(kind)) return q;
 #if Q5_MASKS /* chunk i / 8's lo mask, then its hi mask: bit 4l + i % 4 */
-        const int bit = 4 * l + i % 4;
-        return q | ((c[256 + 16 * (i / 8) + 8 * (i % 8 >= 4) + bit / 8] >> (bit % 8)) & 1) << 4;
+        const int bit = 4 * l + i % 4, at = 16 * (i / 8) + 8 * (i % 8 >= 4) + bit / 8;
+        const int32_t q5 = q | ((c[256 + at] >> (bit % 8)) & 1) << 4;
+        return KQ6(kind) ? (q5 | ((c[320 + at] >> (bit % 8)) & 1) << 5) - 32 : q5; /* q6: the code less its offset */
 #else /* byte [4l + i % 4], bit i / 8 (inputs 8h..8h+3) or 4 + i / 8 (8h+4..8h+7) */
-        const uint8_t plane = c[256 + 4 * l + i % 4];
-        return q | ((plane >> (i % 8 < 4 ? i / 8 : 4 + i / 8)) & 1) << 4;
+        const int at = 4 * l + i % 4, bit = i % 8 < 4 ? i / 8 : 4 + i / 8;
+        const int32_t q5 = q | ((c[256 + at] >> bit) & 1) << 4;
+        return KQ6(kind) ? (q5 | ((c[320 + at] >> bit) & 1) << 5) - 32 : q5;
 #endif
     }
     return (int32_t)c[64 * (i / 4) + 4 * l + i % 4] - 128;
@@ -334,7 +344,7 @@ static void itile_any(const qmat_t *w, int R, int T, const qact_t *a, float *y, 
 #define ITILE_FNS(K, T) ITILE_FN(K, 1, T) ITILE_FN(K, 2, T) ITILE_FN(K, 3, T) ITILE_FN(K, 4, T) ITILE_FN(K, 5, T) \
     ITILE_FN(K, 6, T) ITILE_FN(K, 7, T) ITILE_FN(K, 8, T)
 #define ITILE_KIND(K) ITILE_FNS(K, 1) ITILE_FNS(K, 2) ITILE_FN(K, 1, 4)
-ITILE_KIND(4) ITILE_KIND(8) ITILE_KIND(6) ITILE_KIND(10) ITILE_KIND(18) ITILE_KIND(9) ITILE_KIND(12)
+ITILE_KIND(4) ITILE_KIND(8) ITILE_KIND(6) ITILE_KIND(10) ITILE_KIND(18) ITILE_KIND(9) ITILE_KIND(12) ITILE_KIND(20)
 ITILE_FN(5, 1, 1) ITILE_FN(17, 1, 1) /* the reference kinds: one row, one panel (imat_rows) */
 #undef ITILE_KIND
 #undef ITILE_FNS
@@ -348,7 +358,7 @@ static void itile_call(const qmat_t *w, int R, int T, const qact_t *a, float *y,
 #define ICS(K, TT) IC(K, 1, TT) IC(K, 2, TT) IC(K, 3, TT) IC(K, 4, TT) IC(K, 5, TT) IC(K, 6, TT) IC(K, 7, TT) \
     IC(K, 8, TT)
 #define ICK(K) ICS(K, 1) ICS(K, 2) IC(K, 1, 4)
-    ICK(4) ICK(8) ICK(6) ICK(10) ICK(18) ICK(9) ICK(12) IC(5, 1, 1) IC(17, 1, 1)
+    ICK(4) ICK(8) ICK(6) ICK(10) ICK(18) ICK(9) ICK(12) ICK(20) IC(5, 1, 1) IC(17, 1, 1)
 #undef ICK
 #undef ICS
 #undef IC

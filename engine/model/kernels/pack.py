@@ -109,6 +109,32 @@ def _q5_split(codes: torch.Tensor):
     return nib.reshape(O, nb * 16), _pad_outputs(q >> 4, -(-O // PANEL)).reshape(-1, PANEL, nb, 32)
 
 
+def _plane(high: torch.Tensor, layout: str) -> torch.Tensor:
+    """One bit per weight [P, PANEL, nb, 32] (0/1 uint8) -> the exact arithmetic's plane [P, nb, 64]:
+    "bytes", 32 little-endian uint16, word [i] bit l = the bit of output 16p + l, input 32b + i; "lanes",
+    16 little-endian uint32, word [l] bit i = the same bit."""
+    P, nb = high.shape[0], high.shape[2]
+    if layout == "bytes":  # word [i] byte c bit l' = output 8c + l''s bit of input i
+        plane = (high.reshape(P, 2, 8, nb, 32) << _BITS.reshape(8, 1, 1)).sum(2, dtype=torch.uint8)  # [P, c, nb, i]
+        return plane.permute(0, 2, 3, 1).reshape(P, nb, 64)
+    plane = (high.reshape(P, PANEL, nb, 4, 8) << _BITS).sum(-1, dtype=torch.uint8)  # [P, l, nb, c]: input 8c + i'
+    return plane.permute(0, 2, 1, 3).reshape(P, nb, 64)
+
+
+def _plane_i8(high: torch.Tensor, layout: str) -> torch.Tensor:
+    """One bit per weight [P, PANEL, nb, 32] -> the int8 arithmetic's plane [P, nb, 64] for the build
+    whose q4 layout is `layout` (pack_q5_i8's docstring)."""
+    P, nb = high.shape[0], high.shape[2]
+    high = high.reshape(P, PANEL, nb, 4, 2, 4)  # [P, l, nb, h, half, k]: input 32b + 8h + 4 half + k
+    if layout == "bytes":  # mask byte j bit 4 lp + k: output l = 2j + lp, input 8h + 4 half + k
+        shifts = (4 * torch.arange(2, dtype=torch.uint8).reshape(2, 1) + _BITS[:4]).reshape(2, 1, 1, 1, 4)
+        masks = (high.reshape(P, 8, 2, nb, 4, 2, 4) << shifts).sum((2, 6), dtype=torch.uint8)  # [P, j, nb, h, half]
+        return masks.permute(0, 2, 3, 4, 1).reshape(P, nb, 64)
+    shifts = (_BITS[:4].reshape(4, 1, 1) + 4 * _BITS[:2].reshape(1, 2, 1))  # [h, half, 1]
+    bits = (high << shifts).sum((3, 4), dtype=torch.uint8)  # [P, l, nb, k]
+    return bits.permute(0, 2, 1, 3).reshape(P, nb, 64)
+
+
 def pack_q5(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str = "bytes"):
     """Kind 12's (codes [O, I/32 * 20], d, m [O, I/32]) -> csrc/qlinear.c's q5 layout: codes [P, nb, 320]
     uint8, per panel-block pack_q4's 256 bytes of the low nibbles (in `layout`), then the 64-byte plane of
@@ -117,13 +143,7 @@ def pack_q5(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str =
     nib, high = _q5_split(codes)
     lo, d, m = pack_q4(nib, d, m, layout)
     P, nb = lo.shape[0], lo.shape[1]
-    if layout == "bytes":  # word [i] byte c bit l' = output 8c + l''s bit of input i
-        plane = (high.reshape(P, 2, 8, nb, 32) << _BITS.reshape(8, 1, 1)).sum(2, dtype=torch.uint8)  # [P, c, nb, i]
-        plane = plane.permute(0, 2, 3, 1).reshape(P, nb, 64)
-    else:  # word [l] byte c bit i' = input 8c + i''s bit
-        plane = (high.reshape(P, PANEL, nb, 4, 8) << _BITS).sum(-1, dtype=torch.uint8)  # [P, l, nb, c]
-        plane = plane.permute(0, 2, 1, 3).reshape(P, nb, 64)
-    return torch.cat([lo.reshape(P, nb, 256), plane], dim=-1).contiguous(), d, m
+    return torch.cat([lo.reshape(P, nb, 256), _plane(high, layout)], dim=-1).contiguous(), d, m
 
 
 def pack_q5_i8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str = "bytes"):
@@ -141,16 +161,36 @@ def pack_q5_i8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: st
     nib, high = _q5_split(codes)
     lo, d, m = pack_q4_i8(nib, d, m)
     P, nb = lo.shape[0], lo.shape[1]
-    high = high.reshape(P, PANEL, nb, 4, 2, 4)  # [P, l, nb, h, half, k]: input 32b + 8h + 4 half + k
-    if layout == "bytes":  # mask byte j bit 4 lp + k: output l = 2j + lp, input 8h + 4 half + k
-        shifts = (4 * torch.arange(2, dtype=torch.uint8).reshape(2, 1) + _BITS[:4]).reshape(2, 1, 1, 1, 4)
-        masks = (high.reshape(P, 8, 2, nb, 4, 2, 4) << shifts).sum((2, 6), dtype=torch.uint8)  # [P, j, nb, h, half]
-        plane = masks.permute(0, 2, 3, 4, 1).reshape(P, nb, 64)
-    else:
-        shifts = (_BITS[:4].reshape(4, 1, 1) + 4 * _BITS[:2].reshape(1, 2, 1))  # [h, half, 1]
-        bits = (high << shifts).sum((3, 4), dtype=torch.uint8)  # [P, l, nb, k]
-        plane = bits.permute(0, 2, 1, 3).reshape(P, nb, 64)
-    return torch.cat([lo.reshape(P, nb, 256), plane], dim=-1).contiguous(), d, m
+    return torch.cat([lo.reshape(P, nb, 256), _plane_i8(high, layout)], dim=-1).contiguous(), d, m
+
+
+# ---- 6-bit codes (kind 20): GGUF's Q6_K blocks, kind 18's codes q - 32 as 0..63 -------------------------
+Q6_CHUNK = 256  # panels packed at a time: a head's temporaries stay tens of MB (its codes are 100 MB)
+
+
+def pack_q6(codes: torch.Tensor, d: torch.Tensor, layout: str = "bytes", int8: bool = False):
+    """Kind 20's (codes [O, I] uint8: kind 18's q - 32 as int8 bytes; d its records [O, I/256, 18]) ->
+    codes [P, nb, 384] uint8: per panel-block the 6-bit values q' = q + 32 (0..63) as 256 bytes of low
+    nibbles (pack_q4's layout in the exact arithmetic, pack_q4_i8's with `int8`), then the plane of bit 4
+    and the plane of bit 5, each as kind 12 lays out its one plane for that arithmetic and `layout`;
+    d as pack_scales (records), no min (the kernels form -32 d: csrc/qlinear.h v_off6).
+
+    Worked example, output l = 0 whose first inputs hold q = -32, 31, 0: q' = 0, 63, 32, so the exact
+    "bytes" nibble byte 0 is 0xF0 (inputs 0, 1), bit 4's plane word 1 and bit 5's words 1 and 2 have
+    bit 0 set (inputs 1; 1 and 2)."""
+    O, nb = codes.shape[0], codes.shape[1] // 32
+    P = -(-O // PANEL)
+    out = torch.empty(P, nb, 384, dtype=torch.uint8)
+    plane = _plane_i8 if int8 else _plane
+    for p0 in range(0, P, Q6_CHUNK):
+        q = codes[PANEL * p0 : PANEL * (p0 + Q6_CHUNK)].view(torch.int8).reshape(-1, nb, 32)
+        q = (q + 32).view(torch.uint8)  # [o, nb, 32]: 0..63
+        n = -(-q.shape[0] // PANEL)
+        nib = ((q[..., :16] & 0xF) | ((q[..., 16:] & 0xF) << 4)).reshape(q.shape[0], nb * 16)
+        lo = (pack_q4_i8(nib, None, None) if int8 else pack_q4(nib, None, None, layout))[0].reshape(n, nb, 256)
+        bits = _pad_outputs(q >> 4, n).reshape(n, PANEL, nb, 32)  # 0..3: bit 4, bit 5
+        out[p0 : p0 + n] = torch.cat([lo, plane(bits & 1, layout), plane(bits >> 1, layout)], dim=-1)
+    return out, pack_scales(d, P), None
 
 
 def pack_q8(codes: torch.Tensor, d: torch.Tensor):

@@ -11,14 +11,14 @@ from torch import nn
 
 from .build import ARITHMETICS, _library, kernel_isa, q4_layout
 from .kquants import IMPLIED
-from .pack import PANEL, pack_q4, pack_q4_i8, pack_q5, pack_q5_i8, pack_q8, pack_q8_i8, pack_scales
+from .pack import PANEL, pack_q4, pack_q4_i8, pack_q5, pack_q5_i8, pack_q6, pack_q8, pack_q8_i8, pack_scales
 from .recover import recover_q4, recover_q8
 
 # kinds (csrc/qlinear.h): codes' bits, the scales' form ("f16", "f32" values, or "two": a GGUF file's
 # two-level records, kquants.py), scales per block of 32, a min per block
 KINDS = {4: (4, "f16", 1, True), 8: (8, "f16", 1, False), 6: (4, "two", 1, True), 10: (8, "two", 1, True),
          18: (8, "two", 2, False), 9: (8, "f32", 1, True), 5: (4, "f32", 1, True), 17: (8, "f32", 2, False),
-         12: (5, "f16", 1, True)}
+         12: (5, "f16", 1, True), 20: (8, "two", 2, False)}  # 20: taken as 18's 8-bit codes, held as 6-bit
 
 log = logging.getLogger("trserve.engine")
 
@@ -48,8 +48,8 @@ def _half(v: torch.Tensor) -> torch.Tensor:
 
 class QLinear(nn.Module):
     """`nn.Linear` replacement over exactly recovered 4-bit (kind 4) or 8-bit (kind 8) blocks, or a GGUF
-    file's blocks (engine/model/kernels/kquants.py): the K-quants' two-level scales (kinds 6, 10, 18),
-    Q5_0's and Q5_1's 5-bit codes (kind 12), 8-bit codes with float32 scales and mins (kind 9), or the
+    file's blocks (engine/model/kernels/kquants.py): the K-quants' two-level scales (kinds 6, 10, 18; Q6_K held as
+    6-bit codes: kind 20), Q5_0's and Q5_1's 5-bit codes (kind 12), 8-bit codes with float32 scales and mins (kind 9), or the
     K-quants' float32 products (kinds 5, 17: the reference kinds).
 
     codes: [O, I/2] (4-bit kinds) or [O, I] (8-bit) uint8 as recover_q4 / recover_q8 give them, or kind
@@ -81,7 +81,9 @@ class QLinear(nn.Module):
         self.isa, self.arithmetic = kernel_isa(isa), arithmetic
         scale = {"f16": _half, "two": _records}.get(form, lambda v: v.to(torch.float32).contiguous())
         d, m = scale(d), scale(m) if has_min and not implied else None
-        if bits == 4 and arithmetic == "int8":
+        if kind == 20:  # Q6_K's 6-bit codes: nibbles and two bit planes in the build's layouts
+            codes, d, m = pack_q6(codes, d, q4_layout(cache_dir, self.isa), arithmetic == "int8")
+        elif bits == 4 and arithmetic == "int8":
             codes, d, m = pack_q4_i8(codes, d, m)
         elif bits == 5 and arithmetic == "int8":  # its plane in the layout of the build's q4 layout's builds
             codes, d, m = pack_q5_i8(codes, d, m, q4_layout(cache_dir, self.isa))

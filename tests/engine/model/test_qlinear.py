@@ -196,11 +196,6 @@ def test_isa_names_and_resolution():
 
 
 # ---- the kernels ---------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def kernel_dir(tmp_path_factory):
-    """One build directory for the module: each variant compiles once (~1-2 s)."""
-    return tmp_path_factory.mktemp("qlinear")
-
 
 CASES = {  # name: (weights, bias); outputs of one partial panel, several panels with a partial last one (so
     # multi-panel tiles, single-panel tails and the threads' split), and an odd count

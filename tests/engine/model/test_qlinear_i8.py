@@ -65,10 +65,6 @@ def reference_i8_linear(lin: nn.Linear, x: torch.Tensor, kept: list[int] = ()) -
     return acc
 
 
-@pytest.fixture(scope="module")
-def kernel_dir(tmp_path_factory):
-    return tmp_path_factory.mktemp("qlinear_i8")
-
 
 def int8_layer(case: str, isa: str, kernel_dir) -> tuple[nn.Linear, QLinear]:
     return compressed(case, isa, kernel_dir, "int8")

@@ -96,7 +96,7 @@ def test_a_file_is_read_as_it_is_without_a_float32_copy(files, tmp_path) -> None
     assert loaded.kernels == "compressed" and loaded.forward == "native" and loaded.arithmetic == "int8"
     assert not list((default_cache_dir() / "models").glob("gguf-read-as-it-is-*"))
     layers = [m for m in loaded.model.modules() if isinstance(m, QLinear)]
-    assert len(layers) == 211 and {m.kind for m in layers} == {6, 12, 18}  # Q4_K, its Q5_0 fallback, Q6_K
+    assert len(layers) == 211 and {m.kind for m in layers} == {6, 12, 20}  # Q4_K, its Q5_0 fallback, Q6_K
     held = sum(b.numel() * b.element_size() for m in layers for b in (m.codes, m.d, m.m))
     weights = sum(m.in_features * m.out_features for m in layers)
     assert held < 1.2 * weights, held / weights
@@ -181,4 +181,4 @@ def test_the_conversion_path_finds_every_layers_blocks_in_transformers_row_order
     linears = [n for n, m in stock.model.named_modules() if isinstance(m, torch.nn.Linear)]
     blocks = file_blocks(str(path), stock.model)
     assert sorted(blocks) == sorted(linears) and len(linears) == 15
-    assert {b[0] for b in blocks.values()} == {6, 18}
+    assert {b[0] for b in blocks.values()} == {6, 20}
