@@ -26,6 +26,8 @@ finish_reason "stop", or "tool_calls" where other calls did parse, with `stop_re
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 
@@ -52,6 +54,24 @@ def detect_format(template: object) -> str | None:
     if found is None and "<|start_header_id|>" in template and '"parameters"' in template:
         return "llama3_json"  # Llama 3.x JSON calls without the python tag (user-defined tools only)
     return found
+
+
+def marker_token(tokenizer, fmt: str | None) -> int | None:
+    """The id of format `fmt`'s opening (`<|python_tag|>`, `[TOOL_CALLS]`) where `tokenizer` has it as a
+    special token (the grammar then lets a call open with it: toolgrammar.py); None where it has not."""
+    if fmt not in ("llama3_json", "mistral"):
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return next((int(i) for i, t in added.items() if getattr(t, "content", None) == OPEN[fmt]
+                 and getattr(t, "special", False)), None)
+
+
+def new_call_id(fmt: str) -> str:
+    """A new call's id: 9 letters and digits for mistral (Mistral's templates refuse a tool result whose
+    tool_call_id is not, as vLLM writes them), else `call_` and 24 hex digits."""
+    if fmt == "mistral":
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def resolve_parser(name: str, template: object) -> str | None:
@@ -237,8 +257,11 @@ class ToolReader:
 
     def _block(self, block: str, body: str, content: list[str], calls: list[dict]) -> None:
         """One opened block: its calls, or (malformed) its text as content. A block opened without its
-        marker (llama3_json's `{`, mistral's `[{`) that is not call-shaped JSON was plain text."""
-        marked, shaped = block.lstrip().startswith(OPEN[self.fmt]) or self.fmt == "hermes", False
+        marker (llama3_json's `{`, mistral's `[{`) that is not call-shaped JSON was plain text, but where a
+        grammar held the reply (`held`: there text cannot open so, and a special-token marker is decoded
+        away): then it is a call, cut or malformed."""
+        marked = block.lstrip().startswith(OPEN[self.fmt]) or self.fmt == "hermes" or self.held
+        shaped = False
         try:
             values = mistral_calls(body) if self.fmt == "mistral" else \
                 json_values(body, ";" if self.fmt == "llama3_json" else "")
@@ -256,7 +279,7 @@ class ToolReader:
             return
         for name, args in read:
             if self.parallel or not self.calls:
-                calls.append({"index": self.calls, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                calls.append({"index": self.calls, "id": new_call_id(self.fmt), "type": "function",
                               "function": {"name": name, "arguments": args}})
                 self.calls += 1
 

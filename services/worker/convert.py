@@ -17,8 +17,9 @@ from ...engine.results import GenerationResult, GenerationStats, StepChunk
 from ...engine.runtime import RuntimeInfo
 from ...engine.tr.grammar import StructuredOutput
 from ...engine.tr.sampling import SamplingParams
+from ..openai.toolparse import resolve_parser
 from .checks import Ask, GenerateCall
-from .config import Limits
+from .config import Limits, WorkerConfig
 from ...v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:
@@ -156,7 +157,9 @@ def final_chunk_to_pb(result: GenerationResult, text_sent: str, queue_s: float) 
                                      stats=stats_to_pb(result.stats, queue_s))
 
 
-def model_info_to_pb(decoder: TargetModel, limits: Limits, name: str) -> pb.ModelInfoResponse:
+def model_info_to_pb(decoder: TargetModel, limits: Limits, name: str,
+                     parsers: tuple[str, str] = ("", "")) -> pb.ModelInfoResponse:
+    """`parsers`: (tool-call format, reasoning parser) as served_parsers gives them."""
     d, info = decoder, RuntimeInfo.of(decoder)
     return pb.ModelInfoResponse(
         model=name, fingerprint=d.fingerprint, vocab_size=d.vocab_size,
@@ -164,5 +167,13 @@ def model_info_to_pb(decoder: TargetModel, limits: Limits, name: str) -> pb.Mode
         max_new_tokens_cap=limits.max_new_tokens_cap, default_max_new_tokens=limits.default_max_new_tokens,
         max_prompt_tokens=limits.max_prompt_tokens, device=info.device, kernels=info.kernels,
         attention=info.attention, threads=info.threads, kernel_isa=info.isa,
-        arithmetic=info.arithmetic, quantize=info.quantize,
+        arithmetic=info.arithmetic, quantize=info.quantize, tool_call_parser=parsers[0],
+        reasoning_parser=parsers[1],
     )
+
+
+def served_parsers(config: WorkerConfig, decoder: TargetModel) -> tuple[str, str]:
+    """(the tool-call format tool_choice "auto" reads: --tool-call-parser, "auto" resolved from the chat
+    template that renders tools; the reasoning parser), "" for none."""
+    return (resolve_parser(config.tool_call_parser, decoder.prompts.tool_template) or "",
+            config.reasoning_parser or "")

@@ -54,4 +54,5 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     @grpc_errors
     @observed
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
-        return convert.model_info_to_pb(self.door.decoder, self.door.limits, self.door.model_name)
+        return convert.model_info_to_pb(self.door.decoder, self.door.limits, self.door.model_name,
+                                        convert.served_parsers(self.door.config, self.door.decoder))
