@@ -62,11 +62,11 @@ class OpenAIRequest:
 
 
 def parse_request(body: object, kind: str, model_id: str, tenant: str | None,
-                  tool_format: str | None = None, tool_marker: int | None = None) -> OpenAIRequest:
+                  tool_format: str | None = None, tool_markers: tuple[int, ...] = ()) -> OpenAIRequest:
     """From a JSON body: `kind` "chat" (messages) or "text" (prompt). `tenant`: the caller's (authorised,
     not yet checked: the front door checks it), None for the server's default. `tool_format`: the served
-    template's tool-call format (toolparse.py; None: tool_choice "auto" is refused), `tool_marker` the id
-    of its opening as a special token (toolparse.py:marker_token)."""
+    template's tool-call format (toolparse.py; None: tool_choice "auto" is refused), `tool_markers` the ids
+    of its markers as tokens of their own (toolparse.py:marker_tokens)."""
     if not isinstance(body, dict):
         raise BadParam("the request body must be a JSON object")
     model = body.get("model")
@@ -85,7 +85,7 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str | None,
         _prompt(body.get("prompt"), opts)
     opts["chat"] = chat_options(body, kind, opts["messages"])  # vLLM's chat_template_kwargs, ...
     max_tokens = _limits(body, kind, opts)
-    tools, auto = tool_options(body, opts, kind, tool_format, tool_marker)
+    tools, auto = tool_options(body, opts, kind, tool_format, tool_markers)
     _sampling(body, opts)
     logprobs_options(body, kind, opts)
     stream = body.get("stream") or False

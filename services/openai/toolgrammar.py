@@ -1,8 +1,9 @@
 """The grammars that hold tool_choice "auto"'s calls to the tools' schemas (issue 59), one per format
 toolparse.py reads, in llguidance's Lark dialect (engine/tr/grammar.py compiles them):
 
-- hermes: free text; each `<tool_call>` the model writes (a lazy trigger) is followed by one call's
-  JSON and `</tool_call>`; any number of calls.
+- hermes: free text; each `<tool_call>` the model writes (a lazy trigger, or the token where the
+  tokenizer has it as an added token: Qwen's) is followed by one call's JSON and `</tool_call>`; any
+  number of calls.
 - llama3_json: the reply is either text that does not open a call (it does not start, after
   whitespace, with `{` or the text `<|python_tag|>`) or (after whitespace, if any) the calls
   `{"name": ..., "parameters": {...}}` separated by `; ` (one where parallel_tool_calls is false).
@@ -15,7 +16,9 @@ toolparse.py reads, in llguidance's Lark dialect (engine/tr/grammar.py compiles 
   `[TOOL_CALLS]` as a special token (`marker`), that token then the list, at the start. Mistral's
   newer `name[ARGS]{...}` form is read but not forced.
 
-Special markers at the reply's start only: the server decodes replies without special tokens (as
+Markers that are tokens of their own (added tokens, `markers`: toolparse.py:marker_tokens) are named
+by id, `<[id]>`: the grammar engine never matches an added token by its text. Special markers at the
+reply's start only: the server decodes replies without special tokens (as
 vLLM's default skip_special_tokens), so a call a special token opens reads as a reply that starts
 with its JSON, which toolparse.py reads as a call; after text the marker would be lost, and the call
 with it, so there it is not allowed.
@@ -83,15 +86,24 @@ def not_opening(openings: tuple[str, ...], blank: bool = False) -> str:
     return "/(" + "|".join(alts) + (")?/" if blank else ")/")
 
 
-def hermes_grammar(functions: dict[str, dict], parallel: bool = True) -> str:
+def hermes_grammar(functions: dict[str, dict], parallel: bool = True, markers: tuple[int, ...] = ()) -> str:
     """A hermes reply: free text, where each `<tool_call>` the model writes (a lazy trigger: the text
     before it is anything) is followed by one call's JSON and its closing tag; any number of calls
     (llguidance's structural tags). `parallel` is not used: text after a last call would be free to
     open another, unheld, so every call is held and parallel_tool_calls false keeps the first.
+    `markers`: the ids of `<tool_call>` (and `</tool_call>`) where the tokenizer has them as tokens of
+    their own (Qwen's do), which the grammar engine matches by id only (their text would be masked): the
+    call then opens with that token, as the text would open it.
 
     >>> print(hermes_grammar({"f": {"name": "f"}}).splitlines()[3])
     call_trigger[lazy]: TEXT "<tool_call>"
+    >>> print(hermes_grammar({"f": {"name": "f"}}, markers=(5, 6)).splitlines()[3][-10:])
+    "\\n" <[6]>
     """
+    if markers:
+        close = f"<[{int(markers[1])}]>" if len(markers) > 1 else '"</tool_call>"'
+        return "\n".join(("%llguidance {}", "start: call* TEXT", "TEXT: /(.|\\n)*/",
+                          f'call: TEXT <[{int(markers[0])}]> "\\n" {_json(functions)} "\\n" {close}'))
     return "\n".join(("%llguidance {}", "start: call* TEXT", "TEXT: /(.|\\n)*/",
                       'call_trigger[lazy]: TEXT "<tool_call>"',
                       f'call: call_trigger "\\n" {_json(functions)} "\\n</tool_call>"'))
@@ -139,12 +151,12 @@ def mistral_grammar(functions: dict[str, dict], parallel: bool = True, marker: i
 GRAMMARS = {"hermes": hermes_grammar, "llama3_json": llama3_grammar, "mistral": mistral_grammar}
 
 
-def auto_grammar(fmt: str, functions: dict[str, dict], parallel: bool = True, marker: int | None = None) -> str:
-    """The Lark grammar that holds format `fmt`'s calls to `functions`' schemas; `marker`: the id of the
-    format's opening as the tokenizer's special token (toolparse.py:marker_token), None where it has none."""
-    if fmt == "hermes":  # `<tool_call>` is text (an added, not special, token in Qwen's tokenizers)
-        return hermes_grammar(functions, parallel)
-    return GRAMMARS[fmt](functions, parallel, marker)
+def auto_grammar(fmt: str, functions: dict[str, dict], parallel: bool = True, markers: tuple[int, ...] = ()) -> str:
+    """The Lark grammar that holds format `fmt`'s calls to `functions`' schemas; `markers`: the ids of the
+    format's call markers as the tokenizer's tokens of their own (toolparse.py:marker_tokens), () where none."""
+    if fmt == "hermes":
+        return hermes_grammar(functions, parallel, markers)
+    return GRAMMARS[fmt](functions, parallel, markers[0] if markers else None)
 
 
 # the head of a call as the grammars write it (the name, then the arguments' key): the arguments follow

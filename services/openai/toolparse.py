@@ -56,14 +56,20 @@ def detect_format(template: object) -> str | None:
     return found
 
 
-def marker_token(tokenizer, fmt: str | None) -> int | None:
-    """The id of format `fmt`'s opening (`<|python_tag|>`, `[TOOL_CALLS]`) where `tokenizer` has it as a
-    special token (the grammar then lets a call open with it: toolgrammar.py); None where it has not."""
-    if fmt not in ("llama3_json", "mistral"):
-        return None
-    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return next((int(i) for i, t in added.items() if getattr(t, "content", None) == OPEN[fmt]
-                 and getattr(t, "special", False)), None)
+def marker_tokens(tokenizer, fmt: str | None) -> tuple[int, ...]:
+    """The ids of format `fmt`'s call markers where `tokenizer` has them as tokens of their own (added
+    tokens, special or not, which the grammar engine matches by id only: toolgrammar.py names them so):
+    llama3_json / mistral, its opening (`<|python_tag|>`, `[TOOL_CALLS]`); hermes, `<tool_call>` and
+    `</tool_call>` where they are not special (decoded text keeps them; Qwen's tokenizers add them so),
+    the opening alone where only it is; () where none."""
+    added = {getattr(t, "content", None): (int(i), bool(getattr(t, "special", False)))
+             for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+    if fmt == "hermes":
+        found = [added.get(m) for m in (OPEN["hermes"], CLOSE)]
+        if found[0] is None or found[0][1]:
+            return ()
+        return (found[0][0],) + ((found[1][0],) if found[1] is not None and not found[1][1] else ())
+    return (added[OPEN[fmt]][0],) if fmt in ("llama3_json", "mistral") and OPEN[fmt] in added else ()
 
 
 def new_call_id(fmt: str) -> str:

@@ -44,11 +44,11 @@ class AutoTools:
 
 
 def tool_options(body: dict, opts: dict, kind: str, auto_format: str | None = None,
-                 marker: int | None = None) -> tuple[tuple[str, ...] | None, AutoTools | None]:
+                 markers: tuple[int, ...] = ()) -> tuple[tuple[str, ...] | None, AutoTools | None]:
     """(the callable tools' names when the reply must be a tool call (its schema then set in `opts`, the
     engine request's fields), AutoTools for tool_choice "auto"); `auto_format`: the served template's
-    tool format (None: "auto" is refused); `marker`: the id of its opening as a special token, if the
-    tokenizer has one (toolparse.py:marker_token)."""
+    tool format (None: "auto" is refused); `markers`: the ids of its call markers as tokens of their own,
+    where the tokenizer has them (toolparse.py:marker_tokens)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -64,7 +64,7 @@ def tool_options(body: dict, opts: dict, kind: str, auto_format: str | None = No
     if choice == "none":
         return None, None
     if choice == "auto":
-        return None, _auto(body, opts, functions, auto_format, parallel is not False, marker)
+        return None, _auto(body, opts, functions, auto_format, parallel is not False, markers)
     if choice != "required":
         name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
             choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
@@ -80,7 +80,7 @@ def tool_options(body: dict, opts: dict, kind: str, auto_format: str | None = No
 
 
 def _auto(body: dict, opts: dict, functions: dict[str, dict], fmt: str | None, parallel: bool,
-          marker: int | None = None) -> AutoTools:
+          markers: tuple[int, ...] = ()) -> AutoTools:
     """tool_choice "auto": the tools to the template (`opts["tools"]`), earlier calls in its format."""
     if fmt is None:
         raise BadParam('tool_choice "auto" needs a chat template with a tool format, and this model\'s has none '
@@ -91,7 +91,7 @@ def _auto(body: dict, opts: dict, functions: dict[str, dict], fmt: str | None, p
                        "tool_choice")
     opts["tools"] = tuple({"type": "function", "function": f} for f in functions.values())
     # once the model opens a call, its JSON follows the tools' schemas (toolgrammar.py)
-    opts["structured"] = StructuredOutput("grammar", auto_grammar(fmt, functions, parallel, marker))
+    opts["structured"] = StructuredOutput("grammar", auto_grammar(fmt, functions, parallel, markers))
     for i, m in enumerate(body["messages"]):
         calls = _calls(m, i) if m.get("role") == "assistant" else None
         if calls:

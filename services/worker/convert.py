@@ -12,12 +12,12 @@ from typing import TYPE_CHECKING
 
 from ...core.errors import InvalidArgument
 from ...engine.request.chat import ChatOptions, chat_options_from_json
-from ...engine.request.tools import tools_from_json
+from ...engine.request.tools import tool_functions, tools_from_json
 from ...engine.results import GenerationResult, GenerationStats, StepChunk
 from ...engine.runtime import RuntimeInfo
 from ...engine.tr.grammar import StructuredOutput
 from ...engine.tr.sampling import SamplingParams
-from ..openai.toolparse import resolve_parser
+from ..openai.toolparse import parse_reply, resolve_parser
 from .checks import Ask, GenerateCall
 from .config import Limits, WorkerConfig
 from ...v1 import generate_pb2 as pb
@@ -170,6 +170,19 @@ def model_info_to_pb(decoder: TargetModel, limits: Limits, name: str,
         arithmetic=info.arithmetic, quantize=info.quantize, tool_call_parser=parsers[0],
         reasoning_parser=parsers[1],
     )
+
+
+def read_tool_calls(request: pb.GenerateRequest, fmt: str, text: str, reply) -> None:
+    """Into `reply` (a GenerateResponse or the last GenerateStreamResponse): the calls `text` writes in
+    format `fmt` (served_parsers') to the request's ChatMessages.tools, and why an opened one is not a
+    call; nothing without tools or a format."""
+    tools = request.messages.tools if request.WhichOneof("input") == "messages" else ""
+    if not tools or not fmt:
+        return
+    parsed = parse_reply(fmt, text, tuple(tool_functions(list(tools_from_json(tools)))))
+    reply.tool_calls.extend(pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments_json=c["function"]["arguments"])
+                            for c in parsed.calls)
+    reply.tool_call_error = parsed.error or ""
 
 
 def served_parsers(config: WorkerConfig, decoder: TargetModel) -> tuple[str, str]:

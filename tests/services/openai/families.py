@@ -64,7 +64,8 @@ def tiny_family(folder: Path, fmt: str, seed: int = 0) -> Path:
     config = getattr(transformers, family.arch + "Config")(
         vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id)
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.eos_token_id,
+        **({"sliding_window": None} if family.arch in ("Mistral", "Qwen2") else {}))
     torch.manual_seed(seed)
     model = getattr(transformers, family.arch + "ForCausalLM")(config)
     with torch.no_grad():
