@@ -33,12 +33,13 @@ NAMED = {"type": "function", "function": {"name": "get_time"}}
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family(request, tmp_path_factory):
-    """(format, the checkpoint's folder, gRPC address, OpenAI client, model id, the tokenizer)."""
+    """(format, the checkpoint's folder, gRPC address, OpenAI client, model id, the tokenizer, the server's log)."""
     fmt = request.param
-    folder = tiny_family(tmp_path_factory.mktemp(f"tiny-{fmt}"), fmt)
-    with serving(tmp_path_factory.mktemp(f"serve-{fmt}"), "--model", str(folder)) as (addr, base):
+    folder, logs = tiny_family(tmp_path_factory.mktemp(f"tiny-{fmt}"), fmt), tmp_path_factory.mktemp(f"serve-{fmt}")
+    with serving(logs, "--model", str(folder)) as (addr, base):
         client = openai.OpenAI(base_url=base, api_key="none", max_retries=0, timeout=300)
-        yield fmt, folder, addr, client, client.models.list().data[0].id, AutoTokenizer.from_pretrained(folder)
+        yield (fmt, folder, addr, client, client.models.list().data[0].id, AutoTokenizer.from_pretrained(folder),
+               logs / "serve.log")
 
 
 def ask(model: str, question: str = "What time is it in Asia/Tokyo?", history: tuple = (), **more) -> dict:
@@ -47,7 +48,8 @@ def ask(model: str, question: str = "What time is it in Asia/Tokyo?", history: t
 
 
 def test_the_template_s_format_is_recognised_and_reported(family):
-    fmt, _, addr, client, model, tok = family
+    fmt, _, addr, client, model, tok = family[:6]
+    assert f"tool calls: {fmt}, reasoning parser: none" in family[6].read_text()  # the startup line
     card = client.models.retrieve(model)
     assert card.model_extra["trserve"] == {"tool_call_parser": fmt, "reasoning_parser": ""}
     with grpc.insecure_channel(addr) as channel:
@@ -63,7 +65,7 @@ def test_the_template_s_format_is_recognised_and_reported(family):
 
 @pytest.mark.parametrize("choice", ["required", NAMED])
 def test_required_and_named_calls_validate_stream_as_unary_and_tr_equals_ar(family, choice):
-    _, _, _, client, model, _ = family
+    _, _, _, client, model, _ = family[:6]
     body = ask(model, tool_choice=choice)
     reply, ar = (client.chat.completions.create(**body, extra_body={"mode": mode}) for mode in ("tr", "ar"))
     assert reply.model_extra["trserve"]["token_ids"] == ar.model_extra["trserve"]["token_ids"]
@@ -87,7 +89,7 @@ def marked(fmt: str, model: str, tok, **more) -> dict:
 
 
 def test_auto_a_call_opened_by_the_family_s_marker_is_parsed_and_held(family):
-    fmt, _, _, client, model, tok = family
+    fmt, _, _, client, model, tok = family[:6]
     body = marked(fmt, model, tok)
     reply, ar = (client.chat.completions.create(**body, extra_body={"mode": mode}) for mode in ("tr", "ar"))
     ids = reply.model_extra["trserve"]["token_ids"]
@@ -108,7 +110,7 @@ def test_without_the_markers_in_the_grammar_the_marker_tokens_are_masked(family)
     Qwen's not), which the grammar engine matches by id only, masking them where a grammar names their
     text: the grammar names their ids (toolparse.py:marker_tokens), so the model can open a call with the
     token it was trained to write; without them it could not."""
-    fmt, _, _, _, _, tok = family
+    fmt, _, _, _, _, tok = family[:6]
     markers = marker_tokens(tok, fmt)
     want = [FAMILIES[fmt].marker] + (["</tool_call>"] if fmt == "hermes" else [])
     assert markers == tuple(tok.convert_tokens_to_ids(want))
@@ -120,7 +122,7 @@ def test_without_the_markers_in_the_grammar_the_marker_tokens_are_masked(family)
 
 
 def test_a_tool_result_turn_renders_and_the_model_continues(family):
-    fmt, _, _, client, model, tok = family
+    fmt, _, _, client, model, tok = family[:6]
     question = "What time is it in Asia/Tokyo?"
     call = client.chat.completions.create(**marked(fmt, model, tok, question=question)).choices[0].message.tool_calls[0]
     result = {"role": "tool", "tool_call_id": call.id, "content": '{"time": "12:00"}'}
@@ -146,7 +148,7 @@ def test_a_tool_result_turn_renders_and_the_model_continues(family):
 
 
 def test_a_call_cut_by_max_tokens_is_content_with_a_malformed_reason(family):
-    fmt, _, _, client, model, tok = family
+    fmt, _, _, client, model, tok = family[:6]
     body = {**marked(fmt, model, tok), "max_tokens": 6, "stop": None}
     reply = client.chat.completions.create(**body)
     choice = reply.choices[0]
@@ -160,7 +162,7 @@ def test_grpc_replies_carry_the_calls_read_in_the_family_s_format(family):
     """gRPC GenerateResponse.tool_calls: with ChatMessages.tools, the calls the reply writes in the served
     format, read as HTTP's auto reads them. Held by the same grammar as `structured_output`, the reply is
     HTTP's auto reply token for token, and its calls are HTTP's; streamed, the last message carries them."""
-    fmt, _, addr, client, model, tok = family
+    fmt, _, addr, client, model, tok = family[:6]
     body = marked(fmt, model, tok)
     http = client.chat.completions.create(**body)
     functions = {t["function"]["name"]: t["function"] for t in (WEATHER, TIME)}
