@@ -40,7 +40,7 @@ from .observe import RequestLog
 from .options import Vocabulary
 from .reasoning import Reasoning
 from .responses import Responses
-from .toolparse import resolve_parser
+from .toolparse import marker_tokens, resolve_parser
 from .streams import all_or_none, first_items, merged
 from ..worker.checks import tenant_of
 from ..worker.front import FrontDoor, StreamEnd
@@ -63,6 +63,7 @@ class OpenAIApp:
         self.fingerprint = door.decoder.fingerprint
         self.created, decoder = int(time.time()), door.decoder
         self.tools = resolve_parser(self.config.tool_call_parser, decoder.prompts.tool_template)  # "auto"'s format
+        self.tool_markers = marker_tokens(decoder.tokenizer, self.tools)  # its markers as tokens of their own
         # each token's own bytes, as the grammar engine reads the vocabulary (its view is built on first use)
         self.vocab = Vocabulary(decoder.tokenizer, lambda token: decoder.grammars.tokenizer().decode_bytes([token]))
         self.reasoning = Reasoning(self.config.reasoning_parser, decoder.prompts)  # --reasoning-parser
@@ -165,7 +166,8 @@ class OpenAIApp:
         try:
             token_tenant = self._token_tenant(request)
             body = await self._body(request)
-            req = convert.parse_request(body, kind, self.model_id, self._tenant(request, body, token_tenant), self.tools)
+            req = convert.parse_request(body, kind, self.model_id, self._tenant(request, body, token_tenant), self.tools,
+                                        self.tool_markers)
             deadline = HttpDeadline(request)
             if req.stream:
                 return await self._stream(req, method, deadline, request.state)
@@ -293,7 +295,9 @@ class OpenAIApp:
         return asked
 
     def _model_card(self) -> dict:
-        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "trserve"}
+        """OpenAI's model object, and trserve's parsers (as ModelInfo's): "" for none."""
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "trserve",
+                "trserve": {"tool_call_parser": self.tools or "", "reasoning_parser": self.config.reasoning_parser or ""}}
 
     def _count(self, method: str, exc: BaseException | None) -> None:
         code = "OK" if exc is None else status_for(exc).name

@@ -62,10 +62,11 @@ class OpenAIRequest:
 
 
 def parse_request(body: object, kind: str, model_id: str, tenant: str | None,
-                  tool_format: str | None = None) -> OpenAIRequest:
+                  tool_format: str | None = None, tool_markers: tuple[int, ...] = ()) -> OpenAIRequest:
     """From a JSON body: `kind` "chat" (messages) or "text" (prompt). `tenant`: the caller's (authorised,
     not yet checked: the front door checks it), None for the server's default. `tool_format`: the served
-    template's tool-call format (toolparse.py; None: tool_choice "auto" is refused)."""
+    template's tool-call format (toolparse.py; None: tool_choice "auto" is refused), `tool_markers` the ids
+    of its markers as tokens of their own (toolparse.py:marker_tokens)."""
     if not isinstance(body, dict):
         raise BadParam("the request body must be a JSON object")
     model = body.get("model")
@@ -84,7 +85,7 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str | None,
         _prompt(body.get("prompt"), opts)
     opts["chat"] = chat_options(body, kind, opts["messages"])  # vLLM's chat_template_kwargs, ...
     max_tokens = _limits(body, kind, opts)
-    tools, auto = tool_options(body, opts, kind, tool_format)
+    tools, auto = tool_options(body, opts, kind, tool_format, tool_markers)
     _sampling(body, opts)
     logprobs_options(body, kind, opts)
     stream = body.get("stream") or False
@@ -144,7 +145,10 @@ def _messages(messages: object) -> list[dict]:
             raise BadParam(f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}", f"messages[{i}].role")
         calls = assistant_content(m, i) if role == "assistant" else None
         content = calls if calls is not None and m.get("content") in (None, "") else _content(m.get("content"), i)
-        out.append({"role": ROLES[role], "content": content})
+        turn = {"role": ROLES[role], "content": content}
+        if role == "tool" and isinstance(m.get("tool_call_id"), str):  # templates that show it (Mistral's)
+            turn["tool_call_id"] = m["tool_call_id"]
+        out.append(turn)
     return out
 
 

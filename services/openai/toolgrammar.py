@@ -1,18 +1,27 @@
 """The grammars that hold tool_choice "auto"'s calls to the tools' schemas (issue 59), one per format
 toolparse.py reads, in llguidance's Lark dialect (engine/tr/grammar.py compiles them):
 
-- hermes: free text; each `<tool_call>` the model writes (a lazy trigger) is followed by one call's
-  JSON and `</tool_call>`; any number of calls.
+- hermes: free text; each `<tool_call>` the model writes (a lazy trigger, or the token where the
+  tokenizer has it as an added token: Qwen's) is followed by one call's JSON and `</tool_call>`; any
+  number of calls.
 - llama3_json: the reply is either text that does not open a call (it does not start, after
   whitespace, with `{` or the text `<|python_tag|>`) or (after whitespace, if any) the calls
   `{"name": ..., "parameters": {...}}` separated by `; ` (one where parallel_tool_calls is false).
-  `<|python_tag|>` is a special token in Llama 3 tokenizers, which a grammar names only where the
-  tokenizer has it (it would not compile otherwise) and decoded text leaves out: the grammar holds
-  the bare JSON form (what Llama 3.x writes for user-defined tools; the special token is masked).
-- mistral: text, then `[TOOL_CALLS]` and a JSON list of `{"name", "arguments"}` calls to the end; or
-  the list alone at the start, after whitespace if any (how a reply reads once `[TOOL_CALLS]`, a
-  special token in Mistral's tokenizers, is decoded away: the grammar names the text, so that special
-  token itself is masked). Mistral's newer `name[ARGS]{...}` form is read but not forced.
+  `<|python_tag|>` is a special token in Llama 3 tokenizers: where the served tokenizer has it as one
+  (`marker`, its id), the calls may open with that token (`<[id]>`, llguidance's name for a token by
+  id; the text is masked as every special token is); elsewhere the bare JSON form alone (what Llama
+  3.x writes for user-defined tools).
+- mistral: text, then `[TOOL_CALLS]` (its text) and a JSON list of `{"name", "arguments"}` calls to
+  the end; or the list alone at the start, after whitespace if any; or, where the tokenizer has
+  `[TOOL_CALLS]` as a special token (`marker`), that token then the list, at the start. Mistral's
+  newer `name[ARGS]{...}` form is read but not forced.
+
+Markers that are tokens of their own (added tokens, `markers`: toolparse.py:marker_tokens) are named
+by id, `<[id]>`: the grammar engine never matches an added token by its text. Special markers at the
+reply's start only: the server decodes replies without special tokens (as
+vLLM's default skip_special_tokens), so a call a special token opens reads as a reply that starts
+with its JSON, which toolparse.py reads as a call; after text the marker would be lost, and the call
+with it, so there it is not allowed.
 
 Each call's JSON is laid out as json.dumps lays it out (JSON_OPTIONS: no free whitespace), and the
 answer's arguments are the text the model wrote, not written again (toolparse.py:ToolReader `held`),
@@ -77,51 +86,77 @@ def not_opening(openings: tuple[str, ...], blank: bool = False) -> str:
     return "/(" + "|".join(alts) + (")?/" if blank else ")/")
 
 
-def hermes_grammar(functions: dict[str, dict], parallel: bool = True) -> str:
+def hermes_grammar(functions: dict[str, dict], parallel: bool = True, markers: tuple[int, ...] = ()) -> str:
     """A hermes reply: free text, where each `<tool_call>` the model writes (a lazy trigger: the text
     before it is anything) is followed by one call's JSON and its closing tag; any number of calls
     (llguidance's structural tags). `parallel` is not used: text after a last call would be free to
     open another, unheld, so every call is held and parallel_tool_calls false keeps the first.
+    `markers`: the ids of `<tool_call>` (and `</tool_call>`) where the tokenizer has them as tokens of
+    their own (Qwen's do), which the grammar engine matches by id only (their text would be masked): the
+    call then opens with that token, as the text would open it.
 
     >>> print(hermes_grammar({"f": {"name": "f"}}).splitlines()[3])
     call_trigger[lazy]: TEXT "<tool_call>"
+    >>> print(hermes_grammar({"f": {"name": "f"}}, markers=(5, 6)).splitlines()[3][-10:])
+    "\\n" <[6]>
     """
+    if markers:
+        close = f"<[{int(markers[1])}]>" if len(markers) > 1 else '"</tool_call>"'
+        return "\n".join(("%llguidance {}", "start: call* TEXT", "TEXT: /(.|\\n)*/",
+                          f'call: TEXT <[{int(markers[0])}]> "\\n" {_json(functions)} "\\n" {close}'))
     return "\n".join(("%llguidance {}", "start: call* TEXT", "TEXT: /(.|\\n)*/",
                       'call_trigger[lazy]: TEXT "<tool_call>"',
                       f'call: call_trigger "\\n" {_json(functions)} "\\n</tool_call>"'))
 
 
-def llama3_grammar(functions: dict[str, dict], parallel: bool = True) -> str:
-    """A llama3_json reply: text that does not open a call, or the calls (after whitespace, if any).
+def _marker(marker: int | None) -> tuple[str, tuple[str, ...]]:
+    """(the start rule's opening before the calls, the rule that names it) for a special-token marker."""
+    return ("", ()) if marker is None else ("marker? ", (f"marker: <[{int(marker)}]>",))
+
+
+def llama3_grammar(functions: dict[str, dict], parallel: bool = True, marker: int | None = None) -> str:
+    """A llama3_json reply: text that does not open a call, or the calls (after whitespace, if any),
+    opened by the special token `marker` (the id of `<|python_tag|>`) where it is given.
 
     >>> print(llama3_grammar({"f": {"name": "f"}}, parallel=False).splitlines()[1])
     start: LEAD? (TEXT | call)?
+    >>> print(llama3_grammar({"f": {"name": "f"}}, marker=7).splitlines()[-1])
+    marker: <[7]>
     """
     more = ' ("; " call)*' if parallel else ""
-    return "\n".join(("%llguidance {}", f"start: LEAD? (TEXT | call{more})?", LEAD,
-                      f"TEXT: {not_opening(('{', '<|python_tag|>'))}", f"call: {_json(functions, 'parameters')}"))
+    opening, rule = _marker(marker)
+    return "\n".join(("%llguidance {}", f"start: LEAD? (TEXT | {opening}call{more})?", LEAD,
+                      f"TEXT: {not_opening(('{', '<|python_tag|>'))}", f"call: {_json(functions, 'parameters')}",
+                      *rule))
 
 
-def mistral_grammar(functions: dict[str, dict], parallel: bool = True) -> str:
+def mistral_grammar(functions: dict[str, dict], parallel: bool = True, marker: int | None = None) -> str:
     """A mistral reply: text, then (a lazy trigger) `[TOOL_CALLS]` and a JSON list of calls to the end;
-    or the list alone (after whitespace, if any); or text (that does not start with `[{`) alone.
+    or the list alone (after whitespace, if any), opened by the special token `marker` (the id of
+    `[TOOL_CALLS]`) where it is given; or text (that does not start with `[{`) alone.
 
     >>> print(mistral_grammar({"f": {"name": "f"}}).splitlines()[1])
     start: LEAD? (TEXT | call_trigger calls | calls)?
+    >>> print(mistral_grammar({"f": {"name": "f"}}, marker=9).splitlines()[1])
+    start: LEAD? (TEXT | call_trigger calls | marker? calls)?
     """
     more = ' (", " call)*' if parallel else ""
-    return "\n".join(("%llguidance {}", "start: LEAD? (TEXT | call_trigger calls | calls)?", LEAD,
+    opening, rule = _marker(marker)
+    return "\n".join(("%llguidance {}", f"start: LEAD? (TEXT | call_trigger calls | {opening}calls)?", LEAD,
                       f"TEXT: {not_opening(('[{',))}", f"BEFORE: {not_opening(('[{',), blank=True)}",
                       'call_trigger[lazy]: BEFORE "[TOOL_CALLS]"',
-                      f'calls: "[" call{more} "]"', f"call: {_json(functions)}"))
+                      f'calls: "[" call{more} "]"', f"call: {_json(functions)}", *rule))
 
 
 GRAMMARS = {"hermes": hermes_grammar, "llama3_json": llama3_grammar, "mistral": mistral_grammar}
 
 
-def auto_grammar(fmt: str, functions: dict[str, dict], parallel: bool = True) -> str:
-    """The Lark grammar that holds format `fmt`'s calls to `functions`' schemas."""
-    return GRAMMARS[fmt](functions, parallel)
+def auto_grammar(fmt: str, functions: dict[str, dict], parallel: bool = True, markers: tuple[int, ...] = ()) -> str:
+    """The Lark grammar that holds format `fmt`'s calls to `functions`' schemas; `markers`: the ids of the
+    format's call markers as the tokenizer's tokens of their own (toolparse.py:marker_tokens), () where none."""
+    if fmt == "hermes":
+        return hermes_grammar(functions, parallel, markers)
+    return GRAMMARS[fmt](functions, parallel, markers[0] if markers else None)
 
 
 # the head of a call as the grammars write it (the name, then the arguments' key): the arguments follow

@@ -26,6 +26,8 @@ finish_reason "stop", or "tool_calls" where other calls did parse, with `stop_re
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 
@@ -52,6 +54,30 @@ def detect_format(template: object) -> str | None:
     if found is None and "<|start_header_id|>" in template and '"parameters"' in template:
         return "llama3_json"  # Llama 3.x JSON calls without the python tag (user-defined tools only)
     return found
+
+
+def marker_tokens(tokenizer, fmt: str | None) -> tuple[int, ...]:
+    """The ids of format `fmt`'s call markers where `tokenizer` has them as tokens of their own (added
+    tokens, special or not, which the grammar engine matches by id only: toolgrammar.py names them so):
+    llama3_json / mistral, its opening (`<|python_tag|>`, `[TOOL_CALLS]`); hermes, `<tool_call>` and
+    `</tool_call>` where they are not special (decoded text keeps them; Qwen's tokenizers add them so),
+    the opening alone where only it is; () where none."""
+    added = {getattr(t, "content", None): (int(i), bool(getattr(t, "special", False)))
+             for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+    if fmt == "hermes":
+        found = [added.get(m) for m in (OPEN["hermes"], CLOSE)]
+        if found[0] is None or found[0][1]:
+            return ()
+        return (found[0][0],) + ((found[1][0],) if found[1] is not None and not found[1][1] else ())
+    return (added[OPEN[fmt]][0],) if fmt in ("llama3_json", "mistral") and OPEN[fmt] in added else ()
+
+
+def new_call_id(fmt: str) -> str:
+    """A new call's id: 9 letters and digits for mistral (Mistral's templates refuse a tool result whose
+    tool_call_id is not, as vLLM writes them), else `call_` and 24 hex digits."""
+    if fmt == "mistral":
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 def resolve_parser(name: str, template: object) -> str | None:
@@ -237,8 +263,11 @@ class ToolReader:
 
     def _block(self, block: str, body: str, content: list[str], calls: list[dict]) -> None:
         """One opened block: its calls, or (malformed) its text as content. A block opened without its
-        marker (llama3_json's `{`, mistral's `[{`) that is not call-shaped JSON was plain text."""
-        marked, shaped = block.lstrip().startswith(OPEN[self.fmt]) or self.fmt == "hermes", False
+        marker (llama3_json's `{`, mistral's `[{`) that is not call-shaped JSON was plain text, but where a
+        grammar held the reply (`held`: there text cannot open so, and a special-token marker is decoded
+        away): then it is a call, cut or malformed."""
+        marked = block.lstrip().startswith(OPEN[self.fmt]) or self.fmt == "hermes" or self.held
+        shaped = False
         try:
             values = mistral_calls(body) if self.fmt == "mistral" else \
                 json_values(body, ";" if self.fmt == "llama3_json" else "")
@@ -256,7 +285,7 @@ class ToolReader:
             return
         for name, args in read:
             if self.parallel or not self.calls:
-                calls.append({"index": self.calls, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                calls.append({"index": self.calls, "id": new_call_id(self.fmt), "type": "function",
                               "function": {"name": name, "arguments": args}})
                 self.calls += 1
 

@@ -43,11 +43,12 @@ class AutoTools:
     held: bool = False  # a grammar holds the calls (toolgrammar.py): streamed in fragments (toolstream.py)
 
 
-def tool_options(body: dict, opts: dict, kind: str,
-                 auto_format: str | None = None) -> tuple[tuple[str, ...] | None, AutoTools | None]:
+def tool_options(body: dict, opts: dict, kind: str, auto_format: str | None = None,
+                 markers: tuple[int, ...] = ()) -> tuple[tuple[str, ...] | None, AutoTools | None]:
     """(the callable tools' names when the reply must be a tool call (its schema then set in `opts`, the
     engine request's fields), AutoTools for tool_choice "auto"); `auto_format`: the served template's
-    tool format (None: "auto" is refused)."""
+    tool format (None: "auto" is refused); `markers`: the ids of its call markers as tokens of their own,
+    where the tokenizer has them (toolparse.py:marker_tokens)."""
     tools, choice = body.get("tools"), body.get("tool_choice")
     parallel = body.get("parallel_tool_calls")
     if parallel is not None and not isinstance(parallel, bool):
@@ -63,7 +64,7 @@ def tool_options(body: dict, opts: dict, kind: str,
     if choice == "none":
         return None, None
     if choice == "auto":
-        return None, _auto(body, opts, functions, auto_format, parallel is not False)
+        return None, _auto(body, opts, functions, auto_format, parallel is not False, markers)
     if choice != "required":
         name = choice.get("function", {}).get("name") if isinstance(choice, dict) and \
             choice.get("type") == "function" and isinstance(choice.get("function"), dict) else None
@@ -78,7 +79,8 @@ def tool_options(body: dict, opts: dict, kind: str,
     return tuple(functions), None
 
 
-def _auto(body: dict, opts: dict, functions: dict[str, dict], fmt: str | None, parallel: bool) -> AutoTools:
+def _auto(body: dict, opts: dict, functions: dict[str, dict], fmt: str | None, parallel: bool,
+          markers: tuple[int, ...] = ()) -> AutoTools:
     """tool_choice "auto": the tools to the template (`opts["tools"]`), earlier calls in its format."""
     if fmt is None:
         raise BadParam('tool_choice "auto" needs a chat template with a tool format, and this model\'s has none '
@@ -89,7 +91,7 @@ def _auto(body: dict, opts: dict, functions: dict[str, dict], fmt: str | None, p
                        "tool_choice")
     opts["tools"] = tuple({"type": "function", "function": f} for f in functions.values())
     # once the model opens a call, its JSON follows the tools' schemas (toolgrammar.py)
-    opts["structured"] = StructuredOutput("grammar", auto_grammar(fmt, functions, parallel))
+    opts["structured"] = StructuredOutput("grammar", auto_grammar(fmt, functions, parallel, markers))
     for i, m in enumerate(body["messages"]):
         calls = _calls(m, i) if m.get("role") == "assistant" else None
         if calls:

@@ -24,10 +24,8 @@ as content and no call: docs/openai.md).
 
 from __future__ import annotations
 
-import uuid
-
 from .toolgrammar import scan_calls
-from .toolparse import ToolReader
+from .toolparse import ToolReader, new_call_id
 from .tools import AutoTools
 
 
@@ -72,7 +70,7 @@ class AutoStream:
     def _grow(self, index: int, name: str, args: str, call_id: str | None) -> dict | None:
         """Call `index`'s next delta: the first (id, name, arguments so far), or its new arguments (None: none)."""
         if index not in self.sent:
-            self.sent[index] = [call_id or f"call_{uuid.uuid4().hex[:24]}", len(args)]
+            self.sent[index] = [call_id or new_call_id(self.auto.fmt), len(args)]
             return {"index": index, "id": self.sent[index][0], "type": "function",
                     "function": {"name": name, "arguments": args}}
         fragment, self.sent[index][1] = args[self.sent[index][1]:], len(args)

@@ -12,13 +12,14 @@ from typing import TYPE_CHECKING
 
 from ...core.errors import InvalidArgument
 from ...engine.request.chat import ChatOptions, chat_options_from_json
-from ...engine.request.tools import tools_from_json
+from ...engine.request.tools import tool_functions, tools_from_json
 from ...engine.results import GenerationResult, GenerationStats, StepChunk
 from ...engine.runtime import RuntimeInfo
 from ...engine.tr.grammar import StructuredOutput
 from ...engine.tr.sampling import SamplingParams
+from ..openai.toolparse import parse_reply, resolve_parser
 from .checks import Ask, GenerateCall
-from .config import Limits
+from .config import Limits, WorkerConfig
 from ...v1 import generate_pb2 as pb
 
 if TYPE_CHECKING:
@@ -156,7 +157,9 @@ def final_chunk_to_pb(result: GenerationResult, text_sent: str, queue_s: float) 
                                      stats=stats_to_pb(result.stats, queue_s))
 
 
-def model_info_to_pb(decoder: TargetModel, limits: Limits, name: str) -> pb.ModelInfoResponse:
+def model_info_to_pb(decoder: TargetModel, limits: Limits, name: str,
+                     parsers: tuple[str, str] = ("", "")) -> pb.ModelInfoResponse:
+    """`parsers`: (tool-call format, reasoning parser) as served_parsers gives them."""
     d, info = decoder, RuntimeInfo.of(decoder)
     return pb.ModelInfoResponse(
         model=name, fingerprint=d.fingerprint, vocab_size=d.vocab_size,
@@ -164,5 +167,26 @@ def model_info_to_pb(decoder: TargetModel, limits: Limits, name: str) -> pb.Mode
         max_new_tokens_cap=limits.max_new_tokens_cap, default_max_new_tokens=limits.default_max_new_tokens,
         max_prompt_tokens=limits.max_prompt_tokens, device=info.device, kernels=info.kernels,
         attention=info.attention, threads=info.threads, kernel_isa=info.isa,
-        arithmetic=info.arithmetic, quantize=info.quantize,
+        arithmetic=info.arithmetic, quantize=info.quantize, tool_call_parser=parsers[0],
+        reasoning_parser=parsers[1],
     )
+
+
+def read_tool_calls(request: pb.GenerateRequest, fmt: str, text: str, reply) -> None:
+    """Into `reply` (a GenerateResponse or the last GenerateStreamResponse): the calls `text` writes in
+    format `fmt` (served_parsers') to the request's ChatMessages.tools, and why an opened one is not a
+    call; nothing without tools or a format."""
+    tools = request.messages.tools if request.WhichOneof("input") == "messages" else ""
+    if not tools or not fmt:
+        return
+    parsed = parse_reply(fmt, text, tuple(tool_functions(list(tools_from_json(tools)))))
+    reply.tool_calls.extend(pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments_json=c["function"]["arguments"])
+                            for c in parsed.calls)
+    reply.tool_call_error = parsed.error or ""
+
+
+def served_parsers(config: WorkerConfig, decoder: TargetModel) -> tuple[str, str]:
+    """(the tool-call format tool_choice "auto" reads: --tool-call-parser, "auto" resolved from the chat
+    template that renders tools; the reasoning parser), "" for none."""
+    return (resolve_parser(config.tool_call_parser, decoder.prompts.tool_template) or "",
+            config.reasoning_parser or "")

@@ -30,6 +30,7 @@ from ..common.server import (
 )
 from ..matrix.metrics import StoreCollector
 from .config import WorkerConfig
+from .convert import served_parsers
 from .drafting.embedded import DraftSourceFactory, embedded_factory
 from ..common.histories import HistoryBook, HistoryCollector
 from .drafting.split import MatrixServiceSources, watch_matrix_auth
@@ -189,7 +190,9 @@ async def _start_serving(config: WorkerConfig, decoder: Decoder, draft_source_fa
         metrics.registry.register(HistoryCollector(histories))
     runtime = RuntimeInfo.of(decoder)
     metrics.build.info({"model": name, "version": __version__, **runtime.labels()})
-    log.info("serving %s: %s, batches of up to %d", name, runtime, config.max_batch)
+    tool_format, reasoning = served_parsers(config, decoder)
+    log.info("serving %s: %s, batches of up to %d; tool calls: %s, reasoning parser: %s", name, runtime,
+             config.max_batch, tool_format or "none", reasoning or "none")
     door = FrontDoor(decoder, engine, config, draft_source_factory, metrics, tuner_states)
     servicer = GenerateServicer(door)
 

@@ -40,6 +40,14 @@ def test_the_grammars_as_text():
     assert 'call_trigger[lazy]: BEFORE "[TOOL_CALLS]"' in mistral
     assert not_opening(("{", "<|a")) == "/([^\\s<\\{](.|\\n)*|<([^\\|](.|\\n)*)?|<\\|([^a](.|\\n)*)?)/"
     assert auto_grammar("hermes", FUNCTIONS).splitlines()[1] == "start: call* TEXT"
+    # a marker that is the tokenizer's special token (its id): the calls may open with it, at the start only
+    llama = auto_grammar("llama3_json", FUNCTIONS, markers=(7,)).splitlines()
+    assert llama[1] == 'start: LEAD? (TEXT | marker? call ("; " call)*)?' and llama[-1] == "marker: <[7]>"
+    mistral = auto_grammar("mistral", FUNCTIONS, False, (9,)).splitlines()
+    assert mistral[1] == "start: LEAD? (TEXT | call_trigger calls | marker? calls)?" and mistral[-1] == "marker: <[9]>"
+    hermes = auto_grammar("hermes", FUNCTIONS, markers=(3, 4)).splitlines()  # <tool_call>, </tool_call> tokens
+    assert hermes[3].startswith('call: TEXT <[3]> "\\n" %json ') and hermes[3].endswith('"\\n" <[4]>')
+    assert auto_grammar("hermes", FUNCTIONS, markers=(3,)).endswith('"\\n" "</tool_call>"')
 
 
 def test_calls_are_scanned_as_written():

@@ -39,7 +39,10 @@ def calls_of(parsed) -> list[tuple[str, dict]]:
 def test_each_format_gives_its_calls_and_the_text_around_them(fmt, text, content):
     parsed = parse_reply(fmt, text, NAMES)
     assert calls_of(parsed) == BOTH and parsed.content == content and parsed.error is None
-    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in parsed.calls)
+    assert all(c["type"] == "function" for c in parsed.calls)
+    # ids: Mistral's templates take 9 letters and digits (a tool result's tool_call_id), the others call_...
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() if fmt == "mistral" else c["id"].startswith("call_")
+               for c in parsed.calls)
     assert len({c["id"] for c in parsed.calls}) == 2
     first = parse_reply(fmt, text, NAMES, parallel=False)  # parallel_tool_calls: false
     assert calls_of(first) == BOTH[:1]
@@ -74,6 +77,20 @@ def test_variants_the_families_write(fmt, text):
 def test_a_malformed_call_stays_content_and_says_why(fmt, text):
     parsed = parse_reply(fmt, text, NAMES)
     assert parsed.calls == [] and parsed.content == text and parsed.error
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("llama3_json", '{"name": "get_time", "parameters": {"timezone": "As'),  # `<|python_tag|>` decoded away
+    ("llama3_json", '  {"name": "get_'),
+    ("mistral", '[{"name": "get_time", "arguments": {"timezone": '),  # `[TOOL_CALLS]` decoded away
+])
+def test_a_held_call_cut_without_its_marker_is_malformed_not_text(fmt, text):
+    """Where the grammar held the reply, text cannot open with `{` (`[{`): a reply that does is a call whose
+    special-token marker was decoded away; cut by max_tokens, it is malformed (stop_reason says so). Unheld,
+    such text may be an answer in JSON: content, no error."""
+    held = parse_reply(fmt, text, NAMES, held=True)
+    assert held.calls == [] and held.content == text and held.error
+    assert parse_reply(fmt, text, NAMES) == Parsed(text, [], None)
 
 
 @pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral"])
@@ -157,7 +174,7 @@ def test_earlier_calls_go_to_the_template_in_its_format():
     turns = convert.parse_request(body, "chat", "m", None, "hermes").ask.options["messages"]
     assert turns[1] == {"role": "assistant",
                         "content": '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>'}
-    assert turns[2] == {"role": "tool", "content": "12:00"}
+    assert turns[2] == {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}  # Mistral's template shows it
     llama = convert.parse_request(body, "chat", "m", None, "llama3_json").ask.options["messages"]
     assert json.loads(llama[1]["content"]) == {"name": "get_time", "parameters": {"timezone": "UTC"}}
 
