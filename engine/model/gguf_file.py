@@ -18,6 +18,7 @@ block type's decoder equals gguf-py's dequantization bit for bit (tests/engine/m
 from __future__ import annotations
 
 import logging
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -158,11 +159,17 @@ def file_blocks(path: str, model) -> dict:
     return out
 
 
-def architecture(path: Path) -> str:
-    from gguf import GGUFReader
+def metadata(path: Path) -> dict:
+    """The file's metadata by key, string arrays (the vocabulary, the merges) as their lengths:
+    transformers' GGUF reader walks them, where gguf-py's GGUFReader builds every string's field parts
+    (~2 s for the bundled vocabulary on these CPUs, once per call)."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
 
-    field = GGUFReader(str(path)).fields.get("general.architecture")
-    return bytes(field.parts[field.data[0]]).decode() if field else ""
+    return read_gguf_metadata(str(path))[0]
+
+
+def architecture(path: Path) -> str:
+    return str(metadata(path).get("general.architecture", ""))
 
 
 def file_config(path: Path):
@@ -171,16 +178,15 @@ def file_config(path: Path):
     transformers reads for qwen3_moe but not for qwen3, whose config then keeps Qwen3Config's default of
     128 whatever the file's heads are; and a Gemma 2/3 file's hyperparameters as llama.cpp reads them
     (engine/model/gguf_gemma.py: attention scale, windows, soft-capping, rope bases)."""
-    from gguf import GGUFReader
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    fields = GGUFReader(str(path)).fields
-    arch = str(fields["general.architecture"].contents()) if "general.architecture" in fields else ""
-    if config.model_type == "qwen3" and "qwen3.attention.key_length" in fields:
-        config.head_dim = int(fields["qwen3.attention.key_length"].contents())
+    meta = metadata(path)
+    arch = str(meta.get("general.architecture", ""))
+    if config.model_type == "qwen3" and "qwen3.attention.key_length" in meta:
+        config.head_dim = int(meta["qwen3.attention.key_length"])
     if arch in GEMMA_ARCHS:
-        return gemma_config(config, fields, arch)
+        return gemma_config(config, meta, arch)
     return config
 
 
@@ -218,7 +224,7 @@ def direct_isa(config, device: torch.device, dtype: torch.dtype) -> str | None:
         if architecture(Path(config.source)) not in ARCHS:
             return None
         isa = kernel_isa()
-    except (OSError, RuntimeError, ValueError):
+    except (OSError, RuntimeError, ValueError, struct.error):  # not a GGUF file transformers' reader reads
         return None
     return None if isa == "scalar" and config.kernels == "auto" else isa
 

@@ -31,10 +31,9 @@ GEMMA_ARCHS = ("gemma2", "gemma3")
 _LARGE = {"gemma2": 46, "gemma3": 62}  # layers of the 27B models (llama.cpp's LLM_TYPE_27B)
 
 
-def _reader(fields: dict, arch: str):
+def _reader(meta: dict, arch: str):
     def value(key: str, default=None):
-        field = fields.get(f"{arch}.{key}")
-        return default if field is None else field.contents()
+        return meta.get(f"{arch}.{key}", default)
     return value
 
 
@@ -61,10 +60,11 @@ def _rope(value, arch: str) -> dict:
     return {"rope_type": "linear", "factor": factor, "rope_theta": base}
 
 
-def gemma_config(config, fields: dict, arch: str):
-    """`config` (transformers' Gemma2Config or Gemma3TextConfig read from a GGUF file whose metadata fields
-    are `fields`, general.architecture `arch`) rebuilt with the hyperparameters llama.cpp reads from it."""
-    value = _reader(fields, arch)
+def gemma_config(config, meta: dict, arch: str):
+    """`config` (transformers' Gemma2Config or Gemma3TextConfig read from a GGUF file whose metadata is
+    `meta`, values by key, general.architecture `arch`) rebuilt with the hyperparameters llama.cpp reads
+    from it."""
+    value = _reader(meta, arch)
     n, gemma2 = config.num_hidden_layers, arch == "gemma2"
     large = n == _LARGE[arch]
     out = {"query_pre_attn_scalar": config.hidden_size // config.num_attention_heads if large else config.head_dim}
