@@ -61,6 +61,32 @@ def test_local_layers_follow_llama_cpps_pattern() -> None:
     assert local_layers(2, 0) == [True, True]
 
 
+def test_gemma_metadata_as_llama_cpp_reads_it_beyond_the_tiny_files() -> None:
+    """A 27B Gemma 3's shape (62 layers: attention scale from hidden / heads, 168, not the head dim),
+    linear rope scaling on the global layers only, no window (every layer global) or one with the default
+    pattern; rope scaling llama.cpp reads otherwise, and a Gemma 2 with its own local rope base, refused."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    from trserve.core.errors import FailedPrecondition
+    from trserve.engine.model.gguf_gemma import gemma_config
+
+    big = Gemma3TextConfig(num_hidden_layers=62, hidden_size=5376, num_attention_heads=32, head_dim=128)
+    meta = {"gemma3.rope.freq_base": 1e6, "gemma3.rope.scaling.type": "linear", "gemma3.rope.scaling.factor": 8.0}
+    config = gemma_config(big, meta, "gemma3")
+    assert config.query_pre_attn_scalar == 168 and config.layer_types == ["full_attention"] * 62
+    assert config.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    assert config.rope_parameters["sliding_attention"] == {"rope_type": "default", "rope_theta": 10000.0}
+    windowed = gemma_config(big, {**meta, "gemma3.attention.sliding_window": 1024}, "gemma3")
+    assert windowed.sliding_window == 1024 and windowed.layer_types[4:7] == ["sliding_attention", "full_attention",
+                                                                           "sliding_attention"]
+    with pytest.raises(FailedPrecondition, match="yarn"):
+        gemma_config(big, {**meta, "gemma3.rope.scaling.type": "yarn"}, "gemma3")
+    small = Gemma2Config(num_hidden_layers=4, head_dim=64)
+    assert gemma_config(small, {}, "gemma2").query_pre_attn_scalar == 64
+    with pytest.raises(FailedPrecondition, match="one rope"):
+        gemma_config(small, {"gemma2.rope.freq_base_swa": 5000.0}, "gemma2")
+
+
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
 def test_the_file_config_reads_what_llama_cpp_reads(files, stock, arch) -> None:
     """Attention scale 1/sqrt(head dim) (transformers' default: 1/16), the window over llama.cpp's
