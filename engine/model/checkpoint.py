@@ -296,7 +296,7 @@ def load_checkpoint(config, fmt: str, isa: str, cache_dir: Path, fingerprint_of)
             partial_attention(model)
         weights = CheckpointWeights(path, model, fmt, store, rows)
         _, arithmetic = fill(model, tokenizer, weights, cache_dir, isa, probe, fingerprint_of, label)
-    except FailedPrecondition as e:  # buffers only transformers' loader builds (e.g. Gemma's scaled embedding)
+    except FailedPrecondition as e:  # buffers only transformers' loader builds (materialize refuses them)
         log.info("%s: built by transformers' loader first, in float32 (%s)", path.name, e)
         model = with_attention(lambda a: AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
                                                                               attn_implementation=a))

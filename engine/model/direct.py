@@ -148,7 +148,8 @@ def kept_columns(blocks, dims: torch.Tensor, rows: int = 512) -> torch.Tensor:
 
 
 def materialize(model, weights) -> int:
-    """The non-linear parameters (embeddings, norms) from the file, the rotary tables recomputed; returns
+    """The non-linear parameters (embeddings, norms) from the file, the rotary tables recomputed (and
+    Gemma's embedding scale set, a buffer transformers fills from an attribute when it loads); returns
     how many tensors were read. Linear layers stay on the meta device for swap_linears."""
     count = 0
     for parent_name, parent in list(model.named_modules()):
@@ -166,6 +167,11 @@ def materialize(model, weights) -> int:
                 full = f"{parent_name}.{pname}" if parent_name else pname
                 setattr(parent, pname, nn.Parameter(weights.floats(full), requires_grad=False))
                 count += 1
+    for module in model.modules():  # Gemma's scaled embedding: its scale a buffer, its value an attribute
+        scale = getattr(module, "scalar_embed_scale", None)
+        if isinstance(getattr(module, "embed_scale", None), torch.Tensor) and module.embed_scale.is_meta and \
+                isinstance(scale, float):
+            module.embed_scale = torch.tensor(scale)  # as transformers' _init_weights fills it (float32)
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
             if any(b.is_meta for b in child.buffers(recurse=False)) and not isinstance(child, nn.Linear):

@@ -6,8 +6,10 @@ the table is allocated but left untouched (the system gives it pages as they are
 lookup dequantizes each row the first time it is asked for, from the file's memory-mapped tensor
 with gguf-py's own dequantization: each row is exactly the float32 row the whole table would hold
 (a row's blocks depend on nothing else), so the model's arithmetic is unchanged bit for bit
-(tests/engine/model/test_user_files.py). Resident memory grows with the distinct tokens seen (about
-one page per row), at most to the float32 table it replaces; rows come back at a lookup's cost.
+(tests/engine/model/test_user_files.py). Gemma's embedding (a ScaledWordEmbedding) multiplies each row
+by its embed_scale, sqrt(hidden) in float32, as transformers' module does. Resident memory grows with
+the distinct tokens seen (about one page per row), at most to the float32 table it replaces; rows
+come back at a lookup's cost.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ class FileEmbedding(nn.Module):
     [num, dim] float16/bfloat16 as gguf-py's reader maps them; qtype: its GGMLQuantizationType.
     `table` [num, dim] float32 holds every row looked up so far (`ensure`); the others are unwritten."""
 
-    def __init__(self, data: np.ndarray, qtype, num: int, dim: int) -> None:
+    def __init__(self, data: np.ndarray, qtype, num: int, dim: int, scale: float | None = None) -> None:
         super().__init__()
         if data.shape[0] != num:
             raise ValueError(f"embedding rows {data.shape[0]} != vocabulary {num}")
@@ -30,6 +32,9 @@ class FileEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num, dim
         self.table = torch.empty(num, dim, dtype=torch.float32)  # pages are given as rows are written
         self.filled = torch.zeros(num, dtype=torch.bool)
+        # Gemma's scaled embedding (its embed_scale: sqrt(hidden) as a float32 tensor, times each row
+        # looked up); None: rows as they are
+        self.embed_scale = None if scale is None else torch.tensor(scale, dtype=torch.float32)
 
     def ensure(self, ids: torch.Tensor) -> None:
         """Rows `ids` (any shape) dequantized into `table` where they are not yet."""
@@ -47,7 +52,9 @@ class FileEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         self.ensure(ids)
-        return self.table[ids]
+        rows = self.table[ids]
+        return rows if self.embed_scale is None else rows * self.embed_scale
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} rows dequantized when first looked up"
+        scaled = "" if self.embed_scale is None else f", times {float(self.embed_scale):.6g}"
+        return f"{self.num_embeddings}, {self.embedding_dim}, {self.qtype.name} rows dequantized when first looked up{scaled}"

@@ -6,7 +6,10 @@ weights is made or written to the cache, so a worker holds about the kernels' by
 (docs/kernels.md) instead of 4, and loads in seconds.
 
 It serves the Llama family's files (llama.cpp's `llama`, `qwen2` and `qwen3` architectures: Llama,
-Mistral, Qwen2, Qwen3 with its per-head q/k norms) on CPU where the compressed kernels run; anything else takes the conversion path
+Mistral, Qwen2, Qwen3 with its per-head q/k norms) and Gemma's (`gemma2`, `gemma3`: the text model, its
+hyperparameters read as llama.cpp reads them, engine/model/gguf_gemma.py; its norms stored as 1 + w,
+taken back to w as transformers does; its tied embedding scaled by sqrt(hidden)) on CPU where the
+compressed kernels run; anything else takes the conversion path
 (engine/model/loader.py:gguf_model_dir). The weights are the ones transformers would load from the
 file (its own name map and row order: `get_gguf_hf_weights_map`, `TENSOR_PROCESSORS`), and each
 block type's decoder equals gguf-py's dequantization bit for bit (tests/engine/model/test_kquants.py).
@@ -15,6 +18,7 @@ block type's decoder equals gguf-py's dequantization bit for bit (tests/engine/m
 from __future__ import annotations
 
 import logging
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -23,10 +27,11 @@ from torch import nn
 
 from ...core.errors import FailedPrecondition
 from .direct import trim
+from .gguf_gemma import GEMMA_ARCHS, gemma_config
 
 log = logging.getLogger("trserve.engine")
 
-ARCHS = ("llama", "qwen2", "qwen3")  # general.architecture values this path serves
+ARCHS = ("llama", "qwen2", "qwen3", *GEMMA_ARCHS)  # general.architecture values this path serves
 
 
 FLOATS = ("F32", "F16", "BF16")
@@ -44,8 +49,10 @@ class GGUFWeights:
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
         self.names = {hf: name for name, hf in get_gguf_hf_weights_map(model, self.processor).items()}
-        if "lm_head.weight" in self.names and self.names["lm_head.weight"] not in self.tensors:
-            self.names["lm_head.weight"] = "token_embd.weight"  # tied: the head reads the embedding's blocks
+        head = next((f"{n}.weight" for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
+        if head and self.names.get(head) not in self.tensors and "token_embd.weight" in self.tensors:
+            # tied: the head reads the embedding's blocks (gguf-py maps no output tensor for Gemma at all)
+            self.names[head] = "token_embd.weight"
 
     def release(self) -> None:
         """The file's pages read so far out of this process's resident set (they are clean: read again
@@ -78,8 +85,9 @@ class GGUFWeights:
         return torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors are the file's read-only map
 
     def embedding(self, module_name: str, module: nn.Embedding):
-        """`module` as a FileEmbedding over the file's rows (engine/model/embedding.py), or None where the
-        file holds it in float32 or transformers reorders its rows (then `floats` as for the rest)."""
+        """`module` as a FileEmbedding over the file's rows (engine/model/embedding.py; with Gemma's scale
+        where `module` is its scaled embedding), or None where the file holds it in float32 or
+        transformers reorders its rows (then `floats` as for the rest)."""
         from .embedding import FileEmbedding
 
         name, t = self.tensor(f"{module_name}.weight")
@@ -87,7 +95,7 @@ class GGUFWeights:
         order = self.processor.process(weights=np.arange(num).reshape(num, 1), name=name).weights[:, 0]
         if t.tensor_type.name == "F32" or not np.array_equal(order, np.arange(num)) or t.data.shape[0] != num:
             return None
-        return FileEmbedding(t.data, t.tensor_type, num, dim)
+        return FileEmbedding(t.data, t.tensor_type, num, dim, getattr(module, "scalar_embed_scale", None))
 
     def blocks(self, hf_name: str, out_f: int, in_f: int):
         """A linear weight's kernel blocks (kquants.Blocks) in transformers' row order, or None for a float
@@ -151,26 +159,34 @@ def file_blocks(path: str, model) -> dict:
     return out
 
 
-def architecture(path: Path) -> str:
-    from gguf import GGUFReader
+def metadata(path: Path) -> dict:
+    """The file's metadata by key, string arrays (the vocabulary, the merges) as their lengths:
+    transformers' GGUF reader walks them, where gguf-py's GGUFReader builds every string's field parts
+    (~2 s for the bundled vocabulary on these CPUs, once per call)."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
 
-    field = GGUFReader(str(path)).fields.get("general.architecture")
-    return bytes(field.parts[field.data[0]]).decode() if field else ""
+    return read_gguf_metadata(str(path))[0]
+
+
+def architecture(path: Path) -> str:
+    return str(metadata(path).get("general.architecture", ""))
 
 
 def file_config(path: Path):
     """transformers' config of GGUF file `path`, with the head dim its GGUF mapping leaves out for Qwen3:
     `qwen3.attention.key_length` (llama.cpp's convert_hf_to_gguf.py writes config.head_dim there), which
     transformers reads for qwen3_moe but not for qwen3, whose config then keeps Qwen3Config's default of
-    128 whatever the file's heads are."""
-    from gguf import GGUFReader
+    128 whatever the file's heads are; and a Gemma 2/3 file's hyperparameters as llama.cpp reads them
+    (engine/model/gguf_gemma.py: attention scale, windows, soft-capping, rope bases)."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
-    if config.model_type == "qwen3":
-        field = GGUFReader(str(path)).fields.get("qwen3.attention.key_length")
-        if field is not None:
-            config.head_dim = int(field.contents())
+    meta = metadata(path)
+    arch = str(meta.get("general.architecture", ""))
+    if config.model_type == "qwen3" and "qwen3.attention.key_length" in meta:
+        config.head_dim = int(meta["qwen3.attention.key_length"])
+    if arch in GEMMA_ARCHS:
+        return gemma_config(config, meta, arch)
     return config
 
 
@@ -180,13 +196,15 @@ def load_file(path: Path, cache_dir: Path, isa: str, arithmetic: str, fingerprin
     (engine/model/direct.py:fill, which also says when int8 is taken)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from .attention import with_attention
     from .direct import fill
 
     arch = architecture(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     config = file_config(path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+        model = with_attention(lambda a: AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                                          attn_implementation=a))
     weights = GGUFWeights(path, model, arch)
     floats, arithmetic = fill(model, tokenizer, weights, cache_dir, isa, arithmetic, fingerprint_of,
                             f"GGUF {path.name} read as it is ({arch})")
@@ -206,7 +224,7 @@ def direct_isa(config, device: torch.device, dtype: torch.dtype) -> str | None:
         if architecture(Path(config.source)) not in ARCHS:
             return None
         isa = kernel_isa()
-    except (OSError, RuntimeError, ValueError):
+    except (OSError, RuntimeError, ValueError, struct.error):  # not a GGUF file transformers' reader reads
         return None
     return None if isa == "scalar" and config.kernels == "auto" else isa
 

@@ -102,6 +102,8 @@ def native_unsupported(model) -> str | None:
     if getattr(cfg, "mlp_bias", False):
         return "MLP biases"
     body = model.get_decoder()
+    if arch in _GEMMA and not isinstance(getattr(body.embed_tokens, "embed_scale", None), torch.Tensor):
+        return "a Gemma embedding without its scale"
     rope = getattr(getattr(body, "rotary_emb", None), "rope_type", None)  # Gemma 3: one per layer type
     if not set(rope.values() if isinstance(rope, dict) else [rope]) <= set(_STATIC_ROPE):
         return f"rotary embedding type {rope!r} (native forward: {', '.join(_STATIC_ROPE)})"
@@ -259,7 +261,8 @@ class NativeForward:
         if eps is None:
             eps = cfg.rms_norm_eps
         attn_cap = getattr(cfg, "attn_logit_softcapping", None) if type(model).__name__ == "Gemma2ForCausalLM" else None
-        embed_scale = body.embed_tokens.embed_scale.to(body.embed_tokens.weight.dtype) if gemma else 1.0
+        scale = getattr(body.embed_tokens, "embed_scale", None) if gemma else None  # a FileEmbedding's too
+        embed_scale = 1.0 if scale is None else scale.to(torch.float32)
         self.m = _Model(len(body.layers), cfg.hidden_size, self.heads, self.kv_heads, self.head_dim,
                         cfg.intermediate_size, head.out_features, float(eps), float(body.layers[0].self_attn.scaling),
                         self._embed_ptr(body.embed_tokens), self._ptr(final), layers, _qmat(head),

@@ -210,8 +210,8 @@ def test_gemma_variants_the_forward_does_not_compute_are_refused(tmp_path):
 @pytest.mark.parametrize("family", ["gemma3", "gemma2"])
 def test_a_gemma_checkpoint_quantized_at_load_runs_on_the_native_forward(tmp_path, family):
     """A random 2-layer bfloat16 checkpoint (the bundled vocabulary; a local layer with a window of 16,
-    shorter than the prompts, and a global one), loaded as `trserve serve --model DIR` loads it (its
-    scaled embedding built by transformers' loader first, then quantized to q8_0): the native forward,
+    shorter than the prompts, and a global one), loaded as `trserve serve --model DIR` loads it (built on
+    the meta device, its embedding scale set from its module, quantized to q8_0): the native forward,
     as the worker's startup line says; exact greedy equals transformers' on the rebuilt weights; TR ==
     AR in the exact and the int8 arithmetic."""
     from trserve.engine import Decoder, DecoderConfig, GenerationRequest
