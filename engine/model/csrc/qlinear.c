@@ -209,48 +209,33 @@ INLINE void deq4(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1
     w1->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(la, s + 4), mask)), d.a, m.a);
     w1->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(_mm256_srli_epi32(lb, s + 4), mask)), d.b, m.b);
 }
-/* Lane l's plane word p shifted so that input i's bit lands on bit 4, masked (i a constant where j is). */
-INLINE __m256i hbit5(__m256i p, const int i)
+/* Lane l's plane word p shifted so that input i's bit lands on bit `at` (4, or 5 for q6's second plane),
+ * masked (i a constant where j is). */
+INLINE __m256i hbit(__m256i p, const int i, const int at)
 {
-    const __m256i s = i >= 4 ? _mm256_srli_epi32(p, i - 4) : _mm256_slli_epi32(p, 4 - i);
-    return _mm256_and_si256(s, _mm256_set1_epi32(0x10));
+    const __m256i s = i >= at ? _mm256_srli_epi32(p, i - at) : _mm256_slli_epi32(p, at - i);
+    return _mm256_and_si256(s, _mm256_set1_epi32(1 << at));
 }
-/* deq4 of a q5 panel-block: the plane's words (16 uint32 after the 256 nibble bytes) give bit 4. */
-INLINE void deq5(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
-{
-    const __m256i *g = (const __m256i *)(blk + 64 * (j >> 2)), mask = _mm256_set1_epi32(0xF);
-    const __m256i la = _mm256_loadu_si256(g), lb = _mm256_loadu_si256(g + 1);
-    const __m256i pa = _mm256_loadu_si256((const __m256i *)(blk + 256)), pb = _mm256_loadu_si256((const __m256i *)(blk + 288));
-    const int s = 8 * (j & 3);
-#define Q5L(l, p, sh, i) _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(l, sh), mask), hbit5(p, i))
-    w0->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q5L(la, pa, s, 2 * j)), d.a, m.a);
-    w0->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q5L(lb, pb, s, 2 * j)), d.b, m.b);
-    w1->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q5L(la, pa, s + 4, 2 * j + 1)), d.a, m.a);
-    w1->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q5L(lb, pb, s + 4, 2 * j + 1)), d.b, m.b);
-#undef Q5L
-}
-/* Lane l's second plane word shifted so that input i's bit lands on bit 5, masked. */
-INLINE __m256i hbit6(__m256i p, const int i)
-{
-    const __m256i s = i >= 5 ? _mm256_srli_epi32(p, i - 5) : _mm256_slli_epi32(p, 5 - i);
-    return _mm256_and_si256(s, _mm256_set1_epi32(0x20));
-}
-/* deq5 with the second plane's words (16 uint32 after the first plane) giving bit 5. */
-INLINE void deq6(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1)
+/* deq4 of a q5 (six 0) or q6 (six 1) panel-block: the plane's words (16 uint32 after the 256 nibble
+ * bytes) give bit 4, and q6's second plane's (16 more) bit 5. */
+INLINE void deq56(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1, const int six)
 {
     const __m256i *g = (const __m256i *)(blk + 64 * (j >> 2)), mask = _mm256_set1_epi32(0xF);
     const __m256i la = _mm256_loadu_si256(g), lb = _mm256_loadu_si256(g + 1);
     const __m256i pa = _mm256_loadu_si256((const __m256i *)(blk + 256)), pb = _mm256_loadu_si256((const __m256i *)(blk + 288));
-    const __m256i ra = _mm256_loadu_si256((const __m256i *)(blk + 320)), rb = _mm256_loadu_si256((const __m256i *)(blk + 352));
+    const __m256i ra = six ? _mm256_loadu_si256((const __m256i *)(blk + 320)) : _mm256_setzero_si256();
+    const __m256i rb = six ? _mm256_loadu_si256((const __m256i *)(blk + 352)) : _mm256_setzero_si256();
     const int s = 8 * (j & 3);
-#define Q6L(l, p, r, sh, i) \
-    _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(l, sh), mask), hbit5(p, i)), hbit6(r, i))
-    w0->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q6L(la, pa, ra, s, 2 * j)), d.a, m.a);
-    w0->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q6L(lb, pb, rb, s, 2 * j)), d.b, m.b);
-    w1->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q6L(la, pa, ra, s + 4, 2 * j + 1)), d.a, m.a);
-    w1->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(Q6L(lb, pb, rb, s + 4, 2 * j + 1)), d.b, m.b);
-#undef Q6L
+#define QL(l, p, r, sh, i) _mm256_or_si256(_mm256_or_si256(_mm256_and_si256(_mm256_srli_epi32(l, sh), mask), \
+                                                           hbit(p, i, 4)), six ? hbit(r, i, 5) : _mm256_setzero_si256())
+    w0->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QL(la, pa, ra, s, 2 * j)), d.a, m.a);
+    w0->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QL(lb, pb, rb, s, 2 * j)), d.b, m.b);
+    w1->a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QL(la, pa, ra, s + 4, 2 * j + 1)), d.a, m.a);
+    w1->b = _mm256_fmadd_ps(_mm256_cvtepi32_ps(QL(lb, pb, rb, s + 4, 2 * j + 1)), d.b, m.b);
+#undef QL
 }
+INLINE void deq5(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1) { deq56(blk, j, d, m, w0, w1, 0); }
+INLINE void deq6(const uint8_t *blk, const int j, v16 d, v16 m, v16 *w0, v16 *w1) { deq56(blk, j, d, m, w0, w1, 1); }
 INLINE v16 deq8(const uint8_t *c, v16 d)
 {
     const __m128i raw = _mm_loadu_si128((const __m128i *)c);
