@@ -19,7 +19,7 @@ def test_files_table_measures_each_file_in_its_own_process(tmp_path):
     shipped, tiny = report["files"]
     assert shipped["file"].startswith("bundled Q4_1") and "error" not in shipped, shipped
     assert tiny["kernels"] == "compressed" and tiny["forward"] == "native" and tiny["arithmetic"] == "exact"
-    assert 6 in tiny["kinds"] and 18 in tiny["kinds"]  # Q4_K and Q6_K blocks as they are (two-level scales)
+    assert 6 in tiny["kinds"] and 20 in tiny["kinds"]  # Q4_K and Q6_K blocks as they are (two-level scales)
     for row in (shipped, tiny):
         assert row["load_s"] > 0 and 0 < row["steady_rss_gb"] <= row["peak_rss_gb"]
         assert set(row["width_ms"]) == {"1", "2"} and all(v > 0 for v in row["width_ms"].values())

@@ -471,7 +471,7 @@ INLINE void mem_call(const qmat_t *w, const int R, const int T, const float *wb,
     TILE_FN(K, 6, T) TILE_FN(K, 7, T) TILE_FN(K, 8, T) TILE_FN(K, 9, T) TILE_FN(K, 10, T) TILE_FN(K, 11, T) \
     TILE_FN(K, 12, T) TILE_FN(K, 13, T) TILE_FN(K, 14, T) TILE_FN(K, 15, T) TILE_FN(K, 16, T)
 #define TILE_KIND(K) TILE_FNS(K, 1) TILE_FNS(K, 2) TILE_FNS(K, 3) TILE_FNS(K, 4)
-TILE_KIND(4) TILE_KIND(8) TILE_KIND(6) TILE_KIND(10) TILE_KIND(18) TILE_KIND(9) TILE_KIND(12) TILE_KIND(20)
+TILE_KIND(4) TILE_KIND(8) TILE_KIND(6) TILE_KIND(10) TILE_KIND(18) TILE_KIND(9) TILE_KIND(12) TILE_KIND(20) TILE_KIND(22)
 TILE_FN(5, 1, 1) TILE_FN(17, 1, 1) /* the reference kinds: one row, one panel */
 #undef TILE_KIND
 #undef TILE_FNS
@@ -485,7 +485,7 @@ INLINE void tile_call(const qmat_t *w, const int kind, const int R, const int T,
     TC(K, 8, TT) TC(K, 9, TT) TC(K, 10, TT) TC(K, 11, TT) TC(K, 12, TT) TC(K, 13, TT) TC(K, 14, TT) TC(K, 15, TT) \
     TC(K, 16, TT)
 #define TCK(K) TCS(K, 1) TCS(K, 2) TCS(K, 3) TCS(K, 4)
-    TCK(4) TCK(8) TCK(6) TCK(10) TCK(18) TCK(9) TCK(12) TCK(20) TC(5, 1, 1) TC(17, 1, 1)
+    TCK(4) TCK(8) TCK(6) TCK(10) TCK(18) TCK(9) TCK(12) TCK(20) TCK(22) TC(5, 1, 1) TC(17, 1, 1)
 #undef TCK
 #undef TCS
 #undef TC
@@ -539,6 +539,7 @@ INLINE void part(const qmat_t *w, const int kind, const int RR, const int T, con
 PLANS(4, NARROW_ROWS, NARROW_PANELS) PLANS(6, NARROW_ROWS, NARROW_PANELS)
 PLANS(8, NARROW8_ROWS, NARROW8_PANELS) PLANS(10, NARROW8_ROWS, NARROW8_PANELS) PLANS(18, NARROW8_ROWS, NARROW8_PANELS)
 PLANS(9, NARROW8_ROWS, NARROW8_PANELS) PLANS(12, NARROW_ROWS, NARROW_PANELS) PLANS(20, NARROW_ROWS, NARROW_PANELS)
+PLANS(22, NARROW_ROWS, NARROW_PANELS)
 PLAN(one_5, 5, 1, 1) PLAN(one_17, 17, 1, 1) /* the reference kinds: qmat_rows gives them one row at a time */
 #undef PLANS
 #undef PLAN
@@ -581,7 +582,7 @@ INLINE void deq_part(const qmat_t *w, const int kind, const float *x, int64_t n,
 #define DEQ_PLAN(K)                                                                                              \
     static __attribute__((noinline)) void deq_##K(const qmat_t *w, const float *x, int64_t n, float *y, int64_t p0, \
                                                   int64_t p1) { deq_part(w, K, x, n, y, p0, p1); }
-DEQ_PLAN(4) DEQ_PLAN(8) DEQ_PLAN(6) DEQ_PLAN(10) DEQ_PLAN(18) DEQ_PLAN(9) DEQ_PLAN(12) DEQ_PLAN(20)
+DEQ_PLAN(4) DEQ_PLAN(8) DEQ_PLAN(6) DEQ_PLAN(10) DEQ_PLAN(18) DEQ_PLAN(9) DEQ_PLAN(12) DEQ_PLAN(20) DEQ_PLAN(22)
 #undef DEQ_PLAN
 
 /* A kind's plans. */
@@ -593,7 +594,7 @@ static plans_t plans_of(int kind)
 {
 #define PL(K) if (kind == K) { const plans_t p = {one_##K, narrow_##K, wide_##K, deq_##K}; return p; }
 #define PL_REF(K) if (kind == K) { const plans_t p = {one_##K, one_##K, one_##K, one_##K}; return p; }
-    PL(4) PL(6) PL(10) PL(18) PL(9) PL(12) PL(20) PL_REF(5) PL_REF(17)
+    PL(4) PL(6) PL(10) PL(18) PL(9) PL(12) PL(20) PL(22) PL_REF(5) PL_REF(17)
 #undef PL_REF
 #undef PL
     const plans_t p = {one_8, narrow_8, wide_8, deq_8};

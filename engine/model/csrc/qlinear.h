@@ -20,6 +20,8 @@
  *   8  q8 codes, float16 d per block of 32 (Q8_0; Q5_0 as codes q - 16 where recovered from floats)
  *   6  q4 codes, a GGUF file's two-level scales (Q4_K): d = d16 * sc, m = -(dmin16 * mn) per block of 32
  *   10 q8 codes, the same two-level scales and mins (Q5_K)
+ *   22 q5 codes (0..31) as kind 12 holds them (nibbles + a plane of bit 4) with kind 10's two-level scales
+ *      and mins: Q5_K at 5.625 bits per weight (kind 10: 8.625), kind 10's weights and outputs bit for bit
  *   18 q8 codes, two-level scales per 16 inputs, two per block: d = d16 * sc, sc signed (Q6_K)
  *   20 q6 codes (0..63): kind 4's nibbles plus two planes (bits 4 and 5: kind 12's plane twice), Q6_K's
  *      two-level scales per 16 inputs as kind 18, and its offset as an implied min per half, -32 d
@@ -37,12 +39,12 @@
  * d16 * sc is exact in float32 (11 x 8 bits), as is dmin16 * mn: the float32 kinds' very values, formed
  * in registers. Every product code * d is exact in float32 for these ranges, so W = code * d (+ m) has
  * at most one rounding: ggml's own dequantized value. */
-#define KQ5(k) ((k) == 12)                                                  /* nibbles + high-bit plane */
+#define KQ5(k) ((k) == 12 || (k) == 22)                                     /* nibbles + high-bit plane */
 #define KQ6(k) ((k) == 20)                                                  /* nibbles + two bit planes */
 #define KQ4(k) ((k) == 4 || (k) == 5 || (k) == 6 || KQ5(k) || KQ6(k))         /* nibble codes (else 8-bit) */
 #define KMIN(k) ((k) == 4 || (k) == 5 || (k) == 6 || (k) == 9 || (k) == 10 || KQ5(k)) /* a min per block */
-#define KF16(k) ((k) == 4 || (k) == 8 || KQ5(k))                              /* float16 scales per block */
-#define KTWO(k) ((k) == 6 || (k) == 10 || (k) == 18 || KQ6(k))                /* two-level scale records */
+#define KF16(k) ((k) == 4 || (k) == 8 || (k) == 12)                           /* float16 scales per block */
+#define KTWO(k) ((k) == 6 || (k) == 10 || (k) == 18 || KQ6(k) || (k) == 22)  /* two-level scale records */
 #define KH16(k) ((k) == 17 || (k) == 18 || KQ6(k))                            /* a scale per 16 inputs */
 #define KREF(k) ((k) == 5 || (k) == 17)                                       /* reference kinds: one row */
 #define KNOWN_KIND(k) ((k) == 4 || (k) == 8 || (k) == 6 || (k) == 10 || (k) == 18 || (k) == 9 || KQ5(k) || KQ6(k) || KREF(k))

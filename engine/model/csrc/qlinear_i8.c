@@ -344,7 +344,7 @@ static void itile_any(const qmat_t *w, int R, int T, const qact_t *a, float *y, 
 #define ITILE_FNS(K, T) ITILE_FN(K, 1, T) ITILE_FN(K, 2, T) ITILE_FN(K, 3, T) ITILE_FN(K, 4, T) ITILE_FN(K, 5, T) \
     ITILE_FN(K, 6, T) ITILE_FN(K, 7, T) ITILE_FN(K, 8, T)
 #define ITILE_KIND(K) ITILE_FNS(K, 1) ITILE_FNS(K, 2) ITILE_FN(K, 1, 4)
-ITILE_KIND(4) ITILE_KIND(8) ITILE_KIND(6) ITILE_KIND(10) ITILE_KIND(18) ITILE_KIND(9) ITILE_KIND(12) ITILE_KIND(20)
+ITILE_KIND(4) ITILE_KIND(8) ITILE_KIND(6) ITILE_KIND(10) ITILE_KIND(18) ITILE_KIND(9) ITILE_KIND(12) ITILE_KIND(20) ITILE_KIND(22)
 ITILE_FN(5, 1, 1) ITILE_FN(17, 1, 1) /* the reference kinds: one row, one panel (imat_rows) */
 #undef ITILE_KIND
 #undef ITILE_FNS
@@ -358,7 +358,7 @@ static void itile_call(const qmat_t *w, int R, int T, const qact_t *a, float *y,
 #define ICS(K, TT) IC(K, 1, TT) IC(K, 2, TT) IC(K, 3, TT) IC(K, 4, TT) IC(K, 5, TT) IC(K, 6, TT) IC(K, 7, TT) \
     IC(K, 8, TT)
 #define ICK(K) ICS(K, 1) ICS(K, 2) IC(K, 1, 4)
-    ICK(4) ICK(8) ICK(6) ICK(10) ICK(18) ICK(9) ICK(12) ICK(20) IC(5, 1, 1) IC(17, 1, 1)
+    ICK(4) ICK(8) ICK(6) ICK(10) ICK(18) ICK(9) ICK(12) ICK(20) ICK(22) IC(5, 1, 1) IC(17, 1, 1)
 #undef ICK
 #undef ICS
 #undef IC

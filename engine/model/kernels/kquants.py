@@ -4,7 +4,7 @@ dequantizes it to (pure array functions; engine/model/gguf_file.py maps a model'
 
 Per 256 weights (a super-block), from ggml's block layouts:
   Q4_K: w = (d * sc) * q - dmin * mn, q in 0..15, sc and mn 6-bit per 32 weights   -> kind 6
-  Q5_K: the same with q in 0..31                                                   -> kind 10
+  Q5_K: the same with q in 0..31                                                   -> kind 22 (10)
   Q6_K: w = (d * sc) * q, q in -32..31, sc a signed byte per 16 weights            -> kind 20 (18)
   Q5_1 (per 32): w = d * q + m, q in 0..31, d and m float16                         -> kind 12
   Q5_0 (per 32): w = (q - 16) * d = q * d + m, m = -16 d implied (no min held)      -> kind 12
@@ -20,9 +20,11 @@ record likewise (m: dmin, then the 8 mn). The kernels form d * sc and -(dmin * m
 is exact in float32 (11 x 8 bits), and so is its product with q (at most 24 bits), so code * scale
 (+ min) rounds at most once: the kernels' weight is ggml's bit for bit. So Q4_K is held at 4 + 16/32 +
 32/256 = 4.625 bits per weight (the file: 4.5), Q5_K at 8.625 (8-bit codes), Q6_K at 8.5625.
-Kind 20 takes kind 18's arrays (codes q - 32 as bytes [O, I]) and holds them as the file's 6-bit
+Kind 22 takes kind 10's arrays (5-bit codes as bytes [O, I]) and holds them as kind 12 does (nibbles and
+a plane of bit 4, pack.py: pack_q5): 5.625 bits per weight (the file: 5.5); kind 10's weights and
+outputs bit for bit. Kind 20 takes kind 18's arrays (codes q - 32 as bytes [O, I]) and holds them as the file's 6-bit
 codes (nibbles and two bit planes, pack.py: pack_q6): 6.5625 bits per weight, the file's; the same
-weights and outputs, bit for bit, as kind 18 (`as_kind_18`, the kernels' reference for it).
+weights and outputs, bit for bit, as kind 18 (`as_8bit` gives kinds 18 and 10: the kernels' reference).
 `expand` gives the same blocks with the products as float32 (kinds 5, 9, 17: the kernels' reference
 kinds), `rebuild` the float32 matrix.
 """
@@ -37,12 +39,12 @@ from .pack import Q5_BLOCK, q5_values
 QK_K = 256
 # bytes per block: per super-block of 256 for the K-quants, per 32 for the others
 BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210, "Q5_1": 24, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q8_0": 34}
-KIND = {"Q4_K": 6, "Q5_K": 10, "Q6_K": 20, "Q5_1": 12, "Q4_0": 4, "Q4_1": 4, "Q5_0": 12, "Q8_0": 8}
+KIND = {"Q4_K": 6, "Q5_K": 22, "Q6_K": 20, "Q5_1": 12, "Q4_0": 4, "Q4_1": 4, "Q5_0": 12, "Q8_0": 8}
 # A layer's blocks: (kind, codes [O, I/2], [O, I/32 * 20] (kind 12) or [O, I] uint8, d, m or None): d, m
 # [O, I/32] float32 (kind 17:
 # d [O, I/16]), or the two-level kinds' records [O, I/256, 10] uint8 (kind 18: d [O, I/256, 18])
 Blocks = tuple
-TWO_LEVEL = {6: 5, 10: 9, 18: 17, 20: 17}  # a two-level kind -> the kind holding its products as float32
+TWO_LEVEL = {6: 5, 10: 9, 18: 17, 20: 17, 22: 9}  # a two-level kind -> the kind holding its products as float32
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -87,7 +89,7 @@ def decode(kind_name: str, raw: np.ndarray, O: int, I: int) -> Blocks:
     lo = (qs.reshape(-1, 4, 1, 32) >> np.array([0, 4], np.uint8).reshape(1, 1, 2, 1)) & 0x0F
     hi = (qh.reshape(-1, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 0x01
     q = lo.reshape(-1, 8, 32) | (hi << 4)
-    return 10, q.reshape(O, I), scale, low
+    return 22, q.reshape(O, I), scale, low
 
 
 def _records(half: np.ndarray, sub: np.ndarray, O: int, I: int) -> np.ndarray:
@@ -112,10 +114,13 @@ def expand(blocks: Blocks) -> Blocks:
     return TWO_LEVEL[kind], codes, products(d, kind in (18, 20)), None if m is None else -products(m, False)
 
 
-def as_kind_18(blocks: Blocks) -> Blocks:
-    """Kind 20's blocks (Q6_K as 6-bit codes) -> the same arrays as kind 18 (8-bit codes: the same
-    weights and outputs; the tests' reference); other kinds as they are."""
-    return (18, *blocks[1:]) if blocks[0] == 20 else blocks
+EIGHT_BIT = {20: 18, 22: 10}  # a kind held in fewer bits -> the kind holding the same arrays as 8-bit codes
+
+
+def as_8bit(blocks: Blocks) -> Blocks:
+    """Kind 20's or 22's blocks (Q6_K, Q5_K as 6- and 5-bit codes) -> the same arrays as kinds 18 and 10
+    (8-bit codes: the same weights and outputs; the tests' reference); other kinds as they are."""
+    return (EIGHT_BIT[blocks[0]], *blocks[1:]) if blocks[0] in EIGHT_BIT else blocks
 
 
 def _legacy(kind_name: str, blocks: np.ndarray, O: int, I: int) -> Blocks:

@@ -101,9 +101,10 @@ def q5_codes(q: torch.Tensor) -> torch.Tensor:
     return torch.cat([_le_bytes(qh), qs.to(torch.uint8)], dim=-1).reshape(q.shape[0], -1)
 
 
-def _q5_split(codes: torch.Tensor):
-    """codes [O, I/32 * 20] -> (recover_q4's nibble codes [O, I/2], the high bits [P, PANEL, nb, 32] uint8)."""
-    q = q5_values(codes)
+def _q5_split(codes: torch.Tensor, values: bool = False):
+    """codes [O, I/32 * 20] (values: 5-bit values as bytes [O, I]) -> (recover_q4's nibble codes [O, I/2],
+    the high bits [P, PANEL, nb, 32] uint8)."""
+    q = codes.reshape(codes.shape[0], -1, 32) if values else q5_values(codes)
     O, nb = q.shape[0], q.shape[1]
     nib = (q[..., :16] & 0xF) | ((q[..., 16:] & 0xF) << 4)
     return nib.reshape(O, nb * 16), _pad_outputs(q >> 4, -(-O // PANEL)).reshape(-1, PANEL, nb, 32)
@@ -135,18 +136,19 @@ def _plane_i8(high: torch.Tensor, layout: str) -> torch.Tensor:
     return bits.permute(0, 2, 1, 3).reshape(P, nb, 64)
 
 
-def pack_q5(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str = "bytes"):
+def pack_q5(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str = "bytes", values: bool = False):
     """Kind 12's (codes [O, I/32 * 20], d, m [O, I/32]) -> csrc/qlinear.c's q5 layout: codes [P, nb, 320]
     uint8, per panel-block pack_q4's 256 bytes of the low nibbles (in `layout`), then the 64-byte plane of
     the high bits: "bytes", 32 little-endian uint16, word [i] bit l = q[16p + l, 32b + i] >> 4; "lanes",
-    16 little-endian uint32, word [l] bit i = the same bit; d, m [P, nb, 16] as pack_q4."""
-    nib, high = _q5_split(codes)
+    16 little-endian uint32, word [l] bit i = the same bit; d, m [P, nb, 16] as pack_q4. `values`: codes
+    are the 5-bit values as bytes [O, I] (kind 22: Q5_K's, with two-level records as d and m)."""
+    nib, high = _q5_split(codes, values)
     lo, d, m = pack_q4(nib, d, m, layout)
     P, nb = lo.shape[0], lo.shape[1]
     return torch.cat([lo.reshape(P, nb, 256), _plane(high, layout)], dim=-1).contiguous(), d, m
 
 
-def pack_q5_i8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str = "bytes"):
+def pack_q5_i8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: str = "bytes", values: bool = False):
     """Kind 12's (codes, d, m) -> csrc/qlinear_i8.c's q5 layout: codes [P, nb, 320] uint8, pack_q4_i8's
     4 chunks of 64 bytes (the low nibbles), then the plane of the high bits, as the build whose q4 layout
     is `layout` reads it: "bytes" (masks), per chunk h two little-endian uint64 masks over its 64 code
@@ -158,7 +160,7 @@ def pack_q5_i8(codes: torch.Tensor, d: torch.Tensor, m: torch.Tensor, layout: st
     "lanes" plane bytes 0..3 are 0x33 (h = 0, 1: bits 0, 1 and 4, 5); "masks" bytes 0, 8, 16, 24 are 0x0F."""
     if layout not in Q4_LAYOUTS:
         raise ValueError(f"q4 layout must be one of {Q4_LAYOUTS}, got {layout!r}")
-    nib, high = _q5_split(codes)
+    nib, high = _q5_split(codes, values)
     lo, d, m = pack_q4_i8(nib, d, m)
     P, nb = lo.shape[0], lo.shape[1]
     return torch.cat([lo.reshape(P, nb, 256), _plane_i8(high, layout)], dim=-1).contiguous(), d, m

@@ -18,7 +18,8 @@ from .recover import recover_q4, recover_q8
 # two-level records, kquants.py), scales per block of 32, a min per block
 KINDS = {4: (4, "f16", 1, True), 8: (8, "f16", 1, False), 6: (4, "two", 1, True), 10: (8, "two", 1, True),
          18: (8, "two", 2, False), 9: (8, "f32", 1, True), 5: (4, "f32", 1, True), 17: (8, "f32", 2, False),
-         12: (5, "f16", 1, True), 20: (8, "two", 2, False)}  # 20: taken as 18's 8-bit codes, held as 6-bit
+         12: (5, "f16", 1, True), 20: (8, "two", 2, False), 22: (8, "two", 1, True)}  # 20, 22: taken as kinds 18's and
+# 10's 8-bit codes, held as 6- and 5-bit ones
 
 log = logging.getLogger("trserve.engine")
 
@@ -83,6 +84,9 @@ class QLinear(nn.Module):
         d, m = scale(d), scale(m) if has_min and not implied else None
         if kind == 20:  # Q6_K's 6-bit codes: nibbles and two bit planes in the build's layouts
             codes, d, m = pack_q6(codes, d, q4_layout(cache_dir, self.isa), arithmetic == "int8")
+        elif kind == 22:  # Q5_K's 5-bit codes: kind 12's nibbles and plane, kind 10's records
+            codes, d, m = (pack_q5_i8 if arithmetic == "int8" else pack_q5)(codes, d, m, q4_layout(cache_dir, self.isa),
+                                                                           values=True)
         elif bits == 4 and arithmetic == "int8":
             codes, d, m = pack_q4_i8(codes, d, m)
         elif bits == 5 and arithmetic == "int8":  # its plane in the layout of the build's q4 layout's builds

@@ -209,18 +209,18 @@ def test_two_level_kinds_give_the_float32_kinds_bits(isa, arithmetic, kernel_dir
             bias = torch.randn(O, generator=torch.Generator().manual_seed(seed)) if seed % 2 else None
             q2, q32 = (QLinear(b[0], *(None if a is None else torch.from_numpy(a) for a in b[1:]), bias, 512, O,
                                kernel_dir, isa, arithmetic) for b in (two, expand(two)))
-            assert (q2.kind, q32.kind) == ({"Q4_K": 6, "Q5_K": 10, "Q6_K": 20}[kind_name], {6: 5, 10: 9, 20: 17}[q2.kind])
+            assert (q2.kind, q32.kind) == ({"Q4_K": 6, "Q5_K": 22, "Q6_K": 20}[kind_name], {6: 5, 22: 9, 20: 17}[q2.kind])
             for n in (*range(1, 20), 80, 91):
                 y = q2(x[:n])
                 assert torch.equal(y, q32(x[:n])), f"{isa} {arithmetic} {kind_name} O={O} differs at n = {n}"
                 assert not y.isnan().any()
 
 
-@pytest.mark.parametrize("kind_name, bits", [("Q4_K", 4.625), ("Q5_K", 8.625), ("Q6_K", 6.5625)])
+@pytest.mark.parametrize("kind_name, bits", [("Q4_K", 4.625), ("Q5_K", 5.625), ("Q6_K", 6.5625)])
 def test_two_level_kinds_hold_the_files_bytes_per_weight(kind_name, bits, kernel_dir):
     """Codes, scales and mins as QLinear holds them (both arithmetics' layouts), per weight: Q4_K 4 + 16/32 +
-    32/256 bits (the file: 4.5; float32 products: 6), Q5_K 8.625 (8-bit codes), Q6_K 6 + 8/16 + 16/256 (the
-    file's; as kind 18's 8-bit codes it was 8.5625)."""
+    32/256 bits (the file: 4.5; float32 products: 6), Q5_K 5.625 (the file: 5.5; as kind 10's 8-bit codes
+    8.625), Q6_K 6 + 8/16 + 16/256 (the file's; as kind 18's 8-bit codes it was 8.5625)."""
     O, I = 64, 1024
     blocks = decode(kind_name, raw_of(kind_name, rows(O, I, 5)), O, I)
     for arithmetic in ("exact", "int8"):
