@@ -30,7 +30,6 @@ from ..common.server import (
 )
 from ..matrix.metrics import StoreCollector
 from .config import WorkerConfig
-from .convert import served_parsers
 from .drafting.embedded import DraftSourceFactory, embedded_factory
 from ..common.histories import HistoryBook, HistoryCollector
 from .drafting.split import MatrixServiceSources, watch_matrix_auth
@@ -190,11 +189,11 @@ async def _start_serving(config: WorkerConfig, decoder: Decoder, draft_source_fa
         metrics.registry.register(HistoryCollector(histories))
     runtime = RuntimeInfo.of(decoder)
     metrics.build.info({"model": name, "version": __version__, **runtime.labels()})
-    tool_format, reasoning = served_parsers(config, decoder)
-    log.info("serving %s: %s, batches of up to %d; tool calls: %s, reasoning parser: %s", name, runtime,
-             config.max_batch, tool_format or "none", reasoning or "none")
     door = FrontDoor(decoder, engine, config, draft_source_factory, metrics, tuner_states)
     servicer = GenerateServicer(door)
+    tool_format, reasoning = servicer.parsers
+    log.info("serving %s: %s, batches of up to %d; tool calls: %s, reasoning parser: %s", name, runtime,
+             config.max_batch, tool_format or "none", reasoning or "none")
 
     auth = [TenantAuth(config.tenant_tokens, config.default_tenant)] if config.tenant_tokens is not None else []
     server = started.server = new_server(MAX_REPLY_BYTES, interceptors=auth, max_receive_bytes=config.max_request_bytes,

@@ -23,13 +23,16 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     def __init__(self, door: FrontDoor) -> None:
         self.door = door
         self.metrics = door.metrics
+        # (tool-call format replies are read in, reasoning parser): fixed by the config and the model's
+        # template, so resolved once (ModelInfo reports them)
+        self.parsers = convert.served_parsers(door.config, door.decoder)
 
     @grpc_errors
     @observed
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
         done = await self.door.complete(convert.ask_from_pb(request), context)
         reply = convert.result_to_pb(done.result, done.call, done.queue_s)
-        convert.read_tool_calls(request, self._tool_format(), done.result.text, reply)
+        convert.read_tool_calls(request, self.parsers[0], done.result.text, reply)
         return reply
 
     @grpc_errors
@@ -42,14 +45,10 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
                     final = convert.final_chunk_to_pb(item.result, item.text_sent, item.queue_s)
                     if item.drained:
                         final.finish_reason = pb.FINISH_REASON_SHUTDOWN
-                    convert.read_tool_calls(request, self._tool_format(), item.result.text, final)
+                    convert.read_tool_calls(request, self.parsers[0], item.result.text, final)
                     yield final
                 else:
                     yield convert.chunk_to_pb(item)
-
-    def _tool_format(self) -> str:
-        """The tool-call format replies are read in (ModelInfo.tool_call_parser)."""
-        return convert.served_parsers(self.door.config, self.door.decoder)[0]
 
     @grpc_errors
     @observed
@@ -61,5 +60,4 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     @grpc_errors
     @observed
     async def ModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext) -> pb.ModelInfoResponse:
-        return convert.model_info_to_pb(self.door.decoder, self.door.limits, self.door.model_name,
-                                        convert.served_parsers(self.door.config, self.door.decoder))
+        return convert.model_info_to_pb(self.door.decoder, self.door.limits, self.door.model_name, self.parsers)
