@@ -8,8 +8,7 @@ from collections.abc import Sequence
 
 from ...core.errors import InvalidArgument
 from .chat import ChatOptions
-
-ROLES = ("system", "user", "assistant", "tool")
+from .history import call_strings, chat_turns, fold_calls, reads_tool_calls
 
 
 def check_token_ids(ids: Sequence[int], vocab_size: int, what: str = "input ids") -> list[int]:
@@ -54,10 +53,10 @@ class PromptBuilder:
     def chat_ids(self, messages: Sequence[dict], chat: ChatOptions | None = None,
                  tools: Sequence[dict] | None = None) -> list[int]:
         chat = chat or ChatOptions()
-        self._check_chat(messages, chat)
-        if any(t in m["content"] for m in messages for t in self.control_texts):
-            return self._quoted_chat_ids(messages, chat, tools)
-        return list(self._template(list(messages), chat, tokenize=True, tools=tools))
+        turns = self._turns(messages, chat, tools)
+        if any(t in m["content"] for m in turns for t in self.control_texts):
+            return self._quoted_chat_ids(turns, chat, tools)
+        return list(self._template(turns, chat, tokenize=True, tools=tools))
 
     def reply_prefix(self, messages: Sequence[dict], chat: ChatOptions | None = None,
                      tools: Sequence[dict] | None = None) -> str:
@@ -65,27 +64,32 @@ class PromptBuilder:
         of the reply (e.g. `<|im_end|>`, `<|im_start|>assistant`, `<think>`), or with continue_final_message that
         message's content, which the reply continues. (A reasoning parser reads whether `<think>` is open.)"""
         chat = chat or ChatOptions()
-        self._check_chat(messages, chat)
+        turns = self._turns(messages, chat, tools)
         if chat.continue_final_message:  # the prompt ends with that content (transformers cuts there)
-            return messages[-1]["content"]
-        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        text = self._template([{**m, "content": mark} for m, mark in zip(messages, marks)], chat, tokenize=False,
+            return turns[-1]["content"]
+        marks = [f"\ue000{i}\ue001" for i in range(len(turns))]
+        text = self._template([{**m, "content": mark} for m, mark in zip(turns, marks)], chat, tokenize=False,
                               tools=tools)
         return re.split("\ue000\\d+\ue001", text)[-1]
 
-    def _check_chat(self, messages: Sequence[dict], chat: ChatOptions) -> None:
+    def _turns(self, messages: Sequence[dict], chat: ChatOptions, tools: Sequence[dict] | None) -> list[dict]:
+        """The messages checked (history.py: earlier tool calls, tool_call_id) as the template that renders
+        them reads them: calls as content where it reads no tool_calls."""
         if not isinstance(messages, (list, tuple)) or not messages:
             raise InvalidArgument("messages must be a non-empty list of {role, content}")
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-                raise InvalidArgument(f"message {i} must be {{'role': one of {ROLES}, 'content': str}}, got {m!r:.80}")
-        if not any(m["content"].strip() for m in messages):
+        turns = chat_turns(messages)
+        if not any(m["content"].strip() or m.get("tool_calls") for m in turns):
             raise InvalidArgument("all messages are empty; send some text")
         if self.tokenizer.chat_template is None:
             raise InvalidArgument("this model has no chat template; send a raw prompt or token ids instead")
-        chat.check_messages(messages)
+        chat.check_messages(turns)
         if any(t in s for s in chat.strings() for t in self.control_texts):  # never quoted: refused
             raise InvalidArgument("chat_template_kwargs spell the model's control tokens; remove them")
+        if any(t in s for s in call_strings(turns) for t in self.control_texts):
+            raise InvalidArgument("a message's tool calls, tool_call_id or name spell the model's control tokens "
+                                  "(e.g. <|im_end|>); remove them")
+        template = self.tool_template if tools else self.tokenizer.chat_template
+        return turns if reads_tool_calls(template) else fold_calls(turns)
 
     def _template(self, messages: list[dict], chat: ChatOptions, tokenize: bool, tools: Sequence[dict] | None = None):
         from jinja2 import TemplateError
@@ -114,24 +118,28 @@ class PromptBuilder:
             raise InvalidArgument(f"the model's chat template failed with these chat_template_kwargs: "
                                   f"{type(exc).__name__}: {str(exc)[:200]}") from None
 
-    def _quoted_chat_ids(self, messages: Sequence[dict], chat: ChatOptions,
+    def _quoted_chat_ids(self, turns: list[dict], chat: ChatOptions,
                          tools: Sequence[dict] | None = None) -> list[int]:
         """Chat content is text: where it spells a control token (`<|im_start|>system`...), those
         characters are tokenized as plain text, so end-user content cannot forge turns. The template is
-        rendered with a placeholder per content; the template's own text keeps its control tokens."""
-        marks = [f"\ue000{i}\ue001" for i in range(len(messages))]
-        if any("\ue000" in m["content"] for m in messages):
+        rendered with a placeholder per non-empty content (an empty one stays empty: templates test it);
+        the template's own text keeps its control tokens."""
+        if any("\ue000" in m["content"] for m in turns):
             raise InvalidArgument("message content holds private-use characters U+E000; remove them")
-        text = self._template([{**m, "content": mark} for m, mark in zip(messages, marks)], chat, tokenize=False,
-                              tools=tools)
+        marked = [i for i, m in enumerate(turns) if m["content"]]
+        shown = [{**m, "content": f"\ue000{i}\ue001"} if m["content"] else m for i, m in enumerate(turns)]
+        text = self._template(shown, chat, tokenize=False, tools=tools)
         pieces = re.split("\ue000(\\d+)\ue001", text)  # template, index, template, index, ..., template
-        if [int(i) for i in pieces[1::2]] != list(range(len(messages))):
+        seen = [int(i) for i in pieces[1::2]]
+        # each content once, in order; only a turn with tool calls may go unshown (Mistral's shows its calls alone)
+        if seen != sorted(set(seen)) or set(seen) - set(marked) or \
+                any(i not in seen for i in marked if not turns[i].get("tool_calls")):
             raise InvalidArgument("message content spells the model's control tokens, which its chat template "
                                   "cannot quote as text; remove them from the content")
         tok, ids = self.tokenizer, []
         for j, piece in enumerate(pieces):
             if j % 2:
-                ids += tok(messages[int(piece)]["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
+                ids += tok(turns[int(piece)]["content"], add_special_tokens=False, split_special_tokens=True)["input_ids"]
             elif piece:
                 ids += tok(piece, add_special_tokens=False)["input_ids"]
         return ids

@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ...core.errors import PermissionDenied, TRServeError
+from ...engine.request.history import reads_tool_calls
 from ...engine.results import StepChunk
 from ..common.errors import status_for
 from . import convert
@@ -64,6 +65,7 @@ class OpenAIApp:
         self.created, decoder = int(time.time()), door.decoder
         self.tools = resolve_parser(self.config.tool_call_parser, decoder.prompts.tool_template)  # "auto"'s format
         self.tool_markers = marker_tokens(decoder.tokenizer, self.tools)  # its markers as tokens of their own
+        self.tool_fold = not reads_tool_calls(decoder.prompts.tool_template)  # earlier calls as text (toolchoice.py)
         # each token's own bytes, as the grammar engine reads the vocabulary (its view is built on first use)
         self.vocab = Vocabulary(decoder.tokenizer, lambda token: decoder.grammars.tokenizer().decode_bytes([token]))
         self.reasoning = Reasoning(self.config.reasoning_parser, decoder.prompts)  # --reasoning-parser
@@ -167,7 +169,7 @@ class OpenAIApp:
             token_tenant = self._token_tenant(request)
             body = await self._body(request)
             req = convert.parse_request(body, kind, self.model_id, self._tenant(request, body, token_tenant), self.tools,
-                                        self.tool_markers)
+                                        self.tool_markers, self.tool_fold)
             deadline = HttpDeadline(request)
             if req.stream:
                 return await self._stream(req, method, deadline, request.state)

@@ -13,15 +13,18 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from ...core.errors import InvalidArgument
 from ...engine.results import GenerationResult, GenerationStats
 from ...engine.tr.sampling import SamplingParams
 from ...engine.request.chat import ChatOptions
+from ...engine.request.history import chat_turn
 from ..worker.checks import Ask
 from .chat import chat_options
 from .errors import BadParam, ModelNotFound  # noqa: F401 - re-exported
 from .options import (Vocabulary, echo_options, f32, logprobs_json, logprobs_options, rules_options,
                       structured_options)
-from .tools import AutoTools, assistant_content, auto_choice, tool_calls, tool_options
+from .toolchoice import required_calls
+from .tools import AutoTools, auto_choice, tool_options
 from .toolstream import AutoStream
 
 # trserve's finish reasons -> OpenAI's: a result cut short for any reason but a stop is "length"
@@ -62,11 +65,13 @@ class OpenAIRequest:
 
 
 def parse_request(body: object, kind: str, model_id: str, tenant: str | None,
-                  tool_format: str | None = None, tool_markers: tuple[int, ...] = ()) -> OpenAIRequest:
+                  tool_format: str | None = None, tool_markers: tuple[int, ...] = (), tool_fold: bool = False
+                  ) -> OpenAIRequest:
     """From a JSON body: `kind` "chat" (messages) or "text" (prompt). `tenant`: the caller's (authorised,
     not yet checked: the front door checks it), None for the server's default. `tool_format`: the served
     template's tool-call format (toolparse.py; None: tool_choice "auto" is refused), `tool_markers` the ids
-    of its markers as tokens of their own (toolparse.py:marker_tokens)."""
+    of its markers as tokens of their own (toolparse.py:marker_tokens), `tool_fold` whether the template
+    that renders tools reads no tool_calls (toolchoice.py)."""
     if not isinstance(body, dict):
         raise BadParam("the request body must be a JSON object")
     model = body.get("model")
@@ -85,7 +90,7 @@ def parse_request(body: object, kind: str, model_id: str, tenant: str | None,
         _prompt(body.get("prompt"), opts)
     opts["chat"] = chat_options(body, kind, opts["messages"])  # vLLM's chat_template_kwargs, ...
     max_tokens = _limits(body, kind, opts)
-    tools, auto = tool_options(body, opts, kind, tool_format, tool_markers)
+    tools, auto = tool_options(body, opts, kind, tool_format, tool_markers, tool_fold)
     _sampling(body, opts)
     logprobs_options(body, kind, opts)
     stream = body.get("stream") or False
@@ -143,12 +148,14 @@ def _messages(messages: object) -> list[dict]:
         role = m.get("role") if isinstance(m, dict) else None
         if role not in ROLES:
             raise BadParam(f"messages[{i}].role must be one of {sorted(ROLES)}, got {role!r}", f"messages[{i}].role")
-        calls = assistant_content(m, i) if role == "assistant" else None
-        content = calls if calls is not None and m.get("content") in (None, "") else _content(m.get("content"), i)
-        turn = {"role": ROLES[role], "content": content}
-        if role == "tool" and isinstance(m.get("tool_call_id"), str):  # templates that show it (Mistral's)
-            turn["tool_call_id"] = m["tool_call_id"]
-        out.append(turn)
+        calls = m.get("tool_calls") if role == "assistant" else None
+        content = "" if calls and m.get("content") is None else _content(m.get("content"), i)
+        turn = {"role": ROLES[role], "content": content, "tool_calls": calls,
+                **{k: m[k] for k in ("tool_call_id", "name") if role == "tool" and m.get(k) is not None}}
+        try:  # earlier calls and tool_call_id as the template reads them (engine/request/history.py)
+            out.append(chat_turn(turn, i))
+        except InvalidArgument as e:
+            raise BadParam(str(e), f"messages[{i}]") from None
     return out
 
 
@@ -271,7 +278,7 @@ def completion(req: OpenAIRequest, result: GenerationResult | list[GenerationRes
             logprobs = (*r.prompt_logprobs, *logprobs) if logprobs is not None else None
         choice: dict = {"index": i, "finish_reason": "length" if req.echo_only else FINISH[r.finish_reason],
                         "logprobs": logprobs_json(req.kind, logprobs, vocab)}
-        calls = tool_calls(text, req.tools) if req.tools and r.finish_reason == "grammar" else None
+        calls = required_calls(text, req.tools) if req.tools and r.finish_reason == "grammar" else None
         if calls:
             choice.update(finish_reason="tool_calls", message={"role": "assistant", "content": None, "tool_calls": calls})
         elif req.auto is not None:
@@ -337,7 +344,7 @@ class ChunkWriter:
 
     def last_chunk(self, text: str, result: GenerationResult, finish_reason: str, queue_s: float, tenant: str) -> dict:
         """The finish reason (and any held-back text, or the tool call), with trserve's figures."""
-        calls = tool_calls(self.held + text, self.req.tools) if self.req.tools and finish_reason == "grammar" else None
+        calls = required_calls(self.held + text, self.req.tools) if self.req.tools and finish_reason == "grammar" else None
         if calls:
             out = self.chunk(None, "tool_calls")
             out["choices"][0]["delta"]["tool_calls"] = [{"index": 0, **calls[0]}]

@@ -214,7 +214,7 @@ class Responses:
             body = await app._body(request)
             req = convert.parse_request(chat_request(body), "chat", app.model_id,
                                         app._tenant(request, body, token_tenant), app.tools,
-                                        app.tool_markers)
+                                        app.tool_markers, app.tool_fold)
             writer = EventWriter("resp_" + uuid.uuid4().hex, int(time.time()), req.model, echoed(body))
             deadline = HttpDeadline(request)
             if req.stream:

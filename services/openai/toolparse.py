@@ -91,7 +91,8 @@ def resolve_parser(name: str, template: object) -> str | None:
 
 
 def render_calls(fmt: str, calls: list[tuple[str, dict]]) -> str:
-    """An assistant turn's earlier calls (name, arguments) as the model would have written them."""
+    """An assistant turn's earlier calls (name, arguments) as the model would have written them (for a
+    template that reads no tool_calls: toolchoice.py folds them into the turn's content)."""
     if fmt == "hermes":
         return "\n".join(f"<tool_call>\n{json.dumps({'name': n, 'arguments': a})}\n</tool_call>" for n, a in calls)
     if fmt == "llama3_json":

@@ -25,6 +25,7 @@ from typing import Any
 
 from ...core.errors import InvalidArgument, NotFound
 from ...core.tenants import validate_tenant_id
+from ...engine.request.history import calls_chars
 from ...engine.request.request import GenerationRequest, check_max_new_tokens
 from ...engine.tr.tree import builtin_trees
 from .config import MESSAGE_OVERHEAD_CHARS, Limits
@@ -101,9 +102,9 @@ def check_prompt_size(text: str | None, messages: list[dict] | None, ids: list[i
             raise InvalidArgument(f"{len(messages)} chat messages given; at most {limits.max_messages}: "
                                   "send fewer turns")
         # content plus each turn's markup, before anything is built or tokenized
-        size = sum(len(m["content"]) + len(m["role"]) + MESSAGE_OVERHEAD_CHARS for m in messages)
+        size = sum(len(m["content"]) + calls_chars(m) + len(m["role"]) + MESSAGE_OVERHEAD_CHARS for m in messages)
         if size > limits.max_prompt_chars:
-            raise InvalidArgument(f"messages have {size} characters (content, plus {MESSAGE_OVERHEAD_CHARS} "
+            raise InvalidArgument(f"messages have {size} characters (content and tool calls, plus {MESSAGE_OVERHEAD_CHARS} "
                                   f"per message); the limit is {limits.max_prompt_chars} "
                                   f"(and {limits.max_prompt_tokens} tokens): shorten them")
     if ids is not None:

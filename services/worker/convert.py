@@ -8,16 +8,19 @@ HTTP alike, and the request's own rules by the engine's GenerationRequest. Resul
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...core.errors import InvalidArgument
 from ...engine.request.chat import ChatOptions, chat_options_from_json
+from ...engine.request.history import chat_turns, reads_tool_calls
 from ...engine.request.tools import tool_functions, tools_from_json
 from ...engine.results import GenerationResult, GenerationStats, StepChunk
 from ...engine.runtime import RuntimeInfo
 from ...engine.tr.grammar import StructuredOutput
 from ...engine.tr.sampling import SamplingParams
-from ..openai.toolparse import parse_reply, resolve_parser
+from ..openai.toolchoice import AutoTools, ToolReading, apply_tool_choice
+from ..openai.toolparse import marker_tokens, resolve_parser
 from .checks import Ask, GenerateCall
 from .config import Limits, WorkerConfig
 from ...v1 import generate_pb2 as pb
@@ -34,9 +37,22 @@ FINISH_REASONS = {
     "grammar": pb.FINISH_REASON_GRAMMAR,
 }
 MODES = {pb.DECODING_MODE_UNSPECIFIED: "tr", pb.DECODING_MODE_TR: "tr", pb.DECODING_MODE_AR: "ar"}
+TOOL_CHOICES = {pb.TOOL_CHOICE_UNSPECIFIED: None, pb.TOOL_CHOICE_AUTO: "auto", pb.TOOL_CHOICE_NONE: "none",
+                pb.TOOL_CHOICE_REQUIRED: "required"}
 
 
-def ask_from_pb(req: pb.GenerateRequest) -> Ask:
+@dataclass(frozen=True)
+class ServedTools:
+    """The tool-call format this worker's template writes calls in (ModelInfo.tool_call_parser; None: none)
+    and its markers' ids as tokens of their own (toolparse.py:marker_tokens): fixed per worker."""
+
+    fmt: str | None = None
+    markers: tuple[int, ...] = ()
+    fold: bool = False  # the template that renders tools reads no tool_calls (toolchoice.py)
+
+
+def ask_from_pb(req: pb.GenerateRequest, served: ServedTools = ServedTools()) -> tuple[Ask, ToolReading | None]:
+    """The request's Ask, and how its reply is read for tool calls (None: it is not)."""
     text, messages, token_ids, chat, tools = _input_from_pb(req)
     if req.mode not in MODES:
         raise InvalidArgument(f"mode {req.mode} is unknown; use DECODING_MODE_TR (default) or DECODING_MODE_AR")
@@ -48,11 +64,37 @@ def ask_from_pb(req: pb.GenerateRequest) -> Ask:
         logit_bias=tuple(sorted(req.logit_bias.items())), min_tokens=int(req.min_tokens),
         repetition_penalty=req.repetition_penalty if req.HasField("repetition_penalty") else 1.0,
         frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
-        structured=_structured_from_pb(req), chat=chat, tools=tools,
+        structured=_structured_from_pb(req), chat=chat, tools=None,
     )
+    reading = _tool_choice(req, options, tools, served)
     return Ask(options, tenant=req.tenant or None, domain=req.domain if req.HasField("domain") else None,
                max_new_tokens=req.max_new_tokens if req.HasField("max_new_tokens") else None,
-               return_token_ids=req.return_token_ids)
+               return_token_ids=req.return_token_ids), reading
+
+
+def _tool_choice(req, opts: dict, tools: tuple[dict, ...] | None, served: ServedTools) -> ToolReading | None:
+    """ChatMessages.tool_choice onto the engine request's fields `opts` (toolchoice.py, as HTTP's): with
+    UNSPECIFIED, "auto" where the template has a format and the caller gives no structured_output (else its
+    tools are only described, and replies read unheld where there is a format)."""
+    m = req.messages if req.WhichOneof("input") == "messages" else None
+    if m is None or m.tool_choice not in TOOL_CHOICES:
+        if m is not None:
+            raise InvalidArgument(f"tool_choice {m.tool_choice} is unknown; use TOOL_CHOICE_AUTO, _NONE or _REQUIRED")
+        return None
+    choice, function = TOOL_CHOICES[m.tool_choice], m.tool_choice_function or None
+    parallel = m.parallel_tool_calls if m.HasField("parallel_tool_calls") else True
+    if tools is None:
+        if choice not in (None, "none") or function is not None:
+            raise InvalidArgument("tool_choice and tool_choice_function need tools (ChatMessages.tools)")
+        return None
+    functions = tool_functions(list(tools))
+    if choice is None and function is None and (served.fmt is None or opts["structured"] is not None):
+        opts["tools"] = tools  # described by the template; calls read as written, no grammar of ours
+        return ToolReading(auto=AutoTools(served.fmt, tuple(functions), parallel)) if served.fmt else None
+    if function is not None and choice is None:
+        choice = "required"
+    return apply_tool_choice(opts, functions, "auto" if choice is None else choice, served.fmt, parallel,
+                             served.markers, function, served.fold)
 
 
 def _structured_from_pb(req: pb.GenerateRequest) -> StructuredOutput | None:
@@ -103,9 +145,20 @@ def _input_from_pb(req) -> tuple[str | None, list[dict] | None, list[int] | None
         m = req.messages
         chat = chat_options_from_json(m.chat_template_kwargs, m.add_generation_prompt if m.HasField(
             "add_generation_prompt") else True, m.continue_final_message)
-        return None, [{"role": t.role, "content": t.content} for t in m.messages], None, chat, \
-            tools_from_json(m.tools)
+        return None, chat_turns([_turn_from_pb(t) for t in m.messages]), None, chat, tools_from_json(m.tools)
     return None, None, list(req.token_ids.ids), None, None
+
+
+def _turn_from_pb(t: pb.ChatMessage) -> dict:
+    """A ChatMessage as OpenAI's message (history.py checks it): its earlier calls and tool_call_id."""
+    turn: dict = {"role": t.role, "content": t.content}
+    if t.tool_calls:
+        turn["tool_calls"] = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments_json}}
+                              for c in t.tool_calls]
+    for name in ("tool_call_id", "name"):
+        if getattr(t, name):
+            turn[name] = getattr(t, name)
+    return turn
 
 
 def _sampling_from_pb(s: pb.SamplingParams) -> SamplingParams | None:
@@ -118,10 +171,13 @@ def _sampling_from_pb(s: pb.SamplingParams) -> SamplingParams | None:
     return None if params.greedy else params
 
 
-def tokenize_input_from_pb(req: pb.TokenizeRequest) -> tuple[str | None, list[dict] | None, ChatOptions | None,
-                                                              tuple[dict, ...] | None]:
+def tokenize_input_from_pb(req: pb.TokenizeRequest, served: ServedTools = ServedTools()
+                           ) -> tuple[str | None, list[dict] | None, ChatOptions | None, tuple[dict, ...] | None]:
+    """(text, messages, chat options, tools) as Generate's prompt has them (tool_choice applied)."""
     text, messages, _, chat, tools = _input_from_pb(req)
-    return text, messages, chat, tools
+    opts = {"messages": messages, "structured": None, "tools": None}
+    _tool_choice(req, opts, tools, served)
+    return text, opts["messages"], chat, opts["tools"]
 
 
 def stats_to_pb(stats: GenerationStats, queue_s: float) -> pb.GenerationStats:
@@ -172,14 +228,12 @@ def model_info_to_pb(decoder: TargetModel, limits: Limits, name: str,
     )
 
 
-def read_tool_calls(request: pb.GenerateRequest, fmt: str, text: str, reply) -> None:
-    """Into `reply` (a GenerateResponse or the last GenerateStreamResponse): the calls `text` writes in
-    format `fmt` (served_parsers') to the request's ChatMessages.tools, and why an opened one is not a
-    call; nothing without tools or a format."""
-    tools = request.messages.tools if request.WhichOneof("input") == "messages" else ""
-    if not tools or not fmt:
+def read_tool_calls(reading: ToolReading | None, result: GenerationResult, reply) -> None:
+    """Into `reply` (a GenerateResponse or the last GenerateStreamResponse): the calls the result's text
+    makes as `reading` (ask_from_pb's) reads them, and why an opened one is not a call; nothing without."""
+    parsed = reading.read(result.text, result.finish_reason) if reading is not None else None
+    if parsed is None:
         return
-    parsed = parse_reply(fmt, text, tuple(tool_functions(list(tools_from_json(tools)))))
     reply.tool_calls.extend(pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments_json=c["function"]["arguments"])
                             for c in parsed.calls)
     reply.tool_call_error = parsed.error or ""
@@ -190,3 +244,9 @@ def served_parsers(config: WorkerConfig, decoder: TargetModel) -> tuple[str, str
     template that renders tools; the reasoning parser), "" for none."""
     return (resolve_parser(config.tool_call_parser, decoder.prompts.tool_template) or "",
             config.reasoning_parser or "")
+
+
+def served_tools(fmt: str, decoder: TargetModel) -> ServedTools:
+    """`fmt` (served_parsers' format, "" for none) with its markers in the served tokenizer."""
+    return ServedTools(fmt or None, marker_tokens(decoder.tokenizer, fmt or None),
+                       not reads_tool_calls(decoder.prompts.tool_template))

@@ -26,26 +26,29 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
         # (tool-call format replies are read in, reasoning parser): fixed by the config and the model's
         # template, so resolved once (ModelInfo reports them)
         self.parsers = convert.served_parsers(door.config, door.decoder)
+        self.tools = convert.served_tools(self.parsers[0], door.decoder)  # the format with its marker tokens
 
     @grpc_errors
     @observed
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> pb.GenerateResponse:
-        done = await self.door.complete(convert.ask_from_pb(request), context)
+        ask, reading = convert.ask_from_pb(request, self.tools)
+        done = await self.door.complete(ask, context)
         reply = convert.result_to_pb(done.result, done.call, done.queue_s)
-        convert.read_tool_calls(request, self.parsers[0], done.result.text, reply)
+        convert.read_tool_calls(reading, done.result, reply)
         return reply
 
     @grpc_errors
     @observed
     async def GenerateStream(self, request: pb.GenerateRequest,
                              context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateStreamResponse]:
-        async with contextlib.aclosing(self.door.stream(convert.ask_from_pb(request), context)) as items:
+        ask, reading = convert.ask_from_pb(request, self.tools)
+        async with contextlib.aclosing(self.door.stream(ask, context)) as items:
             async for item in items:
                 if isinstance(item, StreamEnd):
                     final = convert.final_chunk_to_pb(item.result, item.text_sent, item.queue_s)
                     if item.drained:
                         final.finish_reason = pb.FINISH_REASON_SHUTDOWN
-                    convert.read_tool_calls(request, self.parsers[0], item.result.text, final)
+                    convert.read_tool_calls(reading, item.result, final)
                     yield final
                 else:
                     yield convert.chunk_to_pb(item)
@@ -53,7 +56,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServicer):
     @grpc_errors
     @observed
     async def Tokenize(self, request: pb.TokenizeRequest, context: grpc.aio.ServicerContext) -> pb.TokenizeResponse:
-        ids = await self.door.tokenize(*convert.tokenize_input_from_pb(request))
+        ids = await self.door.tokenize(*convert.tokenize_input_from_pb(request, self.tools))
         tokens = self.door.decoder.tokenizer.convert_ids_to_tokens(ids)
         return pb.TokenizeResponse(token_ids=ids, tokens=[str(t) for t in tokens])
 

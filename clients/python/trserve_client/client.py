@@ -86,14 +86,19 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict] | None 
                   return_token_ids: bool = False, logprobs: bool = False, top_logprobs: int = 0,
                   ignore_eos: bool = False, min_tokens: int = 0, chat_template_kwargs: dict | None = None,
                   continue_final_message: bool = False, add_generation_prompt: bool | None = None,
-                  tools: Sequence[dict] | None = None) -> pb.GenerateRequest:
+                  tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None,
+                  parallel_tool_calls: bool | None = None) -> pb.GenerateRequest:
     """A GenerateRequest; give exactly one of prompt (raw text), messages (chat turns), token_ids.
     `max_tokens` is OpenAI's name for `max_new_tokens` (give one). `ignore_eos`: decode through the
     model's end-of-sequence ids (fixed-length output); `min_tokens`: none of them among the first N.
     With messages, vLLM's: `chat_template_kwargs` (variables for the chat template, e.g.
     {"enable_thinking": False}), `continue_final_message` (the reply continues the final, assistant,
     message; needs add_generation_prompt=False), `add_generation_prompt` (None: the server's default, true),
-    `tools` (OpenAI-style function tools the chat template describes; the reply is text to read calls in)."""
+    `tools` (OpenAI-style function tools the chat template describes; the reply's calls come back in
+    `reply.raw.tool_calls`), `tool_choice` ("auto", "none", "required" or {"type": "function", "function":
+    {"name": ...}}; None: the server's default) and `parallel_tool_calls` as OpenAI's. Messages are OpenAI's:
+    an assistant turn may carry its earlier `tool_calls` ([{"id", "type": "function", "function": {"name",
+    "arguments": JSON text or a dict}}]), a tool turn its `tool_call_id` (and `name`)."""
     if mode not in _MODES:
         raise ValueError(f"mode must be 'tr', 'ar' or None, got {mode!r}")
     if max_tokens is not None:
@@ -116,9 +121,11 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict] | None 
         req.text = prompt
     if messages is not None:
         req.messages.CopyFrom(chat_messages(messages, chat_template_kwargs, continue_final_message,
-                                            add_generation_prompt, tools))
-    elif chat_template_kwargs or continue_final_message or add_generation_prompt is not None or tools:
-        raise ValueError("chat_template_kwargs, continue_final_message, add_generation_prompt and tools need messages")
+                                            add_generation_prompt, tools, tool_choice, parallel_tool_calls))
+    elif chat_template_kwargs or continue_final_message or add_generation_prompt is not None or tools or \
+            tool_choice is not None or parallel_tool_calls is not None:
+        raise ValueError("chat_template_kwargs, continue_final_message, add_generation_prompt and tools (with "
+                         "tool_choice, parallel_tool_calls) need messages")
     if token_ids is not None:
         req.token_ids.ids.extend(token_ids)
     return req
@@ -126,18 +133,36 @@ def build_request(prompt: str | None = None, *, messages: Sequence[dict] | None 
 
 def chat_messages(messages: Sequence[dict], chat_template_kwargs: dict | None = None,
                   continue_final_message: bool = False, add_generation_prompt: bool | None = None,
-                  tools: Sequence[dict] | None = None) -> pb.ChatMessages:
-    """The wire's ChatMessages: the turns, how the server's chat template renders them, the tools it describes."""
-    out = pb.ChatMessages(messages=[pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+                  tools: Sequence[dict] | None = None, tool_choice: str | dict | None = None,
+                  parallel_tool_calls: bool | None = None) -> pb.ChatMessages:
+    """The wire's ChatMessages: the turns (with earlier tool calls and tool_call_ids), how the server's chat
+    template renders them, the tools it describes and how the reply may call them."""
+    out = pb.ChatMessages(messages=[chat_message(m) for m in messages],
                           chat_template_kwargs=json.dumps(chat_template_kwargs) if chat_template_kwargs else "",
                           continue_final_message=continue_final_message, tools=json.dumps(list(tools)) if tools else "")
     if add_generation_prompt is not None:
         out.add_generation_prompt = add_generation_prompt
+    if parallel_tool_calls is not None:
+        out.parallel_tool_calls = parallel_tool_calls
+    if isinstance(tool_choice, dict):
+        out.tool_choice, out.tool_choice_function = pb.TOOL_CHOICE_REQUIRED, tool_choice["function"]["name"]
+    elif tool_choice is not None:
+        out.tool_choice = pb.ToolChoice.Value("TOOL_CHOICE_" + tool_choice.upper())
     return out
 
 
+def chat_message(m: dict) -> pb.ChatMessage:
+    """An OpenAI-style message as the wire's ChatMessage (content None = "", a dict's arguments as JSON)."""
+    calls = [pb.ToolCall(id=c["id"], name=c["function"]["name"], arguments_json=a if isinstance(
+        a := c["function"].get("arguments", ""), str) else json.dumps(a)) for c in m.get("tool_calls") or ()]
+    return pb.ChatMessage(role=m["role"], content=m.get("content") or "", tool_calls=calls,
+                          tool_call_id=m.get("tool_call_id") or "",
+                          name=(m.get("name") or "") if m["role"] == "tool" else "")
+
+
 def tokenize_request(text: str | None, messages: Sequence[dict] | None, **chat) -> pb.TokenizeRequest:
-    """`chat`: chat_template_kwargs, continue_final_message, add_generation_prompt, tools (as build_request's)."""
+    """`chat`: chat_template_kwargs, continue_final_message, add_generation_prompt, tools, tool_choice,
+    parallel_tool_calls (as build_request's)."""
     if text is not None:
         return pb.TokenizeRequest(text=text)
     return pb.TokenizeRequest(messages=chat_messages(messages or [], **chat))

@@ -14,7 +14,6 @@ import grpc
 import openai
 import pytest
 
-from trserve.services.openai.toolparse import parse_reply, render_calls
 from trserve.v1 import generate_pb2 as pb
 from trserve.v1 import generate_pb2_grpc
 from trserve_client import Client
@@ -158,19 +157,13 @@ def test_an_opened_call_is_held_to_the_schema(client, model):
     assert call.function.name == "get_weather" and check_args("get_weather", call.function.arguments)
 
 
-def as_text(history: list[dict]) -> list[dict]:
-    """Chat turns as a gRPC ChatMessage carries them (role, content): an assistant's calls as the text the
-    model writes for them (hermes), as the HTTP API renders them."""
-    return [{"role": m["role"], "content": render_calls("hermes", [(c["function"]["name"], json.loads(
-        c["function"]["arguments"])) for c in m["tool_calls"]])} if m.get("tool_calls") else m for m in history]
-
-
-def test_grpc_tools_reach_the_template(serve, client, model):
-    """gRPC ChatMessages.tools (the tools' JSON text) reach the chat template as HTTP's do: the prompt lists
-    them, the same prompt as HTTP's `auto` (same prompt tokens), and the bundled model's reply is a hermes
-    call that the server's parser reads, TR == AR."""
+def test_grpc_history_and_tools_reach_the_template_as_http_s(serve, client, model):
+    """gRPC ChatMessages.tools and the history's earlier calls (ChatMessage.tool_calls) reach the chat template
+    as HTTP's do: the prompt lists the tools and shows the calls in the template's own format (the shipped
+    hermes one), the same prompt tokens as HTTP's `auto`; with no tool_choice gRPC answers as `auto` does,
+    held by the same grammar: HTTP's reply token for token, a hermes call the server reads, TR == AR."""
     question = "What is the weather in Paris, in celsius?"
-    messages = [*as_text(HISTORY), {"role": "user", "content": question}]
+    messages = [*HISTORY, {"role": "user", "content": question}]
     with Client(serve[0], timeout=300) as grpc_client:
         prompt = grpc_client.tokenize(messages=messages, tools=[WEATHER, TIME])
         bare = grpc_client.tokenize(messages=messages)
@@ -179,13 +172,74 @@ def test_grpc_tools_reach_the_template(serve, client, model):
     root = serve[1].removesuffix("/v1")
     shown = post(root + "/detokenize", {"tokens": prompt})["prompt"]
     assert "<tools>" in shown and '"name": "get_weather"' in shown and '"name": "get_time"' in shown
-    assert "<tools>" not in post(root + "/detokenize", {"tokens": bare})["prompt"] and len(bare) < len(prompt)
+    assert '<|im_start|>assistant\n<tool_call>\n{"name": "get_time", "arguments": {"timezone": "Europe/Rome"}}\n' \
+           '</tool_call><|im_end|>' in shown
+    # without tools the model's own template (no tool format) gets the calls as the JSON the model wrote
+    plain = post(root + "/detokenize", {"tokens": bare})["prompt"]
+    assert "<tools>" not in plain and '<|im_start|>assistant\n{"name": "get_time", "arguments": ' in plain
     http = client.chat.completions.create(**ask(model, question))
     assert replies[0].stats.prompt_tokens == len(prompt) == http.usage.prompt_tokens
-    assert replies[0].token_ids == replies[1].token_ids and replies[0].text == replies[1].text
-    parsed = parse_reply("hermes", replies[0].text, ("get_weather", "get_time"))
-    assert [c["function"]["name"] for c in parsed.calls] == ["get_weather"] and parsed.error is None
-    assert check_args("get_weather", parsed.calls[0]["function"]["arguments"])["city"] == "Paris"
+    assert replies[0].token_ids == replies[1].token_ids == http.model_extra["trserve"]["token_ids"]
+    calls = [(c.name, c.arguments_json) for c in replies[0].raw.tool_calls]
+    assert calls == [(c.function.name, c.function.arguments) for c in http.choices[0].message.tool_calls]
+    assert [name for name, _ in calls] == ["get_weather"] and not replies[0].raw.tool_call_error
+    assert check_args("get_weather", calls[0][1])["city"] == "Paris"
+
+
+def _call(call_id: str = "call_1", arguments: str = '{"timezone": "UTC"}', name: str = "get_time") -> pb.ToolCall:
+    return pb.ToolCall(id=call_id, name=name, arguments_json=arguments)
+
+
+USER = pb.ChatMessage(role="user", content="What time is it in UTC?")
+BAD_HISTORY = [  # (turns, ChatMessages fields, what the refusal says)
+    ([USER, pb.ChatMessage(role="assistant", tool_calls=[_call(arguments="{timezone: UTC}")])], {},
+     "messages[1].tool_calls[0].function.arguments is not JSON"),
+    ([USER, pb.ChatMessage(role="assistant", tool_calls=[_call(arguments='"UTC"')])], {},
+     "messages[1].tool_calls[0].function.arguments must be a JSON object"),
+    ([USER, pb.ChatMessage(role="assistant", tool_calls=[_call(call_id="")])], {}, "messages[1].tool_calls[0].id"),
+    ([USER, pb.ChatMessage(role="assistant", tool_calls=[_call(name="get time")])], {},
+     "messages[1].tool_calls[0].function.name must be a tool's name"),
+    ([pb.ChatMessage(role="user", content="hi", tool_calls=[_call()])], {}, "only an assistant turn makes tool calls"),
+    ([pb.ChatMessage(role="user", content="hi", tool_call_id="call_1")], {}, "messages[0].tool_call_id is for tool turns"),
+    ([USER, pb.ChatMessage(role="tool", content="12:00", tool_call_id="call 1")], {},
+     "messages[1].tool_call_id must be the id of the call it answers"),
+    ([USER, pb.ChatMessage(role="assistant", tool_calls=[_call(arguments='{"tz": "<|im_end|>"}')])], {},
+     "spell the model's control tokens"),
+    ([USER], {"tool_choice": pb.TOOL_CHOICE_REQUIRED}, "tool_choice and tool_choice_function need tools"),
+    ([USER], {"tools": json.dumps([TIME]), "tool_choice_function": "get_weather"}, "'get_weather', which is not one"),
+    ([USER], {"tools": json.dumps([TIME]), "tool_choice_function": "get_time", "tool_choice": pb.TOOL_CHOICE_AUTO},
+     'goes with tool_choice "required" (or unset), not "auto"'),
+    ([USER], {"tools": json.dumps([TIME]), "tool_choice": 9}, "tool_choice 9 is unknown"),
+]
+
+
+@pytest.mark.parametrize("turns, fields, message", BAD_HISTORY)
+def test_bad_grpc_history_and_tool_choice_are_invalid_argument(serve, turns, fields, message):
+    chat = pb.ChatMessages(messages=turns, **fields)
+    with grpc.insecure_channel(serve[0]) as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        for call, req in ((stub.Generate, pb.GenerateRequest(messages=chat, max_new_tokens=4)),
+                          (stub.Tokenize, pb.TokenizeRequest(messages=chat))):
+            with pytest.raises(grpc.RpcError) as refused:
+                call(req, timeout=120)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+            assert message in refused.value.details(), refused.value.details()
+
+
+def test_grpc_auto_with_a_caller_grammar_is_invalid_argument(serve):
+    chat = pb.ChatMessages(messages=[USER], tools=json.dumps([TIME]), tool_choice=pb.TOOL_CHOICE_AUTO)
+    request = pb.GenerateRequest(messages=chat, max_new_tokens=4, structured_output=pb.StructuredOutput(json_object=True))
+    with grpc.insecure_channel(serve[0]) as channel, pytest.raises(grpc.RpcError) as refused:
+        generate_pb2_grpc.GenerateStub(channel).Generate(request, timeout=120)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "cannot both shape" in refused.value.details()
+
+
+def test_http_history_with_non_json_arguments_is_a_400_naming_the_message(client, model):
+    bad = earlier_call(1, "get_time", {})
+    bad["tool_calls"][0]["function"]["arguments"] = "timezone=UTC"
+    with pytest.raises(openai.BadRequestError, match="function.arguments is not JSON") as refused:
+        client.chat.completions.create(**ask(model, "And now?", history=[HISTORY[0], bad]))
+    assert refused.value.body["param"] == "messages[1]"
 
 
 @pytest.mark.parametrize("tools,message", [

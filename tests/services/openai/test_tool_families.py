@@ -183,3 +183,41 @@ def test_grpc_replies_carry_the_calls_read_in_the_family_s_format(family):
     for got in (reply, last):
         assert [(c.name, c.arguments_json) for c in got.tool_calls] == want and not got.tool_call_error
     assert reply.tool_calls[0].id and not bare.tool_calls and not bare.tool_call_error  # random text: no call
+
+
+def test_a_grpc_agent_loop_sends_its_calls_back_through_the_family_s_template(family):
+    """An agent loop over gRPC. Turn 1 (TOOL_CHOICE_REQUIRED, no caller grammar): the reply is one call held
+    to its tool's schema, TR == AR, its id spelled as the family's templates want. Turn 2 sends that call back
+    (ChatMessage.tool_calls) with its result (tool_call_id): the prompt shows the call in the family's own
+    rendering (Mistral's with the ids), is Generate's prompt and HTTP's for the same history, and the
+    reply (auto, held by the served format's grammar) is HTTP's token for token, TR == AR."""
+    fmt, _, addr, client, model, tok = family[:6]
+    first = [{"role": "user", "content": "What time is it in Asia/Tokyo?"}]
+    with Client(addr, timeout=300) as grpc_client:
+        one = [grpc_client.generate(messages=first, tools=[WEATHER, TIME], tool_choice="required", max_new_tokens=200,
+                                    mode=mode, return_token_ids=True) for mode in ("tr", "ar")]
+        assert one[0].token_ids == one[1].token_ids and one[0].finish_reason == "grammar"
+        (call,) = one[0].raw.tool_calls
+        args = check_args(call.name, call.arguments_json)
+        assert not one[0].raw.tool_call_error and (len(call.id) == 9 and call.id.isalnum() if fmt == "mistral"
+                                                   else call.id.startswith("call_"))
+        history = [*first, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments_json}}]},
+            {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": '{"time": "12:00"}'}]
+        prompt = grpc_client.tokenize(messages=history, tools=[WEATHER, TIME])
+        two = [grpc_client.generate(messages=history, tools=[WEATHER, TIME], tool_choice="auto", max_new_tokens=16,
+                                    mode=mode, return_token_ids=True) for mode in ("tr", "ar")]
+    shown, written = tok.decode(prompt), json.dumps(args, ensure_ascii=False)
+    rendered = {"hermes": f'<|im_start|>assistant\n<tool_call>\n{{"name": "{call.name}", "arguments": {written}}}\n'
+                          "</tool_call><|im_end|>",
+                "llama3_json": f'<|start_header_id|>assistant<|end_header_id|>\n\n{{"name": "{call.name}", '
+                               f'"parameters": {written}}}<|eot_id|>',
+                "mistral": f'[TOOL_CALLS][{{"name": "{call.name}", "arguments": {written}, "id": "{call.id}"}}]</s>'
+                           f'[TOOL_RESULTS]{{"content": {{"time": "12:00"}}, "call_id": "{call.id}"}}[/TOOL_RESULTS]'}
+    assert rendered[fmt] in shown, shown[-400:]
+    assert two[0].token_ids == two[1].token_ids and two[0].stats.prompt_tokens == len(prompt)
+    for c in two[0].raw.tool_calls:
+        check_args(c.name, c.arguments_json)
+    http = client.chat.completions.create(model=model, temperature=0, max_tokens=16, tools=[WEATHER, TIME],
+                                          tool_choice="auto", messages=history)
+    assert http.usage.prompt_tokens == len(prompt) and http.model_extra["trserve"]["token_ids"] == two[0].token_ids

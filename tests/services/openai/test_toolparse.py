@@ -167,16 +167,22 @@ def test_a_malformed_call_is_a_stop_with_its_text_unary_and_streamed():
     assert chunks[-1]["choices"][0]["stop_reason"] == "malformed_tool_call"
 
 
-def test_earlier_calls_go_to_the_template_in_its_format():
+def test_earlier_calls_go_to_the_template_as_tool_calls():
+    """An assistant turn's tool_calls reach the template as they are, arguments decoded into an object (as
+    vLLM passes them), so the template writes them in its own format (tests/engine/request/test_history.py);
+    a tool turn's tool_call_id too (Mistral's template shows it). Bad ones: a 400 naming the message."""
     body = _body(messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [
         {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"timezone": "UTC"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "12:00"}])
-    turns = convert.parse_request(body, "chat", "m", None, "hermes").ask.options["messages"]
-    assert turns[1] == {"role": "assistant",
-                        "content": '<tool_call>\n{"name": "get_time", "arguments": {"timezone": "UTC"}}\n</tool_call>'}
-    assert turns[2] == {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}  # Mistral's template shows it
-    llama = convert.parse_request(body, "chat", "m", None, "llama3_json").ask.options["messages"]
-    assert json.loads(llama[1]["content"]) == {"name": "get_time", "parameters": {"timezone": "UTC"}}
+    for fmt in ("hermes", "llama3_json"):
+        turns = convert.parse_request(body, "chat", "m", None, fmt).ask.options["messages"]
+        assert turns[1] == {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": {"timezone": "UTC"}}}]}
+        assert turns[2] == {"role": "tool", "content": "12:00", "tool_call_id": "call_1"}
+    body["messages"][1]["tool_calls"][0]["function"]["arguments"] = "{'timezone': 'UTC'}"
+    with pytest.raises(convert.BadParam, match=r"messages\[1\].tool_calls\[0\].function.arguments is not JSON") as bad:
+        convert.parse_request(body, "chat", "m", None, "hermes")
+    assert bad.value.param == "messages[1]"
 
 
 def test_auto_without_a_format_is_refused_naming_why():
