@@ -134,7 +134,7 @@ def test_tools_whose_parameters_use_defs_and_refs(worker) -> None:
 
 
 def test_call_schema_keeps_each_tools_parameters_a_document_of_their_own() -> None:
-    from trserve.services.openai.tools import call_schema
+    from trserve.services.openai.toolgrammar import call_schema
 
     params = {"$defs": {"A": {"type": "integer"}}, "type": "object",
               "properties": {"a": {"$ref": "#/$defs/A"}, "self": {"$ref": "#"}, "$ref": {"type": "string"}}}
