@@ -42,15 +42,23 @@ def _questions(path: str, n: int) -> list[str]:
     return (firsts * (n // len(firsts) + 1))[:n]
 
 
-def _sides(args, client, stack) -> dict:
-    """name -> callable(messages) -> generated token count, for each side measured."""
+def _grpc(client, args, steps: list[int]):
+    def run(messages) -> int:
+        stats = client.generate(messages=messages, tenant="bench", max_new_tokens=args.max_new_tokens).stats
+        steps.append(stats.steps)  # decoding forwards after the prefill: tokens / steps is the MAT
+        return stats.generated_tokens
+    return run
+
+
+def _sides(args, client, stack, steps: list[int]) -> dict:
+    """name -> callable(messages) -> generated token count, for each side measured (`steps`: the gRPC
+    side's steps per request, appended)."""
     from ..engine import Decoder, DecoderConfig, ModelConfig
 
     source = {"source": args.model} if args.model else {}
     decoder = Decoder(DecoderConfig(model=ModelConfig(**source, threads=args.threads)))
     matrix = decoder.new_matrix()
-    sides = {"grpc": lambda m: client.generate(messages=m, tenant="bench", max_new_tokens=args.max_new_tokens
-                                                ).stats.generated_tokens,
+    sides = {"grpc": _grpc(client, args, steps),
              "in-process": lambda m: len(decoder.generate(messages=m, max_new_tokens=args.max_new_tokens,
                                                           matrix=matrix).ids)}
     if args.peer:
@@ -83,7 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     proc, addr = _start_server(args.model, args.threads)
     try:
         with ExitStack() as stack, Client(addr, timeout=600) as client:
-            sides = _sides(args, client, stack)
+            steps: list[int] = []
+            sides = _sides(args, client, stack, steps)
             totals = {name: [0, 0.0] for name in sides}
             for prompt in _questions(args.prompts, args.n):
                 for name, run in sides.items():
@@ -94,13 +103,16 @@ def main(argv: list[str] | None = None) -> int:
         proc.terminate()
         proc.wait(30)
     report = {k: {"tokens": n, "seconds": round(s, 3), "tokens_per_s": round(n / s, 3)} for k, (n, s) in totals.items()}
+    report["grpc"]["steps"] = sum(steps)
+    report["grpc"]["mean_accepted_tokens"] = round(report["grpc"]["tokens"] / max(1, sum(steps)), 3)
     report["grpc_vs_in_process"] = round(report["grpc"]["tokens_per_s"] / report["in-process"]["tokens_per_s"], 4)
     if "llama-server" in report:
         report["grpc_vs_llama_server"] = round(report["grpc"]["tokens_per_s"] / report["llama-server"]["tokens_per_s"], 4)
     report["config"], report["environment"] = vars(args), host_facts()
     print(host_line({**report["environment"], "threads": args.threads or "default"}))
     for k in totals:
-        print(f"{k:<13} {report[k]['tokens_per_s']:7.2f} tok/s  ({report[k]['tokens']} tokens)")
+        mat = f", MAT {report[k]['mean_accepted_tokens']:.2f}" if "steps" in report[k] else ""
+        print(f"{k:<13} {report[k]['tokens_per_s']:7.2f} tok/s  ({report[k]['tokens']} tokens{mat})")
     print(f"gRPC / in-process = {report['grpc_vs_in_process']:.3f}" + (
         f"; gRPC / llama-server = {report['grpc_vs_llama_server']:.3f}" if "grpc_vs_llama_server" in report else ""))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
