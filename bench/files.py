@@ -3,7 +3,8 @@ the very same file and threads.
 
 The files: the bundled model re-quantized to Q4_0, Q4_K_M, Q5_K_M, Q6_K and Q8_0 (by llama.cpp's own
 `llama-quantize` where `make peers` built it, else bench/requant.py), a 1.7B model of
-SmolLM2-1.7B's shape and one of Qwen3-0.6B's (per-head q/k norms), random weights as Q4_K_M (bench/shaped.py), and `--model FILE` if
+SmolLM2-1.7B's shape, one of Qwen3-0.6B's (per-head q/k norms) and one of Gemma-3-1B's (a window of 512 on
+five local layers of six), random weights as Q4_K_M (bench/shaped.py), and `--model FILE` if
 given; made once into bench-results/files/. Each file is loaded in a process of its own (its load
 time and peak resident memory are its own), then: which path serves it (kernels, arithmetic, forward,
 kernel kinds), load seconds, peak and steady RSS, and forward ms at widths 1/2/4/8/16 over 512 cached
@@ -26,7 +27,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 BUNDLED = ("Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
-SHAPED = ("smollm2-1.7b:Q4_K_M", "qwen3-0.6b:Q4_K_M")  # Qwen3-0.6B's shape: issue 57's per-family row
+# Qwen3-0.6B's and Gemma-3-1B's shapes: issue 57's per-family rows
+SHAPED = ("smollm2-1.7b:Q4_K_M", "qwen3-0.6b:Q4_K_M", "gemma3-1b:Q4_K_M")
 _RECIPES = {"Q4_K_M": ("Q4_K", "Q6_K"), "Q5_K_M": ("Q5_K", "Q6_K")}  # requant's stand-in for the _M mixes
 
 

@@ -200,6 +200,15 @@ static void gated(int64_t act, float *g, const float *u, int64_t n, float *sc)
     for (int64_t i = 0; i < n; i++) g[i] = (g[i] / (1.0f + sc[i])) * u[i];
 }
 
+/* g[i] = act(g[i]) * u[i], i < n, as the forward's MLP computes it (tests: GELU's tanh form against torch's,
+ * the same bits on every build). sc: n floats of scratch. 0, or -1 for an act other than 0 (SiLU), 1 (GELU). */
+int trserve_gated(int64_t act, float *g, const float *u, int64_t n, float *sc)
+{
+    if (act != 0 && act != 1) return -1;
+    gated(act, g, u, n, sc);
+    return 0;
+}
+
 /* y[r] = w * (x[r] * (1 / sqrt(mean(x[r]^2) + eps))) for rows [r0, r1) */
 static void rms_rows(const float *x, const float *w, float *y, int64_t r0, int64_t r1, int64_t H, float eps)
 {

@@ -60,6 +60,7 @@ int trserve_forward_check(const tr_model *M);
  * is not 1..64 or above V. */
 int trserve_topk_rows(const float *x, int64_t m, int64_t V, int64_t K, int32_t *idx);
 int trserve_to_half(const float *x, int64_t n, uint16_t *h);
+int trserve_gated(int64_t act, float *g, const float *u, int64_t n, float *sc);
 int trserve_top_probs(const float *x, int64_t m, int64_t V, int64_t K, const int32_t *idx, uint8_t *q);
 
 /* One forward of B sequences' new tokens (packed, tok0 [B + 1] offsets) over their KV rows; logits of

@@ -208,6 +208,8 @@ def _load(cache_dir: Path, isa: str) -> None:
     lib.trserve_forward_check.argtypes = [P]
     lib.trserve_to_half.restype = ctypes.c_int  # tests: the float16 rounding of the int8 KV buffers
     lib.trserve_to_half.argtypes = [P, i64, P]
+    lib.trserve_gated.restype = ctypes.c_int  # tests: the MLP's activation (SiLU, GELU's tanh form) alone
+    lib.trserve_gated.argtypes = [i64, P, P, i64, P]
     lib.trserve_top_probs.restype = ctypes.c_int
     lib.trserve_top_probs.argtypes = [P, i64, i64, i64, P, P]
     _libs[isa] = lib

@@ -4,7 +4,8 @@ served on a loopback port and called through the Python client: TR == AR, a stre
 requests sent together (a batch of TR, AR and streams) == each alone, in the exact arithmetic and in
 int8; Mistral with a sliding window shorter than every prompt, and Gemma 2 and Gemma 3 with it on their
 local layer (layer_types: a sliding layer, then a global one), so that each reply is decoded past it.
-Random weights give arbitrary text: the token ids are compared."""
+Beside them a Gemma 3 GGUF file read as it is (bench/shaped.py's gemma3-tiny as Q4_K_M: five local layers,
+then a global one) in auto's int8. Random weights give arbitrary text: the token ids are compared."""
 
 from __future__ import annotations
 
@@ -32,7 +33,9 @@ WINDOW = 16  # the sliding window (Mistral's, Gemma's local layer's): shorter th
 FORMATS = {"llama": "q4_k", "llama3": "q8_0", "qwen2": "q6_k", "qwen3": "q8_0", "mistral": "q4_k", "phi3": "q8_0",
            "gemma2": "q6_k", "gemma3": "q4_k"}
 WINDOWS = {"mistral": [WINDOW, WINDOW], "gemma2": [WINDOW, 0], "gemma3": [WINDOW, 0]}  # per layer; others [0, 0]
-CASES = [(family, arithmetic) for family in FORMATS for arithmetic in ("exact", "int8")]
+FILES = {"gemma3-file": ("gemma3-tiny", "Q4_K_M")}  # a GGUF file (bench/shaped.py): its blocks served as they are
+WINDOWS["gemma3-file"] = [WINDOW] * 5 + [0]  # bench/shaped.py:GEMMA_KEYS: gemma3-tiny's window is WINDOW
+CASES = [(family, arithmetic) for family in FORMATS for arithmetic in ("exact", "int8")] + [("gemma3-file", "int8")]
 LIMITS = Limits(max_new_tokens_cap=64, default_max_new_tokens=TOKENS, max_prompt_tokens=1024)
 MESSAGES = [[{"role": "user", "content": q["turns"][0]}] for q in load_prompts("spec_bench")[2:18:4]]
 
@@ -65,11 +68,17 @@ def _request(i: int, mode: str):
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory):
-    """Each family's checkpoint, built once for the module (both arithmetics read the same one)."""
+    """Each family's checkpoint (FILES: its GGUF file), built once for the module (both arithmetics read
+    the same one)."""
+    from trserve.bench.shaped import make_shaped
+
     made: dict[str, object] = {}
 
     def get(family: str):
-        if family not in made:
+        if family in FILES and family not in made:
+            shape, mix = FILES[family]
+            made[family] = make_shaped(shape, mix, tmp_path_factory.mktemp(family) / f"{shape}-{mix}.gguf")
+        elif family not in made:
             made[family] = _tiny(tmp_path_factory.mktemp(family), family, WINDOW if family in WINDOWS else None)
         return made[family]
     return get
@@ -89,7 +98,7 @@ def quantize_cache(tmp_path_factory):
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{a}" for f, a in CASES])
 def served(request, checkpoints, quantize_cache):
     family, arithmetic = request.param
-    config = ModelConfig(source=str(checkpoints(family)), quantize=FORMATS[family], arithmetic=arithmetic,
+    config = ModelConfig(source=str(checkpoints(family)), quantize=FORMATS.get(family, "auto"), arithmetic=arithmetic,
                          cache_dir=str(quantize_cache))
     decoder = Decoder(DecoderConfig(model=config))
     assert (decoder.loaded.forward, decoder.loaded.arithmetic) == ("native", arithmetic)
@@ -102,7 +111,8 @@ def served(request, checkpoints, quantize_cache):
 
 def test_the_worker_serves_the_family_on_the_native_forward(served):
     info = served.client.model_info()
-    assert (info.arithmetic, info.quantize, info.kernels) == (served.arithmetic, FORMATS[served.family], "compressed")
+    assert (info.arithmetic, info.quantize, info.kernels) == (served.arithmetic, FORMATS.get(served.family, "none"),
+                                                              "compressed")
     windows = served.worker.worker.engine.runner.native.windows
     assert windows == WINDOWS.get(served.family, [0, 0])
     if served.family == "phi3":  # split into the Llama it computes, still phi3's to the matrices
