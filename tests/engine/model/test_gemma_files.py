@@ -223,6 +223,7 @@ def test_every_isa_build_gives_a_gemma_files_logits_the_same_bits(files, build_c
     from trserve.engine.model.loader import model_fingerprint
     from trserve.engine.model.runner import ModelRunner
     from tests.engine.model.test_native import HIDE, _row
+    from tests.engine.model.test_native_gemma import prefill_in_two
 
     arithmetic = "int8"
     config = ModelConfig(source=str(files("gemma3", "Q4_K_M")), arithmetic=arithmetic, cache_dir=str(build_cache))
@@ -237,11 +238,7 @@ def test_every_isa_build_gives_a_gemma_files_logits_the_same_bits(files, build_c
         assert {m.isa for m in model.modules() if isinstance(m, QLinear)} == {isa}
         with torch.inference_mode():
             r = ModelRunner(model, 1, torch.float32, native=True)
-            assert r.forward_kind == "native"
-            row = r.kv.open_row()
-            pre = torch.cat([r.prefill(row, torch.tensor(prompt[:25]), torch.arange(25)),
-                             r.prefill(row, torch.tensor(prompt[25:]), torch.arange(15))])  # [40, V]
-            r.kv.activate(row)
+            pre = prefill_in_two(r, prompt)
             outs[isa] = torch.cat([pre, r.step([_row([3, 9, 4, 7], [0, 1, 1, 2], tree)])[0]])
     assert len(outs) >= 2  # scalar beside at least one vector build (else nothing compared)
     for isa, y in outs.items():

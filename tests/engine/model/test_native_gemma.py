@@ -77,6 +77,17 @@ def _reference(model, ids: list[int], window: int = WINDOW) -> torch.Tensor:
         cfg.sliding_window = saved
 
 
+def prefill_in_two(r: ModelRunner, prompt: list[int]) -> torch.Tensor:
+    """A 40-token prompt into a new active row of native runner `r` in two chunks (25, 15), past the
+    window -> its logits at every position [40, V]."""
+    assert r.forward_kind == "native" and len(prompt) == 40
+    row = r.kv.open_row()
+    got = torch.cat([r.prefill(row, torch.tensor(prompt[:25]), torch.arange(25)),
+                     r.prefill(row, torch.tensor(prompt[25:]), torch.arange(15))])  # [40, V]
+    r.kv.activate(row)
+    return got
+
+
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     """Float rounding at these logits' scale (up to ~300: 4 layers, a x16 head): 1e-3 is ~3e-6 of it."""
     torch.testing.assert_close(got, want, atol=1e-3, rtol=1e-4)
@@ -101,11 +112,7 @@ def test_gemma_takes_the_native_forward_and_matches_transformers_past_the_window
     prompt, other = (torch.randint(0, 256, (n,), generator=g).tolist() for n in (40, 21))
     with torch.inference_mode():
         r = ModelRunner(model, 2, torch.float32, native=True)
-        assert r.forward_kind == "native"
-        row = r.kv.open_row()
-        got = torch.cat([r.prefill(row, torch.tensor(prompt[:25]), torch.arange(25)),
-                         r.prefill(row, torch.tensor(prompt[25:]), torch.arange(15))])  # [40, V]
-        r.kv.activate(row)
+        got = prefill_in_two(r, prompt)
         row = r.kv.open_row()
         r.prefill(row, torch.tensor(other), torch.tensor([20]))
         r.kv.activate(row)
