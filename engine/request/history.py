@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ...core.errors import InvalidArgument
 
@@ -100,9 +100,14 @@ def reads_tool_calls(template: object) -> bool:
     return isinstance(template, str) and "tool_calls" in template
 
 
-def fold_calls(turns: list[dict]) -> list[dict]:
+def _json_lines(calls: list[tuple[str, dict]]) -> str:
+    return "\n".join(json.dumps({"name": name, "arguments": args}) for name, args in calls)
+
+
+def fold_calls(turns: list[dict], render: Callable[[list[tuple[str, dict]]], str] = _json_lines) -> list[dict]:
     """For a template that reads no tool_calls: each assistant turn's calls as its content (after any
-    text), one JSON {"name", "arguments"} per line, the other keys left as they are.
+    text), written by `render` from their (name, arguments) (default: one JSON {"name", "arguments"} per
+    line), the other keys left as they are.
 
     >>> fold_calls([{"role": "assistant", "content": "", "tool_calls": [{"id": "c", "type": "function",
     ...     "function": {"name": "f", "arguments": {}}}]}])
@@ -112,8 +117,7 @@ def fold_calls(turns: list[dict]) -> list[dict]:
     for turn in turns:
         calls = turn.get("tool_calls")
         if calls:
-            text = "\n".join(json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]})
-                             for c in calls)
+            text = render([(c["function"]["name"], c["function"]["arguments"]) for c in calls])
             turn = {k: v for k, v in turn.items() if k != "tool_calls"}
             turn["content"] = f"{turn['content']}\n{text}" if turn["content"] else text
         out.append(turn)

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 
 from ...core.errors import InvalidArgument
+from ...engine.request.history import fold_calls
 from ...engine.tr.grammar import StructuredOutput
 from .toolgrammar import auto_grammar, call_schema
 from .toolparse import Parsed, new_call_id, parse_reply, render_calls
@@ -87,23 +88,13 @@ def apply_tool_choice(opts: dict, functions: dict[str, dict], choice: str, fmt: 
         # once the model opens a call, its JSON follows the tools' schemas (toolgrammar.py)
         opts["structured"] = StructuredOutput("grammar", auto_grammar(fmt, functions, parallel, markers))
         if fold:
-            opts["messages"] = [_folded(m, fmt) for m in opts["messages"]]
+            opts["messages"] = fold_calls(opts["messages"], lambda calls: render_calls(fmt, calls))
         return ToolReading(auto=AutoTools(fmt, tuple(functions), parallel, held=True))
     if function is not None:
         functions = {function: functions[function]}
     opts["structured"] = StructuredOutput("json_schema", json.dumps(call_schema(functions)))
     describe(opts, functions)
     return ToolReading(required=tuple(functions), fmt=fmt)
-
-
-def _folded(turn: dict, fmt: str) -> dict:
-    """A checked turn (engine/request/history.py) with its calls as text in format `fmt` after its content."""
-    calls = turn.get("tool_calls")
-    if not calls:
-        return turn
-    text = render_calls(fmt, [(c["function"]["name"], c["function"]["arguments"]) for c in calls])
-    content = f"{turn['content']}\n{text}" if turn["content"] else text
-    return {**{k: v for k, v in turn.items() if k != "tool_calls"}, "content": content}
 
 
 def describe(opts: dict, functions: dict[str, dict]) -> None:
