@@ -72,7 +72,7 @@ bench-agent: proto
 # The peers' engines too: llama-cpp-python builds llama.cpp from source (~9 minutes once on 2 cores),
 # and llama.cpp's own server is built with cmake from the llama.cpp inside that package's sdist
 # (`make llama-server`, once, into ~/.cache/trserve/llama-server/, with llama-bench and llama-quantize
-# from the same sources: `make peers` is the same target); then the same prompts through
+# from the same sources, and its convert_hf_to_gguf.py: `make peers` is the same target); then the same prompts through
 # llama.cpp (plain, and the server with its n-gram speculation) beside trserve and transformers.
 LLAMA_CPP_SPEC ?= llama-cpp-python==0.3.36
 .PHONY: llama-server peers bench-files
@@ -83,6 +83,7 @@ bench-files: proto llama-server
 peers: llama-server
 llama-server: proto
 	$(PY) -m trserve.bench.llama_server build
+	$(PY) -m trserve.bench.converter fetch
 bench-peers: proto llama-server
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install --no-deps "$(LLAMA_CPP_SPEC)" diskcache==5.6.3
 	$(VENV)/bin/trserve bench --decoders hf,pld,ar,tr,llamacpp,llama-server,llama-server-ngram \

@@ -26,6 +26,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from .converted import CONVERTED
+
 BUNDLED = ("Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0")
 # Qwen3-0.6B's and Gemma-3-1B's shapes: issue 57's per-family rows
 SHAPED = ("smollm2-1.7b:Q4_K_M", "qwen3-0.6b:Q4_K_M", "gemma3-1b:Q4_K_M")
@@ -37,6 +39,7 @@ class FilesConfig:
     files: tuple[str, ...] = ()  # more files (--model)
     bundled: tuple[str, ...] = BUNDLED
     shaped: tuple[str, ...] = SHAPED
+    converted: tuple[str, ...] = CONVERTED  # bench/converted.py: a checkpoint and the converter's Q8_0 file
     widths: tuple[int, ...] = (1, 2, 4, 8, 16)
     threads: int | None = None
     arithmetic: str = "auto"
@@ -46,8 +49,9 @@ class FilesConfig:
     json_path: str = "bench-results/files.json"
 
 
-def make_files(config: FilesConfig) -> list[tuple[str, Path]]:
-    """(label, path) of every file measured, made where missing."""
+def make_files(config: FilesConfig) -> list[tuple[str, Path, Path]]:
+    """(label, path, the GGUF file llama-bench runs beside it) of every model measured, made where missing."""
+    from .converted import make_converted
     from .llama_server import find_tool
     from .runner import _bundled_gguf
     from .shaped import make_shaped
@@ -66,7 +70,11 @@ def make_files(config: FilesConfig) -> list[tuple[str, Path]]:
         if not path.exists():
             make_shaped(shape, mix, path)
         out.append((f"{shape} (random) {mix}", path))
-    return out + [(Path(f).name, Path(f)) for f in config.files]
+    out = [(label, path, path) for label, path in out]
+    for shape in config.converted:
+        ckpt, gguf = make_converted(shape, work)
+        out += [(f"{shape} (random) bf16 ckpt", ckpt, gguf), (f"{shape} (random) conv. Q8_0", gguf, gguf)]
+    return out + [(Path(f).name, Path(f), Path(f)) for f in config.files]
 
 
 def _requantize(quantize: Path | None, src: Path, dst: Path, qtype: str) -> None:
@@ -183,10 +191,11 @@ def run_files(config: FilesConfig) -> dict:
     report = {"config": asdict(config), "environment": {**host_facts(), "threads": threads,
                                                         "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())},
               "files": []}
-    for label, path in make_files(config):
-        row = {"file": label, "path": str(path), "mb": round(path.stat().st_size / 1e6, 1)}
+    for label, path, gguf in make_files(config):
+        size = sum(f.stat().st_size for f in path.iterdir()) if path.is_dir() else path.stat().st_size
+        row = {"file": label, "path": str(path), "mb": round(size / 1e6, 1), "llama_bench_file": gguf.name}
         row.update(_child(["measure", str(path), config.arithmetic, str(threads), ",".join(map(str, config.widths))]))
-        row["llama_bench"] = llama_bench(path, threads, config.widths)
+        row["llama_bench"] = llama_bench(gguf, threads, config.widths)
         real = label.startswith("bundled")  # a real model's file (else random weights: a few prompts, no fidelity)
         n = config.prompts if real else min(4, config.prompts)
         row["lossless"] = _child(["lossless", str(path), str(threads), str(n), str(config.new_tokens), str(int(real))])

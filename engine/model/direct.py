@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ...core.errors import FailedPrecondition
+from .rope_factors import apply_rope_factors
 
 log = logging.getLogger("trserve.engine")
 
@@ -179,6 +180,7 @@ def materialize(model, weights) -> int:
                     setattr(parent, child_name, type(child)(config=model.config))  # e.g. the rotary embedding
                 except TypeError:  # built from other arguments: left on the meta device, refused below
                     pass
+    apply_rope_factors(model)  # a Llama 3.x file's (engine/model/rope_factors.py), on the rebuilt tables
     left = [n for n, b in model.named_buffers() if b.is_meta]
     if left:
         raise FailedPrecondition(f"the model's buffers {left[:3]} cannot be built outside transformers' loader")

@@ -28,6 +28,7 @@ from torch import nn
 from ...core.errors import FailedPrecondition
 from .direct import trim
 from .gguf_gemma import GEMMA_ARCHS, gemma_config
+from .rope_factors import file_rope_factors
 
 log = logging.getLogger("trserve.engine")
 
@@ -177,7 +178,8 @@ def file_config(path: Path):
     `qwen3.attention.key_length` (llama.cpp's convert_hf_to_gguf.py writes config.head_dim there), which
     transformers reads for qwen3_moe but not for qwen3, whose config then keeps Qwen3Config's default of
     128 whatever the file's heads are; and a Gemma 2/3 file's hyperparameters as llama.cpp reads them
-    (engine/model/gguf_gemma.py: attention scale, windows, soft-capping, rope bases)."""
+    (engine/model/gguf_gemma.py: attention scale, windows, soft-capping, rope bases); and a Llama 3.x
+    file's rotary factors (engine/model/rope_factors.py), which transformers' reader drops."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -185,6 +187,9 @@ def file_config(path: Path):
     arch = str(meta.get("general.architecture", ""))
     if config.model_type == "qwen3" and "qwen3.attention.key_length" in meta:
         config.head_dim = int(meta["qwen3.attention.key_length"])
+    factors = file_rope_factors(path, meta) if arch == "llama" else None  # Llama 3.x's rope scaling
+    if factors:
+        config.rope_freq_factors = factors  # engine/model/rope_factors.py
     if arch in GEMMA_ARCHS:
         return gemma_config(config, meta, arch)
     return config

@@ -125,9 +125,9 @@ def builtin_model_dir(cache_dir: str | Path | None = None) -> Path:
 
 def gguf_model_dir(path: Path, cache_dir: str | Path | None = None) -> Path:
     """A local GGUF file converted once (to safetensors and a tokenizer, as transformers reads it) into
-    the cache, keyed by the file's path, size and modification time."""
+    the cache, keyed by the file's path, size and modification time (and v2: configs with the rotary factors)."""
     stat = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    key = hashlib.sha256(f"v2:{path.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     target = (Path(cache_dir) if cache_dir else default_cache_dir()) / "models" / f"gguf-{path.stem}-{key}"
     if (target / "config.json").exists():
         return target
@@ -256,6 +256,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
     from .attention import with_attention
     from .checkpoint import checkpoint_quantized, load_checkpoint
     from .gguf_file import direct_isa, load_direct
+    from .rope_factors import apply_rope_factors
 
     isa = direct_isa(config, device, dtype)
     quantized = None if isa else checkpoint_quantized(config, device, dtype)  # (isa, format) or None
@@ -278,6 +279,7 @@ def load_model(config: ModelConfig) -> LoadedModel:
         raise FailedPrecondition(f"cannot load model {config.source!r}: {type(e).__name__}: {_first_line(e)}") from None
     if config.chat_template is not None:
         tokenizer.chat_template = config.chat_template
+    apply_rope_factors(model)  # a converted Llama 3.x file's (engine/model/rope_factors.py); once
     if not isa:
         model.to(device).eval()
         kernels, isa = _apply_kernels(model, config, device, dtype, tokenizer)
@@ -288,12 +290,9 @@ def load_model(config: ModelConfig) -> LoadedModel:
 
     arithmetic = next((m.arithmetic for m in model.modules() if isinstance(m, QLinear)),  # as swapped (_compress)
                       resolve_arithmetic(config.arithmetic, isa))
-    if isa:  # the compressed kernels run on their own threads: as many as configured, whichever thread calls
-
-        threads = config.threads or torch.get_num_threads()
-        for module in model.modules():
-            if isinstance(module, QLinear):
-                module.threads = threads
+    for module in model.modules() if isa else ():  # the compressed kernels' threads: as configured, whoever calls
+        if isinstance(module, QLinear):
+            module.threads = config.threads or torch.get_num_threads()
     forward = _forward_kind(model, config)
     name = BUILTIN_MODEL if config.source == BUILTIN_MODEL else Path(config.source).name or config.source
     name = name.removesuffix(".gguf")

@@ -13,10 +13,18 @@ pytestmark = pytest.mark.skipif(not qlinear_supported(), reason="the compressed 
 def test_files_table_measures_each_file_in_its_own_process(tmp_path):
     from trserve.bench.files import FilesConfig, run_files
 
-    config = FilesConfig(bundled=(), shaped=("tiny:Q4_K_M",), widths=(1, 2), threads=2, arithmetic="exact",
-                         prompts=2, new_tokens=16, work_dir=str(tmp_path / "files"), json_path=str(tmp_path / "files.json"))
+    config = FilesConfig(bundled=(), shaped=("tiny:Q4_K_M",), converted=("tiny",), widths=(1, 2), threads=2,
+                         arithmetic="exact", prompts=2, new_tokens=16, work_dir=str(tmp_path / "files"),
+                         json_path=str(tmp_path / "files.json"))
     report = run_files(config)
-    shipped, tiny = report["files"]
+    shipped, tiny, ckpt, converted = report["files"]
+    # a random checkpoint quantized at load, and the same weights through llama.cpp's converter as Q8_0
+    assert ckpt["file"] == "tiny (random) bf16 ckpt" and converted["file"] == "tiny (random) conv. Q8_0"
+    assert ckpt["llama_bench_file"] == converted["llama_bench_file"] == "tiny-random-converted-Q8_0.gguf"
+    for row in (ckpt, converted):
+        assert (row["kernels"], row["forward"], row["arithmetic"]) == ("compressed", "native", "exact"), row
+        assert row["lossless"]["exact"]["tr_eq_ar"] == 2, row["lossless"]
+    assert converted["kinds"] == [8]  # Q8_0 blocks as they are
     assert shipped["file"].startswith("bundled Q4_1") and "error" not in shipped, shipped
     assert tiny["kernels"] == "compressed" and tiny["forward"] == "native" and tiny["arithmetic"] == "exact"
     assert 6 in tiny["kinds"] and 20 in tiny["kinds"]  # Q4_K and Q6_K blocks as they are (two-level scales)

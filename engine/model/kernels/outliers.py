@@ -123,12 +123,21 @@ def _run_prompts(model: nn.Module, tokenizer, handles: list) -> None:
     try:
         with torch.inference_mode():
             for text in _prompts():
-                ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                                    tokenize=True, return_dict=False)[:MAX_TOKENS]
-                model(torch.tensor([ids], device=model.device))
+                model(torch.tensor([calibration_ids(tokenizer, text)], device=model.device))
     finally:
         for h in handles:
             h.remove()
+
+
+def calibration_ids(tokenizer, text: str) -> list[int]:
+    """A calibration prompt's ids: a chat first turn where the tokenizer has a chat template, else (a base
+    model's file: llama.cpp's converter writes none where the checkpoint has none) the text as it is."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
+    else:
+        ids = tokenizer(text)["input_ids"]
+    return list(ids)[:MAX_TOKENS]
 
 
 # ---- the int8 keys' kept pair (csrc/ikeys.h) ----------------------------------------------------------
