@@ -19,8 +19,8 @@ from tests.conftest import REPO
 
 BUILD_ONLY = {"grpcio-tools"}  # generates the code at build time; not needed at run time
 # the tests' client of the OpenAI-compatible API (tests/services/openai); the manifests' schema checker
-# (tests/services/cluster/test_deploy_files.py)
-TEST_ONLY = {"openai", "kubernetes-validate"}
+# (tests/services/cluster/test_deploy_files.py); llama.cpp's converter's tokenizer step (bench/converter.py)
+TEST_ONLY = {"openai", "kubernetes-validate", "sentencepiece"}
 
 
 def _pyproject() -> dict:
