@@ -6,9 +6,10 @@ weights is made or written to the cache, so a worker holds about the kernels' by
 (docs/kernels.md) instead of 4, and loads in seconds.
 
 It serves the Llama family's files (llama.cpp's `llama`, `qwen2` and `qwen3` architectures: Llama,
-Mistral, Qwen2, Qwen3 with its per-head q/k norms) and Gemma's (`gemma2`, `gemma3`: the text model, its
+Mistral, Qwen2, Qwen3 with its per-head q/k norms), Gemma's (`gemma2`, `gemma3`: the text model, its
 hyperparameters read as llama.cpp reads them, engine/model/gguf_gemma.py; its norms stored as 1 + w,
-taken back to w as transformers does; its tied embedding scaled by sqrt(hidden)) on CPU where the
+taken back to w as transformers does; its tied embedding scaled by sqrt(hidden)) and Phi-3's (`phi3`,
+split into the Llama it computes as it is read, engine/model/gguf_phi3.py) on CPU where the
 compressed kernels run; anything else takes the conversion path
 (engine/model/loader.py:gguf_model_dir). The weights are the ones transformers would load from the
 file (its own name map and row order: `get_gguf_hf_weights_map`, `TENSOR_PROCESSORS`), and each
@@ -28,11 +29,12 @@ from torch import nn
 from ...core.errors import FailedPrecondition
 from .direct import trim
 from .gguf_gemma import GEMMA_ARCHS, gemma_config
+from .gguf_phi3 import phi3_config, phi3_file_kept
 from .rope_factors import file_rope_factors
 
 log = logging.getLogger("trserve.engine")
 
-ARCHS = ("llama", "qwen2", "qwen3", *GEMMA_ARCHS)  # general.architecture values this path serves
+ARCHS = ("llama", "qwen2", "qwen3", *GEMMA_ARCHS, "phi3")  # general.architecture values this path serves
 
 
 FLOATS = ("F32", "F16", "BF16")
@@ -41,7 +43,9 @@ FLOATS = ("F32", "F16", "BF16")
 class GGUFWeights:
     """The file's tensors by transformers' parameter names, as float32 tensors or kernel blocks."""
 
-    def __init__(self, path: Path, model, arch: str) -> None:
+    def __init__(self, path: Path, model, arch: str, rows: dict | None = None, names_model=None) -> None:
+        """`rows`: a parameter of `model` that is rows [a, b) of another, fused, tensor (name -> (its
+        name, a, b): Phi-3 split into a Llama, gguf_phi3.py), whose names `names_model` has."""
         from gguf import GGUFReader
         from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
                                                               get_gguf_hf_weights_map)
@@ -49,7 +53,8 @@ class GGUFWeights:
         self.reader = GGUFReader(str(path))  # memory-mapped: a tensor's bytes are read when used
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=model.config.to_dict())
-        self.names = {hf: name for name, hf in get_gguf_hf_weights_map(model, self.processor).items()}
+        self.names = {hf: name for name, hf in get_gguf_hf_weights_map(names_model or model, self.processor).items()}
+        self.rows = rows or {}
         head = next((f"{n}.weight" for n, m in model.named_modules() if m is model.get_output_embeddings()), None)
         if head and self.names.get(head) not in self.tensors and "token_embd.weight" in self.tensors:
             # tied: the head reads the embedding's blocks (gguf-py maps no output tensor for Gemma at all)
@@ -71,7 +76,7 @@ class GGUFWeights:
         return sum(self.tensor(f"{n}.weight")[1].tensor_type.name in FLOATS for n in names)
 
     def tensor(self, hf_name: str):
-        name = self.names.get(hf_name)
+        name = self.names.get(self.rows.get(hf_name, (hf_name,))[0])
         if name is None or name not in self.tensors:
             raise FailedPrecondition(f"the GGUF file has no tensor for {hf_name} (looked for {name})")
         return name, self.tensors[name]
@@ -81,7 +86,8 @@ class GGUFWeights:
         from gguf import quants
 
         name, t = self.tensor(hf_name)
-        w = quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        _, lo, hi = self.rows.get(hf_name, (None, None, None))
+        w = quants.dequantize(t.data[lo:hi], t.tensor_type).astype(np.float32, copy=False)
         w = np.ascontiguousarray(self.processor.process(weights=w, name=name).weights)
         return torch.from_numpy(w if w.flags.writeable else w.copy())  # F32 tensors are the file's read-only map
 
@@ -110,7 +116,8 @@ class GGUFWeights:
         if kind not in BLOCK_BYTES:
             raise FailedPrecondition(f"tensor {name} is {kind}: this server reads Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, "
                                      f"Q4_K, Q5_K, Q6_K and F16/BF16/F32 tensors; re-quantize the file to one of those")
-        b = _decode_rows(kind, np.asarray(t.data), out_f, in_f)
+        _, lo, hi = self.rows.get(hf_name, (None, None, None))
+        b = _decode_rows(kind, np.asarray(t.data)[lo:hi], out_f, in_f)
         order = self.processor.process(weights=np.arange(out_f).reshape(out_f, 1), name=name).weights[:, 0]
         if np.array_equal(order, np.arange(out_f)):
             return b
@@ -169,6 +176,13 @@ def metadata(path: Path) -> dict:
     return read_gguf_metadata(str(path))[0]
 
 
+def read_gguf(path: Path) -> tuple[dict, tuple[str, ...]]:
+    """(metadata, tensor names) of GGUF file `path` (string arrays as their lengths, as `metadata`)."""
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    return read_gguf_metadata(str(path))
+
+
 def architecture(path: Path) -> str:
     return str(metadata(path).get("general.architecture", ""))
 
@@ -192,7 +206,7 @@ def file_config(path: Path):
         config.rope_freq_factors = factors  # engine/model/rope_factors.py
     if arch in GEMMA_ARCHS:
         return gemma_config(config, meta, arch)
-    return config
+    return phi3_config(config, meta) if arch == "phi3" else config
 
 
 def load_file(path: Path, cache_dir: Path, isa: str, arithmetic: str, fingerprint_of):
@@ -202,17 +216,23 @@ def load_file(path: Path, cache_dir: Path, isa: str, arithmetic: str, fingerprin
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .attention import with_attention
+    from .phi3 import as_llama
     from .direct import fill
 
     arch = architecture(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
-    config = file_config(path)
+    source = file_config(path)
+    config, rows = as_llama(source) if arch == "phi3" else (source, {})  # Phi-3: the Llama it computes
+    def build(c):
+        return with_attention(lambda a: AutoModelForCausalLM.from_config(c, dtype=torch.float32, attn_implementation=a))
+
     with torch.device("meta"):
-        model = with_attention(lambda a: AutoModelForCausalLM.from_config(config, dtype=torch.float32,
-                                                                          attn_implementation=a))
-    weights = GGUFWeights(path, model, arch)
+        model = build(config)
+        names = build(source) if rows else None  # the fused tensors' names are the Phi-3 model's
+    weights = GGUFWeights(path, model, arch, rows, names)
     floats, arithmetic = fill(model, tokenizer, weights, cache_dir, isa, arithmetic, fingerprint_of,
-                            f"GGUF {path.name} read as it is ({arch})")
+                            f"GGUF {path.name} read as it is ({arch}{' as a Llama' if rows else ''})")
+    model.source_config = source  # the fingerprint's (loader.model_fingerprint): as `model-spec` reads it
     return model, tokenizer, floats, arithmetic
 
 
@@ -226,7 +246,11 @@ def direct_isa(config, device: torch.device, dtype: torch.dtype) -> str | None:
             config.kernels not in ("auto", "compressed") or not Path(config.source).is_file():
         return None
     try:
-        if architecture(Path(config.source)) not in ARCHS:
+        arch = architecture(Path(config.source))
+        kept = phi3_file_kept(*read_gguf(Path(config.source))) if arch == "phi3" else None
+        if arch not in ARCHS or kept:
+            if kept:
+                log.info("%s: a phi3 file with %s takes the conversion path", Path(config.source).name, kept)
             return None
         isa = kernel_isa()
     except (OSError, RuntimeError, ValueError, struct.error):  # not a GGUF file transformers' reader reads

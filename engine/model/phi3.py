@@ -1,5 +1,5 @@
-"""Which Phi-3 checkpoints the loader splits into the Llama they compute (engine/model/checkpoint.py:
-as_llama), and why the others stay Phi-3 (the reason native.native_unsupported reports); and partial
+"""Which Phi-3 checkpoints (and files, engine/model/gguf_phi3.py) the loader splits into the Llama they
+compute (`as_llama`), and why the others stay Phi-3 (the reason native.native_unsupported reports); and partial
 rotary (Phi-4-mini's partial_rotary_factor 0.75: the first 3/4 of each head rotated) on the split Llama:
 its rotary dims (`rotary_dims`, what csrc/forward.c's tr_model.rotary_dim holds) and Phi-3's rotary
 application on transformers' Llama modules (`partial_attention`), which rotate whole heads."""
@@ -7,7 +7,10 @@ application on transformers' Llama modules (`partial_attention`), which rotate w
 from __future__ import annotations
 
 import functools
+import logging
 import types
+
+log = logging.getLogger("trserve.engine")
 
 
 def partial_factor(config) -> float:
@@ -71,3 +74,43 @@ def _partial_class(cls: type) -> type:
     forward = types.FunctionType(f.__code__, scope, f.__name__, f.__defaults__, f.__closure__)
     forward.__kwdefaults__ = f.__kwdefaults__
     return type(f"PartialRotary{cls.__name__}", (cls,), {"forward": forward, "__module__": __name__})
+
+
+def as_llama(model_config, native: bool = True):
+    """(the config of the Llama, or Mistral where windowed, that a Phi-3 checkpoint computes; its split
+    rows: name -> (fused tensor, a, b)), or (model_config, {}) for any other model. Phi-3 is Llama's
+    function with q/k/v and gate/up fused into one weight each (transformers' modeling_phi3.py); split
+    at load, it takes the native forward. Longrope (Phi-3.5-mini) keeps its rope parameters (transformers'
+    Llama computes them as Phi-3 does); so does partial rotary (Phi-4-mini, with longrope), its
+    partial_rotary_factor kept (the rotary tables R = head_dim * factor wide), where the native forward
+    may run it (`native`; phi3.partial_attention gives the Llama's modules Phi-3's partial rotary)."""
+    from transformers import LlamaConfig, MistralConfig
+
+    rope = getattr(model_config, "rope_parameters", None) or {}
+    if model_config.model_type != "phi3":
+        return model_config, {}
+    why = phi3_kept(model_config, native)
+    if why:
+        log.info("Phi-3 checkpoint kept with its fused layers, on transformers' modules: %s", why)
+        return model_config, {}
+    c = model_config
+    shape = {k: getattr(c, k) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                         "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                                         "rms_norm_eps", "tie_word_embeddings", "hidden_act", "bos_token_id",
+                                         "eos_token_id", "pad_token_id")}
+    shape["rope_parameters"] = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}
+    if rope.get("rope_type") == "longrope":
+        shape["rope_parameters"] = {k: v for k, v in rope.items() if k not in ("type", "partial_rotary_factor")}
+        if partial_factor(c) != 1.0:  # Phi-4-mini: its rotary tables R wide (phi3.rotary_dims)
+            shape["rope_parameters"]["partial_rotary_factor"] = partial_factor(c)
+    window = getattr(c, "sliding_window", None)
+    config = MistralConfig(sliding_window=window, **shape) if window else LlamaConfig(**shape)
+    hd = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    q, kv, inter, rows = c.num_attention_heads * hd, c.num_key_value_heads * hd, c.intermediate_size, {}
+    for i in range(c.num_hidden_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        for name, lo, hi in (("q", 0, q), ("k", q, q + kv), ("v", q + kv, q + 2 * kv)):
+            rows[f"{a}{name}_proj.weight"] = (f"{a}qkv_proj.weight", lo, hi)
+        rows[f"{m}gate_proj.weight"] = (f"{m}gate_up_proj.weight", 0, inter)  # chunk(2): gate first
+        rows[f"{m}up_proj.weight"] = (f"{m}gate_up_proj.weight", inter, 2 * inter)
+    return config, rows

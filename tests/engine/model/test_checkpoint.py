@@ -173,7 +173,7 @@ def test_quantize_none_keeps_float_weights_and_bad_names_are_refused(bundled_bf1
 
 @pytest.mark.parametrize("window", [None, 16])  # Phi-3-mini's configs carry one (2047): Mistral's function
 def test_a_phi3_checkpoint_is_split_into_the_llama_it_computes(tmp_path, window) -> None:
-    """Phi-3's fused q/k/v and gate/up weights are split at load (checkpoint.as_llama): the model takes the
+    """Phi-3's fused q/k/v and gate/up weights are split at load (phi3.as_llama): the model takes the
     native forward, and its exact arithmetic equals transformers' own Phi-3 on the same rebuilt weights."""
     folder = _tiny(tmp_path / "ckpt", "phi3", window)
     d = Decoder(DecoderConfig(model=ModelConfig(source=str(folder), quantize="q8_0", arithmetic="exact",

@@ -9,9 +9,10 @@ Llama 3.x's rope scaling is the case our writer (bench/shaped.py) never made: th
 `rope_freqs.weight`, per-frequency factors that transformers' GGUF reader drops (its model then turns
 keys with unscaled frequencies); engine/model/rope_factors.py applies them. Llama 3 stands for the
 Llama family (a Llama 2 checkpoint converts the same, without the factors; Mistral is written as
-`llama`, without its sliding window, which llama.cpp does not apply either). Qwen2 (q/k/v biases) and
-Gemma 2 get a SentencePiece tokenizer trained here (SENTENCEPIECE). Not here: Phi-3 (a `phi3` file
-takes the conversion path: transformers' modules over the compressed kernels, not the native forward)."""
+`llama`, without its sliding window, which llama.cpp does not apply either). Qwen2 (q/k/v biases),
+Gemma 2 and Phi-3 get a SentencePiece tokenizer trained here (SENTENCEPIECE). A Phi-3 file's fused q/k/v
+and gate/up are split as they are read (engine/model/gguf_phi3.py), its sliding window applied as
+llama.cpp applies it; the reference is transformers' Phi-3 on the same file and window."""
 
 from __future__ import annotations
 
@@ -30,10 +31,12 @@ from tests.engine.test_lossless import _generate
 pytestmark = pytest.mark.skipif(not qlinear_supported(), reason="the compressed kernels need x86-64 Linux")
 
 FAMILIES = {"llama3": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
-# Gemma 2's converter reads only a SentencePiece tokenizer.model; Qwen2's takes one first (it hashes the
-# bundled tokenizer, as a qwen2 model loads it, to no pre-tokenizer it knows)
-SENTENCEPIECE = ("qwen2", "gemma2")
+            "gemma2": "Gemma2ForCausalLM", "gemma3": "Gemma3ForCausalLM",
+            "phi3": "MistralForCausalLM"}  # Phi-3 split into the Llama it computes, windowed: a Mistral
+WINDOWED = ("gemma2", "gemma3", "phi3")  # a window of 16, shorter than the prompts
+# Gemma 2's and Phi-3's converters read only a SentencePiece tokenizer.model; Qwen2's takes one first (it
+# hashes the bundled tokenizer, as a qwen2 model loads it, to no pre-tokenizer it knows)
+SENTENCEPIECE = ("qwen2", "gemma2", "phi3")
 TOKENS = 24
 
 
@@ -56,7 +59,7 @@ def converted(converter, tmp_path_factory):
     def get(family: str):
         if family not in made:
             folder = tmp_path_factory.mktemp(family)
-            checkpoint = _tiny(folder, family, 16 if family.startswith("gemma") else None)
+            checkpoint = _tiny(folder, family, 16 if family in WINDOWED else None)
             if family in SENTENCEPIECE:
                 _sentencepiece_tokenizer(checkpoint)
             made[family] = (checkpoint, convert(checkpoint, folder / f"{family}-Q8_0.gguf", "q8_0"))
@@ -146,3 +149,12 @@ def test_a_llama3_files_rotary_factors_are_applied_as_the_checkpoints_scaling(co
         torch.testing.assert_close(got, want, rtol=2e-7, atol=0)
         assert not torch.allclose(got * factors, want)  # the unscaled frequencies: what was served before
 
+
+
+def test_a_phi3_file_with_longrope_or_partial_rotary_keeps_the_conversion_path() -> None:
+    from trserve.engine.model.gguf_phi3 import phi3_file_kept
+
+    meta = {"phi3.attention.head_count": 32, "phi3.embedding_length": 3072, "phi3.rope.dimension_count": 96}
+    assert phi3_file_kept(meta, ("token_embd.weight",)) is None
+    assert "longrope" in phi3_file_kept(meta, ("rope_factors_long.weight", "rope_factors_short.weight"))
+    assert "partial rotary (72 of 96" in phi3_file_kept({**meta, "phi3.rope.dimension_count": 72}, ())
