@@ -4,8 +4,11 @@ llama.cpp's converter writes Phi-3's fused weights as they are: `attn_qkv` (q, k
 other) and `ffn_up` (gate rows, then up rows). The checkpoint loader already splits a Phi-3 checkpoint into
 a Llama (engine/model/phi3.py:as_llama); a file is split the same way, each part a row range of the
 fused tensor's blocks (blocks are per row), so it takes the compressed kernels and the native forward
-without a float32 copy. transformers' GGUF map reads no sliding window for phi3; llama.cpp applies
-`phi3.attention.sliding_window`, and so does this config (and the conversion path, which builds from it).
+without a float32 copy. The file's `phi3.attention.sliding_window` (Phi-3-mini-4k: 2047) is applied, as
+transformers' Phi-3 applies its checkpoint's and as this server applies it to that checkpoint; here in
+the conversion path too, which builds from this config. transformers' GGUF map reads no window for
+phi3, and llama.cpp reads it and switches it off ("Phi SWA is currently disabled", src/models/phi3.cpp):
+past the window, this server's output on a phi3 file is the checkpoint's, not llama.cpp's.
 
 Files served this way: full rotary and no longrope factors (Phi-3-mini-4k's kind). Phi-3.5-mini's and
 Phi-4-mini's files hold `rope_factors_long/short.weight` (and Phi-4-mini partial rotary): those keep the
@@ -31,7 +34,7 @@ def phi3_file_kept(meta: dict, tensors: tuple[str, ...]) -> str | None:
 
 
 def phi3_config(config, meta: dict):
-    """transformers' Phi3Config of a phi3 file with the sliding window llama.cpp applies."""
+    """transformers' Phi3Config of a phi3 file with the file's sliding window (as the checkpoint's)."""
     window = meta.get("phi3.attention.sliding_window")
     if window:
         config.sliding_window = int(window)

@@ -12,7 +12,7 @@ Llama family (a Llama 2 checkpoint converts the same, without the factors; Mistr
 `llama`, without its sliding window, which llama.cpp does not apply either). Qwen2 (q/k/v biases),
 Gemma 2 and Phi-3 get a SentencePiece tokenizer trained here (SENTENCEPIECE). A Phi-3 file's fused q/k/v
 and gate/up are split as they are read (engine/model/gguf_phi3.py), its sliding window applied as
-llama.cpp applies it; the reference is transformers' Phi-3 on the same file and window."""
+transformers applies the checkpoint's; the reference is transformers' Phi-3 on the same file and window."""
 
 from __future__ import annotations
 
