@@ -29,7 +29,7 @@ from torch import nn
 from ...core.errors import FailedPrecondition
 from .direct import trim
 from .gguf_gemma import GEMMA_ARCHS, gemma_config
-from .gguf_phi3 import phi3_config, phi3_file_kept
+from .gguf_phi3 import phi3_config
 from .rope_factors import file_rope_factors
 
 log = logging.getLogger("trserve.engine")
@@ -176,13 +176,6 @@ def metadata(path: Path) -> dict:
     return read_gguf_metadata(str(path))[0]
 
 
-def read_gguf(path: Path) -> tuple[dict, tuple[str, ...]]:
-    """(metadata, tensor names) of GGUF file `path` (string arrays as their lengths, as `metadata`)."""
-    from transformers.integrations.gguf.reader import read_gguf_metadata
-
-    return read_gguf_metadata(str(path))
-
-
 def architecture(path: Path) -> str:
     return str(metadata(path).get("general.architecture", ""))
 
@@ -191,9 +184,10 @@ def file_config(path: Path):
     """transformers' config of GGUF file `path`, with the head dim its GGUF mapping leaves out for Qwen3:
     `qwen3.attention.key_length` (llama.cpp's convert_hf_to_gguf.py writes config.head_dim there), which
     transformers reads for qwen3_moe but not for qwen3, whose config then keeps Qwen3Config's default of
-    128 whatever the file's heads are; and a Gemma 2/3 file's hyperparameters as llama.cpp reads them
-    (engine/model/gguf_gemma.py: attention scale, windows, soft-capping, rope bases); and a Llama 3.x
-    file's rotary factors (engine/model/rope_factors.py), which transformers' reader drops."""
+    128 whatever the file's heads are; a Gemma 2/3 file's hyperparameters as llama.cpp reads them
+    (engine/model/gguf_gemma.py: attention scale, windows, soft-capping, rope bases); a Llama 3.x file's
+    rotary factors (engine/model/rope_factors.py) and a Phi-3 file's longrope, partial rotary and window
+    (engine/model/gguf_phi3.py), which transformers' reader drops."""
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
@@ -206,34 +200,42 @@ def file_config(path: Path):
         config.rope_freq_factors = factors  # engine/model/rope_factors.py
     if arch in GEMMA_ARCHS:
         return gemma_config(config, meta, arch)
-    return phi3_config(config, meta) if arch == "phi3" else config
+    return phi3_config(config, meta, path) if arch == "phi3" else config
 
 
 def load_file(path: Path, cache_dir: Path, isa: str, arithmetic: str, fingerprint_of):
     """(model, tokenizer, floats, arithmetic): the file's model with every block-quantized linear on the
     compressed kernels, its float linears left as nn.Linear (`floats` of them) for the caller to pack
     (engine/model/direct.py:fill, which also says when int8 is taken)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from .attention import with_attention
-    from .phi3 import as_llama
     from .direct import fill
+    from .phi3 import as_llama, partial_attention, partial_factor
 
     arch = architecture(path)
     tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     source = file_config(path)
     config, rows = as_llama(source) if arch == "phi3" else (source, {})  # Phi-3: the Llama it computes
-    def build(c):
-        return with_attention(lambda a: AutoModelForCausalLM.from_config(c, dtype=torch.float32, attn_implementation=a))
-
-    with torch.device("meta"):
-        model = build(config)
-        names = build(source) if rows else None  # the fused tensors' names are the Phi-3 model's
+    model = _meta_model(config)
+    names = _meta_model(source) if rows else None  # the fused tensors' names are the Phi-3 model's
+    if rows and partial_factor(config) != 1.0:
+        partial_attention(model)  # Phi-4-mini: Phi-3's partial rotary on the split Llama's own modules
     weights = GGUFWeights(path, model, arch, rows, names)
     floats, arithmetic = fill(model, tokenizer, weights, cache_dir, isa, arithmetic, fingerprint_of,
                             f"GGUF {path.name} read as it is ({arch}{' as a Llama' if rows else ''})")
     model.source_config = source  # the fingerprint's (loader.model_fingerprint): as `model-spec` reads it
     return model, tokenizer, floats, arithmetic
+
+
+def _meta_model(config):
+    """transformers' model of `config` on the meta device (no weights), float32, its attention as the loader's."""
+    from transformers import AutoModelForCausalLM
+
+    from .attention import with_attention
+
+    with torch.device("meta"):
+        return with_attention(lambda a: AutoModelForCausalLM.from_config(config, dtype=torch.float32,
+                                                                          attn_implementation=a))
 
 
 def direct_isa(config, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -246,11 +248,7 @@ def direct_isa(config, device: torch.device, dtype: torch.dtype) -> str | None:
             config.kernels not in ("auto", "compressed") or not Path(config.source).is_file():
         return None
     try:
-        arch = architecture(Path(config.source))
-        kept = phi3_file_kept(*read_gguf(Path(config.source))) if arch == "phi3" else None
-        if arch not in ARCHS or kept:
-            if kept:
-                log.info("%s: a phi3 file with %s takes the conversion path", Path(config.source).name, kept)
+        if architecture(Path(config.source)) not in ARCHS:
             return None
         isa = kernel_isa()
     except (OSError, RuntimeError, ValueError, struct.error):  # not a GGUF file transformers' reader reads

@@ -31,19 +31,20 @@ TENSOR = "rope_freqs.weight"
 _F32 = 0  # ggml's type id of float32
 
 
-def file_rope_factors(path: Path, meta: dict) -> list[float] | None:
-    """The file's per-frequency rotary factors, or None where it holds no `rope_freqs.weight`."""
+def file_rope_factors(path: Path, meta: dict, tensor: str = TENSOR) -> list[float] | None:
+    """The file's per-frequency rotary factors (float32 tensor `tensor`: Llama 3.x's `rope_freqs.weight`,
+    or Phi-3's longrope lists, gguf_phi3.py), or None where it holds no such tensor."""
     from transformers.integrations.gguf import reader
 
     blob = reader._mapped(str(path))
     _, count, pos = reader._read_metadata(blob, str(path), ())
     entries, end = reader._read_tensor_table(blob, count, pos)
-    found = next((e for e in entries if e[0] == TENSOR), None)
+    found = next((e for e in entries if e[0] == tensor), None)
     if found is None:
         return None
     _, shape, ggml_type, offset = found
     if ggml_type != _F32:
-        raise FailedPrecondition(f"{path.name}: {TENSOR} is ggml type {ggml_type}; llama.cpp's converter writes "
+        raise FailedPrecondition(f"{path.name}: {tensor} is ggml type {ggml_type}; llama.cpp's converter writes "
                                  "it as float32, which this server reads")
     align = int(meta.get("general.alignment", 32))
     start = -(-end // align) * align + offset

@@ -151,10 +151,35 @@ def test_a_llama3_files_rotary_factors_are_applied_as_the_checkpoints_scaling(co
 
 
 
-def test_a_phi3_file_with_longrope_or_partial_rotary_keeps_the_conversion_path() -> None:
-    from trserve.engine.model.gguf_phi3 import phi3_file_kept
 
-    meta = {"phi3.attention.head_count": 32, "phi3.embedding_length": 3072, "phi3.rope.dimension_count": 96}
-    assert phi3_file_kept(meta, ("token_embd.weight",)) is None
-    assert "longrope" in phi3_file_kept(meta, ("rope_factors_long.weight", "rope_factors_short.weight"))
-    assert "partial rotary (72 of 96" in phi3_file_kept({**meta, "phi3.rope.dimension_count": 72}, ())
+@pytest.mark.parametrize("partial", [1.0, 0.75], ids=["phi35-longrope", "phi4mini-partial"])
+def test_a_longrope_phi3_file_takes_the_native_forward_with_its_checkpoints_rotary(converter, cache, tmp_path,
+                                                                                    partial) -> None:
+    """Phi-3.5-mini's and Phi-4-mini's kind of file (test_phi_rope.py:_phi: longrope, long = 4x short,
+    original context 192; Phi-4-mini's rotary on 3/4 of each head): the converter writes the factor lists
+    as tensors and the rest as keys, transformers' reader drops them all; gguf_phi3.py rebuilds the
+    checkpoint's rope, so the native model's rotary tables (frequencies and attention factor) are the
+    checkpoint's bit for bit, and greedy equals transformers on the same file (built from that config)."""
+    from transformers import AutoModelForCausalLM
+
+    from trserve.bench.converter import convert
+    from tests.engine.model.test_phi_rope import _phi
+
+    checkpoint = _phi(tmp_path / "ckpt", partial)
+    _sentencepiece_tokenizer(checkpoint)
+    path = convert(checkpoint, tmp_path / "phi-Q8_0.gguf", "q8_0")
+    want = AutoModelForCausalLM.from_pretrained(checkpoint).model.rotary_emb
+    d = Decoder(DecoderConfig(model=ModelConfig(source=str(path), arithmetic="exact", cache_dir=str(cache))))
+    assert (d.loaded.kernels, d.loaded.forward, type(d.loaded.model).__name__) == \
+        ("compressed", "native", "LlamaForCausalLM")
+    got = d.loaded.model.model.rotary_emb
+    assert got.rope_type == "longrope" and torch.equal(got.inv_freq, want.inv_freq)
+    assert got.attention_scaling == want.attention_scaling > 1
+    stock = load_model(ModelConfig(source=str(path), kernels="stock", cache_dir=str(cache)))
+    assert type(stock.model).__name__ == "Phi3ForCausalLM"
+    for ids in _ids(d.loaded.tokenizer):
+        ar = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=TOKENS, mode="ar", ignore_eos=True)).ids
+        tr = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=TOKENS, mode="tr", ignore_eos=True)).ids
+        assert tr == ar
+        ref, logits = _generate(stock, ids, TOKENS)
+        _same_or_near_tie(ar, ref, logits)

@@ -168,7 +168,10 @@ def test_qwen3_with_windows_it_cannot_mirror_or_other_qk_norms_keeps_transformer
 
 
 class _BytesTokenizer:
-    """A chat template that is the prompt's bytes (ids 0..255): what outliers._run_prompts calls."""
+    """A chat template that is the prompt's bytes (ids 0..255): what outliers._run_prompts calls (it takes
+    the chat template where the tokenizer has one: outliers.calibration_ids)."""
+
+    chat_template = "the prompt's bytes"
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tokenize=True, return_dict=False):
         return list(messages[-1]["content"].encode())
