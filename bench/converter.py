@@ -4,9 +4,9 @@ and the bench read its files, not only our writer's (bench/shaped.py).
 
 Only its Python parts are kept (`convert_hf_to_gguf.py`, `conversion/`, and the `gguf-py` it imports
 before any installed gguf), ~2 MB, in ~/.cache/trserve/llama-server/<version>/convert/, taken from the
-sdist alone (pip download, no build) where they are missing: by `make peers`
-(`python -m trserve.bench.converter fetch`), and by the first test or bench run that converts. The converter needs sentencepiece for the Llama
-family's vocabulary step (requirements.txt).
+sdist alone (pip download, no build) where they are missing: by `make peers` (`python -m
+trserve.bench.converter fetch`) and by the first test or bench run that converts. The converter needs
+sentencepiece for the Llama family's vocabulary step (requirements.txt).
 
     python -m trserve.bench.converter CHECKPOINT_DIR OUT.gguf [--outtype q8_0|bf16|f16|f32]
     python -m trserve.bench.converter fetch
@@ -32,23 +32,6 @@ def converter_dir(cache_dir: Path | None = None) -> Path:
     return server_dir(cache_dir) / "convert"
 
 
-def keep_converter(llama_cpp: Path, cache_dir: Path | None = None) -> Path:
-    """Copy the converter's parts out of an extracted llama.cpp tree into converter_dir (atomically)."""
-    out = converter_dir(cache_dir)
-    if (out / PARTS[0]).is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix="convert.", dir=out.parent))
-    for part in PARTS:
-        src = llama_cpp / part
-        (shutil.copytree if src.is_dir() else shutil.copy2)(src, tmp / part)
-    try:
-        os.rename(tmp, out)
-    except OSError:  # another process kept them first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return out
-
-
 def fetch_converter(cache_dir: Path | None = None) -> Path:
     """converter_dir, taken from the llama-cpp-python sdist (pip download, ~75 MB, no build) if missing."""
     from .llama_server import LLAMA_CPP_SPEC
@@ -64,7 +47,15 @@ def fetch_converter(cache_dir: Path | None = None) -> Path:
         with tarfile.open(sdist) as tar:
             wanted = [m for m in tar.getmembers() if _wanted(m.name)]
             tar.extractall(tmp, members=wanted, filter="data")
-        return keep_converter(next(Path(tmp).glob("*/vendor/llama.cpp")), cache_dir)
+        src = next(Path(tmp).glob("*/vendor/llama.cpp"))
+        kept = Path(tempfile.mkdtemp(prefix="convert.", dir=out.parent))
+        for part in PARTS:
+            os.rename(src / part, kept / part)
+        try:
+            os.rename(kept, out)  # atomic: a converter dir is whole or absent
+        except OSError:  # another process kept them first
+            shutil.rmtree(kept, ignore_errors=True)
+    return out
 
 
 def _wanted(member: str) -> bool:

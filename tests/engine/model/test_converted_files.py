@@ -101,6 +101,18 @@ def _ids(tokenizer, n: int = 2) -> list[list[int]]:
     return [tokenizer(q["turns"][0])["input_ids"][:48] for q in load_prompts("spec_bench")[2: 2 + 4 * n: 4]]
 
 
+def _tr_equals_ar_and_transformers(d: Decoder, stock=None) -> None:
+    """TR == AR on each prompt; with `stock` (transformers on the same file), AR == its greedy ids too
+    (but where the reference itself is a near-tie)."""
+    for ids in _ids(d.loaded.tokenizer):
+        ar = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=TOKENS, mode="ar", ignore_eos=True)).ids
+        tr = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=TOKENS, mode="tr", ignore_eos=True)).ids
+        assert tr == ar
+        if stock is not None:
+            ref, logits = _generate(stock, ids, TOKENS)
+            _same_or_near_tie(ar, ref, logits)
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_converted_file_takes_the_native_forward_and_equals_transformers(converted, cache, family) -> None:
     _, path = converted(family)
@@ -109,12 +121,7 @@ def test_a_converted_file_takes_the_native_forward_and_equals_transformers(conve
     assert (loaded.kernels, loaded.forward, loaded.arithmetic) == ("compressed", "native", "exact")
     assert type(loaded.model).__name__ == FAMILIES[family]
     stock = load_model(ModelConfig(source=str(path), kernels="stock", cache_dir=str(cache)))
-    for ids in _ids(loaded.tokenizer):
-        ar = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=TOKENS, mode="ar", ignore_eos=True)).ids
-        tr = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=TOKENS, mode="tr", ignore_eos=True)).ids
-        assert tr == ar
-        ref, logits = _generate(stock, ids, TOKENS)
-        _same_or_near_tie(ar, ref, logits)
+    _tr_equals_ar_and_transformers(d, stock)
 
 
 @pytest.mark.parametrize("family", ["llama3", "gemma3"])
@@ -124,10 +131,7 @@ def test_int8_on_a_converted_file_keeps_tr_equal_to_ar(converted, cache, family)
     d = Decoder(DecoderConfig(model=ModelConfig(source=str(path), arithmetic="int8", cache_dir=str(cache))))
     assert (d.loaded.forward, d.loaded.arithmetic) == ("native", "int8")
     assert not d.loaded.tokenizer.chat_template
-    for ids in _ids(d.loaded.tokenizer):
-        ar = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=TOKENS, mode="ar", ignore_eos=True)).ids
-        tr = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=TOKENS, mode="tr", ignore_eos=True)).ids
-        assert tr == ar
+    _tr_equals_ar_and_transformers(d)
 
 
 def test_a_llama3_files_rotary_factors_are_applied_as_the_checkpoints_scaling(converted, cache) -> None:
@@ -177,9 +181,4 @@ def test_a_longrope_phi3_file_takes_the_native_forward_with_its_checkpoints_rota
     assert got.attention_scaling == want.attention_scaling > 1
     stock = load_model(ModelConfig(source=str(path), kernels="stock", cache_dir=str(cache)))
     assert type(stock.model).__name__ == "Phi3ForCausalLM"
-    for ids in _ids(d.loaded.tokenizer):
-        ar = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=TOKENS, mode="ar", ignore_eos=True)).ids
-        tr = d.generate(GenerationRequest(input_ids=ids, max_new_tokens=TOKENS, mode="tr", ignore_eos=True)).ids
-        assert tr == ar
-        ref, logits = _generate(stock, ids, TOKENS)
-        _same_or_near_tie(ar, ref, logits)
+    _tr_equals_ar_and_transformers(d, stock)
