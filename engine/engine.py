@@ -29,7 +29,7 @@ from .model.runner import ModelRunner, quiet_torch_threads, uses_kernel_pool
 from .prefix_cache import PrefixCache
 from .request.request import PreparedRequest
 from .request.stops import StopChecker
-from .request.text import TextStream
+from .request.text import TextStream, reply_decoder
 from .results import GenerationResult, GenerationStats, StepChunk
 from .scheduler import EngineConfig, Scheduler, StepTimes
 from .sequence import Sequence, alone
@@ -277,7 +277,8 @@ class BatchEngine:
         seq.root = int(choose(last, seq.sampler, 0, rules=seq.rules, contexts=[[]])[0])
         if seq.drafting.seeding is not None:
             seq.drafting.recycled = seq.drafting.seeding.take_rows()
-        seq.caller.text = TextStream(self.target.tokenizer) if seq.caller.deltas else None
+        kept = seq.prepared.request.kept_special
+        seq.caller.text = TextStream(self.target.tokenizer, kept) if seq.caller.deltas else None
         seq.place.prefill_s = time.perf_counter() - seq.caller.t0
         self._emit(seq, record_logprobs(seq, last, seq.commit([seq.root])))
 
@@ -372,7 +373,7 @@ class BatchEngine:
             end_session(seq, whole=True)
             info = seq.drafting.session.info()
         decode_s = time.perf_counter() - seq.caller.t0 - seq.place.prefill_s
-        text = seq.stops.cut_text(d.tokenizer.decode(seq.generated, skip_special_tokens=True))
+        text = seq.stops.cut_text(reply_decoder(d.tokenizer, seq.prepared.request.kept_special)(seq.generated))
         tree = d.tree_name(seq.drafting.tree, seq.drafting.tuner) if seq.drafting.session is not None else "none"
         stats = GenerationStats.build(seq, seq.place.prefill_s, decode_s, info, tree, seq.place.cached)
         return GenerationResult(ids=seq.generated, text=text, finish_reason=seq.finish_reason or "cancelled",

@@ -124,6 +124,7 @@ class TargetModel:
         self._check_budget(len(ids), request.max_new_tokens, tree)
         stop_ids = frozenset(check_token_ids(request.stop_token_ids, self.vocab_size, "stop token ids"))
         check_token_ids([i for i, _ in request.logit_bias], self.vocab_size, "logit_bias token ids")
+        check_token_ids(request.kept_special, self.vocab_size, "kept special token ids")
         grammar = self.grammars.compile(request.structured) if request.structured is not None else None
         stops = stop_ids | (frozenset() if request.ignore_eos else self.eos_ids)
         if grammar is not None and request.min_tokens and stops:

@@ -10,6 +10,7 @@ import torch
 from trserve.engine.model.runner import ModelRunner, RowInput
 from trserve.engine.request.request import GenerationRequest
 from trserve.engine.request.stops import StopChecker
+from trserve.engine.request.text import reply_decoder
 from trserve.engine.results import GenerationResult
 from trserve.engine.sequence import Sequence
 from trserve.engine.drafting.step import accept_step, draft_step
@@ -64,5 +65,5 @@ def _decode(target: TargetModel, runner: ModelRunner, seq: Sequence, source, tre
         root = new[-1] if new else root
     if session is not None:
         session.close(recycled)
-    text = seq.stops.cut_text(target.tokenizer.decode(seq.generated, skip_special_tokens=True))
+    text = seq.stops.cut_text(reply_decoder(target.tokenizer, seq.prepared.request.kept_special)(seq.generated))
     return GenerationResult(ids=seq.generated, text=text, finish_reason=seq.finish_reason, stats=None)

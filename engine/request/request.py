@@ -69,6 +69,10 @@ class GenerationRequest:
     # tools the chat template describes to the model (OpenAI's [{"type": "function", "function": {...}}];
     # engine/request/tools.py picks the template); None = none. The reply is text: the caller reads calls in it
     tools: tuple[dict, ...] | None = None
+    # special token ids the reply's text keeps as their text (it is decoded without special tokens
+    # otherwise, as vLLM's skip_special_tokens): a tool-call marker the reply is read for (Mistral's
+    # [TOOL_CALLS] after text, services/openai/toolchoice.py)
+    kept_special: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if sum(x is not None for x in (self.prompt, self.messages, self.input_ids)) != 1:
@@ -116,6 +120,7 @@ class GenerationRequest:
             raise InvalidArgument("stop strings must not be empty (an empty string stops nothing): remove it")
         object.__setattr__(self, "stop_strings", stops)
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "kept_special", tuple(self.kept_special))
 
     @property
     def uses_default_tree(self) -> bool:

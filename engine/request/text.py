@@ -3,7 +3,7 @@ stream from sending any part of a stop string before it is known whether the sto
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 def stop_prefix_start(text: str, stop_strings: Sequence[str]) -> int:
@@ -43,6 +43,28 @@ class HeldText:
 CONTEXT = 5  # ids decoded again before the new ones (TextStream)
 
 
+def reply_decoder(tokenizer, kept: Sequence[int] = ()) -> Callable[[Sequence[int]], str]:
+    """ids -> the reply's text: decoded without special tokens (vLLM's default skip_special_tokens), but
+    each special id in `kept` written as its own text, with the ids between decoded as they would be
+    after any special token (a tool-call marker the reply is read for: Mistral's `[TOOL_CALLS]` after
+    text, which the parser must see)."""
+    def plain(ids: Sequence[int]) -> str:
+        return tokenizer.decode(ids, skip_special_tokens=True)
+
+    kept = frozenset(kept)
+    if not kept:
+        return plain
+
+    def decode(ids: Sequence[int]) -> str:
+        pieces, start = [], 0
+        for i, t in enumerate(ids):
+            if t in kept:
+                pieces += [plain(ids[start:i]), tokenizer.decode([t], skip_special_tokens=False)]
+                start = i + 1
+        return "".join(pieces) + plain(ids[start:])
+    return decode
+
+
 class TextStream:
     """Turns growing token ids into text deltas, holding back incomplete UTF-8 sequences.
 
@@ -53,20 +75,20 @@ class TextStream:
     of what precedes the context (byte-level BPE, SentencePiece); the final result decodes everything
     once anyway, and a stream never contradicts what it sent (below)."""
 
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
+    def __init__(self, tokenizer, kept: Sequence[int] = ()) -> None:
+        self.decode = reply_decoder(tokenizer, kept)  # kept: special ids whose text stays (reply_decoder)
         self.sent = ""
         self._text = ""  # the text of ids[:_read]
         self._prefix = self._read = 0  # ids[_prefix:_read]: the context the next ids are decoded after
 
     def delta(self, ids: list[int], final: bool = False, cut=None) -> str:
-        decode = self.tokenizer.decode
-        before = decode(ids[self._prefix: self._read], skip_special_tokens=True) if self._read else ""
-        after = decode(ids[self._prefix:], skip_special_tokens=True)
+        decode = self.decode
+        before = decode(ids[self._prefix: self._read]) if self._read else ""
+        after = decode(ids[self._prefix:])
         if after.startswith(before):
             text = self._text + after[len(before):]
         else:  # the new ids changed how the context decodes (rare): decode them all
-            text = decode(ids, skip_special_tokens=True)
+            text = decode(ids)
         if not text.endswith("\ufffd"):  # whole characters: the next call decodes after these, the last
             # CONTEXT ids as context (a SentencePiece decode drops the space that starts its first token)
             self._text, self._prefix, self._read = text, max(len(ids) - CONTEXT, 0), len(ids)

@@ -87,6 +87,7 @@ def apply_tool_choice(opts: dict, functions: dict[str, dict], choice: str, fmt: 
         opts["tools"] = tuple({"type": "function", "function": f} for f in functions.values())
         # once the model opens a call, its JSON follows the tools' schemas (toolgrammar.py)
         opts["structured"] = StructuredOutput("grammar", auto_grammar(fmt, functions, parallel, markers))
+        opts["kept_special"] = kept_markers(fmt, markers)
         if fold:
             opts["messages"] = fold_calls(opts["messages"], lambda calls: render_calls(fmt, calls))
         return ToolReading(auto=AutoTools(fmt, tuple(functions), parallel, held=True))
@@ -95,6 +96,14 @@ def apply_tool_choice(opts: dict, functions: dict[str, dict], choice: str, fmt: 
     opts["structured"] = StructuredOutput("json_schema", json.dumps(call_schema(functions)))
     describe(opts, functions)
     return ToolReading(required=tuple(functions), fmt=fmt)
+
+
+def kept_markers(fmt: str | None, markers: tuple[int, ...]) -> tuple[int, ...]:
+    """The marker ids a reply in format `fmt` keeps as text (GenerationRequest.kept_special): Mistral's
+    `[TOOL_CALLS]` where it is a special token, which may follow text (toolgrammar.py:mistral_grammar) and
+    would otherwise be decoded away with the call's opening; the other formats' special markers open a
+    reply (llama3_json's `<|python_tag|>`) and are read without their text, or are not special (Qwen's)."""
+    return markers[:1] if fmt == "mistral" else ()
 
 
 def describe(opts: dict, functions: dict[str, dict]) -> None:

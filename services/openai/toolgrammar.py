@@ -13,15 +13,16 @@ toolparse.py reads, in llguidance's Lark dialect (engine/tr/grammar.py compiles 
   3.x writes for user-defined tools).
 - mistral: text, then `[TOOL_CALLS]` (its text) and a JSON list of `{"name", "arguments"}` calls to
   the end; or the list alone at the start, after whitespace if any; or, where the tokenizer has
-  `[TOOL_CALLS]` as a special token (`marker`), that token then the list, at the start. Mistral's
+  `[TOOL_CALLS]` as a special token (`marker`), that token then the list, at the start or after text. Mistral's
   newer `name[ARGS]{...}` form is read but not forced.
 
 Markers that are tokens of their own (added tokens, `markers`: toolparse.py:marker_tokens) are named
-by id, `<[id]>`: the grammar engine never matches an added token by its text. Special markers at the
-reply's start only: the server decodes replies without special tokens (as
-vLLM's default skip_special_tokens), so a call a special token opens reads as a reply that starts
-with its JSON, which toolparse.py reads as a call; after text the marker would be lost, and the call
-with it, so there it is not allowed.
+by id, `<[id]>`: the grammar engine never matches an added token by its text. The server decodes
+replies without special tokens (as vLLM's default skip_special_tokens), so a call llama3_json's
+special `<|python_tag|>` opens reads as a reply that starts with its JSON, which toolparse.py reads as
+a call: that marker is allowed at the reply's start only. Mistral's `[TOOL_CALLS]` may follow text (as
+Mistral's models write it, and vLLM's parser reads it): the reply keeps that special token's text
+(toolchoice.py:kept_markers, GenerationRequest.kept_special), so the parser finds the call there.
 
 Each call's JSON is laid out as json.dumps lays it out (JSON_OPTIONS: no free whitespace), and the
 answer's arguments are the text the model wrote, not written again (toolparse.py:ToolReader `held`),
@@ -132,16 +133,18 @@ def llama3_grammar(functions: dict[str, dict], parallel: bool = True, marker: in
 
 def mistral_grammar(functions: dict[str, dict], parallel: bool = True, marker: int | None = None) -> str:
     """A mistral reply: text, then (a lazy trigger) `[TOOL_CALLS]` and a JSON list of calls to the end;
-    or the list alone (after whitespace, if any), opened by the special token `marker` (the id of
-    `[TOOL_CALLS]`) where it is given; or text (that does not start with `[{`) alone.
+    or the list alone (after whitespace, if any); or, where the special token `marker` (the id of
+    `[TOOL_CALLS]`) is given, that token then the list, at the start or after text (the reply keeps the
+    token's text: toolchoice.py:kept_markers); or text (that does not start with `[{`) alone.
 
     >>> print(mistral_grammar({"f": {"name": "f"}}).splitlines()[1])
     start: LEAD? (TEXT | call_trigger calls | calls)?
     >>> print(mistral_grammar({"f": {"name": "f"}}, marker=9).splitlines()[1])
-    start: LEAD? (TEXT | call_trigger calls | marker? calls)?
+    start: LEAD? (TEXT | call_trigger calls | TEXT? marker calls | calls)?
     """
     more = ' (", " call)*' if parallel else ""
-    opening, rule = _marker(marker)
+    opening = "" if marker is None else "TEXT? marker calls | "
+    rule = () if marker is None else (f"marker: <[{int(marker)}]>",)
     return "\n".join(("%llguidance {}", f"start: LEAD? (TEXT | call_trigger calls | {opening}calls)?", LEAD,
                       f"TEXT: {not_opening(('[{',))}", f"BEFORE: {not_opening(('[{',), blank=True)}",
                       'call_trigger[lazy]: BEFORE "[TOOL_CALLS]"',

@@ -19,7 +19,7 @@ from ...engine.results import GenerationResult, GenerationStats, StepChunk
 from ...engine.runtime import RuntimeInfo
 from ...engine.tr.grammar import StructuredOutput
 from ...engine.tr.sampling import SamplingParams
-from ..openai.toolchoice import AutoTools, ToolReading, apply_tool_choice
+from ..openai.toolchoice import AutoTools, ToolReading, apply_tool_choice, kept_markers
 from ..openai.toolparse import marker_tokens, resolve_parser
 from .checks import Ask, GenerateCall
 from .config import Limits, WorkerConfig
@@ -90,6 +90,7 @@ def _tool_choice(req, opts: dict, tools: tuple[dict, ...] | None, served: Served
     functions = tool_functions(list(tools))
     if choice is None and function is None and (served.fmt is None or opts["structured"] is not None):
         opts["tools"] = tools  # described by the template; calls read as written, no grammar of ours
+        opts["kept_special"] = kept_markers(served.fmt, served.markers)
         return ToolReading(auto=AutoTools(served.fmt, tuple(functions), parallel)) if served.fmt else None
     if function is not None and choice is None:
         choice = "required"

@@ -43,3 +43,25 @@ def test_incremental_deltas_equal_whole_decodes_step_by_step(decoder):
             generated += step
             assert new.delta(generated, cut=stops.cut_text) == old.delta(generated, cut=stops.cut_text)
         assert new.sent == old.sent
+
+
+def test_kept_special_ids_stay_in_the_text_and_the_stream_adds_up_to_it():
+    """GenerationRequest.kept_special: a special token the reply is read for (Mistral's [TOOL_CALLS] after
+    text) keeps its text, in the whole decode and in the stream's deltas; the other special tokens go."""
+    from tests.services.openai.families import family_tokenizer
+    from trserve.engine.request.text import reply_decoder
+
+    tok = family_tokenizer("mistral")
+    marker, inst = tok.convert_tokens_to_ids(["[TOOL_CALLS]", "[INST]"])
+    before, after = tok.encode("Let me check the weather.", add_special_tokens=False), \
+        tok.encode('[{"name": "get_weather", "arguments": {"city": "Paris"}}]', add_special_tokens=False)
+    ids = before + [inst, marker] + after + [tok.eos_token_id]
+    assert tok.decode(ids, skip_special_tokens=True) == \
+        'Let me check the weather.[{"name": "get_weather", "arguments": {"city": "Paris"}}]'  # the marker lost
+    want = 'Let me check the weather.[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    assert reply_decoder(tok, (marker,))(ids) == want and reply_decoder(tok)(ids) == tok.decode(ids, skip_special_tokens=True)
+    for size in (1, 2, 5):
+        stream, sent = TextStream(tok, (marker,)), ""
+        for end in range(size, len(ids) + size, size):
+            sent += stream.delta(ids[:end])
+        assert sent == want

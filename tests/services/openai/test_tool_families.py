@@ -154,8 +154,9 @@ def test_a_call_cut_by_max_tokens_is_content_with_a_malformed_reason(family):
     choice = reply.choices[0]
     assert choice.finish_reason == "length" and not choice.message.tool_calls
     assert choice.message.content and choice.model_extra["stop_reason"] == "malformed_tool_call"
-    text = choice.message.content.lstrip()
-    assert text.startswith({"llama3_json": '{"name": "', "mistral": '[{"name": "', "hermes": "<tool_call>\n{"}[fmt])
+    text = choice.message.content.lstrip()  # (Mistral's marker is kept as text: it may follow text)
+    assert text.startswith({"llama3_json": '{"name": "', "mistral": '[TOOL_CALLS][{"name": "',
+                            "hermes": "<tool_call>\n{"}[fmt])
 
 
 def test_grpc_replies_carry_the_calls_read_in_the_family_s_format(family):
@@ -221,3 +222,33 @@ def test_a_grpc_agent_loop_sends_its_calls_back_through_the_family_s_template(fa
     http = client.chat.completions.create(model=model, temperature=0, max_tokens=16, tools=[WEATHER, TIME],
                                           tool_choice="auto", messages=history)
     assert http.usage.prompt_tokens == len(prompt) and http.model_extra["trserve"]["token_ids"] == two[0].token_ids
+
+
+@pytest.mark.parametrize("family", ["mistral"], indirect=True)
+def test_mistral_s_marker_after_text_keeps_its_call(family):
+    """Mistral's special [TOOL_CALLS] after text (as its models write it): the reply keeps the token's text
+    (GenerationRequest.kept_special), so the call after it is read, in Generate and GenerateStream, TR == AR.
+    Decoded without it, as every other special token, the call's opening would be lost with it."""
+    fmt, _, addr, _, _, tok = family[:6]
+    functions = {t["function"]["name"]: t["function"] for t in (WEATHER, TIME)}
+    lines = auto_grammar(fmt, functions, False, marker_tokens(tok, fmt)).splitlines()
+    lines[1] = 'start: "Let me check." marker calls'  # the served grammar's calls, after this text
+    request = pb.GenerateRequest(
+        messages=pb.ChatMessages(messages=[pb.ChatMessage(role="user", content="What time is it in Asia/Tokyo?")],
+                                 tools=json.dumps([WEATHER, TIME])),
+        max_new_tokens=200, structured_output=pb.StructuredOutput(grammar="\n".join(lines)), return_token_ids=True)
+    with grpc.insecure_channel(addr) as channel:
+        stub = generate_pb2_grpc.GenerateStub(channel)
+        replies = []
+        for mode in (pb.DECODING_MODE_TR, pb.DECODING_MODE_AR):
+            request.mode = mode
+            replies.append(stub.Generate(request, timeout=300))
+        last = list(stub.GenerateStream(request, timeout=300))[-1]
+    reply = replies[0]
+    assert list(reply.token_ids) == list(replies[1].token_ids)
+    marker = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    assert marker in reply.token_ids and reply.text.startswith("Let me check.[TOOL_CALLS][{"), reply.text
+    (call,) = reply.tool_calls
+    check_args(call.name, call.arguments_json)
+    assert not reply.tool_call_error and [(c.name, c.arguments_json) for c in last.tool_calls] == \
+        [(call.name, call.arguments_json)]

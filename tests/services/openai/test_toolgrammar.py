@@ -40,11 +40,13 @@ def test_the_grammars_as_text():
     assert 'call_trigger[lazy]: BEFORE "[TOOL_CALLS]"' in mistral
     assert not_opening(("{", "<|a")) == "/([^\\s<\\{](.|\\n)*|<([^\\|](.|\\n)*)?|<\\|([^a](.|\\n)*)?)/"
     assert auto_grammar("hermes", FUNCTIONS).splitlines()[1] == "start: call* TEXT"
-    # a marker that is the tokenizer's special token (its id): the calls may open with it, at the start only
+    # a marker that is the tokenizer's special token (its id): the calls may open with it (llama3_json: at the
+    # start only; mistral: after text too)
     llama = auto_grammar("llama3_json", FUNCTIONS, markers=(7,)).splitlines()
     assert llama[1] == 'start: LEAD? (TEXT | marker? call ("; " call)*)?' and llama[-1] == "marker: <[7]>"
     mistral = auto_grammar("mistral", FUNCTIONS, False, (9,)).splitlines()
-    assert mistral[1] == "start: LEAD? (TEXT | call_trigger calls | marker? calls)?" and mistral[-1] == "marker: <[9]>"
+    assert mistral[1] == "start: LEAD? (TEXT | call_trigger calls | TEXT? marker calls | calls)?" and \
+        mistral[-1] == "marker: <[9]>"
     hermes = auto_grammar("hermes", FUNCTIONS, markers=(3, 4)).splitlines()  # <tool_call>, </tool_call> tokens
     assert hermes[3].startswith('call: TEXT <[3]> "\\n" %json ') and hermes[3].endswith('"\\n" <[4]>')
     assert auto_grammar("hermes", FUNCTIONS, markers=(3,)).endswith('"\\n" "</tool_call>"')
@@ -164,3 +166,29 @@ def test_without_a_grammar_each_call_goes_out_whole():
     held = AutoStream(AutoTools("hermes", ("get_weather", "get_time"), parallel=False, held=True))
     out = [d for i in range(0, len(HERMES), 3) for d in held.feed(HERMES[i:i + 3])[1]]
     assert {d["index"] for d in out} == {0} and len(out) > 1
+
+
+def test_mistral_s_special_marker_may_follow_text():
+    """Where the tokenizer has [TOOL_CALLS] as a special token (Mistral's), the calls open with it at the
+    start or after text, as Mistral's models write it; its text form stays a lazy trigger, and the token
+    never opens anything but a list of calls."""
+    from .families import family_tokenizer
+
+    tok = family_tokenizer("mistral")
+    marker = tok.convert_tokens_to_ids("[TOOL_CALLS]")
+    compiler = GrammarCompiler(tok, len(tok), frozenset({tok.eos_token_id}))
+    compiled = compiler.compile(StructuredOutput("grammar", auto_grammar("mistral", FUNCTIONS, True, (marker,))))
+
+    def verdict(*parts) -> str:
+        m = LLMatcher(compiled.tokenizer, compiled.text)
+        ids = [t for p in parts for t in ([marker] if p is marker else tok.encode(p, add_special_tokens=False))]
+        if not all(m.consume_token(t) for t in ids):
+            return "refused"
+        return "whole" if m.is_accepting() else "unfinished"
+
+    assert verdict("Let me check.", marker, "[" + M + "]") == "whole"
+    assert verdict(marker, "[" + M + ", " + TOKYO % "arguments" + "]") == "whole"
+    assert verdict("Let me check.", marker, "[" + M) == "unfinished"
+    assert verdict("Let me check.", marker, "Paris is sunny.") == "refused"
+    assert verdict("Let me check.", marker, '[{"name": "send_mail", "arguments": {}}]') == "refused"
+    assert verdict("Sure.") == "whole"
