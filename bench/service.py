@@ -1,7 +1,8 @@
 """Through the service, one caller: `python -m trserve.bench.service [--model FILE] [--threads T] [--peer]`.
 
 Starts `trserve serve` as a separate process (port 0; `--model`, `--threads` passed on), then sends the
-same chat prompts, one at a time, through its Generate RPC (tenant "bench", its own hot matrix) and
+same chat prompts, one at a time, through its Generate RPC (tenant "bench-tr", its own hot matrix; with
+`--ar` also plain decoding, tenant "bench-ar") and
 through the other sides, alternating per prompt so drift hits all: an in-process Decoder of the same
 model (what gRPC costs), and with `--peer` llama.cpp's own server on the same file and threads
 (`make llama-server`; the prompt as the same chat-templated ids, greedy). Prints a table and writes JSON.
@@ -42,9 +43,10 @@ def _questions(path: str, n: int) -> list[str]:
     return (firsts * (n // len(firsts) + 1))[:n]
 
 
-def _grpc(client, args, steps: list[int]):
+def _grpc(client, args, steps: list[int], mode: str = "tr"):
     def run(messages) -> int:
-        stats = client.generate(messages=messages, tenant="bench", max_new_tokens=args.max_new_tokens).stats
+        stats = client.generate(messages=messages, tenant=f"bench-{mode}", max_new_tokens=args.max_new_tokens,
+                                mode=mode).stats
         steps.append(stats.steps)  # decoding forwards after the prefill: tokens / steps is the MAT
         return stats.generated_tokens
     return run
@@ -58,7 +60,7 @@ def _sides(args, client, stack, steps: list[int]) -> dict:
     source = {"source": args.model} if args.model else {}
     decoder = Decoder(DecoderConfig(model=ModelConfig(**source, threads=args.threads)))
     matrix = decoder.new_matrix()
-    sides = {"grpc": _grpc(client, args, steps),
+    sides = {"grpc": _grpc(client, args, steps), **({"grpc-ar": _grpc(client, args, [], "ar")} if args.ar else {}),
              "in-process": lambda m: len(decoder.generate(messages=m, max_new_tokens=args.max_new_tokens,
                                                           matrix=matrix).ids)}
     if args.peer:
@@ -82,6 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default=None, help="model source for every side (default: the bundled model)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--peer", action="store_true", help="also llama.cpp's own server on the same --model file")
+    ap.add_argument("--ar", action="store_true", help="also plain decoding through Generate (its own tenant)")
     ap.add_argument("--json", default="bench-results/grpc_vs_inprocess.json")
     args = ap.parse_args(argv)
 
@@ -108,13 +111,16 @@ def main(argv: list[str] | None = None) -> int:
     report["grpc_vs_in_process"] = round(report["grpc"]["tokens_per_s"] / report["in-process"]["tokens_per_s"], 4)
     if "llama-server" in report:
         report["grpc_vs_llama_server"] = round(report["grpc"]["tokens_per_s"] / report["llama-server"]["tokens_per_s"], 4)
+    if "grpc-ar" in report:
+        report["grpc_tr_vs_ar"] = round(report["grpc"]["tokens_per_s"] / report["grpc-ar"]["tokens_per_s"], 4)
     report["config"], report["environment"] = vars(args), host_facts()
     print(host_line({**report["environment"], "threads": args.threads or "default"}))
     for k in totals:
         mat = f", MAT {report[k]['mean_accepted_tokens']:.2f}" if "steps" in report[k] else ""
         print(f"{k:<13} {report[k]['tokens_per_s']:7.2f} tok/s  ({report[k]['tokens']} tokens{mat})")
     print(f"gRPC / in-process = {report['grpc_vs_in_process']:.3f}" + (
-        f"; gRPC / llama-server = {report['grpc_vs_llama_server']:.3f}" if "grpc_vs_llama_server" in report else ""))
+        f"; gRPC / llama-server = {report['grpc_vs_llama_server']:.3f}" if "grpc_vs_llama_server" in report else "")
+          + (f"; gRPC tr / ar = {report['grpc_tr_vs_ar']:.3f}" if "grpc_tr_vs_ar" in report else ""))
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
