@@ -61,8 +61,8 @@ def fill(model, tokenizer, weights, cache_dir: Path, isa: str, arithmetic: str, 
          label: str) -> tuple[int, str]:
     """Fill the meta-device `model` from `weights`: (float linears left as nn.Linear for the caller to
     pack, the arithmetic taken). int8 (kept inputs calibrated on the exact model where no cached set
-    exists, cached under the model's fingerprint: a property of the model's activations, shared by its files
-    and formats) only where no linear is float, unless asked for by name ("int8!"); else exact."""
+    exists, cached under the model's calibration key, outliers.py:calibration_key: a property of the model's
+    activations, shared by its files and formats) only where no linear is float, unless asked for by name ("int8!"); else exact."""
     _mmap_threshold(LOAD_MMAP_THRESHOLD)
     try:
         return _fill(model, tokenizer, weights, cache_dir, isa, arithmetic, fingerprint_of, label)
@@ -73,7 +73,7 @@ def fill(model, tokenizer, weights, cache_dir: Path, isa: str, arithmetic: str, 
 def _fill(model, tokenizer, weights, cache_dir: Path, isa: str, arithmetic: str, fingerprint_of,
           label: str) -> tuple[int, str]:
     """fill, under the load's mmap threshold."""
-    from .kernels.outliers import attach_key_pairs, calibrated, kept_inputs, key_pairs
+    from .kernels.outliers import attach_key_pairs, calibrated, calibration_key, kept_inputs, key_pairs
 
     fixed = materialize(model, weights)
     floats = weights.float_linears(model)
@@ -82,11 +82,11 @@ def _fill(model, tokenizer, weights, cache_dir: Path, isa: str, arithmetic: str,
         arithmetic = "exact"
     kept = pairs = None
     if arithmetic.startswith("int8"):  # kept inputs: cached, or calibrated once on the exact model
-        fingerprint = fingerprint_of(tokenizer, model.config)
-        if not calibrated(fingerprint, cache_dir, model):
+        key = calibration_key(fingerprint_of(tokenizer, model.config), model)  # the norms are filled by now
+        if not calibrated(key, cache_dir, model):
             swap_linears(model, weights, cache_dir, isa, "exact", None)
-        kept = kept_inputs(model, tokenizer, fingerprint, cache_dir)
-        pairs = key_pairs(model, tokenizer, fingerprint, cache_dir)
+        kept = kept_inputs(model, tokenizer, key, cache_dir)
+        pairs = key_pairs(model, tokenizer, key, cache_dir)
     swap_linears(model, weights, cache_dir, isa, arithmetic.rstrip("!"), kept)
     if pairs:
         attach_key_pairs(model, pairs)

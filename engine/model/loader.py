@@ -361,7 +361,7 @@ def _compress(model, config: ModelConfig, tokenizer=None) -> str | None:
     each layer input's outlier dims in float32 (engine/model/kernels/outliers.py)."""
     from .kernels.build import kernel_isa
     from .gguf_file import file_blocks
-    from .kernels.outliers import attach_key_pairs, kept_inputs, key_pairs
+    from .kernels.outliers import attach_key_pairs, calibration_key, kept_inputs, key_pairs
     from .kernels.qlinear import quantize_linears
     from .kernels.recover import every_linear_recovers
 
@@ -380,9 +380,9 @@ def _compress(model, config: ModelConfig, tokenizer=None) -> str | None:
                         "" if arithmetic == "exact" else " (TR is not guaranteed to equal plain decoding)")
         kept = pairs = None
         if arithmetic == "int8" and tokenizer is not None:  # calibrated on the float32 model, before the swap
-            fingerprint = model_fingerprint(tokenizer, model.config)
-            kept = kept_inputs(model, tokenizer, fingerprint, cache)
-            pairs = key_pairs(model, tokenizer, fingerprint, cache)
+            key = calibration_key(model_fingerprint(tokenizer, model.config), model)
+            kept = kept_inputs(model, tokenizer, key, cache)
+            pairs = key_pairs(model, tokenizer, key, cache)
         swapped, _ = quantize_linears(model, cache, isa, arithmetic, kept, blocks)
         if not swapped:
             raise RuntimeError("no linear layer of this model holds exact 4/8-bit blocks")

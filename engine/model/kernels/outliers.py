@@ -8,15 +8,21 @@ the prompts' tokens, in ascending order. Measured on 14 held-out Spec-Bench prom
 (fake-quantized in torch): KL(exact || int8) 0.00284 with none, 0.00182 with 1, 0.00123 with 4,
 0.00098 with 8; top-1 agreement 98.1% -> 98.8% with 4.
 
-The sets are cached per model fingerprint (`kept-<fingerprint>.json` beside the converted model's
-cache); the bundled model's ship with the package (`kept/`), so every host serving it keeps the same
-inputs and gives the same bits. For another model the first load on each host computes them in
+The sets are cached per calibration key (`kept-<key>.json` beside the converted model's cache): the
+model fingerprint (vocabulary, family, shape) and a digest of the model's norm weights rounded to
+bfloat16 (`calibration_key`). The fingerprint alone
+does not tell apart two models of one shape and vocabulary (two pretrained models on Llama 3's
+tokenizer), whose activations peak in other dims; the norms do, and they are stored unquantized in every
+GGUF type and checkpoint, so one model's files and checkpoint (bfloat16, or float32 norms that hold
+bfloat16 values) share one set. The bundled model's ship with the package (`kept/`), so every host
+serving it keeps the same inputs and gives the same bits. For another model the first load on each host computes them in
 float32 torch: hosts agree unless two dims' calibration maxima tie to float32 rounding (then copy one
 host's file to the others' cache to be sure).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 from pathlib import Path
@@ -32,27 +38,41 @@ CALIBRATION_PROMPTS = 13  # the last first turn of each Spec-Bench category (trs
 MAX_TOKENS = 96  # per calibration prompt
 
 
-def kept_inputs(model: nn.Module, tokenizer, fingerprint: str, cache_dir: Path) -> dict[str, list[int]]:
-    """Linear layer name -> the input dims it keeps in float32 (from the shipped or cached file, else
-    calibrated now and cached)."""
-    kept = _shipped_or_cached(f"kept-{fingerprint}.json", cache_dir, "kept", lambda: calibrate(model, tokenizer),
-                              "kept inputs", {"fingerprint": fingerprint, "per_input": KEPT},
+def calibration_key(fingerprint: str, model: nn.Module) -> str:
+    """What a calibration is cached under: `fingerprint` (loader.py:model_fingerprint) and the first 12 hex
+    digits of a SHA-256 over the model's norm weights (`*norm*.weight`), by name, each rounded to
+    bfloat16 (so float32 norms holding bfloat16 values, as converted files keep them, match their
+    checkpoint's); the norms are filled before the linear layers on every load path."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters()):
+        if "norm" in name.rsplit(".", 2)[-2] and name.endswith(".weight") and not p.is_meta:
+            h.update(name.encode())
+            h.update(p.detach().to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes())
+    return f"{fingerprint}-n{h.hexdigest()[:12]}"
+
+
+def kept_inputs(model: nn.Module, tokenizer, key: str, cache_dir: Path) -> dict[str, list[int]]:
+    """Linear layer name -> the input dims it keeps in float32 (from the shipped or cached file of
+    calibration key `key`, else calibrated now and cached)."""
+    kept = _shipped_or_cached(f"kept-{key}.json", cache_dir, "kept", lambda: calibrate(model, tokenizer),
+                              "kept inputs", {"fingerprint": key, "per_input": KEPT},
                               lambda v: fits_kept(model, v))
     return {k: list(v) for k, v in kept.items()}
 
 
-def calibrated(fingerprint: str, cache_dir: Path, model: nn.Module) -> bool:
-    """Whether the kept inputs and the kept key pairs of `fingerprint` are shipped or cached, and fit `model`."""
-    checks = (("kept", f"kept-{fingerprint}.json", lambda v: fits_kept(model, v)),
-              ("pairs", f"keypairs-{fingerprint}.json", lambda v: fits_pairs(model, v)))
+def calibrated(key: str, cache_dir: Path, model: nn.Module) -> bool:
+    """Whether the kept inputs and the kept key pairs of calibration key `key` are shipped or cached, and fit
+    `model`."""
+    checks = (("kept", f"kept-{key}.json", lambda v: fits_kept(model, v)),
+              ("pairs", f"keypairs-{key}.json", lambda v: fits_pairs(model, v)))
     return all(_found(SHIPPED / n, f, ok) is not None or _found(cache_dir / n, f, ok) is not None
                for f, n, ok in checks)
 
 
 def fits_kept(model: nn.Module, kept: dict) -> bool:
     """Whether a kept-inputs set names exactly `model`'s linear layers, each dim inside its inputs. The
-    fingerprint (vocabulary, family, hidden size, layers) does not tell apart models that differ in
-    other sizes: a set calibrated on one must not be read for another."""
+    calibration key (vocabulary, family, hidden size, layers, norms) does not tell apart models that
+    differ in other sizes alone: a set calibrated on one must not be read for another."""
     ins = {n: m.in_features for n, m in model.named_modules() if _linear(m)}
     return set(kept) == set(ins) and all(all(0 <= d < ins[n] for d in v) for n, v in kept.items())
 
@@ -149,11 +169,11 @@ def calibration_ids(tokenizer, text: str) -> list[int]:
 # in torch (queries and keys quantized per block of 32 and nothing else, 20 held-out prompts x 128
 # tokens, against the exact model): KL mean 0.00062 without, 0.00038 with it.
 
-def key_pairs(model: nn.Module, tokenizer, fingerprint: str, cache_dir: Path) -> list[list[int]]:
+def key_pairs(model: nn.Module, tokenizer, key: str, cache_dir: Path) -> list[list[int]]:
     """Per decoder layer, per KV head: its kept pair i (dims i, i + head_dim / 2), from the shipped or
-    cached `keypairs-<fingerprint>.json`, else calibrated now and cached."""
-    return _shipped_or_cached(f"keypairs-{fingerprint}.json", cache_dir, "pairs",
-                              lambda: calibrate_pairs(model, tokenizer), "kept key pairs", {"fingerprint": fingerprint},
+    cached `keypairs-<key>.json` (`key`: calibration_key), else calibrated now and cached."""
+    return _shipped_or_cached(f"keypairs-{key}.json", cache_dir, "pairs",
+                              lambda: calibrate_pairs(model, tokenizer), "kept key pairs", {"fingerprint": key},
                               lambda v: fits_pairs(model, v))
 
 

@@ -304,9 +304,9 @@ def test_the_bundled_models_kept_inputs_are_what_calibration_picks_here(hf_refer
     served int8 layers keep them."""
     import json
 
-    from trserve.engine.model.kernels.outliers import SHIPPED, calibrate
+    from trserve.engine.model.kernels.outliers import SHIPPED, calibrate, calibration_key
 
-    (path,) = SHIPPED.glob(f"kept-{hf_reference.fingerprint}.json")
+    (path,) = SHIPPED.glob(f"kept-{calibration_key(hf_reference.fingerprint, hf_reference.model)}.json")
     shipped = json.loads(path.read_text())["kept"]
     assert calibrate(hf_reference.model, hf_reference.tokenizer) == shipped
     assert len(shipped) == 211 and all(len(v) == 4 for v in shipped.values())
@@ -320,13 +320,45 @@ def test_the_bundled_models_kept_key_pairs_are_what_calibration_picks_here(hf_re
     and layer, and the served int8 model's k_proj layers carry them to the native forward."""
     import json
 
-    from trserve.engine.model.kernels.outliers import SHIPPED, calibrate_pairs
+    from trserve.engine.model.kernels.outliers import SHIPPED, calibrate_pairs, calibration_key
     from trserve.engine.model.loader import ModelConfig, load_model
 
-    (path,) = SHIPPED.glob(f"keypairs-{hf_reference.fingerprint}.json")
+    (path,) = SHIPPED.glob(f"keypairs-{calibration_key(hf_reference.fingerprint, hf_reference.model)}.json")
     shipped = json.loads(path.read_text())["pairs"]
     assert calibrate_pairs(hf_reference.model, hf_reference.tokenizer) == shipped
     assert len(shipped) == 30 and all(len(p) == 3 and all(0 <= i < 32 for i in p) for p in shipped)
     served = load_model(ModelConfig(arithmetic="int8", kernels="compressed"))
     got = [layer.self_attn.k_proj.key_pair.tolist() for layer in served.model.get_decoder().layers]
     assert got == shipped
+
+
+def test_a_calibration_is_keyed_by_the_model_s_norms_not_its_shape_alone():
+    """outliers.py:calibration_key: two models of one shape and vocabulary (one fingerprint) with other
+    norms get other keys, so neither reads the other's kept inputs; the same norms as float32 holding
+    bfloat16 values or as bfloat16 (a converted file and its checkpoint) one key; the linear layers'
+    weights and a norm not yet filled (meta) do not enter it."""
+    from trserve.engine.model.kernels.outliers import calibration_key
+
+    def model(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        m = torch.nn.Module()
+        m.input_layernorm, m.norm, m.q_proj = torch.nn.RMSNorm(64), torch.nn.RMSNorm(64), torch.nn.Linear(64, 64)
+        with torch.no_grad():
+            m.input_layernorm.weight.copy_(torch.randn(64).to(torch.bfloat16).float())
+            m.norm.weight.copy_(torch.randn(64).to(torch.bfloat16).float())
+        return m
+
+    a, b = model(0), model(1)
+    key = calibration_key("llama-v49152-x", a)
+    assert key.startswith("llama-v49152-x-n") and len(key) == len("llama-v49152-x-n") + 12
+    assert calibration_key("llama-v49152-x", b) != key
+    with torch.no_grad():
+        a.q_proj.weight.add_(1.0)
+    assert calibration_key("llama-v49152-x", a) == key  # the linears' weights do not enter it
+    assert calibration_key("llama-v49152-x", a.to(torch.bfloat16)) == key
+    with torch.no_grad():
+        a.norm.weight[3] += 0.5
+    assert calibration_key("llama-v49152-x", a) != key
+    meta = model(0)
+    meta.norm = torch.nn.RMSNorm(64, device="meta")
+    assert calibration_key("llama-v49152-x", meta) != key  # (left out, not read)
