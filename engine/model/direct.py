@@ -61,8 +61,9 @@ def fill(model, tokenizer, weights, cache_dir: Path, isa: str, arithmetic: str, 
          label: str) -> tuple[int, str]:
     """Fill the meta-device `model` from `weights`: (float linears left as nn.Linear for the caller to
     pack, the arithmetic taken). int8 (kept inputs calibrated on the exact model where no cached set
-    exists, cached under the model's calibration key, outliers.py:calibration_key: a property of the model's
-    activations, shared by its files and formats) only where no linear is float, unless asked for by name ("int8!"); else exact."""
+    exists, cached under the model's calibration key, outliers.py:calibration_key: a property of the
+    model's activations, shared by its files and formats) only where no linear is float, unless asked for
+    by name ("int8!"); else exact."""
     _mmap_threshold(LOAD_MMAP_THRESHOLD)
     try:
         return _fill(model, tokenizer, weights, cache_dir, isa, arithmetic, fingerprint_of, label)

@@ -10,14 +10,14 @@ the prompts' tokens, in ascending order. Measured on 14 held-out Spec-Bench prom
 
 The sets are cached per calibration key (`kept-<key>.json` beside the converted model's cache): the
 model fingerprint (vocabulary, family, shape) and a digest of the model's norm weights rounded to
-bfloat16 (`calibration_key`). The fingerprint alone
-does not tell apart two models of one shape and vocabulary (two pretrained models on Llama 3's
-tokenizer), whose activations peak in other dims; the norms do, and they are stored unquantized in every
-GGUF type and checkpoint, so one model's files and checkpoint (bfloat16, or float32 norms that hold
-bfloat16 values) share one set. The bundled model's ship with the package (`kept/`), so every host
-serving it keeps the same inputs and gives the same bits. For another model the first load on each host computes them in
-float32 torch: hosts agree unless two dims' calibration maxima tie to float32 rounding (then copy one
-host's file to the others' cache to be sure).
+bfloat16 (`calibration_key`). The fingerprint alone does not tell apart two models of one shape and
+vocabulary (two pretrained models on Llama 3's tokenizer), whose activations peak in other dims; the
+norms do, and they are stored unquantized in every GGUF type and checkpoint, so one model's files and
+checkpoint (bfloat16, or float32 norms that hold bfloat16 values) share one set. The bundled model's
+ship with the package (`kept/`), so every host serving it keeps the same inputs and gives the same
+bits. For another model the first load on each host computes them in float32 torch: hosts agree
+unless two dims' calibration maxima tie to float32 rounding (then copy one host's file to the others'
+cache to be sure).
 """
 
 from __future__ import annotations
@@ -45,7 +45,8 @@ def calibration_key(fingerprint: str, model: nn.Module) -> str:
     checkpoint's); the norms are filled before the linear layers on every load path."""
     h = hashlib.sha256()
     for name, p in sorted(model.named_parameters()):
-        if "norm" in name.rsplit(".", 2)[-2] and name.endswith(".weight") and not p.is_meta:
+        parts = name.rsplit(".", 2)
+        if len(parts) > 1 and "norm" in parts[-2] and parts[-1] == "weight" and not p.is_meta:
             h.update(name.encode())
             h.update(p.detach().to("cpu", torch.bfloat16).view(torch.int16).numpy().tobytes())
     return f"{fingerprint}-n{h.hexdigest()[:12]}"
