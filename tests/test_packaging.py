@@ -100,8 +100,8 @@ def test_a_wheel_built_from_a_clean_copy_carries_the_grpc_code(tmp_path: Path) -
     assert {"trserve/core/data/spec_bench/dev.jsonl", "trserve/engine/tr/trees/paper.json",
             "trserve/engine/model/csrc/qlinear.c", "trserve/core/data/structured/dev.jsonl",
             "trserve/core/data/agent/tasks.json",
-            "trserve/engine/model/kernels/kept/kept-llama-v49152-d126c95948029258.json",
-            "trserve/engine/model/kernels/kept/keypairs-llama-v49152-d126c95948029258.json"} <= names
+            "trserve/engine/model/kernels/kept/kept-llama-v49152-d126c95948029258-n824cf4dfddc6.json",
+            "trserve/engine/model/kernels/kept/keypairs-llama-v49152-d126c95948029258-n824cf4dfddc6.json"} <= names
     # one name in site-packages, no generic ones (core, engine, services, bench) beside other packages'
     top = {n.split("/")[0] for n in names if not n.split("/")[0].endswith(".dist-info")}
     assert top == {"trserve"}
